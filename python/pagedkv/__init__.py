@@ -1,0 +1,63 @@
+"""pagedkv: a PagedAttention KV-cache manager and LLM serving engine.
+
+The memory manager and scheduler (`BlockManager`, `Scheduler`) are Rust types from
+`pagedkv._core`; the engine (`LLM`, `LLMEngine`) drives a torch model through them.
+"""
+
+from pagedkv._core import (
+    BlockManager,
+    ScheduledSequence,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+)
+from pagedkv.errors import (
+    DuplicateRequestError,
+    InvalidConfigError,
+    InvalidStateError,
+    OutOfBlocksError,
+    OverloadedError,
+    PagedKVError,
+    PromptTooLongError,
+    UnknownRequestError,
+    UnknownSequenceError,
+)
+
+__version__ = "0.1.0"
+
+# The engine pulls in torch and transformers; import it only when asked for.
+_LAZY = {
+    "LLM": "pagedkv.llm",
+    "LLMEngine": "pagedkv.engine",
+    "EngineConfig": "pagedkv.config",
+    "SamplingParams": "pagedkv.sampling_params",
+    "RequestOutput": "pagedkv.outputs",
+    "CompletionOutput": "pagedkv.outputs",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'pagedkv' has no attribute {name!r}")
+
+
+__all__ = [
+    "BlockManager",
+    "ScheduledSequence",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerOutput",
+    "PagedKVError",
+    "PromptTooLongError",
+    "OverloadedError",
+    "OutOfBlocksError",
+    "UnknownRequestError",
+    "UnknownSequenceError",
+    "DuplicateRequestError",
+    "InvalidConfigError",
+    "InvalidStateError",
+    *_LAZY,
+]

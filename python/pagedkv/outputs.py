@@ -1,0 +1,56 @@
+"""What the engine returns for a request: cumulative text and tokens of each sample or beam."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class CompletionOutput:
+    """One sample (or beam) of a request, cumulative so far."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: Optional[str] = None  # "stop", "length", "abort", or None while running
+    stop_reason: Optional[object] = None  # the stop string or token id that ended it
+    cumulative_logprob: float = 0.0
+    # One dict per generated token: {token_id: logprob} of the top-k candidates plus the sampled one.
+    logprobs: Optional[list[dict[int, float]]] = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps (time.monotonic seconds) and counters of one request."""
+
+    arrival_time: float
+    first_scheduled_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+    finished_time: Optional[float] = None
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_prefix_hit_tokens: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def time_to_first_token(self) -> Optional[float]:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request after an engine step."""
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=0.0))

@@ -1,0 +1,90 @@
+"""Sampling parameters of one request, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+
+@dataclass
+class SamplingParams:
+    """How to pick the next tokens of a request.
+
+    `n` independent samples share the prompt's KV blocks (fork + copy-on-write); with
+    `use_beam_search` the request keeps `beam_width` beams (default: `n`) and returns the best `n`.
+    Invalid values raise `ValueError` naming the field.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: disabled
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    max_tokens: int = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: Optional[int] = None  # number of top candidates to report per token
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    use_beam_search: bool = False
+    beam_width: Optional[int] = None
+    length_penalty: float = 1.0
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.beam_width is None:
+            self.beam_width = self.n
+        self._validate()
+
+    def _validate(self) -> None:
+        def fail(name: str, value: object, rule: str) -> None:
+            raise ValueError(f"{name} must be {rule}, got {value!r}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            fail("n", self.n, "an integer >= 1")
+        if self.temperature < 0:
+            fail("temperature", self.temperature, ">= 0")
+        if not 0 < self.top_p <= 1:
+            fail("top_p", self.top_p, "in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            fail("top_k", self.top_k, "-1 (disabled), 0 (disabled) or a positive integer")
+        if not 0 <= self.min_p <= 1:
+            fail("min_p", self.min_p, "in [0, 1]")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            fail("max_tokens", self.max_tokens, "an integer >= 1")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            fail("min_tokens", self.min_tokens, f"an integer in [0, max_tokens={self.max_tokens}]")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            fail("logprobs", self.logprobs, "an integer in [0, 20]")
+        if not -2 <= self.presence_penalty <= 2:
+            fail("presence_penalty", self.presence_penalty, "in [-2, 2]")
+        if not -2 <= self.frequency_penalty <= 2:
+            fail("frequency_penalty", self.frequency_penalty, "in [-2, 2]")
+        if self.repetition_penalty <= 0:
+            fail("repetition_penalty", self.repetition_penalty, "> 0")
+        if self.seed is not None and not isinstance(self.seed, int):
+            fail("seed", self.seed, "an integer")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            fail("stop", self.stop, "a non-empty string or a list of them")
+        if self.use_beam_search:
+            if not isinstance(self.beam_width, int) or self.beam_width < self.n:
+                fail("beam_width", self.beam_width, f"an integer >= n={self.n}")
+            if self.temperature != 0 and self.temperature != 1.0:
+                fail("temperature", self.temperature, "0 with use_beam_search (beams are greedy)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.use_beam_search
+
+    @property
+    def num_sequences(self) -> int:
+        """How many sequences the request keeps at once (samples or beams)."""
+        return self.beam_width if self.use_beam_search else self.n
