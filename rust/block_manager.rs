@@ -1,0 +1,592 @@
+//! The device pool, the CPU swap pool and every sequence's block table: allocation on demand,
+//! fork with copy-on-write, prefix-cache reuse, swap between tiers, and the watermark.
+
+use std::collections::HashMap;
+
+use crate::block_pool::{BlockId, BlockPool, Device};
+use crate::block_table::BlockTable;
+use crate::errors::{Error, Result};
+use crate::prefix_cache::{block_hash, block_hashes, PrefixCache};
+
+pub type SeqId = u64;
+
+/// A block copy the KV cache must perform: (source block, destination block).
+pub type BlockCopy = (BlockId, BlockId);
+
+/// Owns both pools and all block tables. Every public method either succeeds or changes
+/// nothing, so an error never leaks a block.
+#[derive(Debug, Clone)]
+pub struct BlockManager {
+    block_size: usize,
+    gpu: BlockPool,
+    cpu: BlockPool,
+    cache: PrefixCache,
+    enable_prefix_caching: bool,
+    watermark_blocks: usize,
+    tables: HashMap<SeqId, BlockTable>,
+}
+
+impl BlockManager {
+    /// `watermark` is the fraction of device blocks that admissions (`can_admit`) keep free,
+    /// so running sequences can grow without immediately preempting each other.
+    pub fn new(
+        num_device_blocks: usize,
+        num_cpu_blocks: usize,
+        block_size: usize,
+        enable_prefix_caching: bool,
+        watermark: f64,
+    ) -> Result<Self> {
+        if block_size == 0 {
+            return Err(Error::InvalidConfig { field: "block_size", message: "must be > 0".into() });
+        }
+        if num_device_blocks == 0 {
+            return Err(Error::InvalidConfig { field: "num_device_blocks", message: "must be > 0".into() });
+        }
+        if !(0.0..1.0).contains(&watermark) {
+            return Err(Error::InvalidConfig {
+                field: "watermark",
+                message: format!("must be in [0, 1), got {watermark}"),
+            });
+        }
+        Ok(BlockManager {
+            block_size,
+            gpu: BlockPool::new(Device::Gpu, num_device_blocks),
+            cpu: BlockPool::new(Device::Cpu, num_cpu_blocks),
+            cache: PrefixCache::default(),
+            enable_prefix_caching,
+            watermark_blocks: (watermark * num_device_blocks as f64).ceil() as usize,
+            tables: HashMap::new(),
+        })
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+    pub fn num_device_blocks(&self) -> usize {
+        self.gpu.num_blocks()
+    }
+    pub fn num_free_device_blocks(&self) -> usize {
+        self.gpu.num_free()
+    }
+    pub fn num_cpu_blocks(&self) -> usize {
+        self.cpu.num_blocks()
+    }
+    pub fn num_free_cpu_blocks(&self) -> usize {
+        self.cpu.num_free()
+    }
+    pub fn num_cached_device_blocks(&self) -> usize {
+        self.gpu.num_cached_free()
+    }
+    pub fn watermark_blocks(&self) -> usize {
+        self.watermark_blocks
+    }
+    pub fn prefix_cache(&self) -> &PrefixCache {
+        &self.cache
+    }
+    pub fn prefix_caching_enabled(&self) -> bool {
+        self.enable_prefix_caching
+    }
+
+    pub fn refcount(&self, block: BlockId, device: Device) -> u32 {
+        self.pool(device).refcount(block)
+    }
+
+    pub fn contains(&self, seq: SeqId) -> bool {
+        self.tables.contains_key(&seq)
+    }
+
+    pub fn table(&self, seq: SeqId) -> Result<&BlockTable> {
+        self.tables.get(&seq).ok_or(Error::UnknownSequence(seq))
+    }
+
+    pub fn tables(&self) -> impl Iterator<Item = (&SeqId, &BlockTable)> {
+        self.tables.iter()
+    }
+
+    fn pool(&self, device: Device) -> &BlockPool {
+        match device {
+            Device::Gpu => &self.gpu,
+            Device::Cpu => &self.cpu,
+        }
+    }
+
+    /// Blocks needed to hold `num_tokens` tokens.
+    pub fn blocks_for_tokens(&self, num_tokens: usize) -> usize {
+        num_tokens.div_ceil(self.block_size)
+    }
+
+    /// Whether `num_blocks` new blocks can be taken for an admission (prefill, swap-in) while
+    /// keeping the watermark free.
+    pub fn can_admit(&self, num_blocks: usize) -> bool {
+        self.gpu.num_free() >= num_blocks + self.watermark_blocks
+    }
+
+    /// Device blocks that appending `num_tokens` tokens to `seq` takes, copy-on-write included.
+    pub fn blocks_needed_to_append(&self, seq: SeqId, num_tokens: usize) -> Result<usize> {
+        let table = self.table(seq)?;
+        let cow = num_tokens > 0
+            && table.last_block_partial(self.block_size)
+            && self.gpu.refcount(*table.blocks.last().unwrap()) > 1;
+        Ok(table.new_blocks_for(num_tokens, self.block_size) + cow as usize)
+    }
+
+    /// Device blocks that a new sequence with these tokens would take after prefix-cache hits.
+    pub fn blocks_needed_to_allocate(&self, tokens: &[u32], extra_key: Option<u64>) -> usize {
+        let hit_blocks = self.peek_prefix_hits(tokens, extra_key);
+        self.blocks_for_tokens(tokens.len()) - hit_blocks
+    }
+
+    fn max_hit_blocks(&self, num_tokens: usize) -> usize {
+        // At least one token is always computed, so the model produces logits for the prompt.
+        num_tokens.saturating_sub(1) / self.block_size
+    }
+
+    fn peek_prefix_hits(&self, tokens: &[u32], extra_key: Option<u64>) -> usize {
+        if !self.enable_prefix_caching {
+            return 0;
+        }
+        let max_blocks = self.max_hit_blocks(tokens.len());
+        block_hashes(&tokens[..max_blocks * self.block_size], self.block_size, extra_key)
+            .iter()
+            .take_while(|hash| self.cache.lookup(**hash).is_some())
+            .count()
+    }
+
+    /// Starts a table for `seq` holding the longest cached prefix of `tokens` (whole blocks,
+    /// never all of the tokens). Returns the number of tokens that hit the cache; the caller
+    /// appends the rest with `append_slots`.
+    pub fn allocate_prefix(&mut self, seq: SeqId, tokens: &[u32], extra_key: Option<u64>) -> Result<usize> {
+        if self.tables.contains_key(&seq) {
+            return Err(Error::DuplicateSequence(seq));
+        }
+        let mut table = BlockTable::new(extra_key);
+        if self.enable_prefix_caching {
+            let max_blocks = self.max_hit_blocks(tokens.len());
+            self.cache.queries += tokens.len() as u64 / self.block_size as u64;
+            let hashes = block_hashes(&tokens[..max_blocks * self.block_size], self.block_size, extra_key);
+            for hash in hashes {
+                let Some(block) = self.cache.lookup(hash) else { break };
+                self.gpu.retain(block);
+                table.blocks.push(block);
+                table.hashes.push(hash);
+            }
+            self.cache.hits += table.blocks.len() as u64;
+            table.num_tokens = table.blocks.len() * self.block_size;
+        }
+        let hit_tokens = table.num_tokens;
+        self.tables.insert(seq, table);
+        Ok(hit_tokens)
+    }
+
+    /// A new sequence holding `tokens`: prefix-cache hits plus fresh blocks for the rest.
+    /// Returns the number of tokens that hit the cache.
+    pub fn allocate(&mut self, seq: SeqId, tokens: &[u32], extra_key: Option<u64>) -> Result<usize> {
+        let needed = self.blocks_needed_to_allocate(tokens, extra_key);
+        if needed > self.gpu.num_free() {
+            return Err(Error::OutOfBlocks { device: Device::Gpu, needed, free: self.gpu.num_free() });
+        }
+        let hit_tokens = self.allocate_prefix(seq, tokens, extra_key)?;
+        self.append_slots(seq, &tokens[hit_tokens..])?;
+        Ok(hit_tokens)
+    }
+
+    /// Makes room for `tokens` after the sequence's current tokens. When the partially filled
+    /// last block is shared, it is copied first (copy-on-write) and the copy is returned.
+    /// Blocks that fill up get their content hash (and enter the prefix cache).
+    pub fn append_slots(&mut self, seq: SeqId, tokens: &[u32]) -> Result<Option<BlockCopy>> {
+        let needed = self.blocks_needed_to_append(seq, tokens.len())?;
+        let table = self.tables.get_mut(&seq).ok_or(Error::UnknownSequence(seq))?;
+        if table.device != Device::Gpu {
+            return Err(Error::InvalidState(format!("sequence {seq} is swapped out; swap it in before appending")));
+        }
+        if needed > self.gpu.num_free() {
+            return Err(Error::OutOfBlocks { device: Device::Gpu, needed, free: self.gpu.num_free() });
+        }
+        let block_size = self.block_size;
+        let mut copy = None;
+        if !tokens.is_empty() && table.last_block_partial(block_size) {
+            let last = *table.blocks.last().unwrap();
+            if self.gpu.refcount(last) > 1 {
+                let fresh = allocate_evicting(&mut self.gpu, &mut self.cache)?;
+                self.gpu.release(last);
+                *table.blocks.last_mut().unwrap() = fresh;
+                copy = Some((last, fresh));
+            }
+        }
+        for &token in tokens {
+            if !table.last_block_partial(block_size) {
+                let block = allocate_evicting(&mut self.gpu, &mut self.cache)?;
+                table.blocks.push(block);
+            }
+            table.num_tokens += 1;
+            if self.enable_prefix_caching {
+                table.tail_tokens.push(token);
+                if table.tail_tokens.len() == block_size {
+                    let hash = block_hash(table.hashes.last().copied(), &table.tail_tokens, table.extra_key);
+                    table.tail_tokens.clear();
+                    table.hashes.push(hash);
+                    let block = *table.blocks.last().unwrap();
+                    if self.cache.insert(hash, block) {
+                        self.gpu.set_hash(block, hash);
+                    }
+                }
+            }
+        }
+        Ok(copy)
+    }
+
+    /// Room for one more token (the standalone form of `append_slots`).
+    pub fn append_token(&mut self, seq: SeqId, token: u32) -> Result<Option<BlockCopy>> {
+        self.append_slots(seq, &[token])
+    }
+
+    /// `child` shares every block of `parent` (refcount + 1 each).
+    pub fn fork(&mut self, parent: SeqId, child: SeqId) -> Result<()> {
+        if self.tables.contains_key(&child) {
+            return Err(Error::DuplicateSequence(child));
+        }
+        let table = self.table(parent)?.clone();
+        let pool = match table.device {
+            Device::Gpu => &mut self.gpu,
+            Device::Cpu => &mut self.cpu,
+        };
+        for &block in &table.blocks {
+            pool.retain(block);
+        }
+        self.tables.insert(child, table);
+        Ok(())
+    }
+
+    /// Releases every block of `seq`. Full blocks with a hash stay cached until evicted.
+    pub fn free(&mut self, seq: SeqId) -> Result<()> {
+        let table = self.tables.remove(&seq).ok_or(Error::UnknownSequence(seq))?;
+        let pool = match table.device {
+            Device::Gpu => &mut self.gpu,
+            Device::Cpu => &mut self.cpu,
+        };
+        for block in table.blocks {
+            pool.release(block);
+        }
+        Ok(())
+    }
+
+    fn unique_blocks(&self, seqs: &[SeqId], device: Device) -> Result<Vec<BlockId>> {
+        let mut seen = std::collections::HashSet::new();
+        let mut unique = Vec::new();
+        for &seq in seqs {
+            let table = self.table(seq)?;
+            if table.device != device {
+                return Err(Error::InvalidState(format!("sequence {seq} is not in the {device} pool")));
+            }
+            unique.extend(table.blocks.iter().copied().filter(|block| seen.insert(*block)));
+        }
+        Ok(unique)
+    }
+
+    /// Device blocks a swap-out of `seqs` frees up to (shared blocks counted once).
+    pub fn num_unique_blocks(&self, seqs: &[SeqId]) -> Result<usize> {
+        let device = match seqs.first() {
+            Some(seq) => self.table(*seq)?.device,
+            None => return Ok(0),
+        };
+        Ok(self.unique_blocks(seqs, device)?.len())
+    }
+
+    /// Moves every block of `seqs` (one sequence group) to the CPU pool. Blocks shared inside the
+    /// group are moved once and stay shared. Returns the (device, cpu) copies to perform.
+    pub fn swap_out(&mut self, seqs: &[SeqId]) -> Result<Vec<BlockCopy>> {
+        let unique = self.unique_blocks(seqs, Device::Gpu)?;
+        if unique.len() > self.cpu.num_free() {
+            return Err(Error::OutOfBlocks { device: Device::Cpu, needed: unique.len(), free: self.cpu.num_free() });
+        }
+        let mut mapping: HashMap<BlockId, BlockId> = HashMap::with_capacity(unique.len());
+        let mut copies = Vec::with_capacity(unique.len());
+        for &seq in seqs {
+            let table = self.tables.get_mut(&seq).unwrap();
+            for block in table.blocks.iter_mut() {
+                let cpu_block = match mapping.get(block) {
+                    Some(&cpu_block) => {
+                        self.cpu.retain(cpu_block);
+                        cpu_block
+                    }
+                    None => {
+                        let cpu_block = self.cpu.allocate()?.block;
+                        mapping.insert(*block, cpu_block);
+                        copies.push((*block, cpu_block));
+                        cpu_block
+                    }
+                };
+                self.gpu.release(*block);
+                *block = cpu_block;
+            }
+            table.device = Device::Cpu;
+        }
+        Ok(copies)
+    }
+
+    /// Device blocks a swap-in of `seqs` needs at most (cached copies on the device may lower it).
+    pub fn blocks_needed_to_swap_in(&self, seqs: &[SeqId]) -> Result<usize> {
+        Ok(self.unique_blocks(seqs, Device::Cpu)?.len())
+    }
+
+    /// Moves every block of `seqs` back to the device pool. A full block whose content is still
+    /// in the device prefix cache is taken from there without a copy. Returns (cpu, device) copies.
+    pub fn swap_in(&mut self, seqs: &[SeqId]) -> Result<Vec<BlockCopy>> {
+        let unique = self.unique_blocks(seqs, Device::Cpu)?;
+        if unique.len() > self.gpu.num_free() {
+            return Err(Error::OutOfBlocks { device: Device::Gpu, needed: unique.len(), free: self.gpu.num_free() });
+        }
+        let mut mapping: HashMap<BlockId, BlockId> = HashMap::with_capacity(unique.len());
+        let mut copies = Vec::with_capacity(unique.len());
+        for &seq in seqs {
+            let table = self.tables.get_mut(&seq).unwrap();
+            for (index, block) in table.blocks.iter_mut().enumerate() {
+                let device_block = match mapping.get(block) {
+                    Some(&device_block) => {
+                        self.gpu.retain(device_block);
+                        device_block
+                    }
+                    None => {
+                        let hash = table.hashes.get(index).copied();
+                        let cached = hash.and_then(|hash| self.cache.lookup(hash));
+                        let device_block = match cached {
+                            Some(device_block) => {
+                                self.gpu.retain(device_block);
+                                device_block
+                            }
+                            None => {
+                                let device_block = allocate_evicting(&mut self.gpu, &mut self.cache)?;
+                                copies.push((*block, device_block));
+                                if let Some(hash) = hash {
+                                    if self.cache.insert(hash, device_block) {
+                                        self.gpu.set_hash(device_block, hash);
+                                    }
+                                }
+                                device_block
+                            }
+                        };
+                        mapping.insert(*block, device_block);
+                        device_block
+                    }
+                };
+                self.cpu.release(*block);
+                *block = device_block;
+            }
+            table.device = Device::Gpu;
+        }
+        Ok(copies)
+    }
+
+    /// Checks the bookkeeping against the tables: every refcount equals the number of tables
+    /// holding the block, free blocks are unreferenced, cached blocks are named in the cache.
+    pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        for device in [Device::Gpu, Device::Cpu] {
+            let pool = self.pool(device);
+            let mut holders = vec![0u32; pool.num_blocks()];
+            for table in self.tables.values().filter(|table| table.device == device) {
+                for &block in &table.blocks {
+                    holders[block as usize] += 1;
+                }
+            }
+            let mut zero = 0;
+            for (block, &count) in holders.iter().enumerate() {
+                let refcount = pool.refcount(block as BlockId);
+                if refcount != count {
+                    return Err(format!("{device} block {block}: refcount {refcount}, held by {count} tables"));
+                }
+                zero += (count == 0) as usize;
+            }
+            if zero != pool.num_free() {
+                return Err(format!("{device} pool: {zero} unreferenced blocks but {} free", pool.num_free()));
+            }
+        }
+        for block in 0..self.gpu.num_blocks() as BlockId {
+            if let Some(hash) = self.gpu.hash(block) {
+                if self.cache.lookup(hash) != Some(block) {
+                    return Err(format!("device block {block} has hash {hash:#x} but the cache does not name it"));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Takes a device block, dropping the prefix-cache name of a cached block it had to evict.
+fn allocate_evicting(pool: &mut BlockPool, cache: &mut PrefixCache) -> Result<BlockId> {
+    let allocation = pool.allocate()?;
+    if let Some(hash) = allocation.evicted_hash {
+        cache.remove(hash, allocation.block);
+    }
+    Ok(allocation.block)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn manager(device: usize, cpu: usize, caching: bool) -> BlockManager {
+        BlockManager::new(device, cpu, 4, caching, 0.0).unwrap()
+    }
+
+    fn tokens(n: u32) -> Vec<u32> {
+        (100..100 + n).collect()
+    }
+
+    #[test]
+    fn allocate_append_and_free() {
+        let mut bm = manager(8, 0, false);
+        assert_eq!(bm.allocate(1, &tokens(6), None).unwrap(), 0);
+        assert_eq!(bm.table(1).unwrap().blocks.len(), 2);
+        assert_eq!(bm.num_free_device_blocks(), 6);
+        // Slots 6 and 7 fit in the second block; the 9th token needs a third.
+        bm.append_token(1, 1).unwrap();
+        bm.append_token(1, 2).unwrap();
+        assert_eq!(bm.num_free_device_blocks(), 6);
+        bm.append_token(1, 3).unwrap();
+        assert_eq!(bm.num_free_device_blocks(), 5);
+        bm.free(1).unwrap();
+        assert_eq!(bm.num_free_device_blocks(), 8);
+        bm.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn out_of_blocks_changes_nothing() {
+        let mut bm = manager(2, 0, false);
+        let err = bm.allocate(1, &tokens(9), None).unwrap_err();
+        assert_eq!(err, Error::OutOfBlocks { device: Device::Gpu, needed: 3, free: 2 });
+        assert!(!bm.contains(1));
+        bm.allocate(2, &tokens(8), None).unwrap();
+        assert!(matches!(bm.append_token(2, 0), Err(Error::OutOfBlocks { .. })));
+        assert_eq!(bm.table(2).unwrap().num_tokens, 8);
+        bm.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn fork_shares_blocks_and_copy_on_write_copies_the_partial_block() {
+        let mut bm = manager(8, 0, false);
+        bm.allocate(1, &tokens(6), None).unwrap();
+        bm.fork(1, 2).unwrap();
+        let shared = bm.table(1).unwrap().blocks.clone();
+        for &block in &shared {
+            assert_eq!(bm.refcount(block, Device::Gpu), 2);
+        }
+        assert_eq!(bm.blocks_needed_to_append(2, 1).unwrap(), 1);
+        let copy = bm.append_token(2, 7).unwrap();
+        let child_last = *bm.table(2).unwrap().blocks.last().unwrap();
+        assert_eq!(copy, Some((shared[1], child_last)));
+        assert_eq!(bm.refcount(shared[1], Device::Gpu), 1);
+        assert_eq!(bm.refcount(shared[0], Device::Gpu), 2, "the full block stays shared");
+        // The parent now owns its last block alone and writes in place.
+        assert_eq!(bm.append_token(1, 8).unwrap(), None);
+        bm.check_invariants().unwrap();
+        bm.free(1).unwrap();
+        bm.free(2).unwrap();
+        assert_eq!(bm.num_free_device_blocks(), 8);
+    }
+
+    #[test]
+    fn fork_of_a_full_last_block_needs_no_copy() {
+        let mut bm = manager(8, 0, false);
+        bm.allocate(1, &tokens(8), None).unwrap();
+        bm.fork(1, 2).unwrap();
+        assert_eq!(bm.append_token(2, 1).unwrap(), None);
+        assert_eq!(bm.table(2).unwrap().blocks.len(), 3);
+        bm.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn prefix_cache_reuses_full_blocks_and_keeps_the_last_token() {
+        let mut bm = manager(8, 0, true);
+        assert_eq!(bm.allocate(1, &tokens(10), None).unwrap(), 0);
+        // Same first 8 tokens: two full blocks hit.
+        assert_eq!(bm.allocate(2, &tokens(9), None).unwrap(), 8);
+        assert_eq!(bm.table(1).unwrap().blocks[..2], bm.table(2).unwrap().blocks[..2]);
+        // Exactly 8 tokens: only the first block may hit, the last token is computed again.
+        assert_eq!(bm.allocate(3, &tokens(8), None).unwrap(), 4);
+        // Another extra key names other blocks.
+        assert_eq!(bm.allocate(4, &tokens(9), Some(1)).unwrap(), 0);
+        assert_eq!(bm.prefix_cache().hits, 3);
+        bm.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn freed_cached_blocks_are_reused_then_evicted_in_lru_order() {
+        let mut bm = manager(4, 0, true);
+        bm.allocate(1, &tokens(9), None).unwrap(); // 3 blocks, 2 full and hashed
+        bm.free(1).unwrap();
+        assert_eq!(bm.num_free_device_blocks(), 4);
+        assert_eq!(bm.num_cached_device_blocks(), 2);
+        assert_eq!(bm.allocate(2, &tokens(9), None).unwrap(), 8);
+        bm.free(2).unwrap();
+        // A different prompt needing all 4 blocks evicts both cached blocks.
+        let other: Vec<u32> = (0..16).collect();
+        bm.allocate(3, &other, None).unwrap();
+        assert_eq!(bm.num_cached_device_blocks(), 0);
+        bm.free(3).unwrap();
+        assert_eq!(bm.allocate(4, &tokens(9), None).unwrap(), 0, "evicted blocks no longer hit");
+        bm.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn swap_round_trip_keeps_sharing_and_reports_copies() {
+        let mut bm = manager(8, 8, false);
+        bm.allocate(1, &tokens(6), None).unwrap();
+        bm.fork(1, 2).unwrap();
+        bm.append_token(2, 1).unwrap(); // child has its own last block
+        let out = bm.swap_out(&[1, 2]).unwrap();
+        assert_eq!(out.len(), 3, "2 shared + 1 private, the shared first block once");
+        assert_eq!(bm.num_free_device_blocks(), 8);
+        assert_eq!(bm.num_free_cpu_blocks(), 5);
+        let first_cpu = bm.table(1).unwrap().blocks[0];
+        assert_eq!(bm.refcount(first_cpu, Device::Cpu), 2);
+        assert!(matches!(bm.append_token(1, 0), Err(Error::InvalidState(_))));
+        bm.check_invariants().unwrap();
+        let back = bm.swap_in(&[1, 2]).unwrap();
+        assert_eq!(back.len(), 3);
+        assert_eq!(bm.num_free_cpu_blocks(), 8);
+        assert_eq!(bm.num_free_device_blocks(), 5);
+        let first = bm.table(1).unwrap().blocks[0];
+        assert_eq!(bm.table(2).unwrap().blocks[0], first);
+        assert_eq!(bm.refcount(first, Device::Gpu), 2);
+        // Each copy's source is where the block was, its destination where it is now.
+        for (cpu, device) in &back {
+            assert!(out.iter().any(|(_, c)| c == cpu));
+            assert!(bm.tables().any(|(_, t)| t.blocks.contains(device)));
+        }
+        bm.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn swap_in_takes_still_cached_blocks_without_copy() {
+        let mut bm = manager(8, 8, true);
+        bm.allocate(1, &tokens(9), None).unwrap();
+        bm.swap_out(&[1]).unwrap();
+        assert_eq!(bm.num_cached_device_blocks(), 2, "swapped-out full blocks stay cached on the device");
+        let back = bm.swap_in(&[1]).unwrap();
+        assert_eq!(back.len(), 1, "only the partial block is copied back");
+        bm.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn swap_out_fails_cleanly_without_cpu_room() {
+        let mut bm = manager(8, 1, false);
+        bm.allocate(1, &tokens(8), None).unwrap();
+        assert!(matches!(bm.swap_out(&[1]), Err(Error::OutOfBlocks { device: Device::Cpu, .. })));
+        assert_eq!(bm.table(1).unwrap().device, Device::Gpu);
+        bm.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn watermark_limits_admission() {
+        let bm = BlockManager::new(10, 0, 4, false, 0.2).unwrap();
+        assert_eq!(bm.watermark_blocks(), 2);
+        assert!(bm.can_admit(8));
+        assert!(!bm.can_admit(9));
+    }
+
+    #[test]
+    fn invalid_config_is_an_error() {
+        assert!(matches!(BlockManager::new(0, 0, 4, false, 0.0), Err(Error::InvalidConfig { field: "num_device_blocks", .. })));
+        assert!(matches!(BlockManager::new(1, 0, 4, false, 1.0), Err(Error::InvalidConfig { field: "watermark", .. })));
+    }
+}

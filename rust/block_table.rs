@@ -1,0 +1,66 @@
+//! One sequence's logical -> physical block map, with the hash chain of its full blocks.
+
+use crate::block_pool::{BlockId, Device};
+
+/// Logical block `i` of a sequence lives in physical block `blocks[i]` of the pool named by
+/// `device`. `num_tokens` slots are in use; only the last block can be partially filled.
+#[derive(Debug, Clone)]
+pub struct BlockTable {
+    pub blocks: Vec<BlockId>,
+    pub device: Device,
+    pub num_tokens: usize,
+    /// Content hash of each full block, in order (empty when prefix caching is off).
+    pub hashes: Vec<u64>,
+    /// Token ids in the partially filled last block: hashed once the block fills up.
+    pub tail_tokens: Vec<u32>,
+    pub extra_key: Option<u64>,
+}
+
+impl BlockTable {
+    pub fn new(extra_key: Option<u64>) -> Self {
+        BlockTable {
+            blocks: Vec::new(),
+            device: Device::Gpu,
+            num_tokens: 0,
+            hashes: Vec::new(),
+            tail_tokens: Vec::new(),
+            extra_key,
+        }
+    }
+
+    /// The slot (block * block_size + offset) that holds token position `pos`.
+    #[inline]
+    pub fn slot(&self, pos: usize, block_size: usize) -> i64 {
+        (self.blocks[pos / block_size] as usize * block_size + pos % block_size) as i64
+    }
+
+    /// Blocks to add so that `extra_tokens` more tokens fit (copy-on-write not counted).
+    #[inline]
+    pub fn new_blocks_for(&self, extra_tokens: usize, block_size: usize) -> usize {
+        (self.num_tokens + extra_tokens).div_ceil(block_size) - self.blocks.len()
+    }
+
+    /// Whether the next token goes into the existing, partially filled last block.
+    #[inline]
+    pub fn last_block_partial(&self, block_size: usize) -> bool {
+        self.num_tokens % block_size != 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slots_and_growth() {
+        let mut table = BlockTable::new(None);
+        table.blocks = vec![7, 3];
+        table.num_tokens = 5;
+        assert_eq!(table.slot(0, 4), 28);
+        assert_eq!(table.slot(4, 4), 12);
+        assert!(table.last_block_partial(4));
+        assert_eq!(table.new_blocks_for(3, 4), 0);
+        assert_eq!(table.new_blocks_for(4, 4), 1);
+        assert_eq!(table.new_blocks_for(12, 4), 3);
+    }
+}

@@ -1,0 +1,105 @@
+//! Prefix caching: a full block is named by a hash chained over (parent block's hash, its token
+//! ids, an optional extra key such as an adapter id); the map finds a device block by that name.
+
+use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
+
+use crate::block_pool::BlockId;
+
+/// Hash of one full block given its parent's hash. Deterministic across processes (SipHash with
+/// fixed keys), so two engines agree on names.
+pub fn block_hash(parent: Option<u64>, tokens: &[u32], extra_key: Option<u64>) -> u64 {
+    let mut hasher = std::hash::DefaultHasher::new();
+    parent.hash(&mut hasher);
+    tokens.hash(&mut hasher);
+    extra_key.hash(&mut hasher);
+    hasher.finish()
+}
+
+/// The hash of every full block of `tokens`, in order.
+pub fn block_hashes(tokens: &[u32], block_size: usize, extra_key: Option<u64>) -> Vec<u64> {
+    let mut parent = None;
+    tokens
+        .chunks_exact(block_size)
+        .map(|chunk| {
+            let hash = block_hash(parent, chunk, extra_key);
+            parent = Some(hash);
+            hash
+        })
+        .collect()
+}
+
+/// hash -> device block, with query/hit counters (counted in blocks).
+#[derive(Debug, Clone, Default)]
+pub struct PrefixCache {
+    blocks: HashMap<u64, BlockId>,
+    pub queries: u64,
+    pub hits: u64,
+}
+
+impl PrefixCache {
+    pub fn lookup(&self, hash: u64) -> Option<BlockId> {
+        self.blocks.get(&hash).copied()
+    }
+
+    /// Names `block` by `hash` unless another block already has that name (then the first stays).
+    pub fn insert(&mut self, hash: u64, block: BlockId) -> bool {
+        match self.blocks.entry(hash) {
+            std::collections::hash_map::Entry::Occupied(_) => false,
+            std::collections::hash_map::Entry::Vacant(slot) => {
+                slot.insert(block);
+                true
+            }
+        }
+    }
+
+    /// Forgets `hash` if it still names `block` (it may name another block by now).
+    pub fn remove(&mut self, hash: u64, block: BlockId) {
+        if self.blocks.get(&hash) == Some(&block) {
+            self.blocks.remove(&hash);
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.blocks.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.blocks.is_empty()
+    }
+
+    pub fn hit_rate(&self) -> f64 {
+        if self.queries == 0 {
+            0.0
+        } else {
+            self.hits as f64 / self.queries as f64
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hash_chain_depends_on_parent_tokens_and_extra_key() {
+        let a = block_hashes(&[1, 2, 3, 4, 5, 6, 7, 8], 4, None);
+        let b = block_hashes(&[9, 2, 3, 4, 5, 6, 7, 8], 4, None);
+        assert_eq!(a.len(), 2);
+        assert_ne!(a[0], b[0]);
+        assert_ne!(a[1], b[1], "the second block's name depends on the first block");
+        assert_ne!(a, block_hashes(&[1, 2, 3, 4, 5, 6, 7, 8], 4, Some(7)));
+        assert_eq!(a, block_hashes(&[1, 2, 3, 4, 5, 6, 7, 8, 9], 4, None), "partial blocks are not hashed");
+    }
+
+    #[test]
+    fn insert_keeps_first_and_remove_checks_owner() {
+        let mut cache = PrefixCache::default();
+        assert!(cache.insert(5, 1));
+        assert!(!cache.insert(5, 2));
+        cache.remove(5, 2);
+        assert_eq!(cache.lookup(5), Some(1));
+        cache.remove(5, 1);
+        assert!(cache.is_empty());
+    }
+}
