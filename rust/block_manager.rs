@@ -130,10 +130,12 @@ impl BlockManager {
         Ok(table.new_blocks_for(num_tokens, self.block_size) + cow as usize)
     }
 
-    /// Device blocks that a new sequence with these tokens would take after prefix-cache hits.
+    /// Device blocks that a new sequence with these tokens would take from the free pool:
+    /// fresh blocks for what misses the prefix cache, plus cached hits that are free right now
+    /// (reviving them takes them off the free list too).
     pub fn blocks_needed_to_allocate(&self, tokens: &[u32], extra_key: Option<u64>) -> usize {
-        let hit_blocks = self.peek_prefix_hits(tokens, extra_key);
-        self.blocks_for_tokens(tokens.len()) - hit_blocks
+        let (hit_blocks, revived) = self.peek_prefix_hits(tokens, extra_key);
+        self.blocks_for_tokens(tokens.len()) - hit_blocks + revived
     }
 
     fn max_hit_blocks(&self, num_tokens: usize) -> usize {
@@ -141,15 +143,19 @@ impl BlockManager {
         num_tokens.saturating_sub(1) / self.block_size
     }
 
-    fn peek_prefix_hits(&self, tokens: &[u32], extra_key: Option<u64>) -> usize {
+    /// (cached blocks a prefix of `tokens` would hit, how many of those are currently free).
+    pub fn peek_prefix_hits(&self, tokens: &[u32], extra_key: Option<u64>) -> (usize, usize) {
         if !self.enable_prefix_caching {
-            return 0;
+            return (0, 0);
         }
         let max_blocks = self.max_hit_blocks(tokens.len());
-        block_hashes(&tokens[..max_blocks * self.block_size], self.block_size, extra_key)
-            .iter()
-            .take_while(|hash| self.cache.lookup(**hash).is_some())
-            .count()
+        let (mut hits, mut revived) = (0, 0);
+        for hash in block_hashes(&tokens[..max_blocks * self.block_size], self.block_size, extra_key) {
+            let Some(block) = self.cache.lookup(hash) else { break };
+            hits += 1;
+            revived += (self.gpu.refcount(block) == 0) as usize;
+        }
+        (hits, revived)
     }
 
     /// Starts a table for `seq` holding the longest cached prefix of `tokens` (whole blocks,

@@ -5,9 +5,22 @@
 pub mod block_manager;
 pub mod block_pool;
 pub mod block_table;
+pub mod config;
 pub mod errors;
 pub mod prefix_cache;
+pub mod preemption;
+pub mod scheduler;
+pub mod sequence;
+
+#[cfg(test)]
+mod scheduler_tests;
+
+#[cfg(feature = "python")]
+mod python;
 
 pub use block_manager::{BlockCopy, BlockManager, SeqId};
 pub use block_pool::{BlockId, Device};
+pub use config::SchedulerConfig;
 pub use errors::{Error, Result};
+pub use preemption::{CostModel, Preemption, PreemptionMode};
+pub use scheduler::{ScheduledSequence, Scheduler, SchedulerOutput, SchedulerStats};

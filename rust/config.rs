@@ -1,0 +1,91 @@
+//! Scheduler settings and their validation.
+
+use crate::errors::{Error, Result};
+use crate::preemption::{CostModel, PreemptionMode};
+
+/// Everything the scheduler needs to know about the pools and its limits.
+#[derive(Debug, Clone)]
+pub struct SchedulerConfig {
+    pub block_size: usize,
+    pub num_device_blocks: usize,
+    pub num_cpu_blocks: usize,
+    /// Most sequences running at once.
+    pub max_num_seqs: usize,
+    /// Token budget of one step (prefill chunk tokens + one per decoding sequence).
+    pub max_num_batched_tokens: usize,
+    /// Longest sequence (prompt + output). Capped at what the device pool can hold.
+    pub max_model_len: usize,
+    /// Bound of the waiting queue; beyond it `add_request` fails with `Overloaded`.
+    pub max_waiting_requests: usize,
+    pub enable_prefix_caching: bool,
+    pub enable_chunked_prefill: bool,
+    pub preemption_mode: PreemptionMode,
+    /// Fraction of device blocks admissions leave free.
+    pub watermark: f64,
+    pub cost_model: CostModel,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        SchedulerConfig {
+            block_size: 16,
+            num_device_blocks: 1024,
+            num_cpu_blocks: 1024,
+            max_num_seqs: 256,
+            max_num_batched_tokens: 2048,
+            max_model_len: 2048,
+            max_waiting_requests: 1024,
+            enable_prefix_caching: true,
+            enable_chunked_prefill: true,
+            preemption_mode: PreemptionMode::Auto,
+            watermark: 0.01,
+            cost_model: CostModel::default(),
+        }
+    }
+}
+
+impl SchedulerConfig {
+    pub fn validate(&self) -> Result<()> {
+        let positive = [
+            ("block_size", self.block_size),
+            ("num_device_blocks", self.num_device_blocks),
+            ("max_num_seqs", self.max_num_seqs),
+            ("max_num_batched_tokens", self.max_num_batched_tokens),
+            ("max_model_len", self.max_model_len),
+        ];
+        for (field, value) in positive {
+            if value == 0 {
+                return Err(Error::InvalidConfig { field, message: "must be > 0".into() });
+            }
+        }
+        if !self.enable_chunked_prefill && self.max_num_batched_tokens < self.max_model_len {
+            return Err(Error::InvalidConfig {
+                field: "max_num_batched_tokens",
+                message: format!(
+                    "must be >= max_model_len={} when chunked prefill is off, got {}",
+                    self.max_model_len, self.max_num_batched_tokens
+                ),
+            });
+        }
+        if !(0.0..1.0).contains(&self.watermark) {
+            return Err(Error::InvalidConfig {
+                field: "watermark",
+                message: format!("must be in [0, 1), got {}", self.watermark),
+            });
+        }
+        let cost = &self.cost_model;
+        if !(cost.recompute_cost_per_token >= 0.0 && cost.swap_bandwidth > 0.0 && cost.block_bytes >= 0.0 && cost.swap_latency >= 0.0) {
+            return Err(Error::InvalidConfig {
+                field: "cost_model",
+                message: format!("costs must be >= 0 and swap_bandwidth > 0, got {cost:?}"),
+            });
+        }
+        Ok(())
+    }
+
+    /// The longest sequence that can be served: `max_model_len`, or less when the device pool
+    /// (minus the watermark) cannot hold that many tokens.
+    pub fn effective_max_model_len(&self) -> usize {
+        self.max_model_len.min(self.num_device_blocks * self.block_size)
+    }
+}

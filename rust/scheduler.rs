@@ -1,0 +1,599 @@
+//! Continuous batching under a token budget: running decodes first, then swapped groups back in,
+//! then waiting prefills (chunked into what is left of the budget). Groups that cannot grow
+//! preempt the latest-arrived running group by swap or recompute.
+
+use std::collections::{HashMap, VecDeque};
+
+use crate::block_manager::{BlockCopy, BlockManager, SeqId};
+use crate::config::SchedulerConfig;
+use crate::errors::{Error, Result};
+use crate::preemption::Preemption;
+use crate::sequence::{GroupState, SeqStatus, Sequence, SequenceGroup};
+
+type GroupId = u64;
+
+/// One sequence's work in a step: compute KV for `token_ids` = tokens[start..end].
+#[derive(Debug, Clone, PartialEq)]
+pub struct ScheduledSequence {
+    pub request_id: String,
+    pub seq_id: SeqId,
+    pub is_prefill: bool,
+    pub start: usize,
+    pub end: usize,
+    pub token_ids: Vec<u32>,
+    pub block_table: Vec<u32>,
+    /// Destination slot of each new token's K/V.
+    pub slot_mapping: Vec<i64>,
+    /// Whether this step yields the sequence's next token (a decode, or the last prefill chunk).
+    pub sample: bool,
+}
+
+impl ScheduledSequence {
+    /// Tokens in the KV cache after this step.
+    pub fn context_len(&self) -> usize {
+        self.end
+    }
+}
+
+/// Everything the model runner must do for one step. Prefills come before decodes.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SchedulerOutput {
+    pub scheduled: Vec<ScheduledSequence>,
+    pub blocks_to_swap_in: Vec<BlockCopy>,
+    pub blocks_to_swap_out: Vec<BlockCopy>,
+    pub blocks_to_copy: Vec<BlockCopy>,
+    /// Requests preempted in this step (their sequences are not in `scheduled`).
+    pub preempted: Vec<String>,
+    /// Requests dropped because they can never fit the device pool (e.g. n beams too long).
+    pub aborted: Vec<String>,
+    pub num_batched_tokens: usize,
+    pub num_prefix_hit_tokens: usize,
+}
+
+impl SchedulerOutput {
+    pub fn is_empty(&self) -> bool {
+        self.scheduled.is_empty() && self.blocks_to_swap_out.is_empty()
+    }
+}
+
+/// Counters and gauges at one moment.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SchedulerStats {
+    pub num_device_blocks: usize,
+    pub num_free_device_blocks: usize,
+    pub num_cached_device_blocks: usize,
+    pub num_cpu_blocks: usize,
+    pub num_free_cpu_blocks: usize,
+    pub num_running: usize,
+    pub num_waiting: usize,
+    pub num_swapped: usize,
+    pub num_running_seqs: usize,
+    pub num_preemptions_swap: u64,
+    pub num_preemptions_recompute: u64,
+    pub num_blocks_swapped_in: u64,
+    pub num_blocks_swapped_out: u64,
+    pub num_blocks_copied: u64,
+    pub prefix_cache_queries: u64,
+    pub prefix_cache_hits: u64,
+    pub num_steps: u64,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    preemptions_swap: u64,
+    preemptions_recompute: u64,
+    blocks_swapped_in: u64,
+    blocks_swapped_out: u64,
+    blocks_copied: u64,
+    steps: u64,
+}
+
+/// The scheduler: owns the block manager, the sequence groups and the three queues.
+#[derive(Debug)]
+pub struct Scheduler {
+    config: SchedulerConfig,
+    max_model_len: usize,
+    blocks: BlockManager,
+    groups: HashMap<GroupId, SequenceGroup>,
+    group_by_request: HashMap<String, GroupId>,
+    group_by_seq: HashMap<SeqId, GroupId>,
+    /// All three ordered by arrival (FCFS); preemption victims come from the back of `running`.
+    waiting: VecDeque<GroupId>,
+    running: VecDeque<GroupId>,
+    swapped: VecDeque<GroupId>,
+    next_group: GroupId,
+    next_seq: SeqId,
+    counters: Counters,
+}
+
+impl Scheduler {
+    pub fn new(config: SchedulerConfig) -> Result<Self> {
+        config.validate()?;
+        let blocks = BlockManager::new(
+            config.num_device_blocks,
+            config.num_cpu_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            config.watermark,
+        )?;
+        Ok(Scheduler {
+            max_model_len: config.effective_max_model_len(),
+            config,
+            blocks,
+            groups: HashMap::new(),
+            group_by_request: HashMap::new(),
+            group_by_seq: HashMap::new(),
+            waiting: VecDeque::new(),
+            running: VecDeque::new(),
+            swapped: VecDeque::new(),
+            next_group: 0,
+            next_seq: 0,
+            counters: Counters::default(),
+        })
+    }
+
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.config
+    }
+
+    /// The longest sequence this scheduler serves (see `SchedulerConfig::effective_max_model_len`).
+    pub fn max_model_len(&self) -> usize {
+        self.max_model_len
+    }
+
+    pub fn block_manager(&self) -> &BlockManager {
+        &self.blocks
+    }
+
+    pub fn has_unfinished(&self) -> bool {
+        !self.groups.is_empty()
+    }
+
+    pub fn num_unfinished(&self) -> usize {
+        self.groups.len()
+    }
+
+    /// Queues a request. Fails at once, changing nothing, when the prompt can never be served
+    /// (`PromptTooLong`, `PromptExceedsPool`) or the waiting queue is full (`Overloaded`).
+    /// Returns the id of the request's first sequence.
+    pub fn add_request(&mut self, request_id: &str, prompt: Vec<u32>, extra_key: Option<u64>) -> Result<SeqId> {
+        if self.group_by_request.contains_key(request_id) {
+            return Err(Error::DuplicateRequest(request_id.to_string()));
+        }
+        if prompt.is_empty() {
+            return Err(Error::InvalidState("prompt must contain at least one token".into()));
+        }
+        if prompt.len() > self.config.max_model_len {
+            return Err(Error::PromptTooLong { prompt_len: prompt.len(), max_model_len: self.config.max_model_len });
+        }
+        if prompt.len() > self.max_model_len {
+            // Fits max_model_len but not the pool: name the pool, which is the real limit.
+            return Err(Error::PromptExceedsPool {
+                blocks_needed: self.blocks.blocks_for_tokens(prompt.len()),
+                num_device_blocks: self.config.num_device_blocks,
+                block_size: self.config.block_size,
+            });
+        }
+        if self.waiting.len() >= self.config.max_waiting_requests {
+            return Err(Error::Overloaded {
+                num_waiting: self.waiting.len(),
+                max_waiting_requests: self.config.max_waiting_requests,
+            });
+        }
+        let group_id = self.next_group;
+        self.next_group += 1;
+        let seq_id = self.new_seq_id();
+        let group = SequenceGroup {
+            request_id: request_id.to_string(),
+            arrival: group_id,
+            extra_key,
+            num_prompt_tokens: prompt.len(),
+            seqs: vec![Sequence::new(seq_id, prompt)],
+            state: GroupState::Waiting,
+            num_prefix_hit_tokens: 0,
+            num_preemptions: 0,
+        };
+        self.groups.insert(group_id, group);
+        self.group_by_request.insert(request_id.to_string(), group_id);
+        self.group_by_seq.insert(seq_id, group_id);
+        self.waiting.push_back(group_id);
+        Ok(seq_id)
+    }
+
+    fn new_seq_id(&mut self) -> SeqId {
+        let id = self.next_seq;
+        self.next_seq += 1;
+        id
+    }
+
+    fn group_of_seq(&self, seq_id: SeqId) -> Result<GroupId> {
+        self.group_by_seq.get(&seq_id).copied().ok_or(Error::UnknownSequence(seq_id))
+    }
+
+    /// The sampled token of a sequence that had `sample = true` in the last step.
+    pub fn append_token(&mut self, seq_id: SeqId, token: u32) -> Result<()> {
+        let group_id = self.group_of_seq(seq_id)?;
+        let max_model_len = self.max_model_len;
+        let group = self.groups.get_mut(&group_id).unwrap();
+        if group.state != GroupState::Running {
+            return Err(Error::InvalidState(format!("sequence {seq_id} is not running")));
+        }
+        let seq = group.seq_mut(seq_id).unwrap();
+        if !seq.is_active() {
+            return Err(Error::InvalidState(format!("sequence {seq_id} is finished")));
+        }
+        if seq.num_computed != seq.len() {
+            return Err(Error::InvalidState(format!(
+                "sequence {seq_id} has {} tokens without KV; it was not sampled in the last step",
+                seq.num_uncomputed()
+            )));
+        }
+        if seq.len() >= max_model_len {
+            return Err(Error::InvalidState(format!(
+                "sequence {seq_id} is at max_model_len={max_model_len}; finish it"
+            )));
+        }
+        seq.tokens.push(token);
+        Ok(())
+    }
+
+    /// A new sequence in the same group sharing every block of `parent` (n > 1, beam search).
+    pub fn fork(&mut self, parent: SeqId) -> Result<SeqId> {
+        let group_id = self.group_of_seq(parent)?;
+        let child = self.new_seq_id();
+        let group = self.groups.get_mut(&group_id).unwrap();
+        if group.state != GroupState::Running {
+            return Err(Error::InvalidState(format!("sequence {parent} is not running")));
+        }
+        let parent_seq = group.seq(parent).unwrap();
+        if !parent_seq.is_active() {
+            return Err(Error::InvalidState(format!("sequence {parent} is finished")));
+        }
+        let mut seq = parent_seq.clone();
+        seq.id = child;
+        self.blocks.fork(parent, child)?;
+        group.seqs.push(seq);
+        self.group_by_seq.insert(child, group_id);
+        Ok(child)
+    }
+
+    /// Ends one sequence and frees its blocks; the request ends with its last sequence.
+    pub fn finish_sequence(&mut self, seq_id: SeqId) -> Result<()> {
+        let group_id = self.group_of_seq(seq_id)?;
+        let group = self.groups.get_mut(&group_id).unwrap();
+        let seq = group.seq_mut(seq_id).unwrap();
+        if seq.status == SeqStatus::Finished {
+            return Ok(());
+        }
+        seq.status = SeqStatus::Finished;
+        if self.blocks.contains(seq_id) {
+            self.blocks.free(seq_id)?;
+        }
+        if group.num_active() == 0 {
+            self.remove_group(group_id);
+        }
+        Ok(())
+    }
+
+    /// Drops a request at once, whatever its state, and frees all its blocks.
+    pub fn abort(&mut self, request_id: &str) -> Result<()> {
+        let group_id = *self
+            .group_by_request
+            .get(request_id)
+            .ok_or_else(|| Error::UnknownRequest(request_id.to_string()))?;
+        self.free_group_blocks(group_id);
+        self.remove_group(group_id);
+        Ok(())
+    }
+
+    fn free_group_blocks(&mut self, group_id: GroupId) {
+        for seq in &self.groups[&group_id].seqs {
+            if self.blocks.contains(seq.id) {
+                self.blocks.free(seq.id).expect("table exists");
+            }
+        }
+    }
+
+    fn remove_group(&mut self, group_id: GroupId) {
+        let group = self.groups.remove(&group_id).expect("known group");
+        let queue = match group.state {
+            GroupState::Waiting => &mut self.waiting,
+            GroupState::Running => &mut self.running,
+            GroupState::Swapped => &mut self.swapped,
+        };
+        if let Some(position) = queue.iter().position(|id| *id == group_id) {
+            queue.remove(position);
+        }
+        self.group_by_request.remove(&group.request_id);
+        for seq in &group.seqs {
+            self.group_by_seq.remove(&seq.id);
+        }
+    }
+
+    /// Tokens a sequence holds (prompt + generated).
+    pub fn sequence_len(&self, seq_id: SeqId) -> Result<usize> {
+        let group = &self.groups[&self.group_of_seq(seq_id)?];
+        Ok(group.seq(seq_id).unwrap().len())
+    }
+
+    /// Plans one step. See the module doc for the order; the returned copies must be executed
+    /// (swap-out, then swap-in, then copy) before the step's forward pass writes any KV.
+    pub fn schedule(&mut self) -> SchedulerOutput {
+        self.counters.steps += 1;
+        let mut out = SchedulerOutput::default();
+        let mut budget = self.config.max_num_batched_tokens;
+        let mut decodes = Vec::new();
+
+        // 1. Running groups, oldest first; make room by preempting the newest.
+        let mut preempted_any = false;
+        let mut index = 0;
+        while index < self.running.len() {
+            let group_id = self.running[index];
+            let plan = self.plan_group(group_id, budget);
+            if plan.is_empty() {
+                index += 1;
+                continue;
+            }
+            let blocks_needed = self.blocks_needed(&plan);
+            if blocks_needed > self.blocks.num_free_device_blocks() {
+                if index + 1 < self.running.len() {
+                    let victim = self.running.pop_back().unwrap();
+                    self.preempt(victim, &mut out);
+                    preempted_any = true;
+                    continue; // retry the same group with more free blocks
+                }
+                // The group is the newest running one: preempt it, unless it is alone on the
+                // device and still does not fit, in which case it never will.
+                self.running.remove(index);
+                if index == 0 {
+                    self.drop_group(group_id, &mut out);
+                } else {
+                    self.preempt(group_id, &mut out);
+                    preempted_any = true;
+                }
+                continue;
+            }
+            budget -= self.execute_plan(group_id, &plan, &mut out, &mut decodes);
+            index += 1;
+        }
+
+        // 2. Swapped groups back in, oldest first, if nothing had to be preempted.
+        if !preempted_any {
+            while let Some(&group_id) = self.swapped.front() {
+                let group = &self.groups[&group_id];
+                let seq_ids = group.active_seq_ids();
+                let num_seqs = seq_ids.len();
+                let needed = self.blocks.blocks_needed_to_swap_in(&seq_ids).expect("swapped tables") + num_seqs;
+                if budget < num_seqs || self.num_running_seqs() + num_seqs > self.config.max_num_seqs || !self.blocks.can_admit(needed) {
+                    break;
+                }
+                self.swapped.pop_front();
+                let copies = self.blocks.swap_in(&seq_ids).expect("room was checked");
+                self.counters.blocks_swapped_in += copies.len() as u64;
+                out.blocks_to_swap_in.extend(copies);
+                self.groups.get_mut(&group_id).unwrap().state = GroupState::Running;
+                self.insert_running(group_id);
+                let plan = self.plan_group(group_id, budget);
+                if self.blocks_needed(&plan) <= self.blocks.num_free_device_blocks() {
+                    budget -= self.execute_plan(group_id, &plan, &mut out, &mut decodes);
+                }
+            }
+        }
+
+        // 3. Waiting prompts, oldest first, if no group is left swapped out (FCFS fairness).
+        if !preempted_any && self.swapped.is_empty() {
+            while let Some(&group_id) = self.waiting.front() {
+                if budget == 0 {
+                    break;
+                }
+                let group = &self.groups[&group_id];
+                if self.num_running_seqs() + group.num_active() > self.config.max_num_seqs {
+                    break;
+                }
+                let Some(plan) = self.plan_admission(group_id, budget) else {
+                    let hopeless = self.running.is_empty() && budget == self.config.max_num_batched_tokens;
+                    if hopeless {
+                        self.waiting.pop_front();
+                        self.drop_group(group_id, &mut out);
+                        continue;
+                    }
+                    break;
+                };
+                self.waiting.pop_front();
+                let mut hit_tokens = 0;
+                let group = self.groups.get_mut(&group_id).unwrap();
+                group.state = GroupState::Running;
+                for seq in group.seqs.iter_mut().filter(|seq| seq.is_active()) {
+                    let hits = self
+                        .blocks
+                        .allocate_prefix(seq.id, &seq.tokens, group.extra_key)
+                        .expect("a waiting sequence has no table");
+                    seq.num_computed = hits;
+                    hit_tokens += hits;
+                }
+                group.num_prefix_hit_tokens += hit_tokens;
+                out.num_prefix_hit_tokens += hit_tokens;
+                self.insert_running(group_id);
+                // Hits can only be more than planned (a sibling may have just filled a block).
+                let plan = self.plan_group(group_id, budget.min(plan));
+                budget -= self.execute_plan(group_id, &plan, &mut out, &mut decodes);
+            }
+        }
+
+        out.num_batched_tokens = self.config.max_num_batched_tokens - budget;
+        out.scheduled.append(&mut decodes);
+        out
+    }
+
+    fn num_running_seqs(&self) -> usize {
+        self.running.iter().map(|id| self.groups[id].num_active()).sum()
+    }
+
+    fn insert_running(&mut self, group_id: GroupId) {
+        let arrival = self.groups[&group_id].arrival;
+        let position = self.running.partition_point(|id| self.groups[id].arrival < arrival);
+        self.running.insert(position, group_id);
+    }
+
+    /// (seq, tokens to compute) for each active sequence of a running group within `budget`.
+    /// Decoding sequences of a group are scheduled together or not at all.
+    fn plan_group(&self, group_id: GroupId, budget: usize) -> Vec<(SeqId, usize)> {
+        let group = &self.groups[&group_id];
+        let mut left = budget;
+        let mut plan = Vec::with_capacity(group.seqs.len());
+        for seq in group.active_seqs() {
+            let uncomputed = seq.num_uncomputed();
+            if uncomputed == 0 {
+                continue;
+            }
+            let take = uncomputed.min(left);
+            if take == 0 || (!self.config.enable_chunked_prefill && take < uncomputed) {
+                return Vec::new();
+            }
+            plan.push((seq.id, take));
+            left -= take;
+        }
+        plan
+    }
+
+    fn blocks_needed(&self, plan: &[(SeqId, usize)]) -> usize {
+        plan.iter().map(|&(seq, tokens)| self.blocks.blocks_needed_to_append(seq, tokens).expect("running table")).sum()
+    }
+
+    /// Token budget a waiting group would use now, or None when it does not fit (budget,
+    /// blocks above the watermark, or chunking disabled and the prompt too long for the budget).
+    fn plan_admission(&self, group_id: GroupId, budget: usize) -> Option<usize> {
+        let group = &self.groups[&group_id];
+        let mut left = budget;
+        let mut blocks = 0;
+        for seq in group.active_seqs() {
+            let (hit_blocks, revived) = self.blocks.peek_prefix_hits(&seq.tokens, group.extra_key);
+            let hit_tokens = hit_blocks * self.config.block_size;
+            let uncomputed = seq.len() - hit_tokens;
+            let take = uncomputed.min(left);
+            if take == 0 || (!self.config.enable_chunked_prefill && take < uncomputed) {
+                return None;
+            }
+            // Fresh blocks for the chunk, plus cached hits that must be taken off the free list.
+            blocks += self.blocks.blocks_for_tokens(hit_tokens + take) - hit_blocks + revived;
+            left -= take;
+        }
+        // With nothing running there is nobody to protect: ignore the watermark.
+        let fits = if self.running.is_empty() {
+            blocks <= self.blocks.num_free_device_blocks()
+        } else {
+            self.blocks.can_admit(blocks)
+        };
+        fits.then_some(budget - left)
+    }
+
+    /// Allocates the plan's slots and records it in `out`. Returns the tokens used.
+    fn execute_plan(
+        &mut self,
+        group_id: GroupId,
+        plan: &[(SeqId, usize)],
+        out: &mut SchedulerOutput,
+        decodes: &mut Vec<ScheduledSequence>,
+    ) -> usize {
+        let block_size = self.config.block_size;
+        let group = self.groups.get_mut(&group_id).unwrap();
+        let mut used = 0;
+        for &(seq_id, take) in plan {
+            let request_id = group.request_id.clone();
+            let seq = group.seq_mut(seq_id).unwrap();
+            let (start, end) = (seq.num_computed, seq.num_computed + take);
+            let is_prefill = seq.in_prefill();
+            if let Some(copy) = self.blocks.append_slots(seq_id, &seq.tokens[start..end]).expect("blocks were checked") {
+                self.counters.blocks_copied += 1;
+                out.blocks_to_copy.push(copy);
+            }
+            seq.num_computed = end;
+            let table = self.blocks.table(seq_id).unwrap();
+            let scheduled = ScheduledSequence {
+                request_id,
+                seq_id,
+                is_prefill,
+                start,
+                end,
+                token_ids: seq.tokens[start..end].to_vec(),
+                block_table: table.blocks.clone(),
+                slot_mapping: (start..end).map(|pos| table.slot(pos, block_size)).collect(),
+                sample: end == seq.len(),
+            };
+            if is_prefill {
+                out.scheduled.push(scheduled);
+            } else {
+                decodes.push(scheduled);
+            }
+            used += take;
+        }
+        used
+    }
+
+    /// Takes a running group off the device: swap or recompute by the configured policy and cost.
+    fn preempt(&mut self, group_id: GroupId, out: &mut SchedulerOutput) {
+        let group = &self.groups[&group_id];
+        let seq_ids = group.active_seq_ids();
+        let num_blocks = self.blocks.num_unique_blocks(&seq_ids).expect("running tables");
+        let num_tokens: usize = group.active_seqs().map(Sequence::len).sum();
+        let cpu_has_room = num_blocks <= self.blocks.num_free_cpu_blocks();
+        let how = self.config.cost_model.choose(self.config.preemption_mode, num_tokens, num_blocks, cpu_has_room);
+        out.preempted.push(group.request_id.clone());
+        match how {
+            Preemption::Swap => {
+                let copies = self.blocks.swap_out(&seq_ids).expect("room was checked");
+                self.counters.preemptions_swap += 1;
+                self.counters.blocks_swapped_out += copies.len() as u64;
+                out.blocks_to_swap_out.extend(copies);
+                let group = self.groups.get_mut(&group_id).unwrap();
+                group.state = GroupState::Swapped;
+                group.num_preemptions += 1;
+                let arrival = group.arrival;
+                let position = self.swapped.partition_point(|id| self.groups[id].arrival < arrival);
+                self.swapped.insert(position, group_id);
+            }
+            Preemption::Recompute => {
+                self.free_group_blocks(group_id);
+                self.counters.preemptions_recompute += 1;
+                let group = self.groups.get_mut(&group_id).unwrap();
+                for seq in group.seqs.iter_mut() {
+                    seq.reset_for_recompute();
+                }
+                group.state = GroupState::Waiting;
+                group.num_preemptions += 1;
+                self.waiting.push_front(group_id);
+            }
+        }
+    }
+
+    /// Gives up on a group that needs more blocks than the whole device pool.
+    fn drop_group(&mut self, group_id: GroupId, out: &mut SchedulerOutput) {
+        out.aborted.push(self.groups[&group_id].request_id.clone());
+        // The caller took it off its queue already; `remove_group` finds nothing to remove there.
+        self.free_group_blocks(group_id);
+        self.remove_group(group_id);
+    }
+
+    pub fn stats(&self) -> SchedulerStats {
+        let cache = self.blocks.prefix_cache();
+        SchedulerStats {
+            num_device_blocks: self.blocks.num_device_blocks(),
+            num_free_device_blocks: self.blocks.num_free_device_blocks(),
+            num_cached_device_blocks: self.blocks.num_cached_device_blocks(),
+            num_cpu_blocks: self.blocks.num_cpu_blocks(),
+            num_free_cpu_blocks: self.blocks.num_free_cpu_blocks(),
+            num_running: self.running.len(),
+            num_waiting: self.waiting.len(),
+            num_swapped: self.swapped.len(),
+            num_running_seqs: self.num_running_seqs(),
+            num_preemptions_swap: self.counters.preemptions_swap,
+            num_preemptions_recompute: self.counters.preemptions_recompute,
+            num_blocks_swapped_in: self.counters.blocks_swapped_in,
+            num_blocks_swapped_out: self.counters.blocks_swapped_out,
+            num_blocks_copied: self.counters.blocks_copied,
+            prefix_cache_queries: cache.queries,
+            prefix_cache_hits: cache.hits,
+            num_steps: self.counters.steps,
+        }
+    }
+}

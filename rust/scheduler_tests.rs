@@ -1,0 +1,318 @@
+//! Scheduler behaviour: batching, chunking, preemption, admission errors, sharing.
+
+use crate::config::SchedulerConfig;
+use crate::errors::Error;
+use crate::preemption::{CostModel, PreemptionMode};
+use crate::scheduler::{Scheduler, SchedulerOutput};
+
+fn config(num_device_blocks: usize, num_cpu_blocks: usize) -> SchedulerConfig {
+    SchedulerConfig {
+        block_size: 4,
+        num_device_blocks,
+        num_cpu_blocks,
+        max_num_seqs: 16,
+        max_num_batched_tokens: 64,
+        max_model_len: 64,
+        max_waiting_requests: 8,
+        enable_prefix_caching: false,
+        enable_chunked_prefill: true,
+        preemption_mode: PreemptionMode::Swap,
+        watermark: 0.0,
+        cost_model: CostModel::default(),
+    }
+}
+
+fn prompt(len: u32, seed: u32) -> Vec<u32> {
+    (0..len).map(|i| seed * 1000 + i).collect()
+}
+
+/// Plays the engine: appends token 7 to every sequence that was sampled.
+fn sample_all(scheduler: &mut Scheduler, out: &SchedulerOutput) {
+    for seq in out.scheduled.iter().filter(|seq| seq.sample) {
+        scheduler.append_token(seq.seq_id, 7).unwrap();
+    }
+}
+
+fn check(scheduler: &Scheduler) {
+    scheduler.block_manager().check_invariants().unwrap();
+}
+
+#[test]
+fn prefill_then_decode() {
+    let mut s = Scheduler::new(config(16, 0)).unwrap();
+    let seq = s.add_request("a", prompt(6, 1), None).unwrap();
+    let out = s.schedule();
+    assert_eq!(out.scheduled.len(), 1);
+    let step = &out.scheduled[0];
+    assert!(step.is_prefill && step.sample);
+    assert_eq!((step.start, step.end), (0, 6));
+    assert_eq!(step.token_ids, prompt(6, 1));
+    assert_eq!(step.block_table.len(), 2);
+    let table = &step.block_table;
+    assert_eq!(step.slot_mapping[5], (table[1] * 4 + 1) as i64);
+    s.append_token(seq, 42).unwrap();
+    let out = s.schedule();
+    let step = &out.scheduled[0];
+    assert!(!step.is_prefill && step.sample);
+    assert_eq!((step.start, step.end, step.token_ids.clone()), (6, 7, vec![42]));
+    assert!(matches!(s.append_token(seq, 1), Ok(())));
+    assert!(matches!(s.append_token(seq, 1), Err(Error::InvalidState(_))), "KV of the last token not computed yet");
+    check(&s);
+}
+
+#[test]
+fn long_prompts_are_chunked_into_the_budget() {
+    let mut cfg = config(32, 0);
+    cfg.max_num_batched_tokens = 8;
+    cfg.max_model_len = 32;
+    let mut s = Scheduler::new(cfg).unwrap();
+    s.add_request("a", prompt(20, 1), None).unwrap();
+    let mut chunks = Vec::new();
+    loop {
+        let out = s.schedule();
+        let step = &out.scheduled[0];
+        chunks.push((step.start, step.end, step.sample));
+        if step.sample {
+            break;
+        }
+    }
+    assert_eq!(chunks, vec![(0, 8, false), (8, 16, false), (16, 20, true)]);
+}
+
+#[test]
+fn chunking_off_requires_a_budget_of_max_model_len() {
+    let mut cfg = config(32, 0);
+    cfg.enable_chunked_prefill = false;
+    cfg.max_num_batched_tokens = 8;
+    assert!(matches!(Scheduler::new(cfg), Err(Error::InvalidConfig { field: "max_num_batched_tokens", .. })));
+}
+
+#[test]
+fn decodes_come_first_and_prefill_takes_what_is_left() {
+    let mut cfg = config(64, 0);
+    cfg.max_num_batched_tokens = 10;
+    let mut s = Scheduler::new(cfg).unwrap();
+    for (i, id) in ["a", "b", "c"].iter().enumerate() {
+        s.add_request(id, prompt(3, i as u32), None).unwrap();
+    }
+    let out = s.schedule();
+    assert_eq!(out.num_batched_tokens, 9);
+    sample_all(&mut s, &out);
+    s.add_request("d", prompt(30, 9), None).unwrap();
+    let out = s.schedule();
+    // 3 decodes (1 token each) and a 7-token chunk of d; prefills are listed first.
+    assert_eq!(out.num_batched_tokens, 10);
+    assert_eq!(out.scheduled[0].request_id, "d");
+    assert_eq!(out.scheduled[0].end, 7);
+    assert!(out.scheduled[1..].iter().all(|seq| !seq.is_prefill && seq.end - seq.start == 1));
+}
+
+#[test]
+fn max_num_seqs_limits_admission() {
+    let mut cfg = config(64, 0);
+    cfg.max_num_seqs = 2;
+    let mut s = Scheduler::new(cfg).unwrap();
+    for id in ["a", "b", "c"] {
+        s.add_request(id, prompt(3, 1), None).unwrap();
+    }
+    let out = s.schedule();
+    assert_eq!(out.scheduled.len(), 2);
+    assert_eq!(s.stats().num_waiting, 1);
+}
+
+#[test]
+fn admission_errors_name_the_limit_and_change_nothing() {
+    let mut cfg = config(4, 0);
+    cfg.max_waiting_requests = 1;
+    let mut s = Scheduler::new(cfg).unwrap();
+    assert_eq!(
+        s.add_request("long", prompt(65, 1), None),
+        Err(Error::PromptTooLong { prompt_len: 65, max_model_len: 64 })
+    );
+    // 17 tokens fit max_model_len but not 4 blocks of 4.
+    let err = s.add_request("big", prompt(17, 1), None).unwrap_err();
+    assert_eq!(err, Error::PromptExceedsPool { blocks_needed: 5, num_device_blocks: 4, block_size: 4 });
+    assert!(err.to_string().contains("num_device_blocks=4"));
+    s.add_request("a", prompt(3, 1), None).unwrap();
+    assert!(matches!(s.add_request("b", prompt(3, 1), None), Err(Error::Overloaded { num_waiting: 1, max_waiting_requests: 1 })));
+    assert!(matches!(s.add_request("a", prompt(3, 1), None), Err(Error::DuplicateRequest(_))));
+    assert_eq!(s.num_unfinished(), 1);
+}
+
+/// Two requests filling a 4-block pool: growing the first forces the second out.
+fn run_until_preemption(mode: PreemptionMode, num_cpu_blocks: usize) -> (Scheduler, SchedulerOutput) {
+    let mut cfg = config(4, num_cpu_blocks);
+    cfg.preemption_mode = mode;
+    let mut s = Scheduler::new(cfg).unwrap();
+    s.add_request("old", prompt(8, 1), None).unwrap();
+    s.add_request("new", prompt(8, 2), None).unwrap();
+    let out = s.schedule();
+    assert_eq!(out.scheduled.len(), 2);
+    sample_all(&mut s, &out);
+    let out = s.schedule();
+    (s, out)
+}
+
+#[test]
+fn preemption_by_swap_moves_the_newest_group_and_brings_it_back() {
+    let (mut s, out) = run_until_preemption(PreemptionMode::Swap, 8);
+    assert_eq!(out.preempted, vec!["new".to_string()]);
+    assert_eq!(out.blocks_to_swap_out.len(), 2);
+    assert_eq!(out.scheduled.len(), 1);
+    assert_eq!(out.scheduled[0].request_id, "old");
+    let stats = s.stats();
+    assert_eq!((stats.num_swapped, stats.num_preemptions_swap, stats.num_blocks_swapped_out), (1, 1, 2));
+    check(&s);
+    // Once "old" finishes, "new" is swapped back in and continues its decode.
+    s.finish_sequence(out.scheduled[0].seq_id).unwrap();
+    let out = s.schedule();
+    assert_eq!(out.blocks_to_swap_in.len(), 2);
+    assert_eq!(out.scheduled.len(), 1);
+    assert_eq!((out.scheduled[0].request_id.as_str(), out.scheduled[0].start), ("new", 8));
+    assert_eq!(s.stats().num_blocks_swapped_in, 2);
+    check(&s);
+}
+
+#[test]
+fn preemption_by_recompute_requeues_at_the_front_with_all_tokens() {
+    let (mut s, out) = run_until_preemption(PreemptionMode::Recompute, 8);
+    assert_eq!(out.preempted, vec!["new".to_string()]);
+    assert!(out.blocks_to_swap_out.is_empty());
+    assert_eq!(s.stats().num_preemptions_recompute, 1);
+    s.add_request("later", prompt(2, 3), None).unwrap();
+    s.finish_sequence(out.scheduled[0].seq_id).unwrap();
+    let out = s.schedule();
+    // "new" comes back before "later", prefilling its prompt and its sampled token.
+    assert_eq!(out.scheduled[0].request_id, "new");
+    assert_eq!((out.scheduled[0].start, out.scheduled[0].end), (0, 9));
+    assert!(out.scheduled[0].is_prefill && out.scheduled[0].sample);
+    check(&s);
+}
+
+#[test]
+fn swap_without_cpu_room_falls_back_to_recompute() {
+    let (s, out) = run_until_preemption(PreemptionMode::Swap, 0);
+    assert_eq!(out.preempted.len(), 1);
+    assert_eq!(s.stats().num_preemptions_recompute, 1);
+}
+
+#[test]
+fn auto_mode_recomputes_cheap_groups() {
+    let (s, _) = run_until_preemption(PreemptionMode::Auto, 8);
+    // 9 tokens of a 7B-class model: recompute is cheaper than two PCIe transfers.
+    assert_eq!(s.stats().num_preemptions_recompute, 1);
+}
+
+#[test]
+fn abort_frees_everything_in_every_state() {
+    let (mut s, out) = run_until_preemption(PreemptionMode::Swap, 8);
+    s.add_request("waiting", prompt(3, 5), None).unwrap();
+    s.abort("new").unwrap(); // swapped
+    s.abort("waiting").unwrap(); // waiting
+    s.abort(&out.scheduled[0].request_id).unwrap(); // running
+    assert!(matches!(s.abort("nobody"), Err(Error::UnknownRequest(_))));
+    let stats = s.stats();
+    assert_eq!((stats.num_free_device_blocks, stats.num_free_cpu_blocks), (4, 8));
+    assert!(!s.has_unfinished());
+    check(&s);
+}
+
+#[test]
+fn forked_samples_share_blocks_and_copy_on_write_is_reported() {
+    let mut s = Scheduler::new(config(16, 0)).unwrap();
+    let parent = s.add_request("a", prompt(6, 1), None).unwrap();
+    s.schedule();
+    let child = s.fork(parent).unwrap();
+    assert_eq!(s.stats().num_free_device_blocks, 14, "fork allocates nothing");
+    s.append_token(parent, 1).unwrap();
+    s.append_token(child, 2).unwrap();
+    let out = s.schedule();
+    assert_eq!(out.scheduled.len(), 2);
+    assert_eq!(out.blocks_to_copy.len(), 1, "the shared partial block is copied once");
+    let (src, dst) = out.blocks_to_copy[0];
+    let tables: Vec<_> = out.scheduled.iter().map(|seq| seq.block_table.clone()).collect();
+    assert_eq!(tables[0][0], tables[1][0], "the full first block stays shared");
+    assert!(tables.iter().any(|t| t[1] == src) && tables.iter().any(|t| t[1] == dst));
+    s.finish_sequence(parent).unwrap();
+    assert!(s.has_unfinished());
+    s.finish_sequence(child).unwrap();
+    assert!(!s.has_unfinished());
+    assert_eq!(s.stats().num_free_device_blocks, 16);
+}
+
+#[test]
+fn shared_prompts_hit_the_prefix_cache() {
+    let mut cfg = config(16, 0);
+    cfg.enable_prefix_caching = true;
+    let mut s = Scheduler::new(cfg).unwrap();
+    s.add_request("a", prompt(10, 1), None).unwrap();
+    s.schedule();
+    s.add_request("b", prompt(10, 1), None).unwrap();
+    let out = s.schedule();
+    assert_eq!(out.num_prefix_hit_tokens, 8);
+    let b = out.scheduled.iter().find(|seq| seq.request_id == "b").unwrap();
+    assert_eq!((b.start, b.end), (8, 10));
+    assert_eq!(s.stats().prefix_cache_hits, 2);
+}
+
+#[test]
+fn a_group_that_can_never_fit_is_dropped_not_looped() {
+    let mut cfg = config(4, 0);
+    cfg.preemption_mode = PreemptionMode::Recompute;
+    let mut s = Scheduler::new(cfg).unwrap();
+    let parent = s.add_request("beams", prompt(7, 1), None).unwrap();
+    s.schedule();
+    let children: Vec<_> = (0..3).map(|_| s.fork(parent).unwrap()).collect();
+    for seq in std::iter::once(parent).chain(children) {
+        s.append_token(seq, 1).unwrap();
+    }
+    // 4 sequences each need their own copy of the partial block plus the shared one: 5 > 4.
+    let out = s.schedule();
+    assert_eq!(out.aborted, vec!["beams".to_string()]);
+    assert!(!s.has_unfinished());
+    assert_eq!(s.stats().num_free_device_blocks, 4);
+}
+
+/// A seeded random workload with preemptions: invariants after every step, nothing leaked.
+#[test]
+fn random_workload_keeps_invariants_and_frees_everything() {
+    for mode in [PreemptionMode::Swap, PreemptionMode::Recompute, PreemptionMode::Auto] {
+        let mut cfg = config(24, 12);
+        cfg.preemption_mode = mode;
+        cfg.enable_prefix_caching = true;
+        cfg.max_num_batched_tokens = 16;
+        cfg.max_waiting_requests = 64;
+        let mut s = Scheduler::new(cfg).unwrap();
+        let mut rng = 12345u64;
+        let mut next = move |bound: u64| {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng % bound
+        };
+        let mut targets = std::collections::HashMap::new();
+        for i in 0..40u32 {
+            let len = 1 + next(20) as u32;
+            let seq = s.add_request(&format!("r{i}"), prompt(len, next(3) as u32), None).unwrap();
+            targets.insert(seq, len as usize + 1 + next(20) as usize);
+        }
+        let mut steps = 0;
+        while s.has_unfinished() {
+            steps += 1;
+            assert!(steps < 5000, "no progress");
+            let out = s.schedule();
+            check(&s);
+            for seq in out.scheduled.iter().filter(|seq| seq.sample) {
+                if s.sequence_len(seq.seq_id).unwrap() >= targets[&seq.seq_id] {
+                    s.finish_sequence(seq.seq_id).unwrap();
+                } else {
+                    s.append_token(seq.seq_id, 3).unwrap();
+                }
+            }
+        }
+        let stats = s.stats();
+        assert_eq!(stats.num_free_device_blocks, 24, "{mode:?}");
+        assert_eq!(stats.num_free_cpu_blocks, 12, "{mode:?}");
+        assert!(stats.num_preemptions_swap + stats.num_preemptions_recompute > 0, "{mode:?}: the workload must preempt");
+    }
+}
