@@ -1,0 +1,172 @@
+"""Type stubs for the Rust core (`rust/python.rs`). Errors are raised as `pagedkv.errors` classes."""
+
+from typing import Optional
+
+class SchedulerConfig:
+    """Scheduler and pool settings. Invalid values raise InvalidConfigError naming the field."""
+
+    block_size: int
+    """Tokens per KV block."""
+    num_device_blocks: int
+    """Blocks in the device (GPU) pool."""
+    num_cpu_blocks: int
+    """Blocks in the CPU swap pool."""
+    max_num_seqs: int
+    """Most sequences running at once."""
+    max_num_batched_tokens: int
+    """Token budget of one step: prefill chunk tokens plus one per decoding sequence."""
+    max_model_len: int
+    """Longest sequence (prompt + output); capped at what the device pool holds."""
+    max_waiting_requests: int
+    """Bound of the waiting queue; add_request raises OverloadedError beyond it."""
+    enable_prefix_caching: bool
+    enable_chunked_prefill: bool
+    preemption_mode: str
+    """'swap', 'recompute' or 'auto' (cheaper of the two per victim by the cost model)."""
+    watermark: float
+    """Fraction of device blocks that admissions leave free."""
+    recompute_cost_per_token: float
+    """Cost model: seconds of compute per recomputed token."""
+    block_bytes: float
+    """Cost model: bytes of one KV block (all layers)."""
+    swap_bandwidth: float
+    """Cost model: bytes per second of a device<->CPU copy."""
+    swap_latency: float
+    """Cost model: fixed seconds per swap transfer."""
+    def __init__(
+        self,
+        block_size: int = 16,
+        num_device_blocks: int = 1024,
+        num_cpu_blocks: int = 1024,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int = 2048,
+        max_waiting_requests: int = 1024,
+        enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
+        preemption_mode: str = "auto",
+        watermark: float = 0.01,
+        recompute_cost_per_token: Optional[float] = None,
+        block_bytes: Optional[float] = None,
+        swap_bandwidth: Optional[float] = None,
+        swap_latency: Optional[float] = None,
+    ) -> None: ...
+
+class ScheduledSequence:
+    """One sequence's work in a step: compute the KV of token_ids = tokens[start:end]."""
+
+    request_id: str
+    seq_id: int
+    is_prefill: bool
+    start: int
+    """First token position computed this step."""
+    end: int
+    """One past the last position; also the context length after the step."""
+    token_ids: list[int]
+    block_table: list[int]
+    """Physical device block of each logical block of the sequence."""
+    slot_mapping: list[int]
+    """Destination slot (block * block_size + offset) of each new token's K/V."""
+    sample: bool
+    """True when this step yields the sequence's next token (decode or last prefill chunk)."""
+    @property
+    def context_len(self) -> int: ...
+
+class SchedulerOutput:
+    """The plan of one step. Execute swap-out, swap-in, then copies, before the forward pass."""
+
+    scheduled: list[ScheduledSequence]
+    """Prefill chunks first, then decodes."""
+    blocks_to_swap_in: list[tuple[int, int]]
+    """(cpu block, device block) copies."""
+    blocks_to_swap_out: list[tuple[int, int]]
+    """(device block, cpu block) copies."""
+    blocks_to_copy: list[tuple[int, int]]
+    """(source, destination) device block copies for copy-on-write."""
+    preempted: list[str]
+    """Request ids preempted this step."""
+    aborted: list[str]
+    """Request ids dropped because they can never fit the device pool."""
+    num_batched_tokens: int
+    num_prefix_hit_tokens: int
+    def is_empty(self) -> bool: ...
+
+class Scheduler:
+    """Continuous batching over a paged KV cache: running decodes first, then swapped groups
+    back in, then waiting prefills chunked into the remaining token budget. Growing groups
+    preempt the newest running group by swap or recompute."""
+
+    def __init__(self, config: Optional[SchedulerConfig] = None) -> None: ...
+    def add_request(self, request_id: str, prompt_token_ids: list[int], extra_key: Optional[int] = None) -> int:
+        """Queue a request; returns its first sequence id. Raises PromptTooLongError when the
+        prompt can never fit, OverloadedError when the waiting queue is full."""
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step (releases the GIL)."""
+    def append_token(self, seq_id: int, token_id: int) -> None:
+        """Report the token sampled for a sequence that had sample=True."""
+    def fork(self, parent_seq_id: int) -> int:
+        """New sequence sharing every block of the parent (n > 1, beams). Returns its id."""
+    def finish_sequence(self, seq_id: int) -> None:
+        """End one sequence and free its blocks; the request ends with its last sequence."""
+    def abort(self, request_id: str) -> None:
+        """Drop a request in any state and free all its blocks."""
+    def sequence_len(self, seq_id: int) -> int: ...
+    def block_table(self, seq_id: int) -> list[int]: ...
+    def has_unfinished_requests(self) -> bool: ...
+    @property
+    def num_unfinished_requests(self) -> int: ...
+    @property
+    def max_model_len(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+    def check_invariants(self) -> None:
+        """Raise InvalidStateError if any refcount or free list disagrees with the tables."""
+    def stats(self) -> dict[str, float]: ...
+
+class BlockManager:
+    """Device and CPU block pools with per-sequence block tables, fork and copy-on-write,
+    prefix caching by block content hash, swap between tiers."""
+
+    def __init__(
+        self,
+        num_device_blocks: int,
+        num_cpu_blocks: int,
+        block_size: int = 16,
+        enable_prefix_caching: bool = False,
+        watermark: float = 0.0,
+    ) -> None: ...
+    def allocate(self, seq_id: int, token_ids: list[int], extra_key: Optional[int] = None) -> int:
+        """Blocks for a new sequence; returns the number of prefix-cache hit tokens."""
+    def append_token(self, seq_id: int, token_id: int) -> Optional[tuple[int, int]]:
+        """Room for one more token; returns (src, dst) when copy-on-write copied the last block."""
+    def append_slots(self, seq_id: int, token_ids: list[int]) -> Optional[tuple[int, int]]: ...
+    def fork(self, parent_seq_id: int, child_seq_id: int) -> None: ...
+    def free(self, seq_id: int) -> None: ...
+    def swap_out(self, seq_ids: list[int]) -> list[tuple[int, int]]:
+        """Move the sequences' blocks to the CPU pool; returns (device, cpu) copies."""
+    def swap_in(self, seq_ids: list[int]) -> list[tuple[int, int]]:
+        """Move them back; returns (cpu, device) copies."""
+    def block_table(self, seq_id: int) -> list[int]: ...
+    def num_tokens(self, seq_id: int) -> int: ...
+    def is_swapped(self, seq_id: int) -> bool: ...
+    def refcount(self, block: int, on_device: bool = True) -> int: ...
+    def blocks_needed_to_append(self, seq_id: int, num_tokens: int) -> int: ...
+    def check_invariants(self) -> None: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def num_device_blocks(self) -> int: ...
+    @property
+    def num_free_device_blocks(self) -> int: ...
+    @property
+    def num_cached_device_blocks(self) -> int: ...
+    @property
+    def num_cpu_blocks(self) -> int: ...
+    @property
+    def num_free_cpu_blocks(self) -> int: ...
+    @property
+    def prefix_cache_queries(self) -> int: ...
+    @property
+    def prefix_cache_hits(self) -> int: ...
+
+__version__: str

@@ -1,0 +1,526 @@
+//! The PyO3 layer: conversions and error mapping only. All logic lives in the plain Rust types.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::block_manager::BlockManager as RustBlockManager;
+use crate::block_pool::Device;
+use crate::config::SchedulerConfig as RustSchedulerConfig;
+use crate::errors::Error;
+use crate::preemption::{CostModel, PreemptionMode};
+use crate::scheduler::{
+    ScheduledSequence as RustScheduledSequence, Scheduler as RustScheduler, SchedulerOutput as RustSchedulerOutput,
+};
+
+mod exceptions {
+    pyo3::import_exception!(pagedkv.errors, PagedKVError);
+    pyo3::import_exception!(pagedkv.errors, PromptTooLongError);
+    pyo3::import_exception!(pagedkv.errors, OverloadedError);
+    pyo3::import_exception!(pagedkv.errors, OutOfBlocksError);
+    pyo3::import_exception!(pagedkv.errors, UnknownRequestError);
+    pyo3::import_exception!(pagedkv.errors, UnknownSequenceError);
+    pyo3::import_exception!(pagedkv.errors, DuplicateRequestError);
+    pyo3::import_exception!(pagedkv.errors, InvalidConfigError);
+    pyo3::import_exception!(pagedkv.errors, InvalidStateError);
+}
+
+fn to_py_err(error: Error) -> PyErr {
+    use exceptions::*;
+    let message = error.to_string();
+    match error {
+        Error::PromptTooLong { .. } | Error::PromptExceedsPool { .. } => PromptTooLongError::new_err(message),
+        Error::Overloaded { .. } => OverloadedError::new_err(message),
+        Error::OutOfBlocks { .. } => OutOfBlocksError::new_err(message),
+        Error::UnknownRequest(_) => UnknownRequestError::new_err(message),
+        Error::UnknownSequence(_) => UnknownSequenceError::new_err(message),
+        Error::DuplicateRequest(_) | Error::DuplicateSequence(_) => DuplicateRequestError::new_err(message),
+        Error::InvalidConfig { .. } => InvalidConfigError::new_err(message),
+        Error::InvalidState(_) => InvalidStateError::new_err(message),
+    }
+}
+
+/// Runs core code so that neither an error nor a panic crosses into Python unmapped.
+fn call<T>(f: impl FnOnce() -> crate::errors::Result<T>) -> PyResult<T> {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(result) => result.map_err(to_py_err),
+        Err(panic) => {
+            let what = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_default();
+            Err(exceptions::PagedKVError::new_err(format!("internal error in pagedkv core: {what}")))
+        }
+    }
+}
+
+/// Scheduler settings; see `pagedkv._core.pyi` for each field.
+#[pyclass(module = "pagedkv._core", from_py_object)]
+#[derive(Clone)]
+pub struct SchedulerConfig {
+    #[pyo3(get, set)]
+    block_size: usize,
+    #[pyo3(get, set)]
+    num_device_blocks: usize,
+    #[pyo3(get, set)]
+    num_cpu_blocks: usize,
+    #[pyo3(get, set)]
+    max_num_seqs: usize,
+    #[pyo3(get, set)]
+    max_num_batched_tokens: usize,
+    #[pyo3(get, set)]
+    max_model_len: usize,
+    #[pyo3(get, set)]
+    max_waiting_requests: usize,
+    #[pyo3(get, set)]
+    enable_prefix_caching: bool,
+    #[pyo3(get, set)]
+    enable_chunked_prefill: bool,
+    #[pyo3(get, set)]
+    preemption_mode: String,
+    #[pyo3(get, set)]
+    watermark: f64,
+    #[pyo3(get, set)]
+    recompute_cost_per_token: f64,
+    #[pyo3(get, set)]
+    block_bytes: f64,
+    #[pyo3(get, set)]
+    swap_bandwidth: f64,
+    #[pyo3(get, set)]
+    swap_latency: f64,
+}
+
+#[pymethods]
+impl SchedulerConfig {
+    #[new]
+    #[pyo3(signature = (
+        block_size=16, num_device_blocks=1024, num_cpu_blocks=1024, max_num_seqs=256,
+        max_num_batched_tokens=2048, max_model_len=2048, max_waiting_requests=1024,
+        enable_prefix_caching=true, enable_chunked_prefill=true, preemption_mode="auto".to_string(),
+        watermark=0.01, recompute_cost_per_token=None, block_bytes=None, swap_bandwidth=None, swap_latency=None,
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        block_size: usize,
+        num_device_blocks: usize,
+        num_cpu_blocks: usize,
+        max_num_seqs: usize,
+        max_num_batched_tokens: usize,
+        max_model_len: usize,
+        max_waiting_requests: usize,
+        enable_prefix_caching: bool,
+        enable_chunked_prefill: bool,
+        preemption_mode: String,
+        watermark: f64,
+        recompute_cost_per_token: Option<f64>,
+        block_bytes: Option<f64>,
+        swap_bandwidth: Option<f64>,
+        swap_latency: Option<f64>,
+    ) -> PyResult<Self> {
+        let cost = CostModel::default();
+        let config = SchedulerConfig {
+            block_size,
+            num_device_blocks,
+            num_cpu_blocks,
+            max_num_seqs,
+            max_num_batched_tokens,
+            max_model_len,
+            max_waiting_requests,
+            enable_prefix_caching,
+            enable_chunked_prefill,
+            preemption_mode,
+            watermark,
+            recompute_cost_per_token: recompute_cost_per_token.unwrap_or(cost.recompute_cost_per_token),
+            block_bytes: block_bytes.unwrap_or(cost.block_bytes),
+            swap_bandwidth: swap_bandwidth.unwrap_or(cost.swap_bandwidth),
+            swap_latency: swap_latency.unwrap_or(cost.swap_latency),
+        };
+        config.to_rust()?;
+        Ok(config)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "SchedulerConfig(block_size={}, num_device_blocks={}, num_cpu_blocks={}, max_num_seqs={}, \
+             max_num_batched_tokens={}, max_model_len={}, max_waiting_requests={}, enable_prefix_caching={}, \
+             enable_chunked_prefill={}, preemption_mode={:?}, watermark={})",
+            self.block_size,
+            self.num_device_blocks,
+            self.num_cpu_blocks,
+            self.max_num_seqs,
+            self.max_num_batched_tokens,
+            self.max_model_len,
+            self.max_waiting_requests,
+            self.enable_prefix_caching,
+            self.enable_chunked_prefill,
+            self.preemption_mode,
+            self.watermark
+        )
+    }
+}
+
+impl SchedulerConfig {
+    fn to_rust(&self) -> PyResult<RustSchedulerConfig> {
+        let config = RustSchedulerConfig {
+            block_size: self.block_size,
+            num_device_blocks: self.num_device_blocks,
+            num_cpu_blocks: self.num_cpu_blocks,
+            max_num_seqs: self.max_num_seqs,
+            max_num_batched_tokens: self.max_num_batched_tokens,
+            max_model_len: self.max_model_len,
+            max_waiting_requests: self.max_waiting_requests,
+            enable_prefix_caching: self.enable_prefix_caching,
+            enable_chunked_prefill: self.enable_chunked_prefill,
+            preemption_mode: self.preemption_mode.parse::<PreemptionMode>().map_err(to_py_err)?,
+            watermark: self.watermark,
+            cost_model: CostModel {
+                recompute_cost_per_token: self.recompute_cost_per_token,
+                block_bytes: self.block_bytes,
+                swap_bandwidth: self.swap_bandwidth,
+                swap_latency: self.swap_latency,
+            },
+        };
+        config.validate().map_err(to_py_err)?;
+        Ok(config)
+    }
+}
+
+/// One sequence's work in a step (see the stub for field meanings).
+#[pyclass(module = "pagedkv._core", frozen, get_all)]
+pub struct ScheduledSequence {
+    request_id: String,
+    seq_id: u64,
+    is_prefill: bool,
+    start: usize,
+    end: usize,
+    token_ids: Vec<u32>,
+    block_table: Vec<u32>,
+    slot_mapping: Vec<i64>,
+    sample: bool,
+}
+
+#[pymethods]
+impl ScheduledSequence {
+    #[getter]
+    fn context_len(&self) -> usize {
+        self.end
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "ScheduledSequence(request_id={:?}, seq_id={}, is_prefill={}, start={}, end={}, sample={}, blocks={})",
+            self.request_id,
+            self.seq_id,
+            self.is_prefill,
+            self.start,
+            self.end,
+            self.sample,
+            self.block_table.len()
+        )
+    }
+}
+
+impl From<RustScheduledSequence> for ScheduledSequence {
+    fn from(seq: RustScheduledSequence) -> Self {
+        ScheduledSequence {
+            request_id: seq.request_id,
+            seq_id: seq.seq_id,
+            is_prefill: seq.is_prefill,
+            start: seq.start,
+            end: seq.end,
+            token_ids: seq.token_ids,
+            block_table: seq.block_table,
+            slot_mapping: seq.slot_mapping,
+            sample: seq.sample,
+        }
+    }
+}
+
+/// The plan of one step.
+#[pyclass(module = "pagedkv._core", frozen, get_all)]
+pub struct SchedulerOutput {
+    scheduled: Vec<Py<ScheduledSequence>>,
+    blocks_to_swap_in: Vec<(u32, u32)>,
+    blocks_to_swap_out: Vec<(u32, u32)>,
+    blocks_to_copy: Vec<(u32, u32)>,
+    preempted: Vec<String>,
+    aborted: Vec<String>,
+    num_batched_tokens: usize,
+    num_prefix_hit_tokens: usize,
+}
+
+#[pymethods]
+impl SchedulerOutput {
+    fn is_empty(&self) -> bool {
+        self.scheduled.is_empty() && self.blocks_to_swap_out.is_empty()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "SchedulerOutput(scheduled={}, tokens={}, swap_in={}, swap_out={}, copy={}, preempted={:?}, aborted={:?})",
+            self.scheduled.len(),
+            self.num_batched_tokens,
+            self.blocks_to_swap_in.len(),
+            self.blocks_to_swap_out.len(),
+            self.blocks_to_copy.len(),
+            self.preempted,
+            self.aborted
+        )
+    }
+}
+
+impl SchedulerOutput {
+    fn from_rust(py: Python<'_>, out: RustSchedulerOutput) -> PyResult<Self> {
+        let scheduled = out
+            .scheduled
+            .into_iter()
+            .map(|seq| Py::new(py, ScheduledSequence::from(seq)))
+            .collect::<PyResult<_>>()?;
+        Ok(SchedulerOutput {
+            scheduled,
+            blocks_to_swap_in: out.blocks_to_swap_in,
+            blocks_to_swap_out: out.blocks_to_swap_out,
+            blocks_to_copy: out.blocks_to_copy,
+            preempted: out.preempted,
+            aborted: out.aborted,
+            num_batched_tokens: out.num_batched_tokens,
+            num_prefix_hit_tokens: out.num_prefix_hit_tokens,
+        })
+    }
+}
+
+/// The scheduler: continuous batching over a paged KV cache.
+#[pyclass(module = "pagedkv._core")]
+pub struct Scheduler {
+    inner: RustScheduler,
+}
+
+#[pymethods]
+impl Scheduler {
+    #[new]
+    #[pyo3(signature = (config=None))]
+    fn new(config: Option<SchedulerConfig>) -> PyResult<Self> {
+        let config = match config {
+            Some(config) => config.to_rust()?,
+            None => RustSchedulerConfig::default(),
+        };
+        Ok(Scheduler { inner: call(|| RustScheduler::new(config))? })
+    }
+
+    #[pyo3(signature = (request_id, prompt_token_ids, extra_key=None))]
+    fn add_request(&mut self, request_id: &str, prompt_token_ids: Vec<u32>, extra_key: Option<u64>) -> PyResult<u64> {
+        call(|| self.inner.add_request(request_id, prompt_token_ids, extra_key))
+    }
+
+    fn schedule(&mut self, py: Python<'_>) -> PyResult<SchedulerOutput> {
+        let inner = &mut self.inner;
+        let out = py.detach(|| call(|| Ok(inner.schedule())))?;
+        SchedulerOutput::from_rust(py, out)
+    }
+
+    fn append_token(&mut self, seq_id: u64, token_id: u32) -> PyResult<()> {
+        call(|| self.inner.append_token(seq_id, token_id))
+    }
+
+    fn fork(&mut self, parent_seq_id: u64) -> PyResult<u64> {
+        call(|| self.inner.fork(parent_seq_id))
+    }
+
+    fn finish_sequence(&mut self, seq_id: u64) -> PyResult<()> {
+        call(|| self.inner.finish_sequence(seq_id))
+    }
+
+    fn abort(&mut self, request_id: &str) -> PyResult<()> {
+        call(|| self.inner.abort(request_id))
+    }
+
+    fn sequence_len(&self, seq_id: u64) -> PyResult<usize> {
+        call(|| self.inner.sequence_len(seq_id))
+    }
+
+    fn block_table(&self, seq_id: u64) -> PyResult<Vec<u32>> {
+        call(|| Ok(self.inner.block_manager().table(seq_id)?.blocks.clone()))
+    }
+
+    fn has_unfinished_requests(&self) -> bool {
+        self.inner.has_unfinished()
+    }
+
+    #[getter]
+    fn num_unfinished_requests(&self) -> usize {
+        self.inner.num_unfinished()
+    }
+
+    #[getter]
+    fn max_model_len(&self) -> usize {
+        self.inner.max_model_len()
+    }
+
+    #[getter]
+    fn block_size(&self) -> usize {
+        self.inner.config().block_size
+    }
+
+    fn check_invariants(&self) -> PyResult<()> {
+        self.inner.block_manager().check_invariants().map_err(exceptions::InvalidStateError::new_err)
+    }
+
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let stats = self.inner.stats();
+        let dict = PyDict::new(py);
+        dict.set_item("num_device_blocks", stats.num_device_blocks)?;
+        dict.set_item("num_free_device_blocks", stats.num_free_device_blocks)?;
+        dict.set_item("num_cached_device_blocks", stats.num_cached_device_blocks)?;
+        dict.set_item("num_cpu_blocks", stats.num_cpu_blocks)?;
+        dict.set_item("num_free_cpu_blocks", stats.num_free_cpu_blocks)?;
+        dict.set_item("num_running", stats.num_running)?;
+        dict.set_item("num_waiting", stats.num_waiting)?;
+        dict.set_item("num_swapped", stats.num_swapped)?;
+        dict.set_item("num_running_seqs", stats.num_running_seqs)?;
+        dict.set_item("num_preemptions_swap", stats.num_preemptions_swap)?;
+        dict.set_item("num_preemptions_recompute", stats.num_preemptions_recompute)?;
+        dict.set_item("num_blocks_swapped_in", stats.num_blocks_swapped_in)?;
+        dict.set_item("num_blocks_swapped_out", stats.num_blocks_swapped_out)?;
+        dict.set_item("num_blocks_copied", stats.num_blocks_copied)?;
+        dict.set_item("prefix_cache_queries", stats.prefix_cache_queries)?;
+        dict.set_item("prefix_cache_hits", stats.prefix_cache_hits)?;
+        let hit_rate = if stats.prefix_cache_queries == 0 {
+            0.0
+        } else {
+            stats.prefix_cache_hits as f64 / stats.prefix_cache_queries as f64
+        };
+        dict.set_item("prefix_cache_hit_rate", hit_rate)?;
+        dict.set_item("num_steps", stats.num_steps)?;
+        Ok(dict)
+    }
+}
+
+/// The block manager alone: two pools, block tables, fork/CoW, prefix cache, swap.
+#[pyclass(module = "pagedkv._core")]
+pub struct BlockManager {
+    inner: RustBlockManager,
+}
+
+#[pymethods]
+impl BlockManager {
+    #[new]
+    #[pyo3(signature = (num_device_blocks, num_cpu_blocks, block_size=16, enable_prefix_caching=false, watermark=0.0))]
+    fn new(
+        num_device_blocks: usize,
+        num_cpu_blocks: usize,
+        block_size: usize,
+        enable_prefix_caching: bool,
+        watermark: f64,
+    ) -> PyResult<Self> {
+        let inner =
+            call(|| RustBlockManager::new(num_device_blocks, num_cpu_blocks, block_size, enable_prefix_caching, watermark))?;
+        Ok(BlockManager { inner })
+    }
+
+    #[pyo3(signature = (seq_id, token_ids, extra_key=None))]
+    fn allocate(&mut self, seq_id: u64, token_ids: Vec<u32>, extra_key: Option<u64>) -> PyResult<usize> {
+        call(|| self.inner.allocate(seq_id, &token_ids, extra_key))
+    }
+
+    fn append_token(&mut self, seq_id: u64, token_id: u32) -> PyResult<Option<(u32, u32)>> {
+        call(|| self.inner.append_token(seq_id, token_id))
+    }
+
+    fn append_slots(&mut self, seq_id: u64, token_ids: Vec<u32>) -> PyResult<Option<(u32, u32)>> {
+        call(|| self.inner.append_slots(seq_id, &token_ids))
+    }
+
+    fn fork(&mut self, parent_seq_id: u64, child_seq_id: u64) -> PyResult<()> {
+        call(|| self.inner.fork(parent_seq_id, child_seq_id))
+    }
+
+    fn free(&mut self, seq_id: u64) -> PyResult<()> {
+        call(|| self.inner.free(seq_id))
+    }
+
+    fn swap_out(&mut self, seq_ids: Vec<u64>) -> PyResult<Vec<(u32, u32)>> {
+        call(|| self.inner.swap_out(&seq_ids))
+    }
+
+    fn swap_in(&mut self, seq_ids: Vec<u64>) -> PyResult<Vec<(u32, u32)>> {
+        call(|| self.inner.swap_in(&seq_ids))
+    }
+
+    fn block_table(&self, seq_id: u64) -> PyResult<Vec<u32>> {
+        call(|| Ok(self.inner.table(seq_id)?.blocks.clone()))
+    }
+
+    fn num_tokens(&self, seq_id: u64) -> PyResult<usize> {
+        call(|| Ok(self.inner.table(seq_id)?.num_tokens))
+    }
+
+    fn is_swapped(&self, seq_id: u64) -> PyResult<bool> {
+        call(|| Ok(self.inner.table(seq_id)?.device == Device::Cpu))
+    }
+
+    #[pyo3(signature = (block, on_device=true))]
+    fn refcount(&self, block: u32, on_device: bool) -> PyResult<u32> {
+        let device = if on_device { Device::Gpu } else { Device::Cpu };
+        let num_blocks = if on_device { self.inner.num_device_blocks() } else { self.inner.num_cpu_blocks() };
+        if block as usize >= num_blocks {
+            return Err(exceptions::InvalidStateError::new_err(format!(
+                "block {block} out of range: the {device} pool has {num_blocks} blocks"
+            )));
+        }
+        Ok(self.inner.refcount(block, device))
+    }
+
+    fn blocks_needed_to_append(&self, seq_id: u64, num_tokens: usize) -> PyResult<usize> {
+        call(|| self.inner.blocks_needed_to_append(seq_id, num_tokens))
+    }
+
+    fn check_invariants(&self) -> PyResult<()> {
+        self.inner.check_invariants().map_err(exceptions::InvalidStateError::new_err)
+    }
+
+    #[getter]
+    fn block_size(&self) -> usize {
+        self.inner.block_size()
+    }
+    #[getter]
+    fn num_device_blocks(&self) -> usize {
+        self.inner.num_device_blocks()
+    }
+    #[getter]
+    fn num_free_device_blocks(&self) -> usize {
+        self.inner.num_free_device_blocks()
+    }
+    #[getter]
+    fn num_cached_device_blocks(&self) -> usize {
+        self.inner.num_cached_device_blocks()
+    }
+    #[getter]
+    fn num_cpu_blocks(&self) -> usize {
+        self.inner.num_cpu_blocks()
+    }
+    #[getter]
+    fn num_free_cpu_blocks(&self) -> usize {
+        self.inner.num_free_cpu_blocks()
+    }
+    #[getter]
+    fn prefix_cache_queries(&self) -> u64 {
+        self.inner.prefix_cache().queries
+    }
+    #[getter]
+    fn prefix_cache_hits(&self) -> u64 {
+        self.inner.prefix_cache().hits
+    }
+}
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<SchedulerConfig>()?;
+    m.add_class::<ScheduledSequence>()?;
+    m.add_class::<SchedulerOutput>()?;
+    m.add_class::<Scheduler>()?;
+    m.add_class::<BlockManager>()?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}
