@@ -1,0 +1,91 @@
+"""The scheduler through its Python API: the loop another serving stack would drive."""
+
+import threading
+
+import pytest
+
+import pagedkv
+from pagedkv import Scheduler, SchedulerConfig
+
+
+def small_config(**overrides):
+    values = dict(block_size=4, num_device_blocks=8, num_cpu_blocks=8, max_model_len=32, max_num_batched_tokens=32)
+    values.update(overrides)
+    return SchedulerConfig(**values)
+
+
+def test_errors_are_pagedkv_exception_classes_naming_the_limit():
+    scheduler = Scheduler(small_config(max_waiting_requests=1))
+    with pytest.raises(pagedkv.PromptTooLongError, match="max_model_len=32"):
+        scheduler.add_request("long", list(range(33)))
+    scheduler.add_request("a", [1, 2, 3])
+    with pytest.raises(pagedkv.OverloadedError, match="max_waiting_requests=1"):
+        scheduler.add_request("b", [1, 2, 3])
+    with pytest.raises(pagedkv.DuplicateRequestError):
+        scheduler.add_request("a", [1])
+    with pytest.raises(pagedkv.UnknownRequestError):
+        scheduler.abort("nobody")
+    with pytest.raises(pagedkv.UnknownSequenceError):
+        scheduler.append_token(999, 1)
+    with pytest.raises(pagedkv.InvalidConfigError, match="preemption_mode"):
+        SchedulerConfig(preemption_mode="sometimes")
+    with pytest.raises(OverflowError):
+        scheduler.add_request("neg", [-1])  # token ids are unsigned: a clear Python error, no panic
+    assert isinstance(pagedkv.PromptTooLongError("x"), ValueError)
+
+
+def test_a_model_loop_drives_requests_to_completion_with_preemption():
+    scheduler = Scheduler(small_config(preemption_mode="swap", enable_prefix_caching=False))
+    targets = {}
+    for i in range(6):
+        seq_id = scheduler.add_request(f"r{i}", [i] * (3 + i))
+        targets[seq_id] = 3 + i + 8
+    swapped_out = swapped_in = 0
+    for _ in range(500):
+        if not scheduler.has_unfinished_requests():
+            break
+        out = scheduler.schedule()
+        swapped_out += len(out.blocks_to_swap_out)
+        swapped_in += len(out.blocks_to_swap_in)
+        for seq in out.scheduled:
+            assert len(seq.slot_mapping) == len(seq.token_ids) == seq.end - seq.start
+            assert all(slot // 4 in seq.block_table for slot in seq.slot_mapping)
+            if seq.sample:
+                if scheduler.sequence_len(seq.seq_id) >= targets[seq.seq_id]:
+                    scheduler.finish_sequence(seq.seq_id)
+                else:
+                    scheduler.append_token(seq.seq_id, 7)
+        scheduler.check_invariants()
+    stats = scheduler.stats()
+    assert not scheduler.has_unfinished_requests()
+    assert stats["num_preemptions_swap"] > 0 and swapped_out > 0 and swapped_in == swapped_out
+    assert stats["num_free_device_blocks"] == 8 and stats["num_free_cpu_blocks"] == 8
+
+
+def test_schedule_releases_the_gil():
+    # Another Python thread keeps running while schedule() works on a large batch.
+    scheduler = Scheduler(SchedulerConfig(num_device_blocks=20000, max_num_seqs=1024, max_num_batched_tokens=1 << 20,
+                                          max_model_len=4096))
+    for i in range(1024):
+        scheduler.add_request(str(i), list(range(2000)))
+    ticks = []
+    stop = threading.Event()
+
+    def tick():
+        while not stop.is_set():
+            ticks.append(1)
+
+    thread = threading.Thread(target=tick)
+    thread.start()
+    try:
+        while not ticks:
+            pass
+        before = len(ticks)
+        out = scheduler.schedule()
+        during = len(ticks) - before
+    finally:
+        stop.set()
+        thread.join()
+    assert len(out.scheduled) == 1024
+    # Holding the GIL, the other thread could not have run for the whole call.
+    assert during > 1000, during
