@@ -1,7 +1,7 @@
 //! The device pool, the CPU swap pool and every sequence's block table: allocation on demand,
 //! fork with copy-on-write, prefix-cache reuse, swap between tiers, and the watermark.
 
-use std::collections::HashMap;
+use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 
 use crate::block_pool::{BlockId, BlockPool, Device};
 use crate::block_table::BlockTable;
@@ -55,7 +55,7 @@ impl BlockManager {
             cache: PrefixCache::default(),
             enable_prefix_caching,
             watermark_blocks: (watermark * num_device_blocks as f64).ceil() as usize,
-            tables: HashMap::new(),
+            tables: HashMap::default(),
         })
     }
 
@@ -277,7 +277,7 @@ impl BlockManager {
     }
 
     fn unique_blocks(&self, seqs: &[SeqId], device: Device) -> Result<Vec<BlockId>> {
-        let mut seen = std::collections::HashSet::new();
+        let mut seen = HashSet::default();
         let mut unique = Vec::new();
         for &seq in seqs {
             let table = self.table(seq)?;
@@ -305,7 +305,7 @@ impl BlockManager {
         if unique.len() > self.cpu.num_free() {
             return Err(Error::OutOfBlocks { device: Device::Cpu, needed: unique.len(), free: self.cpu.num_free() });
         }
-        let mut mapping: HashMap<BlockId, BlockId> = HashMap::with_capacity(unique.len());
+        let mut mapping: HashMap<BlockId, BlockId> = HashMap::with_capacity_and_hasher(unique.len(), Default::default());
         let mut copies = Vec::with_capacity(unique.len());
         for &seq in seqs {
             let table = self.tables.get_mut(&seq).unwrap();
@@ -342,7 +342,7 @@ impl BlockManager {
         if unique.len() > self.gpu.num_free() {
             return Err(Error::OutOfBlocks { device: Device::Gpu, needed: unique.len(), free: self.gpu.num_free() });
         }
-        let mut mapping: HashMap<BlockId, BlockId> = HashMap::with_capacity(unique.len());
+        let mut mapping: HashMap<BlockId, BlockId> = HashMap::with_capacity_and_hasher(unique.len(), Default::default());
         let mut copies = Vec::with_capacity(unique.len());
         for &seq in seqs {
             let table = self.tables.get_mut(&seq).unwrap();

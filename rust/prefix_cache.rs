@@ -1,8 +1,9 @@
 //! Prefix caching: a full block is named by a hash chained over (parent block's hash, its token
 //! ids, an optional extra key such as an adapter id); the map finds a device block by that name.
 
-use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
+
+use rustc_hash::FxHashMap as HashMap;
 
 use crate::block_pool::BlockId;
 

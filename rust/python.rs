@@ -222,17 +222,17 @@ impl ScheduledSequence {
     }
 }
 
-impl From<RustScheduledSequence> for ScheduledSequence {
-    fn from(seq: RustScheduledSequence) -> Self {
+impl ScheduledSequence {
+    fn from_rust(out: &RustSchedulerOutput, seq: &RustScheduledSequence) -> Self {
         ScheduledSequence {
-            request_id: seq.request_id,
+            request_id: seq.request_id.to_string(),
             seq_id: seq.seq_id,
             is_prefill: seq.is_prefill,
             start: seq.start,
             end: seq.end,
-            token_ids: seq.token_ids,
-            block_table: seq.block_table,
-            slot_mapping: seq.slot_mapping,
+            token_ids: out.token_ids(seq).to_vec(),
+            block_table: out.block_table(seq).to_vec(),
+            slot_mapping: out.slot_mapping(seq).to_vec(),
             sample: seq.sample,
         }
     }
@@ -275,16 +275,16 @@ impl SchedulerOutput {
     fn from_rust(py: Python<'_>, out: RustSchedulerOutput) -> PyResult<Self> {
         let scheduled = out
             .scheduled
-            .into_iter()
-            .map(|seq| Py::new(py, ScheduledSequence::from(seq)))
+            .iter()
+            .map(|seq| Py::new(py, ScheduledSequence::from_rust(&out, seq)))
             .collect::<PyResult<_>>()?;
         Ok(SchedulerOutput {
             scheduled,
             blocks_to_swap_in: out.blocks_to_swap_in,
             blocks_to_swap_out: out.blocks_to_swap_out,
             blocks_to_copy: out.blocks_to_copy,
-            preempted: out.preempted,
-            aborted: out.aborted,
+            preempted: out.preempted.iter().map(|id| id.to_string()).collect(),
+            aborted: out.aborted.iter().map(|id| id.to_string()).collect(),
             num_batched_tokens: out.num_batched_tokens,
             num_prefix_hit_tokens: out.num_prefix_hit_tokens,
         })

@@ -2,7 +2,12 @@
 //! then waiting prefills (chunked into what is left of the budget). Groups that cannot grow
 //! preempt the latest-arrived running group by swap or recompute.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
+use std::ops::Range;
+use std::sync::Arc;
+
+use rustc_hash::FxHashMap as HashMap;
+use smallvec::SmallVec;
 
 use crate::block_manager::{BlockCopy, BlockManager, SeqId};
 use crate::config::SchedulerConfig;
@@ -12,20 +17,23 @@ use crate::sequence::{GroupState, SeqStatus, Sequence, SequenceGroup};
 
 type GroupId = u64;
 
-/// One sequence's work in a step: compute KV for `token_ids` = tokens[start..end].
+/// (sequence, tokens to compute) for each sequence of a group in this step.
+type Plan = SmallVec<[(SeqId, usize); 4]>;
+
+/// One sequence's work in a step: compute KV for tokens[start..end]. Its token ids, block table
+/// and slot mapping live in the output's flat arrays (see the `SchedulerOutput` accessors), so a
+/// step allocates a handful of vectors, not three per sequence.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ScheduledSequence {
-    pub request_id: String,
+    pub request_id: Arc<str>,
     pub seq_id: SeqId,
     pub is_prefill: bool,
     pub start: usize,
     pub end: usize,
-    pub token_ids: Vec<u32>,
-    pub block_table: Vec<u32>,
-    /// Destination slot of each new token's K/V.
-    pub slot_mapping: Vec<i64>,
     /// Whether this step yields the sequence's next token (a decode, or the last prefill chunk).
     pub sample: bool,
+    pub token_range: Range<usize>,
+    pub block_range: Range<usize>,
 }
 
 impl ScheduledSequence {
@@ -39,18 +47,36 @@ impl ScheduledSequence {
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct SchedulerOutput {
     pub scheduled: Vec<ScheduledSequence>,
+    /// All scheduled token ids, back to back (`token_range` of each sequence).
+    pub token_ids: Vec<u32>,
+    /// Destination slot (block * block_size + offset) of each token in `token_ids`.
+    pub slot_mapping: Vec<i64>,
+    /// All block tables, back to back (`block_range` of each sequence).
+    pub block_tables: Vec<u32>,
     pub blocks_to_swap_in: Vec<BlockCopy>,
     pub blocks_to_swap_out: Vec<BlockCopy>,
     pub blocks_to_copy: Vec<BlockCopy>,
     /// Requests preempted in this step (their sequences are not in `scheduled`).
-    pub preempted: Vec<String>,
+    pub preempted: Vec<Arc<str>>,
     /// Requests dropped because they can never fit the device pool (e.g. n beams too long).
-    pub aborted: Vec<String>,
+    pub aborted: Vec<Arc<str>>,
     pub num_batched_tokens: usize,
     pub num_prefix_hit_tokens: usize,
 }
 
 impl SchedulerOutput {
+    pub fn token_ids(&self, seq: &ScheduledSequence) -> &[u32] {
+        &self.token_ids[seq.token_range.clone()]
+    }
+
+    pub fn slot_mapping(&self, seq: &ScheduledSequence) -> &[i64] {
+        &self.slot_mapping[seq.token_range.clone()]
+    }
+
+    pub fn block_table(&self, seq: &ScheduledSequence) -> &[u32] {
+        &self.block_tables[seq.block_range.clone()]
+    }
+
     pub fn is_empty(&self) -> bool {
         self.scheduled.is_empty() && self.blocks_to_swap_out.is_empty()
     }
@@ -95,7 +121,7 @@ pub struct Scheduler {
     max_model_len: usize,
     blocks: BlockManager,
     groups: HashMap<GroupId, SequenceGroup>,
-    group_by_request: HashMap<String, GroupId>,
+    group_by_request: HashMap<Arc<str>, GroupId>,
     group_by_seq: HashMap<SeqId, GroupId>,
     /// All three ordered by arrival (FCFS); preemption victims come from the back of `running`.
     waiting: VecDeque<GroupId>,
@@ -120,9 +146,9 @@ impl Scheduler {
             max_model_len: config.effective_max_model_len(),
             config,
             blocks,
-            groups: HashMap::new(),
-            group_by_request: HashMap::new(),
-            group_by_seq: HashMap::new(),
+            groups: HashMap::default(),
+            group_by_request: HashMap::default(),
+            group_by_seq: HashMap::default(),
             waiting: VecDeque::new(),
             running: VecDeque::new(),
             swapped: VecDeque::new(),
@@ -183,8 +209,9 @@ impl Scheduler {
         let group_id = self.next_group;
         self.next_group += 1;
         let seq_id = self.new_seq_id();
+        let request_id: Arc<str> = Arc::from(request_id);
         let group = SequenceGroup {
-            request_id: request_id.to_string(),
+            request_id: request_id.clone(),
             arrival: group_id,
             extra_key,
             num_prompt_tokens: prompt.len(),
@@ -194,7 +221,7 @@ impl Scheduler {
             num_preemptions: 0,
         };
         self.groups.insert(group_id, group);
-        self.group_by_request.insert(request_id.to_string(), group_id);
+        self.group_by_request.insert(request_id, group_id);
         self.group_by_seq.insert(seq_id, group_id);
         self.waiting.push_back(group_id);
         Ok(seq_id)
@@ -322,7 +349,11 @@ impl Scheduler {
         self.counters.steps += 1;
         let mut out = SchedulerOutput::default();
         let mut budget = self.config.max_num_batched_tokens;
-        let mut decodes = Vec::new();
+        let expected = self.running.len() + 8;
+        out.scheduled.reserve(expected);
+        out.token_ids.reserve(expected);
+        out.slot_mapping.reserve(expected);
+        let mut decodes = Vec::with_capacity(expected);
 
         // 1. Running groups, oldest first; make room by preempting the newest.
         let mut preempted_any = false;
@@ -437,10 +468,10 @@ impl Scheduler {
 
     /// (seq, tokens to compute) for each active sequence of a running group within `budget`.
     /// Decoding sequences of a group are scheduled together or not at all.
-    fn plan_group(&self, group_id: GroupId, budget: usize) -> Vec<(SeqId, usize)> {
+    fn plan_group(&self, group_id: GroupId, budget: usize) -> Plan {
         let group = &self.groups[&group_id];
         let mut left = budget;
-        let mut plan = Vec::with_capacity(group.seqs.len());
+        let mut plan = Plan::new();
         for seq in group.active_seqs() {
             let uncomputed = seq.num_uncomputed();
             if uncomputed == 0 {
@@ -448,7 +479,7 @@ impl Scheduler {
             }
             let take = uncomputed.min(left);
             if take == 0 || (!self.config.enable_chunked_prefill && take < uncomputed) {
-                return Vec::new();
+                return Plan::new();
             }
             plan.push((seq.id, take));
             left -= take;
@@ -499,26 +530,30 @@ impl Scheduler {
         let group = self.groups.get_mut(&group_id).unwrap();
         let mut used = 0;
         for &(seq_id, take) in plan {
-            let request_id = group.request_id.clone();
-            let seq = group.seq_mut(seq_id).unwrap();
+            let seq = group.seqs.iter_mut().find(|seq| seq.id == seq_id).unwrap();
             let (start, end) = (seq.num_computed, seq.num_computed + take);
             let is_prefill = seq.in_prefill();
-            if let Some(copy) = self.blocks.append_slots(seq_id, &seq.tokens[start..end]).expect("blocks were checked") {
+            let new_tokens = &seq.tokens[start..end];
+            if let Some(copy) = self.blocks.append_slots(seq_id, new_tokens).expect("blocks were checked") {
                 self.counters.blocks_copied += 1;
                 out.blocks_to_copy.push(copy);
             }
             seq.num_computed = end;
             let table = self.blocks.table(seq_id).unwrap();
+            let token_range = out.token_ids.len()..out.token_ids.len() + take;
+            out.token_ids.extend_from_slice(new_tokens);
+            out.slot_mapping.extend((start..end).map(|pos| table.slot(pos, block_size)));
+            let block_range = out.block_tables.len()..out.block_tables.len() + table.blocks.len();
+            out.block_tables.extend_from_slice(&table.blocks);
             let scheduled = ScheduledSequence {
-                request_id,
+                request_id: group.request_id.clone(),
                 seq_id,
                 is_prefill,
                 start,
                 end,
-                token_ids: seq.tokens[start..end].to_vec(),
-                block_table: table.blocks.clone(),
-                slot_mapping: (start..end).map(|pos| table.slot(pos, block_size)).collect(),
                 sample: end == seq.len(),
+                token_range,
+                block_range,
             };
             if is_prefill {
                 out.scheduled.push(scheduled);

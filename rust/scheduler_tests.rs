@@ -46,15 +46,15 @@ fn prefill_then_decode() {
     let step = &out.scheduled[0];
     assert!(step.is_prefill && step.sample);
     assert_eq!((step.start, step.end), (0, 6));
-    assert_eq!(step.token_ids, prompt(6, 1));
-    assert_eq!(step.block_table.len(), 2);
-    let table = &step.block_table;
-    assert_eq!(step.slot_mapping[5], (table[1] * 4 + 1) as i64);
+    assert_eq!(out.token_ids(step), prompt(6, 1));
+    let table = out.block_table(step);
+    assert_eq!(table.len(), 2);
+    assert_eq!(out.slot_mapping(step)[5], (table[1] * 4 + 1) as i64);
     s.append_token(seq, 42).unwrap();
     let out = s.schedule();
     let step = &out.scheduled[0];
     assert!(!step.is_prefill && step.sample);
-    assert_eq!((step.start, step.end, step.token_ids.clone()), (6, 7, vec![42]));
+    assert_eq!((step.start, step.end, out.token_ids(step).to_vec()), (6, 7, vec![42]));
     assert!(matches!(s.append_token(seq, 1), Ok(())));
     assert!(matches!(s.append_token(seq, 1), Err(Error::InvalidState(_))), "KV of the last token not computed yet");
     check(&s);
@@ -102,7 +102,7 @@ fn decodes_come_first_and_prefill_takes_what_is_left() {
     let out = s.schedule();
     // 3 decodes (1 token each) and a 7-token chunk of d; prefills are listed first.
     assert_eq!(out.num_batched_tokens, 10);
-    assert_eq!(out.scheduled[0].request_id, "d");
+    assert_eq!(&*out.scheduled[0].request_id, "d");
     assert_eq!(out.scheduled[0].end, 7);
     assert!(out.scheduled[1..].iter().all(|seq| !seq.is_prefill && seq.end - seq.start == 1));
 }
@@ -156,10 +156,10 @@ fn run_until_preemption(mode: PreemptionMode, num_cpu_blocks: usize) -> (Schedul
 #[test]
 fn preemption_by_swap_moves_the_newest_group_and_brings_it_back() {
     let (mut s, out) = run_until_preemption(PreemptionMode::Swap, 8);
-    assert_eq!(out.preempted, vec!["new".to_string()]);
+    assert_eq!(out.preempted, vec![std::sync::Arc::from("new")]);
     assert_eq!(out.blocks_to_swap_out.len(), 2);
     assert_eq!(out.scheduled.len(), 1);
-    assert_eq!(out.scheduled[0].request_id, "old");
+    assert_eq!(&*out.scheduled[0].request_id, "old");
     let stats = s.stats();
     assert_eq!((stats.num_swapped, stats.num_preemptions_swap, stats.num_blocks_swapped_out), (1, 1, 2));
     check(&s);
@@ -168,7 +168,7 @@ fn preemption_by_swap_moves_the_newest_group_and_brings_it_back() {
     let out = s.schedule();
     assert_eq!(out.blocks_to_swap_in.len(), 2);
     assert_eq!(out.scheduled.len(), 1);
-    assert_eq!((out.scheduled[0].request_id.as_str(), out.scheduled[0].start), ("new", 8));
+    assert_eq!((&*out.scheduled[0].request_id, out.scheduled[0].start), ("new", 8));
     assert_eq!(s.stats().num_blocks_swapped_in, 2);
     check(&s);
 }
@@ -176,14 +176,14 @@ fn preemption_by_swap_moves_the_newest_group_and_brings_it_back() {
 #[test]
 fn preemption_by_recompute_requeues_at_the_front_with_all_tokens() {
     let (mut s, out) = run_until_preemption(PreemptionMode::Recompute, 8);
-    assert_eq!(out.preempted, vec!["new".to_string()]);
+    assert_eq!(out.preempted, vec![std::sync::Arc::from("new")]);
     assert!(out.blocks_to_swap_out.is_empty());
     assert_eq!(s.stats().num_preemptions_recompute, 1);
     s.add_request("later", prompt(2, 3), None).unwrap();
     s.finish_sequence(out.scheduled[0].seq_id).unwrap();
     let out = s.schedule();
     // "new" comes back before "later", prefilling its prompt and its sampled token.
-    assert_eq!(out.scheduled[0].request_id, "new");
+    assert_eq!(&*out.scheduled[0].request_id, "new");
     assert_eq!((out.scheduled[0].start, out.scheduled[0].end), (0, 9));
     assert!(out.scheduled[0].is_prefill && out.scheduled[0].sample);
     check(&s);
@@ -230,7 +230,7 @@ fn forked_samples_share_blocks_and_copy_on_write_is_reported() {
     assert_eq!(out.scheduled.len(), 2);
     assert_eq!(out.blocks_to_copy.len(), 1, "the shared partial block is copied once");
     let (src, dst) = out.blocks_to_copy[0];
-    let tables: Vec<_> = out.scheduled.iter().map(|seq| seq.block_table.clone()).collect();
+    let tables: Vec<_> = out.scheduled.iter().map(|seq| out.block_table(seq).to_vec()).collect();
     assert_eq!(tables[0][0], tables[1][0], "the full first block stays shared");
     assert!(tables.iter().any(|t| t[1] == src) && tables.iter().any(|t| t[1] == dst));
     s.finish_sequence(parent).unwrap();
@@ -250,7 +250,7 @@ fn shared_prompts_hit_the_prefix_cache() {
     s.add_request("b", prompt(10, 1), None).unwrap();
     let out = s.schedule();
     assert_eq!(out.num_prefix_hit_tokens, 8);
-    let b = out.scheduled.iter().find(|seq| seq.request_id == "b").unwrap();
+    let b = out.scheduled.iter().find(|seq| &*seq.request_id == "b").unwrap();
     assert_eq!((b.start, b.end), (8, 10));
     assert_eq!(s.stats().prefix_cache_hits, 2);
 }
@@ -268,7 +268,7 @@ fn a_group_that_can_never_fit_is_dropped_not_looped() {
     }
     // 4 sequences each need their own copy of the partial block plus the shared one: 5 > 4.
     let out = s.schedule();
-    assert_eq!(out.aborted, vec!["beams".to_string()]);
+    assert_eq!(out.aborted, vec![std::sync::Arc::from("beams")]);
     assert!(!s.has_unfinished());
     assert_eq!(s.stats().num_free_device_blocks, 4);
 }

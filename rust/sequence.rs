@@ -1,6 +1,8 @@
 //! Sequences (one stream of tokens with a block table) and sequence groups (one request: a prompt
 //! and its samples or beams, admitted, preempted and resumed as a whole).
 
+use std::sync::Arc;
+
 use crate::block_manager::SeqId;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -66,7 +68,7 @@ pub enum GroupState {
 /// One request: all of its sequences share a state and move between queues together.
 #[derive(Debug, Clone)]
 pub struct SequenceGroup {
-    pub request_id: String,
+    pub request_id: Arc<str>,
     /// Arrival order (FCFS priority: smaller is older and is preempted last).
     pub arrival: u64,
     pub extra_key: Option<u64>,
