@@ -1,0 +1,290 @@
+"""LLMEngine: the loop a server drives. Each step asks the Rust scheduler for a plan, runs the model
+on it, samples, and reports the tokens back (forking samples and beams, freeing finished ones)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional, Union
+
+import torch
+
+from pagedkv._core import Scheduler, SchedulerConfig
+from pagedkv.beam_search import BeamSearch
+from pagedkv.config import EngineConfig
+from pagedkv.errors import DuplicateRequestError, UnknownRequestError
+from pagedkv.layers.sampler import Sampler, SamplingRow
+from pagedkv.model_runner import ModelRunner
+from pagedkv.outputs import RequestMetrics, RequestOutput
+from pagedkv.request_state import RequestState, SequenceState
+from pagedkv.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedkv.engine")
+
+# Rough device speeds for the swap-vs-recompute cost model (see rust/preemption.rs).
+_FLOPS = {"cpu": 50e9, "cuda": 200e12}
+_SWAP_BANDWIDTH = {"cpu": 5e9, "cuda": 20e9}
+
+
+class LLMEngine:
+    """Continuous-batching engine over a paged KV cache. Not thread-safe: one thread calls
+    `add_request`, `step` and `abort`."""
+
+    def __init__(self, config: Optional[EngineConfig] = None, **overrides):
+        self.config = config or EngineConfig(**overrides)
+        self.runner = ModelRunner(self.config)
+        self.tokenizer = self.runner.tokenizer
+        self.model_name = self.runner.model_name
+        self.eos_token_ids = frozenset(self.runner.eos_token_ids)
+        self.sampler = Sampler()
+        self.scheduler = Scheduler(self._scheduler_config())
+        self.max_model_len = self.scheduler.max_model_len
+        self.requests: dict[str, RequestState] = {}
+        self.seq_owner: dict[int, tuple[RequestState, SequenceState]] = {}
+        self.num_finished_by_reason: dict[str, int] = {}
+        logger.info(
+            "engine ready: model=%s device=%s blocks device=%d cpu=%d block_size=%d max_model_len=%d",
+            self.model_name,
+            self.config.device,
+            self.runner.num_device_blocks,
+            self.runner.num_cpu_blocks,
+            self.config.block_size,
+            self.max_model_len,
+        )
+
+    def _scheduler_config(self) -> SchedulerConfig:
+        config, runner = self.config, self.runner
+        device = "cuda" if str(config.device).startswith("cuda") else "cpu"
+        max_model_len = config.max_model_len or min(runner.max_position_embeddings, 8192)
+        max_num_batched_tokens = config.max_num_batched_tokens
+        if not config.enable_chunked_prefill:
+            max_num_batched_tokens = max(max_num_batched_tokens, max_model_len)
+        return SchedulerConfig(
+            block_size=config.block_size,
+            num_device_blocks=runner.num_device_blocks,
+            num_cpu_blocks=runner.num_cpu_blocks,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            max_waiting_requests=config.max_waiting_requests,
+            enable_prefix_caching=config.enable_prefix_caching,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            preemption_mode=config.preemption_mode,
+            watermark=config.watermark,
+            recompute_cost_per_token=2.0 * runner.num_parameters / _FLOPS[device],
+            block_bytes=float(runner.block_bytes),
+            swap_bandwidth=_SWAP_BANDWIDTH[device],
+        )
+
+    # -- requests --------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Union[str, list[int]],
+        params: Optional[SamplingParams] = None,
+        arrival_time: Optional[float] = None,
+    ) -> None:
+        """Queues a request. Raises PromptTooLongError (naming the limit), OverloadedError
+        (waiting queue full: retry later), DuplicateRequestError or ValueError."""
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise DuplicateRequestError(f"request id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            prompt_text, prompt_token_ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            prompt_text, prompt_token_ids = None, list(prompt)
+            vocab_size = self.runner.vocab_size
+            if not prompt_token_ids or any(not 0 <= int(t) < vocab_size for t in prompt_token_ids):
+                raise ValueError(f"prompt token ids must be a non-empty list of ints in [0, {vocab_size})")
+        if not prompt_token_ids:
+            raise ValueError("prompt must not be empty")
+        if params.num_sequences > self.config.max_num_seqs:
+            raise ValueError(f"n / beam_width={params.num_sequences} exceeds max_num_seqs={self.config.max_num_seqs}")
+        seq_id = self.scheduler.add_request(request_id, prompt_token_ids)
+        metrics = RequestMetrics(arrival_time=arrival_time or time.monotonic(), num_prompt_tokens=len(prompt_token_ids))
+        first = SequenceState(seq_id=seq_id, index=0, generator=self._generator(params, 0))
+        request = RequestState(request_id, prompt_text, prompt_token_ids, params, metrics, [first])
+        if params.use_beam_search:
+            request.beam_search = BeamSearch(
+                beam_width=params.beam_width,
+                num_outputs=params.n,
+                max_tokens=min(params.max_tokens, self.max_model_len - len(prompt_token_ids)),
+                length_penalty=params.length_penalty,
+                eos_token_ids=self.eos_token_ids,
+                ignore_eos=params.ignore_eos,
+            )
+            request.beam_search.running[seq_id] = ([], 0.0)
+        self.requests[request_id] = request
+        self.seq_owner[seq_id] = (request, first)
+
+    def _generator(self, params: SamplingParams, index: int) -> Optional[torch.Generator]:
+        if params.seed is None:
+            return None
+        generator = torch.Generator(device=self.runner.device)
+        generator.manual_seed(params.seed * 1_000_003 + index)
+        return generator
+
+    def abort(self, request_id: str) -> None:
+        """Drops a request and frees its blocks at once; unknown or finished ids are ignored."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        try:
+            self.scheduler.abort(request_id)
+        except UnknownRequestError:
+            pass
+        self._forget(request)
+        self._count_finish("abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # -- the step --------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Runs one scheduling step and model forward. Returns the (cumulative) output of every
+        request that produced tokens or finished in this step."""
+        plan = self.scheduler.schedule()
+        touched: dict[str, RequestState] = {}
+        for request_id in plan.aborted:
+            request = self.requests.get(request_id)
+            if request is not None:
+                logger.warning("request %s dropped: it needs more KV blocks than the device pool has", request_id)
+                for seq in request.seqs:
+                    seq.finish_reason = seq.finish_reason or "length"
+                if request.beam_search is not None:
+                    request.final_outputs = request.beam_search.outputs(self.tokenizer, request.params.skip_special_tokens)
+                request.forked = True
+                touched[request_id] = request
+        for request_id in plan.preempted:
+            if request_id in self.requests:
+                self.requests[request_id].metrics.num_preemptions += 1
+        if plan.num_prefix_hit_tokens:
+            logger.debug("prefix cache hit %d tokens", plan.num_prefix_hit_tokens)
+
+        if not plan.is_empty():
+            scheduled = plan.scheduled
+            now = time.monotonic()
+            for item in scheduled:
+                request = self.seq_owner[item.seq_id][0]
+                if request.metrics.first_scheduled_time is None:
+                    request.metrics.first_scheduled_time = now
+                    request.metrics.num_prefix_hit_tokens = item.start
+            logits = self.runner.execute(plan)
+            sampled = [item for item in scheduled if item.sample]
+            self._process_samples(sampled, logits, touched)
+
+        outputs = []
+        for request in touched.values():
+            outputs.append(request.to_output(self.tokenizer))
+            if request.finished:
+                self._finish_request(request)
+        return outputs
+
+    def _process_samples(self, sampled, logits: torch.Tensor, touched: dict[str, RequestState]) -> None:
+        rows: list[SamplingRow] = []
+        row_targets: list[tuple[RequestState, SequenceState]] = []
+        beams: dict[str, tuple[RequestState, list[int], list[int]]] = {}
+        for row_index, item in enumerate(sampled):
+            request, seq = self.seq_owner[item.seq_id]
+            touched[request.request_id] = request
+            if request.beam_search is not None:
+                entry = beams.setdefault(request.request_id, (request, [], []))
+                entry[1].append(item.seq_id)
+                entry[2].append(row_index)
+                continue
+            targets = [seq]
+            if not request.forked:
+                request.forked = True
+                targets += self._fork_samples(request, seq)
+            for target in targets:
+                rows.append(self._sampling_row(request, target, row_index))
+                row_targets.append((request, target))
+
+        if rows:
+            results = self.sampler(logits, rows)
+            for (request, seq), result in zip(row_targets, results):
+                request.record_token(
+                    seq,
+                    result.token_id,
+                    result.logprob,
+                    result.top_logprobs,
+                    self.tokenizer,
+                    self.eos_token_ids,
+                    self.max_model_len,
+                )
+                if seq.finished:
+                    self.scheduler.finish_sequence(seq.seq_id)
+                else:
+                    self.scheduler.append_token(seq.seq_id, result.token_id)
+
+        for request, seq_ids, row_indices in beams.values():
+            search = request.beam_search
+            search.step(seq_ids, logits[row_indices], self.scheduler)
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = time.monotonic()
+            request.metrics.num_generated_tokens += len(seq_ids)
+            self._sync_beam_sequences(request)
+            if search.done:
+                request.final_outputs = search.outputs(self.tokenizer, request.params.skip_special_tokens)
+
+    def _fork_samples(self, request: RequestState, parent: SequenceState) -> list[SequenceState]:
+        """n > 1: the other samples fork the prompt's blocks right after its prefill."""
+        children = []
+        for index in range(1, request.params.n):
+            child_id = self.scheduler.fork(parent.seq_id)
+            child = SequenceState(seq_id=child_id, index=index, generator=self._generator(request.params, index))
+            request.seqs.append(child)
+            self.seq_owner[child_id] = (request, child)
+            children.append(child)
+        return children
+
+    def _sampling_row(self, request: RequestState, seq: SequenceState, row_index: int) -> SamplingRow:
+        return SamplingRow(
+            logits_index=row_index,
+            params=request.params,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=seq.output_token_ids,
+            generator=seq.generator,
+            eos_token_ids=self.eos_token_ids,
+        )
+
+    def _sync_beam_sequences(self, request: RequestState) -> None:
+        """Beam search creates and frees sequences; keep the seq_id -> request map in step."""
+        search = request.beam_search
+        for seq in request.seqs:
+            self.seq_owner.pop(seq.seq_id, None)
+        request.seqs = []
+        for index, (seq_id, (tokens, score)) in enumerate(search.running.items()):
+            seq = SequenceState(seq_id=seq_id, index=index, output_token_ids=tokens, cumulative_logprob=score)
+            request.seqs.append(seq)
+            self.seq_owner[seq_id] = (request, seq)
+
+    def _finish_request(self, request: RequestState) -> None:
+        request.metrics.finished_time = time.monotonic()
+        self.requests.pop(request.request_id, None)
+        self._forget(request)
+        # Sequences already finished freed their blocks; this frees any the request still holds.
+        try:
+            self.scheduler.abort(request.request_id)
+        except UnknownRequestError:
+            pass
+        for output in request.to_output(self.tokenizer).outputs:
+            self._count_finish(output.finish_reason or "abort")
+
+    def _forget(self, request: RequestState) -> None:
+        for seq in request.seqs:
+            self.seq_owner.pop(seq.seq_id, None)
+
+    def _count_finish(self, reason: str) -> None:
+        self.num_finished_by_reason[reason] = self.num_finished_by_reason.get(reason, 0) + 1
+
+    def stats(self) -> dict:
+        """Scheduler and pool gauges and counters (see `Scheduler.stats`) plus finish counts."""
+        stats = dict(self.scheduler.stats())
+        stats["num_unfinished_requests"] = len(self.requests)
+        stats["finished_by_reason"] = dict(self.num_finished_by_reason)
+        return stats

@@ -1,0 +1,90 @@
+"""LLM: offline batched generation over the engine (the `vllm.LLM` shape)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Optional, Sequence, Union
+
+from tqdm.auto import tqdm
+
+from pagedkv.config import EngineConfig
+from pagedkv.engine import LLMEngine
+from pagedkv.errors import OverloadedError
+from pagedkv.outputs import RequestOutput
+from pagedkv.sampling_params import SamplingParams
+
+Prompt = Union[str, list[int]]
+
+
+class LLM:
+    """Generate with a model served through the paged KV cache.
+
+    `LLM()` loads the embedded SmolLM2-135M-Instruct; `LLM("path/to/hf_dir")` a local Llama-family
+    checkpoint (config.json + safetensors) and `LLM(path, gguf_file=...)` a GGUF file. Other
+    keyword arguments are `EngineConfig` fields (block_size, num_device_blocks, swap_space_bytes,
+    preemption_mode, device, dtype, ...).
+    """
+
+    def __init__(self, model: Optional[str] = None, **engine_options):
+        known = {field.name for field in dataclasses.fields(EngineConfig)}
+        unknown = sorted(set(engine_options) - known)
+        if unknown:
+            raise TypeError(f"unknown engine options {unknown}; valid: {sorted(known)}")
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: Union[Prompt, Sequence[Prompt]],
+        sampling_params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Runs every prompt to completion (continuous batching) and returns their outputs in
+        prompt order. Prompts are strings or token-id lists."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} prompts")
+
+        pending = [(f"llm-{next(self._ids)}", prompt, params) for prompt, params in zip(prompts, params_list)]
+        order = {request_id: index for index, (request_id, _, _) in enumerate(pending)}
+        results: dict[str, RequestOutput] = {}
+        engine = self.engine
+        with tqdm(total=len(pending), desc="generating", unit="req", disable=not use_tqdm) as progress:
+            queue = list(reversed(pending))
+            while queue or engine.has_unfinished_requests():
+                # Feed the waiting queue up to its bound; the rest waits here (backpressure).
+                while queue:
+                    request_id, prompt, params = queue[-1]
+                    try:
+                        engine.add_request(request_id, prompt, params)
+                    except OverloadedError:
+                        break
+                    queue.pop()
+                for output in engine.step():
+                    if output.finished:
+                        results[output.request_id] = output
+                        progress.update(1)
+        return sorted(results.values(), key=lambda output: order[output.request_id])
+
+    def chat(
+        self,
+        messages: Union[list[dict], list[list[dict]]],
+        sampling_params: Optional[SamplingParams] = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Applies the tokenizer's chat template to one conversation (or a list of them) and
+        generates the assistant's reply."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+            for conversation in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

@@ -1,0 +1,133 @@
+"""The engine's view of one request: its sequences' outputs, stop conditions and detokenized text."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from pagedkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedkv.sampling_params import SamplingParams
+
+
+@dataclass
+class SequenceState:
+    """One sample or beam: what it generated so far and why it stopped."""
+
+    seq_id: int
+    index: int
+    output_token_ids: list[int] = field(default_factory=list)
+    logprobs: Optional[list[dict[int, float]]] = None
+    cumulative_logprob: float = 0.0
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[object] = None
+    generator: object = None  # torch.Generator of a seeded request
+    text: str = ""
+    # Length of the text that has been checked for stop strings.
+    _checked_text_len: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestState:
+    """Everything the engine tracks for one request between steps."""
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    seqs: list[SequenceState]
+    forked: bool = False  # n > 1: children are forked at the first sampled token
+    beam_search: object = None  # BeamSearch of a beam-search request
+    final_outputs: Optional[list[CompletionOutput]] = None
+
+    @property
+    def finished(self) -> bool:
+        if self.final_outputs is not None:
+            return True
+        return all(seq.finished for seq in self.seqs) and (self.forked or self.params.n == 1)
+
+    def record_token(
+        self,
+        seq: SequenceState,
+        token_id: int,
+        logprob: Optional[float],
+        top_logprobs: Optional[dict[int, float]],
+        tokenizer,
+        eos_token_ids: frozenset[int],
+        max_model_len: int,
+    ) -> None:
+        """Adds a sampled token and decides whether the sequence is done (sets finish_reason)."""
+        params = self.params
+        seq.output_token_ids.append(token_id)
+        if logprob is not None:
+            seq.cumulative_logprob += logprob
+        if params.logprobs is not None:
+            if seq.logprobs is None:
+                seq.logprobs = []
+            entry = dict(top_logprobs or {})
+            if logprob is not None:
+                entry[token_id] = logprob
+            seq.logprobs.append(entry)
+        if self.metrics.first_token_time is None:
+            self.metrics.first_token_time = time.monotonic()
+        self.metrics.num_generated_tokens += 1
+
+        num_generated = len(seq.output_token_ids)
+        may_stop = num_generated >= params.min_tokens
+        if may_stop and not params.ignore_eos and token_id in eos_token_ids:
+            seq.finish_reason = "stop"
+        elif may_stop and token_id in params.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token_id
+        elif params.stop:
+            seq.text = tokenizer.decode(seq.output_token_ids, skip_special_tokens=params.skip_special_tokens)
+            if may_stop and self._truncate_at_stop_string(seq):
+                return
+        if seq.finish_reason is None:
+            if num_generated >= params.max_tokens or len(self.prompt_token_ids) + num_generated >= max_model_len:
+                seq.finish_reason = "length"
+
+    def _truncate_at_stop_string(self, seq: SequenceState) -> bool:
+        """Cuts the text before the first stop string that appeared in it, if any."""
+        longest = max(len(stop) for stop in self.params.stop)
+        search_from = max(0, seq._checked_text_len - longest + 1)
+        seq._checked_text_len = len(seq.text)
+        found = [(seq.text.find(stop, search_from), stop) for stop in self.params.stop]
+        found = [(position, stop) for position, stop in found if position >= 0]
+        if not found:
+            return False
+        position, stop = min(found)
+        seq.text = seq.text[:position]
+        seq.finish_reason, seq.stop_reason = "stop", stop
+        return True
+
+    def completion(self, seq: SequenceState, tokenizer) -> CompletionOutput:
+        if seq.stop_reason is None or not isinstance(seq.stop_reason, str):
+            seq.text = tokenizer.decode(seq.output_token_ids, skip_special_tokens=self.params.skip_special_tokens)
+        return CompletionOutput(
+            index=seq.index,
+            text=seq.text,
+            token_ids=list(seq.output_token_ids),
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            cumulative_logprob=seq.cumulative_logprob,
+            logprobs=seq.logprobs,
+        )
+
+    def to_output(self, tokenizer) -> RequestOutput:
+        if self.final_outputs is not None:
+            outputs = self.final_outputs
+        else:
+            outputs = [self.completion(seq, tokenizer) for seq in self.seqs]
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=outputs,
+            finished=self.finished,
+            metrics=self.metrics,
+        )
