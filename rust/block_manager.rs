@@ -200,24 +200,30 @@ impl BlockManager {
     /// last block is shared, it is copied first (copy-on-write) and the copy is returned.
     /// Blocks that fill up get their content hash (and enter the prefix cache).
     pub fn append_slots(&mut self, seq: SeqId, tokens: &[u32]) -> Result<Option<BlockCopy>> {
-        let needed = self.blocks_needed_to_append(seq, tokens.len())?;
+        self.append_slots_and_table(seq, tokens).map(|(copy, _)| copy)
+    }
+
+    /// `append_slots`, also returning the updated table (one lookup for the scheduler's hot path).
+    pub fn append_slots_and_table(&mut self, seq: SeqId, tokens: &[u32]) -> Result<(Option<BlockCopy>, &BlockTable)> {
         let table = self.tables.get_mut(&seq).ok_or(Error::UnknownSequence(seq))?;
         if table.device != Device::Gpu {
             return Err(Error::InvalidState(format!("sequence {seq} is swapped out; swap it in before appending")));
         }
+        let cow = !tokens.is_empty()
+            && table.last_block_partial(self.block_size)
+            && self.gpu.refcount(*table.blocks.last().unwrap()) > 1;
+        let needed = table.new_blocks_for(tokens.len(), self.block_size) + cow as usize;
         if needed > self.gpu.num_free() {
             return Err(Error::OutOfBlocks { device: Device::Gpu, needed, free: self.gpu.num_free() });
         }
         let block_size = self.block_size;
         let mut copy = None;
-        if !tokens.is_empty() && table.last_block_partial(block_size) {
+        if cow {
             let last = *table.blocks.last().unwrap();
-            if self.gpu.refcount(last) > 1 {
-                let fresh = allocate_evicting(&mut self.gpu, &mut self.cache)?;
-                self.gpu.release(last);
-                *table.blocks.last_mut().unwrap() = fresh;
-                copy = Some((last, fresh));
-            }
+            let fresh = allocate_evicting(&mut self.gpu, &mut self.cache)?;
+            self.gpu.release(last);
+            *table.blocks.last_mut().unwrap() = fresh;
+            copy = Some((last, fresh));
         }
         for &token in tokens {
             if !table.last_block_partial(block_size) {
@@ -238,7 +244,7 @@ impl BlockManager {
                 }
             }
         }
-        Ok(copy)
+        Ok((copy, table))
     }
 
     /// Room for one more token (the standalone form of `append_slots`).

@@ -365,8 +365,7 @@ impl Scheduler {
                 index += 1;
                 continue;
             }
-            let blocks_needed = self.blocks_needed(&plan);
-            if blocks_needed > self.blocks.num_free_device_blocks() {
+            if self.blocks_needed(&plan) > self.blocks.num_free_device_blocks() {
                 if index + 1 < self.running.len() {
                     let victim = self.running.pop_back().unwrap();
                     self.preempt(victim, &mut out);
@@ -488,6 +487,12 @@ impl Scheduler {
     }
 
     fn blocks_needed(&self, plan: &[(SeqId, usize)]) -> usize {
+        // Cheap upper bound first (a new block per block_size tokens, one partial, one copy):
+        // when the pool is far from full, the exact count is not needed.
+        let bound: usize = plan.iter().map(|&(_, tokens)| tokens / self.config.block_size + 2).sum();
+        if bound <= self.blocks.num_free_device_blocks() {
+            return bound;
+        }
         plan.iter().map(|&(seq, tokens)| self.blocks.blocks_needed_to_append(seq, tokens).expect("running table")).sum()
     }
 
@@ -534,12 +539,12 @@ impl Scheduler {
             let (start, end) = (seq.num_computed, seq.num_computed + take);
             let is_prefill = seq.in_prefill();
             let new_tokens = &seq.tokens[start..end];
-            if let Some(copy) = self.blocks.append_slots(seq_id, new_tokens).expect("blocks were checked") {
+            let (copy, table) = self.blocks.append_slots_and_table(seq_id, new_tokens).expect("blocks were checked");
+            if let Some(copy) = copy {
                 self.counters.blocks_copied += 1;
                 out.blocks_to_copy.push(copy);
             }
             seq.num_computed = end;
-            let table = self.blocks.table(seq_id).unwrap();
             let token_range = out.token_ids.len()..out.token_ids.len() + take;
             out.token_ids.extend_from_slice(new_tokens);
             out.slot_mapping.extend((start..end).map(|pos| table.slot(pos, block_size)));
