@@ -1,0 +1,35 @@
+"""Attention backends: one small interface, a torch reference (CPU/GPU) and CUDA kernels.
+
+A backend has `write_kv(key_cache, value_cache, key, value, slot_mapping)`,
+`forward(query, key_cache, value_cache, metadata, scale) -> output` and
+`copy_blocks(kv_cache, pairs)`; caches are per-layer views `[num_blocks, Hkv, block_size, D]` of
+the block-major cache `[num_blocks, num_layers, 2, Hkv, block_size, D]` (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+from pagedkv.attention.metadata import AttentionMetadata
+from pagedkv.attention.torch_ref import TorchRefBackend
+
+
+def get_backend(name: str, device: str):
+    """'torch', 'cuda', or 'auto' (cuda kernels on a CUDA device when CuPy is there, else torch)."""
+    if name == "auto":
+        name = "torch"
+        if device.startswith("cuda"):
+            try:
+                import cupy  # noqa: F401
+
+                name = "cuda"
+            except ImportError:
+                pass
+    if name == "torch":
+        return TorchRefBackend()
+    if name == "cuda":
+        from pagedkv.attention.cuda import CudaAttentionBackend
+
+        return CudaAttentionBackend()
+    raise ValueError(f"attention_backend must be 'auto', 'torch' or 'cuda', got {name!r}")
+
+
+__all__ = ["AttentionMetadata", "TorchRefBackend", "get_backend"]

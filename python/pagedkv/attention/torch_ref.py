@@ -1,0 +1,105 @@
+"""The reference paged attention in plain torch (CPU and GPU): gathers K/V through the block
+tables. It is the oracle the CUDA kernels are tested against, and the CPU engine's backend."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagedkv.attention.metadata import AttentionMetadata
+
+
+def write_kv(key_cache, value_cache, key, value, slot_mapping) -> None:
+    """Scatters key/value [T, Hkv, D] into the per-layer caches [num_blocks, Hkv, block_size, D]."""
+    block_size = key_cache.shape[2]
+    blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
+    offsets = slot_mapping % block_size
+    key_cache[blocks, :, offsets] = key
+    value_cache[blocks, :, offsets] = value
+
+
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
+    """One sequence's cached K or V as [Hkv, context_len, D]."""
+    num_blocks = -(-context_len // cache.shape[2])
+    blocks = cache[block_table[:num_blocks].long()]  # [n, Hkv, bs, D]
+    return blocks.permute(1, 0, 2, 3).reshape(cache.shape[1], -1, cache.shape[3])[:, :context_len]
+
+
+def paged_attention_ref(query, key_cache, value_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+    """query [T, Hq, D] -> [T, Hq, D], causal over each sequence's cached context."""
+    output = torch.empty_like(query)
+    num_prefills = metadata.num_prefills
+    starts = metadata.query_start_loc_host
+    for b in range(num_prefills):
+        begin, end = starts[b], starts[b + 1]
+        context_len = metadata.context_lens_host[b]
+        output[begin:end] = _prefill_one(
+            query[begin:end], key_cache, value_cache, metadata.block_tables[b], context_len, scale
+        )
+    if metadata.num_decode_tokens:
+        first = starts[num_prefills]
+        output[first:] = _decode_batch(
+            query[first:],
+            key_cache,
+            value_cache,
+            metadata.block_tables[num_prefills:],
+            metadata.context_lens[num_prefills:],
+            metadata.max_context_len,
+            scale,
+        )
+    return output
+
+
+def _prefill_one(query, key_cache, value_cache, block_table, context_len: int, scale: float) -> torch.Tensor:
+    num_queries, num_heads, _ = query.shape
+    keys = gather_context(key_cache, block_table, context_len)
+    values = gather_context(value_cache, block_table, context_len)
+    group = num_heads // keys.shape[0]
+    keys = keys.repeat_interleave(group, dim=0)  # query head h reads kv head h // group
+    values = values.repeat_interleave(group, dim=0)
+    query_positions = torch.arange(context_len - num_queries, context_len, device=query.device)
+    mask = torch.arange(context_len, device=query.device)[None, :] <= query_positions[:, None]
+    out = F.scaled_dot_product_attention(query.transpose(0, 1), keys, values, attn_mask=mask, scale=scale)
+    return out.transpose(0, 1)
+
+
+def _decode_batch(query, key_cache, value_cache, block_tables, context_lens, max_context_len: int, scale: float):
+    """One query token per sequence, all sequences at once (no Python loop)."""
+    batch, num_heads, head_dim = query.shape
+    num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
+    max_blocks = -(-max_context_len // block_size)
+    tables = block_tables[:, :max_blocks].long()
+    keys = key_cache[tables]  # [B, n, Hkv, bs, D]
+    values = value_cache[tables]
+    keys = keys.permute(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, max_blocks * block_size, head_dim)
+    values = values.permute(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, max_blocks * block_size, head_dim)
+    group = num_heads // num_kv_heads
+    queries = query.view(batch, num_kv_heads, group, head_dim)
+    scores = torch.matmul(queries, keys.transpose(-1, -2)) * scale  # [B, Hkv, G, L]
+    positions = torch.arange(max_blocks * block_size, device=query.device)
+    invalid = positions[None, :] >= context_lens[:, None].to(positions.dtype)
+    scores = scores.masked_fill(invalid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
+    out = torch.matmul(probs, values)  # [B, Hkv, G, D]
+    return out.reshape(batch, num_heads, head_dim)
+
+
+def copy_blocks(kv_cache: torch.Tensor, pairs: torch.Tensor) -> None:
+    """Copy-on-write: kv_cache [N, L, 2, Hkv, bs, D]; pairs int64 [P, 2] of (src, dst)."""
+    if pairs.numel():
+        kv_cache[pairs[:, 1]] = kv_cache[pairs[:, 0]]
+
+
+class TorchRefBackend:
+    """The attention backend built on the reference functions above."""
+
+    name = "torch"
+
+    def write_kv(self, key_cache, value_cache, key, value, slot_mapping) -> None:
+        write_kv(key_cache, value_cache, key, value, slot_mapping)
+
+    def forward(self, query, key_cache, value_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+        return paged_attention_ref(query, key_cache, value_cache, metadata, scale)
+
+    def copy_blocks(self, kv_cache, pairs) -> None:
+        copy_blocks(kv_cache, pairs)

@@ -1,0 +1,95 @@
+"""EngineConfig: every engine option with its default, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from pagedkv.errors import InvalidConfigError
+
+_PREEMPTION_MODES = ("auto", "swap", "recompute")
+_DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+@dataclass
+class EngineConfig:
+    """Options of `LLMEngine` / `LLM` (also the CLI's engine flags)."""
+
+    model: Optional[str] = None
+    """Local HF checkpoint dir (config.json + safetensors) or a .gguf file; None = embedded SmolLM2-135M-Instruct."""
+    gguf_file: Optional[str] = None
+    """GGUF file name inside `model` (a directory)."""
+    tokenizer: Optional[str] = None
+    """Tokenizer dir or .gguf file, when it is not next to the weights."""
+    dtype: str = "auto"
+    """Weights and KV dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, float16, bfloat16."""
+    device: str = "cpu"
+    """cpu or cuda."""
+    block_size: int = 16
+    """Tokens per KV block."""
+    num_device_blocks: Optional[int] = None
+    """KV blocks on the device; None = from kv_cache_memory_bytes."""
+    kv_cache_memory_bytes: Optional[int] = None
+    """KV budget in bytes when num_device_blocks is None (default 512 MiB on CPU, 90% of free GPU memory)."""
+    swap_space_bytes: int = 1 << 30
+    """CPU swap space for preempted sequences, in bytes."""
+    max_num_seqs: int = 64
+    """Most sequences running at once."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step."""
+    max_model_len: Optional[int] = None
+    """Longest prompt + output; None = min(model limit, 8192)."""
+    max_waiting_requests: int = 1024
+    """Waiting-queue bound; beyond it requests get OverloadedError (HTTP 503)."""
+    enable_prefix_caching: bool = True
+    """Reuse KV blocks of identical prompt prefixes."""
+    enable_chunked_prefill: bool = True
+    """Split long prompts across steps to fit the token budget."""
+    preemption_mode: str = "auto"
+    """auto, swap or recompute."""
+    watermark: float = 0.01
+    """Fraction of device blocks kept free at admission."""
+    seed: int = 0
+    """Seed of the global RNG (unseeded requests)."""
+    attention_backend: str = "auto"
+    """torch (reference), cuda (kernels) or auto."""
+    num_threads: Optional[int] = None
+    """torch CPU threads; None = torch's default."""
+
+    def __post_init__(self) -> None:
+        def fail(field: str, value: object, rule: str) -> None:
+            raise InvalidConfigError(f"{field} must be {rule}, got {value!r}")
+
+        if self.dtype not in _DTYPES:
+            fail("dtype", self.dtype, f"one of {_DTYPES}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            fail("device", self.device, "'cpu' or 'cuda[:N]'")
+        if self.block_size not in (8, 16, 32, 64, 128):
+            fail("block_size", self.block_size, "8, 16, 32, 64 or 128")
+        for field in ("num_device_blocks", "kv_cache_memory_bytes", "max_model_len", "num_threads"):
+            value = getattr(self, field)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                fail(field, value, "a positive integer or None")
+        for field in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value <= 0:
+                fail(field, value, "a positive integer")
+        if not isinstance(self.swap_space_bytes, int) or self.swap_space_bytes < 0:
+            fail("swap_space_bytes", self.swap_space_bytes, "an integer >= 0")
+        if self.preemption_mode not in _PREEMPTION_MODES:
+            fail("preemption_mode", self.preemption_mode, f"one of {_PREEMPTION_MODES}")
+        if not 0 <= self.watermark < 1:
+            fail("watermark", self.watermark, "in [0, 1)")
+        if self.attention_backend not in ("auto", "torch", "cuda"):
+            fail("attention_backend", self.attention_backend, "auto, torch or cuda")
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+    def torch_dtype(self):
+        import torch
+
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.is_cuda else torch.float32
+        return getattr(torch, self.dtype)

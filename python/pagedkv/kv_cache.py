@@ -1,0 +1,83 @@
+"""The KV cache tensors and the copies the scheduler asks for (swap-out, swap-in, copy-on-write).
+
+Layout (docs/architecture.md): one block-major tensor per device,
+`[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]`, so a block's K and V for every
+layer are one contiguous chunk. On CUDA the CPU side is pinned and swaps run on their own stream.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(self, num_layers, num_kv_heads, head_dim, block_size, num_device_blocks, num_cpu_blocks, dtype, device):
+        self.block_size = block_size
+        shape = (num_layers, 2, num_kv_heads, block_size, head_dim)
+        self.device_cache = torch.zeros((num_device_blocks, *shape), dtype=dtype, device=device)
+        self.is_cuda = self.device_cache.is_cuda
+        self.cpu_cache = torch.zeros((num_cpu_blocks, *shape), dtype=dtype, pin_memory=self.is_cuda)
+        self._layers = [(self.device_cache[:, i, 0], self.device_cache[:, i, 1]) for i in range(num_layers)]
+        if self.is_cuda:
+            self.swap_stream = torch.cuda.Stream(device=self.device_cache.device)
+            self._swap_in_done = None
+
+    @staticmethod
+    def bytes_per_block(num_layers, num_kv_heads, head_dim, block_size, dtype) -> int:
+        return num_layers * 2 * num_kv_heads * block_size * head_dim * torch.finfo(dtype).bits // 8
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(key_cache, value_cache) views of one layer: [num_blocks, Hkv, block_size, D]."""
+        return self._layers[index]
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """(device block, cpu block) copies. On CUDA they wait for the compute issued so far and
+        finish before the compute stream touches the device blocks again (they may be reused)."""
+        if not pairs:
+            return
+        src, dst = _indices(pairs)
+        if not self.is_cuda:
+            self.cpu_cache[dst] = self.device_cache[src]
+            return
+        compute = torch.cuda.current_stream()
+        self.swap_stream.wait_stream(compute)
+        with torch.cuda.stream(self.swap_stream):
+            for device_block, cpu_block in pairs:
+                self.cpu_cache[cpu_block].copy_(self.device_cache[device_block], non_blocking=True)
+        # The freed device blocks may be written by this step's forward: order it after the copies.
+        compute.wait_stream(self.swap_stream)
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """(cpu block, device block) copies; on CUDA asynchronous until `wait_for_swap_in`."""
+        if not pairs:
+            return
+        src, dst = _indices(pairs)
+        if not self.is_cuda:
+            self.device_cache[dst] = self.cpu_cache[src]
+            return
+        with torch.cuda.stream(self.swap_stream):
+            for cpu_block, device_block in pairs:
+                self.device_cache[device_block].copy_(self.cpu_cache[cpu_block], non_blocking=True)
+            self._swap_in_done = torch.cuda.Event()
+            self._swap_in_done.record(self.swap_stream)
+
+    def wait_for_swap_in(self) -> None:
+        """Makes the compute stream wait for pending swap-ins (call before the forward)."""
+        if self.is_cuda and self._swap_in_done is not None:
+            torch.cuda.current_stream().wait_event(self._swap_in_done)
+            self._swap_in_done = None
+
+    def copy_blocks(self, pairs: list[tuple[int, int]], backend=None) -> None:
+        """Copy-on-write copies (src, dst) of every layer."""
+        if not pairs:
+            return
+        pairs_tensor = torch.tensor(pairs, dtype=torch.int64, device=self.device_cache.device)
+        if backend is not None:
+            backend.copy_blocks(self.device_cache, pairs_tensor)
+        else:
+            self.device_cache[pairs_tensor[:, 1]] = self.device_cache[pairs_tensor[:, 0]]
+
+
+def _indices(pairs):
+    tensor = torch.tensor(pairs, dtype=torch.int64)
+    return tensor[:, 0], tensor[:, 1]

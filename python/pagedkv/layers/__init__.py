@@ -1,0 +1,1 @@
+"""Model layers, one kind per file."""

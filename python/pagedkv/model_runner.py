@@ -1,0 +1,130 @@
+"""ModelRunner: owns the model and the KV cache; turns a scheduler plan into one forward pass."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pagedkv.attention import AttentionMetadata, get_backend
+from pagedkv.config import EngineConfig
+from pagedkv.kv_cache import KVCache
+from pagedkv.loader import load
+
+logger = logging.getLogger("pagedkv.model_runner")
+
+_DEFAULT_CPU_KV_BYTES = 512 << 20
+
+
+class ModelRunner:
+    """Loads the model, sizes and allocates the KV cache, executes steps."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.seed)
+        self.device = torch.device(config.device)
+        self.dtype = config.torch_dtype()
+        loaded = load(config.model, config.gguf_file, config.tokenizer, self.dtype, self.device, config.max_model_len)
+        self.model, self.tokenizer, self.hf_config = loaded.model, loaded.tokenizer, loaded.hf_config
+        self.eos_token_ids, self.model_name = loaded.eos_token_ids, loaded.name
+        self.max_position_embeddings = self.hf_config.max_position_embeddings
+        self.vocab_size = self.hf_config.vocab_size
+        self.num_parameters = sum(p.numel() for p in self.model.parameters())
+        self.backend = get_backend(config.attention_backend, config.device)
+
+        attention = self.model.layers[0].self_attn
+        num_layers = len(self.model.layers)
+        self.block_bytes = KVCache.bytes_per_block(
+            num_layers, attention.num_kv_heads, attention.head_dim, config.block_size, self.dtype
+        )
+        self.num_device_blocks = config.num_device_blocks or max(1, self._kv_budget() // self.block_bytes)
+        self.num_cpu_blocks = config.swap_space_bytes // self.block_bytes
+        self.kv_cache = KVCache(
+            num_layers,
+            attention.num_kv_heads,
+            attention.head_dim,
+            config.block_size,
+            self.num_device_blocks,
+            self.num_cpu_blocks,
+            self.dtype,
+            self.device,
+        )
+        logger.info(
+            "KV cache: %d device blocks + %d CPU blocks of %d tokens, %.1f KiB each (%s, %s backend)",
+            self.num_device_blocks,
+            self.num_cpu_blocks,
+            config.block_size,
+            self.block_bytes / 1024,
+            self.dtype,
+            self.backend.name,
+        )
+
+    def _kv_budget(self) -> int:
+        if self.config.kv_cache_memory_bytes:
+            return self.config.kv_cache_memory_bytes
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * 0.9)
+        return _DEFAULT_CPU_KV_BYTES
+
+    @torch.inference_mode()
+    def execute(self, plan) -> torch.Tensor:
+        """Runs the copies of `plan`, then the forward over its scheduled tokens. Returns float32
+        logits [num sampled sequences, vocab] in the order of the sequences with `sample`."""
+        self.kv_cache.swap_out(plan.blocks_to_swap_out)
+        self.kv_cache.swap_in(plan.blocks_to_swap_in)
+        self.kv_cache.copy_blocks(plan.blocks_to_copy, self.backend)
+        scheduled = plan.scheduled
+        if not scheduled:
+            return torch.empty(0, self.vocab_size)
+        self.kv_cache.wait_for_swap_in()
+        input_ids, positions, metadata, sample_index = self._prepare(scheduled)
+        hidden = self.model(input_ids, positions, metadata, self.kv_cache, self.backend)
+        return self.model.compute_logits(hidden[sample_index])
+
+    def _prepare(self, scheduled):
+        """Flat inputs and attention metadata; prefills come first, then decodes (scheduler order)."""
+        tokens, positions, slots, starts, context_lens, tables, sample_index = [], [], [], [0], [], [], []
+        num_decodes = 0
+        for item in scheduled:
+            tokens += item.token_ids
+            positions += range(item.start, item.end)
+            slots += item.slot_mapping
+            starts.append(len(tokens))
+            context_lens.append(item.end)
+            tables.append(item.block_table)
+            num_decodes += not item.is_prefill and item.end - item.start == 1
+            if item.sample:
+                sample_index.append(len(tokens) - 1)
+        width = max(len(table) for table in tables)
+        padded = [table + [0] * (width - len(table)) for table in tables]
+        device = self.device
+        metadata = AttentionMetadata(
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            max_query_len=max(b - a for a, b in zip(starts, starts[1:])),
+            max_context_len=max(context_lens),
+            num_decode_tokens=_trailing_decodes(scheduled),
+            query_start_loc_host=starts,
+            context_lens_host=context_lens,
+        )
+        return (
+            torch.tensor(tokens, dtype=torch.long, device=device),
+            torch.tensor(positions, dtype=torch.long, device=device),
+            metadata,
+            torch.tensor(sample_index, dtype=torch.long, device=device),
+        )
+
+
+def _trailing_decodes(scheduled) -> int:
+    """How many sequences at the end of the batch have exactly one new token."""
+    count = 0
+    for item in reversed(scheduled):
+        if item.end - item.start != 1:
+            break
+        count += 1
+    return count

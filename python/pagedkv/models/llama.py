@@ -1,0 +1,121 @@
+"""The Llama family (Llama, Mistral, Qwen2 with qkv bias, tied embeddings) over the paged cache.
+
+Weights come from HF state dicts (see loader.py); Q/K/V and gate/up projections are fused into one
+matmul each.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedkv.attention.metadata import AttentionMetadata
+from pagedkv.layers.rms_norm import RMSNorm
+from pagedkv.layers.rotary_embedding import RotaryEmbedding
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, hf_config, layer_index: int):
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads = hf_config.num_attention_heads
+        self.num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // self.num_heads
+        self.scale = self.head_dim**-0.5
+        bias = bool(getattr(hf_config, "attention_bias", False) or hf_config.model_type == "qwen2")
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(hf_config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, hf_config.hidden_size, bias=False)
+
+    def forward(self, hidden, positions, rotary, metadata: AttentionMetadata, kv_cache, backend):
+        num_tokens = hidden.shape[0]
+        query, key, value = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        query = query.view(num_tokens, self.num_heads, self.head_dim)
+        key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
+        value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
+        query, key = rotary(positions, query, key)
+        key_cache, value_cache = kv_cache.layer(self.layer_index)
+        backend.write_kv(key_cache, value_cache, key, value, metadata.slot_mapping)
+        out = backend.forward(query, key_cache, value_cache, metadata, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hf_config):
+        super().__init__()
+        self.intermediate = hf_config.intermediate_size
+        self.gate_up_proj = nn.Linear(hf_config.hidden_size, 2 * self.intermediate, bias=False)
+        self.down_proj = nn.Linear(self.intermediate, hf_config.hidden_size, bias=False)
+
+    def forward(self, hidden):
+        gate, up = self.gate_up_proj(hidden).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, hf_config, layer_index: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        self.self_attn = LlamaAttention(hf_config, layer_index)
+        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        self.mlp = LlamaMLP(hf_config)
+
+    def forward(self, hidden, positions, rotary, metadata, kv_cache, backend):
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, rotary, metadata, kv_cache, backend)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaForCausalLM(nn.Module):
+    """forward(input_ids [T], positions [T], metadata, kv_cache, backend) -> hidden [T, H]."""
+
+    def __init__(self, hf_config, max_positions: int, dtype: torch.dtype):
+        super().__init__()
+        self.hf_config = hf_config
+        self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(hf_config, i) for i in range(hf_config.num_hidden_layers))
+        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(hf_config, max_positions, dtype)
+
+    def forward(self, input_ids, positions, metadata: AttentionMetadata, kv_cache, backend) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden = layer(hidden, positions, self.rotary, metadata, kv_cache, backend)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Loads HF-named weights, fusing q/k/v and gate/up. Fails loudly on missing weights."""
+        own = {}
+        prefix = "model."
+        for name, tensor in state.items():
+            if name.startswith(prefix):
+                name = name[len(prefix) :]
+            own[name] = tensor
+        fused = {}
+        for i in range(len(self.layers)):
+            p = f"layers.{i}."
+            fused[p + "self_attn.qkv_proj.weight"] = torch.cat(
+                [own.pop(p + f"self_attn.{x}_proj.weight") for x in "qkv"], dim=0
+            )
+            if p + "self_attn.q_proj.bias" in own:
+                fused[p + "self_attn.qkv_proj.bias"] = torch.cat(
+                    [own.pop(p + f"self_attn.{x}_proj.bias") for x in "qkv"], dim=0
+                )
+            fused[p + "mlp.gate_up_proj.weight"] = torch.cat(
+                [own.pop(p + "mlp.gate_proj.weight"), own.pop(p + "mlp.up_proj.weight")], dim=0
+            )
+        own.update(fused)
+        if self.tie_word_embeddings:
+            own.pop("lm_head.weight", None)
+        missing, unexpected = self.load_state_dict(own, strict=False)
+        unexpected = [name for name in unexpected if "rotary" not in name]
+        if missing or unexpected:
+            raise ValueError(f"checkpoint does not fit the model: missing {missing}, unexpected {unexpected}")
