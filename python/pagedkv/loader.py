@@ -3,6 +3,7 @@ safetensors) or a GGUF file (dequantized by transformers' GGUF reader). Nothing 
 
 from __future__ import annotations
 
+import functools
 import glob
 import importlib.util
 import logging
@@ -58,12 +59,7 @@ def load(model: str | None, gguf_file: str | None, tokenizer: str | None, dtype,
         raise ValueError(f"model_type {hf_config.model_type!r} is not supported; supported: {SUPPORTED}")
 
     if gguf is not None:
-        from transformers import AutoModelForCausalLM
-
-        logger.info("dequantizing %s", os.path.join(directory, gguf))
-        hf_model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf, dtype=torch.float32)
-        state = hf_model.state_dict()
-        del hf_model
+        state = _dequantized_gguf(os.path.join(directory, gguf))
     else:
         from safetensors.torch import load_file
 
@@ -87,6 +83,19 @@ def load(model: str | None, gguf_file: str | None, tokenizer: str | None, dtype,
     eos = _eos_token_ids(directory, gguf, hf_config, tok)
     name = os.path.basename(os.path.join(directory, gguf or "").rstrip("/")) or directory
     return LoadedModel(net, tok, hf_config, eos, name)
+
+
+@functools.lru_cache(maxsize=1)
+def _dequantized_gguf(path: str) -> dict[str, torch.Tensor]:
+    """float32 HF-named weights of a GGUF file; kept for the process (engines built again in
+    tests and benchmarks skip the seconds of dequantization)."""
+    from transformers import AutoModelForCausalLM
+
+    logger.info("dequantizing %s", path)
+    hf_model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    )
+    return {name: tensor.detach() for name, tensor in hf_model.state_dict().items()}
 
 
 def _eos_token_ids(directory, gguf, hf_config, tokenizer) -> list[int]:
