@@ -1,0 +1,167 @@
+"""`pagedkv serve | generate | bench`: the command line. Engine flags mirror EngineConfig."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import runpy
+import sys
+import time
+import typing
+
+from pagedkv.config import EngineConfig
+
+DEMO_CONVERSATIONS = [
+    "What is the capital of France? Answer in one sentence.",
+    "Write a haiku about memory pages.",
+    "Explain in two sentences why a KV cache speeds up text generation.",
+    "Give three tips for writing readable Python code.",
+]
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """One --flag per EngineConfig field, with its type, default and doc in --help."""
+    docs = _field_docs()
+    hints = typing.get_type_hints(EngineConfig)
+    group = parser.add_argument_group("engine options")
+    for field in dataclasses.fields(EngineConfig):
+        flag = "--" + field.name.replace("_", "-")
+        hint = hints[field.name]
+        kind = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
+        help_text = f"{docs.get(field.name, '')} (default: {field.default})"
+        if kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=help_text)
+        else:
+            group.add_argument(flag, type=kind, default=field.default, help=help_text)
+
+
+def _field_docs() -> dict[str, str]:
+    """The docstring under each EngineConfig field (so --help and the code never disagree)."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(EngineConfig))
+    body = tree.body[0].body
+    docs = {}
+    for node, following in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(following, ast.Expr):
+            value = getattr(following, "value", None)
+            if isinstance(value, ast.Constant) and isinstance(value.value, str):
+                docs[node.target.id] = value.value.strip()
+    return docs
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(**{field.name: getattr(args, field.name) for field in dataclasses.fields(EngineConfig)})
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from pagedkv.llm import LLM
+    from pagedkv.sampling_params import SamplingParams
+
+    llm = LLM(**dataclasses.asdict(engine_config(args)))
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, n=args.n, seed=args.seed_sampling
+    )
+    started = time.perf_counter()
+    if args.demo or not args.prompts:
+        conversations = [[{"role": "user", "content": text}] for text in DEMO_CONVERSATIONS]
+        outputs = llm.chat(conversations, params)
+        shown = DEMO_CONVERSATIONS
+    else:
+        outputs = llm.generate(args.prompts, params)
+        shown = args.prompts
+    elapsed = time.perf_counter() - started
+    for prompt, output in zip(shown, outputs):
+        print(f"\n>>> {prompt}")
+        for completion in output.outputs:
+            prefix = f"[{completion.index}] " if len(output.outputs) > 1 else ""
+            print(f"{prefix}{completion.text.strip()}")
+    _print_summary(llm.engine, outputs, elapsed)
+    return 0
+
+
+def _print_summary(engine, outputs, elapsed: float) -> None:
+    stats = engine.stats()
+    generated = sum(len(c.token_ids) for out in outputs for c in out.outputs)
+    ttfts = [out.metrics.time_to_first_token for out in outputs if out.metrics.time_to_first_token is not None]
+    rows = [
+        ("requests", len(outputs)),
+        ("generated tokens", generated),
+        ("wall time", f"{elapsed:.1f} s"),
+        ("throughput", f"{generated / elapsed:.1f} tokens/s"),
+        ("mean time to first token", f"{sum(ttfts) / max(len(ttfts), 1):.2f} s"),
+        ("scheduler steps", stats["num_steps"]),
+        ("KV blocks (device / CPU)", f"{stats['num_device_blocks']} / {stats['num_cpu_blocks']}"),
+        ("prefix-cache hit rate", f"{stats['prefix_cache_hit_rate']:.0%}"),
+        ("preemptions (swap / recompute)", f"{stats['num_preemptions_swap']} / {stats['num_preemptions_recompute']}"),
+        ("blocks free after the run", f"{stats['num_free_device_blocks']} / {stats['num_device_blocks']}"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    print("\n" + "-" * (width + 24))
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from pagedkv.server.app import serve
+
+    return serve(engine_config(args), host=args.host, port=args.port, served_model_name=args.served_model_name)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.which == "memory":
+        from pagedkv.memory_study import main as memory_main
+
+        return memory_main(args.rest) or 0
+    scripts = {"throughput": "throughput.py", "scheduler": "scheduler_py.py", "attention": "attention.py", "swap": "swap.py"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.path.join(root, "benches", scripts[args.which])
+    if not os.path.exists(path):
+        print(f"error: {path} not found (benchmarks run from a source checkout)", file=sys.stderr)
+        return 2
+    sys.argv = [path, *args.rest]
+    runpy.run_path(path, run_name="__main__")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedkv", description="PagedAttention LLM serving engine")
+    parser.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    generate = commands.add_parser("generate", help="generate text for prompts (or the built-in demo)")
+    generate.add_argument("prompts", nargs="*", help="prompts; none = the demo conversations")
+    generate.add_argument("--demo", action="store_true", help="chat with the built-in demo prompts")
+    generate.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt (default: 64)")
+    generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
+    generate.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0)")
+    generate.add_argument("--n", type=int, default=1, help="samples per prompt (default: 1)")
+    generate.add_argument("--seed-sampling", type=int, default=None, help="per-request sampling seed")
+    add_engine_arguments(generate)
+    generate.set_defaults(func=cmd_generate)
+
+    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    serve.add_argument("--served-model-name", default=None, help="model name in the API (default: file name)")
+    add_engine_arguments(serve)
+    serve.set_defaults(func=cmd_serve)
+
+    bench = commands.add_parser("bench", help="run a benchmark")
+    bench.add_argument("which", choices=["memory", "throughput", "scheduler", "attention", "swap"])
+    bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
+    bench.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
