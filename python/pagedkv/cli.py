@@ -30,7 +30,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         flag = "--" + field.name.replace("_", "-")
         hint = hints[field.name]
         kind = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
-        help_text = f"{docs.get(field.name, '')} (default: {field.default})"
+        help_text = f"{docs.get(field.name, '')} (default: {field.default})".replace("%", "%%")
         if kind is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=help_text)
         else:

@@ -1,0 +1,146 @@
+"""One background thread owns the engine and steps it; HTTP handlers talk to it through a
+thread-safe command queue and receive outputs on their own asyncio queues. Requests from all
+connections are batched together by the scheduler (continuous batching)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from pagedkv.engine import LLMEngine
+from pagedkv.outputs import RequestOutput
+from pagedkv.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedkv.server")
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue
+    last_token_time: Optional[float] = None
+    num_tokens: int = 0
+
+
+class EngineLoop:
+    """Drives `engine.step()` in a thread. `submit` and `abort` may be called from any thread."""
+
+    def __init__(self, engine: LLMEngine, metrics=None):
+        self.engine = engine
+        self.metrics = metrics
+        self.stats: dict = engine.stats()  # snapshot for /metrics, refreshed by the loop thread
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, _Stream] = {}
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pagedkv-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Aborts what is still in flight and joins the thread."""
+        self._stopping.set()
+        self._commands.put(("wake",))
+        self._thread.join(timeout)
+
+    async def submit(self, request_id: str, prompt, params: SamplingParams) -> asyncio.Queue:
+        """Queues a request; raises what `engine.add_request` raises (PromptTooLongError, ...)."""
+        loop = asyncio.get_running_loop()
+        accepted = loop.create_future()
+        outputs: asyncio.Queue = asyncio.Queue()
+        self._commands.put(("add", request_id, prompt, params, _Stream(loop, outputs), accepted))
+        await accepted
+        return outputs
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stopping.is_set():
+            idle = not engine.has_unfinished_requests()
+            self._drain_commands(block=idle)
+            if not engine.has_unfinished_requests():
+                continue
+            try:
+                outputs = engine.step()
+            except Exception:  # never let one bad step kill the server
+                logger.exception("engine step failed; aborting in-flight requests")
+                for request_id in list(self._streams):
+                    self._finish_stream(request_id, error="internal engine error")
+                continue
+            for output in outputs:
+                self._deliver(output)
+            self.stats = engine.stats()
+        for request_id in list(self._streams):
+            self._finish_stream(request_id, error="server shutting down")
+        self.stats = engine.stats()
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._execute(command)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _execute(self, command) -> None:
+        kind = command[0]
+        if kind == "add":
+            _, request_id, prompt, params, stream, accepted = command
+            try:
+                self.engine.add_request(request_id, prompt, params)
+            except Exception as error:  # handed back to the HTTP handler, which maps it to a status
+                stream.loop.call_soon_threadsafe(_set_exception, accepted, error)
+                return
+            self._streams[request_id] = stream
+            stream.loop.call_soon_threadsafe(_set_result, accepted)
+        elif kind == "abort":
+            request_id = command[1]
+            self.engine.abort(request_id)
+            self._streams.pop(request_id, None)
+            self.stats = self.engine.stats()
+
+    def _deliver(self, output: RequestOutput) -> None:
+        stream = self._streams.get(output.request_id)
+        if stream is None:
+            return
+        if self.metrics is not None:
+            now = time.monotonic()
+            num_tokens = sum(len(completion.token_ids) for completion in output.outputs)
+            if stream.num_tokens == 0 and num_tokens and output.metrics.time_to_first_token is not None:
+                self.metrics.time_to_first_token.observe(output.metrics.time_to_first_token)
+            elif num_tokens > stream.num_tokens and stream.last_token_time is not None:
+                self.metrics.inter_token_latency.observe((now - stream.last_token_time) / (num_tokens - stream.num_tokens))
+            stream.last_token_time, stream.num_tokens = now, num_tokens
+            if output.finished:
+                for completion in output.outputs:
+                    self.metrics.requests_finished.labels(completion.finish_reason or "abort").inc()
+        stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, output)
+        if output.finished:
+            self._streams.pop(output.request_id, None)
+
+    def _finish_stream(self, request_id: str, error: str) -> None:
+        self.engine.abort(request_id)
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, RuntimeError(error))
+
+
+def _set_result(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def _set_exception(future: asyncio.Future, error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)
