@@ -99,10 +99,14 @@ def run_hf_generate_batch(model, prompts, max_tokens):
 
     config = GenerationConfig(max_new_tokens=max_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
     started = time.perf_counter()
-    with torch.inference_mode():
+    # Not under inference_mode: the continuous-batching manager updates its tensors in place
+    # from its own thread.
+    with torch.no_grad():
         outputs = model.generate_batch(inputs=prompts, generation_config=config, progress_bar=False)
     elapsed = time.perf_counter() - started
     generated = sum(len(output.generated_tokens) for output in outputs.values())
+    if generated == 0:
+        raise RuntimeError("generate_batch produced no tokens (its requests failed)")
     return generated, elapsed, "transformers continuous batching"
 
 
@@ -142,8 +146,9 @@ def main(argv=None) -> None:
     print(f"| system | generated tokens | seconds | tokens/s | pagedkv speed-up | notes |")
     print(f"| --- | ---: | ---: | ---: | ---: | --- |")
     for name, generated, seconds, notes in rows:
-        rate = generated / seconds if seconds == seconds and seconds > 0 else float("nan")
-        print(f"| {name} | {generated} | {seconds:.1f} | {rate:.1f} | {pagedkv_rate / rate:.2f}x | {notes} |")
+        rate = generated / seconds if seconds == seconds and seconds > 0 else 0.0
+        speedup = f"{pagedkv_rate / rate:.2f}x" if rate else "n/a"
+        print(f"| {name} | {generated} | {seconds:.1f} | {rate:.1f} | {speedup} | {notes} |")
 
 
 if __name__ == "__main__":

@@ -8,8 +8,12 @@ the block-major cache `[num_blocks, num_layers, 2, Hkv, block_size, D]` (docs/ar
 
 from __future__ import annotations
 
+import logging
+
 from pagedkv.attention.metadata import AttentionMetadata
 from pagedkv.attention.torch_ref import TorchRefBackend
+
+logger = logging.getLogger("pagedkv.attention")
 
 
 def get_backend(name: str, device: str):
@@ -20,9 +24,11 @@ def get_backend(name: str, device: str):
             try:
                 import cupy  # noqa: F401
 
+                from pagedkv.attention import cuda  # noqa: F401
+
                 name = "cuda"
-            except ImportError:
-                pass
+            except ImportError as error:
+                logger.warning("CUDA attention kernels unavailable (%s); using the torch reference", error)
     if name == "torch":
         return TorchRefBackend()
     if name == "cuda":
