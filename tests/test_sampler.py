@@ -1,0 +1,143 @@
+"""Sampler: greedy, seeded sampling, top-k / top-p / min-p, penalties, min_tokens, logprobs."""
+
+import collections
+
+import pytest
+import torch
+
+from pagedkv.layers.sampler import Sampler, SamplingRow
+from pagedkv.sampling_params import SamplingParams
+
+VOCAB = 50
+
+
+def random_logits(rows: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def row(index=0, seed=None, prompt=(), output=(), eos=(2,), **params) -> SamplingRow:
+    generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    return SamplingRow(index, SamplingParams(**params), list(prompt), list(output), generator, frozenset(eos))
+
+
+def sample_tokens(logits, make_row, draws: int) -> list[int]:
+    sampler = Sampler()
+    return [sampler(logits, [make_row(i)])[0].token_id for i in range(draws)]
+
+
+def test_greedy_is_argmax_for_every_row():
+    logits = random_logits(5)
+    results = Sampler()(logits, [row(i, temperature=0) for i in range(5)])
+    assert [r.token_id for r in results] == logits.argmax(-1).tolist()
+
+
+def test_rows_pick_their_logits_row_in_any_order():
+    logits = random_logits(4)
+    results = Sampler()(logits, [row(3, temperature=0), row(0, temperature=0)])
+    assert [r.token_id for r in results] == [logits[3].argmax().item(), logits[0].argmax().item()]
+
+
+def test_seeded_sampling_is_reproducible_and_seeds_differ():
+    logits = random_logits(1)
+    first = sample_tokens(logits, lambda i: row(seed=1000 + i, temperature=1.0), 30)
+    again = sample_tokens(logits, lambda i: row(seed=1000 + i, temperature=1.0), 30)
+    other = sample_tokens(logits, lambda i: row(seed=5000 + i, temperature=1.0), 30)
+    assert first == again
+    assert first != other
+    assert len(set(first)) > 1  # it really samples
+
+
+def test_sampling_follows_the_softmax_distribution():
+    logits = torch.tensor([[0.0, 1.0, 2.0, -30.0] + [-30.0] * (VOCAB - 4)])
+    counts = collections.Counter(sample_tokens(logits, lambda i: row(seed=i, temperature=1.0), 3000))
+    expected = torch.softmax(logits[0], -1)[:3]
+    for token in range(3):
+        assert abs(counts[token] / 3000 - expected[token].item()) < 0.04
+    assert set(counts) <= {0, 1, 2}
+
+
+def test_top_k_1_and_tiny_top_p_are_greedy():
+    logits = random_logits(6)
+    greedy = logits.argmax(-1).tolist()
+    sampler = Sampler()
+    top_k = sampler(logits, [row(i, seed=i, temperature=1.5, top_k=1) for i in range(6)])
+    top_p = sampler(logits, [row(i, seed=i, temperature=1.5, top_p=1e-6) for i in range(6)])
+    assert [r.token_id for r in top_k] == greedy
+    assert [r.token_id for r in top_p] == greedy
+
+
+def test_top_k_keeps_only_the_k_best():
+    logits = random_logits(1, seed=3)
+    best3 = set(logits[0].topk(3).indices.tolist())
+    tokens = sample_tokens(logits, lambda i: row(seed=i, temperature=5.0, top_k=3), 200)
+    assert set(tokens) == best3
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05] + [0.0] * (VOCAB - 4))
+    logits = torch.log(probs.clamp_min(1e-30))[None]
+    tokens = sample_tokens(logits, lambda i: row(seed=i, temperature=1.0, top_p=0.75), 300)
+    assert set(tokens) == {0, 1}
+    tokens = sample_tokens(logits, lambda i: row(seed=i, temperature=1.0, top_p=0.85), 300)
+    assert set(tokens) == {0, 1, 2}
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_best():
+    probs = torch.tensor([0.4, 0.3, 0.2, 0.1] + [0.0] * (VOCAB - 4))
+    logits = torch.log(probs.clamp_min(1e-30))[None]
+    tokens = sample_tokens(logits, lambda i: row(seed=i, temperature=1.0, min_p=0.6), 300)
+    assert set(tokens) == {0, 1}  # 0.2 < 0.6 * 0.4
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 3], logits[0, 4], logits[0, 5] = 2.0, -2.0, 1.9
+    # Without the penalty 3 wins; seen tokens 3 (prompt) and 4 (output) are penalized HF-style.
+    result = Sampler()(logits, [row(temperature=0, prompt=[3, 9], output=[4], repetition_penalty=2.0)])[0]
+    assert result.token_id == 5
+    penalized = logits.clone()
+    Sampler._apply_penalties_and_masks(penalized[0], row(prompt=[3, 9], output=[4], repetition_penalty=2.0))
+    assert penalized[0, 3].item() == 1.0 and penalized[0, 4].item() == -4.0 and penalized[0, 9].item() == 0.0
+    assert penalized[0, 5].item() == pytest.approx(1.9)
+
+
+def test_presence_and_frequency_penalties_count_output_tokens_only():
+    logits = torch.zeros(1, VOCAB)
+    penalized = logits.clone()
+    params = dict(prompt=[7], output=[3, 3, 3, 4], presence_penalty=0.5, frequency_penalty=0.25)
+    Sampler._apply_penalties_and_masks(penalized[0], row(**params))
+    assert penalized[0, 3].item() == pytest.approx(-(0.5 + 3 * 0.25))
+    assert penalized[0, 4].item() == pytest.approx(-(0.5 + 0.25))
+    assert penalized[0, 7].item() == 0.0 and penalized[0, 0].item() == 0.0
+    logits[0, 3] = 1.0  # would win greedily, but the penalties push it below 0
+    assert Sampler()(logits, [row(temperature=0, **params)])[0].token_id not in (3, 4)
+
+
+def test_min_tokens_masks_eos_and_stop_tokens_until_reached():
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 2], logits[0, 9], logits[0, 11] = 10.0, 9.0, 8.0
+    sampler = Sampler()
+    early = row(temperature=0, eos=(2,), output=[5], min_tokens=3, stop_token_ids=[9])
+    assert sampler(logits, [early])[0].token_id == 11
+    reached = row(temperature=0, eos=(2,), output=[5, 5, 5], min_tokens=3, stop_token_ids=[9])
+    assert sampler(logits, [reached])[0].token_id == 2
+
+
+def test_logprobs_are_log_softmax_of_the_raw_logits():
+    logits = random_logits(3, seed=7)
+    expected = torch.log_softmax(logits, -1)
+    rows = [
+        row(0, temperature=0, logprobs=5),
+        row(1, seed=4, temperature=0.7, top_k=10, logprobs=2, repetition_penalty=1.3, prompt=[1, 2]),
+        row(2, temperature=0),
+    ]
+    results = Sampler()(logits, rows)
+    for i, result in enumerate(results):
+        assert result.logprob == pytest.approx(expected[i, result.token_id].item(), abs=1e-5)
+    assert results[2].top_logprobs is None
+    for i, k in ((0, 5), (1, 2)):
+        top = results[i].top_logprobs
+        assert len(top) == k
+        values, ids = expected[i].topk(k)
+        assert list(top) == ids.tolist()
+        assert list(top.values()) == pytest.approx(values.tolist(), abs=1e-5)
