@@ -1,0 +1,114 @@
+// Shared by every pagedkv kernel: dtypes, header-free conversions, 16-byte vector loads.
+//
+// The kernels are compiled by NVRTC (through CuPy) with no CUDA headers on the include
+// path, so half/bfloat16 conversions are written out here. With PAGEDKV_EMULATION the same
+// source compiles as host C++ against emu/cuda_emu.h, which is how CI checks the kernels'
+// results without a GPU.
+#pragma once
+
+#ifdef PAGEDKV_EMULATION
+#include "emu/cuda_emu.h"
+#endif
+
+namespace pagedkv {
+
+// Kernel template argument DT: the element type of queries, keys, values and outputs.
+enum DType { F32 = 0, F16 = 1, BF16 = 2 };
+
+template <int DT> struct Element { using type = unsigned short; };  // f16 and bf16 bits
+template <> struct Element<F32> { using type = float; };
+
+struct alignas(16) Vec16 { unsigned int x, y, z, w; };  // one 16-byte load or store
+
+__device__ __forceinline__ float neg_infinity() { return __int_as_float(0xff800000); }
+
+__device__ __forceinline__ float half_to_float(unsigned short h) {
+#ifdef __CUDA_ARCH__
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+#else
+  unsigned int sign = (h & 0x8000u) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ffu;
+  if (exponent == 0x1f) return __uint_as_float(sign | 0x7f800000u | (mantissa << 13));
+  if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24
+    float magnitude = (float)mantissa * 5.9604644775390625e-8f;
+    return sign ? -magnitude : magnitude;
+  }
+  return __uint_as_float(sign | ((exponent + 112) << 23) | (mantissa << 13));
+#endif
+}
+
+__device__ __forceinline__ unsigned short float_to_half(float f) {
+#ifdef __CUDA_ARCH__
+  unsigned short h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+#else
+  unsigned int bits = __float_as_uint(f), sign = (bits >> 16) & 0x8000u;
+  unsigned int magnitude = bits & 0x7fffffffu;
+  if (magnitude > 0x7f800000u) return (unsigned short)(sign | 0x7e00u);  // NaN
+  if (magnitude >= 0x477ff000u) return (unsigned short)(sign | 0x7c00u);  // rounds to inf
+  if (magnitude < 0x38800000u) {  // subnormal half: round magnitude / 2^-24 to nearest even
+    float scaled = __uint_as_float(magnitude) * 16777216.0f;
+    unsigned int whole = (unsigned int)scaled;
+    float rest = scaled - (float)whole;
+    if (rest > 0.5f || (rest == 0.5f && (whole & 1u))) whole++;
+    return (unsigned short)(sign | whole);
+  }
+  unsigned int rounded = magnitude + 0xfffu + ((magnitude >> 13) & 1u);
+  return (unsigned short)(sign | ((rounded - 0x38000000u) >> 13));
+#endif
+}
+
+__device__ __forceinline__ float bf16_to_float(unsigned short b) { return __uint_as_float(((unsigned int)b) << 16); }
+
+__device__ __forceinline__ unsigned short float_to_bf16(float f) {
+  unsigned int bits = __float_as_uint(f);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((bits >> 16) | 0x40u);  // quiet NaN
+  bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest even
+  return (unsigned short)(bits >> 16);
+}
+
+template <int DT> __device__ __forceinline__ float to_float(typename Element<DT>::type x);
+template <> __device__ __forceinline__ float to_float<F32>(float x) { return x; }
+template <> __device__ __forceinline__ float to_float<F16>(unsigned short x) { return half_to_float(x); }
+template <> __device__ __forceinline__ float to_float<BF16>(unsigned short x) { return bf16_to_float(x); }
+
+template <int DT> __device__ __forceinline__ typename Element<DT>::type from_float(float x);
+template <> __device__ __forceinline__ float from_float<F32>(float x) { return x; }
+template <> __device__ __forceinline__ unsigned short from_float<F16>(float x) { return float_to_half(x); }
+template <> __device__ __forceinline__ unsigned short from_float<BF16>(float x) { return float_to_bf16(x); }
+
+// Elements per 16-byte vector: 4 floats or 8 halves.
+template <int DT> struct VecWidth { static constexpr int value = 16 / (int)sizeof(typename Element<DT>::type); };
+
+// Loads 16 bytes at `source` (16-byte aligned) and widens them to floats.
+template <int DT>
+__device__ __forceinline__ void load_vec(const typename Element<DT>::type* source, float* out) {
+  Vec16 raw = *reinterpret_cast<const Vec16*>(source);
+  const typename Element<DT>::type* elements = reinterpret_cast<const typename Element<DT>::type*>(&raw);
+#pragma unroll
+  for (int i = 0; i < VecWidth<DT>::value; ++i) out[i] = to_float<DT>(elements[i]);
+}
+
+template <typename T>
+__device__ __forceinline__ T warp_xor_sum(T value, int first_mask, int last_mask) {
+#pragma unroll
+  for (int mask = first_mask; mask >= last_mask; mask >>= 1) value += __shfl_xor_sync(0xffffffffu, value, mask);
+  return value;
+}
+
+__device__ __forceinline__ float warp_max(float value) {
+#pragma unroll
+  for (int mask = 16; mask >= 1; mask >>= 1) value = fmaxf(value, __shfl_xor_sync(0xffffffffu, value, mask));
+  return value;
+}
+
+}  // namespace pagedkv
+
+// Dynamic shared memory as a float array (a plain pointer under emulation).
+#ifdef PAGEDKV_EMULATION
+#define PAGEDKV_SHARED_FLOATS(name) float* name = emu::dynamic_shared_memory()
+#else
+#define PAGEDKV_SHARED_FLOATS(name) extern __shared__ float name[]
+#endif

@@ -1,0 +1,35 @@
+"""Every kernel instantiation compiles with NVRTC to a CUBIN for sm_80 (A100) and sm_90
+(H100): no GPU needed, NVRTC comes from PyPI's nvidia-cuda-nvrtc wheel (a torch dependency).
+A kernel that does not compile fails CI."""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from pagedkv.kernels import nvrtc, sources
+
+
+def compile_source(source: str, expressions: list[str], arch: str) -> dict[str, str]:
+    options = [f"--gpu-architecture={arch}", f"-I{sources.cuda_source_dir()}", *sources.COMPILE_OPTIONS]
+    return nvrtc.compile_to_cubin(sources.read_source(source), source, expressions, options)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_every_kernel_compiles(arch):
+    chunks = []
+    for source, expressions in sources.all_instantiations().items():
+        # Split the big attention source in a few programs compiled in parallel.
+        for begin in range(0, len(expressions), 80):
+            chunks.append((source, expressions[begin : begin + 80]))
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(lambda chunk: compile_source(*chunk, arch), chunks))
+    lowered = {expression: name for result in results for expression, name in result.items()}
+    assert set(lowered) == {e for expressions in sources.all_instantiations().values() for e in expressions}
+    assert all(name for name in lowered.values())
+
+
+def test_a_broken_kernel_fails_with_the_compiler_log():
+    broken = sources.read_source(sources.CACHE_OPS_SOURCE).replace("= cache[source + word]", "= no_such_name", 1)
+    options = ["--gpu-architecture=sm_90", f"-I{sources.cuda_source_dir()}"]
+    with pytest.raises(nvrtc.KernelCompileError, match="no_such_name"):
+        nvrtc.compile_to_cubin(broken, "cache_ops.cu", [sources.COPY_BLOCKS_KERNEL], options)

@@ -1,0 +1,220 @@
+"""The CUDA kernels against a float64 torch reference, on the GPU when there is one and through
+the CPU emulator (cuda/emu) everywhere, so CI checks the kernels' results without a GPU.
+
+Random data, random non-contiguous block tables, context lengths including 1 and
+non-multiples of the block size, outputs poisoned with NaN before every run.
+"""
+
+import math
+import shutil
+
+import pytest
+import torch
+
+from pagedkv.kernels import (
+    EmulatorLauncher,
+    UnsupportedKernelError,
+    copy_blocks,
+    paged_attention,
+    reshape_and_cache,
+)
+from pagedkv.kernels import sources
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+TOLERANCE = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+# (head_dim, block_size, num_heads, num_kv_heads): SmolLM2's GQA 9/3, a Llama-like 8/2 with
+# 32-token blocks, plain multi-head attention, and a GQA group of 16 (two head tiles).
+SHAPES = [(64, 16, 9, 3), (128, 32, 8, 2), (64, 8, 4, 4), (256, 16, 16, 1)]
+
+
+def _has_cuda() -> bool:
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+@pytest.fixture(scope="module", params=["emulator", "cuda"])
+def target(request, tmp_path_factory):
+    """(launcher, device): the CPU emulator, or CuPy on the GPU."""
+    if request.param == "cuda":
+        if not _has_cuda():
+            pytest.skip("needs a CUDA GPU and CuPy")
+        from pagedkv.kernels import CupyLauncher
+
+        return CupyLauncher(torch.device("cuda")), torch.device("cuda")
+    if shutil.which("g++") is None:
+        pytest.fail("the kernel emulator needs g++ (C++20)")
+    launcher = EmulatorLauncher(tmp_path_factory.mktemp("emulator"))
+    kernels = []
+    for code in sources.DTYPE_CODES.values():
+        for head_dim, block_size, num_heads, num_kv_heads in SHAPES:
+            tile = sources.head_tile(num_heads // num_kv_heads)
+            kernels.append((sources.ATTENTION_SOURCE, sources.attention_kernel(code, head_dim, block_size, tile)))
+        kernels += [(sources.ATTENTION_SOURCE, sources.reduce_kernel(code, d)) for d in sources.HEAD_DIMS]
+        kernels.append((sources.CACHE_OPS_SOURCE, sources.cache_kernel(code)))
+    kernels.append((sources.CACHE_OPS_SOURCE, sources.COPY_BLOCKS_KERNEL))
+    launcher.prepare(kernels)  # one build for the whole module
+    return launcher, torch.device("cpu")
+
+
+def block_major_cache(num_blocks, num_layers, num_kv_heads, block_size, head_dim, dtype, device, generator):
+    """The engine's cache layout [N, L, 2, Hkv, bs, D] with random content; returns it and the
+    (key, value) views of layer 1, whose block stride is not their block size."""
+    cache = torch.randn((num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim), generator=generator)
+    cache = cache.to(dtype).to(device)
+    return cache, cache[:, 1, 0], cache[:, 1, 1]
+
+
+def reference_attention(query, key_cache, value_cache, block_tables, seq_index, context_lens, scale):
+    """float64, one query token at a time."""
+    num_heads, num_kv_heads, block_size = query.shape[1], key_cache.shape[1], key_cache.shape[2]
+    out = torch.empty(query.shape, dtype=torch.float64)
+    for t in range(query.shape[0]):
+        context = int(context_lens[t])
+        blocks = block_tables[int(seq_index[t])][: math.ceil(context / block_size)].long().cpu()
+        keys = key_cache.cpu()[blocks].double().transpose(0, 1).reshape(num_kv_heads, -1, query.shape[2])[:, :context]
+        values = value_cache.cpu()[blocks].double().transpose(0, 1).reshape(num_kv_heads, -1, query.shape[2])[:, :context]
+        group = num_heads // num_kv_heads
+        keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
+        scores = torch.einsum("hd,hcd->hc", query[t].cpu().double(), keys) * scale
+        out[t] = torch.einsum("hc,hcd->hd", scores.softmax(-1), values)
+    return out
+
+
+def relative_error(actual, expected):
+    return ((actual.cpu().double() - expected).norm() / expected.norm()).item()
+
+
+def make_batch(shape, dtype, device, generator, context_lens_per_seq, prefill_chunks=()):
+    """Sequences with random non-contiguous block tables; one decode token per sequence, plus
+    for each (seq, chunk_len) in prefill_chunks the last chunk_len tokens of that sequence as
+    causal queries. Returns the kernel arguments (query is a strided view of a qkv tensor)."""
+    head_dim, block_size, num_heads, num_kv_heads = shape
+    max_blocks = max(math.ceil(c / block_size) for c in context_lens_per_seq) + 1
+    num_blocks = max_blocks * len(context_lens_per_seq) + 3
+    cache, key_cache, value_cache = block_major_cache(
+        num_blocks, 2, num_kv_heads, block_size, head_dim, dtype, device, generator
+    )
+    permutation = torch.randperm(num_blocks, generator=generator)
+    block_tables = permutation[: len(context_lens_per_seq) * max_blocks].view(-1, max_blocks).int()
+    seq_index, token_contexts = [], []
+    for seq, chunk in prefill_chunks:
+        context = context_lens_per_seq[seq]
+        seq_index += [seq] * chunk
+        token_contexts += list(range(context - chunk + 1, context + 1))
+    for seq, context in enumerate(context_lens_per_seq):
+        seq_index.append(seq)
+        token_contexts.append(context)
+    num_tokens = len(seq_index)
+    qkv = torch.randn((num_tokens, num_heads + 2 * num_kv_heads, head_dim), generator=generator).to(dtype).to(device)
+    query = qkv[:, :num_heads]
+    as_int = dict(dtype=torch.int32, device=device)
+    return dict(
+        query=query,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        block_tables=block_tables.to(device),
+        seq_index=torch.tensor(seq_index, **as_int),
+        context_lens=torch.tensor(token_contexts, **as_int),
+        max_context_len=max(token_contexts),
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "d{}-bs{}-h{}-kv{}".format(*s))
+@pytest.mark.parametrize("partition_size", [None, 64], ids=["auto", "splitk64"])
+def test_paged_decode_matches_reference(target, dtype, shape, partition_size):
+    launcher, device = target
+    generator = torch.Generator().manual_seed(hash((str(dtype), shape)) % 2**31)
+    contexts = [1, 17, 200, shape[1] * 3, 129]
+    batch = make_batch(shape, dtype, device, generator, contexts)
+    out = torch.full(batch["query"].shape, float("nan"), dtype=dtype, device=device)
+    scale = shape[0] ** -0.5
+    paged_attention(**batch, scale=scale, out=out, partition_size=partition_size, launcher=launcher)
+    expected = reference_attention(
+        batch["query"], batch["key_cache"], batch["value_cache"], batch["block_tables"],
+        batch["seq_index"], batch["context_lens"], scale,
+    )
+    assert not torch.isnan(out).any()
+    assert relative_error(out, expected) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("partition_size", [None, 64], ids=["auto", "splitk64"])
+def test_paged_prefill_and_extend_are_causal(target, dtype, partition_size):
+    """A whole prompt (seq 0) and a chunk after a cached prefix (seq 1), next to decodes."""
+    launcher, device = target
+    shape = SHAPES[0]
+    generator = torch.Generator().manual_seed(7)
+    batch = make_batch(shape, dtype, device, generator, [45, 150, 9], prefill_chunks=[(0, 44), (1, 37)])
+    scale = shape[0] ** -0.5
+    out = paged_attention(**batch, scale=scale, partition_size=partition_size, launcher=launcher)
+    expected = reference_attention(
+        batch["query"], batch["key_cache"], batch["value_cache"], batch["block_tables"],
+        batch["seq_index"], batch["context_lens"], scale,
+    )
+    assert relative_error(out, expected) < TOLERANCE[dtype]
+    # Causality really matters here: attending to the whole context gives other outputs.
+    full = batch["context_lens"].clone()
+    full[:44] = 45
+    leaky = reference_attention(
+        batch["query"], batch["key_cache"], batch["value_cache"], batch["block_tables"],
+        batch["seq_index"], full, scale,
+    )
+    assert relative_error(out[:43], leaky[:43]) > 10 * TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_reshape_and_cache_writes_exactly_the_mapped_slots(target, dtype):
+    launcher, device = target
+    head_dim, block_size, _, num_kv_heads = SHAPES[0]
+    generator = torch.Generator().manual_seed(3)
+    cache, key_cache, value_cache = block_major_cache(12, 2, num_kv_heads, block_size, head_dim, dtype, device, generator)
+    before = cache.clone()
+    num_tokens = 30
+    slots = torch.randperm(12 * block_size, generator=generator)[:num_tokens]
+    slots[[4, 11]] = -1  # padding tokens are not stored
+    kv = torch.randn((num_tokens, 2 * num_kv_heads + 1, head_dim), generator=generator).to(dtype).to(device)
+    key, value = kv[:, :num_kv_heads], kv[:, num_kv_heads + 1 :]  # strided views
+    reshape_and_cache(key, value, key_cache, value_cache, slots.to(device), launcher=launcher)
+
+    expected = before.clone()
+    keep = slots >= 0
+    blocks, offsets = (slots[keep] // block_size).to(device), (slots[keep] % block_size).to(device)
+    expected[:, 1, 0][blocks, :, offsets] = key[keep.to(device)]
+    expected[:, 1, 1][blocks, :, offsets] = value[keep.to(device)]
+    assert torch.equal(cache, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_copy_blocks_copies_every_layer_of_each_pair(target, dtype):
+    launcher, device = target
+    generator = torch.Generator().manual_seed(5)
+    cache, _, _ = block_major_cache(10, 3, 2, 16, 64, dtype, device, generator)
+    before = cache.clone()
+    pairs = torch.tensor([[0, 7], [2, 3], [9, 1]], dtype=torch.int64, device=device)
+    copy_blocks(cache, pairs, launcher=launcher)
+    expected = before.clone()
+    expected[pairs[:, 1]] = before[pairs[:, 0]]
+    assert torch.equal(cache, expected)
+
+
+def test_unsupported_dtype_and_head_dim_are_named(target):
+    launcher, device = target
+    generator = torch.Generator().manual_seed(0)
+    batch = make_batch(SHAPES[0], torch.float32, device, generator, [5])
+    as_double = {**batch, "query": batch["query"].double()}
+    with pytest.raises(UnsupportedKernelError, match="float64"):
+        paged_attention(**as_double, scale=1.0, launcher=launcher)
+    odd = make_batch((96, 16, 4, 2), torch.float32, device, generator, [5])
+    with pytest.raises(UnsupportedKernelError, match="head_dim=96"):
+        paged_attention(**odd, scale=1.0, launcher=launcher)
+
+
+def test_cpu_tensors_without_a_launcher_are_refused():
+    generator = torch.Generator().manual_seed(0)
+    batch = make_batch(SHAPES[0], torch.float32, torch.device("cpu"), generator, [5])
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        paged_attention(**batch, scale=1.0)
