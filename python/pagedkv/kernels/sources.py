@@ -21,7 +21,9 @@ NUM_WARPS = NUM_THREADS // 32
 
 ATTENTION_SOURCE = "paged_attention.cu"
 CACHE_OPS_SOURCE = "cache_ops.cu"
-COMPILE_OPTIONS = ("-std=c++17", "--use_fast_math")
+# Nothing beyond the include path: NVRTC's default dialect (C++17) and precise math, with fast
+# exponentials written out as __expf; CuPy adds its own -arch and -ftz.
+COMPILE_OPTIONS: tuple[str, ...] = ()
 
 
 def cuda_source_dir() -> Path:
