@@ -13,8 +13,9 @@ class BuddyAllocator:
     """Hands out power-of-two-sized, size-aligned runs of slots; frees merge buddies back.
 
     Each request is rounded up to a power of two: the rounding is external fragmentation,
-    as is free space split into runs too small for the next request. Placement is lowest
-    address first, so runs are deterministic and easy to check by hand.
+    as is free space split into runs too small for the next request. A request takes the
+    smallest free run that fits, the lowest-addressed one among equals, so placements are
+    deterministic and easy to check by hand.
     """
 
     def __init__(self, num_slots: int):
@@ -39,6 +40,8 @@ class BuddyAllocator:
 
     def allocate(self, size: int) -> Optional[int]:
         """Offset of a free run of next_power_of_two(size) slots, or None when none is left."""
+        if size > self.num_slots:
+            raise ValueError(f"size={size} exceeds num_slots={self.num_slots}: it could never be placed")
         run = next_power_of_two(size)
         order = run.bit_length() - 1
         source = next((o for o in range(order, self.max_order + 1) if self.free_offsets[o]), None)

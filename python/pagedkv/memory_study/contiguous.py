@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pagedkv.memory_study.buddy import BuddyAllocator, next_power_of_two
 from pagedkv.memory_study.settings import StudySettings
 from pagedkv.memory_study.timeline import StepSample, Timeline
-from pagedkv.memory_study.traces import Request
+from pagedkv.memory_study.traces import Request, arrivals_by_step
 
 POLICIES = ("max", "pow2", "oracle")
 
@@ -78,12 +78,8 @@ def replay_contiguous(trace: list[Request], policy: str, settings: StudySettings
     timeline = Timeline(f"Orca ({policy})", settings.kv_slots, settings.warmup_steps)
     waiting: deque[Request] = deque()
     running: list[Reservation] = []
-    arrivals = iter(trace)
-    next_request = next(arrivals, None)
-    for step in range(settings.num_steps):
-        while next_request is not None and next_request.arrival_step <= step:
-            waiting.append(next_request)
-            next_request = next(arrivals, None)
+    for step, arriving in arrivals_by_step(trace, settings.num_steps):
+        waiting.extend(arriving)
         for held in running:
             held.stored += 1
         token_budget = settings.max_num_batched_tokens - len(running)

@@ -9,7 +9,7 @@ accounting is that of the real allocator, not a model of it.
 from pagedkv import Scheduler, SchedulerConfig, SchedulerOutput
 from pagedkv.memory_study.settings import StudySettings
 from pagedkv.memory_study.timeline import StepSample, Timeline
-from pagedkv.memory_study.traces import VOCAB_SIZE, Request
+from pagedkv.memory_study.traces import VOCAB_SIZE, Request, arrivals_by_step
 
 PAGED_SYSTEM = "vLLM (paged)"
 
@@ -78,19 +78,15 @@ def add_free_slots(sample: StepSample, stats: dict, num_used_blocks: int, settin
         sample.free += free_slots
 
 
-def replay_paged(trace: list[Request], settings: StudySettings, name: str = PAGED_SYSTEM) -> Timeline:
+def replay_paged(trace: list[Request], settings: StudySettings) -> Timeline:
     """Serves the trace through the real scheduler (FCFS, recompute preemption, no prefix
     caching); one sample per step, taken after scheduling and before finished requests free."""
     scheduler = Scheduler(scheduler_config(settings))
-    timeline = Timeline(name, settings.kv_slots, settings.warmup_steps)
+    timeline = Timeline(PAGED_SYSTEM, settings.kv_slots, settings.warmup_steps)
     final_len: dict[int, int] = {}
-    arrivals = iter(trace)
-    next_request = next(arrivals, None)
-    for step in range(settings.num_steps):
-        while next_request is not None and next_request.arrival_step <= step:
-            seq_id = scheduler.add_request(next_request.request_id, list(next_request.prompt_token_ids))
-            final_len[seq_id] = next_request.final_len
-            next_request = next(arrivals, None)
+    for step, arriving in arrivals_by_step(trace, settings.num_steps):
+        for request in arriving:
+            final_len[scheduler.add_request(request.request_id, list(request.prompt_token_ids))] = request.final_len
         out = scheduler.schedule()
         sample, physical = measure(out, final_len, settings.block_size)
         stats = scheduler.stats()

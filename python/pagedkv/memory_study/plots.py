@@ -34,6 +34,7 @@ def plot_breakdown_over_time(results: StudyResults, directory: str) -> list[str]
             axis.axvline(timeline.warmup_steps, color="black", linewidth=0.8, linestyle=":")
             axis.set_title(f"{timeline.system}: {100 * timeline.fraction('stored'):.1f}% token states")
             axis.set_ylim(0, 100)
+            axis.set_xlim(0, len(timeline.samples) - 1)
         for axis in axes[-1]:
             axis.set_xlabel("scheduler step")
         for axis in axes[:, 0]:

@@ -7,8 +7,9 @@ from dataclasses import dataclass, replace
 class StudySettings:
     """One KV budget and one set of limits, given to the paged system and every baseline.
 
-    The full run's budget of 16,384 token slots models OPT-13B on a 40 GB A100 as in the
-    paper: about 12 GB is left for the KV cache after the weights, at 800 KB per token.
+    The full run's budget models OPT-13B on a 40 GB A100 as in the paper: about 12 GB is left
+    for the KV cache after the weights, at 800 KB per token some 15,000 slots, rounded to the
+    power of two 16,384 that the buddy allocator needs.
     """
 
     kv_slots: int = 16384
@@ -34,10 +35,15 @@ class StudySettings:
     system_prompt_requests: int = 100
     seed: int = 0
 
-    @property
-    def measured_steps(self) -> int:
-        """Steps that count in the time averages."""
-        return self.num_steps - self.warmup_steps
+    def __post_init__(self):
+        if self.kv_slots <= 0 or self.kv_slots & (self.kv_slots - 1):
+            raise ValueError(f"kv_slots={self.kv_slots} must be a power of two (the buddy allocator covers it whole)")
+        if self.kv_slots % self.block_size:
+            raise ValueError(f"kv_slots={self.kv_slots} must be a multiple of block_size={self.block_size}")
+        if not self.max_model_len <= min(self.kv_slots, self.max_num_batched_tokens):
+            # Every request must fit the budget alone, and its prompt one step (no chunked prefill).
+            raise ValueError(f"max_model_len={self.max_model_len} must be <= kv_slots={self.kv_slots} and "
+                             f"<= max_num_batched_tokens={self.max_num_batched_tokens}")
 
     def with_block_size(self, block_size: int) -> "StudySettings":
         """The same budget in slots, cut into blocks of another size."""
@@ -45,7 +51,7 @@ class StudySettings:
 
 
 FULL = StudySettings()
-# A quarter of the budget and short runs: the CI study, a few seconds on two cores.
+# A quarter of the budget and short runs: the CI study, under 20 s on two cores.
 QUICK = StudySettings(kv_slots=4096, max_model_len=1024, max_num_batched_tokens=1024, num_steps=900,
                       warmup_steps=200, sharing_steps=500, system_prompt_len=400,
                       system_prompt_requests=30)

@@ -1,10 +1,10 @@
 """Block sharing: parallel sampling and beam search replayed through the real scheduler.
 
 Parallel sampling forks the n-1 other samples off the prompt right after its prefill, as the
-engine does; every sample then runs to the request's output length (the paper's benchmarks
-ignore EOS). Beam search is the engine's own `BeamSearch` fed random logits: each step it keeps
-the best `width` of all beams' candidates, forking a beam chosen more than once and freeing a
-beam chosen by none, so beams share the blocks of their common ancestors.
+engine does; every sample then runs to the request's output length (EOS ignored, as is usual
+in serving benchmarks). Beam search is the engine's own `BeamSearch` fed random logits: each
+step it keeps the best `width` of all beams' candidates, forking a beam chosen more than once
+and freeing a beam chosen by none, so beams share the blocks of their common ancestors.
 
 Saving = 1 - physical / logical blocks over the measured steps, where logical counts each
 sequence's block table in full (what the sequences would hold without sharing) and physical
@@ -19,7 +19,7 @@ from pagedkv import Scheduler
 from pagedkv.beam_search import BeamSearch
 from pagedkv.memory_study.paged import measure, next_token, scheduler_config
 from pagedkv.memory_study.settings import StudySettings
-from pagedkv.memory_study.traces import Request
+from pagedkv.memory_study.traces import Request, arrivals_by_step
 
 BEAM_VOCAB_SIZE = 1000
 
@@ -82,20 +82,16 @@ def run_sharing(trace: list[Request], decoding: str, width: int, settings: Study
     request_of: dict[int, Request] = {}
     searches: dict[str, BeamSearch] = {}
     live: dict[str, int] = {}
-    arrivals = iter(trace)
-    next_request = next(arrivals, None)
-    for step in range(settings.sharing_steps):
-        while next_request is not None and next_request.arrival_step <= step:
-            seq_id = scheduler.add_request(next_request.request_id, list(next_request.prompt_token_ids))
-            final_len[seq_id] = next_request.final_len
-            request_of[seq_id] = next_request
+    for step, arriving in arrivals_by_step(trace, settings.sharing_steps):
+        for request in arriving:
+            seq_id = scheduler.add_request(request.request_id, list(request.prompt_token_ids))
+            final_len[seq_id], request_of[seq_id] = request.final_len, request
             if decoding == "beam search":
                 # max_tokens counts the sampled token that never gets KV: +1 so beams store final_len.
-                searches[next_request.request_id] = BeamSearch(
-                    beam_width=width, num_outputs=width, max_tokens=next_request.output_len + 1, length_penalty=1.0,
+                searches[request.request_id] = BeamSearch(
+                    beam_width=width, num_outputs=width, max_tokens=request.output_len + 1, length_penalty=1.0,
                     eos_token_ids=frozenset(), ignore_eos=True, running={seq_id: ([], 0.0)},
                 )
-            next_request = next(arrivals, None)
         out = scheduler.schedule()
         sample, physical = measure(out, final_len, settings.block_size)
         if step >= settings.warmup_steps:

@@ -29,6 +29,8 @@ class TraceSummary:
 
 @dataclass
 class StudyResults:
+    """Everything `report.py` and `plots.py` show."""
+
     settings: StudySettings
     traces: list[TraceSummary] = field(default_factory=list)
     breakdown: dict[str, list[Timeline]] = field(default_factory=dict)

@@ -57,6 +57,9 @@ class SystemPromptResult:
 def make_system_prompt_trace(settings: StudySettings) -> list[Request]:
     """settings.system_prompt_requests requests, all at step 0: one shared system prompt of
     settings.system_prompt_len tokens, then a ShareGPT-like user turn and answer."""
+    if settings.system_prompt_len >= settings.max_model_len:
+        raise ValueError(f"system_prompt_len={settings.system_prompt_len} leaves no room under "
+                         f"max_model_len={settings.max_model_len}")
     rng = random.Random(f"system-prompt-{settings.seed}")
     system_prompt = tuple(rng.randrange(VOCAB_SIZE) for _ in range(settings.system_prompt_len))
     requests = []
