@@ -36,10 +36,10 @@ def make_prompts(tokenizer, num_prompts: int, seed: int = 0) -> list[list[int]]:
     return prompts
 
 
-def run_pagedkv(prompts, max_tokens, device, dtype):
+def run_pagedkv(prompts, max_tokens, device, dtype, kv_cache_bytes=None):
     from pagedkv import LLM, SamplingParams
 
-    llm = LLM(device=device, dtype=dtype, max_model_len=1024)
+    llm = LLM(device=device, dtype=dtype, max_model_len=1024, kv_cache_memory_bytes=kv_cache_bytes)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
     engine = llm.engine
@@ -118,6 +118,8 @@ def main(argv=None) -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--skip-hf", action="store_true", help="only pagedkv")
+    parser.add_argument("--kv-cache-gib", type=float, default=1.0,
+                        help="pagedkv's KV budget on the CPU (GiB; the GPU default is 90%% of free memory)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -127,7 +129,8 @@ def main(argv=None) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir(), gguf_file=GGUF_NAME)
     prompts = make_prompts(tokenizer, args.num_prompts)
-    rows = [("pagedkv", *run_pagedkv(prompts, args.max_tokens, args.device, args.dtype))]
+    kv_cache_bytes = int(args.kv_cache_gib * 2**30) if args.device == "cpu" else None
+    rows = [("pagedkv", *run_pagedkv(prompts, args.max_tokens, args.device, args.dtype, kv_cache_bytes))]
     if not args.skip_hf:
         model = load_hf(args.device, dtype)
         rows.append(("HF generate", *run_hf_generate(model, prompts, args.max_tokens, args.device)))

@@ -64,24 +64,29 @@ def _prefill_one(query, key_cache, value_cache, block_table, context_len: int, s
 
 
 def _decode_batch(query, key_cache, value_cache, block_tables, context_lens, max_context_len: int, scale: float):
-    """One query token per sequence, all sequences at once (no Python loop)."""
+    """One query token per sequence, all sequences at once (no Python loop).
+
+    The gathered K/V stay block-shaped ([B, n, Hkv, bs, D], one index_select each, no permuted
+    copy): scores are batched over (sequence, block, kv head) and the softmax runs over the
+    (block, offset) axes together.
+    """
     batch, num_heads, head_dim = query.shape
     num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
     max_blocks = -(-max_context_len // block_size)
-    tables = block_tables[:, :max_blocks].long()
-    keys = key_cache[tables]  # [B, n, Hkv, bs, D]
-    values = value_cache[tables]
-    keys = keys.permute(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, max_blocks * block_size, head_dim)
-    values = values.permute(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, max_blocks * block_size, head_dim)
+    flat_tables = block_tables[:, :max_blocks].reshape(-1).long()
+    shape = (batch, max_blocks, num_kv_heads, block_size, head_dim)
+    keys = key_cache.index_select(0, flat_tables).view(shape)
+    values = value_cache.index_select(0, flat_tables).view(shape)
     group = num_heads // num_kv_heads
-    queries = query.view(batch, num_kv_heads, group, head_dim)
-    scores = torch.matmul(queries, keys.transpose(-1, -2)) * scale  # [B, Hkv, G, L]
-    positions = torch.arange(max_blocks * block_size, device=query.device)
-    invalid = positions[None, :] >= context_lens[:, None].to(positions.dtype)
-    scores = scores.masked_fill(invalid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
-    out = torch.matmul(probs, values)  # [B, Hkv, G, D]
-    return out.reshape(batch, num_heads, head_dim)
+    queries = query.view(batch, 1, num_kv_heads, group, head_dim)
+    scores = torch.matmul(queries, keys.transpose(-1, -2)).float() * scale  # [B, n, Hkv, G, bs]
+    positions = torch.arange(max_blocks * block_size, device=query.device).view(1, max_blocks, 1, 1, block_size)
+    invalid = positions >= context_lens.view(-1, 1, 1, 1, 1).to(positions.dtype)
+    scores = scores.masked_fill(invalid, float("-inf"))
+    weights = torch.exp(scores - scores.amax(dim=(1, 4), keepdim=True))
+    total = weights.sum(dim=(1, 4), keepdim=True).squeeze(1)  # [B, Hkv, G, 1]
+    out = torch.matmul(weights.to(values.dtype), values).sum(1, dtype=torch.float32)  # [B, Hkv, G, D]
+    return (out / total).to(query.dtype).reshape(batch, num_heads, head_dim)
 
 
 def copy_blocks(kv_cache: torch.Tensor, pairs: torch.Tensor) -> None:
