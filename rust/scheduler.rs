@@ -10,6 +10,7 @@ use rustc_hash::FxHashMap as HashMap;
 use smallvec::SmallVec;
 
 use crate::block_manager::{BlockCopy, BlockManager, SeqId};
+use crate::block_table::block_index;
 use crate::config::SchedulerConfig;
 use crate::errors::{Error, Result};
 use crate::preemption::Preemption;
@@ -130,6 +131,8 @@ pub struct Scheduler {
     next_group: GroupId,
     next_seq: SeqId,
     counters: Counters,
+    /// Length of the last step's flat block tables: the next step reserves that much up front.
+    block_tables_hint: usize,
 }
 
 impl Scheduler {
@@ -155,6 +158,7 @@ impl Scheduler {
             next_group: 0,
             next_seq: 0,
             counters: Counters::default(),
+            block_tables_hint: 0,
         })
     }
 
@@ -353,6 +357,7 @@ impl Scheduler {
         out.scheduled.reserve(expected);
         out.token_ids.reserve(expected);
         out.slot_mapping.reserve(expected);
+        out.block_tables.reserve(self.block_tables_hint + expected);
         let mut decodes = Vec::with_capacity(expected);
 
         // 1. Running groups, oldest first; make room by preempting the newest.
@@ -451,6 +456,7 @@ impl Scheduler {
         }
 
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget;
+        self.block_tables_hint = out.block_tables.len();
         out.scheduled.append(&mut decodes);
         out
     }
@@ -489,7 +495,7 @@ impl Scheduler {
     fn blocks_needed(&self, plan: &[(SeqId, usize)]) -> usize {
         // Cheap upper bound first (a new block per block_size tokens, one partial, one copy):
         // when the pool is far from full, the exact count is not needed.
-        let bound: usize = plan.iter().map(|&(_, tokens)| tokens / self.config.block_size + 2).sum();
+        let bound: usize = plan.iter().map(|&(_, tokens)| block_index(tokens, self.config.block_size) + 2).sum();
         if bound <= self.blocks.num_free_device_blocks() {
             return bound;
         }
