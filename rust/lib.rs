@@ -6,6 +6,7 @@ pub mod block_manager;
 pub mod block_pool;
 pub mod block_table;
 pub mod config;
+pub mod cpu_attention;
 pub mod errors;
 pub mod prefix_cache;
 pub mod preemption;

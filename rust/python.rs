@@ -8,6 +8,7 @@ use pyo3::types::PyDict;
 use crate::block_manager::BlockManager as RustBlockManager;
 use crate::block_pool::Device;
 use crate::config::SchedulerConfig as RustSchedulerConfig;
+use crate::cpu_attention::{paged_decode_attention, DecodeShape};
 use crate::errors::Error;
 use crate::preemption::{CostModel, PreemptionMode};
 use crate::scheduler::{
@@ -514,6 +515,46 @@ impl BlockManager {
     }
 }
 
+/// Paged decode attention over float32 CPU tensors given by data pointer. Internal: the
+/// caller (`pagedkv.attention.cpu`) checks every shape, dtype, device and stride first.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn paged_decode_attention_f32(
+    py: Python<'_>,
+    out: usize,
+    query: usize,
+    key_cache: usize,
+    value_cache: usize,
+    block_tables: usize,
+    context_lens: usize,
+    shape: (usize, usize, usize, usize, usize, usize, usize, usize),
+    scale: f32,
+    num_threads: usize,
+) -> PyResult<()> {
+    let (batch, num_heads, num_kv_heads, head_dim, block_size, num_blocks, block_stride, table_width) = shape;
+    let shape = DecodeShape { batch, num_heads, num_kv_heads, head_dim, block_size, num_blocks, block_stride, table_width };
+    py.detach(|| {
+        call(|| {
+            let row = batch * num_heads * head_dim;
+            // SAFETY: the pointers are those of live, contiguous CPU tensors of these shapes
+            // (float32 out/query/caches, int32 tables/contexts), checked by the caller, and `out`
+            // is a fresh tensor that aliases no input. The caches may overlap each other (K and
+            // V of the block-major cache): both are only read.
+            let (out, query, keys, values, tables, contexts) = unsafe {
+                (
+                    std::slice::from_raw_parts_mut(out as *mut f32, row),
+                    std::slice::from_raw_parts(query as *const f32, row),
+                    std::slice::from_raw_parts(key_cache as *const f32, shape.cache_len()),
+                    std::slice::from_raw_parts(value_cache as *const f32, shape.cache_len()),
+                    std::slice::from_raw_parts(block_tables as *const i32, batch * table_width),
+                    std::slice::from_raw_parts(context_lens as *const i32, batch),
+                )
+            };
+            paged_decode_attention(out, query, keys, values, tables, contexts, &shape, scale, num_threads)
+        })
+    })
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<SchedulerConfig>()?;
@@ -521,6 +562,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<SchedulerOutput>()?;
     m.add_class::<Scheduler>()?;
     m.add_class::<BlockManager>()?;
+    m.add_function(wrap_pyfunction!(paged_decode_attention_f32, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -52,7 +52,7 @@ class EngineConfig:
     seed: int = 0
     """Seed of the global RNG (unseeded requests)."""
     attention_backend: str = "auto"
-    """torch (reference), cuda (kernels) or auto."""
+    """torch (reference), cpu (reference + Rust decode attention), cuda (kernels) or auto (cuda on a GPU, cpu on the CPU)."""
     num_threads: Optional[int] = None
     """torch CPU threads; None = torch's default."""
 
@@ -80,8 +80,8 @@ class EngineConfig:
             fail("preemption_mode", self.preemption_mode, f"one of {_PREEMPTION_MODES}")
         if not 0 <= self.watermark < 1:
             fail("watermark", self.watermark, "in [0, 1)")
-        if self.attention_backend not in ("auto", "torch", "cuda"):
-            fail("attention_backend", self.attention_backend, "auto, torch or cuda")
+        if self.attention_backend not in ("auto", "torch", "cpu", "cuda"):
+            fail("attention_backend", self.attention_backend, "auto, torch, cpu or cuda")
 
     @property
     def is_cuda(self) -> bool:

@@ -1,6 +1,7 @@
 """Attention backends: one small interface, a torch reference (CPU/GPU) and CUDA kernels.
 
-A backend has `write_kv(key_cache, value_cache, key, value, slot_mapping)`,
+Backends: `torch` (reference, CPU and GPU; the oracle), `cpu` (the reference with decode in
+Rust), `cuda` (pagedkv's kernels). A backend has `write_kv(key_cache, value_cache, key, value, slot_mapping)`,
 `forward(query, key_cache, value_cache, metadata, scale) -> output` and
 `copy_blocks(kv_cache, pairs)`; caches are per-layer views `[num_blocks, Hkv, block_size, D]` of
 the block-major cache `[num_blocks, num_layers, 2, Hkv, block_size, D]` (docs/architecture.md).
@@ -17,9 +18,10 @@ logger = logging.getLogger("pagedkv.attention")
 
 
 def get_backend(name: str, device: str):
-    """'torch', 'cuda', or 'auto' (cuda kernels on a CUDA device when CuPy is there, else torch)."""
+    """'torch', 'cpu', 'cuda', or 'auto': cuda kernels on a CUDA device when CuPy is there (else
+    torch), the cpu backend (Rust decode attention) on the CPU."""
     if name == "auto":
-        name = "torch"
+        name = "cpu" if not device.startswith("cuda") else "torch"
         if device.startswith("cuda"):
             try:
                 import cupy  # noqa: F401
@@ -31,11 +33,17 @@ def get_backend(name: str, device: str):
                 logger.warning("CUDA attention kernels unavailable (%s); using the torch reference", error)
     if name == "torch":
         return TorchRefBackend()
+    if name == "cpu":
+        if device.startswith("cuda"):
+            raise ValueError("attention_backend='cpu' runs on the CPU; use 'cuda' or 'torch' on a GPU")
+        from pagedkv.attention.cpu import CpuAttentionBackend
+
+        return CpuAttentionBackend()
     if name == "cuda":
         from pagedkv.attention.cuda import CudaAttentionBackend
 
         return CudaAttentionBackend()
-    raise ValueError(f"attention_backend must be 'auto', 'torch' or 'cuda', got {name!r}")
+    raise ValueError(f"attention_backend must be 'auto', 'torch', 'cpu' or 'cuda', got {name!r}")
 
 
 __all__ = ["AttentionMetadata", "TorchRefBackend", "get_backend"]

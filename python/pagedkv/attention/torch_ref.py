@@ -25,8 +25,9 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: 
     return blocks.permute(1, 0, 2, 3).reshape(cache.shape[1], -1, cache.shape[3])[:, :context_len]
 
 
-def paged_attention_ref(query, key_cache, value_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
-    """query [T, Hq, D] -> [T, Hq, D], causal over each sequence's cached context."""
+def paged_attention_ref(query, key_cache, value_cache, metadata: AttentionMetadata, scale: float, decode=None) -> torch.Tensor:
+    """query [T, Hq, D] -> [T, Hq, D], causal over each sequence's cached context. `decode`
+    replaces the batched decode part (same arguments as `_decode_batch`)."""
     output = torch.empty_like(query)
     num_prefills = metadata.num_prefills
     starts = metadata.query_start_loc_host
@@ -38,7 +39,7 @@ def paged_attention_ref(query, key_cache, value_cache, metadata: AttentionMetada
         )
     if metadata.num_decode_tokens:
         first = starts[num_prefills]
-        output[first:] = _decode_batch(
+        output[first:] = (decode or _decode_batch)(
             query[first:],
             key_cache,
             value_cache,

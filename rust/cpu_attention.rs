@@ -1,0 +1,300 @@
+//! Paged decode attention on the CPU (float32): one query token per sequence, K/V read in
+//! place through the block table (no gather copy), each K/V row read once for all query heads
+//! of its GQA group. The CPU engine's hot path; the torch reference backend stays the oracle.
+
+use crate::errors::{Error, Result};
+
+/// Shapes and strides of one call. Caches are per-layer views `[num_blocks, num_kv_heads,
+/// block_size, head_dim]` whose blocks are `block_stride` floats apart (the block-major cache
+/// interleaves layers); query/out are `[batch, num_heads, head_dim]`, contiguous.
+#[derive(Debug, Clone, Copy)]
+pub struct DecodeShape {
+    pub batch: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub block_size: usize,
+    pub num_blocks: usize,
+    pub block_stride: usize,
+    /// Row length of `block_tables` ([batch, table_width]).
+    pub table_width: usize,
+}
+
+impl DecodeShape {
+    /// Floats a cache slice must span.
+    pub fn cache_len(&self) -> usize {
+        if self.num_blocks == 0 {
+            return 0;
+        }
+        (self.num_blocks - 1) * self.block_stride + self.num_kv_heads * self.block_size * self.head_dim
+    }
+
+    fn check(&self) -> Result<()> {
+        let invalid = |message: String| Err(Error::InvalidConfig { field: "shape", message });
+        if self.num_kv_heads == 0 || self.num_heads % self.num_kv_heads != 0 {
+            return invalid(format!("num_heads={} must be a multiple of num_kv_heads={}", self.num_heads, self.num_kv_heads));
+        }
+        if self.head_dim == 0 || self.block_size == 0 {
+            return invalid("head_dim and block_size must be > 0".into());
+        }
+        if self.block_stride < self.num_kv_heads * self.block_size * self.head_dim {
+            return invalid(format!("block_stride={} is smaller than a block", self.block_stride));
+        }
+        Ok(())
+    }
+}
+
+/// out[b, h] = softmax(scale * q[b, h] . K_b) V_b over the first context_lens[b] tokens of
+/// sequence b, split over `num_threads` threads by sequence.
+#[allow(clippy::too_many_arguments)]
+pub fn paged_decode_attention(
+    out: &mut [f32],
+    query: &[f32],
+    key_cache: &[f32],
+    value_cache: &[f32],
+    block_tables: &[i32],
+    context_lens: &[i32],
+    shape: &DecodeShape,
+    scale: f32,
+    num_threads: usize,
+) -> Result<()> {
+    shape.check()?;
+    let row = shape.num_heads * shape.head_dim;
+    let invalid = |message: String| Err(Error::InvalidConfig { field: "inputs", message });
+    if out.len() != shape.batch * row || query.len() != shape.batch * row {
+        return invalid("out and query must be [batch, num_heads, head_dim]".into());
+    }
+    if key_cache.len() < shape.cache_len() || value_cache.len() < shape.cache_len() {
+        return invalid("the caches are smaller than num_blocks blocks".into());
+    }
+    if block_tables.len() != shape.batch * shape.table_width || context_lens.len() != shape.batch {
+        return invalid("block_tables must be [batch, table_width] and context_lens [batch]".into());
+    }
+    for (b, &context) in context_lens.iter().enumerate() {
+        let blocks_needed = (context.max(0) as usize).div_ceil(shape.block_size);
+        if context < 1 || blocks_needed > shape.table_width {
+            return invalid(format!("context_lens[{b}]={context} must be in 1..={}", shape.table_width * shape.block_size));
+        }
+        let table = &block_tables[b * shape.table_width..][..blocks_needed];
+        if let Some(&block) = table.iter().find(|&&block| block < 0 || block as usize >= shape.num_blocks) {
+            return invalid(format!("block {block} in block_tables[{b}] is not in 0..{}", shape.num_blocks));
+        }
+    }
+    let threads = num_threads.clamp(1, shape.batch.max(1));
+    let per_thread = shape.batch.div_ceil(threads).max(1);
+    std::thread::scope(|scope| {
+        for (chunk, out_chunk) in out.chunks_mut(per_thread * row).enumerate() {
+            scope.spawn(move || {
+                let mut scratch = Vec::new();
+                for (i, out_row) in out_chunk.chunks_mut(row).enumerate() {
+                    let b = chunk * per_thread + i;
+                    let table = &block_tables[b * shape.table_width..][..shape.table_width];
+                    let query_row = &query[b * row..][..row];
+                    for kv_head in 0..shape.num_kv_heads {
+                        attend(out_row, query_row, key_cache, value_cache, table, context_lens[b] as usize, kv_head, shape, scale, &mut scratch);
+                    }
+                }
+            });
+        }
+    });
+    Ok(())
+}
+
+/// One sequence and kv head, compiled for AVX2 too (wheels target baseline x86-64, whose SSE2
+/// is half as wide) and picked at run time.
+#[allow(clippy::too_many_arguments)]
+fn attend(
+    out_row: &mut [f32],
+    query_row: &[f32],
+    key_cache: &[f32],
+    value_cache: &[f32],
+    table: &[i32],
+    context: usize,
+    kv_head: usize,
+    shape: &DecodeShape,
+    scale: f32,
+    scratch: &mut Vec<f32>,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU supports AVX2 (checked just above).
+        unsafe { attend_avx2(out_row, query_row, key_cache, value_cache, table, context, kv_head, shape, scale, scratch) };
+        return;
+    }
+    attend_portable(out_row, query_row, key_cache, value_cache, table, context, kv_head, shape, scale, scratch);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn attend_avx2(
+    out_row: &mut [f32],
+    query_row: &[f32],
+    key_cache: &[f32],
+    value_cache: &[f32],
+    table: &[i32],
+    context: usize,
+    kv_head: usize,
+    shape: &DecodeShape,
+    scale: f32,
+    scratch: &mut Vec<f32>,
+) {
+    attend_portable(out_row, query_row, key_cache, value_cache, table, context, kv_head, shape, scale, scratch);
+}
+
+/// Logits for the group's query heads, softmax, weighted V sum.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn attend_portable(
+    out_row: &mut [f32],
+    query_row: &[f32],
+    key_cache: &[f32],
+    value_cache: &[f32],
+    table: &[i32],
+    context: usize,
+    kv_head: usize,
+    shape: &DecodeShape,
+    scale: f32,
+    scratch: &mut Vec<f32>,
+) {
+    let (dim, block_size) = (shape.head_dim, shape.block_size);
+    let group = shape.num_heads / shape.num_kv_heads;
+    let first_head = kv_head * group;
+    let queries = &query_row[first_head * dim..][..group * dim];
+    let row_of = |position: usize| -> std::ops::Range<usize> {
+        let block = table[position / block_size] as usize;
+        let start = block * shape.block_stride + (kv_head * block_size + position % block_size) * dim;
+        start..start + dim
+    };
+    // scratch: the group's logits (then softmax numerators), then their sums.
+    scratch.clear();
+    scratch.resize(group * context + group, 0.0);
+    let (logits, sums) = scratch.split_at_mut(group * context);
+    for position in 0..context {
+        let key = &key_cache[row_of(position)];
+        for g in 0..group {
+            logits[g * context + position] = dot(&queries[g * dim..][..dim], key) * scale;
+        }
+    }
+    let out = &mut out_row[first_head * dim..][..group * dim];
+    out.fill(0.0);
+    for g in 0..group {
+        let head_logits = &mut logits[g * context..][..context];
+        let max = head_logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0.0;
+        for logit in head_logits.iter_mut() {
+            *logit = (*logit - max).exp();
+            sum += *logit;
+        }
+        sums[g] = sum;
+    }
+    for position in 0..context {
+        let value = &value_cache[row_of(position)];
+        for g in 0..group {
+            axpy(&mut out[g * dim..][..dim], logits[g * context + position], value);
+        }
+    }
+    for g in 0..group {
+        let inverse = 1.0 / sums[g];
+        out[g * dim..][..dim].iter_mut().for_each(|x| *x *= inverse);
+    }
+}
+
+/// Dot product in 8 independent lanes, so the compiler can vectorize it.
+#[inline(always)]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut lanes = [0.0f32; 8];
+    let (a_chunks, b_chunks) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = a_chunks.remainder().iter().zip(b_chunks.remainder()).map(|(x, y)| x * y).sum();
+    for (x, y) in a_chunks.zip(b_chunks) {
+        for lane in 0..8 {
+            lanes[lane] += x[lane] * y[lane];
+        }
+    }
+    lanes.iter().sum::<f32>() + tail
+}
+
+#[inline(always)]
+fn axpy(target: &mut [f32], weight: f32, source: &[f32]) {
+    for (t, s) in target.iter_mut().zip(source) {
+        *t += weight * s;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Straightforward reference: gather the context, softmax in f64.
+    fn reference(query: &[f32], cache_k: &[f32], cache_v: &[f32], tables: &[i32], contexts: &[i32], shape: &DecodeShape, scale: f32) -> Vec<f32> {
+        let (dim, group) = (shape.head_dim, shape.num_heads / shape.num_kv_heads);
+        let mut out = vec![0.0f32; shape.batch * shape.num_heads * dim];
+        for b in 0..shape.batch {
+            for head in 0..shape.num_heads {
+                let kv_head = head / group;
+                let q = &query[(b * shape.num_heads + head) * dim..][..dim];
+                let context = contexts[b] as usize;
+                let offset = |pos: usize| tables[b * shape.table_width + pos / shape.block_size] as usize * shape.block_stride
+                    + (kv_head * shape.block_size + pos % shape.block_size) * dim;
+                let logits: Vec<f64> = (0..context)
+                    .map(|pos| (0..dim).map(|d| q[d] as f64 * cache_k[offset(pos) + d] as f64).sum::<f64>() * scale as f64)
+                    .collect();
+                let max = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let weights: Vec<f64> = logits.iter().map(|l| (l - max).exp()).collect();
+                let total: f64 = weights.iter().sum();
+                for d in 0..dim {
+                    let value: f64 = (0..context).map(|pos| weights[pos] * cache_v[offset(pos) + d] as f64).sum();
+                    out[(b * shape.num_heads + head) * dim + d] = (value / total) as f32;
+                }
+            }
+        }
+        out
+    }
+
+    fn pseudo_random(n: usize, seed: u64) -> Vec<f32> {
+        let mut state = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (0..n)
+            .map(|_| {
+                state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    #[test]
+    fn matches_the_reference_with_gqa_strided_blocks_and_odd_contexts() {
+        for (num_heads, num_kv_heads, head_dim, threads) in [(9, 3, 64, 2), (4, 4, 24, 1), (8, 2, 128, 3)] {
+            let shape = DecodeShape { batch: 4, num_heads, num_kv_heads, head_dim, block_size: 16, num_blocks: 20,
+                block_stride: 3 * num_kv_heads * 16 * head_dim, table_width: 6 };
+            let cache = pseudo_random(shape.num_blocks * shape.block_stride, 1);
+            let value_offset = num_kv_heads * 16 * head_dim; // V follows K inside each block, as in the engine
+            let (keys, values) = (&cache[..], &cache[value_offset..]);
+            let query = pseudo_random(shape.batch * num_heads * head_dim, 2);
+            let tables: Vec<i32> = vec![3, 17, 0, 9, 12, 5, 1, 2, 4, 6, 7, 8, 19, 18, 16, 15, 14, 13, 10, 11, 0, 0, 0, 0];
+            let contexts = [1, 17, 96, 40];
+            let mut out = vec![f32::NAN; shape.batch * num_heads * head_dim];
+            paged_decode_attention(&mut out, &query, keys, values, &tables, &contexts, &shape, 0.125, threads).unwrap();
+            let expected = reference(&query, keys, values, &tables, &contexts, &shape, 0.125);
+            for (got, want) in out.iter().zip(&expected) {
+                assert!((got - want).abs() < 1e-4, "{got} vs {want}");
+            }
+        }
+    }
+
+    #[test]
+    fn bad_inputs_are_errors_not_panics() {
+        let shape = DecodeShape { batch: 1, num_heads: 2, num_kv_heads: 1, head_dim: 8, block_size: 4, num_blocks: 2,
+            block_stride: 32, table_width: 2 };
+        let cache = vec![0.0; 64];
+        let query = vec![0.0; 16];
+        let mut out = vec![0.0; 16];
+        let run = |tables: &[i32], contexts: &[i32], out: &mut [f32]| {
+            paged_decode_attention(out, &query, &cache, &cache, tables, contexts, &shape, 1.0, 1)
+        };
+        assert!(run(&[0, 5], &[8], &mut out).is_err()); // block out of range
+        assert!(run(&[0, 1], &[9], &mut out).is_err()); // context longer than the table
+        assert!(run(&[0, 1], &[0], &mut out).is_err()); // empty context
+        assert!(run(&[0, 1], &[8], &mut out[..8]).is_err()); // wrong output size
+        assert!(run(&[0, 1], &[8], &mut out).is_ok());
+    }
+}

@@ -1,0 +1,43 @@
+"""The CPU backend's Rust decode attention against the torch reference and a float64 one."""
+
+import pytest
+import torch
+
+from pagedkv.attention import get_backend
+from pagedkv.attention.cpu import CpuAttentionBackend, paged_decode_attention
+from pagedkv.attention.torch_ref import _decode_batch
+
+
+def block_major(num_blocks, num_kv_heads, block_size, head_dim, generator):
+    cache = torch.randn((num_blocks, 3, 2, num_kv_heads, block_size, head_dim), generator=generator)
+    return cache[:, 1, 0], cache[:, 1, 1]  # layer views: block stride != block size
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [(9, 3, 64, 16), (4, 4, 128, 8), (8, 1, 32, 32)])
+def test_rust_decode_matches_the_reference(num_heads, num_kv_heads, head_dim, block_size):
+    generator = torch.Generator().manual_seed(num_heads * 1000 + head_dim)
+    key_cache, value_cache = block_major(40, num_kv_heads, block_size, head_dim, generator)
+    contexts = torch.tensor([1, block_size + 1, 3 * block_size, 77, 150], dtype=torch.int32)
+    width = 150 // block_size + 2
+    tables = torch.stack([torch.randperm(40, generator=generator)[:width] for _ in contexts]).int()
+    query = torch.randn((len(contexts), num_heads, head_dim), generator=generator)
+    got = paged_decode_attention(query, key_cache, value_cache, tables, contexts, head_dim**-0.5)
+    want = _decode_batch(query.double(), key_cache.double(), value_cache.double(), tables, contexts, 150, head_dim**-0.5)
+    assert torch.allclose(got.double(), want, atol=1e-5, rtol=1e-4)
+
+
+def test_bad_tables_raise_instead_of_reading_out_of_bounds():
+    generator = torch.Generator().manual_seed(0)
+    key_cache, value_cache = block_major(4, 2, 16, 64, generator)
+    query = torch.randn((1, 2, 64))
+    with pytest.raises(ValueError, match="block 9"):
+        paged_decode_attention(query, key_cache, value_cache, torch.tensor([[0, 9]]), torch.tensor([20]), 1.0)
+    with pytest.raises(ValueError, match="context_lens"):
+        paged_decode_attention(query, key_cache, value_cache, torch.tensor([[0, 1]]), torch.tensor([33]), 1.0)
+    with pytest.raises(ValueError, match="float32"):
+        paged_decode_attention(query.double(), key_cache, value_cache, torch.tensor([[0, 1]]), torch.tensor([3]), 1.0)
+
+
+def test_auto_backend_on_cpu_is_the_rust_decode_backend():
+    assert isinstance(get_backend("auto", "cpu"), CpuAttentionBackend)
+    assert get_backend("torch", "cpu").name == "torch"
