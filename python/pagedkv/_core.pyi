@@ -170,3 +170,18 @@ class BlockManager:
     def prefix_cache_hits(self) -> int: ...
 
 __version__: str
+
+def paged_decode_attention_f32(
+    out: int,
+    query: int,
+    key_cache: int,
+    value_cache: int,
+    block_tables: int,
+    context_lens: int,
+    shape: tuple[int, int, int, int, int, int, int, int],
+    scale: float,
+    num_threads: int,
+) -> None:
+    """Paged decode attention over float32 CPU tensors given by data pointer; shape is (batch,
+    num_heads, num_kv_heads, head_dim, block_size, num_blocks, block_stride, table_width).
+    Internal: use `pagedkv.attention.cpu.paged_decode_attention`, which checks the tensors."""
