@@ -140,6 +140,8 @@ def test_copy_blocks_copies_every_layer():
 
 def test_get_backend():
     assert get_backend("torch", "cpu").name == "torch"
-    assert get_backend("auto", "cpu").name == "torch"
+    assert get_backend("auto", "cpu").name == "cpu"  # the reference with Rust decode attention
+    with pytest.raises(ValueError, match="'cpu' runs on the CPU"):
+        get_backend("cpu", "cuda")
     with pytest.raises(ValueError, match="attention_backend"):
         get_backend("flash", "cpu")
