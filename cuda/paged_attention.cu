@@ -27,7 +27,7 @@ __device__ __forceinline__ void attend_partition(
     float* __restrict__ partial_out, float* __restrict__ max_logits, float* __restrict__ exp_sums,
     const typename Element<DT>::type* __restrict__ query, const typename Element<DT>::type* __restrict__ key_cache,
     const typename Element<DT>::type* __restrict__ value_cache, const int* __restrict__ block_table,
-    int context_len, long long query_token_stride, long long out_token_stride, long long cache_block_stride,
+    int context_len, long long out_token_stride, long long cache_block_stride,
     int num_heads, int first_head, int kv_head, int partition_size, int max_partitions, float scale,
     float* shared) {
   using scalar_t = typename Element<DT>::type;
@@ -210,7 +210,7 @@ __global__ void paged_attention_kernel(
   const int* block_table = block_tables + (long long)seq_index[token_index] * block_table_stride;
   attend_partition<DT, HEAD_DIM, BLOCK_SIZE, GROUP>(
       out, partial_out, max_logits, exp_sums, query + token_index * query_token_stride, key_cache, value_cache,
-      block_table, context_len, query_token_stride, out_token_stride, cache_block_stride, num_heads, first_head,
+      block_table, context_len, out_token_stride, cache_block_stride, num_heads, first_head,
       kv_head, partition_size, max_partitions, scale, shared);
 }
 

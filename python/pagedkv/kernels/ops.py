@@ -44,6 +44,16 @@ def _dtype_code(tensor: torch.Tensor, what: str) -> int:
     return sources.DTYPE_CODES[tensor.dtype]
 
 
+def _check_caches(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[int, int, int]:
+    """(num_kv_heads, block_size, head_dim) of a same-shaped, same-strided K/V cache pair."""
+    shape = _check_cache(key_cache, "key_cache")
+    if value_cache.shape != key_cache.shape or value_cache.stride() != key_cache.stride():
+        raise ValueError("value_cache must have key_cache's shape and strides")
+    if value_cache.dtype != key_cache.dtype or value_cache.device != key_cache.device:
+        raise ValueError(f"value_cache must be {key_cache.dtype} on {key_cache.device} like key_cache")
+    return shape
+
+
 def _check_cache(cache: torch.Tensor, what: str) -> tuple[int, int, int]:
     if cache.dim() != 4:
         raise ValueError(f"{what} must be [num_blocks, num_kv_heads, block_size, head_dim], got {tuple(cache.shape)}")
@@ -102,12 +112,9 @@ def paged_attention(
     or max_context_len or more for a single pass); None chooses one.
     """
     dtype_code = _dtype_code(query, "query")
-    num_kv_heads, block_size, head_dim = _check_cache(key_cache, "key_cache")
-    if value_cache.shape != key_cache.shape or value_cache.stride() != key_cache.stride():
-        raise ValueError("value_cache must have key_cache's shape and strides")
-    for tensor, what in ((key_cache, "key_cache"), (value_cache, "value_cache")):
-        if tensor.dtype != query.dtype or tensor.device != query.device:
-            raise ValueError(f"{what} must be {query.dtype} on {query.device} like the query")
+    num_kv_heads, block_size, head_dim = _check_caches(key_cache, value_cache)
+    if key_cache.dtype != query.dtype or key_cache.device != query.device:
+        raise ValueError(f"key_cache must be {query.dtype} on {query.device} like the query")
     if head_dim not in sources.HEAD_DIMS:
         raise UnsupportedKernelError(f"head_dim={head_dim} is not supported (supported: {sources.HEAD_DIMS})")
     if block_size not in sources.BLOCK_SIZES:
@@ -187,10 +194,8 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, *, launc
     """Writes key/value [T, Hkv, D] into slots slot_mapping (int64 [T]; -1 skips a token) of the
     per-layer caches [num_blocks, Hkv, block_size, D]."""
     dtype_code = _dtype_code(key_cache, "key_cache")
-    num_kv_heads, block_size, head_dim = _check_cache(key_cache, "key_cache")
-    if value_cache.shape != key_cache.shape or value_cache.stride() != key_cache.stride():
-        raise ValueError("value_cache must have key_cache's shape and strides")
-    for tensor, what in ((key, "key"), (value, "value"), (value_cache, "value_cache")):
+    num_kv_heads, block_size, head_dim = _check_caches(key_cache, value_cache)
+    for tensor, what in ((key, "key"), (value, "value")):
         if tensor.dtype != key_cache.dtype or tensor.device != key_cache.device:
             raise ValueError(f"{what} must be {key_cache.dtype} on {key_cache.device} like key_cache")
     _check_rows(key, "key", num_kv_heads, head_dim)
