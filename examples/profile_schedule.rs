@@ -1,10 +1,13 @@
 //! Profiling aid: `perf record ./target/release/examples/profile_schedule` (decode steps of 256
-//! sequences at a 512-576-token context, the criterion bench's set-up).
+//! sequences from a 512-token context, the criterion bench's set-up; set-up is not timed).
 use pagedkv::{Scheduler, SchedulerConfig};
+
+const SEQS: usize = 256;
+const STEPS: usize = 1000;
 
 fn decoding_scheduler(num_seqs: usize) -> Scheduler {
     let config = SchedulerConfig {
-        num_device_blocks: num_seqs * 64,
+        num_device_blocks: num_seqs * (512 + STEPS).div_ceil(16) + num_seqs,
         num_cpu_blocks: 0,
         max_num_seqs: num_seqs,
         max_num_batched_tokens: num_seqs * 512,
@@ -26,13 +29,13 @@ fn decoding_scheduler(num_seqs: usize) -> Scheduler {
 }
 
 fn main() {
+    let rounds: usize = std::env::args().nth(1).map_or(20, |arg| arg.parse().unwrap());
     let mut timed = std::time::Duration::ZERO;
     let mut in_schedule = std::time::Duration::ZERO;
-    let rounds = 200;
     for _ in 0..rounds {
-        let mut scheduler = decoding_scheduler(256);
+        let mut scheduler = decoding_scheduler(SEQS);
         let started = std::time::Instant::now();
-        for _ in 0..64 {
+        for _ in 0..STEPS {
             let before = std::time::Instant::now();
             let out = scheduler.schedule();
             in_schedule += before.elapsed();
@@ -43,6 +46,10 @@ fn main() {
         }
         timed += started.elapsed();
     }
-    let steps = (rounds * 64) as f64;
-    println!("{:.1} us/step ({:.1} in schedule())", timed.as_secs_f64() * 1e6 / steps, in_schedule.as_secs_f64() * 1e6 / steps);
+    let steps = (rounds * STEPS) as f64;
+    println!(
+        "{SEQS} seqs: {:.1} us/step ({:.1} in schedule())",
+        timed.as_secs_f64() * 1e6 / steps,
+        in_schedule.as_secs_f64() * 1e6 / steps
+    );
 }

@@ -13,6 +13,16 @@ pub type SeqId = u64;
 /// A block copy the KV cache must perform: (source block, destination block).
 pub type BlockCopy = (BlockId, BlockId);
 
+/// What `append_slots_for_step` did to one sequence's table.
+pub struct StepSlots<'a> {
+    /// The copy-on-write copy to perform before the step, if the shared last block was written.
+    pub copy: Option<BlockCopy>,
+    pub table: &'a BlockTable,
+    /// First logical block not reported to the step consumer before (`table.blocks[table_from..]`
+    /// is new or remapped; equal to the table's length when nothing changed).
+    pub table_from: usize,
+}
+
 /// Owns both pools and all block tables. Every public method either succeeds or changes
 /// nothing, so an error never leaks a block.
 #[derive(Debug, Clone)]
@@ -200,11 +210,18 @@ impl BlockManager {
     /// last block is shared, it is copied first (copy-on-write) and the copy is returned.
     /// Blocks that fill up get their content hash (and enter the prefix cache).
     pub fn append_slots(&mut self, seq: SeqId, tokens: &[u32]) -> Result<Option<BlockCopy>> {
-        self.append_slots_and_table(seq, tokens).map(|(copy, _)| copy)
+        self.grow(seq, tokens).map(|(copy, _)| copy)
     }
 
-    /// `append_slots`, also returning the updated table (one lookup for the scheduler's hot path).
-    pub fn append_slots_and_table(&mut self, seq: SeqId, tokens: &[u32]) -> Result<(Option<BlockCopy>, &BlockTable)> {
+    /// `append_slots` for the scheduler's hot path (one table lookup): also returns the updated
+    /// table and takes its unreported blocks (`BlockTable::take_unreported`).
+    pub fn append_slots_for_step(&mut self, seq: SeqId, tokens: &[u32]) -> Result<StepSlots<'_>> {
+        let (copy, table) = self.grow(seq, tokens)?;
+        let (table_from, _) = table.take_unreported();
+        Ok(StepSlots { copy, table, table_from })
+    }
+
+    fn grow(&mut self, seq: SeqId, tokens: &[u32]) -> Result<(Option<BlockCopy>, &mut BlockTable)> {
         let table = self.tables.get_mut(&seq).ok_or(Error::UnknownSequence(seq))?;
         if table.device != Device::Gpu {
             return Err(Error::InvalidState(format!("sequence {seq} is swapped out; swap it in before appending")));
@@ -223,6 +240,7 @@ impl BlockManager {
             let fresh = allocate_evicting(&mut self.gpu, &mut self.cache)?;
             self.gpu.release(last);
             *table.blocks.last_mut().unwrap() = fresh;
+            table.num_reported = table.num_reported.min(table.blocks.len() - 1);
             copy = Some((last, fresh));
         }
         for &token in tokens {
@@ -257,7 +275,8 @@ impl BlockManager {
         if self.tables.contains_key(&child) {
             return Err(Error::DuplicateSequence(child));
         }
-        let table = self.table(parent)?.clone();
+        let mut table = self.table(parent)?.clone();
+        table.num_reported = 0; // the consumer has never seen the child
         let pool = match table.device {
             Device::Gpu => &mut self.gpu,
             Device::Cpu => &mut self.cpu,
@@ -332,6 +351,7 @@ impl BlockManager {
                 *block = cpu_block;
             }
             table.device = Device::Cpu;
+            table.num_reported = 0;
         }
         Ok(copies)
     }
@@ -385,6 +405,7 @@ impl BlockManager {
                 *block = device_block;
             }
             table.device = Device::Gpu;
+            table.num_reported = 0;
         }
         Ok(copies)
     }

@@ -14,6 +14,10 @@ pub struct BlockTable {
     /// Token ids in the partially filled last block: hashed once the block fills up.
     pub tail_tokens: Vec<u32>,
     pub extra_key: Option<u64>,
+    /// Leading blocks the step consumer already holds as they are: the scheduler reports only
+    /// `blocks[num_reported..]` (see `ScheduledSequence::block_table_from`). Anything that remaps
+    /// a block lowers it; a new table starts at 0.
+    pub num_reported: usize,
 }
 
 impl BlockTable {
@@ -25,7 +29,16 @@ impl BlockTable {
             hashes: Vec::new(),
             tail_tokens: Vec::new(),
             extra_key,
+            num_reported: 0,
         }
+    }
+
+    /// Blocks changed since the last call: (first changed logical block, the blocks from there).
+    /// Marks the whole table reported.
+    pub fn take_unreported(&mut self) -> (usize, &[BlockId]) {
+        let from = self.num_reported.min(self.blocks.len());
+        self.num_reported = self.blocks.len();
+        (from, &self.blocks[from..])
     }
 
     /// The slot (block * block_size + offset) that holds token position `pos`.

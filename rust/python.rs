@@ -198,6 +198,7 @@ pub struct ScheduledSequence {
     end: usize,
     token_ids: Vec<u32>,
     block_table: Vec<u32>,
+    block_table_from: usize,
     slot_mapping: Vec<i64>,
     sample: bool,
 }
@@ -224,7 +225,7 @@ impl ScheduledSequence {
 }
 
 impl ScheduledSequence {
-    fn from_rust(out: &RustSchedulerOutput, seq: &RustScheduledSequence) -> Self {
+    fn from_rust(out: &RustSchedulerOutput, seq: &RustScheduledSequence, block_table: &[u32]) -> Self {
         ScheduledSequence {
             request_id: seq.request_id.to_string(),
             seq_id: seq.seq_id,
@@ -232,7 +233,8 @@ impl ScheduledSequence {
             start: seq.start,
             end: seq.end,
             token_ids: out.token_ids(seq).to_vec(),
-            block_table: out.block_table(seq).to_vec(),
+            block_table: block_table.to_vec(),
+            block_table_from: seq.block_table_from,
             slot_mapping: out.slot_mapping(seq).to_vec(),
             sample: seq.sample,
         }
@@ -273,11 +275,15 @@ impl SchedulerOutput {
 }
 
 impl SchedulerOutput {
-    fn from_rust(py: Python<'_>, out: RustSchedulerOutput) -> PyResult<Self> {
+    /// `scheduler` is the one that just produced `out`: Python gets each sequence's whole table.
+    fn from_rust(py: Python<'_>, out: RustSchedulerOutput, scheduler: &RustScheduler) -> PyResult<Self> {
         let scheduled = out
             .scheduled
             .iter()
-            .map(|seq| Py::new(py, ScheduledSequence::from_rust(&out, seq)))
+            .map(|seq| {
+                let table = scheduler.block_table(seq.seq_id).map_err(to_py_err)?;
+                Py::new(py, ScheduledSequence::from_rust(&out, seq, table))
+            })
             .collect::<PyResult<_>>()?;
         Ok(SchedulerOutput {
             scheduled,
@@ -318,7 +324,7 @@ impl Scheduler {
     fn schedule(&mut self, py: Python<'_>) -> PyResult<SchedulerOutput> {
         let inner = &mut self.inner;
         let out = py.detach(|| call(|| Ok(inner.schedule())))?;
-        SchedulerOutput::from_rust(py, out)
+        SchedulerOutput::from_rust(py, out, &self.inner)
     }
 
     fn append_token(&mut self, seq_id: u64, token_id: u32) -> PyResult<()> {

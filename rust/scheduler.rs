@@ -7,6 +7,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use rustc_hash::FxHashMap as HashMap;
+use slab::Slab;
 use smallvec::SmallVec;
 
 use crate::block_manager::{BlockCopy, BlockManager, SeqId};
@@ -16,14 +17,23 @@ use crate::errors::{Error, Result};
 use crate::preemption::Preemption;
 use crate::sequence::{GroupState, SeqStatus, Sequence, SequenceGroup};
 
-type GroupId = u64;
+/// A group's key in the scheduler's slab (reused after the group ends; never exposed).
+type GroupId = usize;
 
 /// (sequence, tokens to compute) for each sequence of a group in this step.
 type Plan = SmallVec<[(SeqId, usize); 4]>;
 
-/// One sequence's work in a step: compute KV for tokens[start..end]. Its token ids, block table
-/// and slot mapping live in the output's flat arrays (see the `SchedulerOutput` accessors), so a
-/// step allocates a handful of vectors, not three per sequence.
+/// One sequence's work in a step: compute KV for tokens[start..end]. Its token ids, slot mapping
+/// and block-table update live in the output's flat arrays (see the `SchedulerOutput` accessors),
+/// so a step allocates a handful of vectors, not three per sequence.
+///
+/// Block tables are reported as changes, the way a persistent batch consumes them: blocks
+/// `block_table_from..num_blocks` of the sequence's table are `out.block_table_update(seq)`, and
+/// blocks before `block_table_from` are what earlier steps reported. The first time a sequence
+/// is scheduled (and after a fork, swap-in or recompute) that is the whole table; in steady decode
+/// it is one block every `block_size` steps, or the last block after a copy-on-write. A consumer
+/// keeps one table per sequence and applies `table.truncate(from); table.extend(update)`; the
+/// whole current table is also `Scheduler::block_table(seq_id)`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ScheduledSequence {
     pub request_id: Arc<str>,
@@ -34,6 +44,9 @@ pub struct ScheduledSequence {
     /// Whether this step yields the sequence's next token (a decode, or the last prefill chunk).
     pub sample: bool,
     pub token_range: Range<usize>,
+    /// First logical block reported in this step (see the type's doc).
+    pub block_table_from: usize,
+    /// Range of this sequence's update in `SchedulerOutput::block_table_updates`.
     pub block_range: Range<usize>,
 }
 
@@ -41,6 +54,11 @@ impl ScheduledSequence {
     /// Tokens in the KV cache after this step.
     pub fn context_len(&self) -> usize {
         self.end
+    }
+
+    /// Blocks in the sequence's table after this step.
+    pub fn num_blocks(&self) -> usize {
+        self.block_table_from + self.block_range.len()
     }
 }
 
@@ -52,8 +70,8 @@ pub struct SchedulerOutput {
     pub token_ids: Vec<u32>,
     /// Destination slot (block * block_size + offset) of each token in `token_ids`.
     pub slot_mapping: Vec<i64>,
-    /// All block tables, back to back (`block_range` of each sequence).
-    pub block_tables: Vec<u32>,
+    /// All block-table updates, back to back (`block_range` of each sequence).
+    pub block_table_updates: Vec<u32>,
     pub blocks_to_swap_in: Vec<BlockCopy>,
     pub blocks_to_swap_out: Vec<BlockCopy>,
     pub blocks_to_copy: Vec<BlockCopy>,
@@ -74,8 +92,9 @@ impl SchedulerOutput {
         &self.slot_mapping[seq.token_range.clone()]
     }
 
-    pub fn block_table(&self, seq: &ScheduledSequence) -> &[u32] {
-        &self.block_tables[seq.block_range.clone()]
+    /// Blocks `seq.block_table_from..seq.num_blocks()` of the sequence's table.
+    pub fn block_table_update(&self, seq: &ScheduledSequence) -> &[u32] {
+        &self.block_table_updates[seq.block_range.clone()]
     }
 
     pub fn is_empty(&self) -> bool {
@@ -121,18 +140,17 @@ pub struct Scheduler {
     config: SchedulerConfig,
     max_model_len: usize,
     blocks: BlockManager,
-    groups: HashMap<GroupId, SequenceGroup>,
+    /// Slab, not a map: the decode hot path indexes it once per group, with no hashing.
+    groups: Slab<SequenceGroup>,
     group_by_request: HashMap<Arc<str>, GroupId>,
     group_by_seq: HashMap<SeqId, GroupId>,
     /// All three ordered by arrival (FCFS); preemption victims come from the back of `running`.
     waiting: VecDeque<GroupId>,
     running: VecDeque<GroupId>,
     swapped: VecDeque<GroupId>,
-    next_group: GroupId,
+    next_arrival: u64,
     next_seq: SeqId,
     counters: Counters,
-    /// Length of the last step's flat block tables: the next step reserves that much up front.
-    block_tables_hint: usize,
 }
 
 impl Scheduler {
@@ -149,16 +167,15 @@ impl Scheduler {
             max_model_len: config.effective_max_model_len(),
             config,
             blocks,
-            groups: HashMap::default(),
+            groups: Slab::new(),
             group_by_request: HashMap::default(),
             group_by_seq: HashMap::default(),
             waiting: VecDeque::new(),
             running: VecDeque::new(),
             swapped: VecDeque::new(),
-            next_group: 0,
+            next_arrival: 0,
             next_seq: 0,
             counters: Counters::default(),
-            block_tables_hint: 0,
         })
     }
 
@@ -210,21 +227,21 @@ impl Scheduler {
                 max_waiting_requests: self.config.max_waiting_requests,
             });
         }
-        let group_id = self.next_group;
-        self.next_group += 1;
+        let arrival = self.next_arrival;
+        self.next_arrival += 1;
         let seq_id = self.new_seq_id();
         let request_id: Arc<str> = Arc::from(request_id);
         let group = SequenceGroup {
             request_id: request_id.clone(),
-            arrival: group_id,
+            arrival,
             extra_key,
             num_prompt_tokens: prompt.len(),
-            seqs: vec![Sequence::new(seq_id, prompt)],
+            seqs: smallvec::smallvec![Sequence::new(seq_id, prompt)],
             state: GroupState::Waiting,
             num_prefix_hit_tokens: 0,
             num_preemptions: 0,
         };
-        self.groups.insert(group_id, group);
+        let group_id = self.groups.insert(group);
         self.group_by_request.insert(request_id, group_id);
         self.group_by_seq.insert(seq_id, group_id);
         self.waiting.push_back(group_id);
@@ -245,7 +262,7 @@ impl Scheduler {
     pub fn append_token(&mut self, seq_id: SeqId, token: u32) -> Result<()> {
         let group_id = self.group_of_seq(seq_id)?;
         let max_model_len = self.max_model_len;
-        let group = self.groups.get_mut(&group_id).unwrap();
+        let group = &mut self.groups[group_id];
         if group.state != GroupState::Running {
             return Err(Error::InvalidState(format!("sequence {seq_id} is not running")));
         }
@@ -272,7 +289,7 @@ impl Scheduler {
     pub fn fork(&mut self, parent: SeqId) -> Result<SeqId> {
         let group_id = self.group_of_seq(parent)?;
         let child = self.new_seq_id();
-        let group = self.groups.get_mut(&group_id).unwrap();
+        let group = &mut self.groups[group_id];
         if group.state != GroupState::Running {
             return Err(Error::InvalidState(format!("sequence {parent} is not running")));
         }
@@ -291,7 +308,7 @@ impl Scheduler {
     /// Ends one sequence and frees its blocks; the request ends with its last sequence.
     pub fn finish_sequence(&mut self, seq_id: SeqId) -> Result<()> {
         let group_id = self.group_of_seq(seq_id)?;
-        let group = self.groups.get_mut(&group_id).unwrap();
+        let group = &mut self.groups[group_id];
         let seq = group.seq_mut(seq_id).unwrap();
         if seq.status == SeqStatus::Finished {
             return Ok(());
@@ -318,7 +335,7 @@ impl Scheduler {
     }
 
     fn free_group_blocks(&mut self, group_id: GroupId) {
-        for seq in &self.groups[&group_id].seqs {
+        for seq in &self.groups[group_id].seqs {
             if self.blocks.contains(seq.id) {
                 self.blocks.free(seq.id).expect("table exists");
             }
@@ -326,7 +343,7 @@ impl Scheduler {
     }
 
     fn remove_group(&mut self, group_id: GroupId) {
-        let group = self.groups.remove(&group_id).expect("known group");
+        let group = self.groups.remove(group_id);
         let queue = match group.state {
             GroupState::Waiting => &mut self.waiting,
             GroupState::Running => &mut self.running,
@@ -341,9 +358,14 @@ impl Scheduler {
         }
     }
 
+    /// The sequence's whole current block table (logical block i -> physical block).
+    pub fn block_table(&self, seq_id: SeqId) -> Result<&[u32]> {
+        Ok(&self.blocks.table(seq_id)?.blocks)
+    }
+
     /// Tokens a sequence holds (prompt + generated).
     pub fn sequence_len(&self, seq_id: SeqId) -> Result<usize> {
-        let group = &self.groups[&self.group_of_seq(seq_id)?];
+        let group = &self.groups[self.group_of_seq(seq_id)?];
         Ok(group.seq(seq_id).unwrap().len())
     }
 
@@ -357,7 +379,6 @@ impl Scheduler {
         out.scheduled.reserve(expected);
         out.token_ids.reserve(expected);
         out.slot_mapping.reserve(expected);
-        out.block_tables.reserve(self.block_tables_hint + expected);
         let mut decodes = Vec::with_capacity(expected);
 
         // 1. Running groups, oldest first; make room by preempting the newest.
@@ -395,7 +416,7 @@ impl Scheduler {
         // 2. Swapped groups back in, oldest first, if nothing had to be preempted.
         if !preempted_any {
             while let Some(&group_id) = self.swapped.front() {
-                let group = &self.groups[&group_id];
+                let group = &self.groups[group_id];
                 let seq_ids = group.active_seq_ids();
                 let num_seqs = seq_ids.len();
                 let needed = self.blocks.blocks_needed_to_swap_in(&seq_ids).expect("swapped tables") + num_seqs;
@@ -406,7 +427,7 @@ impl Scheduler {
                 let copies = self.blocks.swap_in(&seq_ids).expect("room was checked");
                 self.counters.blocks_swapped_in += copies.len() as u64;
                 out.blocks_to_swap_in.extend(copies);
-                self.groups.get_mut(&group_id).unwrap().state = GroupState::Running;
+                self.groups[group_id].state = GroupState::Running;
                 self.insert_running(group_id);
                 let plan = self.plan_group(group_id, budget);
                 if self.blocks_needed(&plan) <= self.blocks.num_free_device_blocks() {
@@ -421,7 +442,7 @@ impl Scheduler {
                 if budget == 0 {
                     break;
                 }
-                let group = &self.groups[&group_id];
+                let group = &self.groups[group_id];
                 if self.num_running_seqs() + group.num_active() > self.config.max_num_seqs {
                     break;
                 }
@@ -436,7 +457,7 @@ impl Scheduler {
                 };
                 self.waiting.pop_front();
                 let mut hit_tokens = 0;
-                let group = self.groups.get_mut(&group_id).unwrap();
+                let group = &mut self.groups[group_id];
                 group.state = GroupState::Running;
                 for seq in group.seqs.iter_mut().filter(|seq| seq.is_active()) {
                     let hits = self
@@ -456,25 +477,28 @@ impl Scheduler {
         }
 
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget;
-        self.block_tables_hint = out.block_tables.len();
-        out.scheduled.append(&mut decodes);
+        if out.scheduled.is_empty() {
+            out.scheduled = decodes; // steady decode: no prefill to put first, nothing to move
+        } else {
+            out.scheduled.append(&mut decodes);
+        }
         out
     }
 
     fn num_running_seqs(&self) -> usize {
-        self.running.iter().map(|id| self.groups[id].num_active()).sum()
+        self.running.iter().map(|id| self.groups[*id].num_active()).sum()
     }
 
     fn insert_running(&mut self, group_id: GroupId) {
-        let arrival = self.groups[&group_id].arrival;
-        let position = self.running.partition_point(|id| self.groups[id].arrival < arrival);
+        let arrival = self.groups[group_id].arrival;
+        let position = self.running.partition_point(|id| self.groups[*id].arrival < arrival);
         self.running.insert(position, group_id);
     }
 
     /// (seq, tokens to compute) for each active sequence of a running group within `budget`.
     /// Decoding sequences of a group are scheduled together or not at all.
     fn plan_group(&self, group_id: GroupId, budget: usize) -> Plan {
-        let group = &self.groups[&group_id];
+        let group = &self.groups[group_id];
         let mut left = budget;
         let mut plan = Plan::new();
         for seq in group.active_seqs() {
@@ -505,7 +529,7 @@ impl Scheduler {
     /// Token budget a waiting group would use now, or None when it does not fit (budget,
     /// blocks above the watermark, or chunking disabled and the prompt too long for the budget).
     fn plan_admission(&self, group_id: GroupId, budget: usize) -> Option<usize> {
-        let group = &self.groups[&group_id];
+        let group = &self.groups[group_id];
         let mut left = budget;
         let mut blocks = 0;
         for seq in group.active_seqs() {
@@ -538,15 +562,16 @@ impl Scheduler {
         decodes: &mut Vec<ScheduledSequence>,
     ) -> usize {
         let block_size = self.config.block_size;
-        let group = self.groups.get_mut(&group_id).unwrap();
+        let group = &mut self.groups[group_id];
         let mut used = 0;
         for &(seq_id, take) in plan {
             let seq = group.seqs.iter_mut().find(|seq| seq.id == seq_id).unwrap();
             let (start, end) = (seq.num_computed, seq.num_computed + take);
             let is_prefill = seq.in_prefill();
             let new_tokens = &seq.tokens[start..end];
-            let (copy, table) = self.blocks.append_slots_and_table(seq_id, new_tokens).expect("blocks were checked");
-            if let Some(copy) = copy {
+            let slots = self.blocks.append_slots_for_step(seq_id, new_tokens).expect("blocks were checked");
+            let (table, table_from) = (slots.table, slots.table_from);
+            if let Some(copy) = slots.copy {
                 self.counters.blocks_copied += 1;
                 out.blocks_to_copy.push(copy);
             }
@@ -554,8 +579,9 @@ impl Scheduler {
             let token_range = out.token_ids.len()..out.token_ids.len() + take;
             out.token_ids.extend_from_slice(new_tokens);
             out.slot_mapping.extend((start..end).map(|pos| table.slot(pos, block_size)));
-            let block_range = out.block_tables.len()..out.block_tables.len() + table.blocks.len();
-            out.block_tables.extend_from_slice(&table.blocks);
+            let update = &table.blocks[table_from..];
+            let block_range = out.block_table_updates.len()..out.block_table_updates.len() + update.len();
+            out.block_table_updates.extend_from_slice(update);
             let scheduled = ScheduledSequence {
                 request_id: group.request_id.clone(),
                 seq_id,
@@ -564,6 +590,7 @@ impl Scheduler {
                 end,
                 sample: end == seq.len(),
                 token_range,
+                block_table_from: table_from,
                 block_range,
             };
             if is_prefill {
@@ -578,7 +605,7 @@ impl Scheduler {
 
     /// Takes a running group off the device: swap or recompute by the configured policy and cost.
     fn preempt(&mut self, group_id: GroupId, out: &mut SchedulerOutput) {
-        let group = &self.groups[&group_id];
+        let group = &self.groups[group_id];
         let seq_ids = group.active_seq_ids();
         let num_blocks = self.blocks.num_unique_blocks(&seq_ids).expect("running tables");
         let num_tokens: usize = group.active_seqs().map(Sequence::len).sum();
@@ -591,17 +618,17 @@ impl Scheduler {
                 self.counters.preemptions_swap += 1;
                 self.counters.blocks_swapped_out += copies.len() as u64;
                 out.blocks_to_swap_out.extend(copies);
-                let group = self.groups.get_mut(&group_id).unwrap();
+                let group = &mut self.groups[group_id];
                 group.state = GroupState::Swapped;
                 group.num_preemptions += 1;
                 let arrival = group.arrival;
-                let position = self.swapped.partition_point(|id| self.groups[id].arrival < arrival);
+                let position = self.swapped.partition_point(|id| self.groups[*id].arrival < arrival);
                 self.swapped.insert(position, group_id);
             }
             Preemption::Recompute => {
                 self.free_group_blocks(group_id);
                 self.counters.preemptions_recompute += 1;
-                let group = self.groups.get_mut(&group_id).unwrap();
+                let group = &mut self.groups[group_id];
                 for seq in group.seqs.iter_mut() {
                     seq.reset_for_recompute();
                 }
@@ -614,7 +641,7 @@ impl Scheduler {
 
     /// Gives up on a group that needs more blocks than the whole device pool.
     fn drop_group(&mut self, group_id: GroupId, out: &mut SchedulerOutput) {
-        out.aborted.push(self.groups[&group_id].request_id.clone());
+        out.aborted.push(self.groups[group_id].request_id.clone());
         // The caller took it off its queue already; `remove_group` finds nothing to remove there.
         self.free_group_blocks(group_id);
         self.remove_group(group_id);

@@ -47,14 +47,17 @@ fn prefill_then_decode() {
     assert!(step.is_prefill && step.sample);
     assert_eq!((step.start, step.end), (0, 6));
     assert_eq!(out.token_ids(step), prompt(6, 1));
-    let table = out.block_table(step);
-    assert_eq!(table.len(), 2);
+    let table = out.block_table_update(step).to_vec();
+    assert_eq!((step.block_table_from, step.num_blocks()), (0, 2), "a new sequence reports its whole table");
+    assert_eq!(table, s.block_table(seq).unwrap());
     assert_eq!(out.slot_mapping(step)[5], (table[1] * 4 + 1) as i64);
     s.append_token(seq, 42).unwrap();
     let out = s.schedule();
     let step = &out.scheduled[0];
     assert!(!step.is_prefill && step.sample);
     assert_eq!((step.start, step.end, out.token_ids(step).to_vec()), (6, 7, vec![42]));
+    assert_eq!((step.block_table_from, step.num_blocks()), (2, 2), "position 6 fits the last block");
+    assert!(out.block_table_update(step).is_empty());
     assert!(matches!(s.append_token(seq, 1), Ok(())));
     assert!(matches!(s.append_token(seq, 1), Err(Error::InvalidState(_))), "KV of the last token not computed yet");
     check(&s);
@@ -230,7 +233,15 @@ fn forked_samples_share_blocks_and_copy_on_write_is_reported() {
     assert_eq!(out.scheduled.len(), 2);
     assert_eq!(out.blocks_to_copy.len(), 1, "the shared partial block is copied once");
     let (src, dst) = out.blocks_to_copy[0];
-    let tables: Vec<_> = out.scheduled.iter().map(|seq| out.block_table(seq).to_vec()).collect();
+    let tables: Vec<_> = out.scheduled.iter().map(|seq| s.block_table(seq.seq_id).unwrap().to_vec()).collect();
+    let parent_step = out.scheduled.iter().find(|seq| seq.seq_id == parent).unwrap();
+    let child_step = out.scheduled.iter().find(|seq| seq.seq_id == child).unwrap();
+    assert_eq!(child_step.block_table_from, 0, "a fork reports its whole table");
+    // The first writer (the parent) gets the copy; the child keeps the original, now unshared.
+    assert_eq!(s.block_table(parent).unwrap()[1], dst);
+    assert_eq!(s.block_table(child).unwrap()[1], src);
+    assert_eq!(parent_step.block_table_from, 1, "copy-on-write reports the remapped last block");
+    assert_eq!(out.block_table_update(parent_step), &[dst]);
     assert_eq!(tables[0][0], tables[1][0], "the full first block stays shared");
     assert!(tables.iter().any(|t| t[1] == src) && tables.iter().any(|t| t[1] == dst));
     s.finish_sequence(parent).unwrap();
@@ -291,6 +302,7 @@ fn random_workload_keeps_invariants_and_frees_everything() {
             rng % bound
         };
         let mut targets = std::collections::HashMap::new();
+        let mut consumer_tables = std::collections::HashMap::<u64, Vec<u32>>::new();
         for i in 0..40u32 {
             let len = 1 + next(20) as u32;
             let seq = s.add_request(&format!("r{i}"), prompt(len, next(3) as u32), None).unwrap();
@@ -302,11 +314,22 @@ fn random_workload_keeps_invariants_and_frees_everything() {
             assert!(steps < 5000, "no progress");
             let out = s.schedule();
             check(&s);
+            // A persistent-batch consumer applying only the reported changes sees every table.
+            for seq in &out.scheduled {
+                let table = consumer_tables.entry(seq.seq_id).or_default();
+                table.truncate(seq.block_table_from);
+                table.extend_from_slice(out.block_table_update(seq));
+                assert_eq!(table.as_slice(), s.block_table(seq.seq_id).unwrap(), "{mode:?} step {steps}");
+            }
             for seq in out.scheduled.iter().filter(|seq| seq.sample) {
                 if s.sequence_len(seq.seq_id).unwrap() >= targets[&seq.seq_id] {
                     s.finish_sequence(seq.seq_id).unwrap();
-                } else {
-                    s.append_token(seq.seq_id, 3).unwrap();
+                    continue;
+                }
+                s.append_token(seq.seq_id, 3).unwrap();
+                if next(8) == 0 {
+                    let child = s.fork(seq.seq_id).unwrap();
+                    targets.insert(child, targets[&seq.seq_id]);
                 }
             }
         }
@@ -314,5 +337,6 @@ fn random_workload_keeps_invariants_and_frees_everything() {
         assert_eq!(stats.num_free_device_blocks, 24, "{mode:?}");
         assert_eq!(stats.num_free_cpu_blocks, 12, "{mode:?}");
         assert!(stats.num_preemptions_swap + stats.num_preemptions_recompute > 0, "{mode:?}: the workload must preempt");
+        assert!(stats.num_blocks_copied > 0, "{mode:?}: forks must copy on write");
     }
 }

@@ -3,6 +3,8 @@
 
 use std::sync::Arc;
 
+use smallvec::SmallVec;
+
 use crate::block_manager::SeqId;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -72,7 +74,8 @@ pub struct SequenceGroup {
     /// Arrival order (FCFS priority: smaller is older and is preempted last).
     pub arrival: u64,
     pub extra_key: Option<u64>,
-    pub seqs: Vec<Sequence>,
+    /// Inline for the common single-sequence request (one less pointer to chase per step).
+    pub seqs: SmallVec<[Sequence; 1]>,
     pub state: GroupState,
     pub num_prompt_tokens: usize,
     pub num_prefix_hit_tokens: usize,

@@ -41,6 +41,7 @@ def test_a_model_loop_drives_requests_to_completion_with_preemption():
         seq_id = scheduler.add_request(f"r{i}", [i] * (3 + i))
         targets[seq_id] = 3 + i + 8
     swapped_out = swapped_in = 0
+    persistent_tables = {}  # what a persistent-batch consumer keeps, updated from block_table_from
     for _ in range(500):
         if not scheduler.has_unfinished_requests():
             break
@@ -50,6 +51,9 @@ def test_a_model_loop_drives_requests_to_completion_with_preemption():
         for seq in out.scheduled:
             assert len(seq.slot_mapping) == len(seq.token_ids) == seq.end - seq.start
             assert all(slot // 4 in seq.block_table for slot in seq.slot_mapping)
+            kept = persistent_tables.get(seq.seq_id, [])[: seq.block_table_from]
+            persistent_tables[seq.seq_id] = kept + seq.block_table[seq.block_table_from :]
+            assert persistent_tables[seq.seq_id] == seq.block_table == scheduler.block_table(seq.seq_id)
             if seq.sample:
                 if scheduler.sequence_len(seq.seq_id) >= targets[seq.seq_id]:
                     scheduler.finish_sequence(seq.seq_id)

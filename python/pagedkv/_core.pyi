@@ -64,7 +64,11 @@ class ScheduledSequence:
     """One past the last position; also the context length after the step."""
     token_ids: list[int]
     block_table: list[int]
-    """Physical device block of each logical block of the sequence."""
+    """Physical device block of each logical block of the sequence (the whole table)."""
+    block_table_from: int
+    """First logical block that changed since this sequence was last scheduled: a consumer that
+    keeps a persistent block-table tensor rewrites only `block_table[block_table_from:]`. It is 0
+    the first time (and after a fork, swap-in or recompute), len(block_table) when nothing changed."""
     slot_mapping: list[int]
     """Destination slot (block * block_size + offset) of each new token's K/V."""
     sample: bool
