@@ -46,8 +46,11 @@ impl BlockManager {
         enable_prefix_caching: bool,
         watermark: f64,
     ) -> Result<Self> {
-        if block_size == 0 {
-            return Err(Error::InvalidConfig { field: "block_size", message: "must be > 0".into() });
+        if !block_size.is_power_of_two() {
+            return Err(Error::InvalidConfig {
+                field: "block_size",
+                message: format!("must be a power of two (8, 16, 32, ...), got {block_size}"),
+            });
         }
         if num_device_blocks == 0 {
             return Err(Error::InvalidConfig { field: "num_device_blocks", message: "must be > 0".into() });
@@ -621,5 +624,9 @@ mod tests {
     fn invalid_config_is_an_error() {
         assert!(matches!(BlockManager::new(0, 0, 4, false, 0.0), Err(Error::InvalidConfig { field: "num_device_blocks", .. })));
         assert!(matches!(BlockManager::new(1, 0, 4, false, 1.0), Err(Error::InvalidConfig { field: "watermark", .. })));
+        for block_size in [0, 3, 24] {
+            let error = BlockManager::new(1, 0, block_size, false, 0.0).unwrap_err();
+            assert!(error.to_string().contains(&format!("power of two (8, 16, 32, ...), got {block_size}")), "{error}");
+        }
     }
 }

@@ -58,6 +58,13 @@ impl SchedulerConfig {
                 return Err(Error::InvalidConfig { field, message: "must be > 0".into() });
             }
         }
+        if !self.block_size.is_power_of_two() {
+            // Token position -> (block, offset) is a shift and a mask on the per-token path.
+            return Err(Error::InvalidConfig {
+                field: "block_size",
+                message: format!("must be a power of two (8, 16, 32, ...), got {}", self.block_size),
+            });
+        }
         if !self.enable_chunked_prefill && self.max_num_batched_tokens < self.max_model_len {
             return Err(Error::InvalidConfig {
                 field: "max_num_batched_tokens",

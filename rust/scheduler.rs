@@ -8,7 +8,6 @@ use std::sync::Arc;
 
 use rustc_hash::FxHashMap as HashMap;
 use slab::Slab;
-use smallvec::SmallVec;
 
 use crate::block_manager::{BlockCopy, BlockManager, SeqId};
 use crate::block_table::block_index;
@@ -20,8 +19,16 @@ use crate::sequence::{GroupState, SeqStatus, Sequence, SequenceGroup};
 /// A group's key in the scheduler's slab (reused after the group ends; never exposed).
 type GroupId = usize;
 
-/// (sequence, tokens to compute) for each sequence of a group in this step.
-type Plan = SmallVec<[(SeqId, usize); 4]>;
+/// One sequence's share of a group's step: `take` tokens to compute for `group.seqs[index]`.
+#[derive(Debug, Clone, Copy)]
+struct Planned {
+    index: usize,
+    seq: SeqId,
+    take: usize,
+}
+
+/// A group's plan; one buffer is reused for every group of a step.
+type Plan = Vec<Planned>;
 
 /// One sequence's work in a step: compute KV for tokens[start..end]. Its token ids, slot mapping
 /// and block-table update live in the output's flat arrays (see the `SchedulerOutput` accessors),
@@ -380,13 +387,19 @@ impl Scheduler {
         out.token_ids.reserve(expected);
         out.slot_mapping.reserve(expected);
         let mut decodes = Vec::with_capacity(expected);
+        let mut plan = Plan::with_capacity(8);
 
         // 1. Running groups, oldest first; make room by preempting the newest.
         let mut preempted_any = false;
         let mut index = 0;
         while index < self.running.len() {
             let group_id = self.running[index];
-            let plan = self.plan_group(group_id, budget);
+            if budget > 0 && self.schedule_single_decode(group_id, &mut out, &mut decodes) {
+                budget -= 1;
+                index += 1;
+                continue;
+            }
+            self.plan_group(group_id, budget, &mut plan);
             if plan.is_empty() {
                 index += 1;
                 continue;
@@ -429,7 +442,7 @@ impl Scheduler {
                 out.blocks_to_swap_in.extend(copies);
                 self.groups[group_id].state = GroupState::Running;
                 self.insert_running(group_id);
-                let plan = self.plan_group(group_id, budget);
+                self.plan_group(group_id, budget, &mut plan);
                 if self.blocks_needed(&plan) <= self.blocks.num_free_device_blocks() {
                     budget -= self.execute_plan(group_id, &plan, &mut out, &mut decodes);
                 }
@@ -446,7 +459,7 @@ impl Scheduler {
                 if self.num_running_seqs() + group.num_active() > self.config.max_num_seqs {
                     break;
                 }
-                let Some(plan) = self.plan_admission(group_id, budget) else {
+                let Some(admitted_tokens) = self.plan_admission(group_id, budget) else {
                     let hopeless = self.running.is_empty() && budget == self.config.max_num_batched_tokens;
                     if hopeless {
                         self.waiting.pop_front();
@@ -471,7 +484,7 @@ impl Scheduler {
                 out.num_prefix_hit_tokens += hit_tokens;
                 self.insert_running(group_id);
                 // Hits can only be more than planned (a sibling may have just filled a block).
-                let plan = self.plan_group(group_id, budget.min(plan));
+                self.plan_group(group_id, budget.min(admitted_tokens), &mut plan);
                 budget -= self.execute_plan(group_id, &plan, &mut out, &mut decodes);
             }
         }
@@ -497,33 +510,35 @@ impl Scheduler {
 
     /// (seq, tokens to compute) for each active sequence of a running group within `budget`.
     /// Decoding sequences of a group are scheduled together or not at all.
-    fn plan_group(&self, group_id: GroupId, budget: usize) -> Plan {
+    fn plan_group(&self, group_id: GroupId, budget: usize, plan: &mut Plan) {
+        plan.clear();
         let group = &self.groups[group_id];
         let mut left = budget;
-        let mut plan = Plan::new();
-        for seq in group.active_seqs() {
+        for (index, seq) in group.seqs.iter().enumerate().filter(|(_, seq)| seq.is_active()) {
             let uncomputed = seq.num_uncomputed();
             if uncomputed == 0 {
                 continue;
             }
             let take = uncomputed.min(left);
             if take == 0 || (!self.config.enable_chunked_prefill && take < uncomputed) {
-                return Plan::new();
+                plan.clear();
+                return;
             }
-            plan.push((seq.id, take));
+            plan.push(Planned { index, seq: seq.id, take });
             left -= take;
         }
-        plan
     }
 
-    fn blocks_needed(&self, plan: &[(SeqId, usize)]) -> usize {
+    fn blocks_needed(&self, plan: &[Planned]) -> usize {
         // Cheap upper bound first (a new block per block_size tokens, one partial, one copy):
         // when the pool is far from full, the exact count is not needed.
-        let bound: usize = plan.iter().map(|&(_, tokens)| block_index(tokens, self.config.block_size) + 2).sum();
+        let bound: usize = plan.iter().map(|planned| block_index(planned.take, self.config.block_size) + 2).sum();
         if bound <= self.blocks.num_free_device_blocks() {
             return bound;
         }
-        plan.iter().map(|&(seq, tokens)| self.blocks.blocks_needed_to_append(seq, tokens).expect("running table")).sum()
+        plan.iter()
+            .map(|planned| self.blocks.blocks_needed_to_append(planned.seq, planned.take).expect("running table"))
+            .sum()
     }
 
     /// Token budget a waiting group would use now, or None when it does not fit (budget,
@@ -553,19 +568,56 @@ impl Scheduler {
         fits.then_some(budget - left)
     }
 
+    /// The common case on its own short path: a group of one sequence decoding one token.
+    /// Returns false, changing nothing, for anything else (including a full device pool, which
+    /// the general path answers with preemption).
+    fn schedule_single_decode(&mut self, group_id: GroupId, out: &mut SchedulerOutput, decodes: &mut Vec<ScheduledSequence>) -> bool {
+        let group = &mut self.groups[group_id];
+        let [seq] = group.seqs.as_mut_slice() else { return false };
+        if !seq.is_active() || seq.num_uncomputed() != 1 || seq.in_prefill() {
+            return false;
+        }
+        let position = seq.num_computed;
+        let token = seq.tokens[position];
+        let Ok(slots) = self.blocks.append_slots_for_step(seq.id, &[token]) else { return false };
+        if let Some(copy) = slots.copy {
+            self.counters.blocks_copied += 1;
+            out.blocks_to_copy.push(copy);
+        }
+        seq.num_computed = position + 1;
+        let token_index = out.token_ids.len();
+        out.token_ids.push(token);
+        out.slot_mapping.push(slots.table.slot(position, self.config.block_size));
+        let update = &slots.table.blocks[slots.table_from..];
+        let block_range = out.block_table_updates.len()..out.block_table_updates.len() + update.len();
+        out.block_table_updates.extend_from_slice(update);
+        decodes.push(ScheduledSequence {
+            request_id: group.request_id.clone(),
+            seq_id: seq.id,
+            is_prefill: false,
+            start: position,
+            end: position + 1,
+            sample: true,
+            token_range: token_index..token_index + 1,
+            block_table_from: slots.table_from,
+            block_range,
+        });
+        true
+    }
+
     /// Allocates the plan's slots and records it in `out`. Returns the tokens used.
     fn execute_plan(
         &mut self,
         group_id: GroupId,
-        plan: &[(SeqId, usize)],
+        plan: &[Planned],
         out: &mut SchedulerOutput,
         decodes: &mut Vec<ScheduledSequence>,
     ) -> usize {
         let block_size = self.config.block_size;
         let group = &mut self.groups[group_id];
         let mut used = 0;
-        for &(seq_id, take) in plan {
-            let seq = group.seqs.iter_mut().find(|seq| seq.id == seq_id).unwrap();
+        for &Planned { index, seq: seq_id, take } in plan {
+            let seq = &mut group.seqs[index];
             let (start, end) = (seq.num_computed, seq.num_computed + take);
             let is_prefill = seq.in_prefill();
             let new_tokens = &seq.tokens[start..end];
