@@ -383,7 +383,6 @@ impl Scheduler {
         let mut out = SchedulerOutput::default();
         let mut budget = self.config.max_num_batched_tokens;
         let expected = self.running.len() + 8;
-        out.scheduled.reserve(expected);
         out.token_ids.reserve(expected);
         out.slot_mapping.reserve(expected);
         let mut decodes = Vec::with_capacity(expected);
