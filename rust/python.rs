@@ -225,9 +225,11 @@ impl ScheduledSequence {
 }
 
 impl ScheduledSequence {
-    fn from_rust(out: &RustSchedulerOutput, seq: &RustScheduledSequence, block_table: &[u32]) -> Self {
-        ScheduledSequence {
-            request_id: seq.request_id.to_string(),
+    fn from_rust(out: &RustSchedulerOutput, seq: &RustScheduledSequence, scheduler: &RustScheduler) -> PyResult<Self> {
+        let request_id = scheduler.request_id(seq.seq_id).map_err(to_py_err)?.to_string();
+        let block_table = scheduler.block_table(seq.seq_id).map_err(to_py_err)?;
+        Ok(ScheduledSequence {
+            request_id,
             seq_id: seq.seq_id,
             is_prefill: seq.is_prefill,
             start: seq.start,
@@ -237,7 +239,7 @@ impl ScheduledSequence {
             block_table_from: seq.block_table_from,
             slot_mapping: out.slot_mapping(seq).to_vec(),
             sample: seq.sample,
-        }
+        })
     }
 }
 
@@ -280,10 +282,7 @@ impl SchedulerOutput {
         let scheduled = out
             .scheduled
             .iter()
-            .map(|seq| {
-                let table = scheduler.block_table(seq.seq_id).map_err(to_py_err)?;
-                Py::new(py, ScheduledSequence::from_rust(&out, seq, table))
-            })
+            .map(|seq| Py::new(py, ScheduledSequence::from_rust(&out, seq, scheduler)?))
             .collect::<PyResult<_>>()?;
         Ok(SchedulerOutput {
             scheduled,

@@ -43,7 +43,8 @@ type Plan = Vec<Planned>;
 /// whole current table is also `Scheduler::block_table(seq_id)`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ScheduledSequence {
-    pub request_id: Arc<str>,
+    /// The sequence; `Scheduler::request_id` names its request. (No request id here: cloning an
+    /// `Arc<str>` per sequence per step costs two atomic operations on the decode hot path.)
     pub seq_id: SeqId,
     pub is_prefill: bool,
     pub start: usize,
@@ -365,6 +366,11 @@ impl Scheduler {
         }
     }
 
+    /// The request a sequence belongs to.
+    pub fn request_id(&self, seq_id: SeqId) -> Result<&str> {
+        Ok(&self.groups[self.group_of_seq(seq_id)?].request_id)
+    }
+
     /// The sequence's whole current block table (logical block i -> physical block).
     pub fn block_table(&self, seq_id: SeqId) -> Result<&[u32]> {
         Ok(&self.blocks.table(seq_id)?.blocks)
@@ -591,7 +597,6 @@ impl Scheduler {
         let block_range = out.block_table_updates.len()..out.block_table_updates.len() + update.len();
         out.block_table_updates.extend_from_slice(update);
         decodes.push(ScheduledSequence {
-            request_id: group.request_id.clone(),
             seq_id: seq.id,
             is_prefill: false,
             start: position,
@@ -634,7 +639,6 @@ impl Scheduler {
             let block_range = out.block_table_updates.len()..out.block_table_updates.len() + update.len();
             out.block_table_updates.extend_from_slice(update);
             let scheduled = ScheduledSequence {
-                request_id: group.request_id.clone(),
                 seq_id,
                 is_prefill,
                 start,

@@ -105,7 +105,7 @@ fn decodes_come_first_and_prefill_takes_what_is_left() {
     let out = s.schedule();
     // 3 decodes (1 token each) and a 7-token chunk of d; prefills are listed first.
     assert_eq!(out.num_batched_tokens, 10);
-    assert_eq!(&*out.scheduled[0].request_id, "d");
+    assert_eq!(s.request_id(out.scheduled[0].seq_id).unwrap(), "d");
     assert_eq!(out.scheduled[0].end, 7);
     assert!(out.scheduled[1..].iter().all(|seq| !seq.is_prefill && seq.end - seq.start == 1));
 }
@@ -162,7 +162,7 @@ fn preemption_by_swap_moves_the_newest_group_and_brings_it_back() {
     assert_eq!(out.preempted, vec![std::sync::Arc::from("new")]);
     assert_eq!(out.blocks_to_swap_out.len(), 2);
     assert_eq!(out.scheduled.len(), 1);
-    assert_eq!(&*out.scheduled[0].request_id, "old");
+    assert_eq!(s.request_id(out.scheduled[0].seq_id).unwrap(), "old");
     let stats = s.stats();
     assert_eq!((stats.num_swapped, stats.num_preemptions_swap, stats.num_blocks_swapped_out), (1, 1, 2));
     check(&s);
@@ -171,7 +171,7 @@ fn preemption_by_swap_moves_the_newest_group_and_brings_it_back() {
     let out = s.schedule();
     assert_eq!(out.blocks_to_swap_in.len(), 2);
     assert_eq!(out.scheduled.len(), 1);
-    assert_eq!((&*out.scheduled[0].request_id, out.scheduled[0].start), ("new", 8));
+    assert_eq!((s.request_id(out.scheduled[0].seq_id).unwrap(), out.scheduled[0].start), ("new", 8));
     assert_eq!(s.stats().num_blocks_swapped_in, 2);
     check(&s);
 }
@@ -186,7 +186,7 @@ fn preemption_by_recompute_requeues_at_the_front_with_all_tokens() {
     s.finish_sequence(out.scheduled[0].seq_id).unwrap();
     let out = s.schedule();
     // "new" comes back before "later", prefilling its prompt and its sampled token.
-    assert_eq!(&*out.scheduled[0].request_id, "new");
+    assert_eq!(s.request_id(out.scheduled[0].seq_id).unwrap(), "new");
     assert_eq!((out.scheduled[0].start, out.scheduled[0].end), (0, 9));
     assert!(out.scheduled[0].is_prefill && out.scheduled[0].sample);
     check(&s);
@@ -212,7 +212,8 @@ fn abort_frees_everything_in_every_state() {
     s.add_request("waiting", prompt(3, 5), None).unwrap();
     s.abort("new").unwrap(); // swapped
     s.abort("waiting").unwrap(); // waiting
-    s.abort(&out.scheduled[0].request_id).unwrap(); // running
+    let running = s.request_id(out.scheduled[0].seq_id).unwrap().to_string();
+    s.abort(&running).unwrap(); // running
     assert!(matches!(s.abort("nobody"), Err(Error::UnknownRequest(_))));
     let stats = s.stats();
     assert_eq!((stats.num_free_device_blocks, stats.num_free_cpu_blocks), (4, 8));
@@ -261,7 +262,7 @@ fn shared_prompts_hit_the_prefix_cache() {
     s.add_request("b", prompt(10, 1), None).unwrap();
     let out = s.schedule();
     assert_eq!(out.num_prefix_hit_tokens, 8);
-    let b = out.scheduled.iter().find(|seq| &*seq.request_id == "b").unwrap();
+    let b = out.scheduled.iter().find(|seq| s.request_id(seq.seq_id).unwrap() == "b").unwrap();
     assert_eq!((b.start, b.end), (8, 10));
     assert_eq!(s.stats().prefix_cache_hits, 2);
 }
