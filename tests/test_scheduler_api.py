@@ -29,6 +29,8 @@ def test_errors_are_pagedkv_exception_classes_naming_the_limit():
         scheduler.append_token(999, 1)
     with pytest.raises(pagedkv.InvalidConfigError, match="preemption_mode"):
         SchedulerConfig(preemption_mode="sometimes")
+    with pytest.raises(pagedkv.InvalidConfigError, match="power of two .*got 24"):
+        SchedulerConfig(block_size=24)
     with pytest.raises(OverflowError):
         scheduler.add_request("neg", [-1])  # token ids are unsigned: a clear Python error, no panic
     assert isinstance(pagedkv.PromptTooLongError("x"), ValueError)
