@@ -9,7 +9,7 @@ use std::sync::Arc;
 use rustc_hash::FxHashMap as HashMap;
 use slab::Slab;
 
-use crate::block_manager::{BlockCopy, BlockManager, SeqId};
+use crate::block_manager::{BlockCopy, BlockManager, SeqId, StepSlots};
 use crate::block_table::block_index;
 use crate::config::SchedulerConfig;
 use crate::errors::{Error, Result};
@@ -107,6 +107,48 @@ impl SchedulerOutput {
 
     pub fn is_empty(&self) -> bool {
         self.scheduled.is_empty() && self.blocks_to_swap_out.is_empty()
+    }
+
+    /// Appends one sequence's new tokens, their slots, its copy-on-write copy and its block-table
+    /// update (positions `start..start + tokens.len()`); returns its entry for `scheduled`.
+    #[inline(always)] // into the decode path, where most arguments are constants
+    #[allow(clippy::too_many_arguments)]
+    fn record(
+        &mut self,
+        seq_id: SeqId,
+        is_prefill: bool,
+        start: usize,
+        tokens: &[u32],
+        slots: &StepSlots<'_>,
+        block_size: usize,
+        sample: bool,
+    ) -> ScheduledSequence {
+        if let Some(copy) = slots.copy {
+            self.blocks_to_copy.push(copy);
+        }
+        let end = start + tokens.len();
+        let token_range = self.token_ids.len()..self.token_ids.len() + tokens.len();
+        if let [token] = tokens {
+            // A decode (the hot path): no slice-copy or iterator set-up for a single element.
+            self.token_ids.push(*token);
+            self.slot_mapping.push(slots.table.slot(start, block_size));
+        } else {
+            self.token_ids.extend_from_slice(tokens);
+            self.slot_mapping.extend((start..end).map(|pos| slots.table.slot(pos, block_size)));
+        }
+        let update = &slots.table.blocks[slots.table_from..];
+        let block_range = self.block_table_updates.len()..self.block_table_updates.len() + update.len();
+        self.block_table_updates.extend_from_slice(update);
+        ScheduledSequence {
+            seq_id,
+            is_prefill,
+            start,
+            end,
+            sample,
+            token_range,
+            block_table_from: slots.table_from,
+            block_range,
+        }
     }
 }
 
@@ -583,29 +625,11 @@ impl Scheduler {
             return false;
         }
         let position = seq.num_computed;
-        let token = seq.tokens[position];
-        let Ok(slots) = self.blocks.append_slots_for_step(seq.id, &[token]) else { return false };
-        if let Some(copy) = slots.copy {
-            self.counters.blocks_copied += 1;
-            out.blocks_to_copy.push(copy);
-        }
+        let token = &seq.tokens[position..position + 1];
+        let Ok(slots) = self.blocks.append_slots_for_step(seq.id, token) else { return false };
+        self.counters.blocks_copied += slots.copy.is_some() as u64;
+        decodes.push(out.record(seq.id, false, position, token, &slots, self.config.block_size, true));
         seq.num_computed = position + 1;
-        let token_index = out.token_ids.len();
-        out.token_ids.push(token);
-        out.slot_mapping.push(slots.table.slot(position, self.config.block_size));
-        let update = &slots.table.blocks[slots.table_from..];
-        let block_range = out.block_table_updates.len()..out.block_table_updates.len() + update.len();
-        out.block_table_updates.extend_from_slice(update);
-        decodes.push(ScheduledSequence {
-            seq_id: seq.id,
-            is_prefill: false,
-            start: position,
-            end: position + 1,
-            sample: true,
-            token_range: token_index..token_index + 1,
-            block_table_from: slots.table_from,
-            block_range,
-        });
         true
     }
 
@@ -626,28 +650,9 @@ impl Scheduler {
             let is_prefill = seq.in_prefill();
             let new_tokens = &seq.tokens[start..end];
             let slots = self.blocks.append_slots_for_step(seq_id, new_tokens).expect("blocks were checked");
-            let (table, table_from) = (slots.table, slots.table_from);
-            if let Some(copy) = slots.copy {
-                self.counters.blocks_copied += 1;
-                out.blocks_to_copy.push(copy);
-            }
+            self.counters.blocks_copied += slots.copy.is_some() as u64;
+            let scheduled = out.record(seq_id, is_prefill, start, new_tokens, &slots, block_size, end == seq.len());
             seq.num_computed = end;
-            let token_range = out.token_ids.len()..out.token_ids.len() + take;
-            out.token_ids.extend_from_slice(new_tokens);
-            out.slot_mapping.extend((start..end).map(|pos| table.slot(pos, block_size)));
-            let update = &table.blocks[table_from..];
-            let block_range = out.block_table_updates.len()..out.block_table_updates.len() + update.len();
-            out.block_table_updates.extend_from_slice(update);
-            let scheduled = ScheduledSequence {
-                seq_id,
-                is_prefill,
-                start,
-                end,
-                sample: end == seq.len(),
-                token_range,
-                block_table_from: table_from,
-                block_range,
-            };
             if is_prefill {
                 out.scheduled.push(scheduled);
             } else {
