@@ -220,7 +220,7 @@ impl BlockManager {
     /// table and takes its unreported blocks (`BlockTable::take_unreported`).
     pub fn append_slots_for_step(&mut self, seq: SeqId, tokens: &[u32]) -> Result<StepSlots<'_>> {
         let (copy, table) = self.grow(seq, tokens)?;
-        let (table_from, _) = table.take_unreported();
+        let table_from = table.take_unreported();
         Ok(StepSlots { copy, table, table_from })
     }
 

@@ -33,12 +33,12 @@ impl BlockTable {
         }
     }
 
-    /// Blocks changed since the last call: (first changed logical block, the blocks from there).
-    /// Marks the whole table reported.
-    pub fn take_unreported(&mut self) -> (usize, &[BlockId]) {
+    /// The first logical block changed since the last call (`blocks[from..]` is new or
+    /// remapped). Marks the whole table reported.
+    pub fn take_unreported(&mut self) -> usize {
         let from = self.num_reported.min(self.blocks.len());
         self.num_reported = self.blocks.len();
-        (from, &self.blocks[from..])
+        from
     }
 
     /// The slot (block * block_size + offset) that holds token position `pos`.
