@@ -3,12 +3,13 @@
 model, dtype and threads, in one run. Prints one table.
 
     python benches/throughput.py                    # 64 prompts x 128 tokens on the CPU
-    python benches/throughput.py --device cuda --dtype bfloat16
+    python benches/throughput.py --device cuda --dtype bfloat16    # adds pagedkv with CUDA graphs
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import random
 import time
@@ -36,10 +37,10 @@ def make_prompts(tokenizer, num_prompts: int, seed: int = 0) -> list[list[int]]:
     return prompts
 
 
-def run_pagedkv(prompts, max_tokens, device, dtype, kv_cache_bytes=None):
+def run_pagedkv(prompts, max_tokens, device, dtype, kv_cache_bytes=None, **options):
     from pagedkv import LLM, SamplingParams
 
-    llm = LLM(device=device, dtype=dtype, max_model_len=1024, kv_cache_memory_bytes=kv_cache_bytes)
+    llm = LLM(device=device, dtype=dtype, max_model_len=1024, kv_cache_memory_bytes=kv_cache_bytes, **options)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
     engine = llm.engine
@@ -56,6 +57,10 @@ def run_pagedkv(prompts, max_tokens, device, dtype, kv_cache_bytes=None):
         peak_blocks = max(peak_blocks, stats["num_device_blocks"] - stats["num_free_device_blocks"])
     elapsed = time.perf_counter() - started
     stats = engine.stats()
+    del llm, engine
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()  # the next run sizes its KV cache from the free memory
     extra = (
         f"peak KV blocks {peak_blocks}/{stats['num_device_blocks']}, preemptions "
         f"{stats['num_preemptions_swap']} swap + {stats['num_preemptions_recompute']} recompute"
@@ -131,6 +136,8 @@ def main(argv=None) -> None:
     prompts = make_prompts(tokenizer, args.num_prompts)
     kv_cache_bytes = int(args.kv_cache_gib * 2**30) if args.device == "cpu" else None
     rows = [("pagedkv", *run_pagedkv(prompts, args.max_tokens, args.device, args.dtype, kv_cache_bytes))]
+    if args.device.startswith("cuda"):
+        rows.append(("pagedkv, CUDA graphs", *run_pagedkv(prompts, args.max_tokens, args.device, args.dtype, enforce_eager=False)))
     if not args.skip_hf:
         model = load_hf(args.device, dtype)
         rows.append(("HF generate", *run_hf_generate(model, prompts, args.max_tokens, args.device)))

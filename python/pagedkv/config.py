@@ -55,6 +55,10 @@ class EngineConfig:
     """torch (reference), cpu (reference + Rust decode attention), cuda (kernels) or auto (cuda on a GPU, cpu on the CPU)."""
     num_threads: Optional[int] = None
     """torch CPU threads; None = torch's default."""
+    enforce_eager: bool = True
+    """Launch every decode kernel from Python. False captures CUDA graphs of decode steps at
+    start-up (cuda device and attention backend; see cuda_graphs.py). Off by default until
+    verified on a GPU."""
 
     def __post_init__(self) -> None:
         def fail(field: str, value: object, rule: str) -> None:

@@ -55,7 +55,7 @@ class LLMEngine:
     def _scheduler_config(self) -> SchedulerConfig:
         config, runner = self.config, self.runner
         device = "cuda" if str(config.device).startswith("cuda") else "cpu"
-        max_model_len = config.max_model_len or min(runner.max_position_embeddings, 8192)
+        max_model_len = runner.max_model_len
         max_num_batched_tokens = config.max_num_batched_tokens
         if not config.enable_chunked_prefill:
             max_num_batched_tokens = max(max_num_batched_tokens, max_model_len)

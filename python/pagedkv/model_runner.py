@@ -8,6 +8,7 @@ import torch
 
 from pagedkv.attention import AttentionMetadata, get_backend
 from pagedkv.config import EngineConfig
+from pagedkv.cuda_graphs import DecodeGraphs
 from pagedkv.kv_cache import KVCache
 from pagedkv.loader import load
 
@@ -30,6 +31,7 @@ class ModelRunner:
         self.model, self.tokenizer, self.hf_config = loaded.model, loaded.tokenizer, loaded.hf_config
         self.eos_token_ids, self.model_name = loaded.eos_token_ids, loaded.name
         self.max_position_embeddings = self.hf_config.max_position_embeddings
+        self.max_model_len = config.max_model_len or min(self.max_position_embeddings, 8192)
         self.vocab_size = self.hf_config.vocab_size
         self.num_parameters = sum(p.numel() for p in self.model.parameters())
         self.backend = get_backend(config.attention_backend, config.device)
@@ -60,6 +62,19 @@ class ModelRunner:
             self.dtype,
             self.backend.name,
         )
+        self.decode_graphs = None
+        if config.is_cuda and not config.enforce_eager:
+            self.capture_decode_graphs()
+
+    def capture_decode_graphs(self, capture=None) -> None:
+        """Captures decode steps of up to max_num_seqs sequences as CUDA graphs (`capture`:
+        see cuda_graphs.py; tests pass `replay_eagerly`)."""
+        self.decode_graphs = DecodeGraphs(
+            self.model, self.kv_cache, self.backend,
+            max_batch_size=self.config.max_num_seqs, max_model_len=self.max_model_len,
+            block_size=self.config.block_size, hidden_size=self.hf_config.hidden_size,
+            dtype=self.dtype, device=self.device, capture=capture,
+        )
 
     def _kv_budget(self) -> int:
         if self.config.kv_cache_memory_bytes:
@@ -80,6 +95,18 @@ class ModelRunner:
         if not scheduled:
             return torch.empty(0, self.vocab_size)
         self.kv_cache.wait_for_swap_in()
+        graphs = self.decode_graphs
+        if graphs is not None and len(scheduled) <= graphs.max_batch_size and _trailing_decodes(scheduled) == len(scheduled):
+            hidden = graphs.run(
+                [item.token_ids[0] for item in scheduled],
+                [item.start for item in scheduled],
+                [item.slot_mapping[0] for item in scheduled],
+                [item.block_table for item in scheduled],
+            )
+            sample_index = [i for i, item in enumerate(scheduled) if item.sample]
+            if len(sample_index) < len(scheduled):
+                hidden = hidden[sample_index]
+            return self.model.compute_logits(hidden)
         input_ids, positions, metadata, sample_index = self._prepare(scheduled)
         hidden = self.model(input_ids, positions, metadata, self.kv_cache, self.backend)
         return self.model.compute_logits(hidden[sample_index])

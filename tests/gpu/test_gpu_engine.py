@@ -34,7 +34,7 @@ def greedy_tokens(**options):
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
     stats = llm.engine.stats()
     assert stats["num_free_device_blocks"] == stats["num_device_blocks"]
-    return [out.outputs[0].token_ids for out in outputs], stats
+    return [out.outputs[0].token_ids for out in outputs], llm.engine
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +46,13 @@ def cpu_reference():
 def test_gpu_greedy_equals_cpu_reference(cpu_reference, backend):
     tokens, _ = greedy_tokens(device="cuda", num_device_blocks=512, attention_backend=backend)
     assert tokens == cpu_reference
+
+
+def test_gpu_decode_graphs_equal_cpu_reference(cpu_reference):
+    tokens, engine = greedy_tokens(device="cuda", num_device_blocks=512, attention_backend="cuda", enforce_eager=False,
+                                   max_num_seqs=len(PROMPTS) - 1)  # a full batch, then the remainder padded
+    assert tokens == cpu_reference
+    assert sum(engine.runner.decode_graphs.num_replays.values()) > 0
 
 
 @pytest.mark.parametrize("backend", ["torch", "cuda"])

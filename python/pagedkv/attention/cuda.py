@@ -13,11 +13,18 @@ def token_layout(metadata: AttentionMetadata, device: torch.device) -> tuple[tor
     """(seq_index, context_lens) per query token, int32 on `device`.
 
     New token i of a sequence with q new tokens and context c sees c - q + 1 + i tokens, so
-    prefill chunks are causal. Computed once per step (every layer shares the metadata).
+    prefill chunks are causal. Computed once per step (every layer shares the metadata); a
+    decode-only step needs no host work, so it can be captured in a CUDA graph.
     """
     cached = metadata.__dict__.get("_token_layout")
     if cached is not None:
         return cached
+    if metadata.max_query_len == 1:
+        seq_index = metadata.seq_index
+        if seq_index is None:
+            seq_index = torch.arange(metadata.num_seqs, dtype=torch.int32, device=device)
+        metadata.__dict__["_token_layout"] = (seq_index, metadata.context_lens)
+        return seq_index, metadata.context_lens
     seq_index, context_lens = [], []
     starts = metadata.query_start_loc_host
     for seq, context in enumerate(metadata.context_lens_host):
@@ -33,6 +40,7 @@ class CudaAttentionBackend:
     """launcher: None runs on the tensors' GPU; tests pass an EmulatorLauncher to run on CPU."""
 
     name = "cuda"
+    supports_cuda_graphs = True
 
     def __init__(self, launcher=None):
         self.launcher = launcher

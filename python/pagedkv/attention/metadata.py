@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -22,13 +23,16 @@ class AttentionMetadata:
     max_query_len: int
     max_context_len: int
     num_decode_tokens: int  # the last num_decode_tokens sequences have exactly one new token
-    # Host copies, so backends need no device->host sync to loop over sequences.
-    query_start_loc_host: list[int]
-    context_lens_host: list[int]
+    # Host copies, so backends need no device->host sync to loop over sequences. None inside
+    # CUDA graphs (cuda_graphs.py), whose backends use the device tensors alone.
+    query_start_loc_host: Optional[list[int]]
+    context_lens_host: Optional[list[int]]
+    # int32 [T]: each token's sequence, when the runner keeps it on the device (decode graphs).
+    seq_index: Optional[torch.Tensor] = None
 
     @property
     def num_seqs(self) -> int:
-        return len(self.context_lens_host)
+        return self.context_lens.shape[0]
 
     @property
     def num_prefills(self) -> int:

@@ -1,0 +1,124 @@
+"""CUDA graphs for decode steps: one graph per padded batch size, captured at start-up and
+replayed instead of launching every kernel from Python.
+
+A small model's decode step is hundreds of short kernels (SmolLM2: 30 layers of about a dozen
+each), so launching them from Python, not the GPU, bounds eager decode. A graph replays the
+whole forward with one launch. Its inputs must live at fixed addresses: the static buffers
+below, sized for the largest batch. A step of B sequences fills their first B rows and replays
+the graph of the smallest captured size >= B; the padding rows write no K/V (slot -1) and read
+one token of whatever block their stale table row names, and their outputs are dropped.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from typing import Callable
+
+import torch
+
+from pagedkv.attention.metadata import AttentionMetadata
+
+logger = logging.getLogger("pagedkv.cuda_graphs")
+
+
+def graph_batch_sizes(max_batch_size: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 16 below `max_batch_size`, then `max_batch_size`."""
+    sizes = [size for size in (1, 2, 4, 8) if size < max_batch_size]
+    return sizes + list(range(16, max_batch_size, 16)) + [max_batch_size]
+
+
+class CudaGraphCapture:
+    """Captures a forward with `torch.cuda.graph`; every graph shares one memory pool (they are
+    captured largest first, so the smaller ones fit in the memory of the first)."""
+
+    def __init__(self):
+        self.pool = None
+
+    def __call__(self, forward: Callable[[], None]) -> Callable[[], None]:
+        forward()  # warm-up outside the capture: compiles the kernels, settles the allocator
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            forward()
+        if self.pool is None:
+            self.pool = graph.pool()
+        return graph.replay
+
+
+def replay_eagerly(forward: Callable[[], None]) -> Callable[[], None]:
+    """A stand-in for `CudaGraphCapture` without a GPU: a 'replay' runs the forward again on
+    the static buffers, which checks everything but the capture itself."""
+    return forward
+
+
+class DecodeGraphs:
+    """Captured forwards of decode-only steps (one new token per sequence) at fixed batch sizes.
+
+    The backend must run its decode path on device tensors alone (`supports_cuda_graphs`):
+    the host lists of AttentionMetadata are None inside a graph, and `max_context_len` is the
+    longest context the static block tables can hold.
+    """
+
+    def __init__(self, model, kv_cache, backend, *, max_batch_size: int, max_model_len: int, block_size: int,
+                 hidden_size: int, dtype: torch.dtype, device: torch.device, capture=None):
+        if not getattr(backend, "supports_cuda_graphs", False):
+            raise ValueError(f"the {backend.name!r} attention backend cannot run inside CUDA graphs; use 'cuda'")
+        self.model, self.kv_cache, self.backend = model, kv_cache, backend
+        self.batch_sizes = graph_batch_sizes(max_batch_size)
+        max_blocks = math.ceil(max_model_len / block_size)
+        self.max_context_len = max_blocks * block_size
+        int32 = dict(dtype=torch.int32, device=device)
+        self.input_ids = torch.zeros(max_batch_size, dtype=torch.long, device=device)
+        self.positions = torch.zeros(max_batch_size, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((max_batch_size,), -1, dtype=torch.long, device=device)
+        self.context_lens = torch.ones(max_batch_size, **int32)
+        self.block_tables = torch.zeros((max_batch_size, max_blocks), **int32)
+        self.query_start_loc = torch.arange(max_batch_size + 1, **int32)
+        self.seq_index = torch.arange(max_batch_size, **int32)
+        self.hidden = torch.zeros((max_batch_size, hidden_size), dtype=dtype, device=device)
+        self.num_replays = {size: 0 for size in self.batch_sizes}
+        capture = capture or CudaGraphCapture()
+        self.replays = {}
+        for size in reversed(self.batch_sizes):
+            self.replays[size] = capture(functools.partial(self._forward, size))
+        logger.info("captured decode graphs for batch sizes %s", self.batch_sizes)
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.batch_sizes[-1]
+
+    def _forward(self, size: int) -> None:
+        metadata = AttentionMetadata(
+            query_start_loc=self.query_start_loc[: size + 1],
+            context_lens=self.context_lens[:size],
+            block_tables=self.block_tables[:size],
+            slot_mapping=self.slot_mapping[:size],
+            max_query_len=1,
+            max_context_len=self.max_context_len,
+            num_decode_tokens=size,
+            query_start_loc_host=None,
+            context_lens_host=None,
+            seq_index=self.seq_index[:size],
+        )
+        self.hidden[:size] = self.model(self.input_ids[:size], self.positions[:size], metadata, self.kv_cache, self.backend)
+
+    def run(self, input_ids: list[int], positions: list[int], slot_mapping: list[int], block_tables: list[list[int]]) -> torch.Tensor:
+        """One decode step of len(input_ids) sequences; returns their hidden states [B, H]
+        (a view of the static output, valid until the next run)."""
+        size = len(input_ids)
+        graph_size = next(s for s in self.batch_sizes if s >= size)
+        width = max(len(table) for table in block_tables)
+        tables = torch.tensor([table + [0] * (width - len(table)) for table in block_tables], dtype=torch.int32)
+        rows = torch.tensor([input_ids, positions, slot_mapping], dtype=torch.long)
+        self.input_ids[:size].copy_(rows[0])
+        self.positions[:size].copy_(rows[1])
+        self.slot_mapping[:size].copy_(rows[2])
+        self.context_lens[:size].copy_(rows[1] + 1)
+        self.block_tables[:size, :width].copy_(tables)
+        self.slot_mapping[size:graph_size].fill_(-1)
+        self.context_lens[size:graph_size].fill_(1)
+        self.replays[graph_size]()
+        self.num_replays[graph_size] += 1
+        return self.hidden[:size]
