@@ -199,6 +199,23 @@ def test_abort_frees_blocks(llm, prompts):
     assert_all_blocks_free(engine)
 
 
+def test_final_only_requests_are_reported_once_and_logprobs_only_when_asked(llm):
+    engine = llm.engine
+    engine.add_request("cumulative", "Hello", greedy(max_tokens=4, ignore_eos=True, logprobs=0))
+    engine.add_request("final", "Hello", greedy(max_tokens=4, ignore_eos=True, output_kind="final_only"))
+    reported = {"cumulative": [], "final": []}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            reported[output.request_id].append(output)
+    assert [output.finished for output in reported["cumulative"]] == [False, False, False, True]
+    assert [output.finished for output in reported["final"]] == [True]
+    cumulative, final = reported["cumulative"][-1].outputs[0], reported["final"][0].outputs[0]
+    assert final.token_ids == cumulative.token_ids and final.text == cumulative.text
+    assert cumulative.cumulative_logprob < 0 and final.cumulative_logprob is None
+    with pytest.raises(ValueError, match="output_kind"):
+        SamplingParams(output_kind="delta")
+
+
 def test_bad_input_gets_clear_errors(llm):
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)

@@ -179,9 +179,14 @@ class LLMEngine:
 
         outputs = []
         for request in touched.values():
-            outputs.append(request.to_output(self.tokenizer))
             if request.finished:
-                self._finish_request(request)
+                output = request.to_output(self.tokenizer)
+                self._finish_request(request, output)
+            elif request.params.output_kind == "cumulative":
+                output = request.to_output(self.tokenizer)  # detokenizes: skipped for final_only
+            else:
+                continue
+            outputs.append(output)
         return outputs
 
     def _process_samples(self, sampled, logits: torch.Tensor, touched: dict[str, RequestState]) -> None:
@@ -263,7 +268,7 @@ class LLMEngine:
             request.seqs.append(seq)
             self.seq_owner[seq_id] = (request, seq)
 
-    def _finish_request(self, request: RequestState) -> None:
+    def _finish_request(self, request: RequestState, output: RequestOutput) -> None:
         request.metrics.finished_time = time.monotonic()
         self.requests.pop(request.request_id, None)
         self._forget(request)
@@ -272,8 +277,8 @@ class LLMEngine:
             self.scheduler.abort(request.request_id)
         except UnknownRequestError:
             pass
-        for output in request.to_output(self.tokenizer).outputs:
-            self._count_finish(output.finish_reason or "abort")
+        for completion in output.outputs:
+            self._count_finish(completion.finish_reason or "abort")
 
     def _forget(self, request: RequestState) -> None:
         for seq in request.seqs:

@@ -53,6 +53,8 @@ class LLM:
             if len(params_list) != len(prompts):
                 raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} prompts")
 
+        # Only finished outputs are used here: the engine need not detokenize every step.
+        params_list = [dataclasses.replace(params, output_kind="final_only") for params in params_list]
         pending = [(f"llm-{next(self._ids)}", prompt, params) for prompt, params in zip(prompts, params_list)]
         order = {request_id: index for index, (request_id, _, _) in enumerate(pending)}
         results: dict[str, RequestOutput] = {}

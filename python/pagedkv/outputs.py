@@ -15,7 +15,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: Optional[str] = None  # "stop", "length", "abort", or None while running
     stop_reason: Optional[object] = None  # the stop string or token id that ended it
-    cumulative_logprob: float = 0.0
+    cumulative_logprob: Optional[float] = None  # None unless logprobs were requested (as in vLLM)
     # One dict per generated token: {token_id: logprob} of the top-k candidates plus the sampled one.
     logprobs: Optional[list[dict[int, float]]] = None
 

@@ -114,7 +114,7 @@ class RequestState:
             token_ids=list(seq.output_token_ids),
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
-            cumulative_logprob=seq.cumulative_logprob,
+            cumulative_logprob=seq.cumulative_logprob if self.params.logprobs is not None else None,
             logprobs=seq.logprobs,
         )
 

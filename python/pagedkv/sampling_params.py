@@ -34,6 +34,7 @@ class SamplingParams:
     beam_width: Optional[int] = None
     length_penalty: float = 1.0
     skip_special_tokens: bool = True
+    output_kind: str = "cumulative"  # "final_only": LLMEngine.step reports the request only when it finishes
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -74,6 +75,8 @@ class SamplingParams:
             fail("seed", self.seed, "an integer")
         if any(not isinstance(s, str) or not s for s in self.stop):
             fail("stop", self.stop, "a non-empty string or a list of them")
+        if self.output_kind not in ("cumulative", "final_only"):
+            fail("output_kind", self.output_kind, "'cumulative' or 'final_only'")
         if self.use_beam_search:
             if not isinstance(self.beam_width, int) or self.beam_width < self.n:
                 fail("beam_width", self.beam_width, f"an integer >= n={self.n}")

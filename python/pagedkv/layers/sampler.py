@@ -26,37 +26,52 @@ class SamplingRow:
 @dataclass
 class SampleResult:
     token_id: int
-    logprob: float  # log-probability of the token under the raw model distribution
+    logprob: Optional[float]  # under the raw model distribution; None unless the row asked for logprobs
     top_logprobs: Optional[dict[int, float]]
 
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
         """logits [N, vocab] float32; returns one result per row, in order."""
-        logits = logits[torch.tensor([row.logits_index for row in rows], device=logits.device)]
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
-        logits = logits.clone()
-        for i, row in enumerate(rows):
-            self._apply_penalties_and_masks(logits[i], row)
+        indices = [row.logits_index for row in rows]
+        if logits.shape[0] != len(rows) or indices != list(range(len(rows))):
+            logits = logits[torch.tensor(indices, device=logits.device)]
+        raw_logits = logits
+        # Copy the [N, vocab] logits only when some row changes them (they are large).
+        adjusted = [i for i, row in enumerate(rows) if _changes_logits(row)]
+        if adjusted:
+            logits = logits.clone()
+            for i in adjusted:
+                self._apply_penalties_and_masks(logits[i], rows[i])
 
         greedy = [i for i, row in enumerate(rows) if row.params.temperature == 0]
-        tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-        if greedy:
-            index = torch.tensor(greedy, device=logits.device)
-            tokens[index] = logits[index].argmax(dim=-1)
-        for i, row in enumerate(rows):
-            if row.params.temperature != 0:
-                tokens[i] = self._sample_one(logits[i], row)
+        if len(greedy) == len(rows):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+            if greedy:
+                index = torch.tensor(greedy, device=logits.device)
+                tokens[index] = logits[index].argmax(dim=-1)
+            for i, row in enumerate(rows):
+                if row.params.temperature != 0:
+                    tokens[i] = self._sample_one(logits[i], row)
 
-        chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
+        # Log-probabilities under the raw model distribution, for the rows that asked (as in
+        # vLLM: computing them costs a pass over every row's vocabulary).
+        wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+        chosen: list = [None] * len(rows)
+        top_logprobs: list = [None] * len(rows)
+        if wanted:
+            index = torch.tensor(wanted, device=logits.device)
+            logprobs = torch.log_softmax(raw_logits[index], dim=-1)
+            values = logprobs.gather(1, tokens[index][:, None]).squeeze(1).tolist()
+            for j, i in enumerate(wanted):
+                chosen[i] = values[j]
+                if rows[i].params.logprobs:
+                    top_values, top_ids = logprobs[j].topk(rows[i].params.logprobs)
+                    top_logprobs[i] = dict(zip(top_ids.tolist(), top_values.tolist()))
         token_list = tokens.tolist()
-        results = []
-        for i, row in enumerate(rows):
-            top = None
-            if row.params.logprobs:
-                values, ids = raw_logprobs[i].topk(row.params.logprobs)
-                top = dict(zip(ids.tolist(), values.tolist()))
-            results.append(SampleResult(token_list[i], chosen[i], top))
+        results = [SampleResult(token_list[i], chosen[i], top_logprobs[i]) for i in range(len(rows))]
         return results
 
     @staticmethod
@@ -91,3 +106,15 @@ class Sampler:
             sorted_probs = sorted_probs.masked_fill(outside, 0.0)
             probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
         return torch.multinomial(probs, 1, generator=row.generator).squeeze(0)
+
+
+def _changes_logits(row: SamplingRow) -> bool:
+    """Whether `_apply_penalties_and_masks` would change this row's logits."""
+    params = row.params
+    if params.repetition_penalty != 1.0:
+        return True
+    if (params.presence_penalty or params.frequency_penalty) and row.output_token_ids:
+        return True
+    return len(row.output_token_ids) < params.min_tokens and bool(
+        params.stop_token_ids or (not params.ignore_eos and row.eos_token_ids)
+    )

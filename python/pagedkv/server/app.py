@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import signal
@@ -117,6 +118,8 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None) -> Fa
 
     async def run(request: Request, prompt, params, body, chat: bool):
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        if not body.stream:  # only the final output is sent: spare the engine per-step detokenizing
+            params = dataclasses.replace(params, output_kind="final_only")
         try:
             outputs = await state["loop"].submit(request_id, prompt, params)
         except PromptTooLongError as error:
