@@ -4,7 +4,8 @@
 # limit, so it is split: .gpu/ holds the wheels and its first half, .gpu2/ its second half.
 # On the lent machine (two calls in a row, while it is warm):
 #   run(carry=[".gpu"],  command="mkdir -p /tmp/bundle && cp .gpu/* /tmp/bundle/")
-#   run(carry=[".gpu2"], command="cp .gpu2/* /tmp/bundle/ && bash scripts/gpu_check.sh")
+#   run(carry=[".gpu2"], command="cp .gpu2/* /tmp/bundle/ && bash scripts/gpu_check.sh tests")
+#   then run(command="bash scripts/gpu_check.sh attention swap"), ... (see gpu_check.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rm -rf .gpu .gpu2 && mkdir -p .gpu .gpu2

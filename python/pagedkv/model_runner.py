@@ -66,6 +66,7 @@ class ModelRunner:
         if config.is_cuda and not config.enforce_eager:
             self.capture_decode_graphs()
 
+    @torch.inference_mode()
     def capture_decode_graphs(self, capture=None) -> None:
         """Captures decode steps of up to max_num_seqs sequences as CUDA graphs (`capture`:
         see cuda_graphs.py; tests pass `replay_eagerly`)."""
