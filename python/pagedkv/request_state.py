@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+from pagedkv.detokenizer import DetokenizerState, detokenize_incrementally
 from pagedkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedkv.sampling_params import SamplingParams
 
@@ -23,6 +24,7 @@ class SequenceState:
     stop_reason: Optional[object] = None
     generator: object = None  # torch.Generator of a seeded request
     text: str = ""
+    detokenizer: DetokenizerState = field(default_factory=DetokenizerState)
     # Length of the text that has been checked for stop strings.
     _checked_text_len: int = 0
 
@@ -84,7 +86,7 @@ class RequestState:
         elif may_stop and token_id in params.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token_id
         elif params.stop:
-            seq.text = tokenizer.decode(seq.output_token_ids, skip_special_tokens=params.skip_special_tokens)
+            seq.text = detokenize_incrementally(tokenizer, seq.output_token_ids, seq.detokenizer, params.skip_special_tokens)
             if may_stop and self._truncate_at_stop_string(seq):
                 return
         if seq.finish_reason is None:
@@ -106,8 +108,12 @@ class RequestState:
         return True
 
     def completion(self, seq: SequenceState, tokenizer) -> CompletionOutput:
-        if seq.stop_reason is None or not isinstance(seq.stop_reason, str):
-            seq.text = tokenizer.decode(seq.output_token_ids, skip_special_tokens=self.params.skip_special_tokens)
+        skip_special_tokens = self.params.skip_special_tokens
+        if not seq.finished:
+            seq.text = detokenize_incrementally(tokenizer, seq.output_token_ids, seq.detokenizer, skip_special_tokens)
+        elif not isinstance(seq.stop_reason, str):  # (a stop string cut the text already)
+            # One whole decode: exact, and it flushes text held back mid-character.
+            seq.text = tokenizer.decode(seq.output_token_ids, skip_special_tokens=skip_special_tokens)
         return CompletionOutput(
             index=seq.index,
             text=seq.text,

@@ -1,0 +1,39 @@
+"""Incremental detokenization: a growing sequence's text, decoding a few tokens per new token.
+
+Decoding every output token again at every step costs O(length) per token. Instead (the
+method of vLLM and TGI), the text of `ids[prefix_offset:read_offset]` has already been
+emitted; decoding `ids[prefix_offset:]` and dropping that prefix's text gives the new text.
+Decoding from a token or two back keeps what depends on the neighbour (a SentencePiece
+leading space, a merged character) right. New text that ends in U+FFFD, an incomplete UTF-8
+character split across tokens, is held back until a later token completes it, so a stream
+never sends a replacement character it would have to take back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_INCOMPLETE = "\ufffd"
+
+
+@dataclass
+class DetokenizerState:
+    """Where a sequence's incremental decode stands."""
+
+    text: str = ""
+    prefix_offset: int = 0  # first token of the window decoded for context
+    read_offset: int = 0  # tokens whose text is in `text`
+    num_seen: int = 0  # tokens already looked at (skips repeated calls without new tokens)
+
+
+def detokenize_incrementally(tokenizer, token_ids: list[int], state: DetokenizerState, skip_special_tokens: bool) -> str:
+    """Updates `state` for the tokens added since the last call and returns the text so far."""
+    if state.num_seen == len(token_ids):
+        return state.text
+    state.num_seen = len(token_ids)
+    prefix_text = tokenizer.decode(token_ids[state.prefix_offset : state.read_offset], skip_special_tokens=skip_special_tokens)
+    new_text = tokenizer.decode(token_ids[state.prefix_offset :], skip_special_tokens=skip_special_tokens)
+    if len(new_text) > len(prefix_text) and not new_text.endswith(_INCOMPLETE):
+        state.text += new_text[len(prefix_text) :]
+        state.prefix_offset, state.read_offset = state.read_offset, len(token_ids)
+    return state.text
