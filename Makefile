@@ -21,7 +21,7 @@ test-python:
 	$(PYTHON) -m pytest -q
 
 bench: setup
-	cargo bench --bench scheduler
+	cargo bench --bench scheduler --bench cpu_attention
 	$(PYTHON) benches/scheduler_py.py
 
 serve: setup

@@ -31,7 +31,7 @@ impl DecodeShape {
 
     fn check(&self) -> Result<()> {
         let invalid = |message: String| Err(Error::InvalidConfig { field: "shape", message });
-        if self.num_kv_heads == 0 || self.num_heads % self.num_kv_heads != 0 {
+        if self.num_kv_heads == 0 || !self.num_heads.is_multiple_of(self.num_kv_heads) {
             return invalid(format!("num_heads={} must be a multiple of num_kv_heads={}", self.num_heads, self.num_kv_heads));
         }
         if self.head_dim == 0 || self.block_size == 0 {
@@ -100,8 +100,8 @@ pub fn paged_decode_attention(
     Ok(())
 }
 
-/// One sequence and kv head, compiled for AVX2 too (wheels target baseline x86-64, whose SSE2
-/// is half as wide) and picked at run time.
+/// One sequence and kv head, compiled for AVX2 + FMA too (wheels target baseline x86-64, whose
+/// SSE2 is half as wide and has no fused multiply-add) and picked at run time.
 #[allow(clippy::too_many_arguments)]
 fn attend(
     out_row: &mut [f32],
@@ -116,8 +116,8 @@ fn attend(
     scratch: &mut Vec<f32>,
 ) {
     #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") {
-        // SAFETY: the CPU supports AVX2 (checked just above).
+    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+        // SAFETY: the CPU supports AVX2 and FMA (checked just above).
         unsafe { attend_avx2(out_row, query_row, key_cache, value_cache, table, context, kv_head, shape, scale, scratch) };
         return;
     }
@@ -125,7 +125,7 @@ fn attend(
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
+#[target_feature(enable = "avx2,fma")]
 #[allow(clippy::too_many_arguments)]
 unsafe fn attend_avx2(
     out_row: &mut [f32],
@@ -157,47 +157,98 @@ fn attend_portable(
     scale: f32,
     scratch: &mut Vec<f32>,
 ) {
-    let (dim, block_size) = (shape.head_dim, shape.block_size);
+    let dim = shape.head_dim;
     let group = shape.num_heads / shape.num_kv_heads;
     let first_head = kv_head * group;
     let queries = &query_row[first_head * dim..][..group * dim];
-    let row_of = |position: usize| -> std::ops::Range<usize> {
-        let block = table[position / block_size] as usize;
-        let start = block * shape.block_stride + (kv_head * block_size + position % block_size) * dim;
-        start..start + dim
-    };
+    let blocks = |cache| block_rows(cache, table, context, kv_head, *shape);
     // scratch: the group's logits (then softmax numerators), then their sums.
     scratch.clear();
     scratch.resize(group * context + group, 0.0);
     let (logits, sums) = scratch.split_at_mut(group * context);
-    for position in 0..context {
-        let key = &key_cache[row_of(position)];
-        for g in 0..group {
-            logits[g * context + position] = dot(&queries[g * dim..][..dim], key) * scale;
+    for (first, rows) in blocks(key_cache) {
+        for (offset, key) in rows.chunks_exact(dim).enumerate() {
+            for g in 0..group {
+                logits[g * context + first + offset] = dot(&queries[g * dim..][..dim], key) * scale;
+            }
         }
+    }
+    for g in 0..group {
+        sums[g] = exp_normalize(&mut logits[g * context..][..context]);
     }
     let out = &mut out_row[first_head * dim..][..group * dim];
     out.fill(0.0);
-    for g in 0..group {
-        let head_logits = &mut logits[g * context..][..context];
-        let max = head_logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = 0.0;
-        for logit in head_logits.iter_mut() {
-            *logit = (*logit - max).exp();
-            sum += *logit;
-        }
-        sums[g] = sum;
-    }
-    for position in 0..context {
-        let value = &value_cache[row_of(position)];
-        for g in 0..group {
-            axpy(&mut out[g * dim..][..dim], logits[g * context + position], value);
+    for (first, rows) in blocks(value_cache) {
+        for (offset, value) in rows.chunks_exact(dim).enumerate() {
+            for g in 0..group {
+                axpy(&mut out[g * dim..][..dim], logits[g * context + first + offset], value);
+            }
         }
     }
     for g in 0..group {
         let inverse = 1.0 / sums[g];
         out[g * dim..][..dim].iter_mut().for_each(|x| *x *= inverse);
     }
+}
+
+/// The context block by block: (first position, the block's rows of one kv head), so the
+/// loops need no division per position.
+#[inline(always)]
+fn block_rows<'a>(cache: &'a [f32], table: &'a [i32], context: usize, kv_head: usize, shape: DecodeShape) -> impl Iterator<Item = (usize, &'a [f32])> + 'a {
+    let (dim, block_size) = (shape.head_dim, shape.block_size);
+    let head_rows = kv_head * block_size * dim;
+    table[..context.div_ceil(block_size)].iter().enumerate().map(move |(i, &block)| {
+        let rows = context.min((i + 1) * block_size) - i * block_size;
+        (i * block_size, &cache[block as usize * shape.block_stride + head_rows..][..rows * dim])
+    })
+}
+
+/// Replaces logits by exp(logit - max) and returns their sum (a softmax before the division).
+#[inline(always)]
+fn exp_normalize(logits: &mut [f32]) -> f32 {
+    let mut lanes = [f32::NEG_INFINITY; 8];
+    let mut chunks = logits.chunks_exact(8);
+    for chunk in &mut chunks {
+        for lane in 0..8 {
+            lanes[lane] = if chunk[lane] > lanes[lane] { chunk[lane] } else { lanes[lane] };
+        }
+    }
+    let max = chunks.remainder().iter().chain(&lanes).copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sums = [0.0f32; 8];
+    let mut chunks = logits.chunks_exact_mut(8);
+    for chunk in &mut chunks {
+        for lane in 0..8 {
+            chunk[lane] = exp_nonpositive(chunk[lane] - max);
+            sums[lane] += chunk[lane];
+        }
+    }
+    let mut sum: f32 = sums.iter().sum();
+    for logit in chunks.into_remainder() {
+        *logit = exp_nonpositive(*logit - max);
+        sum += *logit;
+    }
+    sum
+}
+
+/// e^x for x <= 0 in straight-line code the compiler vectorizes (libm's expf is a call per
+/// element): x = n ln2 + r with |r| <= ln2/2, e^r by Cephes' degree-6 polynomial (relative
+/// error ~1e-7, as expf), times 2^n built in the exponent bits. Below -87 it returns e^-87
+/// (~1.6e-38: nothing next to the max logit's 1, and 2^n stays a normal float).
+#[inline(always)]
+fn exp_nonpositive(x: f32) -> f32 {
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    let x = x.max(-87.0);
+    let n = (x * std::f32::consts::LOG2_E + 0.5).floor();
+    let r = x - n * LN2_HI - n * LN2_LO;
+    let mut p = 1.987_569_1e-4f32;
+    p = p * r + 1.398_199_9e-3;
+    p = p * r + 8.333_452e-3;
+    p = p * r + 4.166_579_6e-2;
+    p = p * r + 1.666_666_5e-1;
+    p = p * r + 0.5;
+    let e_r = p * r * r + r + 1.0;
+    e_r * f32::from_bits(((n as i32 + 127) << 23) as u32)
 }
 
 /// Dot product in 8 independent lanes, so the compiler can vectorize it.
@@ -278,6 +329,23 @@ mod tests {
             for (got, want) in out.iter().zip(&expected) {
                 assert!((got - want).abs() < 1e-4, "{got} vs {want}");
             }
+        }
+    }
+
+    #[test]
+    fn exp_matches_libm_on_softmax_inputs() {
+        for i in 0..=200_000 {
+            let x = -(i as f32) * 1e-3; // 0 down to -200
+            let (got, want) = (exp_nonpositive(x), (x as f64).exp());
+            let tolerance = 2e-7 * want + 2e-38; // a few ulps; below -87, e^-87 ~ 1.6e-38 stands for ~0
+            assert!((got as f64 - want).abs() <= tolerance, "exp({x}) = {got}, want {want}");
+        }
+        let mut logits = [3.0f32, -1.0, 0.5, 2.0, -30.0, 1.0, 0.0, -2.5, 4.0, 1.5];
+        let expected: Vec<f64> = logits.iter().map(|&l| ((l - 4.0) as f64).exp()).collect();
+        let sum = exp_normalize(&mut logits);
+        assert!((sum as f64 - expected.iter().sum::<f64>()).abs() < 1e-6);
+        for (got, want) in logits.iter().zip(&expected) {
+            assert!((*got as f64 - want).abs() < 1e-7);
         }
     }
 
