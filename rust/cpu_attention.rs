@@ -31,7 +31,7 @@ impl DecodeShape {
 
     fn check(&self) -> Result<()> {
         let invalid = |message: String| Err(Error::InvalidConfig { field: "shape", message });
-        if self.num_kv_heads == 0 || !self.num_heads.is_multiple_of(self.num_kv_heads) {
+        if self.num_kv_heads == 0 || self.num_heads == 0 || !self.num_heads.is_multiple_of(self.num_kv_heads) {
             return invalid(format!("num_heads={} must be a multiple of num_kv_heads={}", self.num_heads, self.num_kv_heads));
         }
         if self.head_dim == 0 || self.block_size == 0 {
@@ -80,22 +80,31 @@ pub fn paged_decode_attention(
             return invalid(format!("block {block} in block_tables[{b}] is not in 0..{}", shape.num_blocks));
         }
     }
-    let threads = num_threads.clamp(1, shape.batch.max(1));
+    if shape.batch == 0 {
+        return Ok(());
+    }
+    let threads = num_threads.clamp(1, shape.batch);
     let per_thread = shape.batch.div_ceil(threads).max(1);
-    std::thread::scope(|scope| {
-        for (chunk, out_chunk) in out.chunks_mut(per_thread * row).enumerate() {
-            scope.spawn(move || {
-                let mut scratch = Vec::new();
-                for (i, out_row) in out_chunk.chunks_mut(row).enumerate() {
-                    let b = chunk * per_thread + i;
-                    let table = &block_tables[b * shape.table_width..][..shape.table_width];
-                    let query_row = &query[b * row..][..row];
-                    for kv_head in 0..shape.num_kv_heads {
-                        attend(out_row, query_row, key_cache, value_cache, table, context_lens[b] as usize, kv_head, shape, scale, &mut scratch);
-                    }
-                }
-            });
+    let run_chunk = |chunk: usize, out_chunk: &mut [f32]| {
+        let mut scratch = Vec::new();
+        for (i, out_row) in out_chunk.chunks_mut(row).enumerate() {
+            let b = chunk * per_thread + i;
+            let table = &block_tables[b * shape.table_width..][..shape.table_width];
+            let query_row = &query[b * row..][..row];
+            for kv_head in 0..shape.num_kv_heads {
+                attend(out_row, query_row, key_cache, value_cache, table, context_lens[b] as usize, kv_head, shape, scale, &mut scratch);
+            }
         }
+    };
+    // The calling thread takes the first chunk: one thread fewer to start, and one fewer to
+    // compete for the cores with torch's OpenMP workers, which spin for a while after each op.
+    let mut chunks = out.chunks_mut(per_thread * row).enumerate();
+    let (_, first) = chunks.next().expect("batch > 0 gives at least one chunk");
+    std::thread::scope(|scope| {
+        for (chunk, out_chunk) in chunks {
+            scope.spawn(move || run_chunk(chunk, out_chunk));
+        }
+        run_chunk(0, first);
     });
     Ok(())
 }
@@ -364,5 +373,9 @@ mod tests {
         assert!(run(&[0, 1], &[0], &mut out).is_err()); // empty context
         assert!(run(&[0, 1], &[8], &mut out[..8]).is_err()); // wrong output size
         assert!(run(&[0, 1], &[8], &mut out).is_ok());
+        let no_heads = DecodeShape { num_heads: 0, ..shape };
+        assert!(paged_decode_attention(&mut [], &[], &cache, &cache, &[0, 1], &[8], &no_heads, 1.0, 1).is_err());
+        let empty = DecodeShape { batch: 0, ..shape };
+        assert!(paged_decode_attention(&mut [], &[], &cache, &cache, &[], &[], &empty, 1.0, 2).is_ok());
     }
 }
