@@ -141,3 +141,27 @@ def test_logprobs_are_log_softmax_of_the_raw_logits():
         values, ids = expected[i].topk(k)
         assert list(top) == ids.tolist()
         assert list(top.values()) == pytest.approx(values.tolist(), abs=1e-5)
+
+
+def test_a_mixed_batch_samples_each_row_under_its_own_settings():
+    """One batch: greedy, top-k, top-p, min-p and plain rows side by side keep their own supports,
+    and a seeded row draws the same token alone or in any batch."""
+    probs = torch.tensor([0.4, 0.3, 0.2, 0.1] + [0.0] * (VOCAB - 4))
+    peaked = torch.log(probs.clamp_min(1e-30))
+    logits = torch.stack([peaked, peaked, peaked, peaked, random_logits(1, seed=9)[0]])
+    settings = [dict(temperature=0), dict(temperature=1.0, top_k=2), dict(temperature=1.0, top_p=0.65),
+                dict(temperature=1.0, min_p=0.6), dict(temperature=1.0)]
+    supports = [{0}, {0, 1}, {0, 1}, {0, 1}, set(range(VOCAB))]
+    seen = [set() for _ in settings]
+    sampler = Sampler()
+    for draw in range(200):
+        results = sampler(logits, [row(i, seed=draw * 10 + i, **params) for i, params in enumerate(settings)])
+        for i, result in enumerate(results):
+            seen[i].add(result.token_id)
+    for i, support in enumerate(supports[:4]):
+        assert seen[i] == support, (settings[i], seen[i])
+    assert len(seen[4]) > 5  # the unfiltered row really samples the whole distribution
+    alone = [sampler(logits, [row(4, seed=s, temperature=1.0)])[0].token_id for s in range(20)]
+    batched = [sampler(logits, [row(0, temperature=0), row(2, seed=99, temperature=0.5, top_p=0.5),
+                                row(4, seed=s, temperature=1.0)])[2].token_id for s in range(20)]
+    assert alone == batched

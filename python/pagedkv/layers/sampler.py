@@ -1,5 +1,6 @@
 """Sampler: logits -> next tokens with temperature, top-k, top-p, min-p, penalties, min_tokens,
-per-request seeds and logprobs. Rows with the same settings are processed as one batch."""
+per-request seeds and logprobs. Every row is sampled in one batch whatever its settings: a
+per-row loop costs a few kernel launches (on the CPU, a pass over the vocabulary) per row."""
 
 from __future__ import annotations
 
@@ -52,9 +53,12 @@ class Sampler:
             if greedy:
                 index = torch.tensor(greedy, device=logits.device)
                 tokens[index] = logits[index].argmax(dim=-1)
-            for i, row in enumerate(rows):
-                if row.params.temperature != 0:
-                    tokens[i] = self._sample_one(logits[i], row)
+            sampled = [i for i, row in enumerate(rows) if row.params.temperature != 0]
+            if greedy:
+                index = torch.tensor(sampled, device=logits.device)
+                tokens[index] = _sample(logits[index], [rows[i] for i in sampled])
+            else:  # all rows sample: no [N, vocab] gather
+                tokens = _sample(logits, rows)
 
         # Log-probabilities under the raw model distribution, for the rows that asked (as in
         # vLLM: computing them costs a pass over every row's vocabulary).
@@ -89,24 +93,6 @@ class Sampler:
             if banned:
                 logits[torch.tensor(sorted(banned), device=logits.device)] = float("-inf")
 
-    @staticmethod
-    def _sample_one(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
-        params = row.params
-        logits = logits / params.temperature
-        if params.top_k > 0:
-            kth = torch.topk(logits, min(params.top_k, logits.shape[-1])).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        if params.min_p > 0:
-            probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
-        if params.top_p < 1.0:
-            sorted_probs, order = probs.sort(descending=True)
-            # Keep the smallest prefix whose mass reaches top_p (always at least one token).
-            outside = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p
-            sorted_probs = sorted_probs.masked_fill(outside, 0.0)
-            probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-        return torch.multinomial(probs, 1, generator=row.generator).squeeze(0)
-
 
 def _changes_logits(row: SamplingRow) -> bool:
     """Whether `_apply_penalties_and_masks` would change this row's logits."""
@@ -118,3 +104,62 @@ def _changes_logits(row: SamplingRow) -> bool:
     return len(row.output_token_ids) < params.min_tokens and bool(
         params.stop_token_ids or (not params.ignore_eos and row.eos_token_ids)
     )
+
+
+# Top-p first looks among this many best tokens; rows whose top-p set is larger are sorted whole.
+_TOP_P_CANDIDATES = 256
+
+
+def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """One token per row of logits [M, vocab] under each row's temperature, top-k, min-p, top-p
+    and generator; a seeded row draws the same token whatever else is in the batch.
+
+    Each filter is one per-row threshold applied in place to the whole batch (rows without the
+    filter get a threshold that keeps everything): no per-row loop, no [M, vocab] copies.
+    """
+    device, vocab = logits.device, logits.shape[-1]
+    params = [row.params for row in rows]
+
+    def per_row(values) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
+
+    logits = logits / per_row([p.temperature for p in params])
+    if any(0 < p.top_k < vocab for p in params):
+        ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+        best = logits.topk(max(k for k in ks if k < vocab), dim=-1).values
+        kth = best.gather(1, torch.tensor([min(k, best.shape[1]) - 1 for k in ks], device=device)[:, None])
+        kth[torch.tensor([k == vocab for k in ks], device=device)] = float("-inf")
+        logits.masked_fill_(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if any(p.min_p > 0 for p in params):
+        probs.masked_fill_(probs < per_row([p.min_p for p in params]) * probs.amax(-1, keepdim=True), 0.0)
+    if any(p.top_p < 1.0 for p in params):
+        probs.masked_fill_(probs < _top_p_thresholds(probs, per_row([p.top_p for p in params])), 0.0)
+    # Inverse-CDF draw: one uniform number per row, from the row's own generator when seeded.
+    uniform = torch.rand(len(rows), device=device)
+    for i, row in enumerate(rows):
+        if row.generator is not None:
+            uniform[i] = torch.rand((), generator=row.generator, device=row.generator.device).to(device)
+    cdf = probs.cumsum(dim=-1)
+    target = (1.0 - uniform)[:, None] * cdf[:, -1:]  # in (0, total]: never a zero-probability token
+    return torch.searchsorted(cdf, target).squeeze(1).clamp_(max=vocab - 1)
+
+
+def _top_p_thresholds(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """[M, 1]: the smallest probability in each row's top-p set, the fewest most probable tokens
+    whose mass reaches top_p (rows with top_p = 1 get 0: keep all). The set usually lies among
+    the few hundred best tokens, found by topk; rows where it does not are sorted whole."""
+
+    def smallest_kept(values: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+        # values sorted descending; a token is kept while the mass before it is < top_p.
+        num_kept = (values.cumsum(-1) - values < top_p).sum(-1, keepdim=True).clamp_(min=1)
+        return values.gather(1, num_kept - 1)
+
+    values = probs.topk(min(_TOP_P_CANDIDATES, probs.shape[-1]), dim=-1).values
+    thresholds = smallest_kept(values, top_p)
+    whole = (values.sum(-1, keepdim=True) < top_p).squeeze(1).nonzero().squeeze(1)
+    if whole.numel():
+        values = probs.index_select(0, whole).sort(dim=-1, descending=True).values
+        thresholds[whole] = smallest_kept(values, top_p[whole])
+    thresholds[top_p >= 1.0] = 0.0
+    return thresholds
