@@ -46,19 +46,17 @@ class Sampler:
                 self._apply_penalties_and_masks(logits[i], rows[i])
 
         greedy = [i for i, row in enumerate(rows) if row.params.temperature == 0]
-        if len(greedy) == len(rows):
+        sampled = [i for i, row in enumerate(rows) if row.params.temperature != 0]
+        if not sampled:
             tokens = logits.argmax(dim=-1)
+        elif not greedy:  # (no [N, vocab] gathers in the two common cases)
+            tokens = _sample(logits, rows)
         else:
             tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-            if greedy:
-                index = torch.tensor(greedy, device=logits.device)
-                tokens[index] = logits[index].argmax(dim=-1)
-            sampled = [i for i, row in enumerate(rows) if row.params.temperature != 0]
-            if greedy:
-                index = torch.tensor(sampled, device=logits.device)
-                tokens[index] = _sample(logits[index], [rows[i] for i in sampled])
-            else:  # all rows sample: no [N, vocab] gather
-                tokens = _sample(logits, rows)
+            index = torch.tensor(greedy, device=logits.device)
+            tokens[index] = logits[index].argmax(dim=-1)
+            index = torch.tensor(sampled, device=logits.device)
+            tokens[index] = _sample(logits[index], [rows[i] for i in sampled])
 
         # Log-probabilities under the raw model distribution, for the rows that asked (as in
         # vLLM: computing them costs a pass over every row's vocabulary).
@@ -75,8 +73,7 @@ class Sampler:
                     top_values, top_ids = logprobs[j].topk(rows[i].params.logprobs)
                     top_logprobs[i] = dict(zip(top_ids.tolist(), top_values.tolist()))
         token_list = tokens.tolist()
-        results = [SampleResult(token_list[i], chosen[i], top_logprobs[i]) for i in range(len(rows))]
-        return results
+        return [SampleResult(token_list[i], chosen[i], top_logprobs[i]) for i in range(len(rows))]
 
     @staticmethod
     def _apply_penalties_and_masks(logits: torch.Tensor, row: SamplingRow) -> None:
@@ -147,7 +144,7 @@ def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
 
 def _top_p_thresholds(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """[M, 1]: the smallest probability in each row's top-p set, the fewest most probable tokens
-    whose mass reaches top_p (rows with top_p = 1 get 0: keep all). The set usually lies among
+    whose mass reaches top_p (rows with top_p = 1 get 0: keep all; ties with it are kept too). The set usually lies among
     the few hundred best tokens, found by topk; rows where it does not are sorted whole."""
 
     def smallest_kept(values: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
