@@ -3,7 +3,7 @@
 
 import pytest
 
-from pagedkv.detokenizer import DetokenizerState, detokenize_incrementally
+from pagedkv.detokenizer import DetokenizerState, detokenize_final, detokenize_incrementally
 
 TEXTS = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",
@@ -60,3 +60,6 @@ def test_calls_without_new_tokens_decode_nothing(tokenizer):
     count = len(calls)
     assert detokenize_incrementally(Counting(), ids, state, True) == tokenizer.decode(ids)
     assert len(calls) == count
+    for _ in range(3):  # a finished sequence is decoded whole once, however often it is reported
+        assert detokenize_final(Counting(), ids, state, True) == tokenizer.decode(ids)
+    assert len(calls) == count + 1

@@ -24,6 +24,7 @@ class DetokenizerState:
     prefix_offset: int = 0  # first token of the window decoded for context
     read_offset: int = 0  # tokens whose text is in `text`
     num_seen: int = 0  # tokens already looked at (skips repeated calls without new tokens)
+    final: bool = False  # `text` is the whole decode of the finished sequence
 
 
 def detokenize_incrementally(tokenizer, token_ids: list[int], state: DetokenizerState, skip_special_tokens: bool) -> str:
@@ -36,4 +37,13 @@ def detokenize_incrementally(tokenizer, token_ids: list[int], state: Detokenizer
     if len(new_text) > len(prefix_text) and not new_text.endswith(_INCOMPLETE):
         state.text += new_text[len(prefix_text) :]
         state.prefix_offset, state.read_offset = state.read_offset, len(token_ids)
+    return state.text
+
+
+def detokenize_final(tokenizer, token_ids: list[int], state: DetokenizerState, skip_special_tokens: bool) -> str:
+    """The finished sequence's text: one whole decode (exact, and it flushes text held back
+    mid-character), done once however often the request is reported afterwards."""
+    if not state.final:
+        state.text = tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        state.final = True
     return state.text

@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from pagedkv.detokenizer import DetokenizerState, detokenize_incrementally
+from pagedkv.detokenizer import DetokenizerState, detokenize_final, detokenize_incrementally
 from pagedkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedkv.sampling_params import SamplingParams
 
@@ -112,8 +112,7 @@ class RequestState:
         if not seq.finished:
             seq.text = detokenize_incrementally(tokenizer, seq.output_token_ids, seq.detokenizer, skip_special_tokens)
         elif not isinstance(seq.stop_reason, str):  # (a stop string cut the text already)
-            # One whole decode: exact, and it flushes text held back mid-character.
-            seq.text = tokenizer.decode(seq.output_token_ids, skip_special_tokens=skip_special_tokens)
+            seq.text = detokenize_final(tokenizer, seq.output_token_ids, seq.detokenizer, skip_special_tokens)
         return CompletionOutput(
             index=seq.index,
             text=seq.text,
