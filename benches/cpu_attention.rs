@@ -1,12 +1,13 @@
 //! Paged decode attention on the CPU (rust/cpu_attention.rs), SmolLM2's shape (9 query heads,
 //! 3 KV heads, head dim 64, 16-token blocks in the block-major cache), 64 sequences: time per
-//! call for one layer, and the K/V bytes read per second; beside it the ceiling: two threads
-//! summing a contiguous buffer of the same size (the machine's read bandwidth, same run).
+//! call for one layer with float32 and bfloat16 caches, and the K/V bytes read per second;
+//! beside it the ceiling: two threads summing a contiguous buffer of the float32 cache's size
+//! (the machine's read bandwidth, same run).
 
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use pagedkv::cpu_attention::{paged_decode_attention, DecodeShape};
+use pagedkv::cpu_attention::{paged_decode_attention, Bf16, DecodeShape};
 
 const BATCH: usize = 64;
 const NUM_HEADS: usize = 9;
@@ -35,9 +36,17 @@ fn decode(c: &mut Criterion) {
         group.bench_with_input(BenchmarkId::new("read ceiling, context", context), &context, |b, _| {
             b.iter(|| black_box(parallel_sum(&contiguous)))
         });
-        group.bench_with_input(BenchmarkId::new("64 seqs, context", context), &context, |b, _| {
+        group.bench_with_input(BenchmarkId::new("64 seqs f32, context", context), &context, |b, _| {
             b.iter(|| {
                 paged_decode_attention(&mut out, &query, &cache, &cache[block_floats..], &tables, &contexts, &shape, 0.125, 2).unwrap();
+                black_box(&out);
+            })
+        });
+        let cache_bf16: Vec<Bf16> = cache.iter().map(|&x| Bf16::from_f32(x)).collect();
+        group.throughput(Throughput::Bytes(bytes as u64 / 2));
+        group.bench_with_input(BenchmarkId::new("64 seqs bf16, context", context), &context, |b, _| {
+            b.iter(|| {
+                paged_decode_attention(&mut out, &query, &cache_bf16, &cache_bf16[block_floats..], &tables, &contexts, &shape, 0.125, 2).unwrap();
                 black_box(&out);
             })
         });

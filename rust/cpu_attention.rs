@@ -1,11 +1,47 @@
-//! Paged decode attention on the CPU (float32): one query token per sequence, K/V read in
-//! place through the block table (no gather copy), each K/V row read once for all query heads
-//! of its GQA group. The CPU engine's hot path; the torch reference backend stays the oracle.
+//! Paged decode attention on the CPU: one query token per sequence, K/V read in place through
+//! the block table (no gather copy), each K/V row read once for all query heads of its GQA
+//! group. Caches hold float32 or bfloat16 (half the bytes to read; math stays float32). The CPU
+//! engine's hot path; the torch reference backend stays the oracle.
 
 use crate::errors::{Error, Result};
 
+/// An element type of the K/V cache, widened to f32 as it is read.
+pub trait CacheElement: Copy + Send + Sync {
+    fn to_f32(self) -> f32;
+}
+
+impl CacheElement for f32 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+}
+
+/// A bfloat16 value: the upper 16 bits of an f32 (torch.bfloat16's layout).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[repr(transparent)]
+pub struct Bf16(pub u16);
+
+impl Bf16 {
+    /// Rounds to nearest even, as torch does (NaN stays NaN).
+    pub fn from_f32(value: f32) -> Self {
+        let bits = value.to_bits();
+        if value.is_nan() {
+            return Bf16(((bits >> 16) | 0x40) as u16);
+        }
+        Bf16(((bits + 0x7fff + ((bits >> 16) & 1)) >> 16) as u16)
+    }
+}
+
+impl CacheElement for Bf16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f32::from_bits((self.0 as u32) << 16)
+    }
+}
+
 /// Shapes and strides of one call. Caches are per-layer views `[num_blocks, num_kv_heads,
-/// block_size, head_dim]` whose blocks are `block_stride` floats apart (the block-major cache
+/// block_size, head_dim]` whose blocks are `block_stride` elements apart (the block-major cache
 /// interleaves layers); query/out are `[batch, num_heads, head_dim]`, contiguous.
 #[derive(Debug, Clone, Copy)]
 pub struct DecodeShape {
@@ -21,7 +57,7 @@ pub struct DecodeShape {
 }
 
 impl DecodeShape {
-    /// Floats a cache slice must span.
+    /// Elements a cache slice must span.
     pub fn cache_len(&self) -> usize {
         if self.num_blocks == 0 {
             return 0;
@@ -47,11 +83,11 @@ impl DecodeShape {
 /// out[b, h] = softmax(scale * q[b, h] . K_b) V_b over the first context_lens[b] tokens of
 /// sequence b, split over `num_threads` threads by sequence.
 #[allow(clippy::too_many_arguments)]
-pub fn paged_decode_attention(
+pub fn paged_decode_attention<T: CacheElement>(
     out: &mut [f32],
     query: &[f32],
-    key_cache: &[f32],
-    value_cache: &[f32],
+    key_cache: &[T],
+    value_cache: &[T],
     block_tables: &[i32],
     context_lens: &[i32],
     shape: &DecodeShape,
@@ -112,11 +148,11 @@ pub fn paged_decode_attention(
 /// One sequence and kv head, compiled for AVX2 + FMA too (wheels target baseline x86-64, whose
 /// SSE2 is half as wide and has no fused multiply-add) and picked at run time.
 #[allow(clippy::too_many_arguments)]
-fn attend(
+fn attend<T: CacheElement>(
     out_row: &mut [f32],
     query_row: &[f32],
-    key_cache: &[f32],
-    value_cache: &[f32],
+    key_cache: &[T],
+    value_cache: &[T],
     table: &[i32],
     context: usize,
     kv_head: usize,
@@ -136,11 +172,11 @@ fn attend(
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn attend_avx2(
+unsafe fn attend_avx2<T: CacheElement>(
     out_row: &mut [f32],
     query_row: &[f32],
-    key_cache: &[f32],
-    value_cache: &[f32],
+    key_cache: &[T],
+    value_cache: &[T],
     table: &[i32],
     context: usize,
     kv_head: usize,
@@ -154,11 +190,11 @@ unsafe fn attend_avx2(
 /// Logits for the group's query heads, softmax, weighted V sum.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn attend_portable(
+fn attend_portable<T: CacheElement>(
     out_row: &mut [f32],
     query_row: &[f32],
-    key_cache: &[f32],
-    value_cache: &[f32],
+    key_cache: &[T],
+    value_cache: &[T],
     table: &[i32],
     context: usize,
     kv_head: usize,
@@ -203,7 +239,7 @@ fn attend_portable(
 /// The context block by block: (first position, the block's rows of one kv head), so the
 /// loops need no division per position.
 #[inline(always)]
-fn block_rows<'a>(cache: &'a [f32], table: &'a [i32], context: usize, kv_head: usize, shape: DecodeShape) -> impl Iterator<Item = (usize, &'a [f32])> + 'a {
+fn block_rows<'a, T>(cache: &'a [T], table: &'a [i32], context: usize, kv_head: usize, shape: DecodeShape) -> impl Iterator<Item = (usize, &'a [T])> + 'a {
     let (dim, block_size) = (shape.head_dim, shape.block_size);
     let head_rows = kv_head * block_size * dim;
     table[..context.div_ceil(block_size)].iter().enumerate().map(move |(i, &block)| {
@@ -262,22 +298,22 @@ fn exp_nonpositive(x: f32) -> f32 {
 
 /// Dot product in 8 independent lanes, so the compiler can vectorize it.
 #[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
+fn dot<T: CacheElement>(a: &[f32], b: &[T]) -> f32 {
     let mut lanes = [0.0f32; 8];
     let (a_chunks, b_chunks) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f32 = a_chunks.remainder().iter().zip(b_chunks.remainder()).map(|(x, y)| x * y).sum();
+    let tail: f32 = a_chunks.remainder().iter().zip(b_chunks.remainder()).map(|(x, y)| x * y.to_f32()).sum();
     for (x, y) in a_chunks.zip(b_chunks) {
         for lane in 0..8 {
-            lanes[lane] += x[lane] * y[lane];
+            lanes[lane] += x[lane] * y[lane].to_f32();
         }
     }
     lanes.iter().sum::<f32>() + tail
 }
 
 #[inline(always)]
-fn axpy(target: &mut [f32], weight: f32, source: &[f32]) {
+fn axpy<T: CacheElement>(target: &mut [f32], weight: f32, source: &[T]) {
     for (t, s) in target.iter_mut().zip(source) {
-        *t += weight * s;
+        *t += weight * s.to_f32();
     }
 }
 
@@ -339,6 +375,34 @@ mod tests {
                 assert!((got - want).abs() < 1e-4, "{got} vs {want}");
             }
         }
+    }
+
+    #[test]
+    fn bfloat16_caches_match_the_reference_on_their_widened_values() {
+        let shape = DecodeShape { batch: 3, num_heads: 9, num_kv_heads: 3, head_dim: 64, block_size: 16, num_blocks: 12,
+            block_stride: 2 * 3 * 16 * 64, table_width: 4 };
+        let cache: Vec<Bf16> = pseudo_random(shape.num_blocks * shape.block_stride, 3).into_iter().map(Bf16::from_f32).collect();
+        let widened: Vec<f32> = cache.iter().map(|x| x.to_f32()).collect();
+        let value_offset = 3 * 16 * 64;
+        let query = pseudo_random(shape.batch * 9 * 64, 4);
+        let tables = [7, 2, 11, 0, 5, 4, 0, 0, 1, 3, 6, 8];
+        let contexts = [50, 17, 64];
+        let mut out = vec![f32::NAN; query.len()];
+        paged_decode_attention(&mut out, &query, &cache[..], &cache[value_offset..], &tables, &contexts, &shape, 0.125, 2).unwrap();
+        let expected = reference(&query, &widened, &widened[value_offset..], &tables, &contexts, &shape, 0.125);
+        for (got, want) in out.iter().zip(&expected) {
+            assert!((got - want).abs() < 1e-4, "{got} vs {want}");
+        }
+    }
+
+    #[test]
+    fn bf16_rounds_to_nearest_even() {
+        assert_eq!(Bf16::from_f32(1.0).0, 0x3f80);
+        assert_eq!(Bf16::from_f32(f32::from_bits(0x3f80_8000)).0, 0x3f80); // tie, even stays
+        assert_eq!(Bf16::from_f32(f32::from_bits(0x3f81_8000)).0, 0x3f82); // tie, odd rounds up
+        assert_eq!(Bf16::from_f32(f32::from_bits(0x3f80_8001)).0, 0x3f81);
+        assert!(Bf16::from_f32(f32::NAN).to_f32().is_nan());
+        assert_eq!(Bf16::from_f32(-2.5).to_f32(), -2.5);
     }
 
     #[test]

@@ -8,7 +8,7 @@ use pyo3::types::PyDict;
 use crate::block_manager::BlockManager as RustBlockManager;
 use crate::block_pool::Device;
 use crate::config::SchedulerConfig as RustSchedulerConfig;
-use crate::cpu_attention::{paged_decode_attention, DecodeShape};
+use crate::cpu_attention::{paged_decode_attention, Bf16, CacheElement, DecodeShape};
 use crate::errors::Error;
 use crate::preemption::{CostModel, PreemptionMode};
 use crate::scheduler::{
@@ -520,11 +520,12 @@ impl BlockManager {
     }
 }
 
-/// Paged decode attention over float32 CPU tensors given by data pointer. Internal: the
-/// caller (`pagedkv.attention.cpu`) checks every shape, dtype, device and stride first.
+/// Paged decode attention over CPU tensors given by data pointer: float32 query and out,
+/// `cache_dtype` ("float32" or "bfloat16") caches. Internal: the caller
+/// (`pagedkv.attention.cpu`) checks every shape, dtype, device and stride first.
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
-fn paged_decode_attention_f32(
+fn paged_decode_attention_cpu(
     py: Python<'_>,
     out: usize,
     query: usize,
@@ -535,29 +536,42 @@ fn paged_decode_attention_f32(
     shape: (usize, usize, usize, usize, usize, usize, usize, usize),
     scale: f32,
     num_threads: usize,
+    cache_dtype: &str,
 ) -> PyResult<()> {
     let (batch, num_heads, num_kv_heads, head_dim, block_size, num_blocks, block_stride, table_width) = shape;
     let shape = DecodeShape { batch, num_heads, num_kv_heads, head_dim, block_size, num_blocks, block_stride, table_width };
-    py.detach(|| {
-        call(|| {
-            let row = batch * num_heads * head_dim;
-            // SAFETY: the pointers are those of live, contiguous CPU tensors of these shapes
-            // (float32 out/query/caches, int32 tables/contexts), checked by the caller, and `out`
-            // is a fresh tensor that aliases no input. The caches may overlap each other (K and
-            // V of the block-major cache): both are only read.
-            let (out, query, keys, values, tables, contexts) = unsafe {
-                (
-                    std::slice::from_raw_parts_mut(out as *mut f32, row),
-                    std::slice::from_raw_parts(query as *const f32, row),
-                    std::slice::from_raw_parts(key_cache as *const f32, shape.cache_len()),
-                    std::slice::from_raw_parts(value_cache as *const f32, shape.cache_len()),
-                    std::slice::from_raw_parts(block_tables as *const i32, batch * table_width),
-                    std::slice::from_raw_parts(context_lens as *const i32, batch),
-                )
-            };
-            paged_decode_attention(out, query, keys, values, tables, contexts, &shape, scale, num_threads)
-        })
-    })
+    let pointers = (out, query, key_cache, value_cache, block_tables, context_lens);
+    match cache_dtype {
+        "float32" => py.detach(|| call(|| decode_from_pointers::<f32>(pointers, &shape, scale, num_threads))),
+        "bfloat16" => py.detach(|| call(|| decode_from_pointers::<Bf16>(pointers, &shape, scale, num_threads))),
+        other => Err(exceptions::InvalidConfigError::new_err(format!(
+            "cache_dtype must be 'float32' or 'bfloat16', got {other:?}"
+        ))),
+    }
+}
+
+fn decode_from_pointers<T: CacheElement>(
+    (out, query, key_cache, value_cache, block_tables, context_lens): (usize, usize, usize, usize, usize, usize),
+    shape: &DecodeShape,
+    scale: f32,
+    num_threads: usize,
+) -> crate::errors::Result<()> {
+    let row = shape.batch * shape.num_heads * shape.head_dim;
+    // SAFETY: the pointers are those of live, contiguous CPU tensors of these shapes (float32
+    // out/query, T caches, int32 tables/contexts), checked by the caller, and `out` is a fresh
+    // tensor that aliases no input. The caches may overlap each other (K and V of the
+    // block-major cache): both are only read.
+    let (out, query, keys, values, tables, contexts) = unsafe {
+        (
+            std::slice::from_raw_parts_mut(out as *mut f32, row),
+            std::slice::from_raw_parts(query as *const f32, row),
+            std::slice::from_raw_parts(key_cache as *const T, shape.cache_len()),
+            std::slice::from_raw_parts(value_cache as *const T, shape.cache_len()),
+            std::slice::from_raw_parts(block_tables as *const i32, shape.batch * shape.table_width),
+            std::slice::from_raw_parts(context_lens as *const i32, shape.batch),
+        )
+    };
+    paged_decode_attention(out, query, keys, values, tables, contexts, shape, scale, num_threads)
 }
 
 #[pymodule]
@@ -567,7 +581,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<SchedulerOutput>()?;
     m.add_class::<Scheduler>()?;
     m.add_class::<BlockManager>()?;
-    m.add_function(wrap_pyfunction!(paged_decode_attention_f32, m)?)?;
+    m.add_function(wrap_pyfunction!(paged_decode_attention_cpu, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -8,22 +8,31 @@ from pagedkv.attention.cpu import CpuAttentionBackend, paged_decode_attention
 from pagedkv.attention.torch_ref import _decode_batch
 
 
-def block_major(num_blocks, num_kv_heads, block_size, head_dim, generator):
-    cache = torch.randn((num_blocks, 3, 2, num_kv_heads, block_size, head_dim), generator=generator)
+def block_major(num_blocks, num_kv_heads, block_size, head_dim, generator, dtype=torch.float32):
+    cache = torch.randn((num_blocks, 3, 2, num_kv_heads, block_size, head_dim), generator=generator).to(dtype)
     return cache[:, 1, 0], cache[:, 1, 1]  # layer views: block stride != block size
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [(9, 3, 64, 16), (4, 4, 128, 8), (8, 1, 32, 32)])
-def test_rust_decode_matches_the_reference(num_heads, num_kv_heads, head_dim, block_size):
+def test_rust_decode_matches_the_reference(num_heads, num_kv_heads, head_dim, block_size, dtype):
+    """Against float64 attention over the same (already rounded) values: the kernel's float32
+    math adds ~1e-6 whatever the cache dtype; a bfloat16 output adds its own rounding."""
     generator = torch.Generator().manual_seed(num_heads * 1000 + head_dim)
-    key_cache, value_cache = block_major(40, num_kv_heads, block_size, head_dim, generator)
+    key_cache, value_cache = block_major(40, num_kv_heads, block_size, head_dim, generator, dtype)
     contexts = torch.tensor([1, block_size + 1, 3 * block_size, 77, 150], dtype=torch.int32)
     width = 150 // block_size + 2
     tables = torch.stack([torch.randperm(40, generator=generator)[:width] for _ in contexts]).int()
-    query = torch.randn((len(contexts), num_heads, head_dim), generator=generator)
+    query = torch.randn((len(contexts), num_heads, head_dim), generator=generator).to(dtype)
     got = paged_decode_attention(query, key_cache, value_cache, tables, contexts, head_dim**-0.5)
     want = _decode_batch(query.double(), key_cache.double(), value_cache.double(), tables, contexts, 150, head_dim**-0.5)
-    assert torch.allclose(got.double(), want, atol=1e-5, rtol=1e-4)
+    assert got.dtype == dtype
+    tolerance = {"atol": 1e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
+    assert torch.allclose(got.double(), want, **tolerance)
+    if dtype == torch.bfloat16:  # exactly the float32 kernel's result, rounded once
+        widened = key_cache.float(), value_cache.float()
+        exact = paged_decode_attention(query.float(), *widened, tables, contexts, head_dim**-0.5)
+        assert torch.equal(got, exact.to(torch.bfloat16))
 
 
 def test_bad_tables_raise_instead_of_reading_out_of_bounds():
@@ -34,8 +43,9 @@ def test_bad_tables_raise_instead_of_reading_out_of_bounds():
         paged_decode_attention(query, key_cache, value_cache, torch.tensor([[0, 9]]), torch.tensor([20]), 1.0)
     with pytest.raises(ValueError, match="context_lens"):
         paged_decode_attention(query, key_cache, value_cache, torch.tensor([[0, 1]]), torch.tensor([33]), 1.0)
-    with pytest.raises(ValueError, match="float32"):
-        paged_decode_attention(query.double(), key_cache, value_cache, torch.tensor([[0, 1]]), torch.tensor([3]), 1.0)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        half = key_cache.half()
+        paged_decode_attention(query, half, half, torch.tensor([[0, 1]]), torch.tensor([3]), 1.0)
 
 
 def test_auto_backend_on_cpu_is_the_rust_decode_backend():

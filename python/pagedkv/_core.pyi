@@ -1,6 +1,6 @@
 """Type stubs for the Rust core (`rust/python.rs`). Errors are raised as `pagedkv.errors` classes."""
 
-from typing import Optional
+from typing import Literal, Optional
 
 class SchedulerConfig:
     """Scheduler and pool settings. Invalid values raise InvalidConfigError naming the field."""
@@ -175,7 +175,7 @@ class BlockManager:
 
 __version__: str
 
-def paged_decode_attention_f32(
+def paged_decode_attention_cpu(
     out: int,
     query: int,
     key_cache: int,
@@ -185,7 +185,9 @@ def paged_decode_attention_f32(
     shape: tuple[int, int, int, int, int, int, int, int],
     scale: float,
     num_threads: int,
+    cache_dtype: Literal["float32", "bfloat16"],
 ) -> None:
-    """Paged decode attention over float32 CPU tensors given by data pointer; shape is (batch,
-    num_heads, num_kv_heads, head_dim, block_size, num_blocks, block_stride, table_width).
-    Internal: use `pagedkv.attention.cpu.paged_decode_attention`, which checks the tensors."""
+    """Paged decode attention over CPU tensors given by data pointer: float32 query and out,
+    caches of `cache_dtype`; shape is (batch, num_heads, num_kv_heads, head_dim, block_size,
+    num_blocks, block_stride, table_width). Internal: use
+    `pagedkv.attention.cpu.paged_decode_attention`, which checks the tensors."""
