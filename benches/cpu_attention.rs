@@ -1,13 +1,14 @@
 //! Paged decode attention on the CPU (rust/cpu_attention.rs), SmolLM2's shape (9 query heads,
-//! 3 KV heads, head dim 64, 16-token blocks in the block-major cache), 64 sequences: time per
-//! call for one layer with float32 and bfloat16 caches, and the K/V bytes read per second;
-//! beside it the ceiling: two threads summing a contiguous buffer of the float32 cache's size
-//! (the machine's read bandwidth, same run).
+//! 3 KV heads, head dim 64, 16-token blocks in the block-major cache), 64 sequences, one layer:
+//! time per call with float32 and bfloat16 caches, on the CPU's widest instruction set and on
+//! the portable build (the baseline, same run), and the K/V bytes read per second; beside it
+//! the ceiling: two threads summing a contiguous buffer of the float32 cache's size (the
+//! machine's read bandwidth, same run).
 
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use pagedkv::cpu_attention::{paged_decode_attention, Bf16, DecodeShape};
+use pagedkv::cpu_attention::{paged_decode_attention_with, Bf16, CacheElement, DecodeShape, Isa};
 
 const BATCH: usize = 64;
 const NUM_HEADS: usize = 9;
@@ -15,17 +16,27 @@ const NUM_KV_HEADS: usize = 3;
 const HEAD_DIM: usize = 64;
 const BLOCK_SIZE: usize = 16;
 
-fn decode(c: &mut Criterion) {
+fn decode_attention(c: &mut Criterion) {
     let mut group = c.benchmark_group("cpu_decode_attention");
     for context in [128usize, 512, 2048] {
         let blocks_per_seq = context.div_ceil(BLOCK_SIZE);
         let block_floats = NUM_KV_HEADS * BLOCK_SIZE * HEAD_DIM;
         // K then V of one layer inside each block; other layers' halves sit between blocks.
-        let shape = DecodeShape { batch: BATCH, num_heads: NUM_HEADS, num_kv_heads: NUM_KV_HEADS, head_dim: HEAD_DIM,
-            block_size: BLOCK_SIZE, num_blocks: BATCH * blocks_per_seq, block_stride: 4 * block_floats,
-            table_width: blocks_per_seq };
-        let cache: Vec<f32> = (0..shape.num_blocks * shape.block_stride).map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5).collect();
-        let query: Vec<f32> = (0..BATCH * NUM_HEADS * HEAD_DIM).map(|i| ((i * 104729) % 1000) as f32 / 1000.0 - 0.5).collect();
+        let shape = DecodeShape {
+            batch: BATCH,
+            num_heads: NUM_HEADS,
+            num_kv_heads: NUM_KV_HEADS,
+            head_dim: HEAD_DIM,
+            block_size: BLOCK_SIZE,
+            num_blocks: BATCH * blocks_per_seq,
+            block_stride: 4 * block_floats,
+            table_width: blocks_per_seq,
+        };
+        let cache: Vec<f32> =
+            (0..shape.num_blocks * shape.block_stride).map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5).collect();
+        let cache_bf16: Vec<Bf16> = cache.iter().map(|&x| Bf16::from_f32(x)).collect();
+        let query: Vec<f32> =
+            (0..BATCH * NUM_HEADS * HEAD_DIM).map(|i| ((i * 104729) % 1000) as f32 / 1000.0 - 0.5).collect();
         // Blocks scattered over the pool, as after a while of serving.
         let tables: Vec<i32> = (0..shape.num_blocks).map(|i| ((i * 7) % shape.num_blocks) as i32).collect();
         let contexts = vec![context as i32; BATCH];
@@ -36,22 +47,36 @@ fn decode(c: &mut Criterion) {
         group.bench_with_input(BenchmarkId::new("read ceiling, context", context), &context, |b, _| {
             b.iter(|| black_box(parallel_sum(&contiguous)))
         });
-        group.bench_with_input(BenchmarkId::new("64 seqs f32, context", context), &context, |b, _| {
-            b.iter(|| {
-                paged_decode_attention(&mut out, &query, &cache, &cache[block_floats..], &tables, &contexts, &shape, 0.125, 2).unwrap();
-                black_box(&out);
-            })
-        });
-        let cache_bf16: Vec<Bf16> = cache.iter().map(|&x| Bf16::from_f32(x)).collect();
-        group.throughput(Throughput::Bytes(bytes as u64 / 2));
-        group.bench_with_input(BenchmarkId::new("64 seqs bf16, context", context), &context, |b, _| {
-            b.iter(|| {
-                paged_decode_attention(&mut out, &query, &cache_bf16, &cache_bf16[block_floats..], &tables, &contexts, &shape, 0.125, 2).unwrap();
-                black_box(&out);
-            })
-        });
+        for isa in [Isa::best(), Isa::Portable] {
+            let inputs = Inputs { query: &query, tables: &tables, contexts: &contexts, shape };
+            group.throughput(Throughput::Bytes(bytes as u64));
+            let id = BenchmarkId::new(format!("64 seqs f32 {isa:?}, context"), context);
+            group.bench_with_input(id, &context, |b, _| {
+                b.iter(|| inputs.run(isa, &mut out, &cache, &cache[block_floats..]))
+            });
+            group.throughput(Throughput::Bytes(bytes as u64 / 2));
+            let id = BenchmarkId::new(format!("64 seqs bf16 {isa:?}, context"), context);
+            group.bench_with_input(id, &context, |b, _| {
+                b.iter(|| inputs.run(isa, &mut out, &cache_bf16, &cache_bf16[block_floats..]))
+            });
+        }
     }
     group.finish();
+}
+
+struct Inputs<'a> {
+    query: &'a [f32],
+    tables: &'a [i32],
+    contexts: &'a [i32],
+    shape: DecodeShape,
+}
+
+impl Inputs<'_> {
+    fn run<T: CacheElement>(&self, isa: Isa, out: &mut [f32], keys: &[T], values: &[T]) {
+        let Inputs { query, tables, contexts, shape } = self;
+        paged_decode_attention_with(isa, out, query, keys, values, tables, contexts, shape, 0.125, 2).unwrap();
+        black_box(out);
+    }
 }
 
 /// Sums `data` on two threads in 8 lanes each: a plain streaming read.
@@ -72,5 +97,5 @@ fn parallel_sum(data: &[f32]) -> f32 {
     })
 }
 
-criterion_group!(benches, decode);
+criterion_group!(benches, decode_attention);
 criterion_main!(benches);

@@ -3,14 +3,20 @@
 //! group. Caches hold float32 or bfloat16 (half the bytes to read; math stays float32). The CPU
 //! engine's hot path; the torch reference backend stays the oracle.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+
 use crate::errors::{Error, Result};
 
 /// An element type of the K/V cache, widened to f32 as it is read.
 pub trait CacheElement: Copy + Send + Sync {
+    /// bfloat16 (else float32): picks the SIMD load that widens it.
+    const IS_BF16: bool;
     fn to_f32(self) -> f32;
 }
 
 impl CacheElement for f32 {
+    const IS_BF16: bool = false;
     #[inline(always)]
     fn to_f32(self) -> f32 {
         self
@@ -34,6 +40,7 @@ impl Bf16 {
 }
 
 impl CacheElement for Bf16 {
+    const IS_BF16: bool = true;
     #[inline(always)]
     fn to_f32(self) -> f32 {
         f32::from_bits((self.0 as u32) << 16)
@@ -68,7 +75,10 @@ impl DecodeShape {
     fn check(&self) -> Result<()> {
         let invalid = |message: String| Err(Error::InvalidConfig { field: "shape", message });
         if self.num_kv_heads == 0 || self.num_heads == 0 || !self.num_heads.is_multiple_of(self.num_kv_heads) {
-            return invalid(format!("num_heads={} must be a multiple of num_kv_heads={}", self.num_heads, self.num_kv_heads));
+            return invalid(format!(
+                "num_heads={} must be a multiple of num_kv_heads={}",
+                self.num_heads, self.num_kv_heads
+            ));
         }
         if self.head_dim == 0 || self.block_size == 0 {
             return invalid("head_dim and block_size must be > 0".into());
@@ -94,6 +104,68 @@ pub fn paged_decode_attention<T: CacheElement>(
     scale: f32,
     num_threads: usize,
 ) -> Result<()> {
+    paged_decode_attention_with(
+        Isa::best(),
+        out,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        context_lens,
+        shape,
+        scale,
+        num_threads,
+    )
+}
+
+/// Instruction sets the kernel is compiled for (wheels target baseline x86-64, whose SSE2 is a
+/// quarter of AVX-512's width and has no fused multiply-add), picked at run time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Isa {
+    Portable,
+    Avx2Fma,
+    Avx512,
+}
+
+impl Isa {
+    /// The widest this CPU runs.
+    pub fn best() -> Isa {
+        [Isa::Avx512, Isa::Avx2Fma].into_iter().find(|isa| isa.is_supported()).unwrap_or(Isa::Portable)
+    }
+
+    pub fn is_supported(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        let fma = std::is_x86_feature_detected!("fma");
+        match self {
+            Isa::Portable => true,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2Fma => fma && std::is_x86_feature_detected!("avx2"),
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => fma && std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("avx512f"),
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => false,
+        }
+    }
+}
+
+/// `paged_decode_attention` with a chosen instruction set (benches and tests compare them); an
+/// instruction set this CPU lacks is an error.
+#[allow(clippy::too_many_arguments)]
+pub fn paged_decode_attention_with<T: CacheElement>(
+    isa: Isa,
+    out: &mut [f32],
+    query: &[f32],
+    key_cache: &[T],
+    value_cache: &[T],
+    block_tables: &[i32],
+    context_lens: &[i32],
+    shape: &DecodeShape,
+    scale: f32,
+    num_threads: usize,
+) -> Result<()> {
+    if !isa.is_supported() {
+        return Err(Error::InvalidConfig { field: "isa", message: format!("this CPU cannot run {isa:?}") });
+    }
     shape.check()?;
     let row = shape.num_heads * shape.head_dim;
     let invalid = |message: String| Err(Error::InvalidConfig { field: "inputs", message });
@@ -109,7 +181,10 @@ pub fn paged_decode_attention<T: CacheElement>(
     for (b, &context) in context_lens.iter().enumerate() {
         let blocks_needed = (context.max(0) as usize).div_ceil(shape.block_size);
         if context < 1 || blocks_needed > shape.table_width {
-            return invalid(format!("context_lens[{b}]={context} must be in 1..={}", shape.table_width * shape.block_size));
+            return invalid(format!(
+                "context_lens[{b}]={context} must be in 1..={}",
+                shape.table_width * shape.block_size
+            ));
         }
         let table = &block_tables[b * shape.table_width..][..blocks_needed];
         if let Some(&block) = table.iter().find(|&&block| block < 0 || block as usize >= shape.num_blocks) {
@@ -119,133 +194,200 @@ pub fn paged_decode_attention<T: CacheElement>(
     if shape.batch == 0 {
         return Ok(());
     }
-    let threads = num_threads.clamp(1, shape.batch);
-    let per_thread = shape.batch.div_ceil(threads).max(1);
-    let run_chunk = |chunk: usize, out_chunk: &mut [f32]| {
+    // Work items are (sequence, kv head) pairs, claimed one at a time from a shared counter:
+    // sequences differ in length, and a spawned thread may share its core with one of torch's
+    // OpenMP workers, which spin for a while after each op. The calling thread works too.
+    let group_width = row / shape.num_kv_heads;
+    let outputs: Vec<Mutex<&mut [f32]>> = out.chunks_mut(group_width).map(Mutex::new).collect();
+    let next_item = AtomicUsize::new(0);
+    let work = || {
         let mut scratch = Vec::new();
-        for (i, out_row) in out_chunk.chunks_mut(row).enumerate() {
-            let b = chunk * per_thread + i;
-            let table = &block_tables[b * shape.table_width..][..shape.table_width];
-            let query_row = &query[b * row..][..row];
-            for kv_head in 0..shape.num_kv_heads {
-                attend(out_row, query_row, key_cache, value_cache, table, context_lens[b] as usize, kv_head, shape, scale, &mut scratch);
-            }
+        loop {
+            let item = next_item.fetch_add(1, Ordering::Relaxed);
+            let Some(output) = outputs.get(item) else {
+                break;
+            };
+            let (b, kv_head) = (item / shape.num_kv_heads, item % shape.num_kv_heads);
+            let inputs = HeadInputs {
+                queries: &query[item * group_width..][..group_width],
+                key_cache,
+                value_cache,
+                table: &block_tables[b * shape.table_width..][..shape.table_width],
+                context: context_lens[b] as usize,
+                kv_head,
+                shape: *shape,
+                scale,
+            };
+            // Each item is claimed once, so its lock is never contended.
+            let mut output = output.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            attend(isa, &mut output, &inputs, &mut scratch);
         }
     };
-    // The calling thread takes the first chunk: one thread fewer to start, and one fewer to
-    // compete for the cores with torch's OpenMP workers, which spin for a while after each op.
-    let mut chunks = out.chunks_mut(per_thread * row).enumerate();
-    let (_, first) = chunks.next().expect("batch > 0 gives at least one chunk");
+    let threads = num_threads.clamp(1, outputs.len());
     std::thread::scope(|scope| {
-        for (chunk, out_chunk) in chunks {
-            scope.spawn(move || run_chunk(chunk, out_chunk));
+        for _ in 1..threads {
+            scope.spawn(work);
         }
-        run_chunk(0, first);
+        work();
     });
     Ok(())
 }
 
-/// One sequence and kv head, compiled for AVX2 + FMA too (wheels target baseline x86-64, whose
-/// SSE2 is half as wide and has no fused multiply-add) and picked at run time.
-#[allow(clippy::too_many_arguments)]
-fn attend<T: CacheElement>(
-    out_row: &mut [f32],
-    query_row: &[f32],
-    key_cache: &[T],
-    value_cache: &[T],
-    table: &[i32],
+/// What one (sequence, kv head) call reads.
+struct HeadInputs<'a, T> {
+    /// The group's query rows, [group, head_dim].
+    queries: &'a [f32],
+    key_cache: &'a [T],
+    value_cache: &'a [T],
+    table: &'a [i32],
     context: usize,
     kv_head: usize,
-    shape: &DecodeShape,
+    shape: DecodeShape,
     scale: f32,
-    scratch: &mut Vec<f32>,
-) {
-    #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-        // SAFETY: the CPU supports AVX2 and FMA (checked just above).
-        unsafe { attend_avx2(out_row, query_row, key_cache, value_cache, table, context, kv_head, shape, scale, scratch) };
-        return;
+}
+
+/// One sequence and kv head on a supported instruction set.
+fn attend<T: CacheElement>(isa: Isa, out: &mut [f32], inputs: &HeadInputs<T>, scratch: &mut Vec<f32>) {
+    match isa {
+        // SAFETY: the caller checked that the CPU supports `isa`.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { attend_avx512(out, inputs, scratch) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2Fma => unsafe { attend_avx2(out, inputs, scratch) },
+        _ => attend_any_dim::<T, PORTABLE>(out, inputs, scratch),
     }
-    attend_portable(out_row, query_row, key_cache, value_cache, table, context, kv_head, shape, scale, scratch);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn attend_avx512<T: CacheElement>(out: &mut [f32], inputs: &HeadInputs<T>, scratch: &mut Vec<f32>) {
+    attend_any_dim::<T, AVX512>(out, inputs, scratch);
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn attend_avx2<T: CacheElement>(
-    out_row: &mut [f32],
-    query_row: &[f32],
-    key_cache: &[T],
-    value_cache: &[T],
-    table: &[i32],
-    context: usize,
-    kv_head: usize,
-    shape: &DecodeShape,
-    scale: f32,
-    scratch: &mut Vec<f32>,
-) {
-    attend_portable(out_row, query_row, key_cache, value_cache, table, context, kv_head, shape, scale, scratch);
+unsafe fn attend_avx2<T: CacheElement>(out: &mut [f32], inputs: &HeadInputs<T>, scratch: &mut Vec<f32>) {
+    attend_any_dim::<T, AVX2>(out, inputs, scratch);
 }
 
-/// Logits for the group's query heads, softmax, weighted V sum.
+/// `Isa` as a const parameter of the shared code.
+const PORTABLE: u8 = 0;
+const AVX2: u8 = 1;
+const AVX512: u8 = 2;
+
+/// The common head dims get their own copy, whose loops unroll and whose accumulators stay in
+/// registers; any other dim runs the same code with the dim read at run time.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn attend_portable<T: CacheElement>(
-    out_row: &mut [f32],
-    query_row: &[f32],
-    key_cache: &[T],
-    value_cache: &[T],
-    table: &[i32],
-    context: usize,
-    kv_head: usize,
-    shape: &DecodeShape,
-    scale: f32,
+fn attend_any_dim<T: CacheElement, const ISA: u8>(out: &mut [f32], inputs: &HeadInputs<T>, scratch: &mut Vec<f32>) {
+    match inputs.shape.head_dim {
+        64 => attend_head::<T, 64, ISA>(out, inputs, scratch),
+        128 => attend_head::<T, 128, ISA>(out, inputs, scratch),
+        _ => attend_head::<T, 0, ISA>(out, inputs, scratch),
+    }
+}
+
+/// Logits for the group's query heads, softmax, weighted V sum. `D` is the head dim, or 0 to
+/// read it from the shape; `ISA` says which instructions the caller enabled.
+#[inline(always)]
+fn attend_head<T: CacheElement, const D: usize, const ISA: u8>(
+    out: &mut [f32],
+    inputs: &HeadInputs<T>,
     scratch: &mut Vec<f32>,
 ) {
-    let dim = shape.head_dim;
-    let group = shape.num_heads / shape.num_kv_heads;
-    let first_head = kv_head * group;
-    let queries = &query_row[first_head * dim..][..group * dim];
-    let blocks = |cache| block_rows(cache, table, context, kv_head, *shape);
+    let dim = if D > 0 { D } else { inputs.shape.head_dim };
+    let context = inputs.context;
+    let group = inputs.shape.num_heads / inputs.shape.num_kv_heads;
+    let blocks = |cache, prefetch| block_rows(cache, inputs.table, context, inputs.kv_head, inputs.shape, prefetch);
     // scratch: the group's logits (then softmax numerators), then their sums.
     scratch.clear();
     scratch.resize(group * context + group, 0.0);
     let (logits, sums) = scratch.split_at_mut(group * context);
-    for (first, rows) in blocks(key_cache) {
+    for (first, rows) in blocks(inputs.key_cache, true) {
         for (offset, key) in rows.chunks_exact(dim).enumerate() {
             for g in 0..group {
-                logits[g * context + first + offset] = dot(&queries[g * dim..][..dim], key) * scale;
+                let query = &inputs.queries[g * dim..][..dim];
+                logits[g * context + first + offset] = dot::<T, ISA>(query, key) * inputs.scale;
             }
         }
     }
     for g in 0..group {
         sums[g] = exp_normalize(&mut logits[g * context..][..context]);
     }
-    let out = &mut out_row[first_head * dim..][..group * dim];
-    out.fill(0.0);
-    for (first, rows) in blocks(value_cache) {
-        for (offset, value) in rows.chunks_exact(dim).enumerate() {
-            for g in 0..group {
-                axpy(&mut out[g * dim..][..dim], logits[g * context + first + offset], value);
+    // One query head at a time, so its accumulator fits in registers; the V rows it re-reads
+    // are in cache.
+    for g in 0..group {
+        let weights = &logits[g * context..][..context];
+        let out = &mut out[g * dim..][..dim];
+        if D > 0 {
+            let mut acc = [0.0f32; D];
+            for (first, rows) in blocks(inputs.value_cache, g == 0) {
+                for (value, &weight) in rows.chunks_exact(D).zip(&weights[first..]) {
+                    for d in 0..D {
+                        acc[d] = fmadd::<ISA>(weight, value[d].to_f32(), acc[d]);
+                    }
+                }
+            }
+            out.copy_from_slice(&acc);
+        } else {
+            out.fill(0.0);
+            for (first, rows) in blocks(inputs.value_cache, g == 0) {
+                for (value, &weight) in rows.chunks_exact(dim).zip(&weights[first..]) {
+                    for (o, v) in out.iter_mut().zip(value) {
+                        *o = fmadd::<ISA>(weight, v.to_f32(), *o);
+                    }
+                }
             }
         }
-    }
-    for g in 0..group {
         let inverse = 1.0 / sums[g];
-        out[g * dim..][..dim].iter_mut().for_each(|x| *x *= inverse);
+        out.iter_mut().for_each(|x| *x *= inverse);
     }
 }
 
 /// The context block by block: (first position, the block's rows of one kv head), so the
-/// loops need no division per position.
+/// loops need no division per position. With `prefetch`, yielding a block asks the CPU to
+/// fetch the next one: blocks lie anywhere in the pool, where its own prefetcher cannot guess.
 #[inline(always)]
-fn block_rows<'a, T>(cache: &'a [T], table: &'a [i32], context: usize, kv_head: usize, shape: DecodeShape) -> impl Iterator<Item = (usize, &'a [T])> + 'a {
+fn block_rows<'a, T>(
+    cache: &'a [T],
+    table: &'a [i32],
+    context: usize,
+    kv_head: usize,
+    shape: DecodeShape,
+    prefetch: bool,
+) -> impl Iterator<Item = (usize, &'a [T])> + 'a {
     let (dim, block_size) = (shape.head_dim, shape.block_size);
     let head_rows = kv_head * block_size * dim;
-    table[..context.div_ceil(block_size)].iter().enumerate().map(move |(i, &block)| {
+    let num_blocks = context.div_ceil(block_size);
+    let rows_of = move |i: usize| {
         let rows = context.min((i + 1) * block_size) - i * block_size;
-        (i * block_size, &cache[block as usize * shape.block_stride + head_rows..][..rows * dim])
+        &cache[table[i] as usize * shape.block_stride + head_rows..][..rows * dim]
+    };
+    if prefetch {
+        (0..PREFETCH_BLOCKS.min(num_blocks)).for_each(|i| prefetch_lines(rows_of(i)));
+    }
+    (0..num_blocks).map(move |i| {
+        if prefetch && i + PREFETCH_BLOCKS < num_blocks {
+            prefetch_lines(rows_of(i + PREFETCH_BLOCKS));
+        }
+        (i * block_size, rows_of(i))
     })
+}
+
+const PREFETCH_BLOCKS: usize = 4;
+
+/// A hint to bring `data` into the cache; no effect on the result.
+#[inline(always)]
+fn prefetch_lines<T>(data: &[T]) {
+    #[cfg(target_arch = "x86_64")]
+    for offset in (0..std::mem::size_of_val(data)).step_by(64) {
+        // SAFETY: SSE is part of x86-64; a prefetch never faults, and the address is in `data`.
+        unsafe {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+            _mm_prefetch::<_MM_HINT_T0>((data.as_ptr() as *const i8).add(offset));
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = data;
 }
 
 /// Replaces logits by exp(logit - max) and returns their sum (a softmax before the division).
@@ -296,9 +438,38 @@ fn exp_nonpositive(x: f32) -> f32 {
     e_r * f32::from_bits(((n as i32 + 127) << 23) as u32)
 }
 
+/// a * b + c, fused where the caller enabled FMA (elsewhere `mul_add` is a slow libm call).
+#[inline(always)]
+fn fmadd<const ISA: u8>(a: f32, b: f32, c: f32) -> f32 {
+    if ISA != PORTABLE {
+        a.mul_add(b, c)
+    } else {
+        a * b + c
+    }
+}
+
+/// a . b, with SIMD intrinsics where the caller enabled them (the compiler's own vectorization
+/// of this reduction falls back to scalar code once the head dim is a constant).
+#[inline(always)]
+fn dot<T: CacheElement, const ISA: u8>(a: &[f32], b: &[T]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: ISA names features the caller's #[target_feature] enabled, and the slices
+        // have equal lengths (asserted above), which bounds every load.
+        if ISA == AVX512 && a.len().is_multiple_of(16) {
+            return unsafe { x86::dot16(a, b) };
+        }
+        if ISA == AVX2 && a.len().is_multiple_of(8) {
+            return unsafe { x86::dot8(a, b) };
+        }
+    }
+    dot_portable(a, b)
+}
+
 /// Dot product in 8 independent lanes, so the compiler can vectorize it.
 #[inline(always)]
-fn dot<T: CacheElement>(a: &[f32], b: &[T]) -> f32 {
+fn dot_portable<T: CacheElement>(a: &[f32], b: &[T]) -> f32 {
     let mut lanes = [0.0f32; 8];
     let (a_chunks, b_chunks) = (a.chunks_exact(8), b.chunks_exact(8));
     let tail: f32 = a_chunks.remainder().iter().zip(b_chunks.remainder()).map(|(x, y)| x * y.to_f32()).sum();
@@ -310,10 +481,64 @@ fn dot<T: CacheElement>(a: &[f32], b: &[T]) -> f32 {
     lanes.iter().sum::<f32>() + tail
 }
 
-#[inline(always)]
-fn axpy<T: CacheElement>(target: &mut [f32], weight: f32, source: &[T]) {
-    for (t, s) in target.iter_mut().zip(source) {
-        *t += weight * s.to_f32();
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use super::CacheElement;
+
+    /// 16 cache elements at `p`, widened to f32 (bf16: zero-extend, shift into the high half).
+    #[inline(always)]
+    unsafe fn load16<T: CacheElement>(p: *const T) -> __m512 {
+        if T::IS_BF16 {
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p as *const __m256i))))
+        } else {
+            _mm512_loadu_ps(p as *const f32)
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn load8<T: CacheElement>(p: *const T) -> __m256 {
+        if T::IS_BF16 {
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i))))
+        } else {
+            _mm256_loadu_ps(p as *const f32)
+        }
+    }
+
+    /// a . b for lengths that are multiples of 16, two accumulators; needs AVX-512F.
+    #[inline(always)]
+    pub unsafe fn dot16<T: CacheElement>(a: &[f32], b: &[T]) -> f32 {
+        let (mut even, mut odd) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+        let mut i = 0;
+        while i + 32 <= a.len() {
+            even = _mm512_fmadd_ps(_mm512_loadu_ps(a.as_ptr().add(i)), load16(b.as_ptr().add(i)), even);
+            odd = _mm512_fmadd_ps(_mm512_loadu_ps(a.as_ptr().add(i + 16)), load16(b.as_ptr().add(i + 16)), odd);
+            i += 32;
+        }
+        if i < a.len() {
+            even = _mm512_fmadd_ps(_mm512_loadu_ps(a.as_ptr().add(i)), load16(b.as_ptr().add(i)), even);
+        }
+        _mm512_reduce_add_ps(_mm512_add_ps(even, odd))
+    }
+
+    /// a . b for lengths that are multiples of 8, two accumulators; needs AVX2 and FMA.
+    #[inline(always)]
+    pub unsafe fn dot8<T: CacheElement>(a: &[f32], b: &[T]) -> f32 {
+        let (mut even, mut odd) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        let mut i = 0;
+        while i + 16 <= a.len() {
+            even = _mm256_fmadd_ps(_mm256_loadu_ps(a.as_ptr().add(i)), load8(b.as_ptr().add(i)), even);
+            odd = _mm256_fmadd_ps(_mm256_loadu_ps(a.as_ptr().add(i + 8)), load8(b.as_ptr().add(i + 8)), odd);
+            i += 16;
+        }
+        if i < a.len() {
+            even = _mm256_fmadd_ps(_mm256_loadu_ps(a.as_ptr().add(i)), load8(b.as_ptr().add(i)), even);
+        }
+        let sum = _mm256_add_ps(even, odd);
+        let quad = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps::<1>(sum));
+        let pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
+        _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)))
     }
 }
 
@@ -322,7 +547,15 @@ mod tests {
     use super::*;
 
     /// Straightforward reference: gather the context, softmax in f64.
-    fn reference(query: &[f32], cache_k: &[f32], cache_v: &[f32], tables: &[i32], contexts: &[i32], shape: &DecodeShape, scale: f32) -> Vec<f32> {
+    fn reference(
+        query: &[f32],
+        cache_k: &[f32],
+        cache_v: &[f32],
+        tables: &[i32],
+        contexts: &[i32],
+        shape: &DecodeShape,
+        scale: f32,
+    ) -> Vec<f32> {
         let (dim, group) = (shape.head_dim, shape.num_heads / shape.num_kv_heads);
         let mut out = vec![0.0f32; shape.batch * shape.num_heads * dim];
         for b in 0..shape.batch {
@@ -330,10 +563,14 @@ mod tests {
                 let kv_head = head / group;
                 let q = &query[(b * shape.num_heads + head) * dim..][..dim];
                 let context = contexts[b] as usize;
-                let offset = |pos: usize| tables[b * shape.table_width + pos / shape.block_size] as usize * shape.block_stride
-                    + (kv_head * shape.block_size + pos % shape.block_size) * dim;
+                let offset = |pos: usize| {
+                    tables[b * shape.table_width + pos / shape.block_size] as usize * shape.block_stride
+                        + (kv_head * shape.block_size + pos % shape.block_size) * dim
+                };
                 let logits: Vec<f64> = (0..context)
-                    .map(|pos| (0..dim).map(|d| q[d] as f64 * cache_k[offset(pos) + d] as f64).sum::<f64>() * scale as f64)
+                    .map(|pos| {
+                        (0..dim).map(|d| q[d] as f64 * cache_k[offset(pos) + d] as f64).sum::<f64>() * scale as f64
+                    })
                     .collect();
                 let max = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                 let weights: Vec<f64> = logits.iter().map(|l| (l - max).exp()).collect();
@@ -359,36 +596,73 @@ mod tests {
 
     #[test]
     fn matches_the_reference_with_gqa_strided_blocks_and_odd_contexts() {
-        for (num_heads, num_kv_heads, head_dim, threads) in [(9, 3, 64, 2), (4, 4, 24, 1), (8, 2, 128, 3)] {
-            let shape = DecodeShape { batch: 4, num_heads, num_kv_heads, head_dim, block_size: 16, num_blocks: 20,
-                block_stride: 3 * num_kv_heads * 16 * head_dim, table_width: 6 };
-            let cache = pseudo_random(shape.num_blocks * shape.block_stride, 1);
-            let value_offset = num_kv_heads * 16 * head_dim; // V follows K inside each block, as in the engine
-            let (keys, values) = (&cache[..], &cache[value_offset..]);
-            let query = pseudo_random(shape.batch * num_heads * head_dim, 2);
-            let tables: Vec<i32> = vec![3, 17, 0, 9, 12, 5, 1, 2, 4, 6, 7, 8, 19, 18, 16, 15, 14, 13, 10, 11, 0, 0, 0, 0];
-            let contexts = [1, 17, 96, 40];
-            let mut out = vec![f32::NAN; shape.batch * num_heads * head_dim];
-            paged_decode_attention(&mut out, &query, keys, values, &tables, &contexts, &shape, 0.125, threads).unwrap();
-            let expected = reference(&query, keys, values, &tables, &contexts, &shape, 0.125);
-            for (got, want) in out.iter().zip(&expected) {
-                assert!((got - want).abs() < 1e-4, "{got} vs {want}");
+        let isas = [Isa::Portable, Isa::Avx2Fma, Isa::Avx512].into_iter().filter(|isa| isa.is_supported());
+        for isa in isas {
+            for (num_heads, num_kv_heads, head_dim, threads) in
+                [(9, 3, 64, 2), (4, 4, 24, 1), (8, 2, 128, 3), (2, 1, 80, 2)]
+            {
+                let shape = DecodeShape {
+                    batch: 4,
+                    num_heads,
+                    num_kv_heads,
+                    head_dim,
+                    block_size: 16,
+                    num_blocks: 20,
+                    block_stride: 3 * num_kv_heads * 16 * head_dim,
+                    table_width: 6,
+                };
+                let cache = pseudo_random(shape.num_blocks * shape.block_stride, 1);
+                let value_offset = num_kv_heads * 16 * head_dim; // V follows K inside each block, as in the engine
+                let (keys, values) = (&cache[..], &cache[value_offset..]);
+                let query = pseudo_random(shape.batch * num_heads * head_dim, 2);
+                let tables: Vec<i32> =
+                    vec![3, 17, 0, 9, 12, 5, 1, 2, 4, 6, 7, 8, 19, 18, 16, 15, 14, 13, 10, 11, 0, 0, 0, 0];
+                let contexts = [1, 17, 96, 40];
+                let mut out = vec![f32::NAN; shape.batch * num_heads * head_dim];
+                paged_decode_attention_with(
+                    isa, &mut out, &query, keys, values, &tables, &contexts, &shape, 0.125, threads,
+                )
+                .unwrap();
+                let expected = reference(&query, keys, values, &tables, &contexts, &shape, 0.125);
+                for (got, want) in out.iter().zip(&expected) {
+                    assert!((got - want).abs() < 1e-4, "{isa:?} head dim {head_dim}: {got} vs {want}");
+                }
             }
         }
     }
 
     #[test]
     fn bfloat16_caches_match_the_reference_on_their_widened_values() {
-        let shape = DecodeShape { batch: 3, num_heads: 9, num_kv_heads: 3, head_dim: 64, block_size: 16, num_blocks: 12,
-            block_stride: 2 * 3 * 16 * 64, table_width: 4 };
-        let cache: Vec<Bf16> = pseudo_random(shape.num_blocks * shape.block_stride, 3).into_iter().map(Bf16::from_f32).collect();
+        let shape = DecodeShape {
+            batch: 3,
+            num_heads: 9,
+            num_kv_heads: 3,
+            head_dim: 64,
+            block_size: 16,
+            num_blocks: 12,
+            block_stride: 2 * 3 * 16 * 64,
+            table_width: 4,
+        };
+        let cache: Vec<Bf16> =
+            pseudo_random(shape.num_blocks * shape.block_stride, 3).into_iter().map(Bf16::from_f32).collect();
         let widened: Vec<f32> = cache.iter().map(|x| x.to_f32()).collect();
         let value_offset = 3 * 16 * 64;
         let query = pseudo_random(shape.batch * 9 * 64, 4);
         let tables = [7, 2, 11, 0, 5, 4, 0, 0, 1, 3, 6, 8];
         let contexts = [50, 17, 64];
         let mut out = vec![f32::NAN; query.len()];
-        paged_decode_attention(&mut out, &query, &cache[..], &cache[value_offset..], &tables, &contexts, &shape, 0.125, 2).unwrap();
+        paged_decode_attention(
+            &mut out,
+            &query,
+            &cache[..],
+            &cache[value_offset..],
+            &tables,
+            &contexts,
+            &shape,
+            0.125,
+            2,
+        )
+        .unwrap();
         let expected = reference(&query, &widened, &widened[value_offset..], &tables, &contexts, &shape, 0.125);
         for (got, want) in out.iter().zip(&expected) {
             assert!((got - want).abs() < 1e-4, "{got} vs {want}");
@@ -424,8 +698,16 @@ mod tests {
 
     #[test]
     fn bad_inputs_are_errors_not_panics() {
-        let shape = DecodeShape { batch: 1, num_heads: 2, num_kv_heads: 1, head_dim: 8, block_size: 4, num_blocks: 2,
-            block_stride: 32, table_width: 2 };
+        let shape = DecodeShape {
+            batch: 1,
+            num_heads: 2,
+            num_kv_heads: 1,
+            head_dim: 8,
+            block_size: 4,
+            num_blocks: 2,
+            block_stride: 32,
+            table_width: 2,
+        };
         let cache = vec![0.0; 64];
         let query = vec![0.0; 16];
         let mut out = vec![0.0; 16];

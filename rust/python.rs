@@ -420,8 +420,9 @@ impl BlockManager {
         enable_prefix_caching: bool,
         watermark: f64,
     ) -> PyResult<Self> {
-        let inner =
-            call(|| RustBlockManager::new(num_device_blocks, num_cpu_blocks, block_size, enable_prefix_caching, watermark))?;
+        let inner = call(|| {
+            RustBlockManager::new(num_device_blocks, num_cpu_blocks, block_size, enable_prefix_caching, watermark)
+        })?;
         Ok(BlockManager { inner })
     }
 
@@ -539,7 +540,8 @@ fn paged_decode_attention_cpu(
     cache_dtype: &str,
 ) -> PyResult<()> {
     let (batch, num_heads, num_kv_heads, head_dim, block_size, num_blocks, block_stride, table_width) = shape;
-    let shape = DecodeShape { batch, num_heads, num_kv_heads, head_dim, block_size, num_blocks, block_stride, table_width };
+    let shape =
+        DecodeShape { batch, num_heads, num_kv_heads, head_dim, block_size, num_blocks, block_stride, table_width };
     let pointers = (out, query, key_cache, value_cache, block_tables, context_lens);
     match cache_dtype {
         "float32" => py.detach(|| call(|| decode_from_pointers::<f32>(pointers, &shape, scale, num_threads))),
