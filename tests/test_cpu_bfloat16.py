@@ -8,10 +8,12 @@ attention bug is no near-tie: dropping one cached token from each decode step pu
 1-15 nats below the best on most of these prompts; correct bf16 stays within ~0.3.
 """
 
+import pytest
 import torch
 
 import pagedkv.attention.cpu as cpu_attention
-from pagedkv import LLM, SamplingParams
+import pagedkv.config
+from pagedkv import LLM, EngineConfig, SamplingParams
 
 PROMPTS = [
     "Hello",
@@ -45,3 +47,21 @@ def test_bfloat16_engine_chooses_what_the_float32_model_would(smollm2_hf_model, 
         log_probs = logits[len(prompt) - 1 : len(prompt) - 1 + len(generated)].log_softmax(-1)
         margins = log_probs.max(-1).values - log_probs[torch.arange(len(generated)), torch.tensor(generated)]
         assert margins.max().item() < MAX_MARGIN_NATS, (output.outputs[0].text, margins.tolist())
+
+
+@pytest.mark.parametrize(
+    "flags,native",
+    [("fpu avx2 avx512f avx512_bf16 avx512_vnni", True), ("fpu avx2 amx_tile amx_bf16", True), ("fpu avx2 avx512f", False)],
+)
+def test_native_bfloat16_is_read_from_the_cpu_flags(tmp_path, flags, native):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: {flags}\n\n")
+    assert pagedkv.config.cpu_has_native_bfloat16(str(cpuinfo)) is native
+    assert pagedkv.config.cpu_has_native_bfloat16(str(tmp_path / "missing")) is False
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_dtype_is_bfloat16_only_where_the_cpu_has_it(monkeypatch, native):
+    monkeypatch.setattr(pagedkv.config, "cpu_has_native_bfloat16", lambda: native)
+    assert EngineConfig().torch_dtype() == (torch.bfloat16 if native else torch.float32)
+    assert EngineConfig(dtype="float32").torch_dtype() == torch.float32

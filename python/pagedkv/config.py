@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -22,7 +23,8 @@ class EngineConfig:
     tokenizer: Optional[str] = None
     """Tokenizer dir or .gguf file, when it is not next to the weights."""
     dtype: str = "auto"
-    """Weights and KV dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, float16, bfloat16."""
+    """Weights and KV dtype: auto, float32, float16, bfloat16. auto is bfloat16 on CUDA and on CPUs
+    with native bfloat16 math (AVX512-BF16 or AMX, where it runs ~2x faster), else float32."""
     device: str = "cpu"
     """cpu or cuda."""
     block_size: int = 16
@@ -95,5 +97,19 @@ class EngineConfig:
         import torch
 
         if self.dtype == "auto":
-            return torch.bfloat16 if self.is_cuda else torch.float32
+            return torch.bfloat16 if self.is_cuda or cpu_has_native_bfloat16() else torch.float32
         return getattr(torch, self.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_has_native_bfloat16(cpuinfo_path: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU has bfloat16 dot-product instructions (x86 AVX512-BF16 or AMX-BF16, read
+    from /proc/cpuinfo). Elsewhere torch emulates bfloat16 matmuls, slower than float32 ones."""
+    try:
+        with open(cpuinfo_path) as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("flags"):
+                    return bool({"avx512_bf16", "amx_bf16"} & set(line.partition(":")[2].split()))
+    except OSError:
+        pass
+    return False
