@@ -32,10 +32,16 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", (emb.cos() * scaling).to(dtype), persistent=False)
         self.register_buffer("sin", (emb.sin() * scaling).to(dtype), persistent=False)
 
-    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1)
-        return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), each [T, 1, D], for these positions: looked up once per forward pass and
+        shared by every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rotary(cos_sin: tuple[torch.Tensor, torch.Tensor], query: torch.Tensor, key: torch.Tensor):
+    """Rotates query [T, Hq, D] and key [T, Hkv, D] by the (cos, sin) of their positions."""
+    cos, sin = cos_sin
+    return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

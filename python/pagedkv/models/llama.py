@@ -12,7 +12,7 @@ from torch import nn
 
 from pagedkv.attention.metadata import AttentionMetadata
 from pagedkv.layers.rms_norm import RMSNorm
-from pagedkv.layers.rotary_embedding import RotaryEmbedding
+from pagedkv.layers.rotary_embedding import RotaryEmbedding, apply_rotary
 
 
 class LlamaAttention(nn.Module):
@@ -29,13 +29,13 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(hf_config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(self.q_size, hf_config.hidden_size, bias=False)
 
-    def forward(self, hidden, positions, rotary, metadata: AttentionMetadata, kv_cache, backend):
+    def forward(self, hidden, cos_sin, metadata: AttentionMetadata, kv_cache, backend):
         num_tokens = hidden.shape[0]
         query, key, value = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         query = query.view(num_tokens, self.num_heads, self.head_dim)
         key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
         value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
-        query, key = rotary(positions, query, key)
+        query, key = apply_rotary(cos_sin, query, key)
         key_cache, value_cache = kv_cache.layer(self.layer_index)
         backend.write_kv(key_cache, value_cache, key, value, metadata.slot_mapping)
         out = backend.forward(query, key_cache, value_cache, metadata, self.scale)
@@ -62,8 +62,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.mlp = LlamaMLP(hf_config)
 
-    def forward(self, hidden, positions, rotary, metadata, kv_cache, backend):
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, rotary, metadata, kv_cache, backend)
+    def forward(self, hidden, cos_sin, metadata, kv_cache, backend):
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos_sin, metadata, kv_cache, backend)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -83,8 +83,9 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids, positions, metadata: AttentionMetadata, kv_cache, backend) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        cos_sin = self.rotary(positions)
         for layer in self.layers:
-            hidden = layer(hidden, positions, self.rotary, metadata, kv_cache, backend)
+            hidden = layer(hidden, cos_sin, metadata, kv_cache, backend)
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
