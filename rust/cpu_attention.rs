@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 use crate::errors::{Error, Result};
+use crate::openmp_team::run_on_team;
 
 /// An element type of the K/V cache, widened to f32 as it is read.
 pub trait CacheElement: Copy + Send + Sync {
@@ -194,9 +195,8 @@ pub fn paged_decode_attention_with<T: CacheElement>(
     if shape.batch == 0 {
         return Ok(());
     }
-    // Work items are (sequence, kv head) pairs, claimed one at a time from a shared counter:
-    // sequences differ in length, and a spawned thread may share its core with one of torch's
-    // OpenMP workers, which spin for a while after each op. The calling thread works too.
+    // Work items are (sequence, kv head) pairs, claimed one at a time from a shared counter, as
+    // sequences differ in length; the threads are torch's OpenMP team where there is one.
     let group_width = row / shape.num_kv_heads;
     let outputs: Vec<Mutex<&mut [f32]>> = out.chunks_mut(group_width).map(Mutex::new).collect();
     let next_item = AtomicUsize::new(0);
@@ -223,13 +223,7 @@ pub fn paged_decode_attention_with<T: CacheElement>(
             attend(isa, &mut output, &inputs, &mut scratch);
         }
     };
-    let threads = num_threads.clamp(1, outputs.len());
-    std::thread::scope(|scope| {
-        for _ in 1..threads {
-            scope.spawn(work);
-        }
-        work();
-    });
+    run_on_team(num_threads.clamp(1, outputs.len()), &work);
     Ok(())
 }
 

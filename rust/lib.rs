@@ -8,6 +8,7 @@ pub mod block_table;
 pub mod config;
 pub mod cpu_attention;
 pub mod errors;
+pub mod openmp_team;
 pub mod prefix_cache;
 pub mod preemption;
 pub mod scheduler;
