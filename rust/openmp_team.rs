@@ -15,24 +15,56 @@ type GompParallel = unsafe extern "C" fn(extern "C" fn(*mut c_void), *mut c_void
 /// libgomp's `GOMP_parallel`, if this process has libgomp loaded (never loads it).
 #[cfg(target_os = "linux")]
 fn gomp_parallel() -> Option<GompParallel> {
+    use std::ffi::{c_char, c_int, CStr, CString};
+
+    const RTLD_LAZY: c_int = 0x1;
+    const RTLD_NOLOAD: c_int = 0x4;
+    /// The start of glibc's `struct dl_phdr_info`: all we read.
+    #[repr(C)]
+    struct LoadedObject {
+        address: usize,
+        name: *const c_char,
+    }
+    extern "C" {
+        fn dlopen(filename: *const c_char, flags: c_int) -> *mut c_void;
+        fn dlsym(handle: *mut c_void, symbol: *const c_char) -> *mut c_void;
+        fn dl_iterate_phdr(
+            callback: extern "C" fn(*mut LoadedObject, usize, *mut c_void) -> c_int,
+            data: *mut c_void,
+        ) -> c_int;
+    }
+    /// Collects the paths of loaded objects named libgomp*, such as torch's (whose file name
+    /// some wheels give a hash suffix).
+    extern "C" fn collect_libgomp(object: *mut LoadedObject, _size: usize, data: *mut c_void) -> c_int {
+        // SAFETY: glibc passes a valid dl_phdr_info whose name is a NUL-terminated string (or
+        // null), and `data` is the Vec that `gomp_parallel` passed in.
+        unsafe {
+            let name = (*object).name;
+            if !name.is_null() {
+                let path = CStr::from_ptr(name);
+                let file = path.to_bytes().rsplit(|&byte| byte == b'/').next().unwrap_or_default();
+                if file.starts_with(b"libgomp") {
+                    (*(data as *mut Vec<CString>)).push(path.to_owned());
+                }
+            }
+        }
+        0
+    }
+
     static FOUND: OnceLock<Option<GompParallel>> = OnceLock::new();
     *FOUND.get_or_init(|| {
-        const RTLD_LAZY: i32 = 0x1;
-        const RTLD_NOLOAD: i32 = 0x4;
-        extern "C" {
-            fn dlopen(filename: *const std::ffi::c_char, flags: i32) -> *mut c_void;
-            fn dlsym(handle: *mut c_void, symbol: *const std::ffi::c_char) -> *mut c_void;
-        }
-        // SAFETY: plain libc calls with NUL-terminated names; RTLD_NOLOAD only looks up an
-        // already loaded library, and a non-null GOMP_parallel has the signature above (the
-        // GCC OpenMP ABI).
+        let mut paths: Vec<CString> = Vec::new();
+        // SAFETY: the callback only appends to `paths`, which outlives the call; RTLD_NOLOAD
+        // only looks up an already loaded library, and a non-null GOMP_parallel has the
+        // signature above (the GCC OpenMP ABI).
         unsafe {
-            let handle = dlopen(c"libgomp.so.1".as_ptr(), RTLD_LAZY | RTLD_NOLOAD);
-            if handle.is_null() {
-                return None;
-            }
-            let symbol = dlsym(handle, c"GOMP_parallel".as_ptr());
-            (!symbol.is_null()).then(|| std::mem::transmute::<*mut c_void, GompParallel>(symbol))
+            dl_iterate_phdr(collect_libgomp, &mut paths as *mut Vec<CString> as *mut c_void);
+            paths.iter().find_map(|path| {
+                let handle = dlopen(path.as_ptr(), RTLD_LAZY | RTLD_NOLOAD);
+                let symbol =
+                    if handle.is_null() { std::ptr::null_mut() } else { dlsym(handle, c"GOMP_parallel".as_ptr()) };
+                (!symbol.is_null()).then(|| std::mem::transmute::<*mut c_void, GompParallel>(symbol))
+            })
         }
     })
 }
@@ -40,6 +72,11 @@ fn gomp_parallel() -> Option<GompParallel> {
 #[cfg(not(target_os = "linux"))]
 fn gomp_parallel() -> Option<GompParallel> {
     None
+}
+
+/// Whether `run_on_team` hands work to an OpenMP team (else it starts threads).
+pub fn is_available() -> bool {
+    gomp_parallel().is_some()
 }
 
 /// Calls `work` on `threads` threads (the caller among them) and returns when all are done.

@@ -8,7 +8,7 @@ use pyo3::types::PyDict;
 use crate::block_manager::BlockManager as RustBlockManager;
 use crate::block_pool::Device;
 use crate::config::SchedulerConfig as RustSchedulerConfig;
-use crate::cpu_attention::{paged_decode_attention, Bf16, CacheElement, DecodeShape};
+use crate::cpu_attention::{paged_decode_attention, Bf16, CacheElement, DecodeShape, Isa};
 use crate::errors::Error;
 use crate::preemption::{CostModel, PreemptionMode};
 use crate::scheduler::{
@@ -576,6 +576,12 @@ fn decode_from_pointers<T: CacheElement>(
     paged_decode_attention(out, query, keys, values, tables, contexts, shape, scale, num_threads)
 }
 
+/// (instruction set, runs on an OpenMP team) of the CPU decode attention in this process.
+#[pyfunction]
+fn cpu_attention_build() -> (String, bool) {
+    (format!("{:?}", Isa::best()), crate::openmp_team::is_available())
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<SchedulerConfig>()?;
@@ -584,6 +590,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Scheduler>()?;
     m.add_class::<BlockManager>()?;
     m.add_function(wrap_pyfunction!(paged_decode_attention_cpu, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_attention_build, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -51,3 +51,18 @@ def test_bad_tables_raise_instead_of_reading_out_of_bounds():
 def test_auto_backend_on_cpu_is_the_rust_decode_backend():
     assert isinstance(get_backend("auto", "cpu"), CpuAttentionBackend)
     assert get_backend("torch", "cpu").name == "torch"
+
+
+def test_decode_runs_on_torchs_openmp_team_where_torch_uses_libgomp():
+    """Linux torch wheels bring libgomp: the kernel must find that team (threads of its own
+    would share the cores with torch's spinning workers, at half speed)."""
+    import pathlib
+    import sys
+
+    from pagedkv import _core
+
+    isa, on_openmp_team = _core.cpu_attention_build()
+    assert isa in ("Avx512", "Avx2Fma", "Portable")
+    torch_has_libgomp = any(pathlib.Path(torch.__file__).parent.joinpath("lib").glob("libgomp*.so*"))
+    if sys.platform == "linux" and torch_has_libgomp:
+        assert on_openmp_team

@@ -191,3 +191,7 @@ def paged_decode_attention_cpu(
     caches of `cache_dtype`; shape is (batch, num_heads, num_kv_heads, head_dim, block_size,
     num_blocks, block_stride, table_width). Internal: use
     `pagedkv.attention.cpu.paged_decode_attention`, which checks the tensors."""
+
+def cpu_attention_build() -> tuple[str, bool]:
+    """(instruction set, runs on an OpenMP team) of the CPU decode attention in this process:
+    "Avx512", "Avx2Fma" or "Portable"; True when torch's libgomp team runs it."""

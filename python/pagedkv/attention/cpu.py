@@ -8,12 +8,16 @@ prefill chunks, and float16 caches, go through the torch reference.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from pagedkv import _core
 from pagedkv.attention.metadata import AttentionMetadata
 from pagedkv.attention.torch_ref import TorchRefBackend, _decode_batch, paged_attention_ref
 
+
+logger = logging.getLogger("pagedkv.attention")
 
 CACHE_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
@@ -57,6 +61,11 @@ def _decode(query, key_cache, value_cache, block_tables, context_lens, max_conte
 
 class CpuAttentionBackend(TorchRefBackend):
     name = "cpu"
+
+    def __init__(self):
+        isa, on_openmp_team = _core.cpu_attention_build()
+        threads = "torch's OpenMP team" if on_openmp_team else "threads of its own"
+        logger.info("CPU decode attention: %s build, %d threads on %s", isa, torch.get_num_threads(), threads)
 
     def forward(self, query, key_cache, value_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
         return paged_attention_ref(query, key_cache, value_cache, metadata, scale, decode=_decode)
