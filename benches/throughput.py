@@ -2,7 +2,7 @@
 `generate` (static padded batches) and HF `generate_batch` (continuous batching, paged), same
 model, dtype and threads, in one run. Prints one table.
 
-    python benches/throughput.py                    # 64 prompts x 128 tokens on the CPU
+    python benches/throughput.py                    # 64 prompts x 128 tokens on the CPU, engine's default dtype
     python benches/throughput.py --device cuda --dtype bfloat16    # adds pagedkv with CUDA graphs
 """
 
@@ -120,7 +120,7 @@ def main(argv=None) -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dtype", default="auto", help="auto (the engine's default for the device), float32, bfloat16, ...")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--skip-hf", action="store_true", help="only pagedkv")
     parser.add_argument("--kv-cache-gib", type=float, default=1.0,
@@ -128,6 +128,10 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.dtype == "auto":  # HF needs a concrete dtype: the one the engine picks
+        from pagedkv import EngineConfig
+
+        args.dtype = str(EngineConfig(device=args.device).torch_dtype()).removeprefix("torch.")
     dtype = getattr(torch, args.dtype)
 
     from transformers import AutoTokenizer
