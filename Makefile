@@ -23,6 +23,7 @@ test-python:
 bench: setup
 	cargo bench --bench scheduler --bench cpu_attention
 	$(PYTHON) benches/scheduler_py.py
+	$(PYTHON) benches/cpu_layers.py
 
 serve: setup
 	$(PYTHON) -m pagedkv.cli serve

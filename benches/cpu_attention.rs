@@ -8,7 +8,8 @@
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use pagedkv::cpu_attention::{paged_decode_attention_with, Bf16, CacheElement, DecodeShape, Isa};
+use pagedkv::cpu_attention::{paged_decode_attention_with, DecodeShape};
+use pagedkv::cpu_simd::{Bf16, Element, Isa};
 
 const BATCH: usize = 64;
 const NUM_HEADS: usize = 9;
@@ -72,7 +73,7 @@ struct Inputs<'a> {
 }
 
 impl Inputs<'_> {
-    fn run<T: CacheElement>(&self, isa: Isa, out: &mut [f32], keys: &[T], values: &[T]) {
+    fn run<T: Element>(&self, isa: Isa, out: &mut [f32], keys: &[T], values: &[T]) {
         let Inputs { query, tables, contexts, shape } = self;
         paged_decode_attention_with(isa, out, query, keys, values, tables, contexts, shape, 0.125, 2).unwrap();
         black_box(out);

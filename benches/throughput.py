@@ -4,6 +4,7 @@ model, dtype and threads, in one run. Prints one table.
 
     python benches/throughput.py                    # 64 prompts x 128 tokens on the CPU, engine's default dtype
     python benches/throughput.py --device cuda --dtype bfloat16    # adds pagedkv with CUDA graphs
+    python benches/throughput.py --skip-hf --unfused-baseline       # fused CPU layers vs torch's ops
 """
 
 from __future__ import annotations
@@ -68,6 +69,17 @@ def run_pagedkv(prompts, max_tokens, device, dtype, kv_cache_bytes=None, **optio
     return generated, elapsed, extra
 
 
+def run_pagedkv_unfused(*args, **options):
+    """pagedkv with torch's own elementwise ops instead of the CPU's fused layers (the baseline)."""
+    from pagedkv.layers import cpu_fused
+
+    cpu_fused.enabled = False
+    try:
+        return run_pagedkv(*args, **options)
+    finally:
+        cpu_fused.enabled = True
+
+
 def load_hf(device, dtype):
     from transformers import AutoModelForCausalLM
 
@@ -123,6 +135,8 @@ def main(argv=None) -> None:
     parser.add_argument("--dtype", default="auto", help="auto (the engine's default for the device), float32, bfloat16, ...")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--skip-hf", action="store_true", help="only pagedkv")
+    parser.add_argument("--unfused-baseline", action="store_true",
+                        help="on the CPU, also run pagedkv with torch's unfused norm/activation/rotary ops")
     parser.add_argument("--kv-cache-gib", type=float, default=1.0,
                         help="pagedkv's KV budget on the CPU (GiB; the GPU default is 90%% of free memory)")
     args = parser.parse_args(argv)
@@ -142,6 +156,8 @@ def main(argv=None) -> None:
     rows = [("pagedkv", *run_pagedkv(prompts, args.max_tokens, args.device, args.dtype, kv_cache_bytes))]
     if args.device.startswith("cuda"):
         rows.append(("pagedkv, CUDA graphs", *run_pagedkv(prompts, args.max_tokens, args.device, args.dtype, enforce_eager=False)))
+    if args.unfused_baseline and args.device == "cpu":
+        rows.append(("pagedkv, unfused torch layers", *run_pagedkv_unfused(prompts, args.max_tokens, args.device, args.dtype, kv_cache_bytes)))
     if not args.skip_hf:
         model = load_hf(args.device, dtype)
         rows.append(("HF generate", *run_hf_generate(model, prompts, args.max_tokens, args.device)))

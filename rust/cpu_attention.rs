@@ -6,47 +6,9 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
+use crate::cpu_simd::{exp_nonpositive, Element, Isa};
 use crate::errors::{Error, Result};
 use crate::openmp_team::run_on_team;
-
-/// An element type of the K/V cache, widened to f32 as it is read.
-pub trait CacheElement: Copy + Send + Sync {
-    /// bfloat16 (else float32): picks the SIMD load that widens it.
-    const IS_BF16: bool;
-    fn to_f32(self) -> f32;
-}
-
-impl CacheElement for f32 {
-    const IS_BF16: bool = false;
-    #[inline(always)]
-    fn to_f32(self) -> f32 {
-        self
-    }
-}
-
-/// A bfloat16 value: the upper 16 bits of an f32 (torch.bfloat16's layout).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[repr(transparent)]
-pub struct Bf16(pub u16);
-
-impl Bf16 {
-    /// Rounds to nearest even, as torch does (NaN stays NaN).
-    pub fn from_f32(value: f32) -> Self {
-        let bits = value.to_bits();
-        if value.is_nan() {
-            return Bf16(((bits >> 16) | 0x40) as u16);
-        }
-        Bf16(((bits + 0x7fff + ((bits >> 16) & 1)) >> 16) as u16)
-    }
-}
-
-impl CacheElement for Bf16 {
-    const IS_BF16: bool = true;
-    #[inline(always)]
-    fn to_f32(self) -> f32 {
-        f32::from_bits((self.0 as u32) << 16)
-    }
-}
 
 /// Shapes and strides of one call. Caches are per-layer views `[num_blocks, num_kv_heads,
 /// block_size, head_dim]` whose blocks are `block_stride` elements apart (the block-major cache
@@ -94,7 +56,7 @@ impl DecodeShape {
 /// out[b, h] = softmax(scale * q[b, h] . K_b) V_b over the first context_lens[b] tokens of
 /// sequence b, split over `num_threads` threads by sequence.
 #[allow(clippy::too_many_arguments)]
-pub fn paged_decode_attention<T: CacheElement>(
+pub fn paged_decode_attention<T: Element>(
     out: &mut [f32],
     query: &[f32],
     key_cache: &[T],
@@ -119,40 +81,10 @@ pub fn paged_decode_attention<T: CacheElement>(
     )
 }
 
-/// Instruction sets the kernel is compiled for (wheels target baseline x86-64, whose SSE2 is a
-/// quarter of AVX-512's width and has no fused multiply-add), picked at run time.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Isa {
-    Portable,
-    Avx2Fma,
-    Avx512,
-}
-
-impl Isa {
-    /// The widest this CPU runs.
-    pub fn best() -> Isa {
-        [Isa::Avx512, Isa::Avx2Fma].into_iter().find(|isa| isa.is_supported()).unwrap_or(Isa::Portable)
-    }
-
-    pub fn is_supported(self) -> bool {
-        #[cfg(target_arch = "x86_64")]
-        let fma = std::is_x86_feature_detected!("fma");
-        match self {
-            Isa::Portable => true,
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx2Fma => fma && std::is_x86_feature_detected!("avx2"),
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => fma && std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("avx512f"),
-            #[cfg(not(target_arch = "x86_64"))]
-            _ => false,
-        }
-    }
-}
-
 /// `paged_decode_attention` with a chosen instruction set (benches and tests compare them); an
 /// instruction set this CPU lacks is an error.
 #[allow(clippy::too_many_arguments)]
-pub fn paged_decode_attention_with<T: CacheElement>(
+pub fn paged_decode_attention_with<T: Element>(
     isa: Isa,
     out: &mut [f32],
     query: &[f32],
@@ -241,7 +173,7 @@ struct HeadInputs<'a, T> {
 }
 
 /// One sequence and kv head on a supported instruction set.
-fn attend<T: CacheElement>(isa: Isa, out: &mut [f32], inputs: &HeadInputs<T>, scratch: &mut Vec<f32>) {
+fn attend<T: Element>(isa: Isa, out: &mut [f32], inputs: &HeadInputs<T>, scratch: &mut Vec<f32>) {
     match isa {
         // SAFETY: the caller checked that the CPU supports `isa`.
         #[cfg(target_arch = "x86_64")]
@@ -254,13 +186,13 @@ fn attend<T: CacheElement>(isa: Isa, out: &mut [f32], inputs: &HeadInputs<T>, sc
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma")]
-unsafe fn attend_avx512<T: CacheElement>(out: &mut [f32], inputs: &HeadInputs<T>, scratch: &mut Vec<f32>) {
+unsafe fn attend_avx512<T: Element>(out: &mut [f32], inputs: &HeadInputs<T>, scratch: &mut Vec<f32>) {
     attend_any_dim::<T, AVX512>(out, inputs, scratch);
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn attend_avx2<T: CacheElement>(out: &mut [f32], inputs: &HeadInputs<T>, scratch: &mut Vec<f32>) {
+unsafe fn attend_avx2<T: Element>(out: &mut [f32], inputs: &HeadInputs<T>, scratch: &mut Vec<f32>) {
     attend_any_dim::<T, AVX2>(out, inputs, scratch);
 }
 
@@ -272,7 +204,7 @@ const AVX512: u8 = 2;
 /// The common head dims get their own copy, whose loops unroll and whose accumulators stay in
 /// registers; any other dim runs the same code with the dim read at run time.
 #[inline(always)]
-fn attend_any_dim<T: CacheElement, const ISA: u8>(out: &mut [f32], inputs: &HeadInputs<T>, scratch: &mut Vec<f32>) {
+fn attend_any_dim<T: Element, const ISA: u8>(out: &mut [f32], inputs: &HeadInputs<T>, scratch: &mut Vec<f32>) {
     match inputs.shape.head_dim {
         64 => attend_head::<T, 64, ISA>(out, inputs, scratch),
         128 => attend_head::<T, 128, ISA>(out, inputs, scratch),
@@ -283,7 +215,7 @@ fn attend_any_dim<T: CacheElement, const ISA: u8>(out: &mut [f32], inputs: &Head
 /// Logits for the group's query heads, softmax, weighted V sum. `D` is the head dim, or 0 to
 /// read it from the shape; `ISA` says which instructions the caller enabled.
 #[inline(always)]
-fn attend_head<T: CacheElement, const D: usize, const ISA: u8>(
+fn attend_head<T: Element, const D: usize, const ISA: u8>(
     out: &mut [f32],
     inputs: &HeadInputs<T>,
     scratch: &mut Vec<f32>,
@@ -411,27 +343,6 @@ fn exp_normalize(logits: &mut [f32]) -> f32 {
     sum
 }
 
-/// e^x for x <= 0 in straight-line code the compiler vectorizes (libm's expf is a call per
-/// element): x = n ln2 + r with |r| <= ln2/2, e^r by Cephes' degree-6 polynomial (relative
-/// error ~1e-7, as expf), times 2^n built in the exponent bits. Below -87 it returns e^-87
-/// (~1.6e-38: nothing next to the max logit's 1, and 2^n stays a normal float).
-#[inline(always)]
-fn exp_nonpositive(x: f32) -> f32 {
-    const LN2_HI: f32 = 0.693_359_4;
-    const LN2_LO: f32 = -2.121_944_4e-4;
-    let x = x.max(-87.0);
-    let n = (x * std::f32::consts::LOG2_E + 0.5).floor();
-    let r = x - n * LN2_HI - n * LN2_LO;
-    let mut p = 1.987_569_1e-4f32;
-    p = p * r + 1.398_199_9e-3;
-    p = p * r + 8.333_452e-3;
-    p = p * r + 4.166_579_6e-2;
-    p = p * r + 1.666_666_5e-1;
-    p = p * r + 0.5;
-    let e_r = p * r * r + r + 1.0;
-    e_r * f32::from_bits(((n as i32 + 127) << 23) as u32)
-}
-
 /// a * b + c, fused where the caller enabled FMA (elsewhere `mul_add` is a slow libm call).
 #[inline(always)]
 fn fmadd<const ISA: u8>(a: f32, b: f32, c: f32) -> f32 {
@@ -445,7 +356,7 @@ fn fmadd<const ISA: u8>(a: f32, b: f32, c: f32) -> f32 {
 /// a . b, with SIMD intrinsics where the caller enabled them (the compiler's own vectorization
 /// of this reduction falls back to scalar code once the head dim is a constant).
 #[inline(always)]
-fn dot<T: CacheElement, const ISA: u8>(a: &[f32], b: &[T]) -> f32 {
+fn dot<T: Element, const ISA: u8>(a: &[f32], b: &[T]) -> f32 {
     assert_eq!(a.len(), b.len());
     #[cfg(target_arch = "x86_64")]
     {
@@ -463,7 +374,7 @@ fn dot<T: CacheElement, const ISA: u8>(a: &[f32], b: &[T]) -> f32 {
 
 /// Dot product in 8 independent lanes, so the compiler can vectorize it.
 #[inline(always)]
-fn dot_portable<T: CacheElement>(a: &[f32], b: &[T]) -> f32 {
+fn dot_portable<T: Element>(a: &[f32], b: &[T]) -> f32 {
     let mut lanes = [0.0f32; 8];
     let (a_chunks, b_chunks) = (a.chunks_exact(8), b.chunks_exact(8));
     let tail: f32 = a_chunks.remainder().iter().zip(b_chunks.remainder()).map(|(x, y)| x * y.to_f32()).sum();
@@ -479,11 +390,11 @@ fn dot_portable<T: CacheElement>(a: &[f32], b: &[T]) -> f32 {
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::CacheElement;
+    use super::Element;
 
     /// 16 cache elements at `p`, widened to f32 (bf16: zero-extend, shift into the high half).
     #[inline(always)]
-    unsafe fn load16<T: CacheElement>(p: *const T) -> __m512 {
+    unsafe fn load16<T: Element>(p: *const T) -> __m512 {
         if T::IS_BF16 {
             _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p as *const __m256i))))
         } else {
@@ -492,7 +403,7 @@ mod x86 {
     }
 
     #[inline(always)]
-    unsafe fn load8<T: CacheElement>(p: *const T) -> __m256 {
+    unsafe fn load8<T: Element>(p: *const T) -> __m256 {
         if T::IS_BF16 {
             _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i))))
         } else {
@@ -502,7 +413,7 @@ mod x86 {
 
     /// a . b for lengths that are multiples of 16, two accumulators; needs AVX-512F.
     #[inline(always)]
-    pub unsafe fn dot16<T: CacheElement>(a: &[f32], b: &[T]) -> f32 {
+    pub unsafe fn dot16<T: Element>(a: &[f32], b: &[T]) -> f32 {
         let (mut even, mut odd) = (_mm512_setzero_ps(), _mm512_setzero_ps());
         let mut i = 0;
         while i + 32 <= a.len() {
@@ -518,7 +429,7 @@ mod x86 {
 
     /// a . b for lengths that are multiples of 8, two accumulators; needs AVX2 and FMA.
     #[inline(always)]
-    pub unsafe fn dot8<T: CacheElement>(a: &[f32], b: &[T]) -> f32 {
+    pub unsafe fn dot8<T: Element>(a: &[f32], b: &[T]) -> f32 {
         let (mut even, mut odd) = (_mm256_setzero_ps(), _mm256_setzero_ps());
         let mut i = 0;
         while i + 16 <= a.len() {
@@ -539,6 +450,7 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cpu_simd::Bf16;
 
     /// Straightforward reference: gather the context, softmax in f64.
     fn reference(
@@ -664,33 +576,6 @@ mod tests {
     }
 
     #[test]
-    fn bf16_rounds_to_nearest_even() {
-        assert_eq!(Bf16::from_f32(1.0).0, 0x3f80);
-        assert_eq!(Bf16::from_f32(f32::from_bits(0x3f80_8000)).0, 0x3f80); // tie, even stays
-        assert_eq!(Bf16::from_f32(f32::from_bits(0x3f81_8000)).0, 0x3f82); // tie, odd rounds up
-        assert_eq!(Bf16::from_f32(f32::from_bits(0x3f80_8001)).0, 0x3f81);
-        assert!(Bf16::from_f32(f32::NAN).to_f32().is_nan());
-        assert_eq!(Bf16::from_f32(-2.5).to_f32(), -2.5);
-    }
-
-    #[test]
-    fn exp_matches_libm_on_softmax_inputs() {
-        for i in 0..=200_000 {
-            let x = -(i as f32) * 1e-3; // 0 down to -200
-            let (got, want) = (exp_nonpositive(x), (x as f64).exp());
-            let tolerance = 2e-7 * want + 2e-38; // a few ulps; below -87, e^-87 ~ 1.6e-38 stands for ~0
-            assert!((got as f64 - want).abs() <= tolerance, "exp({x}) = {got}, want {want}");
-        }
-        let mut logits = [3.0f32, -1.0, 0.5, 2.0, -30.0, 1.0, 0.0, -2.5, 4.0, 1.5];
-        let expected: Vec<f64> = logits.iter().map(|&l| ((l - 4.0) as f64).exp()).collect();
-        let sum = exp_normalize(&mut logits);
-        assert!((sum as f64 - expected.iter().sum::<f64>()).abs() < 1e-6);
-        for (got, want) in logits.iter().zip(&expected) {
-            assert!((*got as f64 - want).abs() < 1e-7);
-        }
-    }
-
-    #[test]
     fn bad_inputs_are_errors_not_panics() {
         let shape = DecodeShape {
             batch: 1,
@@ -717,5 +602,16 @@ mod tests {
         assert!(paged_decode_attention(&mut [], &[], &cache, &cache, &[0, 1], &[8], &no_heads, 1.0, 1).is_err());
         let empty = DecodeShape { batch: 0, ..shape };
         assert!(paged_decode_attention(&mut [], &[], &cache, &cache, &[], &[], &empty, 1.0, 2).is_ok());
+    }
+
+    #[test]
+    fn exp_normalize_leaves_softmax_numerators() {
+        let mut logits = [3.0f32, -1.0, 0.5, 2.0, -30.0, 1.0, 0.0, -2.5, 4.0, 1.5];
+        let expected: Vec<f64> = logits.iter().map(|&l| ((l - 4.0) as f64).exp()).collect();
+        let sum = exp_normalize(&mut logits);
+        assert!((sum as f64 - expected.iter().sum::<f64>()).abs() < 1e-6);
+        for (got, want) in logits.iter().zip(&expected) {
+            assert!((*got as f64 - want).abs() < 1e-7);
+        }
     }
 }

@@ -7,6 +7,8 @@ pub mod block_pool;
 pub mod block_table;
 pub mod config;
 pub mod cpu_attention;
+pub mod cpu_layer_ops;
+pub mod cpu_simd;
 pub mod errors;
 pub mod openmp_team;
 pub mod prefix_cache;

@@ -8,7 +8,9 @@ use pyo3::types::PyDict;
 use crate::block_manager::BlockManager as RustBlockManager;
 use crate::block_pool::Device;
 use crate::config::SchedulerConfig as RustSchedulerConfig;
-use crate::cpu_attention::{paged_decode_attention, Bf16, CacheElement, DecodeShape, Isa};
+use crate::cpu_attention::{paged_decode_attention, DecodeShape};
+use crate::cpu_layer_ops;
+use crate::cpu_simd::{Bf16, Element, Isa};
 use crate::errors::Error;
 use crate::preemption::{CostModel, PreemptionMode};
 use crate::scheduler::{
@@ -552,7 +554,7 @@ fn paged_decode_attention_cpu(
     }
 }
 
-fn decode_from_pointers<T: CacheElement>(
+fn decode_from_pointers<T: Element>(
     (out, query, key_cache, value_cache, block_tables, context_lens): (usize, usize, usize, usize, usize, usize),
     shape: &DecodeShape,
     scale: f32,
@@ -576,6 +578,105 @@ fn decode_from_pointers<T: CacheElement>(
     paged_decode_attention(out, query, keys, values, tables, contexts, shape, scale, num_threads)
 }
 
+/// Calls `$body` with `$E` the element type named by `$dtype` ("float32" or "bfloat16").
+macro_rules! with_element {
+    ($dtype:expr, $E:ident => $body:expr) => {
+        match $dtype {
+            "float32" => {
+                type $E = f32;
+                $body
+            }
+            "bfloat16" => {
+                type $E = Bf16;
+                $body
+            }
+            other => Err(exceptions::InvalidConfigError::new_err(format!(
+                "dtype must be 'float32' or 'bfloat16', got {other:?}"
+            ))),
+        }
+    };
+}
+
+/// Residual add + RMSNorm in place over `[rows, width]` CPU tensors given by data pointer.
+/// Internal: `pagedkv.layers.cpu_fused` checks the tensors first.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn rms_norm_cpu(
+    py: Python<'_>,
+    hidden: usize,
+    residual: Option<usize>,
+    weight: usize,
+    rows_width: (usize, usize),
+    eps: f32,
+    num_threads: usize,
+    dtype: &str,
+) -> PyResult<()> {
+    let (rows, width) = rows_width;
+    with_element!(dtype, E => py.detach(|| call(|| {
+        // SAFETY: live, contiguous, distinct CPU tensors of these shapes and dtype (caller-checked).
+        let (hidden, residual, weight) = unsafe {
+            (
+                std::slice::from_raw_parts_mut(hidden as *mut E, rows * width),
+                residual.map(|residual| std::slice::from_raw_parts_mut(residual as *mut E, rows * width)),
+                std::slice::from_raw_parts(weight as *const E, width),
+            )
+        };
+        cpu_layer_ops::rms_norm(hidden, residual, weight, width, eps, num_threads)
+    })))
+}
+
+/// out `[rows, width]` = silu(gate) * up of input `[rows, 2 * width]`, CPU tensors given by data
+/// pointer. Internal: `pagedkv.layers.cpu_fused` checks the tensors first.
+#[pyfunction]
+fn silu_and_mul_cpu(
+    py: Python<'_>,
+    out: usize,
+    input: usize,
+    rows_width: (usize, usize),
+    num_threads: usize,
+    dtype: &str,
+) -> PyResult<()> {
+    let (rows, width) = rows_width;
+    with_element!(dtype, E => py.detach(|| call(|| {
+        // SAFETY: live, contiguous CPU tensors of these shapes and dtype; `out` is fresh.
+        let (out, input) = unsafe {
+            (
+                std::slice::from_raw_parts_mut(out as *mut E, rows * width),
+                std::slice::from_raw_parts(input as *const E, rows * 2 * width),
+            )
+        };
+        cpu_layer_ops::silu_and_mul(out, input, width, num_threads)
+    })))
+}
+
+/// Rotary embedding in place on the first `num_heads` heads of each `[num_tokens, row_width]`
+/// row, by cos/sin `[num_tokens, head_dim]`. Internal: `pagedkv.layers.cpu_fused` checks the
+/// tensors first.
+#[pyfunction]
+fn rotary_cpu(
+    py: Python<'_>,
+    qkv: usize,
+    cos: usize,
+    sin: usize,
+    shape: (usize, usize, usize, usize),
+    num_threads: usize,
+    dtype: &str,
+) -> PyResult<()> {
+    let (num_tokens, row_width, num_heads, head_dim) = shape;
+    let shape = cpu_layer_ops::RotaryShape { num_tokens, row_width, num_heads, head_dim };
+    with_element!(dtype, E => py.detach(|| call(|| {
+        // SAFETY: live, contiguous CPU tensors of these shapes and dtype; qkv aliases neither table.
+        let (qkv, cos, sin) = unsafe {
+            (
+                std::slice::from_raw_parts_mut(qkv as *mut E, num_tokens * row_width),
+                std::slice::from_raw_parts(cos as *const E, num_tokens * head_dim),
+                std::slice::from_raw_parts(sin as *const E, num_tokens * head_dim),
+            )
+        };
+        cpu_layer_ops::rotary_in_place(qkv, cos, sin, shape, num_threads)
+    })))
+}
+
 /// (instruction set, runs on an OpenMP team) of the CPU decode attention in this process.
 #[pyfunction]
 fn cpu_attention_build() -> (String, bool) {
@@ -591,6 +692,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<BlockManager>()?;
     m.add_function(wrap_pyfunction!(paged_decode_attention_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_attention_build, m)?)?;
+    m.add_function(wrap_pyfunction!(rms_norm_cpu, m)?)?;
+    m.add_function(wrap_pyfunction!(silu_and_mul_cpu, m)?)?;
+    m.add_function(wrap_pyfunction!(rotary_cpu, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -195,3 +195,38 @@ def paged_decode_attention_cpu(
 def cpu_attention_build() -> tuple[str, bool]:
     """(instruction set, runs on an OpenMP team) of the CPU decode attention in this process:
     "Avx512", "Avx2Fma" or "Portable"; True when torch's libgomp team runs it."""
+
+def rms_norm_cpu(
+    hidden: int,
+    residual: int | None,
+    weight: int,
+    rows_width: tuple[int, int],
+    eps: float,
+    num_threads: int,
+    dtype: Literal["float32", "bfloat16"],
+) -> None:
+    """In place on [rows, width] CPU tensors given by data pointer: residual += hidden, then
+    hidden = weight * normalize(residual) (without a residual, of hidden). Internal: use
+    `pagedkv.layers.cpu_fused.rms_norm_`, which checks the tensors."""
+
+def silu_and_mul_cpu(
+    out: int,
+    input: int,
+    rows_width: tuple[int, int],
+    num_threads: int,
+    dtype: Literal["float32", "bfloat16"],
+) -> None:
+    """out [rows, width] = silu(gate) * up of input [rows, 2 * width] = [gate | up]. Internal:
+    use `pagedkv.layers.cpu_fused.silu_and_mul`."""
+
+def rotary_cpu(
+    qkv: int,
+    cos: int,
+    sin: int,
+    shape: tuple[int, int, int, int],
+    num_threads: int,
+    dtype: Literal["float32", "bfloat16"],
+) -> None:
+    """Rotary embedding in place on the first num_heads heads of each qkv row; shape is
+    (num_tokens, row_width, num_heads, head_dim), cos/sin [num_tokens, head_dim]. Internal: use
+    `pagedkv.layers.cpu_fused.rotary_`."""

@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedkv.layers import cpu_fused
+
 
 def rope_inverse_frequencies(hf_config) -> tuple[torch.Tensor, float]:
     """(inv_freq, attention_scaling) exactly as transformers computes them for this config."""
@@ -33,14 +35,34 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", (emb.sin() * scaling).to(dtype), persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin), each [T, 1, D], for these positions: looked up once per forward pass and
+        """(cos, sin), each [T, D], for these positions: looked up once per forward pass and
         shared by every layer."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        return self.cos[positions], self.sin[positions]
+
+
+def split_and_rotate(qkv: torch.Tensor, cos_sin, num_heads: int, num_kv_heads: int, head_dim: int):
+    """qkv [T, (Hq + 2 Hkv) D] -> query [T, Hq, D] and key [T, Hkv, D] rotated by the (cos, sin)
+    of their positions, value [T, Hkv, D]. On the CPU, rotates qkv in place."""
+    num_tokens = qkv.shape[0]
+    cos, sin = cos_sin
+    if cpu_fused.supports(qkv, cos, sin):
+        cpu_fused.rotary_(qkv, cos, sin, num_heads + num_kv_heads, head_dim)
+        query, key, value = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], -1)
+        return (
+            query.view(num_tokens, num_heads, head_dim),
+            key.view(num_tokens, num_kv_heads, head_dim),
+            value.view(num_tokens, num_kv_heads, head_dim),
+        )
+    query, key, value = qkv.view(num_tokens, num_heads + 2 * num_kv_heads, head_dim).split(
+        [num_heads, num_kv_heads, num_kv_heads], dim=1
+    )
+    query, key = apply_rotary(cos_sin, query, key)
+    return query, key, value
 
 
 def apply_rotary(cos_sin: tuple[torch.Tensor, torch.Tensor], query: torch.Tensor, key: torch.Tensor):
-    """Rotates query [T, Hq, D] and key [T, Hkv, D] by the (cos, sin) of their positions."""
-    cos, sin = cos_sin
+    """Rotates query [T, Hq, D] and key [T, Hkv, D] by the (cos, sin) [T, D] of their positions."""
+    cos, sin = cos_sin[0].unsqueeze(1), cos_sin[1].unsqueeze(1)
     return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
 
 

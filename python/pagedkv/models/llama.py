@@ -11,8 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedkv.attention.metadata import AttentionMetadata
+from pagedkv.layers.activation import silu_and_mul
 from pagedkv.layers.rms_norm import RMSNorm
-from pagedkv.layers.rotary_embedding import RotaryEmbedding, apply_rotary
+from pagedkv.layers.rotary_embedding import RotaryEmbedding, split_and_rotate
 
 
 class LlamaAttention(nn.Module):
@@ -31,11 +32,8 @@ class LlamaAttention(nn.Module):
 
     def forward(self, hidden, cos_sin, metadata: AttentionMetadata, kv_cache, backend):
         num_tokens = hidden.shape[0]
-        query, key, value = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        query = query.view(num_tokens, self.num_heads, self.head_dim)
-        key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
-        value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
-        query, key = apply_rotary(cos_sin, query, key)
+        qkv = self.qkv_proj(hidden)
+        query, key, value = split_and_rotate(qkv, cos_sin, self.num_heads, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache.layer(self.layer_index)
         backend.write_kv(key_cache, value_cache, key, value, metadata.slot_mapping)
         out = backend.forward(query, key_cache, value_cache, metadata, self.scale)
@@ -45,13 +43,11 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, hf_config):
         super().__init__()
-        self.intermediate = hf_config.intermediate_size
-        self.gate_up_proj = nn.Linear(hf_config.hidden_size, 2 * self.intermediate, bias=False)
-        self.down_proj = nn.Linear(self.intermediate, hf_config.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(hf_config.hidden_size, 2 * hf_config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(hf_config.intermediate_size, hf_config.hidden_size, bias=False)
 
     def forward(self, hidden):
-        gate, up = self.gate_up_proj(hidden).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(hidden)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -62,9 +58,16 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.mlp = LlamaMLP(hf_config)
 
-    def forward(self, hidden, cos_sin, metadata, kv_cache, backend):
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos_sin, metadata, kv_cache, backend)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, hidden, residual, cos_sin, metadata, kv_cache, backend):
+        """(hidden, residual) -> the next layer's (hidden, residual), whose sum is this layer's
+        output (vLLM's form: each norm adds the residual in, fused on the CPU)."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos_sin, metadata, kv_cache, backend)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -82,11 +85,11 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(hf_config, max_positions, dtype)
 
     def forward(self, input_ids, positions, metadata: AttentionMetadata, kv_cache, backend) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        hidden, residual = self.embed_tokens(input_ids), None
         cos_sin = self.rotary(positions)
         for layer in self.layers:
-            hidden = layer(hidden, cos_sin, metadata, kv_cache, backend)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, cos_sin, metadata, kv_cache, backend)
+        return self.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
