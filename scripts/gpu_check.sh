@@ -20,6 +20,13 @@ fi
 repo="$PWD"
 cd /tmp  # import pagedkv from the installed wheel, not the source tree
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$results/device.txt"
+# CuPy's own NVRTC and launch path, alone: a failure here explains every kernel test's.
+python3 -c "
+import cupy, torch
+print('cupy', cupy.__version__, 'CUDA runtime', cupy.cuda.runtime.runtimeGetVersion(), 'torch', torch.__version__, torch.version.cuda)
+cupy.RawModule(code='extern \"C\" __global__ void k() {}').get_function('k')((1,), (1,), ())
+cupy.cuda.Device().synchronize()
+print('cupy NVRTC compile + launch: ok')" 2>&1 | tee -a "$results/device.txt"
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(tests attention swap throughput)
 for stage in "${stages[@]}"; do

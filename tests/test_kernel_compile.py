@@ -33,3 +33,22 @@ def test_a_broken_kernel_fails_with_the_compiler_log():
     options = ["--gpu-architecture=sm_90", f"-I{sources.cuda_source_dir()}"]
     with pytest.raises(nvrtc.KernelCompileError, match="no_such_name"):
         nvrtc.compile_to_cubin(broken, "cache_ops.cu", [sources.COPY_BLOCKS_KERNEL], options)
+
+
+def test_the_sources_digest_covers_included_headers(tmp_path, monkeypatch):
+    """CuPy's disk cache keys on the compiled text and options only: the launcher passes this
+    digest as an option, so a changed header must change it."""
+    import shutil
+
+    copy = tmp_path / "cuda"
+    shutil.copytree(sources.cuda_source_dir(), copy)
+    monkeypatch.setenv("PAGEDKV_CUDA_DIR", str(copy))
+    sources.digest.cache_clear()
+    try:
+        before = sources.digest()
+        header = copy / "pagedkv_common.cuh"
+        header.write_text(header.read_text() + "\n// changed\n")
+        sources.digest.cache_clear()
+        assert sources.digest() != before
+    finally:
+        sources.digest.cache_clear()

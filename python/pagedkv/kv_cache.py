@@ -50,13 +50,16 @@ class KVCache:
         compute.wait_stream(self.swap_stream)
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
-        """(cpu block, device block) copies; on CUDA asynchronous until `wait_for_swap_in`."""
+        """(cpu block, device block) copies; on CUDA asynchronous until `wait_for_swap_in` (which
+        `copy_blocks` and the forward call first). They wait for the compute issued so far: the
+        device blocks may have been freed by a request whose last kernels are still running."""
         if not pairs:
             return
         src, dst = _indices(pairs)
         if not self.is_cuda:
             self.device_cache[dst] = self.cpu_cache[src]
             return
+        self.swap_stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.swap_stream):
             for cpu_block, device_block, count in block_runs(pairs):
                 self.device_cache[device_block : device_block + count].copy_(
@@ -72,9 +75,12 @@ class KVCache:
             self._swap_in_done = None
 
     def copy_blocks(self, pairs: list[tuple[int, int]], backend=None) -> None:
-        """Copy-on-write copies (src, dst) of every layer."""
+        """Copy-on-write copies (src, dst) of every layer. A source may be a block swapped in
+        this very step (a group swapped back in whose samples share a partly filled last block),
+        so pending swap-ins finish first."""
         if not pairs:
             return
+        self.wait_for_swap_in()
         pairs_tensor = torch.tensor(pairs, dtype=torch.int64, device=self.device_cache.device)
         if backend is not None:
             backend.copy_blocks(self.device_cache, pairs_tensor)

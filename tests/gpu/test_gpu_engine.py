@@ -84,3 +84,21 @@ def test_swap_round_trip_is_bit_exact_on_the_swap_stream():
     torch.cuda.synchronize()
     for (device_block, _), (_, back) in zip(out_pairs, in_pairs):
         assert torch.equal(cache.device_cache[back], original[device_block])
+
+
+@pytest.mark.parametrize("backend", ["torch", "cuda"])
+def test_copy_on_write_of_a_block_swapped_in_the_same_step(backend):
+    """A group swapped back in may copy-on-write its just-swapped-in last block in the same
+    step: the copy must see the swapped-in bytes, not what the device block held before.
+    Hundreds of MB of swap-in ahead of it make an unordered copy read stale data."""
+    from pagedkv.attention import get_backend
+    from pagedkv.kv_cache import KVCache
+
+    cache = KVCache(30, 3, 64, 16, num_device_blocks=1030, num_cpu_blocks=1024, dtype=torch.float32, device="cuda")
+    cache.cpu_cache.copy_(torch.randn(cache.cpu_cache.shape))
+    cache.device_cache.fill_(float("nan"))
+    cache.swap_in([(block, block) for block in range(1024)])  # ~740 MB
+    cache.copy_blocks([(1023, 1024), (0, 1025)], get_backend(backend, "cuda"))
+    torch.cuda.synchronize()
+    assert torch.equal(cache.device_cache[1024].cpu(), cache.cpu_cache[1023])
+    assert torch.equal(cache.device_cache[1025].cpu(), cache.cpu_cache[0])

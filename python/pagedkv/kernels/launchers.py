@@ -45,7 +45,10 @@ class CupyLauncher:
     def _function(source: str, expression: str):
         import cupy
 
-        options = (*sources.COMPILE_OPTIONS, f"-I{sources.cuda_source_dir()}")
+        # CuPy's disk cache keys on the source text and options, not on included headers: the
+        # digest of every source file makes a changed header a new key.
+        include, key = f"-I{sources.cuda_source_dir()}", f"-DPAGEDKV_SOURCES={sources.digest()}"
+        options = (*sources.COMPILE_OPTIONS, include, key)
         module = cupy.RawModule(code=sources.read_source(source), options=options, name_expressions=[expression])
         logger.info("compiled %s", expression)
         return module.get_function(expression)
@@ -100,12 +103,9 @@ class EmulatorLauncher:
         lines += ["  return -1;", "}", ""]
         program = "\n".join(lines)
         flags = ["-std=c++20", "-O2", "-fno-strict-aliasing", "-shared", "-fPIC", "-pthread", "-w", "-U_FORTIFY_SOURCE", "-DPAGEDKV_EMULATION"]
-        digest = hashlib.sha256((program + " ".join(flags)).encode())
-        for path in sorted(cuda_dir.rglob("*")):
-            if path.suffix in (".cu", ".cuh", ".h"):
-                digest.update(path.read_bytes())
+        digest = hashlib.sha256((program + " ".join(flags) + sources.digest()).encode()).hexdigest()
         self.build_dir.mkdir(parents=True, exist_ok=True)
-        library = self.build_dir / f"emu-{digest.hexdigest()[:16]}.so"
+        library = self.build_dir / f"emu-{digest[:16]}.so"
         if not library.exists():
             cpp = library.with_suffix(".cpp")
             cpp.write_text(program)

@@ -7,6 +7,8 @@ process uses, CI compiles all of them.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
 from pathlib import Path
 
@@ -36,6 +38,16 @@ def cuda_source_dir() -> Path:
         if (candidate / ATTENTION_SOURCE).is_file():
             return candidate
     raise FileNotFoundError(f"pagedkv CUDA sources not found in any of {[str(c) for c in candidates]}")
+
+
+@functools.lru_cache(maxsize=None)
+def digest() -> str:
+    """sha256 (16 hex digits) of every source and header under cuda_source_dir()."""
+    hasher = hashlib.sha256()
+    for path in sorted(cuda_source_dir().rglob("*")):
+        if path.suffix in (".cu", ".cuh", ".h"):
+            hasher.update(path.relative_to(cuda_source_dir()).as_posix().encode() + b"\0" + path.read_bytes())
+    return hasher.hexdigest()[:16]
 
 
 def read_source(name: str) -> str:
