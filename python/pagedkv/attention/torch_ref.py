@@ -52,15 +52,20 @@ def paged_attention_ref(query, key_cache, value_cache, metadata: AttentionMetada
 
 
 def _prefill_one(query, key_cache, value_cache, block_table, context_len: int, scale: float) -> torch.Tensor:
-    num_queries, num_heads, _ = query.shape
+    num_queries = query.shape[0]
     keys = gather_context(key_cache, block_table, context_len)
     values = gather_context(value_cache, block_table, context_len)
-    group = num_heads // keys.shape[0]
-    keys = keys.repeat_interleave(group, dim=0)  # query head h reads kv head h // group
-    values = values.repeat_interleave(group, dim=0)
+    # enable_gqa: query head h reads kv head h // group, without repeating K/V per query head.
+    if num_queries == context_len:  # a whole prompt: plain causal, whose kernels skip the masked half
+        out = F.scaled_dot_product_attention(
+            query.transpose(0, 1), keys, values, is_causal=True, scale=scale, enable_gqa=True
+        )
+        return out.transpose(0, 1)
     query_positions = torch.arange(context_len - num_queries, context_len, device=query.device)
     mask = torch.arange(context_len, device=query.device)[None, :] <= query_positions[:, None]
-    out = F.scaled_dot_product_attention(query.transpose(0, 1), keys, values, attn_mask=mask, scale=scale)
+    out = F.scaled_dot_product_attention(
+        query.transpose(0, 1), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+    )
     return out.transpose(0, 1)
 
 
