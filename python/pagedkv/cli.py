@@ -118,7 +118,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from pagedkv.memory_study import main as memory_main
 
         return memory_main(args.rest) or 0
-    scripts = {"throughput": "throughput.py", "scheduler": "scheduler_py.py", "attention": "attention.py", "swap": "swap.py"}
+    scripts = {
+        "throughput": "throughput.py",
+        "scheduler": "scheduler_py.py",
+        "attention": "attention.py",
+        "swap": "swap.py",
+        "cpu-layers": "cpu_layers.py",
+    }
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     path = os.path.join(root, "benches", scripts[args.which])
     if not os.path.exists(path):
@@ -153,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_serve)
 
     bench = commands.add_parser("bench", help="run a benchmark")
-    bench.add_argument("which", choices=["memory", "throughput", "scheduler", "attention", "swap"])
+    bench.add_argument("which", choices=["memory", "throughput", "scheduler", "attention", "swap", "cpu-layers"])
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
     bench.set_defaults(func=cmd_bench)
     return parser
