@@ -166,6 +166,41 @@ def test_paged_prefill_and_extend_are_causal(target, dtype, partition_size):
     assert relative_error(out[:43], leaky[:43]) > 10 * TOLERANCE[dtype]
 
 
+class CountingLauncher:
+    """Passes launches through and counts them by kernel name."""
+
+    def __init__(self, launcher):
+        self.launcher, self.num_sms, self.counts = launcher, launcher.num_sms, {}
+
+    def launch(self, source, expression, *args):
+        name = expression.split("<")[0]
+        self.counts[name] = self.counts.get(name, 0) + 1
+        self.launcher.launch(source, expression, *args)
+
+
+def test_split_k_workspace_is_bounded_by_launching_token_slices(target):
+    """A long prefill chunk whose split-K scratch would exceed the budget runs in token slices
+    that reuse one workspace, with the same results."""
+    launcher, device = target
+    shape, dtype = SHAPES[0], torch.float32
+    generator = torch.Generator().manual_seed(11)
+    batch = make_batch(shape, dtype, device, generator, [45, 150, 9], prefill_chunks=[(0, 44), (1, 37)])
+    num_tokens, num_heads, head_dim = batch["query"].shape
+    num_partitions = math.ceil(batch["max_context_len"] / 64)
+    bytes_per_token = num_heads * num_partitions * (head_dim + 2) * 4
+    counting = CountingLauncher(launcher)
+    out = paged_attention(
+        **batch, scale=0.125, partition_size=64, max_workspace_bytes=7 * bytes_per_token + 5, launcher=counting
+    )
+    expected = reference_attention(
+        batch["query"], batch["key_cache"], batch["value_cache"], batch["block_tables"],
+        batch["seq_index"], batch["context_lens"], 0.125,
+    )
+    assert relative_error(out, expected) < TOLERANCE[dtype]
+    slices = math.ceil(num_tokens / 7)
+    assert counting.counts == {"pagedkv::paged_attention_kernel": slices, "pagedkv::reduce_partitions_kernel": slices}
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_reshape_and_cache_writes_exactly_the_mapped_slots(target, dtype):
     launcher, device = target

@@ -17,6 +17,10 @@ from pagedkv.kernels import sources
 from pagedkv.kernels.launchers import CupyLauncher, pointer
 
 PARTITION_SIZES = (512, 256, 128, 64)
+# Split-K keeps a float32 partial output per (token, head, partition). A long prefill chunk
+# over a long context would need gigabytes at once, so such a launch is cut into token slices
+# that reuse one workspace of at most this size.
+MAX_SPLIT_K_WORKSPACE_BYTES = 64 * 1024 * 1024
 
 
 class UnsupportedKernelError(PagedKVError, ValueError):
@@ -100,6 +104,7 @@ def paged_attention(
     out: torch.Tensor | None = None,
     *,
     partition_size: int | None = None,
+    max_workspace_bytes: int = MAX_SPLIT_K_WORKSPACE_BYTES,
     launcher=None,
 ) -> torch.Tensor:
     """Attention of each query token over its sequence's cached K/V.
@@ -109,7 +114,8 @@ def paged_attention(
     block_tables; context_lens int32 [T]: cached tokens each query token sees (its own position
     + 1, which makes prefill chunks causal); max_context_len >= every context_lens entry.
     Returns out [T, Hq, D]. partition_size forces the split-K partition (a multiple of 16,
-    or max_context_len or more for a single pass); None chooses one.
+    or max_context_len or more for a single pass); None chooses one. Split-K launches cover as
+    many tokens at a time as fit in max_workspace_bytes of float32 scratch.
     """
     dtype_code = _dtype_code(query, "query")
     num_kv_heads, block_size, head_dim = _check_caches(key_cache, value_cache)
@@ -154,39 +160,45 @@ def paged_attention(
     if shared_floats * 4 > 48 * 1024:
         raise ValueError(f"partition_size={partition_size} needs more than 48 KiB of shared memory")
 
-    split = num_partitions > 1
-    if split:
-        partial_out = torch.empty((num_tokens, num_heads, num_partitions, head_dim), dtype=torch.float32, device=query.device)
-        stats = torch.empty((2, num_tokens, num_heads, num_partitions), dtype=torch.float32, device=query.device)
-        workspace = (pointer(partial_out), pointer(stats[0]), pointer(stats[1]))
+    if num_partitions == 1:
+        tokens_per_launch, workspace = num_tokens, (np.uint64(0),) * 3
     else:
-        workspace = (np.uint64(0),) * 3
-    launcher.launch(
-        sources.ATTENTION_SOURCE,
-        sources.attention_kernel(dtype_code, head_dim, block_size, tile),
-        (num_tokens, num_kv_heads * (group // tile), num_partitions),
-        (sources.NUM_THREADS, 1, 1),
-        shared_floats * 4,
-        (
-            pointer(out), *workspace, pointer(query), pointer(key_cache), pointer(value_cache),
-            pointer(block_tables), pointer(seq_index), pointer(context_lens),
-            np.int64(query.stride(0)), np.int64(out.stride(0)), np.int64(key_cache.stride(0)),
-            np.int32(block_tables.stride(0)), np.int32(num_heads), np.int32(num_kv_heads),
-            np.int32(partition_size), np.int32(num_partitions), np.float32(scale),
-        ),
-    )
-    if split:
+        bytes_per_token = num_heads * num_partitions * (head_dim + 2) * 4
+        tokens_per_launch = max(1, min(num_tokens, max_workspace_bytes // bytes_per_token))
+        scratch_shape = (tokens_per_launch, num_heads, num_partitions)
+        partial_out = torch.empty((*scratch_shape, head_dim), dtype=torch.float32, device=query.device)
+        stats = torch.empty((2, *scratch_shape), dtype=torch.float32, device=query.device)
+        workspace = (pointer(partial_out), pointer(stats[0]), pointer(stats[1]))
+    attention = sources.attention_kernel(dtype_code, head_dim, block_size, tile)
+    for first in range(0, num_tokens, tokens_per_launch):
+        tokens = slice(first, first + tokens_per_launch)
+        slice_len = min(tokens_per_launch, num_tokens - first)
         launcher.launch(
             sources.ATTENTION_SOURCE,
-            sources.reduce_kernel(dtype_code, head_dim),
-            (num_tokens, num_heads, 1),
+            attention,
+            (slice_len, num_kv_heads * (group // tile), num_partitions),
             (sources.NUM_THREADS, 1, 1),
-            0,
+            shared_floats * 4,
             (
-                pointer(out), *workspace, pointer(context_lens), np.int64(out.stride(0)),
-                np.int32(num_heads), np.int32(partition_size), np.int32(num_partitions),
+                pointer(out[tokens]), *workspace, pointer(query[tokens]), pointer(key_cache), pointer(value_cache),
+                pointer(block_tables), pointer(seq_index[tokens]), pointer(context_lens[tokens]),
+                np.int64(query.stride(0)), np.int64(out.stride(0)), np.int64(key_cache.stride(0)),
+                np.int32(block_tables.stride(0)), np.int32(num_heads), np.int32(num_kv_heads),
+                np.int32(partition_size), np.int32(num_partitions), np.float32(scale),
             ),
         )
+        if num_partitions > 1:
+            launcher.launch(
+                sources.ATTENTION_SOURCE,
+                sources.reduce_kernel(dtype_code, head_dim),
+                (slice_len, num_heads, 1),
+                (sources.NUM_THREADS, 1, 1),
+                0,
+                (
+                    pointer(out[tokens]), *workspace, pointer(context_lens[tokens]), np.int64(out.stride(0)),
+                    np.int32(num_heads), np.int32(partition_size), np.int32(num_partitions),
+                ),
+            )
     return out
 
 
