@@ -35,7 +35,7 @@ impl DecodeShape {
         (self.num_blocks - 1) * self.block_stride + self.num_kv_heads * self.block_size * self.head_dim
     }
 
-    fn check(&self) -> Result<()> {
+    pub(crate) fn check(&self) -> Result<()> {
         let invalid = |message: String| Err(Error::InvalidConfig { field: "shape", message });
         if self.num_kv_heads == 0 || self.num_heads == 0 || !self.num_heads.is_multiple_of(self.num_kv_heads) {
             return invalid(format!(

@@ -6,7 +6,7 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
-use crate::cpu_simd::{exp_nonpositive, Element, Isa};
+use crate::cpu_simd::{exp_nonpositive, with_isa, Element, Isa};
 use crate::errors::{Error, Result};
 use crate::openmp_team::run_on_team;
 
@@ -215,30 +215,6 @@ fn for_row_chunks<T: Send>(chunks: Vec<T>, num_threads: usize, work: impl Fn(T) 
         }
     };
     run_on_team(num_threads.clamp(1, slots.len().max(1)), &run);
-}
-
-/// Runs `body` compiled for the widest instruction set (the wheel's baseline is SSE2).
-#[inline(always)]
-fn with_isa<R>(isa: Isa, body: impl FnOnce() -> R) -> R {
-    #[cfg(target_arch = "x86_64")]
-    {
-        #[target_feature(enable = "avx512f,avx2,fma")]
-        unsafe fn avx512<R>(body: impl FnOnce() -> R) -> R {
-            body()
-        }
-        #[target_feature(enable = "avx2,fma")]
-        unsafe fn avx2<R>(body: impl FnOnce() -> R) -> R {
-            body()
-        }
-        // SAFETY: `Isa::best()` only names instruction sets this CPU runs.
-        match isa {
-            Isa::Avx512 => return unsafe { avx512(body) },
-            Isa::Avx2Fma => return unsafe { avx2(body) },
-            Isa::Portable => {}
-        }
-    }
-    let _ = isa;
-    body()
 }
 
 fn check_rows(what: &str, len: usize, width: usize) -> Result<()> {

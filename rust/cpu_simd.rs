@@ -99,6 +99,30 @@ pub fn exp_nonpositive(x: f32) -> f32 {
     e_r * f32::from_bits(((n + 127) << 23) as u32)
 }
 
+/// Runs `body` compiled for the widest instruction set (the wheel's baseline is SSE2).
+#[inline(always)]
+pub(crate) fn with_isa<R>(isa: Isa, body: impl FnOnce() -> R) -> R {
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx512f,avx2,fma")]
+        unsafe fn avx512<R>(body: impl FnOnce() -> R) -> R {
+            body()
+        }
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn avx2<R>(body: impl FnOnce() -> R) -> R {
+            body()
+        }
+        // SAFETY: `Isa::best()` only names instruction sets this CPU runs.
+        match isa {
+            Isa::Avx512 => return unsafe { avx512(body) },
+            Isa::Avx2Fma => return unsafe { avx2(body) },
+            Isa::Portable => {}
+        }
+    }
+    let _ = isa;
+    body()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -10,6 +10,7 @@ use crate::block_pool::Device;
 use crate::config::SchedulerConfig as RustSchedulerConfig;
 use crate::cpu_attention::{paged_decode_attention, DecodeShape};
 use crate::cpu_layer_ops;
+use crate::cpu_prefill_attention::paged_prefill_attention;
 use crate::cpu_simd::{Bf16, Element, Isa};
 use crate::errors::Error;
 use crate::preemption::{CostModel, PreemptionMode};
@@ -597,6 +598,48 @@ macro_rules! with_element {
     };
 }
 
+/// Paged prefill/extend attention over CPU tensors given by data pointer: float32 query and
+/// out `[num_tokens, num_heads, head_dim]`, `cache_dtype` caches, int32 tables, query_start_loc
+/// and context_lens; `shape.0` is the number of sequences. Internal: the caller
+/// (`pagedkv.attention.cpu`) checks every shape, dtype, device and stride first.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn paged_prefill_attention_cpu(
+    py: Python<'_>,
+    out: usize,
+    query: usize,
+    key_cache: usize,
+    value_cache: usize,
+    block_tables: usize,
+    query_start_loc: usize,
+    context_lens: usize,
+    shape: (usize, usize, usize, usize, usize, usize, usize, usize),
+    num_tokens: usize,
+    scale: f32,
+    num_threads: usize,
+    cache_dtype: &str,
+) -> PyResult<()> {
+    let (batch, num_heads, num_kv_heads, head_dim, block_size, num_blocks, block_stride, table_width) = shape;
+    let shape =
+        DecodeShape { batch, num_heads, num_kv_heads, head_dim, block_size, num_blocks, block_stride, table_width };
+    let rows = num_tokens * num_heads * head_dim;
+    with_element!(cache_dtype, E => py.detach(|| call(|| {
+        // SAFETY: as in `decode_from_pointers`; query_start_loc has batch + 1 entries.
+        let (out, query, keys, values, tables, starts, contexts) = unsafe {
+            (
+                std::slice::from_raw_parts_mut(out as *mut f32, rows),
+                std::slice::from_raw_parts(query as *const f32, rows),
+                std::slice::from_raw_parts(key_cache as *const E, shape.cache_len()),
+                std::slice::from_raw_parts(value_cache as *const E, shape.cache_len()),
+                std::slice::from_raw_parts(block_tables as *const i32, batch * table_width),
+                std::slice::from_raw_parts(query_start_loc as *const i32, batch + 1),
+                std::slice::from_raw_parts(context_lens as *const i32, batch),
+            )
+        };
+        paged_prefill_attention(Isa::best(), out, query, keys, values, tables, starts, contexts, &shape, scale, num_threads)
+    })))
+}
+
 /// Residual add + RMSNorm in place over `[rows, width]` CPU tensors given by data pointer.
 /// Internal: `pagedkv.layers.cpu_fused` checks the tensors first.
 #[pyfunction]
@@ -691,6 +734,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Scheduler>()?;
     m.add_class::<BlockManager>()?;
     m.add_function(wrap_pyfunction!(paged_decode_attention_cpu, m)?)?;
+    m.add_function(wrap_pyfunction!(paged_prefill_attention_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_attention_build, m)?)?;
     m.add_function(wrap_pyfunction!(rms_norm_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(silu_and_mul_cpu, m)?)?;

@@ -1,9 +1,11 @@
-"""The CPU backend: the torch reference, with decode attention in Rust (`rust/cpu_attention.rs`).
+"""The CPU backend: the torch reference, with decode attention (`rust/cpu_attention.rs`) and
+prefill/extend attention (`rust/cpu_prefill_attention.rs`) in Rust.
 
-Decode reads K/V in place through the block table (the torch reference gathers them into new
-tensors first) and splits sequences over torch's CPU threads. Caches of float32 or bfloat16
+Both read K/V in place through the block table (the torch reference gathers them into new
+tensors first) and split their work over torch's CPU threads. Caches of float32 or bfloat16
 (the fast CPU dtype where the CPU has AVX512-BF16: half the bytes to read, float32 math);
-prefill chunks, and float16 caches, go through the torch reference.
+float16 caches, head dims other than 64/128 in prefill, and CPUs without AVX2 go through
+the torch reference.
 """
 
 from __future__ import annotations
@@ -20,6 +22,23 @@ from pagedkv.attention.torch_ref import TorchRefBackend, _decode_batch, paged_at
 logger = logging.getLogger("pagedkv.attention")
 
 CACHE_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+PREFILL_HEAD_DIMS = (64, 128)
+
+
+def _check_caches(query, key_cache, value_cache) -> None:
+    """Float32 or bfloat16 CPU caches [num_blocks, Hkv, block_size, D], contiguous within a
+    block, sharing strides; a [T, Hq, D] query that fits them."""
+    _, num_kv_heads, block_size, head_dim = key_cache.shape
+    if key_cache.dtype not in CACHE_DTYPES or value_cache.dtype != key_cache.dtype:
+        raise ValueError(f"caches must both be float32 or bfloat16, got {key_cache.dtype} and {value_cache.dtype}")
+    for tensor, what in ((query, "query"), (key_cache, "key_cache"), (value_cache, "value_cache")):
+        if not tensor.dtype.is_floating_point or tensor.device.type != "cpu":
+            raise ValueError(f"{what} must be a floating-point CPU tensor, got {tensor.dtype} on {tensor.device}")
+    if query.dim() != 3 or query.shape[2] != head_dim or query.shape[1] % num_kv_heads:
+        raise ValueError(f"query {tuple(query.shape)} does not fit caches of {num_kv_heads} heads x {head_dim}")
+    inner = (block_size * head_dim, head_dim, 1)
+    if key_cache.stride()[1:] != inner or value_cache.stride() != key_cache.stride():
+        raise ValueError("caches must be contiguous within a block and share strides")
 
 
 def paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, scale: float) -> torch.Tensor:
@@ -28,16 +47,7 @@ def paged_decode_attention(query, key_cache, value_cache, block_tables, context_
     stride), float32 or bfloat16; the math is float32 whatever the dtypes."""
     num_blocks, num_kv_heads, block_size, head_dim = key_cache.shape
     batch, num_heads, _ = query.shape
-    if key_cache.dtype not in CACHE_DTYPES or value_cache.dtype != key_cache.dtype:
-        raise ValueError(f"caches must both be float32 or bfloat16, got {key_cache.dtype} and {value_cache.dtype}")
-    for tensor, what in ((query, "query"), (key_cache, "key_cache"), (value_cache, "value_cache")):
-        if not tensor.dtype.is_floating_point or tensor.device.type != "cpu":
-            raise ValueError(f"{what} must be a floating-point CPU tensor, got {tensor.dtype} on {tensor.device}")
-    if query.shape[2] != head_dim or num_heads % num_kv_heads:
-        raise ValueError(f"query {tuple(query.shape)} does not fit caches of {num_kv_heads} heads x {head_dim}")
-    inner = (block_size * head_dim, head_dim, 1)
-    if key_cache.stride()[1:] != inner or value_cache.stride() != key_cache.stride():
-        raise ValueError("caches must be contiguous within a block and share strides")
+    _check_caches(query, key_cache, value_cache)
     result_dtype = query.dtype
     query = query.to(torch.float32).contiguous()
     tables = block_tables.to(torch.int32).contiguous()
@@ -53,10 +63,46 @@ def paged_decode_attention(query, key_cache, value_cache, block_tables, context_
     return out.to(result_dtype)
 
 
+def paged_prefill_attention(
+    query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale: float
+) -> torch.Tensor:
+    """query [T, Hq, D] -> [T, Hq, D] of query's dtype: sequence b's new tokens are rows
+    query_start_loc[b]:query_start_loc[b + 1], the last of its context_lens[b] cached tokens
+    (their K/V already written), and attend causally to everything cached before them. Caches
+    as for `paged_decode_attention`; head dims 64 and 128 (`PREFILL_HEAD_DIMS`)."""
+    num_blocks, num_kv_heads, block_size, head_dim = key_cache.shape
+    num_tokens, num_heads, _ = query.shape
+    _check_caches(query, key_cache, value_cache)
+    if head_dim not in PREFILL_HEAD_DIMS:
+        raise ValueError(f"head_dim={head_dim} has no CPU prefill kernel (supported: {PREFILL_HEAD_DIMS})")
+    result_dtype = query.dtype
+    query = query.to(torch.float32).contiguous()
+    tables = block_tables.to(torch.int32).contiguous()
+    starts = query_start_loc.to(torch.int32).contiguous()
+    contexts = context_lens.to(torch.int32).contiguous()
+    num_seqs = contexts.shape[0]
+    if tables.dim() != 2 or tables.shape[0] != num_seqs or starts.shape != (num_seqs + 1,):
+        raise ValueError("block_tables must be [num_seqs, width] and query_start_loc [num_seqs + 1]")
+    out = torch.empty_like(query)
+    shape = (num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks, key_cache.stride(0), tables.shape[1])
+    _core.paged_prefill_attention_cpu(
+        out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(),
+        starts.data_ptr(), contexts.data_ptr(), shape, num_tokens, scale, torch.get_num_threads(),
+        CACHE_DTYPES[key_cache.dtype],
+    )
+    return out.to(result_dtype)
+
+
 def _decode(query, key_cache, value_cache, block_tables, context_lens, max_context_len: int, scale: float):
     if key_cache.dtype not in CACHE_DTYPES:
         return _decode_batch(query, key_cache, value_cache, block_tables, context_lens, max_context_len, scale)
     return paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, scale)
+
+
+def _prefill(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale: float):
+    if key_cache.dtype not in CACHE_DTYPES or key_cache.shape[3] not in PREFILL_HEAD_DIMS:
+        return None
+    return paged_prefill_attention(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale)
 
 
 class CpuAttentionBackend(TorchRefBackend):
@@ -65,7 +111,9 @@ class CpuAttentionBackend(TorchRefBackend):
     def __init__(self):
         isa, on_openmp_team = _core.cpu_attention_build()
         threads = "torch's OpenMP team" if on_openmp_team else "threads of its own"
-        logger.info("CPU decode attention: %s build, %d threads on %s", isa, torch.get_num_threads(), threads)
+        logger.info("CPU attention kernels: %s build, %d threads on %s", isa, torch.get_num_threads(), threads)
+        # Without SIMD (the portable build) torch's SDPA is the faster prefill.
+        self._prefill = _prefill if isa != "Portable" else None
 
     def forward(self, query, key_cache, value_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
-        return paged_attention_ref(query, key_cache, value_cache, metadata, scale, decode=_decode)
+        return paged_attention_ref(query, key_cache, value_cache, metadata, scale, decode=_decode, prefill=self._prefill)

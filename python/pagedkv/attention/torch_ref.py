@@ -25,13 +25,26 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: 
     return blocks.permute(1, 0, 2, 3).reshape(cache.shape[1], -1, cache.shape[3])[:, :context_len]
 
 
-def paged_attention_ref(query, key_cache, value_cache, metadata: AttentionMetadata, scale: float, decode=None) -> torch.Tensor:
+def paged_attention_ref(
+    query, key_cache, value_cache, metadata: AttentionMetadata, scale: float, decode=None, prefill=None
+) -> torch.Tensor:
     """query [T, Hq, D] -> [T, Hq, D], causal over each sequence's cached context. `decode`
-    replaces the batched decode part (same arguments as `_decode_batch`)."""
+    replaces the batched decode part (same arguments as `_decode_batch`); `prefill`, when it
+    returns a tensor, the per-sequence prefill loop (query rows of the prefill chunks, caches,
+    their block tables, query_start_loc and context_lens, scale; None: not supported)."""
     output = torch.empty_like(query)
     num_prefills = metadata.num_prefills
     starts = metadata.query_start_loc_host
-    for b in range(num_prefills):
+    prefilled = None
+    if num_prefills and prefill is not None:
+        num_prefill_tokens = starts[num_prefills]
+        prefilled = prefill(
+            query[:num_prefill_tokens], key_cache, value_cache, metadata.block_tables[:num_prefills],
+            metadata.query_start_loc[: num_prefills + 1], metadata.context_lens[:num_prefills], scale,
+        )
+        if prefilled is not None:
+            output[:num_prefill_tokens] = prefilled
+    for b in range(num_prefills if prefilled is None else 0):
         begin, end = starts[b], starts[b + 1]
         context_len = metadata.context_lens_host[b]
         output[begin:end] = _prefill_one(
