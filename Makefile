@@ -24,6 +24,7 @@ bench: setup
 	cargo bench --bench scheduler --bench cpu_attention
 	$(PYTHON) benches/scheduler_py.py
 	$(PYTHON) benches/cpu_layers.py
+	$(PYTHON) benches/cpu_prefill_attention.py
 
 serve: setup
 	$(PYTHON) -m pagedkv.cli serve

@@ -5,6 +5,7 @@ model, dtype and threads, in one run. Prints one table.
     python benches/throughput.py                    # 64 prompts x 128 tokens on the CPU, engine's default dtype
     python benches/throughput.py --device cuda --dtype bfloat16    # adds pagedkv with CUDA graphs
     python benches/throughput.py --skip-hf --unfused-baseline       # fused CPU layers vs torch's ops
+    python benches/throughput.py --skip-hf --sdpa-prefill-baseline  # Rust prefill attention vs gather + SDPA
 """
 
 from __future__ import annotations
@@ -127,6 +128,18 @@ def run_hf_generate_batch(model, prompts, max_tokens):
     return generated, elapsed, "transformers continuous batching"
 
 
+def run_pagedkv_sdpa_prefill(*args, **options):
+    """pagedkv with prefill attention through the torch reference (gather + SDPA), the path the
+    CPU's Rust prefill kernel replaced (the baseline)."""
+    from pagedkv.attention import cpu
+
+    cpu.prefill_kernel_enabled = False
+    try:
+        return run_pagedkv(*args, **options)
+    finally:
+        cpu.prefill_kernel_enabled = True
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-prompts", type=int, default=64)
@@ -137,6 +150,8 @@ def main(argv=None) -> None:
     parser.add_argument("--skip-hf", action="store_true", help="only pagedkv")
     parser.add_argument("--unfused-baseline", action="store_true",
                         help="on the CPU, also run pagedkv with torch's unfused norm/activation/rotary ops")
+    parser.add_argument("--sdpa-prefill-baseline", action="store_true",
+                        help="on the CPU, also run pagedkv with prefill attention through gather + torch SDPA")
     parser.add_argument("--kv-cache-gib", type=float, default=1.0,
                         help="pagedkv's KV budget on the CPU (GiB; the GPU default is 90%% of free memory)")
     args = parser.parse_args(argv)
@@ -158,6 +173,8 @@ def main(argv=None) -> None:
         rows.append(("pagedkv, CUDA graphs", *run_pagedkv(prompts, args.max_tokens, args.device, args.dtype, enforce_eager=False)))
     if args.unfused_baseline and args.device == "cpu":
         rows.append(("pagedkv, unfused torch layers", *run_pagedkv_unfused(prompts, args.max_tokens, args.device, args.dtype, kv_cache_bytes)))
+    if args.sdpa_prefill_baseline and args.device == "cpu":
+        rows.append(("pagedkv, SDPA prefill", *run_pagedkv_sdpa_prefill(prompts, args.max_tokens, args.device, args.dtype, kv_cache_bytes)))
     if not args.skip_hf:
         model = load_hf(args.device, dtype)
         rows.append(("HF generate", *run_hf_generate(model, prompts, args.max_tokens, args.device)))

@@ -598,8 +598,8 @@ macro_rules! with_element {
     };
 }
 
-/// Paged prefill/extend attention over CPU tensors given by data pointer: float32 query and
-/// out `[num_tokens, num_heads, head_dim]`, `cache_dtype` caches, int32 tables, query_start_loc
+/// Paged prefill/extend attention over CPU tensors given by data pointer: query, out
+/// `[num_tokens, num_heads, head_dim]` and caches all of `cache_dtype`, int32 tables, query_start_loc
 /// and context_lens; `shape.0` is the number of sequences. Internal: the caller
 /// (`pagedkv.attention.cpu`) checks every shape, dtype, device and stride first.
 #[pyfunction]
@@ -627,8 +627,8 @@ fn paged_prefill_attention_cpu(
         // SAFETY: as in `decode_from_pointers`; query_start_loc has batch + 1 entries.
         let (out, query, keys, values, tables, starts, contexts) = unsafe {
             (
-                std::slice::from_raw_parts_mut(out as *mut f32, rows),
-                std::slice::from_raw_parts(query as *const f32, rows),
+                std::slice::from_raw_parts_mut(out as *mut E, rows),
+                std::slice::from_raw_parts(query as *const E, rows),
                 std::slice::from_raw_parts(key_cache as *const E, shape.cache_len()),
                 std::slice::from_raw_parts(value_cache as *const E, shape.cache_len()),
                 std::slice::from_raw_parts(block_tables as *const i32, batch * table_width),

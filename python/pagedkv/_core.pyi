@@ -192,6 +192,25 @@ def paged_decode_attention_cpu(
     num_blocks, block_stride, table_width). Internal: use
     `pagedkv.attention.cpu.paged_decode_attention`, which checks the tensors."""
 
+def paged_prefill_attention_cpu(
+    out: int,
+    query: int,
+    key_cache: int,
+    value_cache: int,
+    block_tables: int,
+    query_start_loc: int,
+    context_lens: int,
+    shape: tuple[int, int, int, int, int, int, int, int],
+    num_tokens: int,
+    scale: float,
+    num_threads: int,
+    cache_dtype: Literal["float32", "bfloat16"],
+) -> None:
+    """Paged prefill/extend attention over CPU tensors given by data pointer: query, out
+    [num_tokens, num_heads, head_dim] and caches all of `cache_dtype`, int32 block_tables,
+    query_start_loc and context_lens; shape as for `paged_decode_attention_cpu` with the number
+    of sequences first. Internal: use `pagedkv.attention.cpu.paged_prefill_attention`."""
+
 def cpu_attention_build() -> tuple[str, bool]:
     """(instruction set, runs on an OpenMP team) of the CPU decode attention in this process:
     "Avx512", "Avx2Fma" or "Portable"; True when torch's libgomp team runs it."""

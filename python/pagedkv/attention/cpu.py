@@ -23,6 +23,8 @@ logger = logging.getLogger("pagedkv.attention")
 
 CACHE_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 PREFILL_HEAD_DIMS = (64, 128)
+# False sends prefill chunks through the torch reference (gather + SDPA; benchmarks compare).
+prefill_kernel_enabled = True
 
 
 def _check_caches(query, key_cache, value_cache) -> None:
@@ -76,7 +78,7 @@ def paged_prefill_attention(
     if head_dim not in PREFILL_HEAD_DIMS:
         raise ValueError(f"head_dim={head_dim} has no CPU prefill kernel (supported: {PREFILL_HEAD_DIMS})")
     result_dtype = query.dtype
-    query = query.to(torch.float32).contiguous()
+    query = query.to(key_cache.dtype).contiguous()  # read as the cache's element type, math in float32
     tables = block_tables.to(torch.int32).contiguous()
     starts = query_start_loc.to(torch.int32).contiguous()
     contexts = context_lens.to(torch.int32).contiguous()
@@ -100,7 +102,7 @@ def _decode(query, key_cache, value_cache, block_tables, context_lens, max_conte
 
 
 def _prefill(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale: float):
-    if key_cache.dtype not in CACHE_DTYPES or key_cache.shape[3] not in PREFILL_HEAD_DIMS:
+    if not prefill_kernel_enabled or key_cache.dtype not in CACHE_DTYPES or key_cache.shape[3] not in PREFILL_HEAD_DIMS:
         return None
     return paged_prefill_attention(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale)
 
