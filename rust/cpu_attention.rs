@@ -448,7 +448,7 @@ mod x86 {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::cpu_simd::Bf16;
 
@@ -490,7 +490,8 @@ mod tests {
         out
     }
 
-    fn pseudo_random(n: usize, seed: u64) -> Vec<f32> {
+    /// Deterministic values in [-1, 1) (the kernels' tests share them).
+    pub(crate) fn pseudo_random(n: usize, seed: u64) -> Vec<f32> {
         let mut state = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
         (0..n)
             .map(|_| {

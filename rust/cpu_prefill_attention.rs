@@ -482,6 +482,7 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cpu_attention::tests::pseudo_random;
     use crate::cpu_simd::Bf16;
 
     /// float64 attention of every new token over its sequence's visible context.
@@ -525,16 +526,6 @@ mod tests {
             }
         }
         out
-    }
-
-    fn pseudo_random(n: usize, seed: u64) -> Vec<f32> {
-        let mut state = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        (0..n)
-            .map(|_| {
-                state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                ((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-            })
-            .collect()
     }
 
     /// A whole prompt, a chunk after a cached prefix, a one-token chunk and an empty sequence,

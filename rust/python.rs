@@ -524,6 +524,13 @@ impl BlockManager {
     }
 }
 
+/// The kernels' shape from Python's tuple (batch, num_heads, num_kv_heads, head_dim,
+/// block_size, num_blocks, block_stride, table_width).
+fn decode_shape(shape: (usize, usize, usize, usize, usize, usize, usize, usize)) -> DecodeShape {
+    let (batch, num_heads, num_kv_heads, head_dim, block_size, num_blocks, block_stride, table_width) = shape;
+    DecodeShape { batch, num_heads, num_kv_heads, head_dim, block_size, num_blocks, block_stride, table_width }
+}
+
 /// Paged decode attention over CPU tensors given by data pointer: float32 query and out,
 /// `cache_dtype` ("float32" or "bfloat16") caches. Internal: the caller
 /// (`pagedkv.attention.cpu`) checks every shape, dtype, device and stride first.
@@ -542,9 +549,7 @@ fn paged_decode_attention_cpu(
     num_threads: usize,
     cache_dtype: &str,
 ) -> PyResult<()> {
-    let (batch, num_heads, num_kv_heads, head_dim, block_size, num_blocks, block_stride, table_width) = shape;
-    let shape =
-        DecodeShape { batch, num_heads, num_kv_heads, head_dim, block_size, num_blocks, block_stride, table_width };
+    let shape = decode_shape(shape);
     let pointers = (out, query, key_cache, value_cache, block_tables, context_lens);
     match cache_dtype {
         "float32" => py.detach(|| call(|| decode_from_pointers::<f32>(pointers, &shape, scale, num_threads))),
@@ -619,10 +624,8 @@ fn paged_prefill_attention_cpu(
     num_threads: usize,
     cache_dtype: &str,
 ) -> PyResult<()> {
-    let (batch, num_heads, num_kv_heads, head_dim, block_size, num_blocks, block_stride, table_width) = shape;
-    let shape =
-        DecodeShape { batch, num_heads, num_kv_heads, head_dim, block_size, num_blocks, block_stride, table_width };
-    let rows = num_tokens * num_heads * head_dim;
+    let shape = decode_shape(shape);
+    let rows = num_tokens * shape.num_heads * shape.head_dim;
     with_element!(cache_dtype, E => py.detach(|| call(|| {
         // SAFETY: as in `decode_from_pointers`; query_start_loc has batch + 1 entries.
         let (out, query, keys, values, tables, starts, contexts) = unsafe {
@@ -631,9 +634,9 @@ fn paged_prefill_attention_cpu(
                 std::slice::from_raw_parts(query as *const E, rows),
                 std::slice::from_raw_parts(key_cache as *const E, shape.cache_len()),
                 std::slice::from_raw_parts(value_cache as *const E, shape.cache_len()),
-                std::slice::from_raw_parts(block_tables as *const i32, batch * table_width),
-                std::slice::from_raw_parts(query_start_loc as *const i32, batch + 1),
-                std::slice::from_raw_parts(context_lens as *const i32, batch),
+                std::slice::from_raw_parts(block_tables as *const i32, shape.batch * shape.table_width),
+                std::slice::from_raw_parts(query_start_loc as *const i32, shape.batch + 1),
+                std::slice::from_raw_parts(context_lens as *const i32, shape.batch),
             )
         };
         paged_prefill_attention(Isa::best(), out, query, keys, values, tables, starts, contexts, &shape, scale, num_threads)
