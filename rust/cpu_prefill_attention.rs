@@ -18,6 +18,8 @@ use crate::openmp_team::run_on_team;
 /// Keys per step of the context walk: two AVX-512 vectors of scores per query row, which
 /// spreads each step's softmax bookkeeping (maxima, sums, rescaling) over enough keys.
 const KEYS: usize = 32;
+/// Lanes of the per-chunk maxima and sums (one AVX-512 vector).
+const LANES: usize = 16;
 /// Query tokens per work item.
 const QUERY_TILE: usize = 32;
 /// Head dims with a compiled kernel.
@@ -328,11 +330,16 @@ fn online_softmax_step<const D: usize, const ISA: u8>(
     acc: &mut [f32; D],
     values: &[f32],
 ) {
-    let mut chunk_max = f32::NEG_INFINITY;
-    for (j, &score) in scores.iter().enumerate() {
-        chunk_max = if j < visible && score > chunk_max { score } else { chunk_max };
+    // Maxima and sums lane by lane, then across lanes in a tree: written so, they vectorize (a
+    // plain fold is a chain of scalar compares and adds, as float addition does not reassociate).
+    let mut lanes = [f32::NEG_INFINITY; LANES];
+    for (half, chunk) in scores.chunks_exact(LANES).enumerate() {
+        for l in 0..LANES {
+            let score = if half * LANES + l < visible { chunk[l] } else { f32::NEG_INFINITY };
+            lanes[l] = if score > lanes[l] { score } else { lanes[l] };
+        }
     }
-    let new_max = max.max(chunk_max);
+    let new_max = max.max(tree_reduce(lanes, |a, b| if a > b { a } else { b }));
     let correction = exp_nonpositive(*max - new_max); // the first chunk: acc and sum are 0 anyway
     *max = new_max;
     let mut weights = [0.0f32; KEYS];
@@ -340,7 +347,13 @@ fn online_softmax_step<const D: usize, const ISA: u8>(
         let weight = exp_nonpositive(scores[j] - new_max);
         weights[j] = if j < visible { weight } else { 0.0 };
     }
-    *sum = *sum * correction + weights.iter().sum::<f32>();
+    let mut lanes = [0.0f32; LANES];
+    for chunk in weights.chunks_exact(LANES) {
+        for l in 0..LANES {
+            lanes[l] += chunk[l];
+        }
+    }
+    *sum = *sum * correction + tree_reduce(lanes, |a, b| a + b);
     assert!(values.len() >= KEYS * D);
     #[cfg(target_arch = "x86_64")]
     {
@@ -358,6 +371,19 @@ fn online_softmax_step<const D: usize, const ISA: u8>(
             *a += weight * v;
         }
     }
+}
+
+/// Combines the lanes pairwise, halving the width each step.
+#[inline(always)]
+fn tree_reduce(mut lanes: [f32; LANES], combine: impl Fn(f32, f32) -> f32) -> f32 {
+    let mut width = LANES / 2;
+    while width > 0 {
+        for l in 0..width {
+            lanes[l] = combine(lanes[l], lanes[l + width]);
+        }
+        width /= 2;
+    }
+    lanes[0]
 }
 
 /// `Isa` as a const parameter of the shared code.
