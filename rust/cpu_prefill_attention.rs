@@ -281,9 +281,12 @@ fn load_chunk<T: Element, const D: usize>(
         let block = inputs.table[position / shape.block_size] as usize;
         let offset = block * shape.block_stride + head_rows + (position % shape.block_size) * D;
         let (key, value) = (&inputs.key_cache[offset..][..D], &inputs.value_cache[offset..][..D]);
-        for d in 0..D {
-            keys_t[d * KEYS + j] = key[d].to_f32();
-            value_row[d] = value[d].to_f32();
+        // Separate loops: the value row is a contiguous widening (vectorized), the key a scatter.
+        for (v, x) in value_row.iter_mut().zip(value) {
+            *v = x.to_f32();
+        }
+        for (d, x) in key.iter().enumerate() {
+            keys_t[d * KEYS + j] = x.to_f32();
         }
     }
 }
