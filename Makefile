@@ -21,7 +21,7 @@ test-python:
 	$(PYTHON) -m pytest -q
 
 bench: setup
-	cargo bench --bench scheduler --bench cpu_attention
+	cargo bench --bench scheduler --bench cpu_attention --bench cpu_prefill
 	$(PYTHON) benches/scheduler_py.py
 	$(PYTHON) benches/cpu_layers.py
 	$(PYTHON) benches/cpu_prefill_attention.py
