@@ -38,10 +38,12 @@ fn decode_attention(c: &mut Criterion) {
         let cache_bf16: Vec<Bf16> = cache.iter().map(|&x| Bf16::from_f32(x)).collect();
         let query: Vec<f32> =
             (0..BATCH * NUM_HEADS * HEAD_DIM).map(|i| ((i * 104729) % 1000) as f32 / 1000.0 - 0.5).collect();
+        let query_bf16: Vec<Bf16> = query.iter().map(|&x| Bf16::from_f32(x)).collect();
         // Blocks scattered over the pool, as after a while of serving.
         let tables: Vec<i32> = (0..shape.num_blocks).map(|i| ((i * 7) % shape.num_blocks) as i32).collect();
         let contexts = vec![context as i32; BATCH];
         let mut out = vec![0.0f32; query.len()];
+        let mut out_bf16 = vec![Bf16::default(); query.len()];
         let bytes = 2 * BATCH * context * NUM_KV_HEADS * HEAD_DIM * 4;
         group.throughput(Throughput::Bytes(bytes as u64));
         let contiguous = vec![1.0f32; bytes / 4];
@@ -49,16 +51,16 @@ fn decode_attention(c: &mut Criterion) {
             b.iter(|| black_box(parallel_sum(&contiguous)))
         });
         for isa in [Isa::best(), Isa::Portable] {
-            let inputs = Inputs { query: &query, tables: &tables, contexts: &contexts, shape };
+            let inputs = Inputs { tables: &tables, contexts: &contexts, shape };
             group.throughput(Throughput::Bytes(bytes as u64));
             let id = BenchmarkId::new(format!("64 seqs f32 {isa:?}, context"), context);
             group.bench_with_input(id, &context, |b, _| {
-                b.iter(|| inputs.run(isa, &mut out, &cache, &cache[block_floats..]))
+                b.iter(|| inputs.run(isa, &mut out, &query, &cache, &cache[block_floats..]))
             });
             group.throughput(Throughput::Bytes(bytes as u64 / 2));
             let id = BenchmarkId::new(format!("64 seqs bf16 {isa:?}, context"), context);
             group.bench_with_input(id, &context, |b, _| {
-                b.iter(|| inputs.run(isa, &mut out, &cache_bf16, &cache_bf16[block_floats..]))
+                b.iter(|| inputs.run(isa, &mut out_bf16, &query_bf16, &cache_bf16, &cache_bf16[block_floats..]))
             });
         }
     }
@@ -66,15 +68,14 @@ fn decode_attention(c: &mut Criterion) {
 }
 
 struct Inputs<'a> {
-    query: &'a [f32],
     tables: &'a [i32],
     contexts: &'a [i32],
     shape: DecodeShape,
 }
 
 impl Inputs<'_> {
-    fn run<T: Element>(&self, isa: Isa, out: &mut [f32], keys: &[T], values: &[T]) {
-        let Inputs { query, tables, contexts, shape } = self;
+    fn run<T: Element>(&self, isa: Isa, out: &mut [T], query: &[T], keys: &[T], values: &[T]) {
+        let Inputs { tables, contexts, shape } = self;
         paged_decode_attention_with(isa, out, query, keys, values, tables, contexts, shape, 0.125, 2).unwrap();
         black_box(out);
     }

@@ -531,8 +531,8 @@ fn decode_shape(shape: (usize, usize, usize, usize, usize, usize, usize, usize))
     DecodeShape { batch, num_heads, num_kv_heads, head_dim, block_size, num_blocks, block_stride, table_width }
 }
 
-/// Paged decode attention over CPU tensors given by data pointer: float32 query and out,
-/// `cache_dtype` ("float32" or "bfloat16") caches. Internal: the caller
+/// Paged decode attention over CPU tensors given by data pointer: query, out and caches all of
+/// `cache_dtype` ("float32" or "bfloat16"). Internal: the caller
 /// (`pagedkv.attention.cpu`) checks every shape, dtype, device and stride first.
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
@@ -567,14 +567,14 @@ fn decode_from_pointers<T: Element>(
     num_threads: usize,
 ) -> crate::errors::Result<()> {
     let row = shape.batch * shape.num_heads * shape.head_dim;
-    // SAFETY: the pointers are those of live, contiguous CPU tensors of these shapes (float32
-    // out/query, T caches, int32 tables/contexts), checked by the caller, and `out` is a fresh
+    // SAFETY: the pointers are those of live, contiguous CPU tensors of these shapes (T out,
+    // query and caches, int32 tables/contexts), checked by the caller, and `out` is a fresh
     // tensor that aliases no input. The caches may overlap each other (K and V of the
     // block-major cache): both are only read.
     let (out, query, keys, values, tables, contexts) = unsafe {
         (
-            std::slice::from_raw_parts_mut(out as *mut f32, row),
-            std::slice::from_raw_parts(query as *const f32, row),
+            std::slice::from_raw_parts_mut(out as *mut T, row),
+            std::slice::from_raw_parts(query as *const T, row),
             std::slice::from_raw_parts(key_cache as *const T, shape.cache_len()),
             std::slice::from_raw_parts(value_cache as *const T, shape.cache_len()),
             std::slice::from_raw_parts(block_tables as *const i32, shape.batch * shape.table_width),

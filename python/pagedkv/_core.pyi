@@ -187,8 +187,8 @@ def paged_decode_attention_cpu(
     num_threads: int,
     cache_dtype: Literal["float32", "bfloat16"],
 ) -> None:
-    """Paged decode attention over CPU tensors given by data pointer: float32 query and out,
-    caches of `cache_dtype`; shape is (batch, num_heads, num_kv_heads, head_dim, block_size,
+    """Paged decode attention over CPU tensors given by data pointer: query, out and caches all
+    of `cache_dtype`; shape is (batch, num_heads, num_kv_heads, head_dim, block_size,
     num_blocks, block_stride, table_width). Internal: use
     `pagedkv.attention.cpu.paged_decode_attention`, which checks the tensors."""
 

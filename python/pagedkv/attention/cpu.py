@@ -51,7 +51,7 @@ def paged_decode_attention(query, key_cache, value_cache, block_tables, context_
     batch, num_heads, _ = query.shape
     _check_caches(query, key_cache, value_cache)
     result_dtype = query.dtype
-    query = query.to(torch.float32).contiguous()
+    query = query.to(key_cache.dtype).contiguous()  # read as the cache's element type, math in float32
     tables = block_tables.to(torch.int32).contiguous()
     contexts = context_lens.to(torch.int32).contiguous()
     if tables.dim() != 2 or tables.shape[0] != batch or contexts.shape != (batch,):
