@@ -97,33 +97,11 @@ pub fn paged_decode_attention_with<T: Element>(
     scale: f32,
     num_threads: usize,
 ) -> Result<()> {
-    if !isa.is_supported() {
-        return Err(Error::InvalidConfig { field: "isa", message: format!("this CPU cannot run {isa:?}") });
-    }
-    shape.check()?;
+    check_paged_inputs(isa, shape, key_cache, value_cache, block_tables, context_lens, 1)?;
     let row = shape.num_heads * shape.head_dim;
-    let invalid = |message: String| Err(Error::InvalidConfig { field: "inputs", message });
     if out.len() != shape.batch * row || query.len() != shape.batch * row {
-        return invalid("out and query must be [batch, num_heads, head_dim]".into());
-    }
-    if key_cache.len() < shape.cache_len() || value_cache.len() < shape.cache_len() {
-        return invalid("the caches are smaller than num_blocks blocks".into());
-    }
-    if block_tables.len() != shape.batch * shape.table_width || context_lens.len() != shape.batch {
-        return invalid("block_tables must be [batch, table_width] and context_lens [batch]".into());
-    }
-    for (b, &context) in context_lens.iter().enumerate() {
-        let blocks_needed = (context.max(0) as usize).div_ceil(shape.block_size);
-        if context < 1 || blocks_needed > shape.table_width {
-            return invalid(format!(
-                "context_lens[{b}]={context} must be in 1..={}",
-                shape.table_width * shape.block_size
-            ));
-        }
-        let table = &block_tables[b * shape.table_width..][..blocks_needed];
-        if let Some(&block) = table.iter().find(|&&block| block < 0 || block as usize >= shape.num_blocks) {
-            return invalid(format!("block {block} in block_tables[{b}] is not in 0..{}", shape.num_blocks));
-        }
+        let message = "out and query must be [batch, num_heads, head_dim]".into();
+        return Err(Error::InvalidConfig { field: "inputs", message });
     }
     if shape.batch == 0 {
         return Ok(());
@@ -157,6 +135,45 @@ pub fn paged_decode_attention_with<T: Element>(
         }
     };
     run_on_team(num_threads.clamp(1, outputs.len()), &work);
+    Ok(())
+}
+
+/// The checks the CPU attention kernels share: `isa` runs here, the shape is consistent, the
+/// caches hold `num_blocks` blocks, and each sequence's `min_context..` context lies in its block
+/// table row, whose blocks are in the pool.
+pub(crate) fn check_paged_inputs<T>(
+    isa: Isa,
+    shape: &DecodeShape,
+    key_cache: &[T],
+    value_cache: &[T],
+    block_tables: &[i32],
+    context_lens: &[i32],
+    min_context: i32,
+) -> Result<()> {
+    if !isa.is_supported() {
+        return Err(Error::InvalidConfig { field: "isa", message: format!("this CPU cannot run {isa:?}") });
+    }
+    shape.check()?;
+    let invalid = |message: String| Err(Error::InvalidConfig { field: "inputs", message });
+    if key_cache.len() < shape.cache_len() || value_cache.len() < shape.cache_len() {
+        return invalid("the caches are smaller than num_blocks blocks".into());
+    }
+    if block_tables.len() != shape.batch * shape.table_width || context_lens.len() != shape.batch {
+        return invalid("block_tables must be [batch, table_width] and context_lens [batch]".into());
+    }
+    for (b, &context) in context_lens.iter().enumerate() {
+        let blocks_needed = (context.max(0) as usize).div_ceil(shape.block_size);
+        if context < min_context || blocks_needed > shape.table_width {
+            return invalid(format!(
+                "context_lens[{b}]={context} must be in {min_context}..={}",
+                shape.table_width * shape.block_size
+            ));
+        }
+        let table = &block_tables[b * shape.table_width..][..blocks_needed];
+        if let Some(&block) = table.iter().find(|&&block| block < 0 || block as usize >= shape.num_blocks) {
+            return invalid(format!("block {block} in block_tables[{b}] is not in 0..{}", shape.num_blocks));
+        }
+    }
     Ok(())
 }
 

@@ -10,7 +10,7 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
-use crate::cpu_attention::DecodeShape;
+use crate::cpu_attention::{check_paged_inputs, DecodeShape};
 use crate::cpu_simd::{exp_nonpositive, with_isa, Element, Isa};
 use crate::errors::{Error, Result};
 use crate::openmp_team::run_on_team;
@@ -45,10 +45,7 @@ pub fn paged_prefill_attention<T: Element>(
     scale: f32,
     num_threads: usize,
 ) -> Result<()> {
-    if !isa.is_supported() {
-        return Err(Error::InvalidConfig { field: "isa", message: format!("this CPU cannot run {isa:?}") });
-    }
-    shape.check()?;
+    check_paged_inputs(isa, shape, key_cache, value_cache, block_tables, context_lens, 0)?;
     let invalid = |message: String| Err(Error::InvalidConfig { field: "inputs", message });
     if !HEAD_DIMS.contains(&shape.head_dim) {
         return invalid(format!("head_dim={} has no prefill kernel (supported: {HEAD_DIMS:?})", shape.head_dim));
@@ -58,35 +55,16 @@ pub fn paged_prefill_attention<T: Element>(
     if query.len() != num_tokens * row || out.len() != query.len() {
         return invalid("out and query must be [num_tokens, num_heads, head_dim]".into());
     }
-    if key_cache.len() < shape.cache_len() || value_cache.len() < shape.cache_len() {
-        return invalid("the caches are smaller than num_blocks blocks".into());
-    }
-    if block_tables.len() != shape.batch * shape.table_width
-        || context_lens.len() != shape.batch
-        || query_start_loc.len() != shape.batch + 1
+    if query_start_loc.len() != shape.batch + 1
+        || query_start_loc[0] != 0
+        || query_start_loc[shape.batch] as usize != num_tokens
     {
-        return invalid(
-            "block_tables must be [batch, table_width], context_lens [batch], query_start_loc [batch+1]".into(),
-        );
-    }
-    if query_start_loc[0] != 0 || query_start_loc[shape.batch] as usize != num_tokens {
-        return invalid(format!("query_start_loc must run from 0 to num_tokens={num_tokens}"));
+        return invalid(format!("query_start_loc must be [batch+1], running from 0 to num_tokens={num_tokens}"));
     }
     for b in 0..shape.batch {
         let (new_tokens, context) = (query_start_loc[b + 1] - query_start_loc[b], context_lens[b]);
         if new_tokens < 0 || new_tokens > context {
             return invalid(format!("sequence {b} has {new_tokens} new tokens but context_lens[{b}]={context}"));
-        }
-        let blocks_needed = (context as usize).div_ceil(shape.block_size);
-        if blocks_needed > shape.table_width {
-            return invalid(format!(
-                "context_lens[{b}]={context} exceeds the {} tokens of a block table row",
-                shape.table_width * shape.block_size
-            ));
-        }
-        let table = &block_tables[b * shape.table_width..][..blocks_needed];
-        if let Some(&block) = table.iter().find(|&&block| block < 0 || block as usize >= shape.num_blocks) {
-            return invalid(format!("block {block} in block_tables[{b}] is not in 0..{}", shape.num_blocks));
         }
     }
 
