@@ -1,4 +1,4 @@
-"""Sampler: greedy, seeded sampling, top-k / top-p / min-p, penalties, min_tokens, logprobs."""
+"""Sampler: greedy, seeded sampling, top-k / top-p / min-p, logit bias, penalties, min_tokens, logprobs."""
 
 import collections
 
@@ -111,6 +111,40 @@ def test_presence_and_frequency_penalties_count_output_tokens_only():
     assert penalized[0, 7].item() == 0.0 and penalized[0, 0].item() == 0.0
     logits[0, 3] = 1.0  # would win greedily, but the penalties push it below 0
     assert Sampler()(logits, [row(temperature=0, **params)])[0].token_id not in (3, 4)
+
+
+def test_logit_bias_adds_to_the_named_logits_only():
+    logits = random_logits(2, seed=5)
+    best = logits[0].argmax().item()
+    other = (best + 1) % VOCAB
+    bias = {other: 100.0, best: -100.0}
+    results = Sampler()(logits, [row(0, temperature=0, logit_bias=bias, logprobs=0), row(1, temperature=0)])
+    assert results[0].token_id == other
+    assert results[1].token_id == logits[1].argmax().item()  # the other row is untouched
+    # Logprobs stay those of the model's distribution, as for the penalties.
+    assert results[0].logprob == pytest.approx(torch.log_softmax(logits[0], -1)[other].item(), abs=1e-5)
+    biased = logits[0].clone()
+    Sampler._apply_penalties_and_masks(biased, row(logit_bias={3: 1.5, 7: -2.0}))
+    expected = logits[0].clone()
+    expected[3] += 1.5
+    expected[7] -= 2.0
+    assert torch.equal(biased, expected)
+    # Sampling sees the bias too: a -100 bias bans a token, a +100 one forces it.
+    assert set(sample_tokens(logits, lambda i: row(seed=i, temperature=1.0, logit_bias={5: 100}), 20)) == {5}
+
+
+@pytest.mark.parametrize(
+    "params, field",
+    [
+        (dict(logit_bias={3: 101.0}), "logit_bias"),
+        (dict(logit_bias={-1: 1.0}), "logit_bias"),
+        (dict(logit_bias={"3": 1.0}), "logit_bias"),
+        (dict(stop_token_ids=[-4]), "stop_token_ids"),
+    ],
+)
+def test_bad_token_ids_and_biases_are_named(params, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**params)
 
 
 def test_min_tokens_masks_eos_and_stop_tokens_until_reached():

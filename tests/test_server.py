@@ -92,6 +92,124 @@ def test_sampling_options_and_logprobs(client, server):
     assert out.usage.completion_tokens <= 10
 
 
+def tokenize(server, text: str) -> list[int]:
+    response = httpx.post(server.url + "/tokenize", json={"prompt": text}, timeout=30)
+    assert response.status_code == 200
+    return response.json()["tokens"]
+
+
+def test_tokenize_detokenize_and_version(client, server):
+    prompt = "The three primary colors are"
+    body = httpx.post(server.url + "/tokenize", json={"prompt": prompt}, timeout=30).json()
+    assert body["count"] == len(body["tokens"]) and body["max_model_len"] == 512
+    used = client.completions.create(model=server.engine.model_name, prompt=prompt, max_tokens=1).usage
+    assert body["count"] == used.prompt_tokens  # what the engine itself counts
+    back = httpx.post(server.url + "/detokenize", json={"tokens": body["tokens"]}, timeout=30).json()
+    assert back == {"prompt": prompt}
+    messages = [{"role": "user", "content": "Name a fruit."}]
+    chat = httpx.post(server.url + "/tokenize", json={"messages": messages}, timeout=30).json()
+    reply = client.chat.completions.create(model=server.engine.model_name, messages=messages, max_tokens=1)
+    assert chat["count"] == reply.usage.prompt_tokens
+    bad = httpx.post(server.url + "/detokenize", json={"tokens": [10**9]}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    neither = httpx.post(server.url + "/tokenize", json={}, timeout=30)
+    assert neither.status_code == 400
+    assert httpx.get(server.url + "/version").json()["version"]
+
+
+def test_vllm_extra_sampling_parameters_and_logit_bias(client, server):
+    model = server.engine.model_name
+    forced = tokenize(server, " banana")
+    assert len(forced) == 1
+    biased = client.completions.create(model=model, prompt="My favourite colour is", max_tokens=3, temperature=0,
+                                       logit_bias={str(forced[0]): 100})
+    assert biased.choices[0].text == " banana" * 3
+    # ignore_eos + min_tokens: exactly max_tokens; top_k=1 is greedy whatever the temperature.
+    extra = dict(top_k=1, min_p=0.05, repetition_penalty=1.0, ignore_eos=True, min_tokens=6)
+    sampled = client.completions.create(model=model, prompt="Hello", max_tokens=6, temperature=1.3, seed=3,
+                                        extra_body=extra)
+    greedy = client.completions.create(model=model, prompt="Hello", max_tokens=6, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert sampled.choices[0].text == greedy.choices[0].text and sampled.usage.completion_tokens == 6
+    # A stop token id ends the completion without being part of its text.
+    first = client.completions.create(model=model, prompt="Hello", max_tokens=1, temperature=0).choices[0].text
+    [first_id] = tokenize(server, first)
+    stopped = client.completions.create(model=model, prompt="Hello", max_tokens=6, temperature=0,
+                                        extra_body={"stop_token_ids": [first_id]})
+    assert stopped.choices[0].finish_reason == "stop" and stopped.choices[0].text == ""
+    kept = client.completions.create(model=model, prompt="Hello", max_tokens=6, temperature=0,
+                                     extra_body={"stop_token_ids": [first_id], "include_stop_str_in_output": True})
+    assert kept.choices[0].text == first
+    text = greedy.choices[0].text
+    stop_string = text[2:4]
+    end = text.find(stop_string) + len(stop_string)
+    cut = client.completions.create(model=model, prompt="Hello", max_tokens=6, temperature=0, stop=[stop_string],
+                                    extra_body={"include_stop_str_in_output": True})
+    assert cut.choices[0].text == text[:end] and cut.choices[0].finish_reason == "stop"
+    beams = client.completions.create(model=model, prompt="Hello", max_tokens=4, n=2, temperature=0,
+                                      extra_body={"use_beam_search": True})
+    assert len(beams.choices) == 2 and beams.choices[0].text != beams.choices[1].text
+
+
+def test_batched_prompts_echo_and_streamed_logprobs(client, server):
+    model = server.engine.model_name
+    prompts = ["The capital of France is", "One, two, three,"]
+    singles = [client.completions.create(model=model, prompt=p, max_tokens=8, temperature=0, logprobs=2).choices[0]
+               for p in prompts]
+    batch = client.completions.create(model=model, prompt=prompts, max_tokens=8, temperature=0, n=2, logprobs=2)
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    assert [c.text for c in batch.choices] == [singles[0].text] * 2 + [singles[1].text] * 2
+    assert batch.usage.prompt_tokens == sum(len(tokenize(server, p)) for p in prompts)
+    assert batch.usage.completion_tokens == 2 * sum(len(c.logprobs.tokens) for c in singles)
+    # Token prompts, batched, give the same choices.
+    token_batch = client.completions.create(model=model, prompt=[tokenize(server, p) for p in prompts],
+                                            max_tokens=8, temperature=0)
+    assert [c.text for c in token_batch.choices] == [c.text for c in singles]
+    # Streamed: the same text and the same logprobs, spread over the chunks.
+    texts, tokens, token_logprobs, offsets = ["", ""], [[], []], [[], []], [[], []]
+    for chunk in client.completions.create(model=model, prompt=prompts, max_tokens=8, temperature=0, logprobs=2,
+                                           stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+            if choice.logprobs is not None:
+                tokens[choice.index] += choice.logprobs.tokens
+                token_logprobs[choice.index] += choice.logprobs.token_logprobs
+                offsets[choice.index] += choice.logprobs.text_offset
+    for i, single in enumerate(singles):
+        assert texts[i] == single.text and tokens[i] == single.logprobs.tokens
+        assert token_logprobs[i] == pytest.approx(single.logprobs.token_logprobs, abs=1e-4)
+        assert offsets[i] == single.logprobs.text_offset
+    echoed = client.completions.create(model=model, prompt=prompts, max_tokens=8, temperature=0, echo=True)
+    assert [c.text for c in echoed.choices] == [p + s.text for p, s in zip(prompts, singles)]
+    streamed_echo = ["", ""]
+    for chunk in client.completions.create(model=model, prompt=prompts, max_tokens=8, temperature=0, echo=True,
+                                           stream=True):
+        for choice in chunk.choices:
+            streamed_echo[choice.index] += choice.text
+    assert streamed_echo == [c.text for c in echoed.choices]
+
+
+def test_chat_streams_logprobs(client, server):
+    args = dict(model=server.engine.model_name, messages=[{"role": "user", "content": "Name a fruit."}],
+                max_tokens=8, temperature=0, logprobs=True, top_logprobs=2)
+    full = client.chat.completions.create(**args).choices[0].logprobs.content
+    streamed = []
+    for chunk in client.chat.completions.create(stream=True, **args):
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            streamed += chunk.choices[0].logprobs.content
+    assert [entry.token for entry in streamed] == [entry.token for entry in full] and full
+    assert [entry.logprob for entry in streamed] == pytest.approx([entry.logprob for entry in full], abs=1e-4)
+    assert all(len(entry.top_logprobs) <= 2 for entry in streamed)
+
+
+def test_a_batch_with_a_bad_prompt_queues_nothing(server):
+    body = {"prompt": ["Hello there", "word " * 600], "max_tokens": 50}
+    response = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+    assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
+    assert server.metric("pagedkv_requests_running") == 0 and server.metric("pagedkv_requests_waiting") == 0
+    assert server.metric("pagedkv_kv_blocks_used_device") == 0
+
+
 @pytest.mark.parametrize(
     "body, param",
     [
@@ -99,6 +217,13 @@ def test_sampling_options_and_logprobs(client, server):
         ({"prompt": "hi", "temperature": -1}, "temperature"),
         ({"prompt": "word " * 600}, "prompt"),
         ({"max_tokens": 3}, "prompt"),
+        ({"prompt": [], "max_tokens": 3}, "prompt"),
+        ({"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
+        ({"prompt": "hi", "logit_bias": {"1": 500}}, "logit_bias"),
+        ({"prompt": "hi", "logit_bias": {"99999999": 1}}, "logit_bias"),
+        ({"prompt": "hi", "stop_token_ids": [99999999], "min_tokens": 2}, "stop_token_ids"),
+        ({"prompt": "hi", "top_k": -7}, "top_k"),
+        ({"prompt": "hi", "echo": True, "logprobs": 1}, "echo"),
     ],
 )
 def test_bad_requests_get_400_with_the_error_json(server, body, param):
@@ -106,7 +231,7 @@ def test_bad_requests_get_400_with_the_error_json(server, body, param):
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["param"] == param and error["message"] and error["type"] == "invalid_request_error"
-    if body.get("prompt", "").startswith("word"):
+    if str(body.get("prompt", "")).startswith("word"):
         assert "max_model_len=512" in error["message"]
 
 

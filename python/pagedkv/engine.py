@@ -89,15 +89,18 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self.requests:
             raise DuplicateRequestError(f"request id {request_id!r} is already in use")
+        vocab_size = self.runner.vocab_size
         if isinstance(prompt, str):
             prompt_text, prompt_token_ids = prompt, self.tokenizer.encode(prompt)
         else:
             prompt_text, prompt_token_ids = None, list(prompt)
-            vocab_size = self.runner.vocab_size
             if not prompt_token_ids or any(not 0 <= int(t) < vocab_size for t in prompt_token_ids):
                 raise ValueError(f"prompt token ids must be a non-empty list of ints in [0, {vocab_size})")
         if not prompt_token_ids:
             raise ValueError("prompt must not be empty")
+        for name, token_ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids)):
+            if any(token_id >= vocab_size for token_id in token_ids):
+                raise ValueError(f"{name} names token ids outside the vocabulary [0, {vocab_size})")
         if params.num_sequences > self.config.max_num_seqs:
             raise ValueError(f"n / beam_width={params.num_sequences} exceeds max_num_seqs={self.config.max_num_seqs}")
         seq_id = self.scheduler.add_request(request_id, prompt_token_ids)

@@ -103,7 +103,7 @@ class RequestState:
         if not found:
             return False
         position, stop = min(found)
-        seq.text = seq.text[:position]
+        seq.text = seq.text[: position + (len(stop) if self.params.include_stop_str_in_output else 0)]
         seq.finish_reason, seq.stop_reason = "stop", stop
         return True
 
@@ -112,7 +112,10 @@ class RequestState:
         if not seq.finished:
             seq.text = detokenize_incrementally(tokenizer, seq.output_token_ids, seq.detokenizer, skip_special_tokens)
         elif not isinstance(seq.stop_reason, str):  # (a stop string cut the text already)
-            seq.text = detokenize_final(tokenizer, seq.output_token_ids, seq.detokenizer, skip_special_tokens)
+            token_ids = seq.output_token_ids
+            if seq.finish_reason == "stop" and not self.params.include_stop_str_in_output:
+                token_ids = token_ids[:-1]  # as in vLLM, the stop token or EOS is not part of the text
+            seq.text = detokenize_final(tokenizer, token_ids, seq.detokenizer, skip_special_tokens)
         return CompletionOutput(
             index=seq.index,
             text=seq.text,

@@ -30,10 +30,12 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: Optional[dict[int, float]] = None  # token id -> value added to its logit, in [-100, 100]
     use_beam_search: bool = False
     beam_width: Optional[int] = None
     length_penalty: float = 1.0
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # keep the stop string or stop token's text at the end
     output_kind: str = "cumulative"  # "final_only": LLMEngine.step reports the request only when it finishes
 
     def __post_init__(self) -> None:
@@ -41,6 +43,7 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
         if self.beam_width is None:
             self.beam_width = self.n
         self._validate()
@@ -71,6 +74,13 @@ class SamplingParams:
             fail("frequency_penalty", self.frequency_penalty, "in [-2, 2]")
         if self.repetition_penalty <= 0:
             fail("repetition_penalty", self.repetition_penalty, "> 0")
+        if any(not isinstance(token_id, int) or token_id < 0 for token_id in self.stop_token_ids):
+            fail("stop_token_ids", self.stop_token_ids, "a list of token ids (integers >= 0)")
+        for token_id, bias in (self.logit_bias or {}).items():
+            if not isinstance(token_id, int) or token_id < 0:
+                fail("logit_bias", token_id, "keyed by token ids (integers >= 0)")
+            if not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+                fail("logit_bias", bias, f"a number in [-100, 100] (token {token_id})")
         if self.seed is not None and not isinstance(self.seed, int):
             fail("seed", self.seed, "an integer")
         if any(not isinstance(s, str) or not s for s in self.stop):

@@ -1,4 +1,4 @@
-"""Sampler: logits -> next tokens with temperature, top-k, top-p, min-p, penalties, min_tokens,
+"""Sampler: logits -> next tokens with temperature, top-k, top-p, min-p, logit bias, penalties, min_tokens,
 per-request seeds and logprobs. Every row is sampled in one batch whatever its settings: a
 per-row loop costs a few kernel launches (on the CPU, a pass over the vocabulary) per row."""
 
@@ -78,6 +78,9 @@ class Sampler:
     @staticmethod
     def _apply_penalties_and_masks(logits: torch.Tensor, row: SamplingRow) -> None:
         params = row.params
+        if params.logit_bias:
+            ids = torch.tensor(list(params.logit_bias), device=logits.device)
+            logits[ids] += torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype, device=logits.device)
         if params.repetition_penalty != 1.0:
             seen = torch.tensor(sorted(set(row.prompt_token_ids) | set(row.output_token_ids)), device=logits.device)
             values = logits[seen]
@@ -94,7 +97,7 @@ class Sampler:
 def _changes_logits(row: SamplingRow) -> bool:
     """Whether `_apply_penalties_and_masks` would change this row's logits."""
     params = row.params
-    if params.repetition_penalty != 1.0:
+    if params.logit_bias or params.repetition_penalty != 1.0:
         return True
     if (params.presence_penalty or params.frequency_penalty) and row.output_token_ids:
         return True

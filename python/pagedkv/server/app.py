@@ -1,11 +1,12 @@
 """The FastAPI application: /v1/completions, /v1/chat/completions (with SSE streaming),
-/v1/models, /health, /metrics, and OpenAI-shaped errors."""
+/v1/models, /health, /metrics, vLLM's /tokenize, /detokenize and /version, and OpenAI-shaped
+errors."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import signal
 import time
@@ -17,15 +18,20 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pagedkv import __version__
 from pagedkv.config import EngineConfig
 from pagedkv.engine import LLMEngine
 from pagedkv.errors import DuplicateRequestError, OverloadedError, PromptTooLongError
 from pagedkv.outputs import RequestOutput
 from pagedkv.server.engine_loop import EngineLoop
 from pagedkv.server.metrics import ServerMetrics
-from pagedkv.server.protocol import ChatCompletionRequest, CompletionRequest
+from pagedkv.server.responses import ResponseBuilder
+from pagedkv.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 logger = logging.getLogger("pagedkv.server")
+
+# Engine ValueErrors that start with one of these name a sampling field; others are about the prompt.
+SAMPLING_FIELDS = frozenset({"logit_bias", "stop_token_ids", "n"})
 
 
 class APIError(Exception):
@@ -42,6 +48,7 @@ def error_response(status: int, message: str, type_: str, param=None, code=None,
 def create_app(engine: LLMEngine, served_model_name: Optional[str] = None) -> FastAPI:
     """The app around an engine; the engine loop runs for the app's lifetime."""
     model_name = served_model_name or engine.model_name
+    responses = ResponseBuilder(engine.tokenizer, model_name)
     state: dict = {}
 
     @asynccontextmanager
@@ -87,8 +94,12 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None) -> Fa
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
+        if body.echo and body.logprobs is not None:
+            raise APIError(400, "echo with logprobs needs prompt logprobs, which pagedkv does not compute",
+                           "invalid_request_error", "echo")
         params = make_params(lambda: body.sampling_params(body.logprobs, 16))
-        return await run(request, body.prompt, params, body, chat=False)
+        prompts = make_params(body.prompts)
+        return await run(request, prompts, params, body, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -97,12 +108,39 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None) -> Fa
             body.max_tokens = body.max_completion_tokens
         default_max = max(1, engine.max_model_len // 2)
         params = make_params(lambda: body.sampling_params(body.chat_logprobs(), default_max))
-        messages = [{"role": message.role, "content": message.text()} for message in body.messages]
+        return await run(request, [chat_prompt(body.messages, True)], params, body, chat=True)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages", "invalid_request_error", "prompt")
+        if body.messages is not None:
+            text = chat_prompt(body.messages, body.add_generation_prompt)
+        else:
+            text = body.prompt
+        tokens = engine.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+        return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        check_model(body.model)
+        vocab_size = engine.runner.vocab_size
+        if any(not 0 <= token < vocab_size for token in body.tokens):
+            raise APIError(400, f"tokens must be token ids in [0, {vocab_size})", "invalid_request_error", "tokens")
+        return {"prompt": engine.tokenizer.decode(body.tokens)}
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    def chat_prompt(messages, add_generation_prompt: bool) -> str:
+        turns = [{"role": message.role, "content": message.text()} for message in messages]
         try:
-            prompt = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return engine.tokenizer.apply_chat_template(
+                turns, tokenize=False, add_generation_prompt=add_generation_prompt)
         except Exception as error:
             raise APIError(400, f"messages: cannot apply the chat template: {error}", "invalid_request_error", "messages")
-        return await run(request, prompt, params, body, chat=True)
 
     def check_model(name: Optional[str]) -> None:
         if name is not None and name != model_name:
@@ -116,37 +154,75 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None) -> Fa
             field = str(error).split(" ", 1)[0]
             raise APIError(400, str(error), "invalid_request_error", field)
 
-    async def run(request: Request, prompt, params, body, chat: bool):
+    async def run(request: Request, prompts: list, params, body, chat: bool):
+        """Queues one engine request per prompt (all or none) and answers with their choices."""
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        request_ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         if not body.stream:  # only the final output is sent: spare the engine per-step detokenizing
             params = dataclasses.replace(params, output_kind="final_only")
         try:
-            outputs = await state["loop"].submit(request_id, prompt, params)
-        except PromptTooLongError as error:
-            raise APIError(400, str(error), "invalid_request_error", "messages" if chat else "prompt",
-                           "context_length_exceeded")
-        except OverloadedError as error:
-            raise APIError(503, str(error), "server_overloaded", None, "overloaded", {"Retry-After": "1"})
-        except DuplicateRequestError as error:
-            raise APIError(409, str(error), "invalid_request_error")
-        except ValueError as error:
-            raise APIError(400, str(error), "invalid_request_error", "prompt")
+            queues = await state["loop"].submit_all(list(zip(request_ids, prompts)), params)
+        except Exception as error:
+            raise submit_error(error, chat) from error
         created = int(time.time())
+        echo = bool(getattr(body, "echo", False))
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
-            chunks = stream_chunks(request_id, outputs, created, chat, include_usage, params.n)
-            return StreamingResponse(guarded(request_id, chunks), media_type="text/event-stream")
-        final = None
+            chunks = responses.stream_chunks(request_id, merged(queues), len(queues), created, chat, include_usage,
+                                             params.n, echo)
+            return StreamingResponse(guarded(request_ids, chunks), media_type="text/event-stream")
+        finals: list[Optional[RequestOutput]] = [None] * len(queues)
         try:
-            while final is None or not final.finished:
-                final = await next_output(outputs)
+            for i, queue in enumerate(queues):
+                while finals[i] is None or not finals[i].finished:
+                    finals[i] = await next_output(queue)
         finally:
-            if final is None or not final.finished:
-                state["loop"].abort(request_id)
-        return full_response(request_id, final, created, chat)
+            for sub_id, final in zip(request_ids, finals):
+                if final is None or not final.finished:
+                    state["loop"].abort(sub_id)
+        return responses.full_response(request_id, finals, created, chat, params.n, echo)
 
-    async def guarded(request_id: str, chunks: AsyncIterator[str]):
-        """Aborts the request (freeing its blocks) if the client goes away mid-stream."""
+    def submit_error(error: Exception, chat: bool) -> Exception:
+        if isinstance(error, PromptTooLongError):
+            return APIError(400, str(error), "invalid_request_error", "messages" if chat else "prompt",
+                            "context_length_exceeded")
+        if isinstance(error, OverloadedError):
+            return APIError(503, str(error), "server_overloaded", None, "overloaded", {"Retry-After": "1"})
+        if isinstance(error, DuplicateRequestError):
+            return APIError(409, str(error), "invalid_request_error")
+        if isinstance(error, ValueError):
+            message = str(error)
+            field = message.split(" ", 1)[0]
+            return APIError(400, message, "invalid_request_error", field if field in SAMPLING_FIELDS else "prompt")
+        return error
+
+    async def merged(queues: list) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, output) from every request's queue as they arrive."""
+        if len(queues) == 1:
+            while True:
+                yield 0, await next_output(queues[0])
+        combined: asyncio.Queue = asyncio.Queue()
+
+        async def forward(index: int, queue) -> None:
+            while True:
+                item = await queue.get()
+                await combined.put((index, item))
+                if isinstance(item, Exception) or item.finished:
+                    return
+
+        tasks = [asyncio.create_task(forward(i, queue)) for i, queue in enumerate(queues)]
+        try:
+            while True:
+                index, item = await combined.get()
+                if isinstance(item, Exception):
+                    raise APIError(500, str(item), "server_error")
+                yield index, item
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def guarded(request_ids: list[str], chunks: AsyncIterator[str]):
+        """Aborts the requests (freeing their blocks) if the client goes away mid-stream."""
         finished = False
         try:
             async for chunk in chunks:
@@ -154,7 +230,8 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None) -> Fa
             finished = True
         finally:
             if not finished:
-                state["loop"].abort(request_id)
+                for sub_id in request_ids:
+                    state["loop"].abort(sub_id)
 
     async def next_output(outputs) -> RequestOutput:
         item = await outputs.get()
@@ -162,86 +239,7 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None) -> Fa
             raise APIError(500, str(item), "server_error")
         return item
 
-    async def stream_chunks(request_id, outputs, created, chat, include_usage, num_choices):
-        sent: dict[int, int] = {}
-        kind = "chat.completion.chunk" if chat else "text_completion"
-        if chat:
-            first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-                     for i in range(num_choices)]
-            yield sse({"id": request_id, "object": kind, "created": created, "model": model_name, "choices": first})
-        while True:
-            output = await next_output(outputs)
-            choices = []
-            for completion in output.outputs:
-                text = completion.text
-                delta = text[sent.get(completion.index, 0):]
-                sent[completion.index] = len(text)
-                if not delta and completion.finish_reason is None:
-                    continue
-                if chat:
-                    choices.append({"index": completion.index, "delta": {"content": delta} if delta else {},
-                                    "finish_reason": completion.finish_reason})
-                else:
-                    choices.append({"index": completion.index, "text": delta, "logprobs": None,
-                                    "finish_reason": completion.finish_reason})
-            if choices:
-                yield sse({"id": request_id, "object": kind, "created": created, "model": model_name, "choices": choices})
-            if output.finished:
-                if include_usage:
-                    yield sse({"id": request_id, "object": kind, "created": created, "model": model_name,
-                               "choices": [], "usage": usage(output)})
-                yield "data: [DONE]\n\n"
-                return
-
-    def full_response(request_id: str, output: RequestOutput, created: int, chat: bool) -> dict:
-        choices = []
-        for completion in output.outputs:
-            if chat:
-                choice = {"index": completion.index, "message": {"role": "assistant", "content": completion.text},
-                          "finish_reason": completion.finish_reason, "logprobs": chat_logprobs(completion)}
-            else:
-                choice = {"index": completion.index, "text": completion.text,
-                          "finish_reason": completion.finish_reason, "logprobs": completion_logprobs(completion)}
-            choices.append(choice)
-        return {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": created,
-                "model": model_name, "choices": choices, "usage": usage(output)}
-
-    def completion_logprobs(completion):
-        if completion.logprobs is None:
-            return None
-        tokenizer = engine.tokenizer
-        tokens = [tokenizer.decode([t]) for t in completion.token_ids]
-        return {
-            "tokens": tokens,
-            "token_logprobs": [entry.get(t) for entry, t in zip(completion.logprobs, completion.token_ids)],
-            "top_logprobs": [{tokenizer.decode([t]): lp for t, lp in entry.items()} for entry in completion.logprobs],
-            "text_offset": [sum(len(x) for x in tokens[:i]) for i in range(len(tokens))],
-        }
-
-    def chat_logprobs(completion):
-        if completion.logprobs is None:
-            return None
-        decode = engine.tokenizer.decode
-        content = []
-        for entry, token in zip(completion.logprobs, completion.token_ids):
-            content.append({
-                "token": decode([token]),
-                "logprob": entry.get(token),
-                "top_logprobs": [{"token": decode([t]), "logprob": lp} for t, lp in entry.items() if t != token],
-            })
-        return {"content": content}
-
-    def usage(output: RequestOutput) -> dict:
-        completion_tokens = sum(len(c.token_ids) for c in output.outputs)
-        prompt_tokens = len(output.prompt_token_ids)
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens}
-
     return app
-
-
-def sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload)}\n\n"
 
 
 def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, served_model_name=None) -> int:

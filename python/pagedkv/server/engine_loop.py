@@ -48,14 +48,16 @@ class EngineLoop:
         self._commands.put(("wake",))
         self._thread.join(timeout)
 
-    async def submit(self, request_id: str, prompt, params: SamplingParams) -> asyncio.Queue:
-        """Queues a request; raises what `engine.add_request` raises (PromptTooLongError, ...)."""
+    async def submit_all(self, requests: list[tuple[str, object]], params: SamplingParams) -> list[asyncio.Queue]:
+        """Queues (request_id, prompt) pairs all or none: if one is refused, none runs and its
+        error (what `engine.add_request` raises: PromptTooLongError, ...) is raised. One output
+        queue per request."""
         loop = asyncio.get_running_loop()
         accepted = loop.create_future()
-        outputs: asyncio.Queue = asyncio.Queue()
-        self._commands.put(("add", request_id, prompt, params, _Stream(loop, outputs), accepted))
+        streams = [(request_id, prompt, _Stream(loop, asyncio.Queue())) for request_id, prompt in requests]
+        self._commands.put(("add", streams, params, accepted))
         await accepted
-        return outputs
+        return [stream.outputs for _, _, stream in streams]
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
@@ -96,14 +98,20 @@ class EngineLoop:
     def _execute(self, command) -> None:
         kind = command[0]
         if kind == "add":
-            _, request_id, prompt, params, stream, accepted = command
+            _, streams, params, accepted = command
+            added: list[str] = []
             try:
-                self.engine.add_request(request_id, prompt, params)
+                for request_id, prompt, _ in streams:
+                    self.engine.add_request(request_id, prompt, params)
+                    added.append(request_id)
             except Exception as error:  # handed back to the HTTP handler, which maps it to a status
-                stream.loop.call_soon_threadsafe(_set_exception, accepted, error)
+                for request_id in added:  # (no step ran in between: they never started)
+                    self.engine.abort(request_id)
+                accepted.get_loop().call_soon_threadsafe(_set_exception, accepted, error)
                 return
-            self._streams[request_id] = stream
-            stream.loop.call_soon_threadsafe(_set_result, accepted)
+            for request_id, _, stream in streams:
+                self._streams[request_id] = stream
+            accepted.get_loop().call_soon_threadsafe(_set_result, accepted)
         elif kind == "abort":
             request_id = command[1]
             self.engine.abort(request_id)

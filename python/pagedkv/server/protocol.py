@@ -21,27 +21,70 @@ class _Sampling(BaseModel):
     seed: Optional[int] = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: Optional[dict[str, float]] = None  # token id (as a string) -> bias in [-100, 100]
     stream: bool = False
     stream_options: Optional[dict] = None
     user: Optional[str] = None
+    # vLLM's extra sampling parameters (the openai client sends them through `extra_body`).
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
     def sampling_params(self, logprobs: Optional[int], default_max_tokens: int) -> SamplingParams:
+        """Raises ValueError naming the field (first word of the message) for invalid values."""
         return SamplingParams(
             n=self.n,
             temperature=self.temperature,
             top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
             stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
             seed=self.seed,
             max_tokens=default_max_tokens if self.max_tokens is None else self.max_tokens,
+            min_tokens=self.min_tokens,
+            ignore_eos=self.ignore_eos,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=self.token_logit_bias(),
             logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            use_beam_search=self.use_beam_search,
+            length_penalty=self.length_penalty,
         )
+
+    def token_logit_bias(self) -> Optional[dict[int, float]]:
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(token_id): bias for token_id, bias in self.logit_bias.items()}
+        except ValueError:
+            raise ValueError(f"logit_bias must be keyed by token ids, got {list(self.logit_bias)!r}") from None
 
 
 class CompletionRequest(_Sampling):
-    prompt: Union[str, list[int]]
+    # One prompt (text or token ids) or a batch of them: choice i * n + j is sample j of prompt i.
+    prompt: Union[str, list[str], list[int], list[list[int]]]
     logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    echo: bool = False  # prepend the prompt to each choice's text
+
+    def prompts(self) -> list[Union[str, list[int]]]:
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        if not self.prompt:
+            raise ValueError("prompt must not be empty")
+        if isinstance(self.prompt[0], int):
+            return [self.prompt]  # type: ignore[list-item]
+        return list(self.prompt)  # type: ignore[arg-type]
 
 
 class ChatMessage(BaseModel):
@@ -64,3 +107,22 @@ class ChatCompletionRequest(_Sampling):
 
     def chat_logprobs(self) -> Optional[int]:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a completion prompt, or chat messages rendered by the chat template."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: Optional[str] = None
+    tokens: list[int]
