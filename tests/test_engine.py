@@ -122,6 +122,30 @@ def test_same_outputs_under_preemption(mode, prompts, hf_references):
     assert_all_blocks_free(llm.engine)
 
 
+def test_prompt_logprobs_match_hf_across_chunks_despite_the_prefix_cache(hf_model, prompts):
+    llm = LLM(dtype="float32", num_device_blocks=512, max_model_len=1024, enable_prefix_caching=True,
+              max_num_batched_tokens=48)
+    long_prompt, short_prompt = prompts[5], prompts[1]
+    llm.generate([long_prompt], greedy(2), use_tqdm=False)  # its blocks are now in the prefix cache
+    hits_before = llm.engine.stats()["prefix_cache_hits"]
+    scored, plain = llm.generate([long_prompt, short_prompt], [greedy(2, prompt_logprobs=3), greedy(2)], use_tqdm=False)
+    assert llm.engine.stats()["prefix_cache_hits"] == hits_before  # a scored prompt is computed whole
+    assert plain.prompt_logprobs is None
+    token_ids = scored.prompt_token_ids
+    assert len(token_ids) > 3 * 48  # prefilled in several chunks
+    with torch.inference_mode():
+        expected = torch.log_softmax(hf_model(torch.tensor([token_ids])).logits[0].float(), -1)
+    entries = scored.prompt_logprobs
+    assert len(entries) == len(token_ids) and entries[0] is None
+    for position in range(1, len(token_ids)):
+        entry, row = entries[position], expected[position - 1]
+        assert entry[token_ids[position]] == pytest.approx(row[token_ids[position]].item(), abs=2e-3), position
+        top_ids = row.topk(3).indices.tolist()
+        assert set(entry) == set(top_ids) | {token_ids[position]}
+        assert [entry[t] for t in top_ids] == pytest.approx(row[top_ids].tolist(), abs=2e-3)
+    assert_all_blocks_free(llm.engine)
+
+
 def peak_device_blocks(llm, prompt, params_list):
     engine = llm.engine
     for index, params in enumerate(params_list):

@@ -189,6 +189,32 @@ def test_batched_prompts_echo_and_streamed_logprobs(client, server):
     assert streamed_echo == [c.text for c in echoed.choices]
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(client, server):
+    """lm-evaluation-harness's loglikelihood request: token prompts, echo, logprobs=1, max_tokens=1."""
+    model = server.engine.model_name
+    prompts = [tokenize(server, "The capital of France is Paris"), tokenize(server, "Two plus two is four")]
+    out = client.completions.create(model=model, prompt=prompts, max_tokens=1, temperature=0, logprobs=1, echo=True)
+    for choice, token_ids in zip(out.choices, prompts):
+        logprobs = choice.logprobs
+        assert len(logprobs.tokens) == len(token_ids) + 1 and logprobs.token_logprobs[0] is None
+        assert all(value <= 0 for value in logprobs.token_logprobs[1:])
+        assert logprobs.text_offset[0] == 0 and logprobs.text_offset == sorted(logprobs.text_offset)
+        # The last prompt token's score equals the sampler's logprob for it after the shorter
+        # prompt (forced there by logit_bias; logprobs are under the unbiased distribution).
+        forced = client.completions.create(model=model, prompt=token_ids[:-1], max_tokens=1, temperature=0,
+                                           logprobs=0, logit_bias={str(token_ids[-1]): 100})
+        assert forced.choices[0].logprobs.token_logprobs[0] == pytest.approx(
+            logprobs.token_logprobs[len(token_ids) - 1], abs=1e-3)
+    streamed = []
+    for chunk in client.completions.create(model=model, prompt=prompts[0], max_tokens=1, temperature=0, logprobs=1,
+                                           echo=True, stream=True):
+        for choice in chunk.choices:
+            if choice.logprobs is not None:
+                streamed += choice.logprobs.token_logprobs
+    assert streamed[0] is None
+    assert streamed[1:] == pytest.approx(out.choices[0].logprobs.token_logprobs[1:], abs=1e-4)
+
+
 def test_chat_streams_logprobs(client, server):
     args = dict(model=server.engine.model_name, messages=[{"role": "user", "content": "Name a fruit."}],
                 max_tokens=8, temperature=0, logprobs=True, top_logprobs=2)
@@ -223,7 +249,6 @@ def test_a_batch_with_a_bad_prompt_queues_nothing(server):
         ({"prompt": "hi", "logit_bias": {"99999999": 1}}, "logit_bias"),
         ({"prompt": "hi", "stop_token_ids": [99999999], "min_tokens": 2}, "stop_token_ids"),
         ({"prompt": "hi", "top_k": -7}, "top_k"),
-        ({"prompt": "hi", "echo": True, "logprobs": 1}, "echo"),
     ],
 )
 def test_bad_requests_get_400_with_the_error_json(server, body, param):

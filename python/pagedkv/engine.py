@@ -42,6 +42,7 @@ class LLMEngine:
         self.requests: dict[str, RequestState] = {}
         self.seq_owner: dict[int, tuple[RequestState, SequenceState]] = {}
         self.num_finished_by_reason: dict[str, int] = {}
+        self._num_uncached_prompts = 0
         logger.info(
             "engine ready: model=%s device=%s blocks device=%d cpu=%d block_size=%d max_model_len=%d",
             self.model_name,
@@ -103,7 +104,13 @@ class LLMEngine:
                 raise ValueError(f"{name} names token ids outside the vocabulary [0, {vocab_size})")
         if params.num_sequences > self.config.max_num_seqs:
             raise ValueError(f"n / beam_width={params.num_sequences} exceeds max_num_seqs={self.config.max_num_seqs}")
-        seq_id = self.scheduler.add_request(request_id, prompt_token_ids)
+        extra_key = None
+        if params.prompt_logprobs is not None:
+            # Every prompt token must be computed to be scored: a key of its own keeps the prefix
+            # cache from serving this prompt (a recompute after preemption still reuses its blocks).
+            self._num_uncached_prompts += 1
+            extra_key = (1 << 63) | self._num_uncached_prompts
+        seq_id = self.scheduler.add_request(request_id, prompt_token_ids, extra_key)
         metrics = RequestMetrics(arrival_time=arrival_time or time.monotonic(), num_prompt_tokens=len(prompt_token_ids))
         first = SequenceState(seq_id=seq_id, index=0, generator=self._generator(params, 0))
         request = RequestState(request_id, prompt_text, prompt_token_ids, params, metrics, [first])
@@ -176,7 +183,12 @@ class LLMEngine:
                 if request.metrics.first_scheduled_time is None:
                     request.metrics.first_scheduled_time = now
                     request.metrics.num_prefix_hit_tokens = item.start
-            logits = self.runner.execute(plan)
+            scored = frozenset(item.seq_id for item in scheduled if self.seq_owner[item.seq_id][0].needs_prompt_logprobs)
+            logits, prompt_logits = self.runner.execute(plan, scored)
+            for item in scheduled:
+                if item.seq_id in prompt_logits:
+                    request = self.seq_owner[item.seq_id][0]
+                    request.record_prompt_logprobs(item.start, prompt_logits[item.seq_id])
             sampled = [item for item in scheduled if item.sample]
             self._process_samples(sampled, logits, touched)
 

@@ -53,4 +53,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    # With SamplingParams.prompt_logprobs: per prompt token {token_id: logprob} of the top-k
+    # candidates plus the actual token; None for the first token (nothing predicts it).
+    prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=0.0))

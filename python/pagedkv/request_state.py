@@ -6,6 +6,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+import torch
+
 from pagedkv.detokenizer import DetokenizerState, detokenize_final, detokenize_incrementally
 from pagedkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedkv.sampling_params import SamplingParams
@@ -46,6 +48,35 @@ class RequestState:
     forked: bool = False  # n > 1: children are forked at the first sampled token
     beam_search: object = None  # BeamSearch of a beam-search request
     final_outputs: Optional[list[CompletionOutput]] = None
+    prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None  # filled chunk by chunk
+
+    def __post_init__(self) -> None:
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
+
+    def record_prompt_logprobs(self, start: int, logits: torch.Tensor) -> None:
+        """`logits` [tokens, vocab] of positions start.. of a prefill chunk; row r predicts token
+        start + r + 1. Records the prompt tokens not recorded yet (a recomputed prefill repeats some)."""
+        prompt = self.prompt_token_ids
+        first = len(self.prompt_logprobs)  # next prompt token to record
+        low, high = first - 1 - start, min(len(prompt) - 1 - start, logits.shape[0])
+        if low < 0 or high <= low:  # nothing new here (a gap cannot happen: such prompts skip the prefix cache)
+            return
+        targets = torch.tensor(prompt[first : first + high - low], device=logits.device)
+        logprobs = torch.log_softmax(logits[low:high].float(), dim=-1)
+        chosen = logprobs.gather(1, targets[:, None]).squeeze(1).tolist()
+        top = self.params.prompt_logprobs
+        if top:
+            top_values, top_ids = logprobs.topk(top, dim=-1)
+            top_values, top_ids = top_values.tolist(), top_ids.tolist()
+        for row, (target, value) in enumerate(zip(targets.tolist(), chosen)):
+            entry = dict(zip(top_ids[row], top_values[row])) if top else {}
+            entry[target] = value
+            self.prompt_logprobs.append(entry)
 
     @property
     def finished(self) -> bool:
@@ -138,4 +169,5 @@ class RequestState:
             outputs=outputs,
             finished=self.finished,
             metrics=self.metrics,
+            prompt_logprobs=None if self.needs_prompt_logprobs else self.prompt_logprobs,
         )

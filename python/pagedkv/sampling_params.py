@@ -27,6 +27,7 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: Optional[int] = None  # number of top candidates to report per token
+    prompt_logprobs: Optional[int] = None  # the same for each prompt token (its prefix is then computed, not cached)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -68,6 +69,10 @@ class SamplingParams:
             fail("min_tokens", self.min_tokens, f"an integer in [0, max_tokens={self.max_tokens}]")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             fail("logprobs", self.logprobs, "an integer in [0, 20]")
+        if self.prompt_logprobs is not None and (
+            not isinstance(self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= 20
+        ):
+            fail("prompt_logprobs", self.prompt_logprobs, "an integer in [0, 20]")
         if not -2 <= self.presence_penalty <= 2:
             fail("presence_penalty", self.presence_penalty, "in [-2, 2]")
         if not -2 <= self.frequency_penalty <= 2:

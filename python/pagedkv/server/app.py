@@ -94,10 +94,7 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None) -> Fa
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
-        if body.echo and body.logprobs is not None:
-            raise APIError(400, "echo with logprobs needs prompt logprobs, which pagedkv does not compute",
-                           "invalid_request_error", "echo")
-        params = make_params(lambda: body.sampling_params(body.logprobs, 16))
+        params = make_params(body.completion_params)
         prompts = make_params(body.prompts)
         return await run(request, prompts, params, body, chat=False)
 

@@ -75,7 +75,13 @@ class CompletionRequest(_Sampling):
     # One prompt (text or token ids) or a batch of them: choice i * n + j is sample j of prompt i.
     prompt: Union[str, list[str], list[int], list[list[int]]]
     logprobs: Optional[int] = Field(default=None, ge=0, le=20)
-    echo: bool = False  # prepend the prompt to each choice's text
+    echo: bool = False  # prepend the prompt (and with logprobs, its tokens' logprobs) to each choice
+
+    def completion_params(self) -> SamplingParams:
+        params = self.sampling_params(self.logprobs, 16)
+        if self.echo and self.logprobs is not None:  # as in vLLM: the prompt's logprobs come first
+            params.prompt_logprobs = self.logprobs
+        return params
 
     def prompts(self) -> list[Union[str, list[int]]]:
         if isinstance(self.prompt, str):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import AsyncIterator
+from typing import AsyncIterator, Optional
 
 from pagedkv.outputs import RequestOutput
 
@@ -40,7 +40,8 @@ class ResponseBuilder:
                 index = prompt_index * n + completion.index
                 text = completion.text
                 delta = text[sent_text.get(index, 0):]
-                if echo and index not in sent_text:
+                first_chunk = index not in sent_text
+                if echo and first_chunk:
                     delta = self.prompt_text(output) + delta
                 if not delta and completion.finish_reason is None:
                     continue
@@ -51,9 +52,8 @@ class ResponseBuilder:
                                     "logprobs": self.chat_logprobs(completion, first_token),
                                     "finish_reason": completion.finish_reason})
                 else:
-                    offset = len(self.prompt_text(output)) if echo else 0
-                    choices.append({"index": index, "text": delta,
-                                    "logprobs": self.completion_logprobs(completion, first_token, offset),
+                    logprobs = self.completion_logprobs(output, completion, first_token, echo, echo and first_chunk)
+                    choices.append({"index": index, "text": delta, "logprobs": logprobs,
                                     "finish_reason": completion.finish_reason})
             if choices:
                 yield sse({"id": request_id, "object": kind, "created": created, "model": self.model_name, "choices": choices})
@@ -81,31 +81,37 @@ class ResponseBuilder:
                     choice = {"index": index, "message": {"role": "assistant", "content": completion.text},
                               "finish_reason": completion.finish_reason, "logprobs": self.chat_logprobs(completion)}
                 else:
-                    choice = {"index": index, "text": prefix + completion.text,
-                              "finish_reason": completion.finish_reason, "logprobs": self.completion_logprobs(completion)}
+                    choice = {"index": index, "text": prefix + completion.text, "finish_reason": completion.finish_reason,
+                              "logprobs": self.completion_logprobs(output, completion, 0, echo, echo)}
                 choices.append(choice)
         return {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": created,
                 "model": self.model_name, "choices": choices, "usage": self.usage(outputs)}
 
-    def completion_logprobs(self, completion, first_token: int = 0, text_offset: int = 0):
-        """OpenAI completion logprobs of tokens first_token.. of a completion whose text starts at text_offset."""
+    def completion_logprobs(self, output: RequestOutput, completion, first_token: int, echo: bool,
+                            with_prompt: bool) -> Optional[dict]:
+        """OpenAI completion logprobs of tokens first_token.. of a completion, after the prompt's
+        (from output.prompt_logprobs) when `with_prompt`. With `echo` the completion's text
+        offsets start after the prompt text."""
         if completion.logprobs is None:
             return None
-        tokenizer = self.tokenizer
-        token_ids = completion.token_ids[first_token:]
-        entries = completion.logprobs[first_token:]
-        tokens = [tokenizer.decode([t]) for t in token_ids]
-        start = text_offset + sum(len(tokenizer.decode([t])) for t in completion.token_ids[:first_token])
-        offsets = []
-        for token in tokens:
-            offsets.append(start)
-            start += len(token)
-        return {
-            "tokens": tokens,
-            "token_logprobs": [entry.get(t) for entry, t in zip(entries, token_ids)],
-            "top_logprobs": [{tokenizer.decode([t]): lp for t, lp in entry.items()} for entry in entries],
-            "text_offset": offsets,
-        }
+        decode = self.tokenizer.decode
+        parts: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+        def add(token_ids: list[int], entries: list, offset: int) -> None:
+            for token_id, entry in zip(token_ids, entries):
+                token = decode([token_id])
+                parts["tokens"].append(token)
+                parts["token_logprobs"].append(None if entry is None else entry.get(token_id))
+                parts["top_logprobs"].append(None if entry is None else {decode([t]): lp for t, lp in entry.items()})
+                parts["text_offset"].append(offset)
+                offset += len(token)
+
+        if with_prompt:
+            add(output.prompt_token_ids, output.prompt_logprobs, 0)
+        text_offset = len(self.prompt_text(output)) if echo else 0
+        text_offset += sum(len(decode([t])) for t in completion.token_ids[:first_token])
+        add(completion.token_ids[first_token:], completion.logprobs[first_token:], text_offset)
+        return parts
 
     def chat_logprobs(self, completion, first_token: int = 0):
         if completion.logprobs is None:
