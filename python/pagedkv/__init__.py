@@ -13,6 +13,7 @@ from pagedkv._core import (
 )
 from pagedkv.errors import (
     DuplicateRequestError,
+    EngineStoppedError,
     InvalidConfigError,
     InvalidStateError,
     OutOfBlocksError,
@@ -28,6 +29,7 @@ __version__ = "0.1.0"
 # The engine pulls in torch and transformers; import it only when asked for.
 _LAZY = {
     "LLM": "pagedkv.llm",
+    "AsyncLLM": "pagedkv.async_llm",
     "LLMEngine": "pagedkv.engine",
     "EngineConfig": "pagedkv.config",
     "SamplingParams": "pagedkv.sampling_params",
@@ -57,6 +59,7 @@ __all__ = [
     "UnknownRequestError",
     "UnknownSequenceError",
     "DuplicateRequestError",
+    "EngineStoppedError",
     "InvalidConfigError",
     "InvalidStateError",
     *_LAZY,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Optional
@@ -99,6 +100,15 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if self.is_cuda or cpu_has_native_bfloat16() else torch.float32
         return getattr(torch, self.dtype)
+
+
+def engine_config(model: Optional[str], options: dict) -> EngineConfig:
+    """EngineConfig(model=model, **options), with a TypeError listing the valid names for unknown ones."""
+    known = {field.name for field in dataclasses.fields(EngineConfig)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise TypeError(f"unknown engine options {unknown}; valid: {sorted(known)}")
+    return EngineConfig(model=model, **options)
 
 
 @functools.lru_cache(maxsize=None)

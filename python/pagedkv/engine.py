@@ -134,17 +134,23 @@ class LLMEngine:
         generator.manual_seed(params.seed * 1_000_003 + index)
         return generator
 
-    def abort(self, request_id: str) -> None:
-        """Drops a request and frees its blocks at once; unknown or finished ids are ignored."""
+    def abort(self, request_id: str) -> Optional[RequestOutput]:
+        """Drops a request and frees its blocks at once. Returns its last output, with
+        finish_reason "abort" on the sequences still running; None for unknown or finished ids."""
         request = self.requests.pop(request_id, None)
         if request is None:
-            return
+            return None
         try:
             self.scheduler.abort(request_id)
         except UnknownRequestError:
             pass
         self._forget(request)
         self._count_finish("abort")
+        for seq in request.seqs:
+            seq.finish_reason = seq.finish_reason or "abort"
+        request.forked = True  # (n > 1 before its first token: the one sequence stands for all)
+        request.metrics.finished_time = time.monotonic()
+        return request.to_output(self.tokenizer)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

@@ -42,3 +42,8 @@ class InvalidConfigError(PagedKVError, ValueError):
 
 class InvalidStateError(PagedKVError):
     """An operation was called in a state that does not allow it (e.g. appending to a swapped sequence)."""
+
+
+class EngineStoppedError(PagedKVError):
+    """The engine loop ended a request it could not finish: it was shut down, or a step failed
+    (Python-side only: AsyncLLM)."""

@@ -8,7 +8,7 @@ from typing import Optional, Sequence, Union
 
 from tqdm.auto import tqdm
 
-from pagedkv.config import EngineConfig
+from pagedkv.config import engine_config
 from pagedkv.engine import LLMEngine
 from pagedkv.errors import OverloadedError
 from pagedkv.outputs import RequestOutput
@@ -27,11 +27,7 @@ class LLM:
     """
 
     def __init__(self, model: Optional[str] = None, **engine_options):
-        known = {field.name for field in dataclasses.fields(EngineConfig)}
-        unknown = sorted(set(engine_options) - known)
-        if unknown:
-            raise TypeError(f"unknown engine options {unknown}; valid: {sorted(known)}")
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
+        self.engine = LLMEngine(engine_config(model, engine_options))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

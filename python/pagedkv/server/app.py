@@ -23,7 +23,7 @@ from pagedkv.config import EngineConfig
 from pagedkv.engine import LLMEngine
 from pagedkv.errors import DuplicateRequestError, OverloadedError, PromptTooLongError
 from pagedkv.outputs import RequestOutput
-from pagedkv.server.engine_loop import EngineLoop
+from pagedkv.engine_loop import EngineLoop
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.responses import ResponseBuilder
 from pagedkv.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest

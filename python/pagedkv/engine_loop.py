@@ -1,6 +1,7 @@
-"""One background thread owns the engine and steps it; HTTP handlers talk to it through a
-thread-safe command queue and receive outputs on their own asyncio queues. Requests from all
-connections are batched together by the scheduler (continuous batching)."""
+"""One background thread owns the engine and steps it; asyncio code (AsyncLLM, the HTTP
+handlers) talks to it through a thread-safe command queue and receives outputs on its own
+asyncio queues. Requests from all callers are batched together by the scheduler (continuous
+batching)."""
 
 from __future__ import annotations
 
@@ -113,9 +114,10 @@ class EngineLoop:
                 self._streams[request_id] = stream
             accepted.get_loop().call_soon_threadsafe(_set_result, accepted)
         elif kind == "abort":
-            request_id = command[1]
-            self.engine.abort(request_id)
-            self._streams.pop(request_id, None)
+            output = self.engine.abort(command[1])
+            if output is not None:
+                self._deliver(output)  # the stream ends with finish_reason "abort"
+            self._streams.pop(command[1], None)
             self.stats = self.engine.stats()
 
     def _deliver(self, output: RequestOutput) -> None:
