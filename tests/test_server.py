@@ -228,6 +228,27 @@ def test_chat_streams_logprobs(client, server):
     assert all(len(entry.top_logprobs) <= 2 for entry in streamed)
 
 
+def test_structured_outputs_through_response_format_and_guided_fields(client, server):
+    model = server.engine.model_name
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}}, "required": ["city"]}
+    reply = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Which city is the capital of France? Answer in JSON."}],
+        max_tokens=40, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
+    assert set(json.loads(reply.choices[0].message.content)) == {"city"}
+    picked = client.completions.create(model=model, prompt="Is the sky blue? Answer:", max_tokens=5, n=3,
+                                       temperature=1.0, seed=5, extra_body={"guided_choice": ["yes", "no"]})
+    assert {choice.text for choice in picked.choices} <= {"yes", "no"}
+    digits = client.completions.create(model=model, prompt="Pick a number:", max_tokens=8, temperature=0,
+                                       extra_body={"structured_outputs": {"regex": "[0-9]{2}"}})
+    assert re.fullmatch("[0-9]{2}", digits.choices[0].text)
+    for body, message in (({"guided_regex": "(unclosed"}, "structured_outputs regex is invalid"),
+                          ({"response_format": {"type": "xml"}}, "response_format"),
+                          ({"guided_regex": "a", "guided_choice": ["a"]}, "exactly one of")):
+        response = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", **body}, timeout=30)
+        assert response.status_code == 400 and message in response.json()["error"]["message"]
+
+
 def test_a_batch_with_a_bad_prompt_queues_nothing(server):
     body = {"prompt": ["Hello there", "word " * 600], "max_tokens": 50}
     response = httpx.post(server.url + "/v1/completions", json=body, timeout=30)

@@ -33,6 +33,7 @@ _LAZY = {
     "LLMEngine": "pagedkv.engine",
     "EngineConfig": "pagedkv.config",
     "SamplingParams": "pagedkv.sampling_params",
+    "StructuredOutputsParams": "pagedkv.structured_output",
     "RequestOutput": "pagedkv.outputs",
     "CompletionOutput": "pagedkv.outputs",
 }

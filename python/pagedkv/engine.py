@@ -18,6 +18,7 @@ from pagedkv.model_runner import ModelRunner
 from pagedkv.outputs import RequestMetrics, RequestOutput
 from pagedkv.request_state import RequestState, SequenceState
 from pagedkv.sampling_params import SamplingParams
+from pagedkv.structured_output import GrammarCompiler
 
 logger = logging.getLogger("pagedkv.engine")
 
@@ -43,6 +44,7 @@ class LLMEngine:
         self.seq_owner: dict[int, tuple[RequestState, SequenceState]] = {}
         self.num_finished_by_reason: dict[str, int] = {}
         self._num_uncached_prompts = 0
+        self._grammar_compiler: Optional[GrammarCompiler] = None  # built at the first structured-output request
         logger.info(
             "engine ready: model=%s device=%s blocks device=%d cpu=%d block_size=%d max_model_len=%d",
             self.model_name,
@@ -104,6 +106,7 @@ class LLMEngine:
                 raise ValueError(f"{name} names token ids outside the vocabulary [0, {vocab_size})")
         if params.num_sequences > self.config.max_num_seqs:
             raise ValueError(f"n / beam_width={params.num_sequences} exceeds max_num_seqs={self.config.max_num_seqs}")
+        matcher = self._matcher(params)  # (an invalid schema or grammar raises here, before queueing)
         extra_key = None
         if params.prompt_logprobs is not None:
             # Every prompt token must be computed to be scored: a key of its own keeps the prefix
@@ -112,7 +115,7 @@ class LLMEngine:
             extra_key = (1 << 63) | self._num_uncached_prompts
         seq_id = self.scheduler.add_request(request_id, prompt_token_ids, extra_key)
         metrics = RequestMetrics(arrival_time=arrival_time or time.monotonic(), num_prompt_tokens=len(prompt_token_ids))
-        first = SequenceState(seq_id=seq_id, index=0, generator=self._generator(params, 0))
+        first = SequenceState(seq_id=seq_id, index=0, generator=self._generator(params, 0), matcher=matcher)
         request = RequestState(request_id, prompt_text, prompt_token_ids, params, metrics, [first])
         if params.use_beam_search:
             request.beam_search = BeamSearch(
@@ -126,6 +129,14 @@ class LLMEngine:
             request.beam_search.running[seq_id] = ([], 0.0)
         self.requests[request_id] = request
         self.seq_owner[seq_id] = (request, first)
+
+    def _matcher(self, params: SamplingParams):
+        """A fresh grammar matcher for a structured-output request, else None."""
+        if params.structured_outputs is None:
+            return None
+        if self._grammar_compiler is None:
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.runner.vocab_size, self.eos_token_ids)
+        return self._grammar_compiler.matcher(params.structured_outputs)
 
     def _generator(self, params: SamplingParams, index: int) -> Optional[torch.Generator]:
         if params.seed is None:
@@ -262,7 +273,8 @@ class LLMEngine:
         children = []
         for index in range(1, request.params.n):
             child_id = self.scheduler.fork(parent.seq_id)
-            child = SequenceState(seq_id=child_id, index=index, generator=self._generator(request.params, index))
+            child = SequenceState(seq_id=child_id, index=index, generator=self._generator(request.params, index),
+                                  matcher=self._matcher(request.params))
             request.seqs.append(child)
             self.seq_owner[child_id] = (request, child)
             children.append(child)
@@ -276,6 +288,7 @@ class LLMEngine:
             output_token_ids=seq.output_token_ids,
             generator=seq.generator,
             eos_token_ids=self.eos_token_ids,
+            matcher=seq.matcher,
         )
 
     def _sync_beam_sequences(self, request: RequestState) -> None:

@@ -25,6 +25,7 @@ class SequenceState:
     finish_reason: Optional[str] = None
     stop_reason: Optional[object] = None
     generator: object = None  # torch.Generator of a seeded request
+    matcher: object = None  # xgrammar GrammarMatcher of a structured-output request
     text: str = ""
     detokenizer: DetokenizerState = field(default_factory=DetokenizerState)
     # Length of the text that has been checked for stop strings.
@@ -112,7 +113,9 @@ class RequestState:
 
         num_generated = len(seq.output_token_ids)
         may_stop = num_generated >= params.min_tokens
-        if may_stop and not params.ignore_eos and token_id in eos_token_ids:
+        if seq.matcher is not None and (not seq.matcher.accept_token(token_id) or seq.matcher.is_terminated()):
+            seq.finish_reason = "stop"  # the grammar is complete (only end-of-sequence tokens were allowed)
+        elif may_stop and not params.ignore_eos and token_id in eos_token_ids:
             seq.finish_reason = "stop"
         elif may_stop and token_id in params.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token_id

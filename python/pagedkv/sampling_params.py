@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+from pagedkv.structured_output import StructuredOutputsParams
+
 
 @dataclass
 class SamplingParams:
@@ -36,6 +38,7 @@ class SamplingParams:
     beam_width: Optional[int] = None
     length_penalty: float = 1.0
     skip_special_tokens: bool = True
+    structured_outputs: Optional[StructuredOutputsParams] = None  # a JSON schema, regex, choice or grammar to match
     include_stop_str_in_output: bool = False  # keep the stop string or stop token's text at the end
     output_kind: str = "cumulative"  # "final_only": LLMEngine.step reports the request only when it finishes
 
@@ -45,6 +48,8 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if self.beam_width is None:
             self.beam_width = self.n
         self._validate()
@@ -97,6 +102,8 @@ class SamplingParams:
                 fail("beam_width", self.beam_width, f"an integer >= n={self.n}")
             if self.temperature != 0 and self.temperature != 1.0:
                 fail("temperature", self.temperature, "0 with use_beam_search (beams are greedy)")
+            if self.structured_outputs is not None:
+                fail("structured_outputs", self.structured_outputs, "None with use_beam_search")
 
     @property
     def greedy(self) -> bool:

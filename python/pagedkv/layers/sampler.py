@@ -1,6 +1,7 @@
-"""Sampler: logits -> next tokens with temperature, top-k, top-p, min-p, logit bias, penalties, min_tokens,
-per-request seeds and logprobs. Every row is sampled in one batch whatever its settings: a
-per-row loop costs a few kernel launches (on the CPU, a pass over the vocabulary) per row."""
+"""Sampler: logits -> next tokens with temperature, top-k, top-p, min-p, logit bias, penalties,
+min_tokens, structured-output grammars, per-request seeds and logprobs. Every row is sampled in
+one batch whatever its settings: a per-row loop costs a few kernel launches (on the CPU, a pass
+over the vocabulary) per row."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Optional
 import torch
 
 from pagedkv.sampling_params import SamplingParams
+from pagedkv.structured_output import mask_disallowed_tokens
 
 
 @dataclass
@@ -22,6 +24,7 @@ class SamplingRow:
     output_token_ids: list[int]
     generator: Optional[torch.Generator]
     eos_token_ids: frozenset[int]
+    matcher: object = None  # xgrammar GrammarMatcher of a structured-output sequence
 
 
 @dataclass
@@ -44,6 +47,9 @@ class Sampler:
             logits = logits.clone()
             for i in adjusted:
                 self._apply_penalties_and_masks(logits[i], rows[i])
+            matchers = {i: rows[i].matcher for i in adjusted if rows[i].matcher is not None}
+            if matchers:
+                mask_disallowed_tokens(logits, matchers)
 
         greedy = [i for i, row in enumerate(rows) if row.params.temperature == 0]
         sampled = [i for i, row in enumerate(rows) if row.params.temperature != 0]
@@ -88,16 +94,16 @@ class Sampler:
         if (params.presence_penalty or params.frequency_penalty) and row.output_token_ids:
             ids, counts = torch.tensor(row.output_token_ids, device=logits.device).unique(return_counts=True)
             logits[ids] -= params.frequency_penalty * counts.to(logits.dtype) + params.presence_penalty
-        if len(row.output_token_ids) < params.min_tokens:
+        if len(row.output_token_ids) < params.min_tokens and row.matcher is None:  # (a grammar decides the end)
             banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(row.eos_token_ids))
             if banned:
                 logits[torch.tensor(sorted(banned), device=logits.device)] = float("-inf")
 
 
 def _changes_logits(row: SamplingRow) -> bool:
-    """Whether `_apply_penalties_and_masks` would change this row's logits."""
+    """Whether `_apply_penalties_and_masks` or a grammar would change this row's logits."""
     params = row.params
-    if params.logit_bias or params.repetition_penalty != 1.0:
+    if row.matcher is not None or params.logit_bias or params.repetition_penalty != 1.0:
         return True
     if (params.presence_penalty or params.frequency_penalty) and row.output_token_ids:
         return True

@@ -31,7 +31,7 @@ from pagedkv.server.protocol import ChatCompletionRequest, CompletionRequest, De
 logger = logging.getLogger("pagedkv.server")
 
 # Engine ValueErrors that start with one of these name a sampling field; others are about the prompt.
-SAMPLING_FIELDS = frozenset({"logit_bias", "stop_token_ids", "n"})
+SAMPLING_FIELDS = frozenset({"logit_bias", "stop_token_ids", "n", "structured_outputs"})
 
 
 class APIError(Exception):

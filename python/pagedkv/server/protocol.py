@@ -7,6 +7,7 @@ from typing import Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from pagedkv.sampling_params import SamplingParams
+from pagedkv.structured_output import StructuredOutputsParams
 
 
 class _Sampling(BaseModel):
@@ -36,6 +37,13 @@ class _Sampling(BaseModel):
     include_stop_str_in_output: bool = False
     use_beam_search: bool = False
     length_penalty: float = 1.0
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_* fields.
+    response_format: Optional[dict] = None
+    structured_outputs: Optional[dict] = None
+    guided_json: Optional[Union[str, dict]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
 
     def sampling_params(self, logprobs: Optional[int], default_max_tokens: int) -> SamplingParams:
         """Raises ValueError naming the field (first word of the message) for invalid values."""
@@ -60,7 +68,31 @@ class _Sampling(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             use_beam_search=self.use_beam_search,
             length_penalty=self.length_penalty,
+            structured_outputs=self.structured(),
         )
+
+    def structured(self) -> Optional[StructuredOutputsParams]:
+        given = dict(self.structured_outputs or {})
+        for name in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{name}")
+            if value is not None:
+                given[name] = value
+        kind = (self.response_format or {}).get("type", "text")
+        if kind == "json_object":
+            given["json_object"] = True
+        elif kind == "json_schema":
+            schema = (self.response_format.get("json_schema") or {}).get("schema")
+            if schema is None:
+                raise ValueError("response_format of type json_schema needs json_schema.schema")
+            given["json"] = schema
+        elif kind != "text":
+            raise ValueError(f"response_format type must be text, json_object or json_schema, got {kind!r}")
+        if not given:
+            return None
+        try:
+            return StructuredOutputsParams(**given)
+        except TypeError:
+            raise ValueError(f"structured_outputs has unknown fields: {sorted(given)}") from None
 
     def token_logit_bias(self) -> Optional[dict[int, float]]:
         if not self.logit_bias:

@@ -1,0 +1,113 @@
+"""Structured outputs: generation constrained to a JSON schema, any JSON, a regex, a choice of
+strings or an EBNF grammar, through xgrammar (the grammar engine vLLM uses).
+
+Each constrained sequence owns a `GrammarMatcher`; before sampling, the sampler masks every
+token its grammar does not allow next, and each sampled token advances the matcher. Once the
+grammar is complete only the end-of-sequence tokens are allowed, so the sequence stops there.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+
+@dataclass
+class StructuredOutputsParams:
+    """What the output must match (vLLM's `StructuredOutputsParams`); set exactly one field.
+
+    json: a JSON schema (dict or string); json_object: any JSON object; regex: a regular
+    expression the whole output matches; choice: one of these strings; grammar: an EBNF grammar
+    (llama.cpp's GBNF dialect) whose start rule is `root`.
+    """
+
+    json: Optional[Union[str, dict]] = None
+    json_object: bool = False
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of json, json_object, regex, choice, grammar; "
+                f"got {given or 'none'}"
+            )
+        if self.choice is not None and (
+            not self.choice or any(not isinstance(option, str) or not option for option in self.choice)
+        ):
+            raise ValueError(f"structured_outputs choice must be a non-empty list of non-empty strings, got {self.choice!r}")
+
+    def key(self) -> tuple:
+        """A hashable description of the constraint (compiled grammars are cached by it)."""
+        if self.json is not None:
+            schema = self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)
+            return ("json", schema)
+        if self.json_object:
+            return ("json_object",)
+        if self.regex is not None:
+            return ("regex", self.regex)
+        if self.choice is not None:
+            return ("choice", tuple(self.choice))
+        return ("grammar", self.grammar)
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer and hands out matchers. xgrammar is imported on
+    first use, so unconstrained serving does not need it."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int]):
+        try:
+            import xgrammar
+        except ImportError as error:
+            raise ImportError("structured outputs need xgrammar: pip install xgrammar") from error
+        self._xgr = xgrammar
+        info = xgrammar.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(eos_token_ids) or None
+        )
+        self._compiler = xgrammar.GrammarCompiler(info, max_threads=2)
+        self._compiled: dict[tuple, object] = {}
+
+    def matcher(self, params: StructuredOutputsParams):
+        """A fresh matcher at the start of the constraint. Raises ValueError naming
+        structured_outputs when the schema, regex or grammar is invalid."""
+        key = params.key()
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            try:
+                compiled = self._compile(params)
+            except Exception as error:  # xgrammar raises RuntimeError / its own errors on bad input
+                raise ValueError(f"structured_outputs {key[0]} is invalid: {error}") from None
+            self._compiled[key] = compiled
+        return self._xgr.GrammarMatcher(compiled)
+
+    def _compile(self, params: StructuredOutputsParams):
+        compiler = self._compiler
+        # Compact JSON: with free whitespace small models can loop on spaces and newlines.
+        if params.json is not None:
+            return compiler.compile_json_schema(params.json, any_whitespace=False)
+        if params.json_object:
+            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+        if params.regex is not None:
+            return compiler.compile_regex(params.regex)
+        if params.choice is not None:
+            return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(option) for option in params.choice))
+        return compiler.compile_grammar(params.grammar)
+
+
+
+def mask_disallowed_tokens(logits: torch.Tensor, matchers: dict[int, object]) -> None:
+    """Sets to -inf, in place, every logit of row i that matchers[i] does not allow next.
+    `logits` [rows, vocab] float32."""
+    import xgrammar
+
+    vocab_size = logits.shape[1]
+    bitmask = xgrammar.allocate_token_bitmask(logits.shape[0], vocab_size)
+    for row, matcher in matchers.items():
+        matcher.fill_next_token_bitmask(bitmask, row)
+    xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=vocab_size, indices=list(matchers))
