@@ -98,5 +98,7 @@ def test_shutdown_ends_running_streams_with_an_error():
         with pytest.raises(EngineStoppedError, match="shutting down"):
             async for _ in stream:
                 pass
+        with pytest.raises(EngineStoppedError, match="has stopped"):  # refused, not left waiting
+            await llm.generate("Hello").__anext__()
 
     asyncio.run(main())

@@ -120,6 +120,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return memory_main(args.rest) or 0
     scripts = {
         "throughput": "throughput.py",
+        "serving": "serving.py",
         "scheduler": "scheduler_py.py",
         "attention": "attention.py",
         "swap": "swap.py",
@@ -160,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_serve)
 
     bench = commands.add_parser("bench", help="run a benchmark")
-    bench.add_argument("which", choices=["memory", "throughput", "scheduler", "attention", "swap", "cpu-layers", "cpu-prefill"])
+    bench.add_argument("which", choices=["memory", "throughput", "serving", "scheduler", "attention", "swap", "cpu-layers", "cpu-prefill"])
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
     bench.set_defaults(func=cmd_bench)
     return parser

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from pagedkv.engine import LLMEngine
+from pagedkv.errors import EngineStoppedError
 from pagedkv.outputs import RequestOutput
 from pagedkv.sampling_params import SamplingParams
 
@@ -29,7 +30,7 @@ class _Stream:
 
 
 class EngineLoop:
-    """Drives `engine.step()` in a thread. `submit` and `abort` may be called from any thread."""
+    """Drives `engine.step()` in a thread. `submit_all` and `abort` may be called from any thread."""
 
     def __init__(self, engine: LLMEngine, metrics=None):
         self.engine = engine
@@ -38,6 +39,8 @@ class EngineLoop:
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._stopping = threading.Event()
+        self._closed = False  # set (under _lock) once the thread takes no more commands
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="pagedkv-engine", daemon=True)
 
     def start(self) -> None:
@@ -56,7 +59,10 @@ class EngineLoop:
         loop = asyncio.get_running_loop()
         accepted = loop.create_future()
         streams = [(request_id, prompt, _Stream(loop, asyncio.Queue())) for request_id, prompt in requests]
-        self._commands.put(("add", streams, params, accepted))
+        with self._lock:
+            if self._closed or self._stopping.is_set():
+                raise EngineStoppedError("the engine loop has stopped")
+            self._commands.put(("add", streams, params, accepted))
         await accepted
         return [stream.outputs for _, _, stream in streams]
 
@@ -80,6 +86,17 @@ class EngineLoop:
             for output in outputs:
                 self._deliver(output)
             self.stats = engine.stats()
+        with self._lock:
+            self._closed = True
+        while True:  # requests submitted while stopping are refused, not left waiting
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if command[0] == "add":
+                accepted = command[3]
+                accepted.get_loop().call_soon_threadsafe(
+                    _set_exception, accepted, EngineStoppedError("the engine loop has stopped"))
         for request_id in list(self._streams):
             self._finish_stream(request_id, error="server shutting down")
         self.stats = engine.stats()

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pagedkv import __version__
 from pagedkv.config import EngineConfig
 from pagedkv.engine import LLMEngine
-from pagedkv.errors import DuplicateRequestError, OverloadedError, PromptTooLongError
+from pagedkv.errors import DuplicateRequestError, EngineStoppedError, OverloadedError, PromptTooLongError
 from pagedkv.outputs import RequestOutput
 from pagedkv.engine_loop import EngineLoop
 from pagedkv.server.metrics import ServerMetrics
@@ -183,7 +183,7 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None) -> Fa
         if isinstance(error, PromptTooLongError):
             return APIError(400, str(error), "invalid_request_error", "messages" if chat else "prompt",
                             "context_length_exceeded")
-        if isinstance(error, OverloadedError):
+        if isinstance(error, (OverloadedError, EngineStoppedError)):
             return APIError(503, str(error), "server_overloaded", None, "overloaded", {"Retry-After": "1"})
         if isinstance(error, DuplicateRequestError):
             return APIError(409, str(error), "invalid_request_error")
