@@ -64,6 +64,20 @@ def test_models_health_and_metrics(server, client):
         assert name in text
 
 
+def test_token_counters_and_request_latency_histograms(client, server):
+    names = ("pagedkv_prompt_tokens_total", "pagedkv_generation_tokens_total",
+             "pagedkv_e2e_request_latency_seconds_count", "pagedkv_request_queue_time_seconds_count")
+    before = {name: server.metric(name) for name in names}
+    out = client.completions.create(model=server.engine.model_name, prompt="Count: one, two,", max_tokens=5, n=2,
+                                    temperature=0)
+    after = {name: server.metric(name) for name in names}
+    assert after["pagedkv_prompt_tokens_total"] - before["pagedkv_prompt_tokens_total"] == out.usage.prompt_tokens
+    assert (after["pagedkv_generation_tokens_total"] - before["pagedkv_generation_tokens_total"]
+            == out.usage.completion_tokens)
+    assert after["pagedkv_e2e_request_latency_seconds_count"] == before["pagedkv_e2e_request_latency_seconds_count"] + 1
+    assert after["pagedkv_request_queue_time_seconds_count"] == before["pagedkv_request_queue_time_seconds_count"] + 1
+
+
 def test_completions_streamed_equals_non_streamed(client, server):
     model = server.engine.model_name
     args = dict(model=model, prompt="The three primary colors are", max_tokens=24, temperature=0)

@@ -150,8 +150,7 @@ class EngineLoop:
                 self.metrics.inter_token_latency.observe((now - stream.last_token_time) / (num_tokens - stream.num_tokens))
             stream.last_token_time, stream.num_tokens = now, num_tokens
             if output.finished:
-                for completion in output.outputs:
-                    self.metrics.requests_finished.labels(completion.finish_reason or "abort").inc()
+                self.metrics.observe_finished(output)
         stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, output)
         if output.finished:
             self._streams.pop(output.request_id, None)
