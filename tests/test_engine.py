@@ -1,6 +1,7 @@
 """End-to-end engine tests on the embedded SmolLM2 (fp32, CPU) against HF transformers."""
 
 import importlib.util
+import re
 import os
 
 import pytest
@@ -280,3 +281,50 @@ def test_tiny_qwen2_with_qkv_bias_matches_hf(tmp_path):
 def smollm2_tokenizer_path():
     # The random Qwen2 has no tokenizer of its own; any tokenizer works for token-id prompts.
     return os.path.join(smollm2_dir(), GGUF_NAME)
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_every_feature_together_under_preemption(mode, prompts):
+    """Samples, beams, logprobs, prompt logprobs, stop strings, structured outputs and an abort
+    in one tight pool: each request gives what it gives in a roomy pool, and nothing leaks."""
+    from pagedkv import StructuredOutputsParams
+
+    short = [prompt for prompt in prompts if len(prompt) < 200]
+    requests = [
+        (short[0], greedy(24, prompt_logprobs=2, logprobs=1)),
+        (short[1], SamplingParams(temperature=0.8, seed=5, n=2, max_tokens=24)),
+        (short[2], greedy(24, use_beam_search=True, n=2)),
+        (short[3], greedy(40, structured_outputs=StructuredOutputsParams(regex="[a-z ]{10,30}"))),
+        (short[4], greedy(24, stop=["\n"], prompt_logprobs=0)),
+        (short[0], SamplingParams(temperature=1.0, seed=9, max_tokens=24, logprobs=2, top_p=0.9)),
+    ]
+
+    def run(**options):
+        llm = LLM(dtype="float32", max_model_len=192, **options)
+        engine = llm.engine
+        for index, (prompt, params) in enumerate(requests):
+            engine.add_request(f"r{index}", prompt, params)
+        engine.add_request("to-abort", short[1], greedy(100))
+        finished, steps = {}, 0
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    finished[output.request_id] = output
+            steps += 1
+            if steps == 6:
+                assert engine.abort("to-abort").outputs[0].finish_reason in ("abort", "stop", "length")
+        assert_all_blocks_free(engine)
+        return finished, engine.stats()
+
+    roomy, _ = run(num_device_blocks=256)
+    tight, stats = run(num_device_blocks=12, swap_space_bytes=64 << 20, preemption_mode=mode, watermark=0.0)
+    assert stats[f"num_preemptions_{mode}"] > 0
+    for index in range(len(requests)):
+        expected, got = roomy[f"r{index}"], tight[f"r{index}"]
+        assert [c.token_ids for c in got.outputs] == [c.token_ids for c in expected.outputs], index
+        assert [c.text for c in got.outputs] == [c.text for c in expected.outputs]
+        if expected.prompt_logprobs is not None:
+            assert len(got.prompt_logprobs) == len(got.prompt_token_ids)
+            for a, b in zip(got.prompt_logprobs[1:], expected.prompt_logprobs[1:]):
+                assert a.keys() == b.keys() and list(a.values()) == pytest.approx(list(b.values()), abs=1e-4)
+    assert re.fullmatch("[a-z ]{10,30}", tight["r3"].outputs[0].text)

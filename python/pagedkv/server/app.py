@@ -85,7 +85,8 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None) -> Fa
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "pagedkv"}]}
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "pagedkv",
+                                                    "max_model_len": engine.max_model_len}]}
 
     @app.get("/metrics")
     async def metrics():
