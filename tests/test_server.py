@@ -263,6 +263,73 @@ def test_structured_outputs_through_response_format_and_guided_fields(client, se
         assert response.status_code == 400 and message in response.json()["error"]["message"]
 
 
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather of a city",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"type": "string", "maxLength": 30}}, "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {
+    "zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"]}}}
+
+
+def test_tool_calls_for_a_named_or_required_tool_choice(client, server):
+    model = server.engine.model_name
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    named = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER, TIME], max_tokens=40,
+                                           temperature=0,
+                                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    message = named.choices[0].message
+    [call] = message.tool_calls
+    assert message.content is None and call.function.name == "get_weather" and call.id.startswith("call_")
+    assert isinstance(json.loads(call.function.arguments)["city"], str)
+    required = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER, TIME], max_tokens=60,
+                                              temperature=0.8, seed=2, tool_choice="required")
+    assert required.choices[0].finish_reason == "tool_calls" and required.choices[0].message.tool_calls
+    for call in required.choices[0].message.tool_calls:
+        arguments = json.loads(call.function.arguments)
+        assert (call.function.name, set(arguments)) in (("get_weather", {"city"}), ("get_time", {"zone"}))
+    streamed = [delta_call for chunk in client.chat.completions.create(
+        model=model, messages=messages, tools=[WEATHER], max_tokens=40, temperature=0, stream=True,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        if chunk.choices for delta_call in (chunk.choices[0].delta.tool_calls or [])]
+    assert [(c.function.name, c.function.arguments) for c in streamed] == [(call.function.name, call.function.arguments)
+                                                                            for call in message.tool_calls]
+    # A follow-up turn carrying the call and its result is accepted.
+    history = messages + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C"}]
+    reply = client.chat.completions.create(model=model, messages=history, tools=[WEATHER], max_tokens=8, temperature=0)
+    assert reply.choices[0].message.content
+
+
+def test_hermes_tool_calls_are_parsed_in_auto_mode():
+    from pagedkv.server.tools import ToolCalling
+
+    tools = ToolCalling.from_request([WEATHER, TIME], "auto")
+    text = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+            '<tool_call>{"name": "unknown", "arguments": {}}</tool_call>')
+    content, calls, reason = tools.parse(text, "stop")
+    assert content.startswith("Let me check.") and reason == "tool_calls"
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Oslo"})]
+    assert tools.parse("Just text.", "stop") == ("Just text.", [], "stop")
+    assert ToolCalling.from_request([WEATHER], "none") is None
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ],
+)
+def test_bad_tool_requests_get_400(server, body, param):
+    request = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **body}
+    response = httpx.post(server.url + "/v1/chat/completions", json=request, timeout=30)
+    assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+
+
 def test_a_batch_with_a_bad_prompt_queues_nothing(server):
     body = {"prompt": ["Hello there", "word " * 600], "max_tokens": 50}
     response = httpx.post(server.url + "/v1/completions", json=body, timeout=30)

@@ -26,6 +26,7 @@ from pagedkv.outputs import RequestOutput
 from pagedkv.engine_loop import EngineLoop
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.responses import ResponseBuilder
+from pagedkv.server.tools import ToolCalling
 from pagedkv.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 logger = logging.getLogger("pagedkv.server")
@@ -106,7 +107,14 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None) -> Fa
             body.max_tokens = body.max_completion_tokens
         default_max = max(1, engine.max_model_len // 2)
         params = make_params(lambda: body.sampling_params(body.chat_logprobs(), default_max))
-        return await run(request, [chat_prompt(body.messages, True)], params, body, chat=True)
+        tools = make_params(lambda: ToolCalling.from_request(body.tools, body.tool_choice))
+        if tools is not None and tools.constrained:
+            if params.structured_outputs is not None:
+                raise APIError(400, "tool_choice required or a named function cannot be combined with structured "
+                               "outputs (response_format, guided_*)", "invalid_request_error", "tool_choice")
+            params = dataclasses.replace(params, structured_outputs=tools.constraint())
+        prompt = chat_prompt(body.messages, True, body.tools if tools is not None else None)
+        return await run(request, [prompt], params, body, chat=True, tools=tools)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
@@ -132,11 +140,11 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None) -> Fa
     async def version():
         return {"version": __version__}
 
-    def chat_prompt(messages, add_generation_prompt: bool) -> str:
-        turns = [{"role": message.role, "content": message.text()} for message in messages]
+    def chat_prompt(messages, add_generation_prompt: bool, tools=None) -> str:
+        turns = [message.template_fields() for message in messages]
         try:
             return engine.tokenizer.apply_chat_template(
-                turns, tokenize=False, add_generation_prompt=add_generation_prompt)
+                turns, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt)
         except Exception as error:
             raise APIError(400, f"messages: cannot apply the chat template: {error}", "invalid_request_error", "messages")
 
@@ -152,7 +160,7 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None) -> Fa
             field = str(error).split(" ", 1)[0]
             raise APIError(400, str(error), "invalid_request_error", field)
 
-    async def run(request: Request, prompts: list, params, body, chat: bool):
+    async def run(request: Request, prompts: list, params, body, chat: bool, tools: Optional[ToolCalling] = None):
         """Queues one engine request per prompt (all or none) and answers with their choices."""
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         request_ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
@@ -167,7 +175,7 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None) -> Fa
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
             chunks = responses.stream_chunks(request_id, merged(queues), len(queues), created, chat, include_usage,
-                                             params.n, echo)
+                                             params.n, echo, tools)
             return StreamingResponse(guarded(request_ids, chunks), media_type="text/event-stream")
         finals: list[Optional[RequestOutput]] = [None] * len(queues)
         try:
@@ -178,7 +186,7 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None) -> Fa
             for sub_id, final in zip(request_ids, finals):
                 if final is None or not final.finished:
                     state["loop"].abort(sub_id)
-        return responses.full_response(request_id, finals, created, chat, params.n, echo)
+        return responses.full_response(request_id, finals, created, chat, params.n, echo, tools)
 
     def submit_error(error: Exception, chat: bool) -> Exception:
         if isinstance(error, PromptTooLongError):

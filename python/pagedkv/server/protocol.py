@@ -131,6 +131,10 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Optional[Union[str, list[dict]]] = None
 
+    def template_fields(self) -> dict:
+        """The message as chat templates read it: text content plus tool_calls, tool_call_id, ..."""
+        return {**(self.model_extra or {}), "role": self.role, "content": self.text()}
+
     def text(self) -> str:
         if isinstance(self.content, list):  # OpenAI content parts: keep the text ones
             return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
@@ -142,6 +146,8 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     max_completion_tokens: Optional[int] = None
+    tools: Optional[list[dict]] = None
+    tool_choice: Optional[Union[str, dict]] = None
 
     def chat_logprobs(self) -> Optional[int]:
         return (self.top_logprobs or 0) if self.logprobs else None

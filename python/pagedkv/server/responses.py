@@ -6,6 +6,7 @@ import json
 from typing import AsyncIterator, Optional
 
 from pagedkv.outputs import RequestOutput
+from pagedkv.server.tools import ToolCalling
 
 
 def sse(payload: dict) -> str:
@@ -22,7 +23,7 @@ class ResponseBuilder:
 
     async def stream_chunks(
         self, request_id: str, outputs: AsyncIterator[tuple[int, RequestOutput]], num_prompts: int, created: int,
-        chat: bool, include_usage: bool, n: int, echo: bool,
+        chat: bool, include_usage: bool, n: int, echo: bool, tools: Optional[ToolCalling] = None,
     ) -> AsyncIterator[str]:
         """SSE chunks of (prompt index, output) pairs as they arrive, then usage and [DONE]."""
         num_choices = n * num_prompts
@@ -46,6 +47,14 @@ class ResponseBuilder:
                 if not delta and completion.finish_reason is None:
                     continue
                 first_token = sent_tokens.get(index, 0)
+                if tools is not None and tools.constrained:  # the call is sent whole, once it parses
+                    if completion.finish_reason is None:
+                        continue
+                    content, calls, reason = tools.parse(text, completion.finish_reason)
+                    delta_message = {"tool_calls": [dict(call, index=i) for i, call in enumerate(calls)]} if calls \
+                        else {"content": content}
+                    choices.append({"index": index, "delta": delta_message, "logprobs": None, "finish_reason": reason})
+                    continue
                 sent_text[index], sent_tokens[index] = len(text), len(completion.token_ids)
                 if chat:
                     choices.append({"index": index, "delta": {"content": delta} if delta else {},
@@ -71,15 +80,22 @@ class ResponseBuilder:
             return output.prompt
         return self.tokenizer.decode(output.prompt_token_ids)
 
-    def full_response(self, request_id: str, outputs: list, created: int, chat: bool, n: int, echo: bool) -> dict:
+    def full_response(self, request_id: str, outputs: list, created: int, chat: bool, n: int, echo: bool,
+                      tools: Optional[ToolCalling] = None) -> dict:
         choices = []
         for prompt_index, output in enumerate(outputs):
             prefix = self.prompt_text(output) if echo else ""
             for completion in output.outputs:
                 index = prompt_index * n + completion.index
                 if chat:
-                    choice = {"index": index, "message": {"role": "assistant", "content": completion.text},
-                              "finish_reason": completion.finish_reason, "logprobs": self.chat_logprobs(completion)}
+                    content, calls, reason = completion.text, [], completion.finish_reason
+                    if tools is not None:
+                        content, calls, reason = tools.parse(completion.text, completion.finish_reason)
+                    message = {"role": "assistant", "content": content}
+                    if calls:
+                        message["tool_calls"] = calls
+                    choice = {"index": index, "message": message, "finish_reason": reason,
+                              "logprobs": self.chat_logprobs(completion)}
                 else:
                     choice = {"index": index, "text": prefix + completion.text, "finish_reason": completion.finish_reason,
                               "logprobs": self.completion_logprobs(output, completion, 0, echo, echo)}
