@@ -102,3 +102,23 @@ def test_shutdown_ends_running_streams_with_an_error():
             await llm.generate("Hello").__anext__()
 
     asyncio.run(main())
+
+
+def test_a_crashed_loop_fails_its_callers_instead_of_hanging():
+    llm = AsyncLLM(**OPTIONS)
+
+    def broken_delivery(output):
+        raise RuntimeError("bug")
+
+    llm._loop._deliver = broken_delivery
+
+    async def main():
+        with pytest.raises(EngineStoppedError):
+            async for _ in llm.generate("Hello", greedy(4)):
+                pass
+        assert not llm.is_running
+        with pytest.raises(EngineStoppedError, match="has stopped"):
+            await llm.generate("Hello").__anext__()
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+    llm.shutdown()

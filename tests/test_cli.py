@@ -1,6 +1,7 @@
 """The command line: --help documents every engine option; serve shuts down cleanly on SIGTERM."""
 
 import dataclasses
+import json
 import os
 import signal
 import socket
@@ -30,6 +31,17 @@ def test_generate_prints_generations(capsys):
     assert main(["generate", "The sky is", "--max-tokens", "4", "--num-device-blocks", "64"]) == 0
     out = capsys.readouterr().out
     assert ">>> The sky is" in out and "generated tokens" in out
+
+
+def test_generate_with_a_json_schema_file(capsys, tmp_path):
+    from pagedkv.cli import main
+
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object", "properties": {"color": {"type": "string", "maxLength": 12}}, "required": ["color"]}')
+    assert main(["generate", "Name a color in JSON:", "--max-tokens", "24", "--num-device-blocks", "64",
+                 "--json-schema", str(schema)]) == 0
+    line = capsys.readouterr().out.split(">>> Name a color in JSON:\n", 1)[1].splitlines()[0]
+    assert list(json.loads(line)) == ["color"]
 
 
 def test_serve_answers_and_exits_zero_on_sigterm():

@@ -328,3 +328,20 @@ def test_every_feature_together_under_preemption(mode, prompts):
             for a, b in zip(got.prompt_logprobs[1:], expected.prompt_logprobs[1:]):
                 assert a.keys() == b.keys() and list(a.values()) == pytest.approx(list(b.values()), abs=1e-4)
     assert re.fullmatch("[a-z ]{10,30}", tight["r3"].outputs[0].text)
+
+
+def test_cache_salt_isolates_prefix_cache_sharing(prompts):
+    llm = LLM(dtype="float32", num_device_blocks=256, max_model_len=1024)
+    long_prompt = prompts[5]
+
+    def hits_of(**extra):
+        before = llm.engine.stats()["prefix_cache_hits"]
+        llm.generate([long_prompt], greedy(1, **extra), use_tqdm=False)
+        return llm.engine.stats()["prefix_cache_hits"] - before
+
+    assert hits_of(cache_salt="tenant-a") == 0  # first time: nothing cached
+    assert hits_of(cache_salt="tenant-b") == 0  # cached, but under another salt
+    assert hits_of() == 0  # nor unsalted
+    assert hits_of(cache_salt="tenant-a") > 0 and hits_of() > 0  # the same salt (or none) shares
+    with pytest.raises(ValueError, match="cache_salt"):
+        SamplingParams(cache_salt="")

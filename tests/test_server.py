@@ -426,3 +426,16 @@ def test_overload_gives_503_or_correct_completions_and_frees_everything():
         assert httpx.get(live.url + "/health").status_code == 200
     finally:
         live.stop()
+
+
+def test_health_is_503_once_the_engine_loop_is_gone():
+    live = LiveServer(num_device_blocks=32, max_model_len=128)
+    try:
+        assert httpx.get(live.url + "/health").status_code == 200
+        live.server.config.app.state.pagedkv["loop"].stop()
+        response = httpx.get(live.url + "/health")
+        assert response.status_code == 503
+        refused = httpx.post(live.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+        assert refused.status_code == 503 and "stopped" in refused.json()["error"]["message"]
+    finally:
+        live.stop()

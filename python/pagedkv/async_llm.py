@@ -66,6 +66,11 @@ class AsyncLLM:
         an output whose unfinished sequences have finish_reason "abort"."""
         self._loop.abort(request_id)
 
+    @property
+    def is_running(self) -> bool:
+        """Whether the engine loop is stepping (False after shutdown, or if the loop crashed)."""
+        return self._loop.alive
+
     def stats(self) -> dict:
         """The engine's gauges and counters as of its last step (see `LLMEngine.stats`)."""
         return dict(self._loop.stats)

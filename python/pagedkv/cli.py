@@ -63,7 +63,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     llm = LLM(**dataclasses.asdict(engine_config(args)))
     params = SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, n=args.n, seed=args.seed_sampling
+        temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, n=args.n, seed=args.seed_sampling,
+        structured_outputs=_structured_outputs(args),
     )
     started = time.perf_counter()
     if args.demo or not args.prompts:
@@ -81,6 +82,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(f"{prefix}{completion.text.strip()}")
     _print_summary(llm.engine, outputs, elapsed)
     return 0
+
+
+def _structured_outputs(args: argparse.Namespace):
+    from pagedkv.structured_output import StructuredOutputsParams
+
+    if args.json_schema is None and args.regex is None:
+        return None
+    schema = args.json_schema
+    if schema is not None and os.path.isfile(schema):
+        with open(schema, encoding="utf-8") as file:
+            schema = file.read()
+    return StructuredOutputsParams(json=schema, regex=args.regex)
 
 
 def _print_summary(engine, outputs, elapsed: float) -> None:
@@ -150,6 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0)")
     generate.add_argument("--n", type=int, default=1, help="samples per prompt (default: 1)")
     generate.add_argument("--seed-sampling", type=int, default=None, help="per-request sampling seed")
+    generate.add_argument("--json-schema", default=None, help="constrain outputs to this JSON schema (JSON text or a file)")
+    generate.add_argument("--regex", default=None, help="constrain outputs to match this regular expression")
     add_engine_arguments(generate)
     generate.set_defaults(func=cmd_generate)
 

@@ -3,6 +3,7 @@ on it, samples, and reports the tokens back (forking samples and beams, freeing 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from typing import Optional, Union
@@ -108,6 +109,9 @@ class LLMEngine:
             raise ValueError(f"n / beam_width={params.num_sequences} exceeds max_num_seqs={self.config.max_num_seqs}")
         matcher = self._matcher(params)  # (an invalid schema or grammar raises here, before queueing)
         extra_key = None
+        if params.cache_salt is not None:  # (top bit clear: never one of the unique keys below)
+            digest = hashlib.blake2b(params.cache_salt.encode(), digest_size=8).digest()
+            extra_key = int.from_bytes(digest, "little") & ((1 << 63) - 1)
         if params.prompt_logprobs is not None:
             # Every prompt token must be computed to be scored: a key of its own keeps the prefix
             # cache from serving this prompt (a recompute after preemption still reuses its blocks).

@@ -69,7 +69,20 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
 
+    @property
+    def alive(self) -> bool:
+        """Whether the loop thread is stepping (False once stopped, or if it died)."""
+        return self._thread.is_alive() and not self._stopping.is_set() and not self._closed
+
     def _run(self) -> None:
+        try:
+            self._step_until_stopped()
+        except Exception:  # a bug outside a step: fail every caller rather than leave them waiting
+            logger.exception("the engine loop crashed")
+        finally:
+            self._close()
+
+    def _step_until_stopped(self) -> None:
         engine = self.engine
         while not self._stopping.is_set():
             idle = not engine.has_unfinished_requests()
@@ -86,6 +99,8 @@ class EngineLoop:
             for output in outputs:
                 self._deliver(output)
             self.stats = engine.stats()
+
+    def _close(self) -> None:
         with self._lock:
             self._closed = True
         while True:  # requests submitted while stopping are refused, not left waiting
@@ -99,7 +114,7 @@ class EngineLoop:
                     _set_exception, accepted, EngineStoppedError("the engine loop has stopped"))
         for request_id in list(self._streams):
             self._finish_stream(request_id, error="server shutting down")
-        self.stats = engine.stats()
+        self.stats = self.engine.stats()
 
     def _drain_commands(self, block: bool) -> None:
         try:

@@ -40,6 +40,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     structured_outputs: Optional[StructuredOutputsParams] = None  # a JSON schema, regex, choice or grammar to match
     include_stop_str_in_output: bool = False  # keep the stop string or stop token's text at the end
+    # Prefix-cache isolation (vLLM's cache_salt): only requests with the same salt share cached blocks.
+    cache_salt: Optional[str] = None
     output_kind: str = "cumulative"  # "final_only": LLMEngine.step reports the request only when it finishes
 
     def __post_init__(self) -> None:
@@ -95,6 +97,8 @@ class SamplingParams:
             fail("seed", self.seed, "an integer")
         if any(not isinstance(s, str) or not s for s in self.stop):
             fail("stop", self.stop, "a non-empty string or a list of them")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            fail("cache_salt", self.cache_salt, "a non-empty string")
         if self.output_kind not in ("cumulative", "final_only"):
             fail("output_kind", self.output_kind, "'cumulative' or 'final_only'")
         if self.use_beam_search:

@@ -82,6 +82,8 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None) -> Fa
 
     @app.get("/health")
     async def health():
+        if not state["loop"].alive:
+            return JSONResponse({"status": "engine loop stopped"}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/v1/models")

@@ -37,6 +37,7 @@ class _Sampling(BaseModel):
     include_stop_str_in_output: bool = False
     use_beam_search: bool = False
     length_penalty: float = 1.0
+    cache_salt: Optional[str] = None  # only requests with the same salt share prefix-cache blocks
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_* fields.
     response_format: Optional[dict] = None
     structured_outputs: Optional[dict] = None
@@ -69,6 +70,7 @@ class _Sampling(BaseModel):
             use_beam_search=self.use_beam_search,
             length_penalty=self.length_penalty,
             structured_outputs=self.structured(),
+            cache_salt=self.cache_salt,
         )
 
     def structured(self) -> Optional[StructuredOutputsParams]:
