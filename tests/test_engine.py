@@ -123,7 +123,10 @@ def test_same_outputs_under_preemption(mode, prompts, hf_references):
     assert_all_blocks_free(llm.engine)
 
 
-def test_prompt_logprobs_match_hf_across_chunks_despite_the_prefix_cache(hf_model, prompts):
+def test_prompt_logprobs_match_hf_across_chunks_despite_the_prefix_cache(hf_model, prompts, monkeypatch):
+    from pagedkv import request_state
+
+    monkeypatch.setattr(request_state, "_PROMPT_LOGPROB_ROWS", 7)  # several slices per 48-token chunk
     llm = LLM(dtype="float32", num_device_blocks=512, max_model_len=1024, enable_prefix_caching=True,
               max_num_batched_tokens=48)
     long_prompt, short_prompt = prompts[5], prompts[1]

@@ -205,11 +205,11 @@ class LLMEngine:
                     request.metrics.first_scheduled_time = now
                     request.metrics.num_prefix_hit_tokens = item.start
             scored = frozenset(item.seq_id for item in scheduled if self.seq_owner[item.seq_id][0].needs_prompt_logprobs)
-            logits, prompt_logits = self.runner.execute(plan, scored)
+            logits, prompt_hidden = self.runner.execute(plan, scored)
             for item in scheduled:
-                if item.seq_id in prompt_logits:
+                if item.seq_id in prompt_hidden:
                     request = self.seq_owner[item.seq_id][0]
-                    request.record_prompt_logprobs(item.start, prompt_logits[item.seq_id])
+                    request.record_prompt_logprobs(item.start, prompt_hidden[item.seq_id], self.runner.model.compute_logits)
             sampled = [item for item in scheduled if item.sample]
             self._process_samples(sampled, logits, touched)
 

@@ -86,10 +86,11 @@ class ModelRunner:
         return _DEFAULT_CPU_KV_BYTES
 
     @torch.inference_mode()
-    def execute(self, plan, all_logits_for: frozenset[int] = frozenset()) -> tuple[torch.Tensor, dict]:
+    def execute(self, plan, all_hidden_for: frozenset[int] = frozenset()) -> tuple[torch.Tensor, dict]:
         """Runs the copies of `plan`, then the forward over its scheduled tokens. Returns float32
         logits [num sampled sequences, vocab] in the order of the sequences with `sample`, and
-        {seq_id: logits of every scheduled token} for the sequences in `all_logits_for`."""
+        {seq_id: final hidden states of every scheduled token} for the sequences in `all_hidden_for`
+        (`model.compute_logits` turns them into logits)."""
         self.kv_cache.swap_out(plan.blocks_to_swap_out)
         self.kv_cache.swap_in(plan.blocks_to_swap_in)
         self.kv_cache.copy_blocks(plan.blocks_to_copy, self.backend)
@@ -98,7 +99,7 @@ class ModelRunner:
             return torch.empty(0, self.vocab_size), {}
         self.kv_cache.wait_for_swap_in()
         graphs = self.decode_graphs
-        if (graphs is not None and not all_logits_for and len(scheduled) <= graphs.max_batch_size
+        if (graphs is not None and not all_hidden_for and len(scheduled) <= graphs.max_batch_size
                 and _trailing_decodes(scheduled) == len(scheduled)):
             hidden = graphs.run(
                 [item.token_ids[0] for item in scheduled],
@@ -113,12 +114,10 @@ class ModelRunner:
         input_ids, positions, metadata, sample_index = self._prepare(scheduled)
         hidden = self.model(input_ids, positions, metadata, self.kv_cache, self.backend)
         starts = metadata.query_start_loc_host
-        all_logits = {
-            item.seq_id: self.model.compute_logits(hidden[starts[i] : starts[i + 1]])
-            for i, item in enumerate(scheduled)
-            if item.seq_id in all_logits_for
+        all_hidden = {
+            item.seq_id: hidden[starts[i] : starts[i + 1]] for i, item in enumerate(scheduled) if item.seq_id in all_hidden_for
         }
-        return self.model.compute_logits(hidden[sample_index]), all_logits
+        return self.model.compute_logits(hidden[sample_index]), all_hidden
 
     def _prepare(self, scheduled):
         """Flat inputs and attention metadata; prefills come first, then decodes (scheduler order)."""
