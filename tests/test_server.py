@@ -315,6 +315,36 @@ def test_hermes_tool_calls_are_parsed_in_auto_mode():
     assert ToolCalling.from_request([WEATHER], "none") is None
 
 
+def test_streamed_auto_tool_calls_hold_back_the_tagged_text():
+    from pagedkv.outputs import CompletionOutput, RequestOutput
+    from pagedkv.server.responses import ResponseBuilder
+    from pagedkv.server.tools import ToolCalling
+
+    steps = ["Let me", "Let me check. <tool", "Let me check. <tool_call>{\"name\": \"get_wea",
+             'Let me check. <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>']
+
+    async def outputs():
+        for step, text in enumerate(steps):
+            last = step == len(steps) - 1
+            completion = CompletionOutput(index=0, text=text, token_ids=list(range(step + 1)),
+                                          finish_reason="stop" if last else None)
+            yield 0, RequestOutput("r", "p", [1, 2], [completion], finished=last)
+
+    async def collect():
+        builder = ResponseBuilder(tokenizer=None, model_name="m")
+        tools = ToolCalling.from_request([WEATHER], "auto")
+        return [json.loads(chunk[6:]) async for chunk in builder.stream_chunks(
+            "r", outputs(), 1, 0, chat=True, include_usage=False, n=1, echo=False, tools=tools)
+            if chunk.startswith("data: {")]
+
+    chunks = asyncio.run(collect())[1:]  # (after the role chunk)
+    deltas = [chunk["choices"][0]["delta"] for chunk in chunks]
+    assert "".join(delta.get("content", "") for delta in deltas) == "Let me check. "  # (the text before the tag)
+    [call] = deltas[-1]["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {"city": "Oslo"}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
 @pytest.mark.parametrize(
     "body, param",
     [

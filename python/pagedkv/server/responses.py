@@ -47,13 +47,11 @@ class ResponseBuilder:
                 if not delta and completion.finish_reason is None:
                     continue
                 first_token = sent_tokens.get(index, 0)
-                if tools is not None and tools.constrained:  # the call is sent whole, once it parses
-                    if completion.finish_reason is None:
-                        continue
-                    content, calls, reason = tools.parse(text, completion.finish_reason)
-                    delta_message = {"tool_calls": [dict(call, index=i) for i, call in enumerate(calls)]} if calls \
-                        else {"content": content}
-                    choices.append({"index": index, "delta": delta_message, "logprobs": None, "finish_reason": reason})
+                if tools is not None:  # content streams up to a possible call; calls go out whole at the end
+                    choice = self._tool_chunk(index, completion, sent_text.get(index, 0), tools)
+                    if choice is not None:
+                        sent_text[index] = len(text) if completion.finish_reason else tools.streamable_len(text)
+                        choices.append(choice)
                     continue
                 sent_text[index], sent_tokens[index] = len(text), len(completion.token_ids)
                 if chat:
@@ -74,6 +72,20 @@ class ResponseBuilder:
                                    "choices": [], "usage": self.usage(list(finals.values()))})
                     yield "data: [DONE]\n\n"
                     return
+
+    @staticmethod
+    def _tool_chunk(index: int, completion, sent: int, tools: ToolCalling) -> Optional[dict]:
+        if completion.finish_reason is None:
+            end = tools.streamable_len(completion.text)
+            if end <= sent:
+                return None
+            return {"index": index, "delta": {"content": completion.text[sent:end]}, "logprobs": None,
+                    "finish_reason": None}
+        content, calls, reason = tools.finish_stream(completion.text, sent, completion.finish_reason)
+        delta: dict = {"content": content} if content else {}
+        if calls:
+            delta["tool_calls"] = [dict(call, index=i) for i, call in enumerate(calls)]
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
 
     def prompt_text(self, output: RequestOutput) -> str:
         if output.prompt is not None:

@@ -18,6 +18,7 @@ from typing import Optional, Union
 
 from pagedkv.structured_output import StructuredOutputsParams
 
+_HERMES_TAG = "<tool_call>"
 _HERMES_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
 
 
@@ -67,6 +68,27 @@ class ToolCalling:
             ]
             return StructuredOutputsParams(json={"type": "array", "minItems": 1, "items": {"anyOf": calls}})
         return None
+
+    def streamable_len(self, text: str) -> int:
+        """How much of a growing output can be streamed as content: none of a constrained call,
+        and with "auto" the text before a tool-call tag (or before what may become one)."""
+        if self.constrained:
+            return 0
+        tag = text.find(_HERMES_TAG)
+        if tag >= 0:
+            return tag
+        for length in range(min(len(_HERMES_TAG) - 1, len(text)), 0, -1):
+            if text.endswith(_HERMES_TAG[:length]):
+                return len(text) - length
+        return len(text)
+
+    def finish_stream(self, text: str, sent: int, finish_reason: Optional[str]) -> tuple[str, list[dict], Optional[str]]:
+        """(content not streamed yet, tool calls, finish_reason) of a finished streamed output
+        whose first `sent` characters went out as content."""
+        _, calls, reason = self.parse(text, finish_reason)
+        if not calls:
+            return text[sent:], [], reason
+        return ("" if self.constrained else _HERMES_CALL.sub("", text[sent:]).strip()), calls, reason
 
     def parse(self, text: str, finish_reason: Optional[str]) -> tuple[Optional[str], list[dict], Optional[str]]:
         """(content, tool calls, finish_reason) of a finished output. Text that does not parse
