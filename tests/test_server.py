@@ -18,12 +18,12 @@ from pagedkv.server import create_app
 
 
 class LiveServer:
-    def __init__(self, **engine_options):
+    def __init__(self, chat_template=None, **engine_options):
         self.engine = LLMEngine(EngineConfig(dtype="float32", **engine_options))
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
-        config = uvicorn.Config(create_app(self.engine), host="127.0.0.1", port=self.port, log_level="warning")
+        config = uvicorn.Config(create_app(self.engine, chat_template=chat_template), host="127.0.0.1", port=self.port, log_level="warning")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
@@ -467,5 +467,18 @@ def test_health_is_503_once_the_engine_loop_is_gone():
         assert response.status_code == 503
         refused = httpx.post(live.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
         assert refused.status_code == 503 and "stopped" in refused.json()["error"]["message"]
+    finally:
+        live.stop()
+
+
+def test_a_custom_chat_template_renders_the_messages():
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] "
+    live = LiveServer(chat_template=template, num_device_blocks=32, max_model_len=128)
+    try:
+        messages = [{"role": "user", "content": "Name a fruit."}]
+        body = httpx.post(live.url + "/tokenize", json={"messages": messages}, timeout=30).json()
+        assert body["tokens"] == live.engine.tokenizer.encode("[user] Name a fruit.\n[assistant] ")
+        reply = httpx.post(live.url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 3}, timeout=60)
+        assert reply.status_code == 200 and reply.json()["usage"]["prompt_tokens"] == body["count"]
     finally:
         live.stop()

@@ -123,7 +123,12 @@ def _print_summary(engine, outputs, elapsed: float) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from pagedkv.server.app import serve
 
-    return serve(engine_config(args), host=args.host, port=args.port, served_model_name=args.served_model_name)
+    chat_template = args.chat_template
+    if chat_template is not None and os.path.isfile(chat_template):
+        with open(chat_template, encoding="utf-8") as file:
+            chat_template = file.read()
+    return serve(engine_config(args), host=args.host, port=args.port, served_model_name=args.served_model_name,
+                 chat_template=chat_template)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -172,6 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     serve.add_argument("--served-model-name", default=None, help="model name in the API (default: file name)")
+    serve.add_argument("--chat-template", default=None,
+                       help="Jinja chat template (a file or the template itself; default: the tokenizer's)")
     add_engine_arguments(serve)
     serve.set_defaults(func=cmd_serve)
 

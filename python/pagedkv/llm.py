@@ -77,12 +77,15 @@ class LLM:
         messages: Union[list[dict], list[list[dict]]],
         sampling_params: Optional[SamplingParams] = None,
         use_tqdm: bool = True,
+        chat_template: Optional[str] = None,
     ) -> list[RequestOutput]:
-        """Applies the tokenizer's chat template to one conversation (or a list of them) and
-        generates the assistant's reply."""
+        """Applies the chat template (the tokenizer's, or `chat_template`, a Jinja template) to
+        one conversation (or a list of them) and generates the assistant's reply."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
-            self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+            self.tokenizer.apply_chat_template(
+                conversation, chat_template=chat_template, tokenize=False, add_generation_prompt=True
+            )
             for conversation in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

@@ -46,8 +46,9 @@ def error_response(status: int, message: str, type_: str, param=None, code=None,
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-def create_app(engine: LLMEngine, served_model_name: Optional[str] = None) -> FastAPI:
-    """The app around an engine; the engine loop runs for the app's lifetime."""
+def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_template: Optional[str] = None) -> FastAPI:
+    """The app around an engine; the engine loop runs for the app's lifetime. `chat_template`
+    (Jinja) replaces the tokenizer's own, e.g. for a base model that has none."""
     model_name = served_model_name or engine.model_name
     responses = ResponseBuilder(engine.tokenizer, model_name)
     state: dict = {}
@@ -146,7 +147,8 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None) -> Fa
         turns = [message.template_fields() for message in messages]
         try:
             return engine.tokenizer.apply_chat_template(
-                turns, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt)
+                turns, tools=tools, chat_template=chat_template, tokenize=False,
+                add_generation_prompt=add_generation_prompt)
         except Exception as error:
             raise APIError(400, f"messages: cannot apply the chat template: {error}", "invalid_request_error", "messages")
 
@@ -250,7 +252,8 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None) -> Fa
     return app
 
 
-def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, served_model_name=None) -> int:
+def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, served_model_name=None,
+          chat_template: Optional[str] = None) -> int:
     """Builds the engine and runs uvicorn until SIGINT/SIGTERM: stops accepting, lets in-flight
     requests finish (10 s), aborts the rest, and returns 0."""
     import uvicorn
@@ -264,6 +267,6 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, serve
                 signal.signal(sig, self.handle_exit)
             yield
 
-    app = create_app(LLMEngine(config), served_model_name)
+    app = create_app(LLMEngine(config), served_model_name, chat_template)
     Server(uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=10, log_level="info")).run()
     return 0
