@@ -22,12 +22,12 @@ from pagedkv import __version__
 from pagedkv.config import EngineConfig
 from pagedkv.engine import LLMEngine
 from pagedkv.errors import DuplicateRequestError, EngineStoppedError, OverloadedError, PromptTooLongError
-from pagedkv.outputs import RequestOutput
 from pagedkv.engine_loop import EngineLoop
+from pagedkv.outputs import RequestOutput
 from pagedkv.server.metrics import ServerMetrics
+from pagedkv.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from pagedkv.server.responses import ResponseBuilder
 from pagedkv.server.tools import ToolCalling
-from pagedkv.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 logger = logging.getLogger("pagedkv.server")
 
@@ -89,8 +89,9 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "pagedkv",
-                                                    "max_model_len": engine.max_model_len}]}
+        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "pagedkv",
+                "max_model_len": engine.max_model_len}
+        return {"object": "list", "data": [card]}
 
     @app.get("/metrics")
     async def metrics():
