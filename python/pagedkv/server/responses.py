@@ -29,6 +29,7 @@ class ResponseBuilder:
         num_choices = n * num_prompts
         sent_text: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
+        next_offset: dict[int, int] = {}  # text offset of the next token, per choice (streamed logprobs)
         finals: dict[int, RequestOutput] = {}
         kind = "chat.completion.chunk" if chat else "text_completion"
         if chat:
@@ -59,7 +60,12 @@ class ResponseBuilder:
                                     "logprobs": self.chat_logprobs(completion, first_token),
                                     "finish_reason": completion.finish_reason})
                 else:
-                    logprobs = self.completion_logprobs(output, completion, first_token, echo, echo and first_chunk)
+                    # Offsets carry over from chunk to chunk (recomputing them would decode every earlier token).
+                    offset = next_offset.get(index, len(self.prompt_text(output)) if echo else 0)
+                    logprobs = self.completion_logprobs(output, completion, first_token, echo, echo and first_chunk, offset)
+                    if logprobs is not None:
+                        new_tokens = logprobs["tokens"][len(logprobs["tokens"]) - (len(completion.token_ids) - first_token):]
+                        next_offset[index] = offset + sum(len(token) for token in new_tokens)
                     choices.append({"index": index, "text": delta, "logprobs": logprobs,
                                     "finish_reason": completion.finish_reason})
             if choices:
@@ -116,10 +122,10 @@ class ResponseBuilder:
                 "model": self.model_name, "choices": choices, "usage": self.usage(outputs)}
 
     def completion_logprobs(self, output: RequestOutput, completion, first_token: int, echo: bool,
-                            with_prompt: bool) -> Optional[dict]:
+                            with_prompt: bool, text_offset: Optional[int] = None) -> Optional[dict]:
         """OpenAI completion logprobs of tokens first_token.. of a completion, after the prompt's
-        (from output.prompt_logprobs) when `with_prompt`. With `echo` the completion's text
-        offsets start after the prompt text."""
+        (from output.prompt_logprobs) when `with_prompt`. `text_offset` is token first_token's
+        offset in the choice's text (by default: computed, after the prompt text with `echo`)."""
         if completion.logprobs is None:
             return None
         decode = self.tokenizer.decode
@@ -136,8 +142,9 @@ class ResponseBuilder:
 
         if with_prompt:
             add(output.prompt_token_ids, output.prompt_logprobs, 0)
-        text_offset = len(self.prompt_text(output)) if echo else 0
-        text_offset += sum(len(decode([t])) for t in completion.token_ids[:first_token])
+        if text_offset is None:
+            text_offset = len(self.prompt_text(output)) if echo else 0
+            text_offset += sum(len(decode([t])) for t in completion.token_ids[:first_token])
         add(completion.token_ids[first_token:], completion.logprobs[first_token:], text_offset)
         return parts
 
