@@ -61,7 +61,9 @@ class ResponseBuilder:
                                     "finish_reason": completion.finish_reason})
                 else:
                     # Offsets carry over from chunk to chunk (recomputing them would decode every earlier token).
-                    offset = next_offset.get(index, len(self.prompt_text(output)) if echo else 0)
+                    if index not in next_offset:
+                        next_offset[index] = len(self.prompt_text(output)) if echo else 0
+                    offset = next_offset[index]
                     logprobs = self.completion_logprobs(output, completion, first_token, echo, echo and first_chunk, offset)
                     if logprobs is not None:
                         new_tokens = logprobs["tokens"][len(logprobs["tokens"]) - (len(completion.token_ids) - first_token):]
