@@ -1,7 +1,34 @@
 //! Scheduler settings and their validation.
 
+use std::str::FromStr;
+
 use crate::errors::{Error, Result};
 use crate::preemption::{CostModel, PreemptionMode};
+
+/// The order in which queued and running groups are served (vLLM's `--scheduling-policy`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SchedulingPolicy {
+    /// First come, first served: by arrival; every request has priority 0.
+    #[default]
+    Fcfs,
+    /// By (priority, arrival), smaller first. A queued group that cannot start preempts running
+    /// groups of lower priority (larger value), newest first.
+    Priority,
+}
+
+impl FromStr for SchedulingPolicy {
+    type Err = Error;
+    fn from_str(value: &str) -> Result<Self> {
+        match value {
+            "fcfs" => Ok(SchedulingPolicy::Fcfs),
+            "priority" => Ok(SchedulingPolicy::Priority),
+            other => Err(Error::InvalidConfig {
+                field: "scheduling_policy",
+                message: format!("must be 'fcfs' or 'priority', got {other:?}"),
+            }),
+        }
+    }
+}
 
 /// Everything the scheduler needs to know about the pools and its limits.
 #[derive(Debug, Clone)]
@@ -20,6 +47,7 @@ pub struct SchedulerConfig {
     pub enable_prefix_caching: bool,
     pub enable_chunked_prefill: bool,
     pub preemption_mode: PreemptionMode,
+    pub scheduling_policy: SchedulingPolicy,
     /// Fraction of device blocks admissions leave free.
     pub watermark: f64,
     pub cost_model: CostModel,
@@ -38,6 +66,7 @@ impl Default for SchedulerConfig {
             enable_prefix_caching: true,
             enable_chunked_prefill: true,
             preemption_mode: PreemptionMode::Auto,
+            scheduling_policy: SchedulingPolicy::Fcfs,
             watermark: 0.01,
             cost_model: CostModel::default(),
         }

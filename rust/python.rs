@@ -7,7 +7,7 @@ use pyo3::types::PyDict;
 
 use crate::block_manager::BlockManager as RustBlockManager;
 use crate::block_pool::Device;
-use crate::config::SchedulerConfig as RustSchedulerConfig;
+use crate::config::{SchedulerConfig as RustSchedulerConfig, SchedulingPolicy};
 use crate::cpu_attention::{paged_decode_attention, DecodeShape};
 use crate::cpu_layer_ops;
 use crate::cpu_prefill_attention::paged_prefill_attention;
@@ -85,6 +85,8 @@ pub struct SchedulerConfig {
     #[pyo3(get, set)]
     preemption_mode: String,
     #[pyo3(get, set)]
+    scheduling_policy: String,
+    #[pyo3(get, set)]
     watermark: f64,
     #[pyo3(get, set)]
     recompute_cost_per_token: f64,
@@ -103,7 +105,7 @@ impl SchedulerConfig {
         block_size=16, num_device_blocks=1024, num_cpu_blocks=1024, max_num_seqs=256,
         max_num_batched_tokens=2048, max_model_len=2048, max_waiting_requests=1024,
         enable_prefix_caching=true, enable_chunked_prefill=true, preemption_mode="auto".to_string(),
-        watermark=0.01, recompute_cost_per_token=None, block_bytes=None, swap_bandwidth=None, swap_latency=None,
+        scheduling_policy="fcfs".to_string(), watermark=0.01, recompute_cost_per_token=None, block_bytes=None, swap_bandwidth=None, swap_latency=None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -117,6 +119,7 @@ impl SchedulerConfig {
         enable_prefix_caching: bool,
         enable_chunked_prefill: bool,
         preemption_mode: String,
+        scheduling_policy: String,
         watermark: f64,
         recompute_cost_per_token: Option<f64>,
         block_bytes: Option<f64>,
@@ -135,6 +138,7 @@ impl SchedulerConfig {
             enable_prefix_caching,
             enable_chunked_prefill,
             preemption_mode,
+            scheduling_policy,
             watermark,
             recompute_cost_per_token: recompute_cost_per_token.unwrap_or(cost.recompute_cost_per_token),
             block_bytes: block_bytes.unwrap_or(cost.block_bytes),
@@ -149,7 +153,7 @@ impl SchedulerConfig {
         format!(
             "SchedulerConfig(block_size={}, num_device_blocks={}, num_cpu_blocks={}, max_num_seqs={}, \
              max_num_batched_tokens={}, max_model_len={}, max_waiting_requests={}, enable_prefix_caching={}, \
-             enable_chunked_prefill={}, preemption_mode={:?}, watermark={})",
+             enable_chunked_prefill={}, preemption_mode={:?}, scheduling_policy={:?}, watermark={})",
             self.block_size,
             self.num_device_blocks,
             self.num_cpu_blocks,
@@ -160,6 +164,7 @@ impl SchedulerConfig {
             self.enable_prefix_caching,
             self.enable_chunked_prefill,
             self.preemption_mode,
+            self.scheduling_policy,
             self.watermark
         )
     }
@@ -178,6 +183,7 @@ impl SchedulerConfig {
             enable_prefix_caching: self.enable_prefix_caching,
             enable_chunked_prefill: self.enable_chunked_prefill,
             preemption_mode: self.preemption_mode.parse::<PreemptionMode>().map_err(to_py_err)?,
+            scheduling_policy: self.scheduling_policy.parse::<SchedulingPolicy>().map_err(to_py_err)?,
             watermark: self.watermark,
             cost_model: CostModel {
                 recompute_cost_per_token: self.recompute_cost_per_token,
@@ -318,9 +324,15 @@ impl Scheduler {
         Ok(Scheduler { inner: call(|| RustScheduler::new(config))? })
     }
 
-    #[pyo3(signature = (request_id, prompt_token_ids, extra_key=None))]
-    fn add_request(&mut self, request_id: &str, prompt_token_ids: Vec<u32>, extra_key: Option<u64>) -> PyResult<u64> {
-        call(|| self.inner.add_request(request_id, prompt_token_ids, extra_key))
+    #[pyo3(signature = (request_id, prompt_token_ids, extra_key=None, priority=0))]
+    fn add_request(
+        &mut self,
+        request_id: &str,
+        prompt_token_ids: Vec<u32>,
+        extra_key: Option<u64>,
+        priority: i64,
+    ) -> PyResult<u64> {
+        call(|| self.inner.add_request_with_priority(request_id, prompt_token_ids, extra_key, priority))
     }
 
     fn schedule(&mut self, py: Python<'_>) -> PyResult<SchedulerOutput> {

@@ -1,6 +1,8 @@
-//! Continuous batching under a token budget: running decodes first, then swapped groups back in,
-//! then waiting prefills (chunked into what is left of the budget). Groups that cannot grow
-//! preempt the latest-arrived running group by swap or recompute.
+//! Continuous batching under a token budget: running decodes first, then queued groups (swapped
+//! ones back in, waiting prefills chunked into what is left of the budget) in queue order. Groups
+//! that cannot grow preempt the last running group by swap or recompute. Every queue is ordered
+//! by `SequenceGroup::order`: arrival under FCFS, (priority, arrival) under the priority policy,
+//! where a queued group that cannot start also preempts running groups of lower priority.
 
 use std::collections::VecDeque;
 use std::ops::Range;
@@ -11,7 +13,7 @@ use slab::Slab;
 
 use crate::block_manager::{BlockCopy, BlockManager, SeqId, StepSlots};
 use crate::block_table::block_index;
-use crate::config::SchedulerConfig;
+use crate::config::{SchedulerConfig, SchedulingPolicy};
 use crate::errors::{Error, Result};
 use crate::preemption::Preemption;
 use crate::sequence::{GroupState, SeqStatus, Sequence, SequenceGroup};
@@ -194,7 +196,7 @@ pub struct Scheduler {
     groups: Slab<SequenceGroup>,
     group_by_request: HashMap<Arc<str>, GroupId>,
     group_by_seq: HashMap<SeqId, GroupId>,
-    /// All three ordered by arrival (FCFS); preemption victims come from the back of `running`.
+    /// All three ordered by `SequenceGroup::order`; preemption victims come from the back of `running`.
     waiting: VecDeque<GroupId>,
     running: VecDeque<GroupId>,
     swapped: VecDeque<GroupId>,
@@ -254,6 +256,24 @@ impl Scheduler {
     /// (`PromptTooLong`, `PromptExceedsPool`) or the waiting queue is full (`Overloaded`).
     /// Returns the id of the request's first sequence.
     pub fn add_request(&mut self, request_id: &str, prompt: Vec<u32>, extra_key: Option<u64>) -> Result<SeqId> {
+        self.add_request_with_priority(request_id, prompt, extra_key, 0)
+    }
+
+    /// `add_request` with a priority: smaller is served first (the priority policy only; under
+    /// FCFS any priority but 0 is an `InvalidConfig` error, as in vLLM).
+    pub fn add_request_with_priority(
+        &mut self,
+        request_id: &str,
+        prompt: Vec<u32>,
+        extra_key: Option<u64>,
+        priority: i64,
+    ) -> Result<SeqId> {
+        if priority != 0 && self.config.scheduling_policy != SchedulingPolicy::Priority {
+            return Err(Error::InvalidConfig {
+                field: "priority",
+                message: format!("got {priority}, but priorities need scheduling_policy='priority' (this scheduler is 'fcfs')"),
+            });
+        }
         if self.group_by_request.contains_key(request_id) {
             return Err(Error::DuplicateRequest(request_id.to_string()));
         }
@@ -284,6 +304,7 @@ impl Scheduler {
         let group = SequenceGroup {
             request_id: request_id.clone(),
             arrival,
+            priority,
             extra_key,
             num_prompt_tokens: prompt.len(),
             seqs: smallvec::smallvec![Sequence::new(seq_id, prompt)],
@@ -294,7 +315,7 @@ impl Scheduler {
         let group_id = self.groups.insert(group);
         self.group_by_request.insert(request_id, group_id);
         self.group_by_seq.insert(seq_id, group_id);
-        self.waiting.push_back(group_id);
+        enqueue(&mut self.waiting, &self.groups, group_id);
         Ok(seq_id)
     }
 
@@ -436,7 +457,12 @@ impl Scheduler {
         let mut decodes = Vec::with_capacity(expected);
         let mut plan = Plan::with_capacity(8);
 
-        // 1. Running groups, oldest first; make room by preempting the newest.
+        // 0. Priority policy: the first queued group may displace running groups of lower priority.
+        if self.config.scheduling_policy == SchedulingPolicy::Priority {
+            self.preempt_for_priority(&mut out);
+        }
+
+        // 1. Running groups in queue order; make room by preempting from the back.
         let mut preempted_any = false;
         let mut index = 0;
         while index < self.running.len() {
@@ -473,66 +499,18 @@ impl Scheduler {
             index += 1;
         }
 
-        // 2. Swapped groups back in, oldest first, if nothing had to be preempted.
+        // 2. Queued groups in queue order (swapped ones back in, waiting ones admitted), if no
+        // running group had to be preempted; the first that cannot start stops the rest.
         if !preempted_any {
-            while let Some(&group_id) = self.swapped.front() {
-                let group = &self.groups[group_id];
-                let seq_ids = group.active_seq_ids();
-                let num_seqs = seq_ids.len();
-                let needed = self.blocks.blocks_needed_to_swap_in(&seq_ids).expect("swapped tables") + num_seqs;
-                if budget < num_seqs || self.num_running_seqs() + num_seqs > self.config.max_num_seqs || !self.blocks.can_admit(needed) {
-                    break;
-                }
-                self.swapped.pop_front();
-                let copies = self.blocks.swap_in(&seq_ids).expect("room was checked");
-                self.counters.blocks_swapped_in += copies.len() as u64;
-                out.blocks_to_swap_in.extend(copies);
-                self.groups[group_id].state = GroupState::Running;
-                self.insert_running(group_id);
-                self.plan_group(group_id, budget, &mut plan);
-                if self.blocks_needed(&plan) <= self.blocks.num_free_device_blocks() {
-                    budget -= self.execute_plan(group_id, &plan, &mut out, &mut decodes);
-                }
-            }
-        }
-
-        // 3. Waiting prompts, oldest first, if no group is left swapped out (FCFS fairness).
-        if !preempted_any && self.swapped.is_empty() {
-            while let Some(&group_id) = self.waiting.front() {
-                if budget == 0 {
-                    break;
-                }
-                let group = &self.groups[group_id];
-                if self.num_running_seqs() + group.num_active() > self.config.max_num_seqs {
-                    break;
-                }
-                let Some(admitted_tokens) = self.plan_admission(group_id, budget) else {
-                    let hopeless = self.running.is_empty() && budget == self.config.max_num_batched_tokens;
-                    if hopeless {
-                        self.waiting.pop_front();
-                        self.drop_group(group_id, &mut out);
-                        continue;
-                    }
-                    break;
+            while let Some((group_id, swapped)) = self.first_queued() {
+                let started = if swapped {
+                    self.try_swap_in(group_id, &mut budget, &mut out, &mut decodes, &mut plan)
+                } else {
+                    self.try_admit(group_id, &mut budget, &mut out, &mut decodes, &mut plan)
                 };
-                self.waiting.pop_front();
-                let mut hit_tokens = 0;
-                let group = &mut self.groups[group_id];
-                group.state = GroupState::Running;
-                for seq in group.seqs.iter_mut().filter(|seq| seq.is_active()) {
-                    let hits = self
-                        .blocks
-                        .allocate_prefix(seq.id, &seq.tokens, group.extra_key)
-                        .expect("a waiting sequence has no table");
-                    seq.num_computed = hits;
-                    hit_tokens += hits;
+                if !started {
+                    break;
                 }
-                group.num_prefix_hit_tokens += hit_tokens;
-                out.num_prefix_hit_tokens += hit_tokens;
-                self.insert_running(group_id);
-                // Hits can only be more than planned (a sibling may have just filled a block).
-                self.plan_group(group_id, budget.min(admitted_tokens), &mut plan);
-                budget -= self.execute_plan(group_id, &plan, &mut out, &mut decodes);
             }
         }
 
@@ -550,9 +528,131 @@ impl Scheduler {
     }
 
     fn insert_running(&mut self, group_id: GroupId) {
-        let arrival = self.groups[group_id].arrival;
-        let position = self.running.partition_point(|id| self.groups[*id].arrival < arrival);
-        self.running.insert(position, group_id);
+        enqueue(&mut self.running, &self.groups, group_id);
+    }
+
+    /// The queued group to serve next, and whether it is swapped (else waiting).
+    fn first_queued(&self) -> Option<(GroupId, bool)> {
+        match (self.swapped.front(), self.waiting.front()) {
+            (Some(&swapped), Some(&waiting)) => {
+                let swapped_first = self.groups[swapped].order() < self.groups[waiting].order();
+                Some(if swapped_first { (swapped, true) } else { (waiting, false) })
+            }
+            (Some(&swapped), None) => Some((swapped, true)),
+            (None, Some(&waiting)) => Some((waiting, false)),
+            (None, None) => None,
+        }
+    }
+
+    /// Swaps a group back in and schedules what fits of it. Returns false, changing nothing, when
+    /// the budget, max_num_seqs or the device pool (above the watermark) has no room for it.
+    fn try_swap_in(
+        &mut self,
+        group_id: GroupId,
+        budget: &mut usize,
+        out: &mut SchedulerOutput,
+        decodes: &mut Vec<ScheduledSequence>,
+        plan: &mut Plan,
+    ) -> bool {
+        if !self.swapped_group_fits(group_id, *budget, 0) {
+            return false;
+        }
+        let seq_ids = self.groups[group_id].active_seq_ids();
+        self.swapped.pop_front();
+        let copies = self.blocks.swap_in(&seq_ids).expect("room was checked");
+        self.counters.blocks_swapped_in += copies.len() as u64;
+        out.blocks_to_swap_in.extend(copies);
+        self.groups[group_id].state = GroupState::Running;
+        self.insert_running(group_id);
+        self.plan_group(group_id, *budget, plan);
+        if self.blocks_needed(plan) <= self.blocks.num_free_device_blocks() {
+            *budget -= self.execute_plan(group_id, plan, out, decodes);
+        }
+        true
+    }
+
+    /// Whether a swapped group can come back within `budget`, with `reserved_blocks` of the free
+    /// device blocks spoken for.
+    fn swapped_group_fits(&self, group_id: GroupId, budget: usize, reserved_blocks: usize) -> bool {
+        let seq_ids = self.groups[group_id].active_seq_ids();
+        let num_seqs = seq_ids.len();
+        let needed = self.blocks.blocks_needed_to_swap_in(&seq_ids).expect("swapped tables") + num_seqs;
+        budget >= num_seqs
+            && self.num_running_seqs() + num_seqs <= self.config.max_num_seqs
+            && self.blocks.can_admit(needed + reserved_blocks)
+    }
+
+    /// Admits the first waiting group with its prefix-cache hits and schedules its first chunk.
+    /// Returns false when it does not fit now; one that can never fit is dropped (returns true).
+    fn try_admit(
+        &mut self,
+        group_id: GroupId,
+        budget: &mut usize,
+        out: &mut SchedulerOutput,
+        decodes: &mut Vec<ScheduledSequence>,
+        plan: &mut Plan,
+    ) -> bool {
+        if *budget == 0 || self.num_running_seqs() + self.groups[group_id].num_active() > self.config.max_num_seqs {
+            return false;
+        }
+        let Some(admitted_tokens) = self.plan_admission(group_id, *budget, 0) else {
+            let hopeless = self.running.is_empty() && *budget == self.config.max_num_batched_tokens;
+            if hopeless {
+                self.waiting.pop_front();
+                self.drop_group(group_id, out);
+            }
+            return hopeless;
+        };
+        self.waiting.pop_front();
+        let mut hit_tokens = 0;
+        let group = &mut self.groups[group_id];
+        group.state = GroupState::Running;
+        for seq in group.seqs.iter_mut().filter(|seq| seq.is_active()) {
+            let hits = self.blocks.allocate_prefix(seq.id, &seq.tokens, group.extra_key).expect("a waiting sequence has no table");
+            seq.num_computed = hits;
+            hit_tokens += hits;
+        }
+        group.num_prefix_hit_tokens += hit_tokens;
+        out.num_prefix_hit_tokens += hit_tokens;
+        self.insert_running(group_id);
+        // Hits can only be more than planned (a sibling may have just filled a block).
+        self.plan_group(group_id, (*budget).min(admitted_tokens), plan);
+        *budget -= self.execute_plan(group_id, plan, out, decodes);
+        true
+    }
+
+    /// Priority policy (vLLM's priority preemption): while the first queued group could not start
+    /// this step and the last running group has a lower priority, preempt that running group.
+    /// "Could start" is judged before the running groups take their share of the step: their
+    /// outstanding tokens come off the budget and the blocks they will append off the free pool.
+    /// A group never displaces one of equal or higher priority, so nothing ping-pongs.
+    fn preempt_for_priority(&mut self, out: &mut SchedulerOutput) {
+        let Some((candidate, swapped)) = self.first_queued() else { return };
+        let order = self.groups[candidate].order();
+        while let Some(&victim) = self.running.back() {
+            if self.groups[victim].order() <= order {
+                break;
+            }
+            let (mut running_tokens, mut running_blocks) = (0, 0);
+            for seq in self.running.iter().flat_map(|id| self.groups[*id].active_seqs()) {
+                let take = seq.num_uncomputed().min(self.config.max_num_batched_tokens);
+                running_tokens += take;
+                running_blocks += self.blocks.blocks_needed_to_append(seq.id, take).expect("running table");
+            }
+            let budget = self.config.max_num_batched_tokens.saturating_sub(running_tokens);
+            let fits = if swapped {
+                self.swapped_group_fits(candidate, budget, running_blocks)
+            } else {
+                budget > 0
+                    && self.num_running_seqs() + self.groups[candidate].num_active() <= self.config.max_num_seqs
+                    && self.plan_admission(candidate, budget, running_blocks).is_some()
+            };
+            if fits {
+                break;
+            }
+            self.running.pop_back();
+            self.preempt(victim, out);
+        }
     }
 
     /// (seq, tokens to compute) for each active sequence of a running group within `budget`.
@@ -589,8 +689,9 @@ impl Scheduler {
     }
 
     /// Token budget a waiting group would use now, or None when it does not fit (budget,
-    /// blocks above the watermark, or chunking disabled and the prompt too long for the budget).
-    fn plan_admission(&self, group_id: GroupId, budget: usize) -> Option<usize> {
+    /// blocks above the watermark with `reserved_blocks` of the free ones spoken for, or chunking
+    /// disabled and the prompt too long for the budget).
+    fn plan_admission(&self, group_id: GroupId, budget: usize, reserved_blocks: usize) -> Option<usize> {
         let group = &self.groups[group_id];
         let mut left = budget;
         let mut blocks = 0;
@@ -607,6 +708,7 @@ impl Scheduler {
             left -= take;
         }
         // With nothing running there is nobody to protect: ignore the watermark.
+        let blocks = blocks + reserved_blocks;
         let fits = if self.running.is_empty() {
             blocks <= self.blocks.num_free_device_blocks()
         } else {
@@ -681,9 +783,7 @@ impl Scheduler {
                 let group = &mut self.groups[group_id];
                 group.state = GroupState::Swapped;
                 group.num_preemptions += 1;
-                let arrival = group.arrival;
-                let position = self.swapped.partition_point(|id| self.groups[*id].arrival < arrival);
-                self.swapped.insert(position, group_id);
+                enqueue(&mut self.swapped, &self.groups, group_id);
             }
             Preemption::Recompute => {
                 self.free_group_blocks(group_id);
@@ -694,7 +794,7 @@ impl Scheduler {
                 }
                 group.state = GroupState::Waiting;
                 group.num_preemptions += 1;
-                self.waiting.push_front(group_id);
+                enqueue(&mut self.waiting, &self.groups, group_id);
             }
         }
     }
@@ -729,4 +829,11 @@ impl Scheduler {
             num_steps: self.counters.steps,
         }
     }
+}
+
+/// Inserts a group into a queue kept in `SequenceGroup::order`.
+fn enqueue(queue: &mut VecDeque<GroupId>, groups: &Slab<SequenceGroup>, group_id: GroupId) {
+    let order = groups[group_id].order();
+    let position = queue.partition_point(|id| groups[*id].order() < order);
+    queue.insert(position, group_id);
 }

@@ -1,6 +1,6 @@
 //! Scheduler behaviour: batching, chunking, preemption, admission errors, sharing.
 
-use crate::config::SchedulerConfig;
+use crate::config::{SchedulerConfig, SchedulingPolicy};
 use crate::errors::Error;
 use crate::preemption::{CostModel, PreemptionMode};
 use crate::scheduler::{Scheduler, SchedulerOutput};
@@ -17,6 +17,7 @@ fn config(num_device_blocks: usize, num_cpu_blocks: usize) -> SchedulerConfig {
         enable_prefix_caching: false,
         enable_chunked_prefill: true,
         preemption_mode: PreemptionMode::Swap,
+        scheduling_policy: SchedulingPolicy::Fcfs,
         watermark: 0.0,
         cost_model: CostModel::default(),
     }
@@ -288,9 +289,17 @@ fn a_group_that_can_never_fit_is_dropped_not_looped() {
 /// A seeded random workload with preemptions: invariants after every step, nothing leaked.
 #[test]
 fn random_workload_keeps_invariants_and_frees_everything() {
-    for mode in [PreemptionMode::Swap, PreemptionMode::Recompute, PreemptionMode::Auto] {
+    let cases = [
+        (PreemptionMode::Swap, SchedulingPolicy::Fcfs),
+        (PreemptionMode::Recompute, SchedulingPolicy::Fcfs),
+        (PreemptionMode::Auto, SchedulingPolicy::Fcfs),
+        (PreemptionMode::Swap, SchedulingPolicy::Priority),
+        (PreemptionMode::Recompute, SchedulingPolicy::Priority),
+    ];
+    for (mode, policy) in cases {
         let mut cfg = config(24, 12);
         cfg.preemption_mode = mode;
+        cfg.scheduling_policy = policy;
         cfg.enable_prefix_caching = true;
         cfg.max_num_batched_tokens = 16;
         cfg.max_waiting_requests = 64;
@@ -306,7 +315,8 @@ fn random_workload_keeps_invariants_and_frees_everything() {
         let mut consumer_tables = std::collections::HashMap::<u64, Vec<u32>>::new();
         for i in 0..40u32 {
             let len = 1 + next(20) as u32;
-            let seq = s.add_request(&format!("r{i}"), prompt(len, next(3) as u32), None).unwrap();
+            let priority = if policy == SchedulingPolicy::Priority { next(4) as i64 - 1 } else { 0 };
+            let seq = s.add_request_with_priority(&format!("r{i}"), prompt(len, next(3) as u32), None, priority).unwrap();
             targets.insert(seq, len as usize + 1 + next(20) as usize);
         }
         let mut steps = 0;
@@ -320,7 +330,7 @@ fn random_workload_keeps_invariants_and_frees_everything() {
                 let table = consumer_tables.entry(seq.seq_id).or_default();
                 table.truncate(seq.block_table_from);
                 table.extend_from_slice(out.block_table_update(seq));
-                assert_eq!(table.as_slice(), s.block_table(seq.seq_id).unwrap(), "{mode:?} step {steps}");
+                assert_eq!(table.as_slice(), s.block_table(seq.seq_id).unwrap(), "{mode:?} {policy:?} step {steps}");
             }
             for seq in out.scheduled.iter().filter(|seq| seq.sample) {
                 if s.sequence_len(seq.seq_id).unwrap() >= targets[&seq.seq_id] {
@@ -335,9 +345,139 @@ fn random_workload_keeps_invariants_and_frees_everything() {
             }
         }
         let stats = s.stats();
-        assert_eq!(stats.num_free_device_blocks, 24, "{mode:?}");
-        assert_eq!(stats.num_free_cpu_blocks, 12, "{mode:?}");
+        assert_eq!(stats.num_free_device_blocks, 24, "{mode:?} {policy:?}");
+        assert_eq!(stats.num_free_cpu_blocks, 12, "{mode:?} {policy:?}");
         assert!(stats.num_preemptions_swap + stats.num_preemptions_recompute > 0, "{mode:?}: the workload must preempt");
         assert!(stats.num_blocks_copied > 0, "{mode:?}: forks must copy on write");
     }
+}
+
+fn priority_config(num_device_blocks: usize, num_cpu_blocks: usize) -> SchedulerConfig {
+    SchedulerConfig { scheduling_policy: SchedulingPolicy::Priority, ..config(num_device_blocks, num_cpu_blocks) }
+}
+
+fn scheduled_requests(s: &Scheduler, out: &SchedulerOutput) -> Vec<String> {
+    out.scheduled.iter().map(|seq| s.request_id(seq.seq_id).unwrap().to_string()).collect()
+}
+
+#[test]
+fn fcfs_rejects_priorities_and_changes_nothing() {
+    let mut s = Scheduler::new(config(16, 0)).unwrap();
+    let err = s.add_request_with_priority("a", prompt(3, 1), None, 2).unwrap_err();
+    assert!(matches!(err, Error::InvalidConfig { field: "priority", .. }));
+    assert!(err.to_string().contains("scheduling_policy='priority'"), "{err}");
+    assert!(!s.has_unfinished());
+    s.add_request_with_priority("a", prompt(3, 1), None, 0).unwrap();
+    assert!(matches!("lifo".parse::<SchedulingPolicy>(), Err(Error::InvalidConfig { field: "scheduling_policy", .. })));
+}
+
+#[test]
+fn priority_orders_admission_then_arrival() {
+    let mut cfg = priority_config(64, 0);
+    cfg.max_num_seqs = 1;
+    let mut s = Scheduler::new(cfg).unwrap();
+    for (id, priority) in [("late-low", 5), ("high", -1), ("mid-1", 1), ("mid-2", 1)] {
+        s.add_request_with_priority(id, prompt(3, 1), None, priority).unwrap();
+    }
+    let mut order = Vec::new();
+    while s.has_unfinished() {
+        let out = s.schedule();
+        for seq in &out.scheduled {
+            order.push(s.request_id(seq.seq_id).unwrap().to_string());
+            s.finish_sequence(seq.seq_id).unwrap();
+        }
+    }
+    assert_eq!(order, ["high", "mid-1", "mid-2", "late-low"]);
+}
+
+#[test]
+fn a_higher_priority_request_preempts_lower_priority_running_ones() {
+    for mode in [PreemptionMode::Swap, PreemptionMode::Recompute] {
+        // 6 blocks of 4 tokens: "low" and "lower" hold 2 each; "urgent" needs 3.
+        let mut cfg = priority_config(6, 8);
+        cfg.preemption_mode = mode;
+        let mut s = Scheduler::new(cfg).unwrap();
+        s.add_request_with_priority("low", prompt(8, 1), None, 1).unwrap();
+        s.add_request_with_priority("lower", prompt(8, 2), None, 2).unwrap();
+        let out = s.schedule();
+        sample_all(&mut s, &out);
+        s.add_request_with_priority("urgent", prompt(12, 3), None, 0).unwrap();
+        let out = s.schedule();
+        // Only the lowest priority is displaced, and "urgent" starts in the same step.
+        assert_eq!(out.preempted, vec![std::sync::Arc::from("lower")], "{mode:?}");
+        assert_eq!(scheduled_requests(&s, &out), ["urgent", "low"], "{mode:?}: prefills first");
+        assert_eq!(out.blocks_to_swap_out.len(), if mode == PreemptionMode::Swap { 2 } else { 0 });
+        check(&s);
+        // "lower" comes back once there is room again, where it left off.
+        sample_all(&mut s, &out);
+        for seq in out.scheduled.clone() {
+            s.finish_sequence(seq.seq_id).unwrap();
+        }
+        let out = s.schedule();
+        assert_eq!(scheduled_requests(&s, &out), ["lower"], "{mode:?}");
+        let (start, end) = (out.scheduled[0].start, out.scheduled[0].end);
+        assert_eq!((start, end), if mode == PreemptionMode::Swap { (8, 9) } else { (0, 9) }, "{mode:?}");
+        check(&s);
+    }
+}
+
+#[test]
+fn equal_or_lower_priorities_never_preempt() {
+    for (newcomer, priority) in [("same", 1), ("lower", 2)] {
+        let mut s = Scheduler::new(priority_config(4, 8)).unwrap();
+        s.add_request_with_priority("running", prompt(12, 1), None, 1).unwrap();
+        let out = s.schedule();
+        sample_all(&mut s, &out);
+        s.add_request_with_priority(newcomer, prompt(8, 2), None, priority).unwrap();
+        let out = s.schedule();
+        assert!(out.preempted.is_empty(), "{newcomer}");
+        assert_eq!(scheduled_requests(&s, &out), ["running"]);
+        assert_eq!(s.stats().num_waiting, 1);
+    }
+}
+
+#[test]
+fn max_num_seqs_is_a_reason_to_preempt_for_priority() {
+    let mut cfg = priority_config(64, 64);
+    cfg.max_num_seqs = 2;
+    let mut s = Scheduler::new(cfg).unwrap();
+    s.add_request_with_priority("a", prompt(3, 1), None, 3).unwrap();
+    s.add_request_with_priority("b", prompt(3, 2), None, 4).unwrap();
+    let out = s.schedule();
+    sample_all(&mut s, &out);
+    s.add_request_with_priority("vip", prompt(3, 3), None, 0).unwrap();
+    let out = s.schedule();
+    assert_eq!(out.preempted, vec![std::sync::Arc::from("b")]);
+    assert_eq!(scheduled_requests(&s, &out), ["vip", "a"]);
+}
+
+#[test]
+fn a_newcomer_of_higher_priority_goes_before_a_swapped_group() {
+    let mut cfg = priority_config(6, 16);
+    cfg.max_num_seqs = 2;
+    let mut s = Scheduler::new(cfg).unwrap();
+    s.add_request_with_priority("mid", prompt(12, 1), None, 1).unwrap();
+    let out = s.schedule();
+    sample_all(&mut s, &out);
+    // 12 tokens + 1 need a 4th block: with "top" (3 blocks) that is 7 > 6, so "mid" is swapped out.
+    s.add_request_with_priority("top", prompt(12, 2), None, 0).unwrap();
+    let out = s.schedule();
+    assert_eq!(out.preempted, vec![std::sync::Arc::from("mid")]);
+    assert_eq!((s.stats().num_swapped, out.blocks_to_swap_out.len()), (1, 3));
+    assert_eq!(scheduled_requests(&s, &out), ["top"]);
+    sample_all(&mut s, &out);
+    s.add_request_with_priority("top-2", prompt(12, 3), None, 0).unwrap();
+    let top = out.scheduled[0].seq_id;
+    let out = s.schedule();
+    assert!(out.preempted.is_empty(), "equal priority: no preemption");
+    assert_eq!(scheduled_requests(&s, &out), ["top"]);
+    s.finish_sequence(top).unwrap();
+    let out = s.schedule();
+    assert_eq!(scheduled_requests(&s, &out), ["top-2"], "the newcomer outranks the swapped group");
+    assert!(out.blocks_to_swap_in.is_empty());
+    s.finish_sequence(out.scheduled[0].seq_id).unwrap();
+    let out = s.schedule();
+    assert_eq!(scheduled_requests(&s, &out), ["mid"]);
+    assert_eq!((out.blocks_to_swap_in.len(), out.scheduled[0].start), (3, 12));
+    check(&s);
 }

@@ -71,8 +71,10 @@ pub enum GroupState {
 #[derive(Debug, Clone)]
 pub struct SequenceGroup {
     pub request_id: Arc<str>,
-    /// Arrival order (FCFS priority: smaller is older and is preempted last).
+    /// Arrival order: smaller is older.
     pub arrival: u64,
+    /// Smaller is served first and preempted last (always 0 under the FCFS policy).
+    pub priority: i64,
     pub extra_key: Option<u64>,
     /// Inline for the common single-sequence request (one less pointer to chase per step).
     pub seqs: SmallVec<[Sequence; 1]>,
@@ -83,6 +85,11 @@ pub struct SequenceGroup {
 }
 
 impl SequenceGroup {
+    /// Where the group stands in every queue: served in ascending order, preempted from the end.
+    pub fn order(&self) -> (i64, u64) {
+        (self.priority, self.arrival)
+    }
+
     pub fn active_seqs(&self) -> impl Iterator<Item = &Sequence> {
         self.seqs.iter().filter(|seq| seq.is_active())
     }

@@ -123,6 +123,41 @@ def test_same_outputs_under_preemption(mode, prompts, hf_references):
     assert_all_blocks_free(llm.engine)
 
 
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_an_urgent_request_preempts_lower_priorities_and_everyone_stays_correct(mode, prompts, hf_references):
+    from pagedkv import LLMEngine
+    from pagedkv.config import EngineConfig
+
+    engine = LLMEngine(EngineConfig(dtype="float32", num_device_blocks=64, swap_space_bytes=64 << 20,
+                                    max_model_len=192, max_num_seqs=2, preemption_mode=mode,
+                                    scheduling_policy="priority"))
+    low = {f"low-{i}": i for i in (1, 2, 3)}
+    for request_id, index in low.items():
+        engine.add_request(request_id, prompts[index], greedy(), priority=1)
+    engine.step()  # two of them run, one waits
+    engine.add_request("urgent", prompts[6], greedy(), priority=-1)
+    first = {output.request_id: output for output in engine.step()}
+    assert "urgent" in first and len(first["urgent"].outputs[0].token_ids) == 1, "started in the step it arrived"
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update((output.request_id, output) for output in engine.step() if output.finished)
+    assert finals["urgent"].outputs[0].token_ids == hf_references[6]
+    assert finals["urgent"].metrics.num_preemptions == 0
+    for request_id, index in low.items():
+        assert finals[request_id].outputs[0].token_ids == hf_references[index], request_id
+    assert sum(finals[request_id].metrics.num_preemptions for request_id in low) >= 1
+    assert engine.stats()[f"num_preemptions_{mode}"] >= 1
+    assert_all_blocks_free(engine)
+
+
+def test_priorities_need_the_priority_policy(llm):
+    with pytest.raises(ValueError, match="priority must be 0 unless scheduling_policy is 'priority'"):
+        llm.generate(["Hello"], greedy(2), use_tqdm=False, priority=[3])
+    with pytest.raises(ValueError, match="2 priorities for 1 prompts"):
+        llm.generate(["Hello"], greedy(2), use_tqdm=False, priority=[0, 0])
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_prompt_logprobs_match_hf_across_chunks_despite_the_prefix_cache(hf_model, prompts, monkeypatch):
     from pagedkv import request_state
 

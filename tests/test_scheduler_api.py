@@ -95,3 +95,36 @@ def test_schedule_releases_the_gil():
     assert len(out.scheduled) == 1024
     # Holding the GIL, the other thread could not have run for the whole call.
     assert during > 1000, during
+
+
+def test_priority_policy_lets_an_urgent_request_preempt_and_orders_the_queue():
+    # 6 blocks of 4: two 8-token requests run; the urgent 12-token one needs 3 blocks.
+    scheduler = Scheduler(small_config(num_device_blocks=6, scheduling_policy="priority", preemption_mode="swap",
+                                       watermark=0.0, enable_prefix_caching=False))
+    low = scheduler.add_request("low", list(range(8)), priority=1)
+    lower = scheduler.add_request("lower", list(range(10, 18)), priority=2)
+    scheduler.schedule()
+    for seq_id in (low, lower):
+        scheduler.append_token(seq_id, 5)
+    urgent = scheduler.add_request("urgent", list(range(20, 32)), priority=-3)
+    out = scheduler.schedule()
+    assert out.preempted == ["lower"]
+    assert [seq.request_id for seq in out.scheduled] == ["urgent", "low"]
+    assert len(out.blocks_to_swap_out) == 2
+    for seq_id in (low, urgent):
+        scheduler.finish_sequence(seq_id)
+    out = scheduler.schedule()
+    assert [(seq.request_id, seq.start) for seq in out.scheduled] == [("lower", 8)]
+    scheduler.finish_sequence(lower)
+    stats = scheduler.stats()
+    assert stats["num_free_device_blocks"] == 6 and stats["num_free_cpu_blocks"] == 8
+
+
+def test_priorities_need_the_priority_policy():
+    assert SchedulerConfig().scheduling_policy == "fcfs"
+    scheduler = Scheduler(small_config())
+    with pytest.raises(pagedkv.InvalidConfigError, match="scheduling_policy='priority'"):
+        scheduler.add_request("a", [1, 2], priority=1)
+    assert not scheduler.has_unfinished_requests()
+    with pytest.raises(pagedkv.InvalidConfigError, match="scheduling_policy"):
+        SchedulerConfig(scheduling_policy="lifo")

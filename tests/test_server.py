@@ -18,12 +18,12 @@ from pagedkv.server import create_app
 
 
 class LiveServer:
-    def __init__(self, chat_template=None, **engine_options):
+    def __init__(self, chat_template=None, api_key=None, **engine_options):
         self.engine = LLMEngine(EngineConfig(dtype="float32", **engine_options))
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
-        config = uvicorn.Config(create_app(self.engine, chat_template=chat_template), host="127.0.0.1", port=self.port, log_level="warning")
+        config = uvicorn.Config(create_app(self.engine, chat_template=chat_template, api_key=api_key), host="127.0.0.1", port=self.port, log_level="warning")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
@@ -381,6 +381,7 @@ def test_a_batch_with_a_bad_prompt_queues_nothing(server):
         ({"prompt": "hi", "logit_bias": {"99999999": 1}}, "logit_bias"),
         ({"prompt": "hi", "stop_token_ids": [99999999], "min_tokens": 2}, "stop_token_ids"),
         ({"prompt": "hi", "top_k": -7}, "top_k"),
+        ({"prompt": "hi", "priority": 2}, "priority"),
     ],
 )
 def test_bad_requests_get_400_with_the_error_json(server, body, param):
@@ -480,5 +481,22 @@ def test_a_custom_chat_template_renders_the_messages():
         assert body["tokens"] == live.engine.tokenizer.encode("[user] Name a fruit.\n[assistant] ")
         reply = httpx.post(live.url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 3}, timeout=60)
         assert reply.status_code == 200 and reply.json()["usage"]["prompt_tokens"] == body["count"]
+    finally:
+        live.stop()
+
+
+def test_an_api_key_guards_the_v1_routes():
+    live = LiveServer(api_key="s3cret", num_device_blocks=32, max_model_len=128)
+    try:
+        body = {"prompt": "Hello", "max_tokens": 2, "temperature": 0}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            response = httpx.post(live.url + "/v1/completions", json=body, headers=headers, timeout=30)
+            assert response.status_code == 401, headers
+            assert response.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(live.url + "/v1/models", timeout=10).status_code == 401
+        assert httpx.get(live.url + "/health", timeout=10).status_code == 200  # probes need no key
+        client = OpenAI(base_url=live.url + "/v1", api_key="s3cret", timeout=60, max_retries=0)
+        assert len(client.completions.create(model=client.models.list().data[0].id, **body).choices[0].text) > 0
+        assert live.metric("pagedkv_kv_blocks_used_device") == 0
     finally:
         live.stop()

@@ -23,6 +23,9 @@ class SchedulerConfig:
     enable_chunked_prefill: bool
     preemption_mode: str
     """'swap', 'recompute' or 'auto' (cheaper of the two per victim by the cost model)."""
+    scheduling_policy: str
+    """'fcfs' (arrival order) or 'priority' ((priority, arrival) order; a queued request that
+    cannot start preempts running requests of lower priority, i.e. larger values)."""
     watermark: float
     """Fraction of device blocks that admissions leave free."""
     recompute_cost_per_token: float
@@ -45,6 +48,7 @@ class SchedulerConfig:
         enable_prefix_caching: bool = True,
         enable_chunked_prefill: bool = True,
         preemption_mode: str = "auto",
+        scheduling_policy: str = "fcfs",
         watermark: float = 0.01,
         recompute_cost_per_token: Optional[float] = None,
         block_bytes: Optional[float] = None,
@@ -101,8 +105,11 @@ class Scheduler:
     preempt the newest running group by swap or recompute."""
 
     def __init__(self, config: Optional[SchedulerConfig] = None) -> None: ...
-    def add_request(self, request_id: str, prompt_token_ids: list[int], extra_key: Optional[int] = None) -> int:
-        """Queue a request; returns its first sequence id. Raises PromptTooLongError when the
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], extra_key: Optional[int] = None, priority: int = 0
+    ) -> int:
+        """Queue a request; returns its first sequence id. `priority` (smaller first) needs
+        scheduling_policy='priority', else InvalidConfigError. Raises PromptTooLongError when the
         prompt can never fit, OverloadedError when the waiting queue is full."""
     def schedule(self) -> SchedulerOutput:
         """Plan one step (releases the GIL)."""

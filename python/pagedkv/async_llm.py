@@ -41,13 +41,14 @@ class AsyncLLM:
         prompt: Union[str, list[int]],
         sampling_params: Optional[SamplingParams] = None,
         request_id: Optional[str] = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Queues a request and yields its cumulative output after every step that advanced it,
         the last one with `finished`. Raises what `LLMEngine.add_request` raises on the first
         iteration (PromptTooLongError, OverloadedError, ...). Leaving early (break, cancel, or
-        `aclose()`) aborts the request and frees its blocks."""
+        `aclose()`) aborts the request and frees its blocks. `priority`: see `LLMEngine.add_request`."""
         request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
-        [outputs] = await self._loop.submit_all([(request_id, prompt)], sampling_params or SamplingParams())
+        [outputs] = await self._loop.submit_all([(request_id, prompt)], sampling_params or SamplingParams(), priority)
         finished = False
         try:
             while not finished:

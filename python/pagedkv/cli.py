@@ -128,7 +128,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         with open(chat_template, encoding="utf-8") as file:
             chat_template = file.read()
     return serve(engine_config(args), host=args.host, port=args.port, served_model_name=args.served_model_name,
-                 chat_template=chat_template)
+                 chat_template=chat_template, api_key=args.api_key)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -179,6 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None, help="model name in the API (default: file name)")
     serve.add_argument("--chat-template", default=None,
                        help="Jinja chat template (a file or the template itself; default: the tokenizer's)")
+    serve.add_argument("--api-key", default=os.environ.get("PAGEDKV_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' on /v1 routes (default: $PAGEDKV_API_KEY, else none)")
     add_engine_arguments(serve)
     serve.set_defaults(func=cmd_serve)
 

@@ -10,6 +10,7 @@ from typing import Optional
 from pagedkv.errors import InvalidConfigError
 
 _PREEMPTION_MODES = ("auto", "swap", "recompute")
+_SCHEDULING_POLICIES = ("fcfs", "priority")
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
@@ -50,6 +51,9 @@ class EngineConfig:
     """Split long prompts across steps to fit the token budget."""
     preemption_mode: str = "auto"
     """auto, swap or recompute."""
+    scheduling_policy: str = "fcfs"
+    """fcfs (arrival order) or priority: requests carry a priority (smaller first, ties by arrival)
+    and one that cannot start preempts running requests of lower priority."""
     watermark: float = 0.01
     """Fraction of device blocks kept free at admission."""
     seed: int = 0
@@ -85,6 +89,8 @@ class EngineConfig:
             fail("swap_space_bytes", self.swap_space_bytes, "an integer >= 0")
         if self.preemption_mode not in _PREEMPTION_MODES:
             fail("preemption_mode", self.preemption_mode, f"one of {_PREEMPTION_MODES}")
+        if self.scheduling_policy not in _SCHEDULING_POLICIES:
+            fail("scheduling_policy", self.scheduling_policy, f"one of {_SCHEDULING_POLICIES}")
         if not 0 <= self.watermark < 1:
             fail("watermark", self.watermark, "in [0, 1)")
         if self.attention_backend not in ("auto", "torch", "cpu", "cuda"):

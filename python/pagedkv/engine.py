@@ -74,6 +74,7 @@ class LLMEngine:
             enable_prefix_caching=config.enable_prefix_caching,
             enable_chunked_prefill=config.enable_chunked_prefill,
             preemption_mode=config.preemption_mode,
+            scheduling_policy=config.scheduling_policy,
             watermark=config.watermark,
             recompute_cost_per_token=2.0 * runner.num_parameters / _FLOPS[device],
             block_bytes=float(runner.block_bytes),
@@ -87,10 +88,15 @@ class LLMEngine:
         prompt: Union[str, list[int]],
         params: Optional[SamplingParams] = None,
         arrival_time: Optional[float] = None,
+        priority: int = 0,
     ) -> None:
-        """Queues a request. Raises PromptTooLongError (naming the limit), OverloadedError
+        """Queues a request. `priority` (scheduling_policy="priority" only): smaller is served
+        first and preempted last. Raises PromptTooLongError (naming the limit), OverloadedError
         (waiting queue full: retry later), DuplicateRequestError or ValueError."""
         params = params or SamplingParams()
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise ValueError(f"priority must be 0 unless scheduling_policy is 'priority' (got {priority}; "
+                             f"this engine runs {self.config.scheduling_policy!r})")
         if request_id in self.requests:
             raise DuplicateRequestError(f"request id {request_id!r} is already in use")
         vocab_size = self.runner.vocab_size
@@ -117,7 +123,7 @@ class LLMEngine:
             # cache from serving this prompt (a recompute after preemption still reuses its blocks).
             self._num_uncached_prompts += 1
             extra_key = (1 << 63) | self._num_uncached_prompts
-        seq_id = self.scheduler.add_request(request_id, prompt_token_ids, extra_key)
+        seq_id = self.scheduler.add_request(request_id, prompt_token_ids, extra_key, priority)
         metrics = RequestMetrics(arrival_time=arrival_time or time.monotonic(), num_prompt_tokens=len(prompt_token_ids))
         first = SequenceState(seq_id=seq_id, index=0, generator=self._generator(params, 0), matcher=matcher)
         request = RequestState(request_id, prompt_text, prompt_token_ids, params, metrics, [first])

@@ -52,7 +52,9 @@ class EngineLoop:
         self._commands.put(("wake",))
         self._thread.join(timeout)
 
-    async def submit_all(self, requests: list[tuple[str, object]], params: SamplingParams) -> list[asyncio.Queue]:
+    async def submit_all(
+        self, requests: list[tuple[str, object]], params: SamplingParams, priority: int = 0
+    ) -> list[asyncio.Queue]:
         """Queues (request_id, prompt) pairs all or none: if one is refused, none runs and its
         error (what `engine.add_request` raises: PromptTooLongError, ...) is raised. One output
         queue per request."""
@@ -62,7 +64,7 @@ class EngineLoop:
         with self._lock:
             if self._closed or self._stopping.is_set():
                 raise EngineStoppedError("the engine loop has stopped")
-            self._commands.put(("add", streams, params, accepted))
+            self._commands.put(("add", streams, params, priority, accepted))
         await accepted
         return [stream.outputs for _, _, stream in streams]
 
@@ -109,7 +111,7 @@ class EngineLoop:
             except queue.Empty:
                 break
             if command[0] == "add":
-                accepted = command[3]
+                accepted = command[-1]
                 accepted.get_loop().call_soon_threadsafe(
                     _set_exception, accepted, EngineStoppedError("the engine loop has stopped"))
         for request_id in list(self._streams):
@@ -131,11 +133,11 @@ class EngineLoop:
     def _execute(self, command) -> None:
         kind = command[0]
         if kind == "add":
-            _, streams, params, accepted = command
+            _, streams, params, priority, accepted = command
             added: list[str] = []
             try:
                 for request_id, prompt, _ in streams:
-                    self.engine.add_request(request_id, prompt, params)
+                    self.engine.add_request(request_id, prompt, params, priority=priority)
                     added.append(request_id)
             except Exception as error:  # handed back to the HTTP handler, which maps it to a status
                 for request_id in added:  # (no step ran in between: they never started)

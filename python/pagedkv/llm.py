@@ -36,9 +36,11 @@ class LLM:
         prompts: Union[Prompt, Sequence[Prompt]],
         sampling_params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,
         use_tqdm: bool = True,
+        priority: Optional[Sequence[int]] = None,
     ) -> list[RequestOutput]:
         """Runs every prompt to completion (continuous batching) and returns their outputs in
-        prompt order. Prompts are strings or token-id lists."""
+        prompt order. Prompts are strings or token-id lists. `priority` (one per prompt, with
+        scheduling_policy="priority"): smaller values are served first."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -48,11 +50,15 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} prompts")
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
 
         # Only finished outputs are used here: the engine need not detokenize every step.
         params_list = [dataclasses.replace(params, output_kind="final_only") for params in params_list]
-        pending = [(f"llm-{next(self._ids)}", prompt, params) for prompt, params in zip(prompts, params_list)]
-        order = {request_id: index for index, (request_id, _, _) in enumerate(pending)}
+        pending = [(f"llm-{next(self._ids)}", prompt, params, request_priority)
+                   for prompt, params, request_priority in zip(prompts, params_list, priorities)]
+        order = {request_id: index for index, (request_id, *_) in enumerate(pending)}
         results: dict[str, RequestOutput] = {}
         engine = self.engine
         with tqdm(total=len(pending), desc="generating", unit="req", disable=not use_tqdm) as progress:
@@ -60,9 +66,9 @@ class LLM:
             while queue or engine.has_unfinished_requests():
                 # Feed the waiting queue up to its bound; the rest waits here (backpressure).
                 while queue:
-                    request_id, prompt, params = queue[-1]
+                    request_id, prompt, params, request_priority = queue[-1]
                     try:
-                        engine.add_request(request_id, prompt, params)
+                        engine.add_request(request_id, prompt, params, priority=request_priority)
                     except OverloadedError:
                         break
                     queue.pop()

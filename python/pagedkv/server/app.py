@@ -1,12 +1,14 @@
 """The FastAPI application: /v1/completions, /v1/chat/completions (with SSE streaming),
 /v1/models, /health, /metrics, vLLM's /tokenize, /detokenize and /version, and OpenAI-shaped
-errors."""
+errors. With an API key, every /v1 route asks for `Authorization: Bearer <key>` (as vLLM's
+--api-key does)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import dataclasses
+import hmac
 import logging
 import signal
 import time
@@ -32,7 +34,7 @@ from pagedkv.server.tools import ToolCalling
 logger = logging.getLogger("pagedkv.server")
 
 # Engine ValueErrors that start with one of these name a sampling field; others are about the prompt.
-SAMPLING_FIELDS = frozenset({"logit_bias", "stop_token_ids", "n", "structured_outputs"})
+SAMPLING_FIELDS = frozenset({"logit_bias", "stop_token_ids", "n", "structured_outputs", "priority"})
 
 
 class APIError(Exception):
@@ -46,9 +48,11 @@ def error_response(status: int, message: str, type_: str, param=None, code=None,
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_template: Optional[str] = None) -> FastAPI:
+def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_template: Optional[str] = None,
+               api_key: Optional[str] = None) -> FastAPI:
     """The app around an engine; the engine loop runs for the app's lifetime. `chat_template`
-    (Jinja) replaces the tokenizer's own, e.g. for a base model that has none."""
+    (Jinja) replaces the tokenizer's own, e.g. for a base model that has none. `api_key`: /v1
+    routes answer 401 unless the request carries `Authorization: Bearer <api_key>`."""
     model_name = served_model_name or engine.model_name
     responses = ResponseBuilder(engine.tokenizer, model_name)
     state: dict = {}
@@ -68,6 +72,18 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
 
     app = FastAPI(title="pagedkv", lifespan=lifespan)
     app.state.pagedkv = state
+
+    if api_key:
+        expected = f"Bearer {api_key}".encode()
+
+        @app.middleware("http")
+        async def authenticate(request: Request, call_next):
+            if request.method != "OPTIONS" and request.url.path.startswith("/v1"):
+                given = request.headers.get("authorization", "").encode()
+                if not hmac.compare_digest(given, expected):  # (constant time: no key guessing by timing)
+                    return error_response(401, "invalid or missing API key (Authorization: Bearer <key>)",
+                                          "authentication_error", None, "invalid_api_key")
+            return await call_next(request)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, error: APIError):
@@ -172,7 +188,7 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
         if not body.stream:  # only the final output is sent: spare the engine per-step detokenizing
             params = dataclasses.replace(params, output_kind="final_only")
         try:
-            queues = await state["loop"].submit_all(list(zip(request_ids, prompts)), params)
+            queues = await state["loop"].submit_all(list(zip(request_ids, prompts)), params, body.priority)
         except Exception as error:
             raise submit_error(error, chat) from error
         created = int(time.time())
@@ -254,7 +270,7 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
 
 
 def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, served_model_name=None,
-          chat_template: Optional[str] = None) -> int:
+          chat_template: Optional[str] = None, api_key: Optional[str] = None) -> int:
     """Builds the engine and runs uvicorn until SIGINT/SIGTERM: stops accepting, lets in-flight
     requests finish (10 s), aborts the rest, and returns 0."""
     import uvicorn
@@ -268,6 +284,6 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, serve
                 signal.signal(sig, self.handle_exit)
             yield
 
-    app = create_app(LLMEngine(config), served_model_name, chat_template)
+    app = create_app(LLMEngine(config), served_model_name, chat_template, api_key)
     Server(uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=10, log_level="info")).run()
     return 0

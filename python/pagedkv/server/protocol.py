@@ -38,6 +38,7 @@ class _Sampling(BaseModel):
     use_beam_search: bool = False
     length_penalty: float = 1.0
     cache_salt: Optional[str] = None  # only requests with the same salt share prefix-cache blocks
+    priority: int = 0  # with --scheduling-policy priority: smaller is served first
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_* fields.
     response_format: Optional[dict] = None
     structured_outputs: Optional[dict] = None
