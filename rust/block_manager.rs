@@ -1,10 +1,12 @@
 //! The device pool, the CPU swap pool and every sequence's block table: allocation on demand,
-//! fork with copy-on-write, prefix-cache reuse, swap between tiers, and the watermark.
+//! fork with copy-on-write, prefix-cache reuse (device, and optionally the CPU tier), swap between
+//! the pools, and the watermark.
 
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 
 use crate::block_pool::{BlockId, BlockPool, Device};
 use crate::block_table::{block_offset, BlockTable};
+use crate::cpu_prefix_tier::CpuPrefixTier;
 use crate::errors::{Error, Result};
 use crate::prefix_cache::{block_hash, block_hashes, PrefixCache};
 
@@ -23,6 +25,23 @@ pub struct StepSlots<'a> {
     pub table_from: usize,
 }
 
+/// Cached full blocks a prompt's prefix would hit, by where they are.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PrefixHits {
+    /// On the device (shared in place).
+    pub device: usize,
+    /// Of the device hits, those free right now (taking them takes them off the free list).
+    pub revived: usize,
+    /// In the CPU tier, after the device hits (each needs a device block and a copy).
+    pub cpu: usize,
+}
+
+impl PrefixHits {
+    pub fn blocks(&self) -> usize {
+        self.device + self.cpu
+    }
+}
+
 /// Owns both pools and all block tables. Every public method either succeeds or changes
 /// nothing, so an error never leaks a block.
 #[derive(Debug, Clone)]
@@ -31,6 +50,7 @@ pub struct BlockManager {
     gpu: BlockPool,
     cpu: BlockPool,
     cache: PrefixCache,
+    cpu_tier: CpuPrefixTier,
     enable_prefix_caching: bool,
     watermark_blocks: usize,
     tables: HashMap<SeqId, BlockTable>,
@@ -66,10 +86,39 @@ impl BlockManager {
             gpu: BlockPool::new(Device::Gpu, num_device_blocks),
             cpu: BlockPool::new(Device::Cpu, num_cpu_blocks),
             cache: PrefixCache::default(),
+            cpu_tier: CpuPrefixTier::default(),
             enable_prefix_caching,
             watermark_blocks: (watermark * num_device_blocks as f64).ceil() as usize,
             tables: HashMap::default(),
         })
+    }
+
+    /// Turns on the prefix cache's CPU tier (`cpu_prefix_tier.rs`): cached blocks evicted from the
+    /// device move to free CPU swap blocks and are copied back on a hit. Needs prefix caching.
+    pub fn enable_cpu_prefix_cache(&mut self) -> Result<()> {
+        if !self.enable_prefix_caching {
+            return Err(Error::InvalidConfig {
+                field: "enable_cpu_prefix_cache",
+                message: "needs enable_prefix_caching".into(),
+            });
+        }
+        self.cpu_tier.enable();
+        Ok(())
+    }
+
+    pub fn cpu_tier(&self) -> &CpuPrefixTier {
+        &self.cpu_tier
+    }
+
+    /// Call before planning a step: the CPU blocks pinned for the last step's copies are released.
+    pub fn begin_step(&mut self) {
+        self.cpu_tier.begin_step(&mut self.cpu);
+    }
+
+    /// The CPU tier's copies since the last call: (device -> CPU offloads, CPU -> device reloads).
+    /// They run with the step's swap-outs and swap-ins respectively.
+    pub fn take_cpu_tier_copies(&mut self) -> (Vec<BlockCopy>, Vec<BlockCopy>) {
+        self.cpu_tier.take_copies()
     }
 
     pub fn block_size(&self) -> usize {
@@ -89,6 +138,9 @@ impl BlockManager {
     }
     pub fn num_cached_device_blocks(&self) -> usize {
         self.gpu.num_cached_free()
+    }
+    pub fn num_cached_cpu_blocks(&self) -> usize {
+        self.cpu.num_cached_free()
     }
     pub fn watermark_blocks(&self) -> usize {
         self.watermark_blocks
@@ -147,8 +199,8 @@ impl BlockManager {
     /// fresh blocks for what misses the prefix cache, plus cached hits that are free right now
     /// (reviving them takes them off the free list too).
     pub fn blocks_needed_to_allocate(&self, tokens: &[u32], extra_key: Option<u64>) -> usize {
-        let (hit_blocks, revived) = self.peek_prefix_hits(tokens, extra_key);
-        self.blocks_for_tokens(tokens.len()) - hit_blocks + revived
+        let hits = self.peek_prefix_hits(tokens, extra_key);
+        self.blocks_for_tokens(tokens.len()) - hits.device + hits.revived
     }
 
     fn max_hit_blocks(&self, num_tokens: usize) -> usize {
@@ -156,40 +208,63 @@ impl BlockManager {
         num_tokens.saturating_sub(1) / self.block_size
     }
 
-    /// (cached blocks a prefix of `tokens` would hit, how many of those are currently free).
-    pub fn peek_prefix_hits(&self, tokens: &[u32], extra_key: Option<u64>) -> (usize, usize) {
+    /// The cached blocks a prefix of `tokens` would hit (what `allocate_prefix` takes).
+    pub fn peek_prefix_hits(&self, tokens: &[u32], extra_key: Option<u64>) -> PrefixHits {
+        let mut hits = PrefixHits::default();
         if !self.enable_prefix_caching {
-            return (0, 0);
+            return hits;
         }
         let max_blocks = self.max_hit_blocks(tokens.len());
-        let (mut hits, mut revived) = (0, 0);
         for hash in block_hashes(&tokens[..max_blocks * self.block_size], self.block_size, extra_key) {
-            let Some(block) = self.cache.lookup(hash) else { break };
-            hits += 1;
-            revived += (self.gpu.refcount(block) == 0) as usize;
+            match self.cache.lookup(hash) {
+                Some(block) if hits.cpu == 0 => {
+                    hits.device += 1;
+                    hits.revived += (self.gpu.refcount(block) == 0) as usize;
+                }
+                _ if self.cpu_tier.lookup(hash).is_some() => hits.cpu += 1,
+                _ => break,
+            }
         }
-        (hits, revived)
+        // Every tier hit takes a device block; those beyond the free ones are not hits after all.
+        hits.cpu = hits.cpu.min(self.gpu.num_free() - hits.revived);
+        hits
     }
 
     /// Starts a table for `seq` holding the longest cached prefix of `tokens` (whole blocks,
-    /// never all of the tokens). Returns the number of tokens that hit the cache; the caller
-    /// appends the rest with `append_slots`.
+    /// never all of the tokens): device hits shared in place, then CPU-tier hits copied into fresh
+    /// device blocks (the copies come out of `take_cpu_tier_copies`). Returns the number of
+    /// tokens that hit the cache; the caller appends the rest with `append_slots`.
     pub fn allocate_prefix(&mut self, seq: SeqId, tokens: &[u32], extra_key: Option<u64>) -> Result<usize> {
         if self.tables.contains_key(&seq) {
             return Err(Error::DuplicateSequence(seq));
         }
         let mut table = BlockTable::new(extra_key);
         if self.enable_prefix_caching {
-            let max_blocks = self.max_hit_blocks(tokens.len());
+            let hits = self.peek_prefix_hits(tokens, extra_key);
             self.cache.queries += tokens.len() as u64 / self.block_size as u64;
-            let hashes = block_hashes(&tokens[..max_blocks * self.block_size], self.block_size, extra_key);
-            for hash in hashes {
-                let Some(block) = self.cache.lookup(hash) else { break };
+            let hashes = block_hashes(&tokens[..hits.blocks() * self.block_size], self.block_size, extra_key);
+            // Device hits first: once retained, reloading the tier hits cannot evict them.
+            for &hash in &hashes[..hits.device] {
+                let block = self.cache.lookup(hash).expect("peeked");
                 self.gpu.retain(block);
                 table.blocks.push(block);
-                table.hashes.push(hash);
             }
-            self.cache.hits += table.blocks.len() as u64;
+            let mut cpu_blocks = Vec::with_capacity(hits.cpu);
+            for &hash in &hashes[hits.device..] {
+                let cpu_block = self.cpu_tier.lookup(hash).expect("peeked");
+                self.cpu_tier.pin(&mut self.cpu, cpu_block);
+                cpu_blocks.push(cpu_block);
+            }
+            for (&hash, cpu_block) in hashes[hits.device..].iter().zip(cpu_blocks) {
+                let block = allocate_evicting(&mut self.gpu, &mut self.cache, &mut self.cpu, &mut self.cpu_tier)?;
+                self.cpu_tier.reload(cpu_block, block);
+                if self.cache.insert(hash, block) {
+                    self.gpu.set_hash(block, hash);
+                }
+                table.blocks.push(block);
+            }
+            table.hashes = hashes;
+            self.cache.hits += hits.device as u64;
             table.num_tokens = table.blocks.len() * self.block_size;
         }
         let hit_tokens = table.num_tokens;
@@ -252,7 +327,7 @@ impl BlockManager {
         let mut copy = None;
         if cow {
             let last = *table.blocks.last().unwrap();
-            let fresh = allocate_evicting(&mut self.gpu, &mut self.cache)?;
+            let fresh = allocate_evicting(&mut self.gpu, &mut self.cache, &mut self.cpu, &mut self.cpu_tier)?;
             self.gpu.release(last);
             *table.blocks.last_mut().unwrap() = fresh;
             table.num_reported = table.num_reported.min(table.blocks.len() - 1);
@@ -260,7 +335,7 @@ impl BlockManager {
         }
         for &token in tokens {
             if !table.last_block_partial(block_size) {
-                let block = allocate_evicting(&mut self.gpu, &mut self.cache)?;
+                let block = allocate_evicting(&mut self.gpu, &mut self.cache, &mut self.cpu, &mut self.cpu_tier)?;
                 table.blocks.push(block);
             }
             table.num_tokens += 1;
@@ -356,7 +431,7 @@ impl BlockManager {
                         cpu_block
                     }
                     None => {
-                        let cpu_block = self.cpu.allocate()?.block;
+                        let cpu_block = self.cpu_tier.allocate(&mut self.cpu)?;
                         mapping.insert(*block, cpu_block);
                         copies.push((*block, cpu_block));
                         cpu_block
@@ -402,7 +477,7 @@ impl BlockManager {
                                 device_block
                             }
                             None => {
-                                let device_block = allocate_evicting(&mut self.gpu, &mut self.cache)?;
+                                let device_block = allocate_evicting(&mut self.gpu, &mut self.cache, &mut self.cpu, &mut self.cpu_tier)?;
                                 copies.push((*block, device_block));
                                 if let Some(hash) = hash {
                                     if self.cache.insert(hash, device_block) {
@@ -416,7 +491,7 @@ impl BlockManager {
                         device_block
                     }
                 };
-                self.cpu.release(*block);
+                self.cpu_tier.release_after_swap_in(&mut self.cpu, *block);
                 *block = device_block;
             }
             table.device = Device::Gpu;
@@ -436,11 +511,16 @@ impl BlockManager {
                     holders[block as usize] += 1;
                 }
             }
+            if device == Device::Cpu {
+                for &block in self.cpu_tier.pinned() {
+                    holders[block as usize] += 1;
+                }
+            }
             let mut zero = 0;
             for (block, &count) in holders.iter().enumerate() {
                 let refcount = pool.refcount(block as BlockId);
                 if refcount != count {
-                    return Err(format!("{device} block {block}: refcount {refcount}, held by {count} tables"));
+                    return Err(format!("{device} block {block}: refcount {refcount}, held by {count} tables and pins"));
                 }
                 zero += (count == 0) as usize;
             }
@@ -455,15 +535,27 @@ impl BlockManager {
                 }
             }
         }
+        for block in 0..self.cpu.num_blocks() as BlockId {
+            if let Some(hash) = self.cpu.hash(block) {
+                if self.cpu_tier.cache().lookup(hash) != Some(block) {
+                    return Err(format!("CPU block {block} has hash {hash:#x} but the CPU tier does not name it"));
+                }
+            }
+        }
+        if self.cpu_tier.cache().len() != (0..self.cpu.num_blocks() as BlockId).filter(|b| self.cpu.hash(*b).is_some()).count() {
+            return Err("the CPU tier names a block that holds no hash".into());
+        }
         Ok(())
     }
 }
 
-/// Takes a device block, dropping the prefix-cache name of a cached block it had to evict.
-fn allocate_evicting(pool: &mut BlockPool, cache: &mut PrefixCache) -> Result<BlockId> {
-    let allocation = pool.allocate()?;
+/// Takes a device block, dropping the prefix-cache name of a cached block it had to evict (whose
+/// KV moves to the CPU tier when that is on).
+fn allocate_evicting(gpu: &mut BlockPool, cache: &mut PrefixCache, cpu: &mut BlockPool, tier: &mut CpuPrefixTier) -> Result<BlockId> {
+    let allocation = gpu.allocate()?;
     if let Some(hash) = allocation.evicted_hash {
         cache.remove(hash, allocation.block);
+        tier.offload(cpu, allocation.block, hash);
     }
     Ok(allocation.block)
 }
@@ -573,6 +665,38 @@ mod tests {
         bm.free(3).unwrap();
         assert_eq!(bm.allocate(4, &tokens(9), None).unwrap(), 0, "evicted blocks no longer hit");
         bm.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn cpu_tier_keeps_evicted_prefix_blocks_and_yields_to_swapped_sequences() {
+        let mut bm = manager(4, 4, true);
+        bm.enable_cpu_prefix_cache().unwrap();
+        bm.allocate(1, &tokens(9), None).unwrap(); // blocks 0 and 1 full and hashed, 2 partial
+        bm.free(1).unwrap();
+        let other: Vec<u32> = (0..16).collect();
+        bm.allocate(2, &other, None).unwrap(); // takes the free blocks, then evicts 0 and 1
+        let (offloads, reloads) = bm.take_cpu_tier_copies();
+        assert_eq!(offloads.iter().map(|copy| copy.0).collect::<Vec<_>>(), [0, 1]);
+        assert!(reloads.is_empty());
+        assert_eq!(bm.num_free_cpu_blocks(), 2, "offload targets are pinned for the step");
+        bm.check_invariants().unwrap();
+        bm.begin_step();
+        assert_eq!((bm.num_cached_cpu_blocks(), bm.num_free_cpu_blocks()), (2, 4));
+        bm.free(2).unwrap();
+        // The same prompt again: both blocks come back from the CPU, into fresh device blocks.
+        assert_eq!(bm.allocate(3, &tokens(9), None).unwrap(), 8);
+        let (_, reloads) = bm.take_cpu_tier_copies();
+        let table = bm.table(3).unwrap().blocks.clone();
+        assert_eq!(reloads, vec![(offloads[0].1, table[0]), (offloads[1].1, table[1])]);
+        assert_eq!(bm.cpu_tier().num_reloaded, 2);
+        bm.check_invariants().unwrap();
+        // A swap-out may not take blocks this step's copies still use; next step it evicts the tier.
+        assert!(matches!(bm.swap_out(&[3]), Err(Error::OutOfBlocks { device: Device::Cpu, .. })));
+        bm.begin_step();
+        bm.swap_out(&[3]).unwrap();
+        assert!(bm.num_cached_cpu_blocks() < 2);
+        bm.check_invariants().unwrap();
+        assert!(matches!(manager(4, 4, false).enable_cpu_prefix_cache(), Err(Error::InvalidConfig { .. })));
     }
 
     #[test]

@@ -45,6 +45,9 @@ pub struct SchedulerConfig {
     /// Bound of the waiting queue; beyond it `add_request` fails with `Overloaded`.
     pub max_waiting_requests: usize,
     pub enable_prefix_caching: bool,
+    /// Cached blocks evicted from the device move to free CPU swap blocks and are copied back on
+    /// a prefix hit instead of recomputed (`cpu_prefix_tier.rs`). Needs prefix caching.
+    pub enable_cpu_prefix_cache: bool,
     pub enable_chunked_prefill: bool,
     pub preemption_mode: PreemptionMode,
     pub scheduling_policy: SchedulingPolicy,
@@ -64,6 +67,7 @@ impl Default for SchedulerConfig {
             max_model_len: 2048,
             max_waiting_requests: 1024,
             enable_prefix_caching: true,
+            enable_cpu_prefix_cache: false,
             enable_chunked_prefill: true,
             preemption_mode: PreemptionMode::Auto,
             scheduling_policy: SchedulingPolicy::Fcfs,

@@ -9,6 +9,7 @@ pub mod config;
 pub mod cpu_attention;
 pub mod cpu_layer_ops;
 pub mod cpu_prefill_attention;
+pub mod cpu_prefix_tier;
 pub mod cpu_simd;
 pub mod errors;
 pub mod openmp_team;

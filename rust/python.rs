@@ -81,6 +81,8 @@ pub struct SchedulerConfig {
     #[pyo3(get, set)]
     enable_prefix_caching: bool,
     #[pyo3(get, set)]
+    enable_cpu_prefix_cache: bool,
+    #[pyo3(get, set)]
     enable_chunked_prefill: bool,
     #[pyo3(get, set)]
     preemption_mode: String,
@@ -105,7 +107,8 @@ impl SchedulerConfig {
         block_size=16, num_device_blocks=1024, num_cpu_blocks=1024, max_num_seqs=256,
         max_num_batched_tokens=2048, max_model_len=2048, max_waiting_requests=1024,
         enable_prefix_caching=true, enable_chunked_prefill=true, preemption_mode="auto".to_string(),
-        scheduling_policy="fcfs".to_string(), watermark=0.01, recompute_cost_per_token=None, block_bytes=None, swap_bandwidth=None, swap_latency=None,
+        scheduling_policy="fcfs".to_string(), watermark=0.01, recompute_cost_per_token=None, block_bytes=None,
+        swap_bandwidth=None, swap_latency=None, enable_cpu_prefix_cache=false,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -125,6 +128,7 @@ impl SchedulerConfig {
         block_bytes: Option<f64>,
         swap_bandwidth: Option<f64>,
         swap_latency: Option<f64>,
+        enable_cpu_prefix_cache: bool,
     ) -> PyResult<Self> {
         let cost = CostModel::default();
         let config = SchedulerConfig {
@@ -136,6 +140,7 @@ impl SchedulerConfig {
             max_model_len,
             max_waiting_requests,
             enable_prefix_caching,
+            enable_cpu_prefix_cache,
             enable_chunked_prefill,
             preemption_mode,
             scheduling_policy,
@@ -181,6 +186,7 @@ impl SchedulerConfig {
             max_model_len: self.max_model_len,
             max_waiting_requests: self.max_waiting_requests,
             enable_prefix_caching: self.enable_prefix_caching,
+            enable_cpu_prefix_cache: self.enable_cpu_prefix_cache,
             enable_chunked_prefill: self.enable_chunked_prefill,
             preemption_mode: self.preemption_mode.parse::<PreemptionMode>().map_err(to_py_err)?,
             scheduling_policy: self.scheduling_policy.parse::<SchedulingPolicy>().map_err(to_py_err)?,
@@ -396,6 +402,7 @@ impl Scheduler {
         dict.set_item("num_cached_device_blocks", stats.num_cached_device_blocks)?;
         dict.set_item("num_cpu_blocks", stats.num_cpu_blocks)?;
         dict.set_item("num_free_cpu_blocks", stats.num_free_cpu_blocks)?;
+        dict.set_item("num_cached_cpu_blocks", stats.num_cached_cpu_blocks)?;
         dict.set_item("num_running", stats.num_running)?;
         dict.set_item("num_waiting", stats.num_waiting)?;
         dict.set_item("num_swapped", stats.num_swapped)?;
@@ -413,6 +420,8 @@ impl Scheduler {
             stats.prefix_cache_hits as f64 / stats.prefix_cache_queries as f64
         };
         dict.set_item("prefix_cache_hit_rate", hit_rate)?;
+        dict.set_item("num_blocks_offloaded", stats.num_blocks_offloaded)?;
+        dict.set_item("cpu_prefix_cache_hits", stats.cpu_prefix_cache_hits)?;
         dict.set_item("num_steps", stats.num_steps)?;
         Ok(dict)
     }

@@ -161,6 +161,8 @@ pub struct SchedulerStats {
     pub num_free_device_blocks: usize,
     pub num_cached_device_blocks: usize,
     pub num_cpu_blocks: usize,
+    /// Free CPU blocks holding evicted prefix blocks (the CPU prefix tier).
+    pub num_cached_cpu_blocks: usize,
     pub num_free_cpu_blocks: usize,
     pub num_running: usize,
     pub num_waiting: usize,
@@ -173,6 +175,9 @@ pub struct SchedulerStats {
     pub num_blocks_copied: u64,
     pub prefix_cache_queries: u64,
     pub prefix_cache_hits: u64,
+    /// Evicted prefix blocks copied to the CPU tier, and tier hits copied back.
+    pub num_blocks_offloaded: u64,
+    pub cpu_prefix_cache_hits: u64,
     pub num_steps: u64,
 }
 
@@ -208,13 +213,16 @@ pub struct Scheduler {
 impl Scheduler {
     pub fn new(config: SchedulerConfig) -> Result<Self> {
         config.validate()?;
-        let blocks = BlockManager::new(
+        let mut blocks = BlockManager::new(
             config.num_device_blocks,
             config.num_cpu_blocks,
             config.block_size,
             config.enable_prefix_caching,
             config.watermark,
         )?;
+        if config.enable_cpu_prefix_cache {
+            blocks.enable_cpu_prefix_cache()?;
+        }
         Ok(Scheduler {
             max_model_len: config.effective_max_model_len(),
             config,
@@ -449,6 +457,7 @@ impl Scheduler {
     /// (swap-out, then swap-in, then copy) before the step's forward pass writes any KV.
     pub fn schedule(&mut self) -> SchedulerOutput {
         self.counters.steps += 1;
+        self.blocks.begin_step();
         let mut out = SchedulerOutput::default();
         let mut budget = self.config.max_num_batched_tokens;
         let expected = self.running.len() + 8;
@@ -514,6 +523,12 @@ impl Scheduler {
             }
         }
 
+        // The CPU prefix tier's copies join the swaps (its pins make any order within each safe).
+        if self.blocks.cpu_tier().is_enabled() {
+            let (offloads, reloads) = self.blocks.take_cpu_tier_copies();
+            out.blocks_to_swap_out.extend(offloads);
+            out.blocks_to_swap_in.extend(reloads);
+        }
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget;
         if out.scheduled.is_empty() {
             out.scheduled = decodes; // steady decode: no prefill to put first, nothing to move
@@ -696,15 +711,16 @@ impl Scheduler {
         let mut left = budget;
         let mut blocks = 0;
         for seq in group.active_seqs() {
-            let (hit_blocks, revived) = self.blocks.peek_prefix_hits(&seq.tokens, group.extra_key);
-            let hit_tokens = hit_blocks * self.config.block_size;
+            let hits = self.blocks.peek_prefix_hits(&seq.tokens, group.extra_key);
+            let hit_tokens = hits.blocks() * self.config.block_size;
             let uncomputed = seq.len() - hit_tokens;
             let take = uncomputed.min(left);
             if take == 0 || (!self.config.enable_chunked_prefill && take < uncomputed) {
                 return None;
             }
-            // Fresh blocks for the chunk, plus cached hits that must be taken off the free list.
-            blocks += self.blocks.blocks_for_tokens(hit_tokens + take) - hit_blocks + revived;
+            // Fresh blocks for the chunk and the CPU-tier hits, plus device hits that must be taken
+            // off the free list.
+            blocks += self.blocks.blocks_for_tokens(hit_tokens + take) - hits.device + hits.revived;
             left -= take;
         }
         // With nothing running there is nobody to protect: ignore the watermark.
@@ -814,6 +830,7 @@ impl Scheduler {
             num_free_device_blocks: self.blocks.num_free_device_blocks(),
             num_cached_device_blocks: self.blocks.num_cached_device_blocks(),
             num_cpu_blocks: self.blocks.num_cpu_blocks(),
+            num_cached_cpu_blocks: self.blocks.num_cached_cpu_blocks(),
             num_free_cpu_blocks: self.blocks.num_free_cpu_blocks(),
             num_running: self.running.len(),
             num_waiting: self.waiting.len(),
@@ -826,6 +843,8 @@ impl Scheduler {
             num_blocks_copied: self.counters.blocks_copied,
             prefix_cache_queries: cache.queries,
             prefix_cache_hits: cache.hits,
+            num_blocks_offloaded: self.blocks.cpu_tier().num_offloaded,
+            cpu_prefix_cache_hits: self.blocks.cpu_tier().num_reloaded,
             num_steps: self.counters.steps,
         }
     }

@@ -15,6 +15,7 @@ fn config(num_device_blocks: usize, num_cpu_blocks: usize) -> SchedulerConfig {
         max_model_len: 64,
         max_waiting_requests: 8,
         enable_prefix_caching: false,
+        enable_cpu_prefix_cache: false,
         enable_chunked_prefill: true,
         preemption_mode: PreemptionMode::Swap,
         scheduling_policy: SchedulingPolicy::Fcfs,
@@ -480,4 +481,117 @@ fn a_newcomer_of_higher_priority_goes_before_a_swapped_group() {
     assert_eq!(scheduled_requests(&s, &out), ["mid"]);
     assert_eq!((out.blocks_to_swap_in.len(), out.scheduled[0].start), (3, 12));
     check(&s);
+}
+
+/// The KV cache as the engine keeps it, one token id per slot, moved by the step's copies in the
+/// engine's order (swap-outs, swap-ins, copy-on-write), then written at the slot mapping.
+struct SimulatedCache {
+    block_size: usize,
+    device: Vec<Vec<Option<u32>>>,
+    cpu: Vec<Vec<Option<u32>>>,
+}
+
+impl SimulatedCache {
+    fn new(cfg: &SchedulerConfig) -> Self {
+        let blocks = |n| vec![vec![None; cfg.block_size]; n];
+        SimulatedCache { block_size: cfg.block_size, device: blocks(cfg.num_device_blocks), cpu: blocks(cfg.num_cpu_blocks) }
+    }
+
+    /// Runs one step and checks that every scheduled sequence reads its own tokens back.
+    fn run(&mut self, s: &Scheduler, out: &SchedulerOutput, tokens: &std::collections::HashMap<u64, Vec<u32>>) {
+        for &(device, cpu) in &out.blocks_to_swap_out {
+            self.cpu[cpu as usize] = self.device[device as usize].clone();
+        }
+        for &(cpu, device) in &out.blocks_to_swap_in {
+            self.device[device as usize] = self.cpu[cpu as usize].clone();
+        }
+        for &(src, dst) in &out.blocks_to_copy {
+            self.device[dst as usize] = self.device[src as usize].clone();
+        }
+        for seq in &out.scheduled {
+            for (position, &slot) in (seq.start..seq.end).zip(out.slot_mapping(seq)) {
+                let slot = slot as usize;
+                self.device[slot / self.block_size][slot % self.block_size] = Some(tokens[&seq.seq_id][position]);
+            }
+        }
+        for seq in &out.scheduled {
+            let table = s.block_table(seq.seq_id).unwrap();
+            for position in 0..seq.end {
+                let read = self.device[table[position / self.block_size] as usize][position % self.block_size];
+                assert_eq!(read, Some(tokens[&seq.seq_id][position]), "seq {} position {position}", seq.seq_id);
+            }
+        }
+    }
+}
+
+/// Random requests sharing prefixes, forks, swaps, recomputes and (with the CPU tier) offloads and
+/// reloads: every step each sequence must read back exactly the tokens it holds.
+#[test]
+fn random_workload_reads_back_every_token_through_all_the_copies() {
+    let cases = [
+        (PreemptionMode::Swap, false),
+        (PreemptionMode::Swap, true),
+        (PreemptionMode::Recompute, true),
+        (PreemptionMode::Auto, true),
+    ];
+    for (mode, cpu_tier) in cases {
+        let mut cfg = config(20, 16);
+        cfg.preemption_mode = mode;
+        cfg.enable_prefix_caching = true;
+        cfg.enable_cpu_prefix_cache = cpu_tier;
+        cfg.max_num_batched_tokens = 16;
+        cfg.max_waiting_requests = 128;
+        let mut cache = SimulatedCache::new(&cfg);
+        let mut s = Scheduler::new(cfg).unwrap();
+        let mut rng = 987654321u64;
+        let mut next = move |bound: u64| {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng % bound
+        };
+        let mut tokens = std::collections::HashMap::<u64, Vec<u32>>::new();
+        let mut targets = std::collections::HashMap::new();
+        let mut added = 0;
+        let mut steps = 0;
+        while added < 60 || s.has_unfinished() {
+            // Requests trickle in, so cached prefixes get evicted and asked for again later.
+            while added < 60 && (s.num_unfinished() < 4 || next(3) == 0) {
+                let prompt = prompt(4 + next(24) as u32, next(4) as u32);
+                let seq = s.add_request(&format!("r{added}"), prompt.clone(), None).unwrap();
+                targets.insert(seq, prompt.len() + 1 + next(12) as usize);
+                tokens.insert(seq, prompt);
+                added += 1;
+            }
+            steps += 1;
+            assert!(steps < 10_000, "no progress");
+            let out = s.schedule();
+            check(&s);
+            cache.run(&s, &out, &tokens);
+            for seq in out.scheduled.iter().filter(|seq| seq.sample) {
+                if s.sequence_len(seq.seq_id).unwrap() >= targets[&seq.seq_id] {
+                    s.finish_sequence(seq.seq_id).unwrap();
+                    continue;
+                }
+                let token = 500 + next(3) as u32;
+                s.append_token(seq.seq_id, token).unwrap();
+                tokens.get_mut(&seq.seq_id).unwrap().push(token);
+                if next(10) == 0 {
+                    let child = s.fork(seq.seq_id).unwrap();
+                    tokens.insert(child, tokens[&seq.seq_id].clone());
+                    targets.insert(child, targets[&seq.seq_id]);
+                }
+            }
+        }
+        s.schedule(); // the last step's pins are released when the next one is planned
+        let stats = s.stats();
+        assert_eq!((stats.num_free_device_blocks, stats.num_free_cpu_blocks), (20, 16), "{mode:?} {cpu_tier}");
+        assert!(stats.prefix_cache_hits > 0, "{mode:?} {cpu_tier}");
+        if cpu_tier {
+            assert!(stats.num_blocks_offloaded > 0 && stats.cpu_prefix_cache_hits > 0, "{mode:?}: {stats:?}");
+        } else {
+            assert_eq!((stats.num_blocks_offloaded, stats.cpu_prefix_cache_hits), (0, 0));
+        }
+        check(&s);
+    }
 }

@@ -158,6 +158,28 @@ def test_priorities_need_the_priority_policy(llm):
     assert not llm.engine.has_unfinished_requests()
 
 
+def test_cpu_prefix_cache_brings_evicted_prefix_blocks_back(prompts, hf_references):
+    long_prompt = prompts[5]
+    evictor = " ".join(f"Entry {i} holds a {['small', 'large'][i % 2]} ball." for i in range(60))
+    hit_tokens = {}
+    for tier in (False, True):
+        # 40 blocks of 16: the evicting prompt takes most of the pool, so the long prompt's cached
+        # blocks are evicted from the device before it comes again.
+        llm = LLM(dtype="float32", num_device_blocks=40, swap_space_bytes=64 << 20, max_model_len=640,
+                  enable_cpu_prefix_cache=tier)
+        first = llm.generate([long_prompt], greedy(), use_tqdm=False)[0]
+        llm.generate([evictor], greedy(4), use_tqdm=False)
+        again = llm.generate([long_prompt], greedy(), use_tqdm=False)[0]
+        assert first.outputs[0].token_ids == hf_references[5]
+        assert again.outputs[0].token_ids == hf_references[5], f"tier={tier}"
+        stats = llm.engine.stats()
+        hit_tokens[tier] = again.metrics.num_prefix_hit_tokens
+        assert (stats["cpu_prefix_cache_hits"] > 0) == tier and (stats["num_blocks_offloaded"] > 0) == tier
+        llm.engine.step()  # the last step's copies are done: their CPU blocks are unpinned
+        assert_all_blocks_free(llm.engine)
+    assert hit_tokens[True] >= hit_tokens[False] + 16 * 16, hit_tokens
+
+
 def test_prompt_logprobs_match_hf_across_chunks_despite_the_prefix_cache(hf_model, prompts, monkeypatch):
     from pagedkv import request_state
 

@@ -20,6 +20,9 @@ class SchedulerConfig:
     max_waiting_requests: int
     """Bound of the waiting queue; add_request raises OverloadedError beyond it."""
     enable_prefix_caching: bool
+    enable_cpu_prefix_cache: bool
+    """Cached blocks evicted from the device move to free CPU blocks and come back on a hit
+    (their copies join blocks_to_swap_out / blocks_to_swap_in). Needs enable_prefix_caching."""
     enable_chunked_prefill: bool
     preemption_mode: str
     """'swap', 'recompute' or 'auto' (cheaper of the two per victim by the cost model)."""
@@ -54,6 +57,7 @@ class SchedulerConfig:
         block_bytes: Optional[float] = None,
         swap_bandwidth: Optional[float] = None,
         swap_latency: Optional[float] = None,
+        enable_cpu_prefix_cache: bool = False,
     ) -> None: ...
 
 class ScheduledSequence:

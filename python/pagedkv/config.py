@@ -47,6 +47,9 @@ class EngineConfig:
     """Waiting-queue bound; beyond it requests get OverloadedError (HTTP 503)."""
     enable_prefix_caching: bool = True
     """Reuse KV blocks of identical prompt prefixes."""
+    enable_cpu_prefix_cache: bool = False
+    """Prefix-cache blocks evicted from the device move to free CPU swap blocks and are copied
+    back on a hit instead of recomputed (vLLM's KV offloading to CPU). Needs prefix caching."""
     enable_chunked_prefill: bool = True
     """Split long prompts across steps to fit the token budget."""
     preemption_mode: str = "auto"

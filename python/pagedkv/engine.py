@@ -72,6 +72,7 @@ class LLMEngine:
             max_model_len=max_model_len,
             max_waiting_requests=config.max_waiting_requests,
             enable_prefix_caching=config.enable_prefix_caching,
+            enable_cpu_prefix_cache=config.enable_cpu_prefix_cache,
             enable_chunked_prefill=config.enable_chunked_prefill,
             preemption_mode=config.preemption_mode,
             scheduling_policy=config.scheduling_policy,

@@ -66,6 +66,7 @@ class _EngineCollector:
             yield _gauge(f"pagedkv_kv_blocks_used_{device}", f"{device} KV blocks in use", total - free)
             yield _gauge(f"pagedkv_kv_usage_percent_{device}", f"{device} KV usage %", 100.0 * (total - free) / max(total, 1))
         yield _gauge("pagedkv_kv_blocks_cached_device", "free device blocks holding a cached prefix", stats["num_cached_device_blocks"])
+        yield _gauge("pagedkv_kv_blocks_cached_cpu", "free CPU blocks holding an evicted prefix block", stats["num_cached_cpu_blocks"])
         yield _gauge("pagedkv_requests_running", "running requests", stats["num_running"])
         yield _gauge("pagedkv_requests_waiting", "waiting requests", stats["num_waiting"])
         yield _gauge("pagedkv_requests_swapped", "swapped-out requests", stats["num_swapped"])
@@ -78,6 +79,11 @@ class _EngineCollector:
         swapped.add_metric(["out"], stats["num_blocks_swapped_out"])
         yield swapped
         yield _gauge("pagedkv_prefix_cache_hit_rate", "prefix cache hit rate (blocks)", stats["prefix_cache_hit_rate"])
+        tier = CounterMetricFamily("pagedkv_cpu_prefix_cache_blocks", "CPU prefix tier: blocks offloaded / reloaded",
+                                   labels=["direction"])
+        tier.add_metric(["offloaded"], stats["num_blocks_offloaded"])
+        tier.add_metric(["reloaded"], stats["cpu_prefix_cache_hits"])
+        yield tier
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
