@@ -25,6 +25,7 @@ bench: setup
 	$(PYTHON) benches/scheduler_py.py
 	$(PYTHON) benches/cpu_layers.py
 	$(PYTHON) benches/cpu_prefill_attention.py
+	$(PYTHON) benches/cpu_prefix_cache.py
 	$(PYTHON) benches/serving.py
 
 serve: setup
