@@ -500,3 +500,17 @@ def test_an_api_key_guards_the_v1_routes():
         assert live.metric("pagedkv_kv_blocks_used_device") == 0
     finally:
         live.stop()
+
+
+def test_priority_field_reaches_the_scheduler():
+    live = LiveServer(scheduling_policy="priority", num_device_blocks=32, max_model_len=128)
+    try:
+        body = {"prompt": "Hello", "max_tokens": 3, "temperature": 0}
+        plain = httpx.post(live.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        for priority in (-5, 7):
+            response = httpx.post(live.url + "/v1/completions", json={**body, "priority": priority}, timeout=60)
+            assert response.status_code == 200 and response.json()["choices"][0]["text"] == plain
+        response = httpx.post(live.url + "/v1/completions", json={**body, "priority": "high"}, timeout=60)
+        assert response.status_code == 400 and response.json()["error"]["param"] == "priority"
+    finally:
+        live.stop()
