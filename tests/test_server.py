@@ -514,3 +514,30 @@ def test_priority_field_reaches_the_scheduler():
         assert response.status_code == 400 and response.json()["error"]["param"] == "priority"
     finally:
         live.stop()
+
+
+def test_embeddings_endpoint(client, server, smollm2_hf_model):
+    import base64
+    import struct
+
+    import torch
+
+    model = client.models.list().data[0].id
+    texts = ["Hello", "Paging is how the KV cache grows."]
+    result = client.embeddings.create(model=model, input=texts)
+    assert [item.index for item in result.data] == [0, 1]
+    assert result.usage.prompt_tokens == sum(len(tokenize(server, text)) for text in texts)
+    for text, item in zip(texts, result.data):
+        with torch.inference_mode():
+            hidden = smollm2_hf_model.model(torch.tensor([tokenize(server, text)])).last_hidden_state[0, -1]
+        expected = torch.nn.functional.normalize(hidden.float(), dim=-1)
+        torch.testing.assert_close(torch.tensor(item.embedding), expected, atol=1e-4, rtol=1e-3)
+    body = {"input": tokenize(server, texts[1]), "encoding_format": "base64"}
+    encoded = httpx.post(server.url + "/v1/embeddings", json=body, timeout=60).json()["data"][0]["embedding"]
+    raw = base64.b64decode(encoded)
+    assert list(struct.unpack(f"<{len(raw) // 4}f", raw)) == pytest.approx(result.data[1].embedding, abs=1e-6)
+    for bad, param in (({"input": []}, "input"), ({"input": "hi", "dimensions": 7}, "dimensions"),
+                       ({"input": "word " * 600}, "input")):
+        response = httpx.post(server.url + "/v1/embeddings", json=bad, timeout=60)
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, bad
+    assert server.metric("pagedkv_kv_blocks_used_device") == 0

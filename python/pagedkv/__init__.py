@@ -33,9 +33,11 @@ _LAZY = {
     "LLMEngine": "pagedkv.engine",
     "EngineConfig": "pagedkv.config",
     "SamplingParams": "pagedkv.sampling_params",
+    "PoolingParams": "pagedkv.pooling_params",
     "StructuredOutputsParams": "pagedkv.structured_output",
     "RequestOutput": "pagedkv.outputs",
     "CompletionOutput": "pagedkv.outputs",
+    "EmbeddingRequestOutput": "pagedkv.outputs",
 }
 
 

@@ -9,7 +9,8 @@ from pagedkv.config import engine_config
 from pagedkv.engine import LLMEngine
 from pagedkv.engine_loop import EngineLoop
 from pagedkv.errors import EngineStoppedError
-from pagedkv.outputs import RequestOutput
+from pagedkv.outputs import EmbeddingRequestOutput, RequestOutput
+from pagedkv.pooling_params import PoolingParams
 from pagedkv.sampling_params import SamplingParams
 
 
@@ -61,6 +62,25 @@ class AsyncLLM:
         finally:
             if not finished:
                 self._loop.abort(request_id)
+
+    async def encode(
+        self,
+        prompt: Union[str, list[int]],
+        pooling_params: Optional[PoolingParams] = None,
+        request_id: Optional[str] = None,
+        priority: int = 0,
+    ) -> EmbeddingRequestOutput:
+        """The prompt's embedding (`output.outputs.embedding`), batched with everything else."""
+        request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
+        [outputs] = await self._loop.submit_all([(request_id, prompt)], pooling_params or PoolingParams(), priority)
+        try:
+            item = await outputs.get()
+        except BaseException:
+            self._loop.abort(request_id)
+            raise
+        if isinstance(item, Exception):
+            raise EngineStoppedError(f"request {request_id}: {item}")
+        return item
 
     def abort(self, request_id: str) -> None:
         """Drops a request (from any thread) and frees its blocks; its `generate` stream ends with

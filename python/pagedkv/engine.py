@@ -1,5 +1,6 @@
 """LLMEngine: the loop a server drives. Each step asks the Rust scheduler for a plan, runs the model
-on it, samples, and reports the tokens back (forking samples and beams, freeing finished ones)."""
+on it, samples, and reports the tokens back (forking samples and beams, freeing finished ones).
+Pooling requests (`PoolingParams`) ride the same batches and end with their prompt's embedding."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from pagedkv.config import EngineConfig
 from pagedkv.errors import DuplicateRequestError, UnknownRequestError
 from pagedkv.layers.sampler import Sampler, SamplingRow
 from pagedkv.model_runner import ModelRunner
-from pagedkv.outputs import RequestMetrics, RequestOutput
+from pagedkv.outputs import EmbeddingRequestOutput, RequestMetrics, RequestOutput
+from pagedkv.pooling_params import PoolingParams
 from pagedkv.request_state import RequestState, SequenceState
 from pagedkv.sampling_params import SamplingParams
 from pagedkv.structured_output import GrammarCompiler
@@ -87,13 +89,18 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: Union[str, list[int]],
-        params: Optional[SamplingParams] = None,
+        params: Optional[Union[SamplingParams, PoolingParams]] = None,
         arrival_time: Optional[float] = None,
         priority: int = 0,
     ) -> None:
-        """Queues a request. `priority` (scheduling_policy="priority" only): smaller is served
-        first and preempted last. Raises PromptTooLongError (naming the limit), OverloadedError
-        (waiting queue full: retry later), DuplicateRequestError or ValueError."""
+        """Queues a request: generation with `SamplingParams`, or the prompt's embedding with
+        `PoolingParams` (one `EmbeddingRequestOutput` when done). `priority`
+        (scheduling_policy="priority" only): smaller is served first and preempted last. Raises
+        PromptTooLongError (naming the limit), OverloadedError (waiting queue full: retry later),
+        DuplicateRequestError or ValueError."""
+        pooling = params if isinstance(params, PoolingParams) else None
+        if pooling is not None:  # computed like a one-token greedy request, reported only at the end
+            params = SamplingParams(temperature=0.0, max_tokens=1, output_kind="final_only")
         params = params or SamplingParams()
         if priority != 0 and self.config.scheduling_policy != "priority":
             raise ValueError(f"priority must be 0 unless scheduling_policy is 'priority' (got {priority}; "
@@ -127,7 +134,7 @@ class LLMEngine:
         seq_id = self.scheduler.add_request(request_id, prompt_token_ids, extra_key, priority)
         metrics = RequestMetrics(arrival_time=arrival_time or time.monotonic(), num_prompt_tokens=len(prompt_token_ids))
         first = SequenceState(seq_id=seq_id, index=0, generator=self._generator(params, 0), matcher=matcher)
-        request = RequestState(request_id, prompt_text, prompt_token_ids, params, metrics, [first])
+        request = RequestState(request_id, prompt_text, prompt_token_ids, params, metrics, [first], pooling=pooling)
         if params.use_beam_search:
             request.beam_search = BeamSearch(
                 beam_width=params.beam_width,
@@ -182,7 +189,7 @@ class LLMEngine:
         return len(self.requests)
 
     # -- the step --------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[Union[RequestOutput, EmbeddingRequestOutput]]:
         """Runs one scheduling step and model forward. Returns the (cumulative) output of every
         request that produced tokens or finished in this step."""
         plan = self.scheduler.schedule()
@@ -211,12 +218,15 @@ class LLMEngine:
                 if request.metrics.first_scheduled_time is None:
                     request.metrics.first_scheduled_time = now
                     request.metrics.num_prefix_hit_tokens = item.start
-            scored = frozenset(item.seq_id for item in scheduled if self.seq_owner[item.seq_id][0].needs_prompt_logprobs)
+            scored = frozenset(item.seq_id for item in scheduled if self._needs_hidden_states(item))
             logits, prompt_hidden = self.runner.execute(plan, scored)
             for item in scheduled:
                 if item.seq_id in prompt_hidden:
                     request = self.seq_owner[item.seq_id][0]
-                    request.record_prompt_logprobs(item.start, prompt_hidden[item.seq_id], self.runner.model.compute_logits)
+                    if request.pooling is not None:
+                        request.record_embedding(prompt_hidden[item.seq_id][-1])
+                    else:
+                        request.record_prompt_logprobs(item.start, prompt_hidden[item.seq_id], self.runner.model.compute_logits)
             sampled = [item for item in scheduled if item.sample]
             self._process_samples(sampled, logits, touched)
 
@@ -232,6 +242,10 @@ class LLMEngine:
             outputs.append(output)
         return outputs
 
+    def _needs_hidden_states(self, item) -> bool:
+        request = self.seq_owner[item.seq_id][0]
+        return request.needs_prompt_logprobs or (request.pooling is not None and item.sample)
+
     def _process_samples(self, sampled, logits: torch.Tensor, touched: dict[str, RequestState]) -> None:
         rows: list[SamplingRow] = []
         row_targets: list[tuple[RequestState, SequenceState]] = []
@@ -239,6 +253,9 @@ class LLMEngine:
         for row_index, item in enumerate(sampled):
             request, seq = self.seq_owner[item.seq_id]
             touched[request.request_id] = request
+            if request.pooling is not None:  # its embedding is recorded: nothing to sample
+                self.scheduler.finish_sequence(seq.seq_id)
+                continue
             if request.beam_search is not None:
                 entry = beams.setdefault(request.request_id, (request, [], []))
                 entry[1].append(item.seq_id)
@@ -322,6 +339,9 @@ class LLMEngine:
             self.scheduler.abort(request.request_id)
         except UnknownRequestError:
             pass
+        if isinstance(output, EmbeddingRequestOutput):
+            self._count_finish("stop")
+            return
         for completion in output.outputs:
             self._count_finish(completion.finish_reason or "abort")
 

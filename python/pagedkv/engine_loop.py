@@ -11,11 +11,12 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 from pagedkv.engine import LLMEngine
 from pagedkv.errors import EngineStoppedError
-from pagedkv.outputs import RequestOutput
+from pagedkv.outputs import EmbeddingRequestOutput, RequestOutput
+from pagedkv.pooling_params import PoolingParams
 from pagedkv.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedkv.server")
@@ -53,7 +54,7 @@ class EngineLoop:
         self._thread.join(timeout)
 
     async def submit_all(
-        self, requests: list[tuple[str, object]], params: SamplingParams, priority: int = 0
+        self, requests: list[tuple[str, object]], params: Union[SamplingParams, PoolingParams], priority: int = 0
     ) -> list[asyncio.Queue]:
         """Queues (request_id, prompt) pairs all or none: if one is refused, none runs and its
         error (what `engine.add_request` raises: PromptTooLongError, ...) is raised. One output
@@ -158,7 +159,9 @@ class EngineLoop:
         stream = self._streams.get(output.request_id)
         if stream is None:
             return
-        if self.metrics is not None:
+        if self.metrics is not None and isinstance(output, EmbeddingRequestOutput):
+            self.metrics.observe_finished(output)
+        elif self.metrics is not None:
             now = time.monotonic()
             num_tokens = sum(len(completion.token_ids) for completion in output.outputs)
             if stream.num_tokens == 0 and num_tokens and output.metrics.time_to_first_token is not None:

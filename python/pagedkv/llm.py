@@ -11,7 +11,8 @@ from tqdm.auto import tqdm
 from pagedkv.config import engine_config
 from pagedkv.engine import LLMEngine
 from pagedkv.errors import OverloadedError
-from pagedkv.outputs import RequestOutput
+from pagedkv.outputs import EmbeddingRequestOutput, RequestOutput
+from pagedkv.pooling_params import PoolingParams
 from pagedkv.sampling_params import SamplingParams
 
 Prompt = Union[str, list[int]]
@@ -41,27 +42,43 @@ class LLM:
         """Runs every prompt to completion (continuous batching) and returns their outputs in
         prompt order. Prompts are strings or token-id lists. `priority` (one per prompt, with
         scheduling_policy="priority"): smaller values are served first."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompts)
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} prompts")
+        # Only finished outputs are used here: the engine need not detokenize every step.
+        params_list = [dataclasses.replace(params, output_kind="final_only") for params in params_list]
+        return self._run_to_completion(prompts, params_list, priority, use_tqdm, "generating")
+
+    def embed(
+        self,
+        prompts: Union[Prompt, Sequence[Prompt]],
+        pooling_params: Optional[PoolingParams] = None,
+        use_tqdm: bool = True,
+        priority: Optional[Sequence[int]] = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """The embedding of every prompt (`output.outputs.embedding`, as in vLLM): the final
+        hidden state of its last token, L2-normalized by default. Prompts are batched and
+        prefix-cached like generation requests."""
+        prompts = _as_prompt_list(prompts)
+        params = pooling_params or PoolingParams()
+        return self._run_to_completion(prompts, [params] * len(prompts), priority, use_tqdm, "embedding")
+
+    def _run_to_completion(self, prompts, params_list, priority, use_tqdm: bool, description: str) -> list:
+        """Adds every request (as far as the waiting queue takes them), steps until all finish and
+        returns their final outputs in prompt order."""
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
-
-        # Only finished outputs are used here: the engine need not detokenize every step.
-        params_list = [dataclasses.replace(params, output_kind="final_only") for params in params_list]
         pending = [(f"llm-{next(self._ids)}", prompt, params, request_priority)
                    for prompt, params, request_priority in zip(prompts, params_list, priorities)]
         order = {request_id: index for index, (request_id, *_) in enumerate(pending)}
         results: dict[str, RequestOutput] = {}
         engine = self.engine
-        with tqdm(total=len(pending), desc="generating", unit="req", disable=not use_tqdm) as progress:
+        with tqdm(total=len(pending), desc=description, unit="req", disable=not use_tqdm) as progress:
             queue = list(reversed(pending))
             while queue or engine.has_unfinished_requests():
                 # Feed the waiting queue up to its bound; the rest waits here (backpressure).
@@ -95,3 +112,10 @@ class LLM:
             for conversation in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    """One prompt (text or token ids) or a sequence of them, as a list."""
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)

@@ -1,4 +1,5 @@
-"""What the engine returns for a request: cumulative text and tokens of each sample or beam."""
+"""What the engine returns for a request: cumulative text and tokens of each sample or beam, or
+the prompt's embedding for a pooling request."""
 
 from __future__ import annotations
 
@@ -56,4 +57,23 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: per prompt token {token_id: logprob} of the top-k
     # candidates plus the actual token; None for the first token (nothing predicts it).
     prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=0.0))
+
+
+@dataclass
+class EmbeddingOutput:
+    """A prompt's embedding (hidden size floats)."""
+
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """The result of a pooling request (`PoolingParams`); `outputs.embedding` as in vLLM."""
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=0.0))

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
 from pagedkv.detokenizer import DetokenizerState, detokenize_final, detokenize_incrementally
-from pagedkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedkv.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestMetrics, RequestOutput
+from pagedkv.pooling_params import PoolingParams
 from pagedkv.sampling_params import SamplingParams
 
 
@@ -54,6 +55,8 @@ class RequestState:
     beam_search: object = None  # BeamSearch of a beam-search request
     final_outputs: Optional[list[CompletionOutput]] = None
     prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None  # filled chunk by chunk
+    pooling: Optional[PoolingParams] = None  # a pooling request: its prompt's embedding, no tokens
+    embedding: Optional[list[float]] = None
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None:
@@ -88,6 +91,16 @@ class RequestState:
                 entry = dict(zip(top_ids[row], top_values[row])) if top else {}
                 entry[target] = value
                 self.prompt_logprobs.append(entry)
+
+    def record_embedding(self, last_hidden: torch.Tensor) -> None:
+        """The final hidden state of the prompt's last token becomes the embedding."""
+        vector = last_hidden.float()
+        if self.pooling.normalize:
+            vector = torch.nn.functional.normalize(vector, dim=-1)
+        self.embedding = vector.tolist()
+        self.seqs[0].finish_reason = "stop"
+        if self.metrics.first_token_time is None:
+            self.metrics.first_token_time = time.monotonic()
 
     @property
     def finished(self) -> bool:
@@ -170,7 +183,10 @@ class RequestState:
             logprobs=seq.logprobs,
         )
 
-    def to_output(self, tokenizer) -> RequestOutput:
+    def to_output(self, tokenizer) -> Union[RequestOutput, EmbeddingRequestOutput]:
+        if self.pooling is not None:
+            return EmbeddingRequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
+                                          EmbeddingOutput(self.embedding or []), self.finished, self.metrics)
         if self.final_outputs is not None:
             outputs = self.final_outputs
         else:

@@ -1,5 +1,5 @@
 """The FastAPI application: /v1/completions, /v1/chat/completions (with SSE streaming),
-/v1/models, /health, /metrics, vLLM's /tokenize, /detokenize and /version, and OpenAI-shaped
+/v1/embeddings, /v1/models, /health, /metrics, vLLM's /tokenize, /detokenize and /version, and OpenAI-shaped
 errors. With an API key, every /v1 route asks for `Authorization: Bearer <key>` (as vLLM's
 --api-key does)."""
 
@@ -27,7 +27,14 @@ from pagedkv.errors import DuplicateRequestError, EngineStoppedError, Overloaded
 from pagedkv.engine_loop import EngineLoop
 from pagedkv.outputs import RequestOutput
 from pagedkv.server.metrics import ServerMetrics
-from pagedkv.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from pagedkv.pooling_params import PoolingParams
+from pagedkv.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    EmbeddingRequest,
+    TokenizeRequest,
+)
 from pagedkv.server.responses import ResponseBuilder
 from pagedkv.server.tools import ToolCalling
 
@@ -136,6 +143,29 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
         prompt = chat_prompt(body.messages, True, body.tools if tools is not None else None)
         return await run(request, [prompt], params, body, chat=True, tools=tools)
 
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest):
+        check_model(body.model)
+        inputs = make_params(body.inputs)
+        hidden_size = engine.runner.hf_config.hidden_size
+        if body.dimensions is not None and body.dimensions != hidden_size:
+            raise APIError(400, f"dimensions={body.dimensions} is not supported: this model's embeddings have "
+                           f"{hidden_size}", "invalid_request_error", "dimensions")
+        request_id = "embd-" + uuid.uuid4().hex
+        request_ids = [f"{request_id}-{i}" for i in range(len(inputs))]
+        try:
+            queues = await state["loop"].submit_all(list(zip(request_ids, inputs)), PoolingParams(), body.priority)
+        except Exception as error:
+            raise submit_error(error, chat=False, prompt_field="input") from error
+        outputs = []
+        try:
+            for queue in queues:
+                outputs.append(await next_output(queue))
+        finally:
+            for sub_id in request_ids[len(outputs):]:
+                state["loop"].abort(sub_id)
+        return responses.embeddings(outputs, body.encoding_format)
+
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         check_model(body.model)
@@ -209,10 +239,10 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
                     state["loop"].abort(sub_id)
         return responses.full_response(request_id, finals, created, chat, params.n, echo, tools)
 
-    def submit_error(error: Exception, chat: bool) -> Exception:
+    def submit_error(error: Exception, chat: bool, prompt_field: str = "prompt") -> Exception:
+        prompt_field = "messages" if chat else prompt_field
         if isinstance(error, PromptTooLongError):
-            return APIError(400, str(error), "invalid_request_error", "messages" if chat else "prompt",
-                            "context_length_exceeded")
+            return APIError(400, str(error), "invalid_request_error", prompt_field, "context_length_exceeded")
         if isinstance(error, (OverloadedError, EngineStoppedError)):
             return APIError(503, str(error), "server_overloaded", None, "overloaded", {"Retry-After": "1"})
         if isinstance(error, DuplicateRequestError):
@@ -220,7 +250,7 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
         if isinstance(error, ValueError):
             message = str(error)
             field = message.split(" ", 1)[0]
-            return APIError(400, message, "invalid_request_error", field if field in SAMPLING_FIELDS else "prompt")
+            return APIError(400, message, "invalid_request_error", field if field in SAMPLING_FIELDS else prompt_field)
         return error
 
     async def merged(queues: list) -> AsyncIterator[tuple[int, RequestOutput]]:

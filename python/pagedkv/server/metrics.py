@@ -36,11 +36,14 @@ class ServerMetrics:
         self.registry.register(_EngineCollector(stats_source))
 
     def observe_finished(self, output) -> None:
-        """Counts a finished request (a RequestOutput with `finished`)."""
-        for completion in output.outputs:
-            self.requests_finished.labels(completion.finish_reason or "abort").inc()
+        """Counts a finished request (a RequestOutput with `finished`, or an embedding)."""
+        if isinstance(output.outputs, list):
+            for completion in output.outputs:
+                self.requests_finished.labels(completion.finish_reason or "abort").inc()
+            self.generation_tokens.inc(sum(len(completion.token_ids) for completion in output.outputs))
+        else:
+            self.requests_finished.labels("stop").inc()
         self.prompt_tokens.inc(len(output.prompt_token_ids))
-        self.generation_tokens.inc(sum(len(completion.token_ids) for completion in output.outputs))
         metrics = output.metrics
         if metrics.first_scheduled_time is not None:
             self.queue_time.observe(metrics.first_scheduled_time - metrics.arrival_time)

@@ -119,13 +119,34 @@ class CompletionRequest(_Sampling):
         return params
 
     def prompts(self) -> list[Union[str, list[int]]]:
-        if isinstance(self.prompt, str):
-            return [self.prompt]
-        if not self.prompt:
-            raise ValueError("prompt must not be empty")
-        if isinstance(self.prompt[0], int):
-            return [self.prompt]  # type: ignore[list-item]
-        return list(self.prompt)  # type: ignore[arg-type]
+        return _prompt_list(self.prompt, "prompt")
+
+
+def _prompt_list(prompt, field: str) -> list[Union[str, list[int]]]:
+    """One prompt (text or token ids) or a batch of them, as a list."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise ValueError(f"{field} must not be empty")
+    if isinstance(prompt[0], int):
+        return [prompt]
+    return list(prompt)
+
+
+class EmbeddingRequest(BaseModel):
+    """OpenAI's /v1/embeddings: one input (text or token ids) or a batch of them."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Optional[str] = None
+    input: Union[str, list[str], list[int], list[list[int]]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Optional[int] = None
+    user: Optional[str] = None
+    priority: int = 0
+
+    def inputs(self) -> list[Union[str, list[int]]]:
+        return _prompt_list(self.input, "input")
 
 
 class ChatMessage(BaseModel):

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import base64
 import json
+import struct
 from typing import AsyncIterator, Optional
 
-from pagedkv.outputs import RequestOutput
+from pagedkv.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedkv.server.tools import ToolCalling
 
 
@@ -99,6 +101,18 @@ class ResponseBuilder:
         if output.prompt is not None:
             return output.prompt
         return self.tokenizer.decode(output.prompt_token_ids)
+
+    def embeddings(self, outputs: list[EmbeddingRequestOutput], encoding_format: str) -> dict:
+        """OpenAI's embeddings list; base64 is the little-endian float32 bytes, as OpenAI sends."""
+        data = []
+        for index, output in enumerate(outputs):
+            vector = output.outputs.embedding
+            if encoding_format == "base64":
+                vector = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+            data.append({"object": "embedding", "index": index, "embedding": vector})
+        num_tokens = sum(len(output.prompt_token_ids) for output in outputs)
+        usage = {"prompt_tokens": num_tokens, "total_tokens": num_tokens}
+        return {"object": "list", "data": data, "model": self.model_name, "usage": usage}
 
     def full_response(self, request_id: str, outputs: list, created: int, chat: bool, n: int, echo: bool,
                       tools: Optional[ToolCalling] = None) -> dict:
