@@ -1,6 +1,9 @@
 """Our Llama-family model against HF transformers: SmolLM2 (GGUF, Llama) and a random Qwen2 with
 qkv bias loaded from safetensors by our loader."""
 
+import os
+
+import pytest
 import torch
 
 from pagedkv.attention import AttentionMetadata, TorchRefBackend
@@ -73,3 +76,30 @@ def test_loader_rejects_unknown_directories(tmp_path):
 
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load(str(tmp_path / "missing"), None, None, torch.float32, torch.device("cpu"), None)
+
+
+def _tiny_qwen2(directory, **overrides):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, **overrides)
+    Qwen2ForCausalLM(config).save_pretrained(directory, safe_serialization=True)
+    return str(directory)
+
+
+def test_max_model_len_stays_within_the_positions_and_the_sliding_window(tmp_path, smollm2):
+    import pagedkv
+    from pagedkv import LLM
+
+    tokenizer = os.path.join(*smollm2)
+    plain = _tiny_qwen2(tmp_path / "plain", sliding_window=64, use_sliding_window=False)
+    assert LLM(plain, dtype="float32", num_device_blocks=64, tokenizer=tokenizer).engine.max_model_len == 512
+    with pytest.raises(pagedkv.InvalidConfigError, match="max_model_len=600 exceeds the model's max_position_embeddings=512"):
+        LLM(plain, dtype="float32", num_device_blocks=64, tokenizer=tokenizer, max_model_len=600)
+    windowed = _tiny_qwen2(tmp_path / "windowed", sliding_window=64, use_sliding_window=True, max_window_layers=0)
+    llm = LLM(windowed, dtype="float32", num_device_blocks=64, tokenizer=tokenizer)
+    assert llm.engine.max_model_len == 64
+    with pytest.raises(pagedkv.PromptTooLongError, match="max_model_len=64"):
+        llm.generate([list(range(3, 80))], use_tqdm=False)
+    with pytest.raises(pagedkv.InvalidConfigError, match="sliding_window=64"):
+        LLM(windowed, dtype="float32", num_device_blocks=64, tokenizer=tokenizer, max_model_len=128)

@@ -8,6 +8,7 @@ import torch
 
 from pagedkv.attention import AttentionMetadata, get_backend
 from pagedkv.config import EngineConfig
+from pagedkv.errors import InvalidConfigError
 from pagedkv.cuda_graphs import DecodeGraphs
 from pagedkv.kv_cache import KVCache
 from pagedkv.loader import load
@@ -31,7 +32,7 @@ class ModelRunner:
         self.model, self.tokenizer, self.hf_config = loaded.model, loaded.tokenizer, loaded.hf_config
         self.eos_token_ids, self.model_name = loaded.eos_token_ids, loaded.name
         self.max_position_embeddings = self.hf_config.max_position_embeddings
-        self.max_model_len = config.max_model_len or min(self.max_position_embeddings, 8192)
+        self.max_model_len = self._max_model_len()
         self.vocab_size = self.hf_config.vocab_size
         self.num_parameters = sum(p.numel() for p in self.model.parameters())
         self.backend = get_backend(config.attention_backend, config.device)
@@ -76,6 +77,24 @@ class ModelRunner:
             block_size=self.config.block_size, hidden_size=self.hf_config.hidden_size,
             dtype=self.dtype, device=self.device, capture=capture,
         )
+
+    def _max_model_len(self) -> int:
+        """`max_model_len`, else min(the model's positions, 8192); never past the model's sliding
+        attention window, which the attention backends do not implement (beyond it a windowed
+        model's outputs would silently differ)."""
+        limit, limit_name = self.max_position_embeddings, "max_position_embeddings"
+        window = sliding_window(self.hf_config)
+        if window is not None and window < limit:
+            limit, limit_name = window, "sliding_window"
+        requested = self.config.max_model_len
+        if requested is not None:
+            if requested > limit:
+                raise InvalidConfigError(f"max_model_len={requested} exceeds the model's {limit_name}={limit}")
+            return requested
+        if limit_name == "sliding_window" and window < 8192:
+            logger.warning("max_model_len capped at the model's sliding_window=%d (sliding-window attention "
+                           "is not implemented)", window)
+        return min(limit, 8192)
 
     def _kv_budget(self) -> int:
         if self.config.kv_cache_memory_bytes:
@@ -163,3 +182,12 @@ def _trailing_decodes(scheduled) -> int:
             break
         count += 1
     return count
+
+
+def sliding_window(hf_config) -> int | None:
+    """The attention window of a model that uses one (Mistral's `sliding_window`; Qwen2's when
+    `use_sliding_window`), else None."""
+    window = getattr(hf_config, "sliding_window", None)
+    if not window or (hf_config.model_type in ("qwen2", "qwen2_moe") and not getattr(hf_config, "use_sliding_window", False)):
+        return None
+    return int(window)
