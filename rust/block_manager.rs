@@ -355,6 +355,46 @@ impl BlockManager {
         Ok((copy, table))
     }
 
+    /// Shortens `seq` to the `tokens` it keeps (rejected speculative tokens go). Blocks past them
+    /// are released; full ones stay cached, since their KV is right for the tokens it was computed
+    /// from. A last block left partial stops being a cache entry (its free slots will be
+    /// rewritten), unless another sequence shares it: then the next append copies it first.
+    pub fn truncate(&mut self, seq: SeqId, tokens: &[u32]) -> Result<()> {
+        let block_size = self.block_size;
+        let table = self.tables.get_mut(&seq).ok_or(Error::UnknownSequence(seq))?;
+        if table.device != Device::Gpu {
+            return Err(Error::InvalidState(format!("sequence {seq} is swapped out; swap it in before truncating")));
+        }
+        let new_len = tokens.len();
+        if new_len > table.num_tokens {
+            return Err(Error::InvalidState(format!(
+                "cannot truncate sequence {seq} to {new_len} tokens: it has {}",
+                table.num_tokens
+            )));
+        }
+        let keep = new_len.div_ceil(block_size);
+        for block in table.blocks.drain(keep..) {
+            self.gpu.release(block);
+        }
+        table.num_reported = table.num_reported.min(keep);
+        let full = new_len / block_size;
+        if table.hashes.len() > full {
+            if keep > full {
+                let block = table.blocks[full];
+                if let (1, Some(hash)) = (self.gpu.refcount(block), self.gpu.hash(block)) {
+                    self.cache.remove(hash, block);
+                    self.gpu.clear_hash(block);
+                }
+            }
+            table.hashes.truncate(full);
+        }
+        if self.enable_prefix_caching {
+            table.tail_tokens = tokens[full * block_size..].to_vec();
+        }
+        table.num_tokens = new_len;
+        Ok(())
+    }
+
     /// Room for one more token (the standalone form of `append_slots`).
     pub fn append_token(&mut self, seq: SeqId, token: u32) -> Result<Option<BlockCopy>> {
         self.append_slots(seq, &[token])
@@ -535,6 +575,11 @@ impl BlockManager {
                 }
             }
         }
+        for (hash, block) in self.cache.entries() {
+            if self.gpu.hash(block) != Some(hash) {
+                return Err(format!("the cache names device block {block} by {hash:#x}, a hash it does not hold"));
+            }
+        }
         for block in 0..self.cpu.num_blocks() as BlockId {
             if let Some(hash) = self.cpu.hash(block) {
                 if self.cpu_tier.cache().lookup(hash) != Some(block) {
@@ -697,6 +742,29 @@ mod tests {
         assert!(bm.num_cached_cpu_blocks() < 2);
         bm.check_invariants().unwrap();
         assert!(matches!(manager(4, 4, false).enable_cpu_prefix_cache(), Err(Error::InvalidConfig { .. })));
+    }
+
+    #[test]
+    fn truncate_drops_rejected_tokens_and_the_names_of_blocks_left_partial() {
+        let mut bm = manager(8, 0, true);
+        bm.allocate(1, &tokens(10), None).unwrap(); // 4 + 4 (both named) + 2 tokens
+        bm.truncate(1, &tokens(6)).unwrap();
+        assert_eq!((bm.table(1).unwrap().blocks.len(), bm.table(1).unwrap().hashes.len()), (2, 1));
+        assert_eq!(bm.num_free_device_blocks(), 6);
+        assert_eq!(bm.peek_prefix_hits(&tokens(9), None).device, 1, "the partial block answers no more");
+        bm.check_invariants().unwrap();
+        let mut kept = tokens(6);
+        kept.extend([7, 7]);
+        assert_eq!(bm.append_slots(1, &[7, 7]).unwrap(), None, "written in place");
+        assert_eq!(bm.peek_prefix_hits(&[&kept[..], &[1]].concat(), None).device, 2, "named by its new content");
+        // A block the truncation leaves partial but another sequence shares keeps its name, and
+        // the next append copies it.
+        bm.fork(1, 2).unwrap();
+        bm.truncate(1, &kept[..6]).unwrap();
+        assert!(bm.append_slots(1, &[9]).unwrap().is_some());
+        assert_eq!(bm.peek_prefix_hits(&[&kept[..], &[1]].concat(), None).device, 2);
+        bm.check_invariants().unwrap();
+        assert!(matches!(bm.truncate(1, &tokens(12)), Err(Error::InvalidState(_))));
     }
 
     #[test]

@@ -65,6 +65,11 @@ impl PrefixCache {
         self.blocks.len()
     }
 
+    /// Every (hash, block) entry.
+    pub fn entries(&self) -> impl Iterator<Item = (u64, BlockId)> + '_ {
+        self.blocks.iter().map(|(hash, block)| (*hash, *block))
+    }
+
     pub fn is_empty(&self) -> bool {
         self.blocks.is_empty()
     }

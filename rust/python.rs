@@ -347,8 +347,13 @@ impl Scheduler {
         SchedulerOutput::from_rust(py, out, &self.inner)
     }
 
-    fn append_token(&mut self, seq_id: u64, token_id: u32) -> PyResult<()> {
-        call(|| self.inner.append_token(seq_id, token_id))
+    #[pyo3(signature = (seq_id, token_id, draft_token_ids=Vec::new()))]
+    fn append_token(&mut self, seq_id: u64, token_id: u32, draft_token_ids: Vec<u32>) -> PyResult<()> {
+        call(|| self.inner.append_token_with_drafts(seq_id, token_id, &draft_token_ids))
+    }
+
+    fn accept_drafts(&mut self, seq_id: u64, num_accepted: usize) -> PyResult<()> {
+        call(|| self.inner.accept_drafts(seq_id, num_accepted))
     }
 
     fn fork(&mut self, parent_seq_id: u64) -> PyResult<u64> {

@@ -339,8 +339,21 @@ impl Scheduler {
 
     /// The sampled token of a sequence that had `sample = true` in the last step.
     pub fn append_token(&mut self, seq_id: SeqId, token: u32) -> Result<()> {
+        self.append_token_with_drafts(seq_id, token, &[])
+    }
+
+    /// `append_token`, then speculative `drafts` after it: the next step computes them all in one
+    /// multi-token decode (never split across steps), and `accept_drafts` keeps the verified ones.
+    pub fn append_token_with_drafts(&mut self, seq_id: SeqId, token: u32, drafts: &[u32]) -> Result<()> {
         let group_id = self.group_of_seq(seq_id)?;
         let max_model_len = self.max_model_len;
+        if 1 + drafts.len() > self.config.max_num_batched_tokens {
+            return Err(Error::InvalidState(format!(
+                "{} drafts do not fit max_num_batched_tokens={}",
+                drafts.len(),
+                self.config.max_num_batched_tokens
+            )));
+        }
         let group = &mut self.groups[group_id];
         if group.state != GroupState::Running {
             return Err(Error::InvalidState(format!("sequence {seq_id} is not running")));
@@ -355,12 +368,41 @@ impl Scheduler {
                 seq.num_uncomputed()
             )));
         }
-        if seq.len() >= max_model_len {
+        if seq.len() + 1 + drafts.len() > max_model_len {
             return Err(Error::InvalidState(format!(
-                "sequence {seq_id} is at max_model_len={max_model_len}; finish it"
+                "sequence {seq_id} has {} tokens: {} more exceed max_model_len={max_model_len}",
+                seq.len(),
+                1 + drafts.len()
             )));
         }
         seq.tokens.push(token);
+        seq.tokens.extend_from_slice(drafts);
+        seq.num_draft = drafts.len();
+        Ok(())
+    }
+
+    /// After the step that computed a sequence's drafts: keeps the first `num_accepted` of them and
+    /// drops the rest, with their KV slots (`BlockManager::truncate`). The next token then comes
+    /// from `append_token` as usual.
+    pub fn accept_drafts(&mut self, seq_id: SeqId, num_accepted: usize) -> Result<()> {
+        let group_id = self.group_of_seq(seq_id)?;
+        let group = &mut self.groups[group_id];
+        if group.state != GroupState::Running {
+            return Err(Error::InvalidState(format!("sequence {seq_id} is not running")));
+        }
+        let seq = group.seq_mut(seq_id).unwrap();
+        if num_accepted > seq.num_draft || seq.num_computed != seq.len() {
+            return Err(Error::InvalidState(format!(
+                "sequence {seq_id}: cannot accept {num_accepted} of {} drafts with {} tokens not computed",
+                seq.num_draft,
+                seq.num_uncomputed()
+            )));
+        }
+        let new_len = seq.len() - (seq.num_draft - num_accepted);
+        self.blocks.truncate(seq_id, &seq.tokens[..new_len])?;
+        seq.tokens.truncate(new_len);
+        seq.num_computed = new_len;
+        seq.num_draft = 0;
         Ok(())
     }
 
@@ -682,7 +724,9 @@ impl Scheduler {
                 continue;
             }
             let take = uncomputed.min(left);
-            if take == 0 || (!self.config.enable_chunked_prefill && take < uncomputed) {
+            // Only prefills are chunked: a decode with drafts is verified in one forward pass.
+            let whole = !self.config.enable_chunked_prefill || !seq.in_prefill();
+            if take == 0 || (whole && take < uncomputed) {
                 plan.clear();
                 return;
             }
@@ -771,7 +815,8 @@ impl Scheduler {
             self.counters.blocks_copied += slots.copy.is_some() as u64;
             let scheduled = out.record(seq_id, is_prefill, start, new_tokens, &slots, block_size, end == seq.len());
             seq.num_computed = end;
-            if is_prefill {
+            if is_prefill || take > 1 {
+                // Multi-token decodes (drafts) go with the prefills: decodes are one token each.
                 out.scheduled.push(scheduled);
             } else {
                 decodes.push(scheduled);

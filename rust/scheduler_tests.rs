@@ -524,17 +524,20 @@ impl SimulatedCache {
     }
 }
 
-/// Random requests sharing prefixes, forks, swaps, recomputes and (with the CPU tier) offloads and
-/// reloads: every step each sequence must read back exactly the tokens it holds.
+/// Random requests sharing prefixes, forks, swaps, recomputes, (with the CPU tier) offloads and
+/// reloads, and (speculating) drafts partly accepted: every step each sequence must read back
+/// exactly the tokens it holds.
 #[test]
 fn random_workload_reads_back_every_token_through_all_the_copies() {
     let cases = [
-        (PreemptionMode::Swap, false),
-        (PreemptionMode::Swap, true),
-        (PreemptionMode::Recompute, true),
-        (PreemptionMode::Auto, true),
+        (PreemptionMode::Swap, false, false),
+        (PreemptionMode::Swap, true, false),
+        (PreemptionMode::Recompute, true, false),
+        (PreemptionMode::Auto, true, false),
+        (PreemptionMode::Swap, true, true),
+        (PreemptionMode::Recompute, false, true),
     ];
-    for (mode, cpu_tier) in cases {
+    for (mode, cpu_tier, speculate) in cases {
         let mut cfg = config(20, 16);
         cfg.preemption_mode = mode;
         cfg.enable_prefix_caching = true;
@@ -551,6 +554,8 @@ fn random_workload_reads_back_every_token_through_all_the_copies() {
             rng % bound
         };
         let mut tokens = std::collections::HashMap::<u64, Vec<u32>>::new();
+        let mut drafts = std::collections::HashMap::<u64, usize>::new();
+        let (mut num_drafted, mut num_rejected) = (0, 0);
         let mut targets = std::collections::HashMap::new();
         let mut added = 0;
         let mut steps = 0;
@@ -567,15 +572,42 @@ fn random_workload_reads_back_every_token_through_all_the_copies() {
             assert!(steps < 10_000, "no progress");
             let out = s.schedule();
             check(&s);
+            // A recompute drops unverified drafts.
+            for (seq, pending) in drafts.iter_mut() {
+                let len = s.sequence_len(*seq).unwrap();
+                if len < tokens[seq].len() {
+                    tokens.get_mut(seq).unwrap().truncate(len);
+                    *pending = 0;
+                }
+            }
             cache.run(&s, &out, &tokens);
             for seq in out.scheduled.iter().filter(|seq| seq.sample) {
+                let pending = drafts.remove(&seq.seq_id).unwrap_or(0);
+                if pending > 0 {
+                    assert!(!seq.is_prefill && seq.end - seq.start == pending + 1, "drafts are verified in one piece");
+                    let accepted = next(pending as u64 + 1) as usize;
+                    s.accept_drafts(seq.seq_id, accepted).unwrap();
+                    let kept = tokens[&seq.seq_id].len() - (pending - accepted);
+                    tokens.get_mut(&seq.seq_id).unwrap().truncate(kept);
+                    num_rejected += pending - accepted;
+                    check(&s);
+                }
                 if s.sequence_len(seq.seq_id).unwrap() >= targets[&seq.seq_id] {
                     s.finish_sequence(seq.seq_id).unwrap();
                     continue;
                 }
                 let token = 500 + next(3) as u32;
-                s.append_token(seq.seq_id, token).unwrap();
+                let room = targets[&seq.seq_id] - s.sequence_len(seq.seq_id).unwrap() - 1;
+                let num_drafts = if speculate { (next(4) as usize).min(room) } else { 0 };
+                let new_drafts: Vec<u32> = (0..num_drafts).map(|_| 500 + next(3) as u32).collect();
+                s.append_token_with_drafts(seq.seq_id, token, &new_drafts).unwrap();
                 tokens.get_mut(&seq.seq_id).unwrap().push(token);
+                tokens.get_mut(&seq.seq_id).unwrap().extend_from_slice(&new_drafts);
+                if num_drafts > 0 {
+                    drafts.insert(seq.seq_id, num_drafts);
+                    num_drafted += num_drafts;
+                    continue; // (no fork of a sequence with drafts)
+                }
                 if next(10) == 0 {
                     let child = s.fork(seq.seq_id).unwrap();
                     tokens.insert(child, tokens[&seq.seq_id].clone());
@@ -587,6 +619,9 @@ fn random_workload_reads_back_every_token_through_all_the_copies() {
         let stats = s.stats();
         assert_eq!((stats.num_free_device_blocks, stats.num_free_cpu_blocks), (20, 16), "{mode:?} {cpu_tier}");
         assert!(stats.prefix_cache_hits > 0, "{mode:?} {cpu_tier}");
+        if speculate {
+            assert!(num_drafted > 0 && num_rejected > 0 && num_rejected < num_drafted);
+        }
         if cpu_tier {
             assert!(stats.num_blocks_offloaded > 0 && stats.cpu_prefix_cache_hits > 0, "{mode:?}: {stats:?}");
         } else {

@@ -22,13 +22,15 @@ pub struct Sequence {
     pub num_computed: usize,
     /// Tokens to prefill in the current pass: the prompt, or every known token after a recompute.
     pub prefill_len: usize,
+    /// Trailing tokens that are speculative drafts, not yet verified (see `Scheduler::accept_drafts`).
+    pub num_draft: usize,
     pub status: SeqStatus,
 }
 
 impl Sequence {
     pub fn new(id: SeqId, tokens: Vec<u32>) -> Self {
         let prefill_len = tokens.len();
-        Sequence { id, tokens, num_computed: 0, prefill_len, status: SeqStatus::Active }
+        Sequence { id, tokens, num_computed: 0, prefill_len, num_draft: 0, status: SeqStatus::Active }
     }
 
     pub fn len(&self) -> usize {
@@ -53,7 +55,10 @@ impl Sequence {
     }
 
     /// Forget the cache: the next pass prefills every known token (preemption by recompute).
+    /// Unverified drafts are dropped: the prefill ends at the last real token and samples after it.
     pub fn reset_for_recompute(&mut self) {
+        self.tokens.truncate(self.tokens.len() - self.num_draft);
+        self.num_draft = 0;
         self.num_computed = 0;
         self.prefill_len = self.tokens.len();
     }

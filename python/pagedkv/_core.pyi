@@ -117,8 +117,12 @@ class Scheduler:
         prompt can never fit, OverloadedError when the waiting queue is full."""
     def schedule(self) -> SchedulerOutput:
         """Plan one step (releases the GIL)."""
-    def append_token(self, seq_id: int, token_id: int) -> None:
-        """Report the token sampled for a sequence that had sample=True."""
+    def append_token(self, seq_id: int, token_id: int, draft_token_ids: list[int] = []) -> None:
+        """Report the token sampled for a sequence that had sample=True, optionally followed by
+        speculative draft tokens: the next step computes them all in one multi-token decode."""
+    def accept_drafts(self, seq_id: int, num_accepted: int) -> None:
+        """After the step that computed a sequence's drafts: keep the first `num_accepted`, drop
+        the rest and their KV slots; then report the next token with `append_token`."""
     def fork(self, parent_seq_id: int) -> int:
         """New sequence sharing every block of the parent (n > 1, beams). Returns its id."""
     def finish_sequence(self, seq_id: int) -> None:
