@@ -65,6 +65,15 @@ class EngineConfig:
     """torch (reference), cpu (reference + Rust decode attention), cuda (kernels) or auto (cuda on a GPU, cpu on the CPU)."""
     num_threads: Optional[int] = None
     """torch CPU threads; None = torch's default."""
+    num_speculative_tokens: int = 0
+    """Speculative decoding by prompt lookup (vLLM's ngram method): up to this many draft tokens
+    per step, copied from where the sequence's last tokens occurred before, verified in one
+    forward pass; 0 = off. Greedy requests without penalties, biases or logprobs speculate;
+    their outputs are the same as without it."""
+    prompt_lookup_max: int = 4
+    """Longest n-gram looked up for drafts."""
+    prompt_lookup_min: int = 2
+    """Shortest n-gram looked up for drafts."""
     enforce_eager: bool = True
     """Launch every decode kernel from Python. False captures CUDA graphs of decode steps at
     start-up (cuda device and attention backend; see cuda_graphs.py). Off by default until
@@ -92,6 +101,10 @@ class EngineConfig:
             fail("swap_space_bytes", self.swap_space_bytes, "an integer >= 0")
         if self.preemption_mode not in _PREEMPTION_MODES:
             fail("preemption_mode", self.preemption_mode, f"one of {_PREEMPTION_MODES}")
+        if not isinstance(self.num_speculative_tokens, int) or not 0 <= self.num_speculative_tokens <= 16:
+            fail("num_speculative_tokens", self.num_speculative_tokens, "an integer in [0, 16]")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            fail("prompt_lookup_min", (self.prompt_lookup_min, self.prompt_lookup_max), "1 <= min <= prompt_lookup_max")
         if self.scheduling_policy not in _SCHEDULING_POLICIES:
             fail("scheduling_policy", self.scheduling_policy, f"one of {_SCHEDULING_POLICIES}")
         if not 0 <= self.watermark < 1:

@@ -15,8 +15,9 @@ from pagedkv._core import Scheduler, SchedulerConfig
 from pagedkv.beam_search import BeamSearch
 from pagedkv.config import EngineConfig
 from pagedkv.errors import DuplicateRequestError, UnknownRequestError
-from pagedkv.layers.sampler import Sampler, SamplingRow
+from pagedkv.layers.sampler import Sampler, SamplingRow, changes_logits
 from pagedkv.model_runner import ModelRunner
+from pagedkv.ngram_proposer import propose_ngram_drafts
 from pagedkv.outputs import EmbeddingRequestOutput, RequestMetrics, RequestOutput
 from pagedkv.pooling_params import PoolingParams
 from pagedkv.request_state import RequestState, SequenceState
@@ -47,6 +48,8 @@ class LLMEngine:
         self.seq_owner: dict[int, tuple[RequestState, SequenceState]] = {}
         self.num_finished_by_reason: dict[str, int] = {}
         self._num_uncached_prompts = 0
+        self.num_draft_tokens = 0  # speculative decoding: drafts verified, and how many were right
+        self.num_accepted_draft_tokens = 0
         self._grammar_compiler: Optional[GrammarCompiler] = None  # built at the first structured-output request
         logger.info(
             "engine ready: model=%s device=%s blocks device=%d cpu=%d block_size=%d max_model_len=%d",
@@ -225,10 +228,10 @@ class LLMEngine:
                     request = self.seq_owner[item.seq_id][0]
                     if request.pooling is not None:
                         request.record_embedding(prompt_hidden[item.seq_id][-1])
-                    else:
+                    elif request.prompt_logprobs is not None:
                         request.record_prompt_logprobs(item.start, prompt_hidden[item.seq_id], self.runner.model.compute_logits)
             sampled = [item for item in scheduled if item.sample]
-            self._process_samples(sampled, logits, touched)
+            self._process_samples(sampled, logits, prompt_hidden, touched)
 
         outputs = []
         for request in touched.values():
@@ -243,10 +246,11 @@ class LLMEngine:
         return outputs
 
     def _needs_hidden_states(self, item) -> bool:
-        request = self.seq_owner[item.seq_id][0]
-        return request.needs_prompt_logprobs or (request.pooling is not None and item.sample)
+        request, seq = self.seq_owner[item.seq_id]
+        verifies_drafts = bool(seq.draft_token_ids) and not item.is_prefill
+        return request.needs_prompt_logprobs or (item.sample and (request.pooling is not None or verifies_drafts))
 
-    def _process_samples(self, sampled, logits: torch.Tensor, touched: dict[str, RequestState]) -> None:
+    def _process_samples(self, sampled, logits: torch.Tensor, hidden: dict, touched: dict[str, RequestState]) -> None:
         rows: list[SamplingRow] = []
         row_targets: list[tuple[RequestState, SequenceState]] = []
         beams: dict[str, tuple[RequestState, list[int], list[int]]] = {}
@@ -256,6 +260,11 @@ class LLMEngine:
             if request.pooling is not None:  # its embedding is recorded: nothing to sample
                 self.scheduler.finish_sequence(seq.seq_id)
                 continue
+            if seq.draft_token_ids:
+                if not item.is_prefill:
+                    self._verify_drafts(request, seq, hidden[item.seq_id])
+                    continue
+                seq.draft_token_ids = []  # a recompute dropped them: sample after the last real token
             if request.beam_search is not None:
                 entry = beams.setdefault(request.request_id, (request, [], []))
                 entry[1].append(item.seq_id)
@@ -284,7 +293,7 @@ class LLMEngine:
                 if seq.finished:
                     self.scheduler.finish_sequence(seq.seq_id)
                 else:
-                    self.scheduler.append_token(seq.seq_id, result.token_id)
+                    self._append_token(request, seq, result.token_id)
 
         for request, seq_ids, row_indices in beams.values():
             search = request.beam_search
@@ -295,6 +304,47 @@ class LLMEngine:
             self._sync_beam_sequences(request)
             if search.done:
                 request.final_outputs = search.outputs(self.tokenizer, request.params.skip_special_tokens)
+
+    def _append_token(self, request: RequestState, seq: SequenceState, token_id: int) -> None:
+        """Reports the next token to the scheduler, with prompt-lookup drafts after it when the
+        request speculates (the next step computes them together and verifies the drafts)."""
+        drafts: list[int] = []
+        if self._speculates(request, seq):
+            generated = len(seq.output_token_ids)
+            room = min(self.config.num_speculative_tokens, request.params.max_tokens - generated - 1,
+                       self.max_model_len - len(request.prompt_token_ids) - generated - 1)
+            drafts = propose_ngram_drafts(request.prompt_token_ids + seq.output_token_ids, room,
+                                          self.config.prompt_lookup_max, self.config.prompt_lookup_min)
+        self.scheduler.append_token(seq.seq_id, token_id, drafts)
+        seq.draft_token_ids = drafts
+
+    def _speculates(self, request: RequestState, seq: SequenceState) -> bool:
+        """Greedy requests whose next token is the plain argmax (no penalties, biases, grammars
+        or minimum length in force) and that report no logprobs: verifying a draft is then one
+        comparison, and the output is exactly what decoding one token at a time gives."""
+        params = request.params
+        return (self.config.num_speculative_tokens > 0 and params.temperature == 0 and params.n == 1
+                and request.beam_search is None and params.logprobs is None
+                and not changes_logits(self._sampling_row(request, seq, 0)))
+
+    def _verify_drafts(self, request: RequestState, seq: SequenceState, hidden: torch.Tensor) -> None:
+        """`hidden`: final hidden states of this step's tokens, [the last token, *drafts]. Keeps
+        the drafts the model agrees with, then the model's own next token after them."""
+        drafts, seq.draft_token_ids = seq.draft_token_ids, []
+        with torch.inference_mode():
+            targets = self.runner.model.compute_logits(hidden[-(len(drafts) + 1):]).argmax(dim=-1).tolist()
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
+            accepted += 1
+        self.scheduler.accept_drafts(seq.seq_id, accepted)
+        self.num_draft_tokens += len(drafts)
+        self.num_accepted_draft_tokens += accepted
+        for token_id in drafts[:accepted] + [targets[accepted]]:
+            request.record_token(seq, token_id, None, None, self.tokenizer, self.eos_token_ids, self.max_model_len)
+            if seq.finished:
+                self.scheduler.finish_sequence(seq.seq_id)
+                return
+        self._append_token(request, seq, targets[accepted])
 
     def _fork_samples(self, request: RequestState, parent: SequenceState) -> list[SequenceState]:
         """n > 1: the other samples fork the prompt's blocks right after its prefill."""
@@ -356,5 +406,7 @@ class LLMEngine:
         """Scheduler and pool gauges and counters (see `Scheduler.stats`) plus finish counts."""
         stats = dict(self.scheduler.stats())
         stats["num_unfinished_requests"] = len(self.requests)
+        stats["num_draft_tokens"] = self.num_draft_tokens
+        stats["num_accepted_draft_tokens"] = self.num_accepted_draft_tokens
         stats["finished_by_reason"] = dict(self.num_finished_by_reason)
         return stats

@@ -33,6 +33,7 @@ class SequenceState:
     matcher: object = None  # xgrammar GrammarMatcher of a structured-output request
     text: str = ""
     detokenizer: DetokenizerState = field(default_factory=DetokenizerState)
+    draft_token_ids: list[int] = field(default_factory=list)  # speculative tokens the next step verifies
     # Length of the text that has been checked for stop strings.
     _checked_text_len: int = 0
 

@@ -42,7 +42,7 @@ class Sampler:
             logits = logits[torch.tensor(indices, device=logits.device)]
         raw_logits = logits
         # Copy the [N, vocab] logits only when some row changes them (they are large).
-        adjusted = [i for i, row in enumerate(rows) if _changes_logits(row)]
+        adjusted = [i for i, row in enumerate(rows) if changes_logits(row)]
         if adjusted:
             logits = logits.clone()
             for i in adjusted:
@@ -100,7 +100,7 @@ class Sampler:
                 logits[torch.tensor(sorted(banned), device=logits.device)] = float("-inf")
 
 
-def _changes_logits(row: SamplingRow) -> bool:
+def changes_logits(row: SamplingRow) -> bool:
     """Whether `_apply_penalties_and_masks` or a grammar would change this row's logits."""
     params = row.params
     if row.matcher is not None or params.logit_bias or params.repetition_penalty != 1.0:
