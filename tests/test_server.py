@@ -60,7 +60,9 @@ def test_models_health_and_metrics(server, client):
     assert [model.id for model in client.models.list().data] == [server.engine.model_name]
     text = httpx.get(server.url + "/metrics").text
     for name in ("pagedkv_kv_blocks_used_device", "pagedkv_kv_usage_percent_cpu", "pagedkv_requests_waiting",
-                 "pagedkv_preemptions_total", "pagedkv_prefix_cache_hit_rate", "pagedkv_time_to_first_token_seconds"):
+                 "pagedkv_preemptions_total", "pagedkv_prefix_cache_hit_rate", "pagedkv_time_to_first_token_seconds",
+                 "pagedkv_kv_blocks_cached_cpu", 'pagedkv_cpu_prefix_cache_blocks_total{direction="reloaded"}',
+                 'pagedkv_spec_decode_draft_tokens_total{outcome="accepted"}'):
         assert name in text
 
 

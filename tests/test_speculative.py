@@ -62,7 +62,7 @@ def test_prompt_lookup_drafts():
 def test_greedy_outputs_equal_one_token_at_a_time(options, prompts, references):
     settings = dict(dtype="float32", num_device_blocks=256, max_model_len=512)
     settings.update(options)
-    llm = LLM(num_speculative_tokens=4, **settings)
+    llm = LLM(num_speculative_tokens=4, speculative_disable_by_batch_size=None, **settings)
     outputs = llm.generate(prompts, greedy(), use_tqdm=False)
     assert [output.outputs[0].token_ids for output in outputs] == references
     stats = llm.engine.stats()
@@ -75,7 +75,8 @@ def test_greedy_outputs_equal_one_token_at_a_time(options, prompts, references):
 
 def test_stops_and_other_requests_are_unchanged(prompts, references):
     plain = LLM(dtype="float32", num_device_blocks=256, max_model_len=512)
-    fast = LLM(dtype="float32", num_device_blocks=256, max_model_len=512, num_speculative_tokens=5, prompt_lookup_min=1)
+    fast = LLM(dtype="float32", num_device_blocks=256, max_model_len=512, num_speculative_tokens=5, prompt_lookup_min=1,
+               speculative_disable_by_batch_size=None)
     stop_text = plain.tokenizer.decode(references[4][:6])[-5:]
     params = [
         greedy(max_tokens=7),  # max_tokens falls inside a run of accepted drafts
@@ -93,3 +94,19 @@ def test_stops_and_other_requests_are_unchanged(prompts, references):
         assert have.outputs[0].finish_reason == want.outputs[0].finish_reason
     assert len(got[0].outputs[0].token_ids) == 7 and got[1].outputs[0].finish_reason == "stop"
     assert fast.engine.stats()["num_accepted_draft_tokens"] > 0
+
+
+def test_a_busy_engine_does_not_draft(prompts):
+    llm = LLM(dtype="float32", num_device_blocks=256, max_model_len=512, num_speculative_tokens=4,
+              speculative_disable_by_batch_size=3)
+    engine = llm.engine
+    for index in range(3):
+        engine.add_request(f"busy-{index}", prompts[index], greedy())
+    for _ in range(8):
+        engine.step()
+    assert engine.num_unfinished_requests == 3 and engine.stats()["num_draft_tokens"] == 0
+    for index in range(1, 3):
+        engine.abort(f"busy-{index}")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.stats()["num_draft_tokens"] > 0

@@ -74,6 +74,9 @@ class EngineConfig:
     """Longest n-gram looked up for drafts."""
     prompt_lookup_min: int = 2
     """Shortest n-gram looked up for drafts."""
+    speculative_disable_by_batch_size: Optional[int] = 4
+    """No drafts while this many requests or more are unfinished (vLLM's option of that name):
+    verifying drafts costs compute that a large batch already saturates. None = always draft."""
     enforce_eager: bool = True
     """Launch every decode kernel from Python. False captures CUDA graphs of decode steps at
     start-up (cuda device and attention backend; see cuda_graphs.py). Off by default until
@@ -103,6 +106,8 @@ class EngineConfig:
             fail("preemption_mode", self.preemption_mode, f"one of {_PREEMPTION_MODES}")
         if not isinstance(self.num_speculative_tokens, int) or not 0 <= self.num_speculative_tokens <= 16:
             fail("num_speculative_tokens", self.num_speculative_tokens, "an integer in [0, 16]")
+        if self.speculative_disable_by_batch_size is not None and self.speculative_disable_by_batch_size < 1:
+            fail("speculative_disable_by_batch_size", self.speculative_disable_by_batch_size, "None or >= 1")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             fail("prompt_lookup_min", (self.prompt_lookup_min, self.prompt_lookup_max), "1 <= min <= prompt_lookup_max")
         if self.scheduling_policy not in _SCHEDULING_POLICIES:

@@ -320,10 +320,12 @@ class LLMEngine:
 
     def _speculates(self, request: RequestState, seq: SequenceState) -> bool:
         """Greedy requests whose next token is the plain argmax (no penalties, biases, grammars
-        or minimum length in force) and that report no logprobs: verifying a draft is then one
-        comparison, and the output is exactly what decoding one token at a time gives."""
-        params = request.params
-        return (self.config.num_speculative_tokens > 0 and params.temperature == 0 and params.n == 1
+        or minimum length in force) and that report no logprobs, while the engine is not busy:
+        verifying a draft is then one comparison, and the output is what decoding one token at a
+        time gives (exactly, in float32; bfloat16 rounds the multi-token pass differently)."""
+        params, config = request.params, self.config
+        busy = config.speculative_disable_by_batch_size is not None and len(self.requests) >= config.speculative_disable_by_batch_size
+        return (config.num_speculative_tokens > 0 and not busy and params.temperature == 0 and params.n == 1
                 and request.beam_search is None and params.logprobs is None
                 and not changes_logits(self._sampling_row(request, seq, 0)))
 

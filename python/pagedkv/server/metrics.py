@@ -87,6 +87,11 @@ class _EngineCollector:
         tier.add_metric(["offloaded"], stats["num_blocks_offloaded"])
         tier.add_metric(["reloaded"], stats["cpu_prefix_cache_hits"])
         yield tier
+        drafts = CounterMetricFamily("pagedkv_spec_decode_draft_tokens", "Speculative draft tokens by outcome",
+                                     labels=["outcome"])
+        drafts.add_metric(["proposed"], stats.get("num_draft_tokens", 0))
+        drafts.add_metric(["accepted"], stats.get("num_accepted_draft_tokens", 0))
+        yield drafts
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
