@@ -128,3 +128,28 @@ def test_priorities_need_the_priority_policy():
     assert not scheduler.has_unfinished_requests()
     with pytest.raises(pagedkv.InvalidConfigError, match="scheduling_policy"):
         SchedulerConfig(scheduling_policy="lifo")
+
+
+def test_drafts_are_computed_in_one_piece_and_the_rejected_ones_dropped():
+    scheduler = Scheduler(small_config(enable_prefix_caching=False))
+    seq_id = scheduler.add_request("a", [1, 2, 3, 4, 5])
+    scheduler.schedule()
+    scheduler.append_token(seq_id, 6, [7, 8, 9])
+    with pytest.raises(pagedkv.InvalidStateError):
+        scheduler.accept_drafts(seq_id, 1)  # not computed yet
+    [step] = scheduler.schedule().scheduled
+    assert (step.start, step.end, step.token_ids, step.sample) == (5, 9, [6, 7, 8, 9], True)
+    with pytest.raises(pagedkv.InvalidStateError, match="cannot accept 4 of 3 drafts"):
+        scheduler.accept_drafts(seq_id, 4)
+    scheduler.accept_drafts(seq_id, 1)  # keeps 6 and 7; 8 and 9 go with their slot
+    assert scheduler.sequence_len(seq_id) == 7
+    scheduler.append_token(seq_id, 10)
+    [step] = scheduler.schedule().scheduled
+    assert (step.start, step.end, step.token_ids) == (7, 8, [10])
+    assert step.slot_mapping == [step.block_table[1] * 4 + 3]  # position 7 reuses the rejected draft's slot
+    with pytest.raises(pagedkv.InvalidStateError, match="max_model_len=32"):
+        scheduler.append_token(seq_id, 11, list(range(30)))
+    with pytest.raises(pagedkv.InvalidStateError, match="max_num_batched_tokens=32"):
+        scheduler.append_token(seq_id, 11, list(range(40)))
+    scheduler.finish_sequence(seq_id)
+    assert scheduler.stats()["num_free_device_blocks"] == 8
