@@ -686,15 +686,18 @@ impl Scheduler {
     fn preempt_for_priority(&mut self, out: &mut SchedulerOutput) {
         let Some((candidate, swapped)) = self.first_queued() else { return };
         let order = self.groups[candidate].order();
+        if self.running.back().is_none_or(|&last| self.groups[last].order() <= order) {
+            return; // nobody of lower priority: the common case costs no pass over the running groups
+        }
+        let (mut running_tokens, mut running_blocks) = (0, 0);
+        for &group_id in &self.running {
+            let (tokens, blocks) = self.step_demand(group_id);
+            running_tokens += tokens;
+            running_blocks += blocks;
+        }
         while let Some(&victim) = self.running.back() {
             if self.groups[victim].order() <= order {
                 break;
-            }
-            let (mut running_tokens, mut running_blocks) = (0, 0);
-            for seq in self.running.iter().flat_map(|id| self.groups[*id].active_seqs()) {
-                let take = seq.num_uncomputed().min(self.config.max_num_batched_tokens);
-                running_tokens += take;
-                running_blocks += self.blocks.blocks_needed_to_append(seq.id, take).expect("running table");
             }
             let budget = self.config.max_num_batched_tokens.saturating_sub(running_tokens);
             let fits = if swapped {
@@ -707,9 +710,24 @@ impl Scheduler {
             if fits {
                 break;
             }
+            let (tokens, blocks) = self.step_demand(victim);
+            running_tokens -= tokens;
+            running_blocks -= blocks;
             self.running.pop_back();
             self.preempt(victim, out);
         }
+    }
+
+    /// The tokens a running group has left to compute (at most a step's budget per sequence) and
+    /// the device blocks appending them takes.
+    fn step_demand(&self, group_id: GroupId) -> (usize, usize) {
+        let (mut tokens, mut blocks) = (0, 0);
+        for seq in self.groups[group_id].active_seqs() {
+            let take = seq.num_uncomputed().min(self.config.max_num_batched_tokens);
+            tokens += take;
+            blocks += self.blocks.blocks_needed_to_append(seq.id, take).expect("running table");
+        }
+        (tokens, blocks)
     }
 
     /// (seq, tokens to compute) for each active sequence of a running group within `budget`.
