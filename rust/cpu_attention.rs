@@ -1,7 +1,8 @@
 //! Paged decode attention on the CPU: one query token per sequence, K/V read in place through
 //! the block table (no gather copy), each K/V row read once for all query heads of its GQA
-//! group. Caches hold float32 or bfloat16 (half the bytes to read; math stays float32). The CPU
-//! engine's hot path; the torch reference backend stays the oracle.
+//! group. Caches hold float32, bfloat16 (half the bytes to read) or float8 (a quarter), read as
+//! the queries' type or float8 with float32 queries; math stays float32. The CPU engine's hot
+//! path; the torch reference backend stays the oracle.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
@@ -12,8 +13,8 @@ use crate::openmp_team::run_on_team;
 
 /// Shapes and strides of one call. Caches are per-layer views `[num_blocks, num_kv_heads,
 /// block_size, head_dim]` whose blocks are `block_stride` elements apart (the block-major cache
-/// interleaves layers); query/out are `[batch, num_heads, head_dim]`, contiguous, of the caches'
-/// element type (math in float32, the output rounded once).
+/// interleaves layers); query/out are `[batch, num_heads, head_dim]`, contiguous, of one element
+/// type, the caches of another or the same (math in float32, the output rounded once).
 #[derive(Debug, Clone, Copy)]
 pub struct DecodeShape {
     pub batch: usize,
@@ -57,11 +58,11 @@ impl DecodeShape {
 /// out[b, h] = softmax(scale * q[b, h] . K_b) V_b over the first context_lens[b] tokens of
 /// sequence b, split over `num_threads` threads by sequence.
 #[allow(clippy::too_many_arguments)]
-pub fn paged_decode_attention<T: Element>(
+pub fn paged_decode_attention<T: Element, C: Element>(
     out: &mut [T],
     query: &[T],
-    key_cache: &[T],
-    value_cache: &[T],
+    key_cache: &[C],
+    value_cache: &[C],
     block_tables: &[i32],
     context_lens: &[i32],
     shape: &DecodeShape,
@@ -85,12 +86,12 @@ pub fn paged_decode_attention<T: Element>(
 /// `paged_decode_attention` with a chosen instruction set (benches and tests compare them); an
 /// instruction set this CPU lacks is an error.
 #[allow(clippy::too_many_arguments)]
-pub fn paged_decode_attention_with<T: Element>(
+pub fn paged_decode_attention_with<T: Element, C: Element>(
     isa: Isa,
     out: &mut [T],
     query: &[T],
-    key_cache: &[T],
-    value_cache: &[T],
+    key_cache: &[C],
+    value_cache: &[C],
     block_tables: &[i32],
     context_lens: &[i32],
     shape: &DecodeShape,
@@ -178,11 +179,11 @@ pub(crate) fn check_paged_inputs<T>(
 }
 
 /// What one (sequence, kv head) call reads.
-struct HeadInputs<'a, T> {
+struct HeadInputs<'a, T, C> {
     /// The group's query rows, [group, head_dim].
     queries: &'a [T],
-    key_cache: &'a [T],
-    value_cache: &'a [T],
+    key_cache: &'a [C],
+    value_cache: &'a [C],
     table: &'a [i32],
     context: usize,
     kv_head: usize,
@@ -191,27 +192,27 @@ struct HeadInputs<'a, T> {
 }
 
 /// One sequence and kv head on a supported instruction set.
-fn attend<T: Element>(isa: Isa, out: &mut [T], inputs: &HeadInputs<T>, scratch: &mut Vec<f32>) {
+fn attend<T: Element, C: Element>(isa: Isa, out: &mut [T], inputs: &HeadInputs<T, C>, scratch: &mut Vec<f32>) {
     match isa {
         // SAFETY: the caller checked that the CPU supports `isa`.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => unsafe { attend_avx512(out, inputs, scratch) },
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2Fma => unsafe { attend_avx2(out, inputs, scratch) },
-        _ => attend_any_dim::<T, PORTABLE>(out, inputs, scratch),
+        _ => attend_any_dim::<T, C, PORTABLE>(out, inputs, scratch),
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma")]
-unsafe fn attend_avx512<T: Element>(out: &mut [T], inputs: &HeadInputs<T>, scratch: &mut Vec<f32>) {
-    attend_any_dim::<T, AVX512>(out, inputs, scratch);
+unsafe fn attend_avx512<T: Element, C: Element>(out: &mut [T], inputs: &HeadInputs<T, C>, scratch: &mut Vec<f32>) {
+    attend_any_dim::<T, C, AVX512>(out, inputs, scratch);
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn attend_avx2<T: Element>(out: &mut [T], inputs: &HeadInputs<T>, scratch: &mut Vec<f32>) {
-    attend_any_dim::<T, AVX2>(out, inputs, scratch);
+unsafe fn attend_avx2<T: Element, C: Element>(out: &mut [T], inputs: &HeadInputs<T, C>, scratch: &mut Vec<f32>) {
+    attend_any_dim::<T, C, AVX2>(out, inputs, scratch);
 }
 
 /// `Isa` as a const parameter of the shared code.
@@ -222,20 +223,24 @@ const AVX512: u8 = 2;
 /// The common head dims get their own copy, whose loops unroll and whose accumulators stay in
 /// registers; any other dim runs the same code with the dim read at run time.
 #[inline(always)]
-fn attend_any_dim<T: Element, const ISA: u8>(out: &mut [T], inputs: &HeadInputs<T>, scratch: &mut Vec<f32>) {
+fn attend_any_dim<T: Element, C: Element, const ISA: u8>(
+    out: &mut [T],
+    inputs: &HeadInputs<T, C>,
+    scratch: &mut Vec<f32>,
+) {
     match inputs.shape.head_dim {
-        64 => attend_head::<T, 64, ISA>(out, inputs, scratch),
-        128 => attend_head::<T, 128, ISA>(out, inputs, scratch),
-        _ => attend_head::<T, 0, ISA>(out, inputs, scratch),
+        64 => attend_head::<T, C, 64, ISA>(out, inputs, scratch),
+        128 => attend_head::<T, C, 128, ISA>(out, inputs, scratch),
+        _ => attend_head::<T, C, 0, ISA>(out, inputs, scratch),
     }
 }
 
 /// Logits for the group's query heads, softmax, weighted V sum. `D` is the head dim, or 0 to
 /// read it from the shape; `ISA` says which instructions the caller enabled.
 #[inline(always)]
-fn attend_head<T: Element, const D: usize, const ISA: u8>(
+fn attend_head<T: Element, C: Element, const D: usize, const ISA: u8>(
     out: &mut [T],
-    inputs: &HeadInputs<T>,
+    inputs: &HeadInputs<T, C>,
     scratch: &mut Vec<f32>,
 ) {
     let dim = if D > 0 { D } else { inputs.shape.head_dim };
@@ -256,7 +261,7 @@ fn attend_head<T: Element, const D: usize, const ISA: u8>(
         for (offset, key) in rows.chunks_exact(dim).enumerate() {
             for g in 0..group {
                 let query = &queries[g * dim..][..dim];
-                logits[g * context + first + offset] = dot::<T, ISA>(query, key) * inputs.scale;
+                logits[g * context + first + offset] = dot::<C, ISA>(query, key) * inputs.scale;
             }
         }
     }
@@ -419,24 +424,96 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::Element;
+    use crate::cpu_simd::ElementKind;
 
-    /// 16 cache elements at `p`, widened to f32 (bf16: zero-extend, shift into the high half).
+    /// 16 cache elements at `p`, widened to f32 (bf16: zero-extend, shift into the high half;
+    /// float8: as `fp8::e4m3_to_f32` / `e5m2_to_f32`, lane by lane).
     #[inline(always)]
     unsafe fn load16<T: Element>(p: *const T) -> __m512 {
-        if T::IS_BF16 {
-            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p as *const __m256i))))
-        } else {
-            _mm512_loadu_ps(p as *const f32)
+        match T::KIND {
+            ElementKind::F32 => _mm512_loadu_ps(p as *const f32),
+            ElementKind::Bf16 => {
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p as *const __m256i))))
+            }
+            ElementKind::Fp8E4m3 => fp8x16::<20, 120, 8, 0x7f, 240>(p as *const u8, 1.0 / 512.0),
+            ElementKind::Fp8E5m2 => fp8x16::<21, 112, 4, 0x7c, 224>(p as *const u8, 1.0 / 65536.0),
         }
+    }
+
+    /// 16 float8 codes widened: magnitudes below `MIN_NORMAL` are subnormals (magnitude *
+    /// `subnormal_unit`), others move into an f32's fields (shifted by `SHIFT`, the exponent
+    /// rebiased by `REBIAS`); magnitudes from `SPECIAL` up (NaN in e4m3, infinities and NaNs in
+    /// e5m2) get the f32 exponent 255 (rebias `SPECIAL_REBIAS`), keeping their mantissa bits.
+    #[inline(always)]
+    unsafe fn fp8x16<const SHIFT: u32, const REBIAS: i32, const MIN_NORMAL: i32, const SPECIAL: i32, const SPECIAL_REBIAS: i32>(
+        p: *const u8,
+        subnormal_unit: f32,
+    ) -> __m512 {
+        let codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const __m128i));
+        let magnitude = _mm512_and_si512(codes, _mm512_set1_epi32(0x7f));
+        let sign = _mm512_slli_epi32::<24>(_mm512_and_si512(codes, _mm512_set1_epi32(0x80)));
+        let shifted = _mm512_slli_epi32::<SHIFT>(magnitude);
+        let normal = _mm512_add_epi32(shifted, _mm512_set1_epi32(REBIAS << 23));
+        let subnormal = _mm512_castps_si512(_mm512_mul_ps(_mm512_cvtepi32_ps(magnitude), _mm512_set1_ps(subnormal_unit)));
+        let special = _mm512_add_epi32(shifted, _mm512_set1_epi32(SPECIAL_REBIAS << 23));
+        let bits = _mm512_mask_blend_epi32(_mm512_cmplt_epi32_mask(magnitude, _mm512_set1_epi32(MIN_NORMAL)), normal, subnormal);
+        let bits = _mm512_mask_blend_epi32(_mm512_cmpge_epi32_mask(magnitude, _mm512_set1_epi32(SPECIAL)), bits, special);
+        _mm512_castsi512_ps(_mm512_or_si512(bits, sign))
     }
 
     #[inline(always)]
     unsafe fn load8<T: Element>(p: *const T) -> __m256 {
-        if T::IS_BF16 {
-            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i))))
-        } else {
-            _mm256_loadu_ps(p as *const f32)
+        match T::KIND {
+            ElementKind::F32 => _mm256_loadu_ps(p as *const f32),
+            ElementKind::Bf16 => {
+                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i))))
+            }
+            ElementKind::Fp8E4m3 => fp8x8::<20, 120, 8, 0x7f, 240>(p as *const u8, 1.0 / 512.0),
+            ElementKind::Fp8E5m2 => fp8x8::<21, 112, 4, 0x7c, 224>(p as *const u8, 1.0 / 65536.0),
         }
+    }
+
+    /// `fp8x16` for 8 codes, with AVX2.
+    #[inline(always)]
+    unsafe fn fp8x8<const SHIFT: i32, const REBIAS: i32, const MIN_NORMAL: i32, const SPECIAL: i32, const SPECIAL_REBIAS: i32>(
+        p: *const u8,
+        subnormal_unit: f32,
+    ) -> __m256 {
+        let codes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i));
+        let magnitude = _mm256_and_si256(codes, _mm256_set1_epi32(0x7f));
+        let sign = _mm256_slli_epi32::<24>(_mm256_and_si256(codes, _mm256_set1_epi32(0x80)));
+        let shifted = _mm256_slli_epi32::<SHIFT>(magnitude);
+        let normal = _mm256_add_epi32(shifted, _mm256_set1_epi32(REBIAS << 23));
+        let subnormal = _mm256_castps_si256(_mm256_mul_ps(_mm256_cvtepi32_ps(magnitude), _mm256_set1_ps(subnormal_unit)));
+        let special = _mm256_add_epi32(shifted, _mm256_set1_epi32(SPECIAL_REBIAS << 23));
+        // (SPECIAL - 1 < magnitude) is magnitude >= SPECIAL; AVX2 compares only for greater-than.
+        let is_subnormal = _mm256_cmpgt_epi32(_mm256_set1_epi32(MIN_NORMAL), magnitude);
+        let is_special = _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(SPECIAL - 1));
+        let bits = _mm256_blendv_epi8(normal, subnormal, is_subnormal);
+        let bits = _mm256_blendv_epi8(bits, special, is_special);
+        _mm256_castsi256_ps(_mm256_or_si256(bits, sign))
+    }
+
+    /// Every element of `codes` (a multiple of 16 long) through `load16`, for tests.
+    #[cfg(test)]
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub unsafe fn widen_all_avx512<T: Element>(codes: &[T]) -> Vec<f32> {
+        let mut out = vec![0.0f32; codes.len()];
+        for i in (0..codes.len()).step_by(16) {
+            _mm512_storeu_ps(out.as_mut_ptr().add(i), load16(codes.as_ptr().add(i)));
+        }
+        out
+    }
+
+    /// Every element of `codes` (a multiple of 8 long) through `load8`, for tests.
+    #[cfg(test)]
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn widen_all_avx2<T: Element>(codes: &[T]) -> Vec<f32> {
+        let mut out = vec![0.0f32; codes.len()];
+        for i in (0..codes.len()).step_by(8) {
+            _mm256_storeu_ps(out.as_mut_ptr().add(i), load8(codes.as_ptr().add(i)));
+        }
+        out
     }
 
     /// a . b for lengths that are multiples of 16, two accumulators; needs AVX-512F.
@@ -479,6 +556,7 @@ mod x86 {
 pub(crate) mod tests {
     use super::*;
     use crate::cpu_simd::Bf16;
+    use crate::fp8::{Fp8E4m3, Fp8E5m2};
 
     /// Straightforward reference: gather the context, softmax in f64.
     fn reference(
@@ -606,6 +684,70 @@ pub(crate) mod tests {
         }
     }
 
+    /// Float8 caches with float32 queries on every instruction set, against the reference on the
+    /// caches' widened values; the codes cover every value, NaN and infinity excepted.
+    fn check_float8_caches<C: Element + std::fmt::Debug>(codes: impl Fn(u8) -> Option<C>) {
+        let shape = DecodeShape {
+            batch: 3,
+            num_heads: 8,
+            num_kv_heads: 2,
+            head_dim: 64,
+            block_size: 16,
+            num_blocks: 10,
+            block_stride: 2 * 2 * 16 * 64,
+            table_width: 4,
+        };
+        let finite: Vec<C> = (0..=255u8).filter_map(codes).collect();
+        let cache: Vec<C> = (0..shape.num_blocks * shape.block_stride).map(|i| finite[(i * 37) % finite.len()]).collect();
+        let widened: Vec<f32> = cache.iter().map(|x| x.to_f32()).collect();
+        let value_offset = 2 * 16 * 64;
+        let query = pseudo_random(shape.batch * 8 * 64, 5);
+        let tables = [9, 2, 4, 0, 5, 1, 0, 0, 3, 6, 7, 8];
+        let contexts = [49, 1, 64];
+        // Scaled so that the large codes (up to 57344) do not leave one key with all the weight.
+        let scale = 1e-4;
+        let expected = reference(&query, &widened, &widened[value_offset..], &tables, &contexts, &shape, scale);
+        for isa in [Isa::Portable, Isa::Avx2Fma, Isa::Avx512].into_iter().filter(|isa| isa.is_supported()) {
+            let mut out = vec![f32::NAN; query.len()];
+            let (keys, values) = (&cache[..], &cache[value_offset..]);
+            paged_decode_attention_with(isa, &mut out, &query, keys, values, &tables, &contexts, &shape, scale, 2)
+                .unwrap();
+            // Outputs average values up to the largest code: f32 rounding is relative to those.
+            let largest = widened.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+            for (got, want) in out.iter().zip(&expected) {
+                assert!((got - want).abs() <= 1e-6 * largest, "{isa:?}: {got} vs {want}");
+            }
+        }
+    }
+
+    #[test]
+    fn simd_float8_loads_widen_every_code_exactly() {
+        fn check<C: Element>(isa: Isa, make: fn(u8) -> C) {
+            let codes: Vec<C> = (0..=255u8).map(make).collect();
+            let widened = match isa {
+                // SAFETY: the CPU runs `isa` (checked by the caller); 256 codes cover every load.
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx512 => unsafe { x86::widen_all_avx512(&codes) },
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx2Fma => unsafe { x86::widen_all_avx2(&codes) },
+                _ => return,
+            };
+            for (code, (got, want)) in widened.iter().zip(codes.iter().map(|c| c.to_f32())).enumerate() {
+                assert!(got.to_bits() == want.to_bits() || got.is_nan() && want.is_nan(), "{isa:?} code {code:#x}: {got} vs {want}");
+            }
+        }
+        for isa in [Isa::Avx2Fma, Isa::Avx512].into_iter().filter(|isa| isa.is_supported()) {
+            check(isa, Fp8E4m3);
+            check(isa, Fp8E5m2);
+        }
+    }
+
+    #[test]
+    fn float8_caches_match_the_reference_on_their_widened_values() {
+        check_float8_caches(|code| (code & 0x7f != 0x7f).then_some(Fp8E4m3(code)));
+        check_float8_caches(|code| (code & 0x7f < 0x7c).then_some(Fp8E5m2(code)));
+    }
+
     #[test]
     fn bad_inputs_are_errors_not_panics() {
         let shape = DecodeShape {
@@ -630,9 +772,9 @@ pub(crate) mod tests {
         assert!(run(&[0, 1], &[8], &mut out[..8]).is_err()); // wrong output size
         assert!(run(&[0, 1], &[8], &mut out).is_ok());
         let no_heads = DecodeShape { num_heads: 0, ..shape };
-        assert!(paged_decode_attention(&mut [], &[], &cache, &cache, &[0, 1], &[8], &no_heads, 1.0, 1).is_err());
+        assert!(paged_decode_attention::<f32, f32>(&mut [], &[], &cache, &cache, &[0, 1], &[8], &no_heads, 1.0, 1).is_err());
         let empty = DecodeShape { batch: 0, ..shape };
-        assert!(paged_decode_attention(&mut [], &[], &cache, &cache, &[], &[], &empty, 1.0, 2).is_ok());
+        assert!(paged_decode_attention::<f32, f32>(&mut [], &[], &cache, &cache, &[], &[], &empty, 1.0, 2).is_ok());
     }
 
     #[test]

@@ -29,15 +29,15 @@ pub const HEAD_DIMS: [usize; 2] = [64, 128];
 ///
 /// `shape.batch` is the number of sequences. Sequence b's new tokens are query rows
 /// `query_start_loc[b]..query_start_loc[b + 1]`, the last ones of its `context_lens[b]` cached
-/// tokens (their K/V are already written). query/out are `[num_tokens, num_heads, head_dim]`,
-/// of the caches' element type (math in float32, the output rounded once).
+/// tokens (their K/V are already written). query/out are `[num_tokens, num_heads, head_dim]`, of
+/// one element type, the caches of another or the same (math in float32, the output rounded once).
 #[allow(clippy::too_many_arguments)]
-pub fn paged_prefill_attention<T: Element>(
+pub fn paged_prefill_attention<T: Element, C: Element>(
     isa: Isa,
     out: &mut [T],
     query: &[T],
-    key_cache: &[T],
-    value_cache: &[T],
+    key_cache: &[C],
+    value_cache: &[C],
     block_tables: &[i32],
     query_start_loc: &[i32],
     context_lens: &[i32],
@@ -88,12 +88,12 @@ pub fn paged_prefill_attention<T: Element>(
             };
             let s = &mut scratch;
             match (isa, shape.head_dim == 64) {
-                (Isa::Avx512, true) => with_isa(isa, || attend_tile::<T, 64, 8, AVX512>(&inputs, s)),
-                (Isa::Avx512, false) => with_isa(isa, || attend_tile::<T, 128, 8, AVX512>(&inputs, s)),
-                (Isa::Avx2Fma, true) => with_isa(isa, || attend_tile::<T, 64, 2, AVX2>(&inputs, s)),
-                (Isa::Avx2Fma, false) => with_isa(isa, || attend_tile::<T, 128, 2, AVX2>(&inputs, s)),
-                (Isa::Portable, true) => attend_tile::<T, 64, 4, PORTABLE>(&inputs, s),
-                (Isa::Portable, false) => attend_tile::<T, 128, 4, PORTABLE>(&inputs, s),
+                (Isa::Avx512, true) => with_isa(isa, || attend_tile::<T, C, 64, 8, AVX512>(&inputs, s)),
+                (Isa::Avx512, false) => with_isa(isa, || attend_tile::<T, C, 128, 8, AVX512>(&inputs, s)),
+                (Isa::Avx2Fma, true) => with_isa(isa, || attend_tile::<T, C, 64, 2, AVX2>(&inputs, s)),
+                (Isa::Avx2Fma, false) => with_isa(isa, || attend_tile::<T, C, 128, 2, AVX2>(&inputs, s)),
+                (Isa::Portable, true) => attend_tile::<T, C, 64, 4, PORTABLE>(&inputs, s),
+                (Isa::Portable, false) => attend_tile::<T, C, 128, 4, PORTABLE>(&inputs, s),
             }
             let mut out = output.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
             scratch.write_rows(&mut out, &inputs);
@@ -139,10 +139,10 @@ fn work_items(query_start_loc: &[i32], context_lens: &[i32], num_kv_heads: usize
 }
 
 /// What one work item reads.
-struct TileInputs<'a, T> {
+struct TileInputs<'a, T, C> {
     query: &'a [T],
-    key_cache: &'a [T],
-    value_cache: &'a [T],
+    key_cache: &'a [C],
+    value_cache: &'a [C],
     table: &'a [i32],
     item: WorkItem,
     shape: DecodeShape,
@@ -165,7 +165,7 @@ struct Scratch {
 
 impl Scratch {
     /// out rows of the item's tokens and group heads = acc / sum.
-    fn write_rows<T: Element>(&self, out: &mut [T], inputs: &TileInputs<T>) {
+    fn write_rows<T: Element, C>(&self, out: &mut [T], inputs: &TileInputs<T, C>) {
         let (shape, item) = (&inputs.shape, &inputs.item);
         let (dim, group) = (shape.head_dim, shape.num_heads / shape.num_kv_heads);
         for t in 0..item.num_tokens {
@@ -187,8 +187,8 @@ impl Scratch {
 /// are accumulated together (sized to the vector registers of the instruction set); `ISA`
 /// which instructions the caller enabled.
 #[inline(always)]
-fn attend_tile<T: Element, const D: usize, const ROWS: usize, const ISA: u8>(
-    inputs: &TileInputs<T>,
+fn attend_tile<T: Element, C: Element, const D: usize, const ROWS: usize, const ISA: u8>(
+    inputs: &TileInputs<T, C>,
     scratch: &mut Scratch,
 ) {
     let (shape, item) = (&inputs.shape, &inputs.item);
@@ -216,7 +216,7 @@ fn attend_tile<T: Element, const D: usize, const ROWS: usize, const ISA: u8>(
     let last_position = item.first_position + item.num_tokens - 1;
     for chunk_start in (0..=last_position).step_by(KEYS) {
         let chunk_len = KEYS.min(last_position + 1 - chunk_start);
-        load_chunk::<T, D>(inputs, chunk_start, chunk_len, &mut scratch.keys_t, &mut scratch.values);
+        load_chunk::<T, C, D>(inputs, chunk_start, chunk_len, &mut scratch.keys_t, &mut scratch.values);
         // Tokens before first_visible see nothing of this chunk (it lies in their future).
         let first_visible = chunk_start.saturating_sub(item.first_position);
         for block in (first_visible * group / ROWS * ROWS..num_rows).step_by(ROWS) {
@@ -239,8 +239,8 @@ fn attend_tile<T: Element, const D: usize, const ROWS: usize, const ISA: u8>(
 /// Keys chunk_start..chunk_start + len of the item's sequence and kv head, widened to f32:
 /// keys transposed into keys_t[d][j], values row by row; positions past len are zeros.
 #[inline(always)]
-fn load_chunk<T: Element, const D: usize>(
-    inputs: &TileInputs<T>,
+fn load_chunk<T, C: Element, const D: usize>(
+    inputs: &TileInputs<T, C>,
     chunk_start: usize,
     len: usize,
     keys_t: &mut [f32],
@@ -491,13 +491,14 @@ mod tests {
     use super::*;
     use crate::cpu_attention::tests::pseudo_random;
     use crate::cpu_simd::Bf16;
+    use crate::fp8::{Fp8E4m3, Fp8E5m2};
 
     /// float64 attention of every new token over its sequence's visible context.
     #[allow(clippy::too_many_arguments)]
-    fn reference<T: Element>(
+    fn reference<C: Element>(
         query: &[f32],
-        keys: &[T],
-        values: &[T],
+        keys: &[C],
+        values: &[C],
         tables: &[i32],
         starts: &[i32],
         contexts: &[i32],
@@ -506,7 +507,7 @@ mod tests {
     ) -> Vec<f32> {
         let (dim, group) = (shape.head_dim, shape.num_heads / shape.num_kv_heads);
         let mut out = vec![0.0f32; query.len()];
-        let at = |cache: &[T], b: usize, kv: usize, pos: usize, d: usize| {
+        let at = |cache: &[C], b: usize, kv: usize, pos: usize, d: usize| {
             let block = tables[b * shape.table_width + pos / shape.block_size] as usize;
             cache[block * shape.block_stride + (kv * shape.block_size + pos % shape.block_size) * dim + d].to_f32()
                 as f64
@@ -536,8 +537,15 @@ mod tests {
     }
 
     /// A whole prompt, a chunk after a cached prefix, a one-token chunk and an empty sequence,
-    /// blocks scattered over the pool, every instruction set this CPU runs.
-    fn check<T: Element>(head_dim: usize, block_size: usize, convert: fn(f32) -> T, tolerance: f32) {
+    /// blocks scattered over the pool, every instruction set this CPU runs. Queries and outputs
+    /// are of type T, the caches of type C.
+    fn check<T: Element, C: Element>(
+        head_dim: usize,
+        block_size: usize,
+        convert: fn(f32) -> T,
+        to_cache: fn(f32) -> C,
+        tolerance: f32,
+    ) {
         let (num_heads, num_kv_heads) = (9, 3);
         let new_tokens = [70usize, 37, 1, 0];
         let contexts = [70i32, 150, 9, 5];
@@ -553,7 +561,7 @@ mod tests {
             block_stride: 3 * num_kv_heads * block_size * head_dim,
             table_width,
         };
-        let cache: Vec<T> = pseudo_random(num_blocks * shape.block_stride, 1).into_iter().map(convert).collect();
+        let cache: Vec<C> = pseudo_random(num_blocks * shape.block_stride, 1).into_iter().map(to_cache).collect();
         let values = &cache[num_kv_heads * block_size * head_dim..];
         let tables: Vec<i32> = (0..4 * table_width).map(|i| ((i * 17 + 5) % num_blocks) as i32).collect();
         let mut starts = vec![0i32];
@@ -578,12 +586,20 @@ mod tests {
 
     #[test]
     fn matches_the_reference_for_prompts_and_chunks_after_a_prefix() {
-        check::<f32>(64, 16, |x| x, 2e-5);
-        check::<f32>(128, 32, |x| x, 2e-5);
-        check::<f32>(64, 8, |x| x, 2e-5);
+        check(64, 16, |x| x, |x| x, 2e-5);
+        check(128, 32, |x| x, |x| x, 2e-5);
+        check(64, 8, |x| x, |x| x, 2e-5);
         // bfloat16 outputs: one rounding (half an ulp of values below 1 is < 2e-3).
-        check::<Bf16>(64, 16, Bf16::from_f32, 2e-3);
-        check::<Bf16>(128, 16, Bf16::from_f32, 2e-3);
+        check(64, 16, Bf16::from_f32, Bf16::from_f32, 2e-3);
+        check(128, 16, Bf16::from_f32, Bf16::from_f32, 2e-3);
+    }
+
+    #[test]
+    fn float8_caches_match_the_reference_on_their_widened_values() {
+        // float32 queries and outputs, as the engine passes them with float8 caches.
+        check(64, 16, |x| x, Fp8E4m3::from_f32, 2e-5);
+        check(128, 32, |x| x, Fp8E4m3::from_f32, 2e-5);
+        check(64, 16, |x| x, Fp8E5m2::from_f32, 2e-5);
     }
 
     #[test]

@@ -1,17 +1,25 @@
-//! What the CPU kernels share: their element types (float32, bfloat16), the instruction sets
-//! they are built for, and an exp the compiler can vectorize.
+//! What the CPU kernels share: their element types (float32, bfloat16; the float8 cache formats
+//! are in fp8.rs), the instruction sets they are built for, and an exp the compiler can vectorize.
+
+/// Which element type an `Element` is: picks the SIMD load that widens it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ElementKind {
+    F32,
+    Bf16,
+    Fp8E4m3,
+    Fp8E5m2,
+}
 
 /// An element type of the CPU kernels' tensors: math is float32, values are widened as they are
 /// read and rounded (to nearest even, as torch) as they are written.
 pub trait Element: Copy + Send + Sync {
-    /// bfloat16 (else float32): picks the SIMD load that widens it.
-    const IS_BF16: bool;
+    const KIND: ElementKind;
     fn to_f32(self) -> f32;
     fn from_f32(value: f32) -> Self;
 }
 
 impl Element for f32 {
-    const IS_BF16: bool = false;
+    const KIND: ElementKind = ElementKind::F32;
     #[inline(always)]
     fn to_f32(self) -> f32 {
         self
@@ -28,7 +36,7 @@ impl Element for f32 {
 pub struct Bf16(pub u16);
 
 impl Element for Bf16 {
-    const IS_BF16: bool = true;
+    const KIND: ElementKind = ElementKind::Bf16;
     #[inline(always)]
     fn to_f32(self) -> f32 {
         f32::from_bits((self.0 as u32) << 16)

@@ -12,6 +12,7 @@ pub mod cpu_prefill_attention;
 pub mod cpu_prefix_tier;
 pub mod cpu_simd;
 pub mod errors;
+pub mod fp8;
 pub mod openmp_team;
 pub mod prefix_cache;
 pub mod preemption;

@@ -11,7 +11,8 @@ use crate::config::{SchedulerConfig as RustSchedulerConfig, SchedulingPolicy};
 use crate::cpu_attention::{paged_decode_attention, DecodeShape};
 use crate::cpu_layer_ops;
 use crate::cpu_prefill_attention::paged_prefill_attention;
-use crate::cpu_simd::{Bf16, Element, Isa};
+use crate::cpu_simd::{Bf16, Isa};
+use crate::fp8::{Fp8E4m3, Fp8E5m2};
 use crate::errors::Error;
 use crate::preemption::{CostModel, PreemptionMode};
 use crate::scheduler::{
@@ -557,8 +558,41 @@ fn decode_shape(shape: (usize, usize, usize, usize, usize, usize, usize, usize))
     DecodeShape { batch, num_heads, num_kv_heads, head_dim, block_size, num_blocks, block_stride, table_width }
 }
 
-/// Paged decode attention over CPU tensors given by data pointer: query, out and caches all of
-/// `cache_dtype` ("float32" or "bfloat16"). Internal: the caller
+/// Calls `$body` with `$T` the query/output element type and `$C` the cache element type named by
+/// `$cache_dtype`: "float32" and "bfloat16" caches are read with queries of their own type, float8
+/// caches ("fp8_e4m3", "fp8_e5m2") with float32 queries.
+macro_rules! with_attention_elements {
+    ($cache_dtype:expr, $T:ident, $C:ident => $body:expr) => {
+        match $cache_dtype {
+            "float32" => {
+                type $T = f32;
+                type $C = f32;
+                $body
+            }
+            "bfloat16" => {
+                type $T = Bf16;
+                type $C = Bf16;
+                $body
+            }
+            "fp8_e4m3" => {
+                type $T = f32;
+                type $C = Fp8E4m3;
+                $body
+            }
+            "fp8_e5m2" => {
+                type $T = f32;
+                type $C = Fp8E5m2;
+                $body
+            }
+            other => Err(exceptions::InvalidConfigError::new_err(format!(
+                "cache_dtype must be 'float32', 'bfloat16', 'fp8_e4m3' or 'fp8_e5m2', got {other:?}"
+            ))),
+        }
+    };
+}
+
+/// Paged decode attention over CPU tensors given by data pointer: caches of `cache_dtype`, query
+/// and out of the type `with_attention_elements!` pairs with it. Internal: the caller
 /// (`pagedkv.attention.cpu`) checks every shape, dtype, device and stride first.
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
@@ -576,38 +610,24 @@ fn paged_decode_attention_cpu(
     cache_dtype: &str,
 ) -> PyResult<()> {
     let shape = decode_shape(shape);
-    let pointers = (out, query, key_cache, value_cache, block_tables, context_lens);
-    match cache_dtype {
-        "float32" => py.detach(|| call(|| decode_from_pointers::<f32>(pointers, &shape, scale, num_threads))),
-        "bfloat16" => py.detach(|| call(|| decode_from_pointers::<Bf16>(pointers, &shape, scale, num_threads))),
-        other => Err(exceptions::InvalidConfigError::new_err(format!(
-            "cache_dtype must be 'float32' or 'bfloat16', got {other:?}"
-        ))),
-    }
-}
-
-fn decode_from_pointers<T: Element>(
-    (out, query, key_cache, value_cache, block_tables, context_lens): (usize, usize, usize, usize, usize, usize),
-    shape: &DecodeShape,
-    scale: f32,
-    num_threads: usize,
-) -> crate::errors::Result<()> {
-    let row = shape.batch * shape.num_heads * shape.head_dim;
-    // SAFETY: the pointers are those of live, contiguous CPU tensors of these shapes (T out,
-    // query and caches, int32 tables/contexts), checked by the caller, and `out` is a fresh
-    // tensor that aliases no input. The caches may overlap each other (K and V of the
-    // block-major cache): both are only read.
-    let (out, query, keys, values, tables, contexts) = unsafe {
-        (
-            std::slice::from_raw_parts_mut(out as *mut T, row),
-            std::slice::from_raw_parts(query as *const T, row),
-            std::slice::from_raw_parts(key_cache as *const T, shape.cache_len()),
-            std::slice::from_raw_parts(value_cache as *const T, shape.cache_len()),
-            std::slice::from_raw_parts(block_tables as *const i32, shape.batch * shape.table_width),
-            std::slice::from_raw_parts(context_lens as *const i32, shape.batch),
-        )
-    };
-    paged_decode_attention(out, query, keys, values, tables, contexts, shape, scale, num_threads)
+    let rows = shape.batch * shape.num_heads * shape.head_dim;
+    with_attention_elements!(cache_dtype, T, C => py.detach(|| call(|| {
+        // SAFETY: the pointers are those of live, contiguous CPU tensors of these shapes (T out
+        // and query, C caches, int32 tables/contexts), checked by the caller, and `out` is a
+        // fresh tensor that aliases no input. The caches may overlap each other (K and V of the
+        // block-major cache): both are only read.
+        let (out, query, keys, values, tables, contexts) = unsafe {
+            (
+                std::slice::from_raw_parts_mut(out as *mut T, rows),
+                std::slice::from_raw_parts(query as *const T, rows),
+                std::slice::from_raw_parts(key_cache as *const C, shape.cache_len()),
+                std::slice::from_raw_parts(value_cache as *const C, shape.cache_len()),
+                std::slice::from_raw_parts(block_tables as *const i32, shape.batch * shape.table_width),
+                std::slice::from_raw_parts(context_lens as *const i32, shape.batch),
+            )
+        };
+        paged_decode_attention(out, query, keys, values, tables, contexts, &shape, scale, num_threads)
+    })))
 }
 
 /// Calls `$body` with `$E` the element type named by `$dtype` ("float32" or "bfloat16").
@@ -629,8 +649,9 @@ macro_rules! with_element {
     };
 }
 
-/// Paged prefill/extend attention over CPU tensors given by data pointer: query, out
-/// `[num_tokens, num_heads, head_dim]` and caches all of `cache_dtype`, int32 tables, query_start_loc
+/// Paged prefill/extend attention over CPU tensors given by data pointer: caches of
+/// `cache_dtype`, query and out `[num_tokens, num_heads, head_dim]` of the type
+/// `with_attention_elements!` pairs with it, int32 tables, query_start_loc
 /// and context_lens; `shape.0` is the number of sequences. Internal: the caller
 /// (`pagedkv.attention.cpu`) checks every shape, dtype, device and stride first.
 #[pyfunction]
@@ -652,14 +673,14 @@ fn paged_prefill_attention_cpu(
 ) -> PyResult<()> {
     let shape = decode_shape(shape);
     let rows = num_tokens * shape.num_heads * shape.head_dim;
-    with_element!(cache_dtype, E => py.detach(|| call(|| {
-        // SAFETY: as in `decode_from_pointers`; query_start_loc has batch + 1 entries.
+    with_attention_elements!(cache_dtype, T, C => py.detach(|| call(|| {
+        // SAFETY: as in `paged_decode_attention_cpu`; query_start_loc has batch + 1 entries.
         let (out, query, keys, values, tables, starts, contexts) = unsafe {
             (
-                std::slice::from_raw_parts_mut(out as *mut E, rows),
-                std::slice::from_raw_parts(query as *const E, rows),
-                std::slice::from_raw_parts(key_cache as *const E, shape.cache_len()),
-                std::slice::from_raw_parts(value_cache as *const E, shape.cache_len()),
+                std::slice::from_raw_parts_mut(out as *mut T, rows),
+                std::slice::from_raw_parts(query as *const T, rows),
+                std::slice::from_raw_parts(key_cache as *const C, shape.cache_len()),
+                std::slice::from_raw_parts(value_cache as *const C, shape.cache_len()),
                 std::slice::from_raw_parts(block_tables as *const i32, shape.batch * shape.table_width),
                 std::slice::from_raw_parts(query_start_loc as *const i32, shape.batch + 1),
                 std::slice::from_raw_parts(context_lens as *const i32, shape.batch),

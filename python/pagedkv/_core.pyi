@@ -200,10 +200,10 @@ def paged_decode_attention_cpu(
     shape: tuple[int, int, int, int, int, int, int, int],
     scale: float,
     num_threads: int,
-    cache_dtype: Literal["float32", "bfloat16"],
+    cache_dtype: Literal["float32", "bfloat16", "fp8_e4m3", "fp8_e5m2"],
 ) -> None:
-    """Paged decode attention over CPU tensors given by data pointer: query, out and caches all
-    of `cache_dtype`; shape is (batch, num_heads, num_kv_heads, head_dim, block_size,
+    """Paged decode attention over CPU tensors given by data pointer: caches of `cache_dtype`;
+    query and out of the same dtype, or float32 for the float8 caches; shape is (batch, num_heads, num_kv_heads, head_dim, block_size,
     num_blocks, block_stride, table_width). Internal: use
     `pagedkv.attention.cpu.paged_decode_attention`, which checks the tensors."""
 
@@ -219,10 +219,11 @@ def paged_prefill_attention_cpu(
     num_tokens: int,
     scale: float,
     num_threads: int,
-    cache_dtype: Literal["float32", "bfloat16"],
+    cache_dtype: Literal["float32", "bfloat16", "fp8_e4m3", "fp8_e5m2"],
 ) -> None:
     """Paged prefill/extend attention over CPU tensors given by data pointer: query, out
-    [num_tokens, num_heads, head_dim] and caches all of `cache_dtype`, int32 block_tables,
+    [num_tokens, num_heads, head_dim] (float32 for the float8 caches, else the cache dtype),
+    caches of `cache_dtype`, int32 block_tables,
     query_start_loc and context_lens; shape as for `paged_decode_attention_cpu` with the number
     of sequences first. Internal: use `pagedkv.attention.cpu.paged_prefill_attention`."""
 

@@ -28,6 +28,7 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype()
+        self.kv_dtype = config.kv_cache_torch_dtype()
         loaded = load(config.model, config.gguf_file, config.tokenizer, self.dtype, self.device, config.max_model_len)
         self.model, self.tokenizer, self.hf_config = loaded.model, loaded.tokenizer, loaded.hf_config
         self.eos_token_ids, self.model_name = loaded.eos_token_ids, loaded.name
@@ -36,11 +37,16 @@ class ModelRunner:
         self.vocab_size = self.hf_config.vocab_size
         self.num_parameters = sum(p.numel() for p in self.model.parameters())
         self.backend = get_backend(config.attention_backend, config.device)
+        if self.kv_dtype.itemsize == 1 and self.backend.name == "cuda":
+            raise InvalidConfigError(
+                f"kv_cache_dtype={config.kv_cache_dtype!r} is not supported by the cuda attention kernels yet; "
+                "use attention_backend='torch' for a float8 cache on the GPU"
+            )
 
         attention = self.model.layers[0].self_attn
         num_layers = len(self.model.layers)
         self.block_bytes = KVCache.bytes_per_block(
-            num_layers, attention.num_kv_heads, attention.head_dim, config.block_size, self.dtype
+            num_layers, attention.num_kv_heads, attention.head_dim, config.block_size, self.kv_dtype
         )
         self.num_device_blocks = config.num_device_blocks or max(1, self._kv_budget() // self.block_bytes)
         self.num_cpu_blocks = config.swap_space_bytes // self.block_bytes
@@ -51,7 +57,7 @@ class ModelRunner:
             config.block_size,
             self.num_device_blocks,
             self.num_cpu_blocks,
-            self.dtype,
+            self.kv_dtype,
             self.device,
         )
         logger.info(
@@ -60,7 +66,7 @@ class ModelRunner:
             self.num_cpu_blocks,
             config.block_size,
             self.block_bytes / 1024,
-            self.dtype,
+            self.kv_dtype,
             self.backend.name,
         )
         self.decode_graphs = None

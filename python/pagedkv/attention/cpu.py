@@ -2,8 +2,9 @@
 prefill/extend attention (`rust/cpu_prefill_attention.rs`) in Rust.
 
 Both read K/V in place through the block table (the torch reference gathers them into new
-tensors first) and split their work over torch's CPU threads. Caches of float32 or bfloat16
-(the fast CPU dtype where the CPU has AVX512-BF16: half the bytes to read, float32 math);
+tensors first) and split their work over torch's CPU threads. Caches of float32, bfloat16
+(the fast CPU dtype where the CPU has AVX512-BF16: half the bytes to read, float32 math) or
+float8 (`kv_cache_dtype="fp8"`: a quarter of float32's bytes, read with float32 queries);
 float16 caches, head dims other than 64/128 in prefill, and CPUs without AVX2 go through
 the torch reference.
 """
@@ -21,18 +22,29 @@ from pagedkv.attention.torch_ref import TorchRefBackend, _decode_batch, paged_at
 
 logger = logging.getLogger("pagedkv.attention")
 
-CACHE_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+CACHE_DTYPES = {
+    torch.float32: "float32",
+    torch.bfloat16: "bfloat16",
+    torch.float8_e4m3fn: "fp8_e4m3",
+    torch.float8_e5m2: "fp8_e5m2",
+}
 PREFILL_HEAD_DIMS = (64, 128)
 # False sends prefill chunks through the torch reference (gather + SDPA; benchmarks compare).
 prefill_kernel_enabled = True
 
 
+def _kernel_query_dtype(cache_dtype: torch.dtype) -> torch.dtype:
+    """The query/output type the kernels pair with a cache type: its own, float32 for float8."""
+    return cache_dtype if cache_dtype in (torch.float32, torch.bfloat16) else torch.float32
+
+
 def _check_caches(query, key_cache, value_cache) -> None:
-    """Float32 or bfloat16 CPU caches [num_blocks, Hkv, block_size, D], contiguous within a
+    """CPU caches [num_blocks, Hkv, block_size, D] of one of CACHE_DTYPES, contiguous within a
     block, sharing strides; a [T, Hq, D] query that fits them."""
     _, num_kv_heads, block_size, head_dim = key_cache.shape
     if key_cache.dtype not in CACHE_DTYPES or value_cache.dtype != key_cache.dtype:
-        raise ValueError(f"caches must both be float32 or bfloat16, got {key_cache.dtype} and {value_cache.dtype}")
+        names = ", ".join(str(dtype) for dtype in CACHE_DTYPES)
+        raise ValueError(f"caches must both be one of {names}; got {key_cache.dtype} and {value_cache.dtype}")
     for tensor, what in ((query, "query"), (key_cache, "key_cache"), (value_cache, "value_cache")):
         if not tensor.dtype.is_floating_point or tensor.device.type != "cpu":
             raise ValueError(f"{what} must be a floating-point CPU tensor, got {tensor.dtype} on {tensor.device}")
@@ -46,12 +58,12 @@ def _check_caches(query, key_cache, value_cache) -> None:
 def paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, scale: float) -> torch.Tensor:
     """query [B, Hq, D] -> [B, Hq, D] of query's dtype: one query token per sequence over its
     first context_lens[b] cached tokens. Caches [num_blocks, Hkv, block_size, D] (any block
-    stride), float32 or bfloat16; the math is float32 whatever the dtypes."""
+    stride), float32, bfloat16 or float8; the math is float32 whatever the dtypes."""
     num_blocks, num_kv_heads, block_size, head_dim = key_cache.shape
     batch, num_heads, _ = query.shape
     _check_caches(query, key_cache, value_cache)
     result_dtype = query.dtype
-    query = query.to(key_cache.dtype).contiguous()  # read as the cache's element type, math in float32
+    query = query.to(_kernel_query_dtype(key_cache.dtype)).contiguous()  # math in float32 either way
     tables = block_tables.to(torch.int32).contiguous()
     contexts = context_lens.to(torch.int32).contiguous()
     if tables.dim() != 2 or tables.shape[0] != batch or contexts.shape != (batch,):
@@ -78,7 +90,7 @@ def paged_prefill_attention(
     if head_dim not in PREFILL_HEAD_DIMS:
         raise ValueError(f"head_dim={head_dim} has no CPU prefill kernel (supported: {PREFILL_HEAD_DIMS})")
     result_dtype = query.dtype
-    query = query.to(key_cache.dtype).contiguous()  # read as the cache's element type, math in float32
+    query = query.to(_kernel_query_dtype(key_cache.dtype)).contiguous()  # math in float32 either way
     tables = block_tables.to(torch.int32).contiguous()
     starts = query_start_loc.to(torch.int32).contiguous()
     contexts = context_lens.to(torch.int32).contiguous()

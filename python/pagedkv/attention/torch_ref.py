@@ -9,13 +9,28 @@ import torch.nn.functional as F
 from pagedkv.attention.metadata import AttentionMetadata
 
 
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def to_cache_dtype(tensor: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """`tensor` as the cache's elements: float8 caches saturate at their largest finite value
+    (torch turns e5m2 overflow into inf), rounding to nearest even."""
+    if tensor.dtype == cache_dtype:
+        return tensor
+    if cache_dtype in FP8_DTYPES:
+        limit = torch.finfo(cache_dtype).max
+        tensor = tensor.clamp(-limit, limit)
+    return tensor.to(cache_dtype)
+
+
 def write_kv(key_cache, value_cache, key, value, slot_mapping) -> None:
-    """Scatters key/value [T, Hkv, D] into the per-layer caches [num_blocks, Hkv, block_size, D]."""
+    """Scatters key/value [T, Hkv, D] into the per-layer caches [num_blocks, Hkv, block_size, D],
+    converted to the caches' element type."""
     block_size = key_cache.shape[2]
     blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
     offsets = slot_mapping % block_size
-    key_cache[blocks, :, offsets] = key
-    value_cache[blocks, :, offsets] = value
+    key_cache[blocks, :, offsets] = to_cache_dtype(key, key_cache.dtype)
+    value_cache[blocks, :, offsets] = to_cache_dtype(value, value_cache.dtype)
 
 
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
@@ -66,8 +81,8 @@ def paged_attention_ref(
 
 def _prefill_one(query, key_cache, value_cache, block_table, context_len: int, scale: float) -> torch.Tensor:
     num_queries = query.shape[0]
-    keys = gather_context(key_cache, block_table, context_len)
-    values = gather_context(value_cache, block_table, context_len)
+    keys = gather_context(key_cache, block_table, context_len).to(query.dtype)
+    values = gather_context(value_cache, block_table, context_len).to(query.dtype)
     # enable_gqa: query head h reads kv head h // group, without repeating K/V per query head.
     if num_queries == context_len:  # a whole prompt: plain causal, whose kernels skip the masked half
         out = F.scaled_dot_product_attention(
@@ -94,8 +109,9 @@ def _decode_batch(query, key_cache, value_cache, block_tables, context_lens, max
     max_blocks = -(-max_context_len // block_size)
     flat_tables = block_tables[:, :max_blocks].reshape(-1).long()
     shape = (batch, max_blocks, num_kv_heads, block_size, head_dim)
-    keys = key_cache.index_select(0, flat_tables).view(shape)
-    values = value_cache.index_select(0, flat_tables).view(shape)
+    # (float8 caches are widened to the query's dtype: torch has no float8 matmul on every device)
+    keys = key_cache.index_select(0, flat_tables).view(shape).to(query.dtype)
+    values = value_cache.index_select(0, flat_tables).view(shape).to(query.dtype)
     group = num_heads // num_kv_heads
     queries = query.view(batch, 1, num_kv_heads, group, head_dim)
     scores = torch.matmul(queries, keys.transpose(-1, -2)).float() * scale  # [B, n, Hkv, G, bs]
