@@ -7,7 +7,7 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
-use crate::cpu_simd::{exp_nonpositive, Element, Isa};
+use crate::cpu_simd::{exp_nonpositive, Element, ElementKind, Isa};
 use crate::errors::{Error, Result};
 use crate::openmp_team::run_on_team;
 
@@ -210,7 +210,7 @@ unsafe fn attend_avx512<T: Element, C: Element>(out: &mut [T], inputs: &HeadInpu
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn attend_avx2<T: Element, C: Element>(out: &mut [T], inputs: &HeadInputs<T, C>, scratch: &mut Vec<f32>) {
     attend_any_dim::<T, C, AVX2>(out, inputs, scratch);
 }
@@ -228,10 +228,100 @@ fn attend_any_dim<T: Element, C: Element, const ISA: u8>(
     inputs: &HeadInputs<T, C>,
     scratch: &mut Vec<f32>,
 ) {
-    match inputs.shape.head_dim {
-        64 => attend_head::<T, C, 64, ISA>(out, inputs, scratch),
-        128 => attend_head::<T, C, 128, ISA>(out, inputs, scratch),
-        _ => attend_head::<T, C, 0, ISA>(out, inputs, scratch),
+    let widened = matches!(C::KIND, ElementKind::Fp8E4m3 | ElementKind::Fp8E5m2);
+    match (inputs.shape.head_dim, widened) {
+        (64, false) => attend_head::<T, C, 64, ISA>(out, inputs, scratch),
+        (128, false) => attend_head::<T, C, 128, ISA>(out, inputs, scratch),
+        (_, false) => attend_head::<T, C, 0, ISA>(out, inputs, scratch),
+        (64, true) => attend_head_widened::<T, C, 64, ISA>(out, inputs, scratch),
+        (128, true) => attend_head_widened::<T, C, 128, ISA>(out, inputs, scratch),
+        (_, true) => attend_head_widened::<T, C, 0, ISA>(out, inputs, scratch),
+    }
+}
+
+/// `attend_head` for float8 caches: each block is widened to f32 once and then read by every
+/// query head of the group, since widening a float8 costs several times the multiply-add it
+/// feeds (reading it in place, once per head, ran 2.5x slower than a bfloat16 cache).
+#[inline(always)]
+fn attend_head_widened<T: Element, C: Element, const D: usize, const ISA: u8>(
+    out: &mut [T],
+    inputs: &HeadInputs<T, C>,
+    scratch: &mut Vec<f32>,
+) {
+    let dim = if D > 0 { D } else { inputs.shape.head_dim };
+    let (context, block_size) = (inputs.context, inputs.shape.block_size);
+    let group = inputs.shape.num_heads / inputs.shape.num_kv_heads;
+    let blocks = |cache, prefetch| block_rows(cache, inputs.table, context, inputs.kv_head, inputs.shape, prefetch);
+    // scratch: logits (then softmax numerators), the query rows widened to f32, the group's
+    // output accumulators, one block widened to f32.
+    scratch.clear();
+    scratch.resize(group * context + 2 * group * dim + block_size * dim, 0.0);
+    let (logits, rest) = scratch.split_at_mut(group * context);
+    let (queries, rest) = rest.split_at_mut(group * dim);
+    let (accumulators, block) = rest.split_at_mut(group * dim);
+    for (q, x) in queries.iter_mut().zip(inputs.queries) {
+        *q = x.to_f32();
+    }
+    for (first, rows) in blocks(inputs.key_cache, true) {
+        let keys = &mut block[..rows.len()];
+        widen::<C, ISA>(rows, keys);
+        for (offset, key) in keys.chunks_exact(dim).enumerate() {
+            for g in 0..group {
+                let query = &queries[g * dim..][..dim];
+                logits[g * context + first + offset] = dot::<f32, ISA>(query, key) * inputs.scale;
+            }
+        }
+    }
+    let inverses: Vec<f32> = (0..group).map(|g| 1.0 / exp_normalize(&mut logits[g * context..][..context])).collect();
+    for (first, rows) in blocks(inputs.value_cache, true) {
+        let values = &mut block[..rows.len()];
+        widen::<C, ISA>(rows, values);
+        for g in 0..group {
+            let weights = &logits[g * context + first..];
+            let acc = &mut accumulators[g * dim..][..dim];
+            if D > 0 {
+                // A fixed-size copy, so the block's multiply-adds keep it in registers.
+                let mut registers = [0.0f32; D];
+                registers.copy_from_slice(acc);
+                for (value, &weight) in values.chunks_exact(D).zip(weights) {
+                    for d in 0..D {
+                        registers[d] = fmadd::<ISA>(weight, value[d], registers[d]);
+                    }
+                }
+                acc.copy_from_slice(&registers);
+            } else {
+                for (value, &weight) in values.chunks_exact(dim).zip(weights) {
+                    for (a, &v) in acc.iter_mut().zip(value) {
+                        *a = fmadd::<ISA>(weight, v, *a);
+                    }
+                }
+            }
+        }
+    }
+    for (g, inverse) in inverses.into_iter().enumerate() {
+        for (o, &a) in out[g * dim..][..dim].iter_mut().zip(&accumulators[g * dim..][..dim]) {
+            *o = T::from_f32(a * inverse);
+        }
+    }
+}
+
+/// dst = src widened to f32, with SIMD loads where the caller enabled them.
+#[inline(always)]
+fn widen<C: Element, const ISA: u8>(src: &[C], dst: &mut [f32]) {
+    assert_eq!(src.len(), dst.len());
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: ISA names features the caller's #[target_feature] enabled; equal lengths
+        // (asserted above) bound every load and store.
+        if ISA == AVX512 && src.len().is_multiple_of(16) {
+            return unsafe { x86::widen16(src, dst) };
+        }
+        if ISA == AVX2 && src.len().is_multiple_of(8) {
+            return unsafe { x86::widen8(src, dst) };
+        }
+    }
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d = s.to_f32();
     }
 }
 
@@ -426,8 +516,8 @@ mod x86 {
     use super::Element;
     use crate::cpu_simd::ElementKind;
 
-    /// 16 cache elements at `p`, widened to f32 (bf16: zero-extend, shift into the high half;
-    /// float8: as `fp8::e4m3_to_f32` / `e5m2_to_f32`, lane by lane).
+    /// 16 cache elements at `p`, widened to f32 exactly (bf16: zero-extend, shift into the
+    /// high half; float8: through an IEEE half, see `e5m2x16` and `e4m3x16`).
     #[inline(always)]
     unsafe fn load16<T: Element>(p: *const T) -> __m512 {
         match T::KIND {
@@ -435,30 +525,31 @@ mod x86 {
             ElementKind::Bf16 => {
                 _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p as *const __m256i))))
             }
-            ElementKind::Fp8E4m3 => fp8x16::<20, 120, 8, 0x7f, 240>(p as *const u8, 1.0 / 512.0),
-            ElementKind::Fp8E5m2 => fp8x16::<21, 112, 4, 0x7c, 224>(p as *const u8, 1.0 / 65536.0),
+            ElementKind::Fp8E4m3 => e4m3x16(p as *const u8),
+            ElementKind::Fp8E5m2 => e5m2x16(p as *const u8),
         }
     }
 
-    /// 16 float8 codes widened: magnitudes below `MIN_NORMAL` are subnormals (magnitude *
-    /// `subnormal_unit`), others move into an f32's fields (shifted by `SHIFT`, the exponent
-    /// rebiased by `REBIAS`); magnitudes from `SPECIAL` up (NaN in e4m3, infinities and NaNs in
-    /// e5m2) get the f32 exponent 255 (rebias `SPECIAL_REBIAS`), keeping their mantissa bits.
+    /// 16 e5m2 codes: each is the high byte of an IEEE half (same sign, exponent width and
+    /// bias), so the half -> f32 conversion widens it exactly, subnormals, infinities and NaNs
+    /// included.
     #[inline(always)]
-    unsafe fn fp8x16<const SHIFT: u32, const REBIAS: i32, const MIN_NORMAL: i32, const SPECIAL: i32, const SPECIAL_REBIAS: i32>(
-        p: *const u8,
-        subnormal_unit: f32,
-    ) -> __m512 {
-        let codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const __m128i));
-        let magnitude = _mm512_and_si512(codes, _mm512_set1_epi32(0x7f));
-        let sign = _mm512_slli_epi32::<24>(_mm512_and_si512(codes, _mm512_set1_epi32(0x80)));
-        let shifted = _mm512_slli_epi32::<SHIFT>(magnitude);
-        let normal = _mm512_add_epi32(shifted, _mm512_set1_epi32(REBIAS << 23));
-        let subnormal = _mm512_castps_si512(_mm512_mul_ps(_mm512_cvtepi32_ps(magnitude), _mm512_set1_ps(subnormal_unit)));
-        let special = _mm512_add_epi32(shifted, _mm512_set1_epi32(SPECIAL_REBIAS << 23));
-        let bits = _mm512_mask_blend_epi32(_mm512_cmplt_epi32_mask(magnitude, _mm512_set1_epi32(MIN_NORMAL)), normal, subnormal);
-        let bits = _mm512_mask_blend_epi32(_mm512_cmpge_epi32_mask(magnitude, _mm512_set1_epi32(SPECIAL)), bits, special);
-        _mm512_castsi512_ps(_mm512_or_si512(bits, sign))
+    unsafe fn e5m2x16(p: *const u8) -> __m512 {
+        _mm512_cvtph_ps(_mm256_slli_epi16::<8>(_mm256_cvtepu8_epi16(_mm_loadu_si128(p as *const __m128i))))
+    }
+
+    /// 16 e4m3 codes: with the sign moved to bit 15 and the magnitude to bits 7..13, a half
+    /// reads value * 2^-8, subnormals included (a half's exponent has one more bit, bias 15 =
+    /// 7 + 8), so the exact half -> f32 conversion times 256 widens them. The NaN code reads
+    /// as +-480, beyond e4m3's largest value (448), and is replaced.
+    #[inline(always)]
+    unsafe fn e4m3x16(p: *const u8) -> __m512 {
+        let codes = _mm256_cvtepu8_epi16(_mm_loadu_si128(p as *const __m128i));
+        // The arithmetic shift also copies the sign into bit 14, which the mask clears.
+        let halves = _mm256_and_si256(_mm256_srai_epi16::<1>(_mm256_slli_epi16::<8>(codes)), _mm256_set1_epi16(0xbfffu16 as i16));
+        let value = _mm512_mul_ps(_mm512_cvtph_ps(halves), _mm512_set1_ps(256.0));
+        let nan = _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(_mm512_abs_ps(value), _mm512_set1_ps(480.0));
+        _mm512_mask_mov_ps(value, nan, _mm512_set1_ps(f32::NAN))
     }
 
     #[inline(always)]
@@ -468,30 +559,42 @@ mod x86 {
             ElementKind::Bf16 => {
                 _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i))))
             }
-            ElementKind::Fp8E4m3 => fp8x8::<20, 120, 8, 0x7f, 240>(p as *const u8, 1.0 / 512.0),
-            ElementKind::Fp8E5m2 => fp8x8::<21, 112, 4, 0x7c, 224>(p as *const u8, 1.0 / 65536.0),
+            ElementKind::Fp8E4m3 => e4m3x8(p as *const u8),
+            ElementKind::Fp8E5m2 => e5m2x8(p as *const u8),
         }
     }
 
-    /// `fp8x16` for 8 codes, with AVX2.
+    /// `e5m2x16` for 8 codes, with AVX2 and F16C.
     #[inline(always)]
-    unsafe fn fp8x8<const SHIFT: i32, const REBIAS: i32, const MIN_NORMAL: i32, const SPECIAL: i32, const SPECIAL_REBIAS: i32>(
-        p: *const u8,
-        subnormal_unit: f32,
-    ) -> __m256 {
-        let codes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i));
-        let magnitude = _mm256_and_si256(codes, _mm256_set1_epi32(0x7f));
-        let sign = _mm256_slli_epi32::<24>(_mm256_and_si256(codes, _mm256_set1_epi32(0x80)));
-        let shifted = _mm256_slli_epi32::<SHIFT>(magnitude);
-        let normal = _mm256_add_epi32(shifted, _mm256_set1_epi32(REBIAS << 23));
-        let subnormal = _mm256_castps_si256(_mm256_mul_ps(_mm256_cvtepi32_ps(magnitude), _mm256_set1_ps(subnormal_unit)));
-        let special = _mm256_add_epi32(shifted, _mm256_set1_epi32(SPECIAL_REBIAS << 23));
-        // (SPECIAL - 1 < magnitude) is magnitude >= SPECIAL; AVX2 compares only for greater-than.
-        let is_subnormal = _mm256_cmpgt_epi32(_mm256_set1_epi32(MIN_NORMAL), magnitude);
-        let is_special = _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(SPECIAL - 1));
-        let bits = _mm256_blendv_epi8(normal, subnormal, is_subnormal);
-        let bits = _mm256_blendv_epi8(bits, special, is_special);
-        _mm256_castsi256_ps(_mm256_or_si256(bits, sign))
+    unsafe fn e5m2x8(p: *const u8) -> __m256 {
+        _mm256_cvtph_ps(_mm_slli_epi16::<8>(_mm_cvtepu8_epi16(_mm_loadl_epi64(p as *const __m128i))))
+    }
+
+    /// `e4m3x16` for 8 codes, with AVX2 and F16C.
+    #[inline(always)]
+    unsafe fn e4m3x8(p: *const u8) -> __m256 {
+        let codes = _mm_cvtepu8_epi16(_mm_loadl_epi64(p as *const __m128i));
+        let halves = _mm_and_si128(_mm_srai_epi16::<1>(_mm_slli_epi16::<8>(codes)), _mm_set1_epi16(0xbfffu16 as i16));
+        let value = _mm256_mul_ps(_mm256_cvtph_ps(halves), _mm256_set1_ps(256.0));
+        let magnitude = _mm256_andnot_ps(_mm256_set1_ps(-0.0), value);
+        let nan = _mm256_cmp_ps::<_CMP_EQ_OQ>(magnitude, _mm256_set1_ps(480.0));
+        _mm256_blendv_ps(value, _mm256_set1_ps(f32::NAN), nan)
+    }
+
+    /// dst = src through `load16`; equal lengths, a multiple of 16; needs AVX-512F.
+    #[inline(always)]
+    pub unsafe fn widen16<T: Element>(src: &[T], dst: &mut [f32]) {
+        for i in (0..src.len()).step_by(16) {
+            _mm512_storeu_ps(dst.as_mut_ptr().add(i), load16(src.as_ptr().add(i)));
+        }
+    }
+
+    /// dst = src through `load8`; equal lengths, a multiple of 8; needs AVX2.
+    #[inline(always)]
+    pub unsafe fn widen8<T: Element>(src: &[T], dst: &mut [f32]) {
+        for i in (0..src.len()).step_by(8) {
+            _mm256_storeu_ps(dst.as_mut_ptr().add(i), load8(src.as_ptr().add(i)));
+        }
     }
 
     /// Every element of `codes` (a multiple of 16 long) through `load16`, for tests.
@@ -499,20 +602,16 @@ mod x86 {
     #[target_feature(enable = "avx512f,avx2,fma")]
     pub unsafe fn widen_all_avx512<T: Element>(codes: &[T]) -> Vec<f32> {
         let mut out = vec![0.0f32; codes.len()];
-        for i in (0..codes.len()).step_by(16) {
-            _mm512_storeu_ps(out.as_mut_ptr().add(i), load16(codes.as_ptr().add(i)));
-        }
+        widen16(codes, &mut out);
         out
     }
 
     /// Every element of `codes` (a multiple of 8 long) through `load8`, for tests.
     #[cfg(test)]
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn widen_all_avx2<T: Element>(codes: &[T]) -> Vec<f32> {
         let mut out = vec![0.0f32; codes.len()];
-        for i in (0..codes.len()).step_by(8) {
-            _mm256_storeu_ps(out.as_mut_ptr().add(i), load8(codes.as_ptr().add(i)));
-        }
+        widen8(codes, &mut out);
         out
     }
 
@@ -687,21 +786,28 @@ pub(crate) mod tests {
     /// Float8 caches with float32 queries on every instruction set, against the reference on the
     /// caches' widened values; the codes cover every value, NaN and infinity excepted.
     fn check_float8_caches<C: Element + std::fmt::Debug>(codes: impl Fn(u8) -> Option<C>) {
+        // 64 and 128 have their own unrolled copies; 40 reads the dim at run time.
+        for head_dim in [64, 128, 40] {
+            check_float8_caches_with_dim(head_dim, &codes);
+        }
+    }
+
+    fn check_float8_caches_with_dim<C: Element + std::fmt::Debug>(dim: usize, codes: impl Fn(u8) -> Option<C>) {
         let shape = DecodeShape {
             batch: 3,
             num_heads: 8,
             num_kv_heads: 2,
-            head_dim: 64,
+            head_dim: dim,
             block_size: 16,
             num_blocks: 10,
-            block_stride: 2 * 2 * 16 * 64,
+            block_stride: 2 * 2 * 16 * dim,
             table_width: 4,
         };
         let finite: Vec<C> = (0..=255u8).filter_map(codes).collect();
         let cache: Vec<C> = (0..shape.num_blocks * shape.block_stride).map(|i| finite[(i * 37) % finite.len()]).collect();
         let widened: Vec<f32> = cache.iter().map(|x| x.to_f32()).collect();
-        let value_offset = 2 * 16 * 64;
-        let query = pseudo_random(shape.batch * 8 * 64, 5);
+        let value_offset = 2 * 16 * dim;
+        let query = pseudo_random(shape.batch * 8 * dim, 5);
         let tables = [9, 2, 4, 0, 5, 1, 0, 0, 3, 6, 7, 8];
         let contexts = [49, 1, 64];
         // Scaled so that the large codes (up to 57344) do not leave one key with all the weight.
@@ -715,7 +821,7 @@ pub(crate) mod tests {
             // Outputs average values up to the largest code: f32 rounding is relative to those.
             let largest = widened.iter().fold(0.0f32, |m, x| m.max(x.abs()));
             for (got, want) in out.iter().zip(&expected) {
-                assert!((got - want).abs() <= 1e-6 * largest, "{isa:?}: {got} vs {want}");
+                assert!((got - want).abs() <= 1e-6 * largest, "{isa:?} dim {dim}: {got} vs {want}");
             }
         }
     }

@@ -72,9 +72,9 @@ impl Isa {
         match self {
             Isa::Portable => true,
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2Fma => fma && std::is_x86_feature_detected!("avx2"),
+            Isa::Avx2Fma => fma && std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("f16c"),
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => fma && std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("avx512f"),
+            Isa::Avx512 => fma && std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("f16c"),
             #[cfg(not(target_arch = "x86_64"))]
             _ => false,
         }
