@@ -27,6 +27,7 @@ bench: setup
 	$(PYTHON) benches/cpu_prefill_attention.py
 	$(PYTHON) benches/cpu_prefix_cache.py
 	$(PYTHON) benches/speculative.py
+	$(PYTHON) benches/kv_cache_dtype.py
 	$(PYTHON) benches/serving.py
 
 serve: setup

@@ -4,9 +4,9 @@
    bfloat16 queries, K/V caches in bfloat16 / float8 e4m3 / float8 e5m2: median µs, GB/s of
    K/V read, speed-up over the bfloat16 cache;
 2. the engine under one fixed KV memory budget that is tight for the bfloat16 cache: blocks,
-   peak running sequences, preemptions, tokens/s, and how far each float8 run's greedy
-   tokens agree with the bfloat16 cache's (identical completions, mean tokens before the
-   first difference).
+   peak running sequences, preemptions, tokens/s, and how far each run's greedy tokens agree
+   with a float32 model and cache (identical completions, mean tokens before the first
+   difference): the bfloat16 row shows how much of the drift is the model's own dtype.
 
     python benches/kv_cache_dtype.py                          # 32 prompts x 96 tokens, 48 MiB of KV
     python benches/kv_cache_dtype.py --kv-mib 96 --prompts 64
@@ -113,6 +113,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--kv-mib", type=int, default=48, help="KV cache budget of every engine run")
+    parser.add_argument("--reference-mib", type=int, default=512, help="KV budget of the float32 reference run")
     parser.add_argument("--dtype", default="auto", help="model dtype (auto: bfloat16 on AVX512-BF16 CPUs)")
     parser.add_argument("--batches", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048])
@@ -135,17 +136,22 @@ def main() -> None:
     kv_bytes = args.kv_mib << 20
     print(f"\nengine: {len(prompts)} prompts ({sum(map(len, prompts))} tokens) x {args.max_tokens} new tokens, "
           f"greedy, KV budget {args.kv_mib} MiB, model dtype {args.dtype}\n")
-    print("| KV cache | blocks | peak running | preemptions | tokens/s | speed-up | identical completions | tokens before first difference |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    reference = None
+    print("| model / KV cache | KV budget | blocks | peak running | preemptions | tokens/s | speed-up | "
+          "completions identical to float32's | tokens before first difference |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    # The quality reference: the float32 model and cache with room for every sequence.
+    truth = run_engine(prompts, args.max_tokens, args.reference_mib << 20, "auto", "float32")
+    print(f"| float32 / float32 (reference) | {args.reference_mib} MiB | {truth['blocks']} | {truth['peak_running']} | "
+          f"{truth['preemptions']} | {truth['tokens_per_s']:.1f} | | | |", flush=True)
+    baseline = None
     for kv_cache_dtype in ("auto", "fp8_e4m3", "fp8_e5m2"):
         result = run_engine(prompts, args.max_tokens, kv_bytes, kv_cache_dtype, args.dtype)
-        reference = reference or result
-        same, prefix = agreement(result["tokens"], reference["tokens"])
-        print(f"| {kv_cache_dtype} | {result['blocks']} | {result['peak_running']} | {result['preemptions']} | "
-              f"{result['tokens_per_s']:.1f} | {result['tokens_per_s'] / reference['tokens_per_s']:.2f}× | "
+        baseline = baseline or result
+        same, prefix = agreement(result["tokens"], truth["tokens"])
+        print(f"| {args.dtype} / {kv_cache_dtype} | {args.kv_mib} MiB | {result['blocks']} | {result['peak_running']} | "
+              f"{result['preemptions']} | {result['tokens_per_s']:.1f} | "
+              f"{result['tokens_per_s'] / baseline['tokens_per_s']:.2f}× | "
               f"{same}/{len(prompts)} | {prefix:.1f} / {args.max_tokens} |", flush=True)
-
 
 if __name__ == "__main__":
     main()

@@ -146,6 +146,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "cpu-prefill": "cpu_prefill_attention.py",
         "cpu-prefix-cache": "cpu_prefix_cache.py",
         "speculative": "speculative.py",
+        "kv-cache-dtype": "kv_cache_dtype.py",
     }
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     path = os.path.join(root, "benches", scripts[args.which])
@@ -188,7 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="run a benchmark")
     bench.add_argument("which", choices=["memory", "throughput", "serving", "scheduler", "attention", "swap",
-                                          "cpu-layers", "cpu-prefill", "cpu-prefix-cache", "speculative"])
+                                          "cpu-layers", "cpu-prefill", "cpu-prefix-cache", "speculative",
+                                          "kv-cache-dtype"])
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
     bench.set_defaults(func=cmd_bench)
     return parser

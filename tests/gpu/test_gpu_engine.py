@@ -102,3 +102,16 @@ def test_copy_on_write_of_a_block_swapped_in_the_same_step(backend):
     torch.cuda.synchronize()
     assert torch.equal(cache.device_cache[1024].cpu(), cache.cpu_cache[1023])
     assert torch.equal(cache.device_cache[1025].cpu(), cache.cpu_cache[0])
+
+
+def test_float8_cache_on_the_gpu_runs_through_the_torch_backend():
+    from pagedkv import LLM, SamplingParams
+
+    llm = LLM(model_path(), device="cuda", dtype="bfloat16", kv_cache_dtype="fp8", num_device_blocks=64,
+              max_model_len=512)
+    assert llm.engine.runner.backend.name == "torch"
+    assert llm.engine.runner.kv_cache.device_cache.dtype == torch.float8_e4m3fn
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    assert all(len(out.outputs[0].token_ids) == 16 for out in outputs)
+    stats = llm.engine.stats()
+    assert stats["num_free_device_blocks"] == stats["num_device_blocks"]
