@@ -38,6 +38,7 @@ _LAZY = {
     "RequestOutput": "pagedkv.outputs",
     "CompletionOutput": "pagedkv.outputs",
     "EmbeddingRequestOutput": "pagedkv.outputs",
+    "LoRARequest": "pagedkv.lora",
 }
 
 

@@ -83,6 +83,11 @@ class EngineConfig:
     speculative_disable_by_batch_size: Optional[int] = 4
     """No drafts while this many requests or more are unfinished (vLLM's option of that name):
     verifying drafts costs compute that a large batch already saturates. None = always draft."""
+    enable_lora: bool = False
+    """Serve LoRA adapters per request (`lora_request=LoRARequest(name, id, path)`, a PEFT
+    directory): requests with different adapters, or none, share batches."""
+    max_lora_rank: int = 16
+    """Largest LoRA rank accepted (vLLM's default 16)."""
     enforce_eager: bool = True
     """Launch every decode kernel from Python. False captures CUDA graphs of decode steps at
     start-up (cuda device and attention backend; see cuda_graphs.py). Off by default until
@@ -122,6 +127,8 @@ class EngineConfig:
             fail("scheduling_policy", self.scheduling_policy, f"one of {_SCHEDULING_POLICIES}")
         if not 0 <= self.watermark < 1:
             fail("watermark", self.watermark, "in [0, 1)")
+        if not isinstance(self.max_lora_rank, int) or self.max_lora_rank < 1:
+            fail("max_lora_rank", self.max_lora_rank, "a positive integer")
         if self.attention_backend not in ("auto", "torch", "cpu", "cuda"):
             fail("attention_backend", self.attention_backend, "auto, torch, cpu or cuda")
 

@@ -16,6 +16,7 @@ from pagedkv.beam_search import BeamSearch
 from pagedkv.config import EngineConfig
 from pagedkv.errors import DuplicateRequestError, UnknownRequestError
 from pagedkv.layers.sampler import Sampler, SamplingRow, changes_logits
+from pagedkv.lora import LoRARequest
 from pagedkv.model_runner import ModelRunner
 from pagedkv.ngram_proposer import propose_ngram_drafts
 from pagedkv.outputs import EmbeddingRequestOutput, RequestMetrics, RequestOutput
@@ -95,12 +96,14 @@ class LLMEngine:
         params: Optional[Union[SamplingParams, PoolingParams]] = None,
         arrival_time: Optional[float] = None,
         priority: int = 0,
+        lora_request: Optional[LoRARequest] = None,
     ) -> None:
         """Queues a request: generation with `SamplingParams`, or the prompt's embedding with
         `PoolingParams` (one `EmbeddingRequestOutput` when done). `priority`
-        (scheduling_policy="priority" only): smaller is served first and preempted last. Raises
+        (scheduling_policy="priority" only): smaller is served first and preempted last.
+        `lora_request` (enable_lora=True): the adapter to run with, loaded on first use. Raises
         PromptTooLongError (naming the limit), OverloadedError (waiting queue full: retry later),
-        DuplicateRequestError or ValueError."""
+        DuplicateRequestError, InvalidConfigError (an adapter this model cannot run) or ValueError."""
         pooling = params if isinstance(params, PoolingParams) else None
         if pooling is not None:  # computed like a one-token greedy request, reported only at the end
             params = SamplingParams(temperature=0.0, max_tokens=1, output_kind="final_only")
@@ -125,9 +128,13 @@ class LLMEngine:
         if params.num_sequences > self.config.max_num_seqs:
             raise ValueError(f"n / beam_width={params.num_sequences} exceeds max_num_seqs={self.config.max_num_seqs}")
         matcher = self._matcher(params)  # (an invalid schema or grammar raises here, before queueing)
+        lora = self._lora_adapter(lora_request)
         extra_key = None
-        if params.cache_salt is not None:  # (top bit clear: never one of the unique keys below)
-            digest = hashlib.blake2b(params.cache_salt.encode(), digest_size=8).digest()
+        if params.cache_salt is not None or lora is not None:
+            # An adapter changes every layer's K/V: its prompts get prefix-cache keys of their own.
+            # (Top bit clear: never one of the unique keys below.)
+            salt = (params.cache_salt or "") + (f"\0lora:{lora_request.lora_int_id}" if lora else "")
+            digest = hashlib.blake2b(salt.encode(), digest_size=8).digest()
             extra_key = int.from_bytes(digest, "little") & ((1 << 63) - 1)
         if params.prompt_logprobs is not None:
             # Every prompt token must be computed to be scored: a key of its own keeps the prefix
@@ -137,7 +144,8 @@ class LLMEngine:
         seq_id = self.scheduler.add_request(request_id, prompt_token_ids, extra_key, priority)
         metrics = RequestMetrics(arrival_time=arrival_time or time.monotonic(), num_prompt_tokens=len(prompt_token_ids))
         first = SequenceState(seq_id=seq_id, index=0, generator=self._generator(params, 0), matcher=matcher)
-        request = RequestState(request_id, prompt_text, prompt_token_ids, params, metrics, [first], pooling=pooling)
+        request = RequestState(request_id, prompt_text, prompt_token_ids, params, metrics, [first], pooling=pooling,
+                               lora=lora)
         if params.use_beam_search:
             request.beam_search = BeamSearch(
                 beam_width=params.beam_width,
@@ -150,6 +158,23 @@ class LLMEngine:
             request.beam_search.running[seq_id] = ([], 0.0)
         self.requests[request_id] = request
         self.seq_owner[seq_id] = (request, first)
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Loads an adapter now (requests naming it load it on first use otherwise); raises as
+        `add_request` does for a bad one."""
+        self._lora_adapter(lora_request)
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The adapters loaded so far."""
+        registry = self.runner.lora_registry
+        return [adapter.request for adapter in registry.adapters.values()] if registry else []
+
+    def _lora_adapter(self, lora_request: Optional[LoRARequest]):
+        if lora_request is None:
+            return None
+        if self.runner.lora_registry is None:
+            raise ValueError("lora_request needs an engine built with enable_lora=True")
+        return self.runner.lora_registry.get(lora_request)
 
     def _matcher(self, params: SamplingParams):
         """A fresh grammar matcher for a structured-output request, else None."""
@@ -222,7 +247,9 @@ class LLMEngine:
                     request.metrics.first_scheduled_time = now
                     request.metrics.num_prefix_hit_tokens = item.start
             scored = frozenset(item.seq_id for item in scheduled if self._needs_hidden_states(item))
-            logits, prompt_hidden = self.runner.execute(plan, scored)
+            loras = {item.seq_id: self.seq_owner[item.seq_id][0].lora for item in scheduled
+                     if self.seq_owner[item.seq_id][0].lora is not None}
+            logits, prompt_hidden = self.runner.execute(plan, scored, loras)
             for item in scheduled:
                 if item.seq_id in prompt_hidden:
                     request = self.seq_owner[item.seq_id][0]

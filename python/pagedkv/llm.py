@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 from pagedkv.config import engine_config
 from pagedkv.engine import LLMEngine
 from pagedkv.errors import OverloadedError
+from pagedkv.lora import LoRARequest
 from pagedkv.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedkv.pooling_params import PoolingParams
 from pagedkv.sampling_params import SamplingParams
@@ -38,10 +39,12 @@ class LLM:
         sampling_params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,
         use_tqdm: bool = True,
         priority: Optional[Sequence[int]] = None,
+        lora_request: Optional[Union[LoRARequest, Sequence[Optional[LoRARequest]]]] = None,
     ) -> list[RequestOutput]:
         """Runs every prompt to completion (continuous batching) and returns their outputs in
         prompt order. Prompts are strings or token-id lists. `priority` (one per prompt, with
-        scheduling_policy="priority"): smaller values are served first."""
+        scheduling_policy="priority"): smaller values are served first. `lora_request` (with
+        enable_lora=True): one adapter for every prompt, or one (or None) per prompt."""
         prompts = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompts)
@@ -51,7 +54,7 @@ class LLM:
                 raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} prompts")
         # Only finished outputs are used here: the engine need not detokenize every step.
         params_list = [dataclasses.replace(params, output_kind="final_only") for params in params_list]
-        return self._run_to_completion(prompts, params_list, priority, use_tqdm, "generating")
+        return self._run_to_completion(prompts, params_list, priority, use_tqdm, "generating", lora_request)
 
     def embed(
         self,
@@ -59,22 +62,32 @@ class LLM:
         pooling_params: Optional[PoolingParams] = None,
         use_tqdm: bool = True,
         priority: Optional[Sequence[int]] = None,
+        lora_request: Optional[Union[LoRARequest, Sequence[Optional[LoRARequest]]]] = None,
     ) -> list[EmbeddingRequestOutput]:
         """The embedding of every prompt (`output.outputs.embedding`, as in vLLM): the final
         hidden state of its last token, L2-normalized by default. Prompts are batched and
         prefix-cached like generation requests."""
         prompts = _as_prompt_list(prompts)
         params = pooling_params or PoolingParams()
-        return self._run_to_completion(prompts, [params] * len(prompts), priority, use_tqdm, "embedding")
+        return self._run_to_completion(prompts, [params] * len(prompts), priority, use_tqdm, "embedding", lora_request)
 
-    def _run_to_completion(self, prompts, params_list, priority, use_tqdm: bool, description: str) -> list:
+    def _run_to_completion(self, prompts, params_list, priority, use_tqdm: bool, description: str,
+                           lora_request=None) -> list:
         """Adds every request (as far as the waiting queue takes them), steps until all finish and
         returns their final outputs in prompt order."""
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
-        pending = [(f"llm-{next(self._ids)}", prompt, params, request_priority)
-                   for prompt, params, request_priority in zip(prompts, params_list, priorities)]
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"got {len(loras)} lora_requests for {len(prompts)} prompts")
+        for lora in {lora for lora in loras if lora is not None}:
+            self.engine.add_lora(lora)  # (a bad adapter fails here, before any request is queued)
+        pending = [(f"llm-{next(self._ids)}", prompt, params, request_priority, lora)
+                   for prompt, params, request_priority, lora in zip(prompts, params_list, priorities, loras)]
         order = {request_id: index for index, (request_id, *_) in enumerate(pending)}
         results: dict[str, RequestOutput] = {}
         engine = self.engine
@@ -83,9 +96,9 @@ class LLM:
             while queue or engine.has_unfinished_requests():
                 # Feed the waiting queue up to its bound; the rest waits here (backpressure).
                 while queue:
-                    request_id, prompt, params, request_priority = queue[-1]
+                    request_id, prompt, params, request_priority, lora = queue[-1]
                     try:
-                        engine.add_request(request_id, prompt, params, priority=request_priority)
+                        engine.add_request(request_id, prompt, params, priority=request_priority, lora_request=lora)
                     except OverloadedError:
                         break
                     queue.pop()
@@ -101,6 +114,7 @@ class LLM:
         sampling_params: Optional[SamplingParams] = None,
         use_tqdm: bool = True,
         chat_template: Optional[str] = None,
+        lora_request: Optional[LoRARequest] = None,
     ) -> list[RequestOutput]:
         """Applies the chat template (the tokenizer's, or `chat_template`, a Jinja template) to
         one conversation (or a list of them) and generates the assistant's reply."""
@@ -111,7 +125,7 @@ class LLM:
             )
             for conversation in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import torch
 
 from pagedkv.attention import AttentionMetadata, get_backend
 from pagedkv.config import EngineConfig
-from pagedkv.errors import InvalidConfigError
 from pagedkv.cuda_graphs import DecodeGraphs
+from pagedkv.errors import InvalidConfigError
 from pagedkv.kv_cache import KVCache
 from pagedkv.loader import load
+from pagedkv.lora import LoRARegistry, lora_batch
 
 logger = logging.getLogger("pagedkv.model_runner")
 
@@ -74,6 +76,7 @@ class ModelRunner:
             self.kv_dtype,
             self.backend.name,
         )
+        self.lora_registry = LoRARegistry(self.model, config.max_lora_rank, self.dtype, self.device) if config.enable_lora else None
         self.decode_graphs = None
         if config.is_cuda and not config.enforce_eager:
             self.capture_decode_graphs()
@@ -116,11 +119,13 @@ class ModelRunner:
         return _DEFAULT_CPU_KV_BYTES
 
     @torch.inference_mode()
-    def execute(self, plan, all_hidden_for: frozenset[int] = frozenset()) -> tuple[torch.Tensor, dict]:
+    def execute(self, plan, all_hidden_for: frozenset[int] = frozenset(), loras: Optional[dict] = None
+                ) -> tuple[torch.Tensor, dict]:
         """Runs the copies of `plan`, then the forward over its scheduled tokens. Returns float32
         logits [num sampled sequences, vocab] in the order of the sequences with `sample`, and
         {seq_id: final hidden states of every scheduled token} for the sequences in `all_hidden_for`
-        (`model.compute_logits` turns them into logits)."""
+        (`model.compute_logits` turns them into logits). `loras`: {seq_id: LoRAAdapter} of the
+        sequences that run one."""
         self.kv_cache.swap_out(plan.blocks_to_swap_out)
         self.kv_cache.swap_in(plan.blocks_to_swap_in)
         self.kv_cache.copy_blocks(plan.blocks_to_copy, self.backend)
@@ -129,7 +134,8 @@ class ModelRunner:
             return torch.empty(0, self.vocab_size), {}
         self.kv_cache.wait_for_swap_in()
         graphs = self.decode_graphs
-        if (graphs is not None and not all_hidden_for and len(scheduled) <= graphs.max_batch_size
+        adapters = [loras.get(item.seq_id) for item in scheduled] if loras else []
+        if (graphs is not None and not all_hidden_for and not any(adapters) and len(scheduled) <= graphs.max_batch_size
                 and _trailing_decodes(scheduled) == len(scheduled)):
             hidden = graphs.run(
                 [item.token_ids[0] for item in scheduled],
@@ -142,8 +148,9 @@ class ModelRunner:
                 hidden = hidden[sample_index]
             return self.model.compute_logits(hidden), {}  # (decode steps have no prompt tokens to score)
         input_ids, positions, metadata, sample_index = self._prepare(scheduled)
-        hidden = self.model(input_ids, positions, metadata, self.kv_cache, self.backend)
         starts = metadata.query_start_loc_host
+        lora = lora_batch(adapters, [b - a for a, b in zip(starts, starts[1:])], self.device) if adapters else None
+        hidden = self.model(input_ids, positions, metadata, self.kv_cache, self.backend, lora)
         all_hidden = {
             item.seq_id: hidden[starts[i] : starts[i + 1]] for i, item in enumerate(scheduled) if item.seq_id in all_hidden_for
         }

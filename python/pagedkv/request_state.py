@@ -58,6 +58,7 @@ class RequestState:
     prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None  # filled chunk by chunk
     pooling: Optional[PoolingParams] = None  # a pooling request: its prompt's embedding, no tokens
     embedding: Optional[list[float]] = None
+    lora: object = None  # the LoRAAdapter the request runs with, else None
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None:

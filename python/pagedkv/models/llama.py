@@ -30,24 +30,37 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(hf_config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(self.q_size, hf_config.hidden_size, bias=False)
 
-    def forward(self, hidden, cos_sin, metadata: AttentionMetadata, kv_cache, backend):
+    def forward(self, hidden, cos_sin, metadata: AttentionMetadata, kv_cache, backend, lora=None):
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
+        if lora is not None:
+            lora.add(self.layer_index, "qkv_proj", hidden, qkv)
         query, key, value = split_and_rotate(qkv, cos_sin, self.num_heads, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache.layer(self.layer_index)
         backend.write_kv(key_cache, value_cache, key, value, metadata.slot_mapping)
-        out = backend.forward(query, key_cache, value_cache, metadata, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        out = backend.forward(query, key_cache, value_cache, metadata, self.scale).reshape(num_tokens, self.q_size)
+        projected = self.o_proj(out)
+        if lora is not None:
+            lora.add(self.layer_index, "o_proj", out, projected)
+        return projected
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hf_config):
+    def __init__(self, hf_config, layer_index: int):
         super().__init__()
+        self.layer_index = layer_index
         self.gate_up_proj = nn.Linear(hf_config.hidden_size, 2 * hf_config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(hf_config.intermediate_size, hf_config.hidden_size, bias=False)
 
-    def forward(self, hidden):
-        return self.down_proj(silu_and_mul(self.gate_up_proj(hidden)))
+    def forward(self, hidden, lora=None):
+        if lora is None:
+            return self.down_proj(silu_and_mul(self.gate_up_proj(hidden)))
+        gate_up = self.gate_up_proj(hidden)
+        lora.add(self.layer_index, "gate_up_proj", hidden, gate_up)
+        activated = silu_and_mul(gate_up)
+        out = self.down_proj(activated)
+        lora.add(self.layer_index, "down_proj", activated, out)
+        return out
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -56,22 +69,23 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.self_attn = LlamaAttention(hf_config, layer_index)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
-        self.mlp = LlamaMLP(hf_config)
+        self.mlp = LlamaMLP(hf_config, layer_index)
 
-    def forward(self, hidden, residual, cos_sin, metadata, kv_cache, backend):
+    def forward(self, hidden, residual, cos_sin, metadata, kv_cache, backend, lora=None):
         """(hidden, residual) -> the next layer's (hidden, residual), whose sum is this layer's
         output (vLLM's form: each norm adds the residual in, fused on the CPU)."""
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, cos_sin, metadata, kv_cache, backend)
+        hidden = self.self_attn(hidden, cos_sin, metadata, kv_cache, backend, lora)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return self.mlp(hidden, lora), residual
 
 
 class LlamaForCausalLM(nn.Module):
-    """forward(input_ids [T], positions [T], metadata, kv_cache, backend) -> hidden [T, H]."""
+    """forward(input_ids [T], positions [T], metadata, kv_cache, backend, lora) -> hidden [T, H];
+    `lora` (a pagedkv.lora.LoRABatch) adds the step's adapters' updates to the projections."""
 
     def __init__(self, hf_config, max_positions: int, dtype: torch.dtype):
         super().__init__()
@@ -84,11 +98,11 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(hf_config, max_positions, dtype)
 
-    def forward(self, input_ids, positions, metadata: AttentionMetadata, kv_cache, backend) -> torch.Tensor:
+    def forward(self, input_ids, positions, metadata: AttentionMetadata, kv_cache, backend, lora=None) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
         cos_sin = self.rotary(positions)
         for layer in self.layers:
-            hidden, residual = layer(hidden, residual, cos_sin, metadata, kv_cache, backend)
+            hidden, residual = layer(hidden, residual, cos_sin, metadata, kv_cache, backend, lora)
         return self.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,204 @@
+"""LoRA adapters per request (vLLM's `enable_lora` / `LoRARequest`): one base model serves many
+fine-tunes at once. An adapter is a PEFT directory (`adapter_config.json` +
+`adapter_model.safetensors`); each projection it targets gets `scale * B (A x)` added to its
+output for the tokens of the requests that named it, so requests with different adapters (or
+none) share one batch, and one forward pass. Adapters load on first use and stay in memory."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from pagedkv.errors import InvalidConfigError
+
+logger = logging.getLogger("pagedkv.lora")
+
+# PEFT module name -> (our fused module, which of its parts): q/k/v share qkv_proj, gate/up gate_up_proj.
+_TARGETS = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2), "o_proj": ("o_proj", 0),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0),
+}
+_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """The adapter one request runs with: a name (the server's model name), an id unique per
+    adapter (> 0), and the PEFT directory holding it."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+
+@dataclass
+class LoRADelta:
+    """One projection's low-rank update: output[:, start:end] += (x @ a.T) @ b.T, with the
+    adapter's scale folded into `b`."""
+
+    a: torch.Tensor  # [rank, in_features]
+    b: torch.Tensor  # [out_features, rank]
+    start: int
+    end: int
+
+
+class LoRAAdapter:
+    """A loaded adapter: {(layer index, fused module name): [LoRADelta, ...]}."""
+
+    def __init__(self, request: LoRARequest, deltas: dict[tuple[int, str], list[LoRADelta]], rank: int):
+        self.request = request
+        self.deltas = deltas
+        self.rank = rank
+
+    def add(self, layer_index: int, module: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        """out += this adapter's update of `module` in layer `layer_index` for inputs x (rows
+        of out and x correspond)."""
+        for delta in self.deltas.get((layer_index, module), ()):
+            out[:, delta.start : delta.end] += (x @ delta.a.T) @ delta.b.T
+
+
+class LoRABatch:
+    """The step's adapters and the token rows each one applies to (rows without one are left
+    alone). Models call `add` after each projection an adapter may target."""
+
+    def __init__(self, groups: list[tuple[LoRAAdapter, torch.Tensor]]):
+        self.groups = groups
+
+    def add(self, layer_index: int, module: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        for adapter, rows in self.groups:
+            if rows.numel() == x.shape[0]:  # every token: no gather
+                adapter.add(layer_index, module, x, out)
+            else:
+                part = out[rows]
+                adapter.add(layer_index, module, x[rows], part)
+                out[rows] = part
+
+
+class LoRARegistry:
+    """Adapters by id, loaded on first use for one model."""
+
+    def __init__(self, model, max_lora_rank: int, dtype: torch.dtype, device: torch.device):
+        self.model, self.max_lora_rank, self.dtype, self.device = model, max_lora_rank, dtype, device
+        self.adapters: dict[int, LoRAAdapter] = {}
+
+    def get(self, request: LoRARequest) -> LoRAAdapter:
+        """The loaded adapter of `request`; raises InvalidConfigError for an adapter this model
+        cannot run (naming the reason), ValueError for an id reused with another name or path."""
+        if not isinstance(request.lora_int_id, int) or request.lora_int_id < 1:
+            raise ValueError(f"lora_int_id must be an int >= 1, got {request.lora_int_id!r}")
+        adapter = self.adapters.get(request.lora_int_id)
+        if adapter is not None:
+            known = adapter.request
+            if (known.lora_name, known.lora_path) != (request.lora_name, request.lora_path):
+                raise ValueError(f"lora_int_id {request.lora_int_id} already names adapter {known.lora_name!r} "
+                                 f"at {known.lora_path!r}")
+            return adapter
+        adapter = load_adapter(request, self.model, self.max_lora_rank, self.dtype, self.device)
+        self.adapters[request.lora_int_id] = adapter
+        logger.info("loaded LoRA adapter %r (id %d, rank %d, %d projections) from %s", request.lora_name,
+                    request.lora_int_id, adapter.rank, sum(map(len, adapter.deltas.values())), request.lora_path)
+        return adapter
+
+
+def load_adapter(request: LoRARequest, model, max_lora_rank: int, dtype, device) -> LoRAAdapter:
+    """Reads a PEFT LoRA directory and checks it against `model` (a LlamaForCausalLM)."""
+    path = request.lora_path
+    config_path = os.path.join(path, "adapter_config.json")
+    weights_path = os.path.join(path, "adapter_model.safetensors")
+    for required in (config_path, weights_path):
+        if not os.path.isfile(required):
+            raise InvalidConfigError(f"LoRA adapter {request.lora_name!r}: {required} does not exist "
+                                     "(a PEFT directory needs adapter_config.json and adapter_model.safetensors)")
+    with open(config_path) as file:
+        config = json.load(file)
+    _check_config(request.lora_name, config, max_lora_rank)
+    rank, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
+    scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+
+    from safetensors.torch import load_file
+
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in load_file(weights_path).items():
+        match = _KEY.search(key)
+        if match is None or match.group(2) not in _TARGETS:
+            raise InvalidConfigError(f"LoRA adapter {request.lora_name!r}: weight {key!r} is not a LoRA update of "
+                                     f"one of {sorted(_TARGETS)} (embedding, lm_head and DoRA adapters are not supported)")
+        pairs.setdefault((int(match.group(1)), match.group(2)), {})[match.group(3)] = tensor
+    deltas: dict[tuple[int, str], list[LoRADelta]] = {}
+    for (layer_index, name), pair in sorted(pairs.items()):
+        if set(pair) != {"A", "B"}:
+            raise InvalidConfigError(f"LoRA adapter {request.lora_name!r}: layer {layer_index} {name} lacks lora_"
+                                     f"{'A' if 'A' not in pair else 'B'}")
+        deltas.setdefault((layer_index, _TARGETS[name][0]), []).append(
+            _delta(request.lora_name, model, layer_index, name, pair["A"], pair["B"], scale, dtype, device))
+    if not deltas:
+        raise InvalidConfigError(f"LoRA adapter {request.lora_name!r} holds no LoRA weights")
+    return LoRAAdapter(request, deltas, rank)
+
+
+def _check_config(name: str, config: dict, max_lora_rank: int) -> None:
+    def fail(message: str):
+        raise InvalidConfigError(f"LoRA adapter {name!r}: {message}")
+
+    if config.get("peft_type", "LORA") != "LORA":
+        fail(f"peft_type is {config.get('peft_type')!r}, not 'LORA'")
+    if "r" not in config or int(config["r"]) < 1:
+        fail("adapter_config.json needs a rank r >= 1")
+    if int(config["r"]) > max_lora_rank:
+        fail(f"rank r={config['r']} exceeds max_lora_rank={max_lora_rank}")
+    for unsupported in ("use_dora", "fan_in_fan_out"):
+        if config.get(unsupported):
+            fail(f"{unsupported}=true is not supported")
+    for per_module in ("rank_pattern", "alpha_pattern"):
+        if config.get(per_module):
+            fail(f"{per_module} (per-module ranks) is not supported")
+    if config.get("bias", "none") != "none":
+        fail(f"bias={config['bias']!r} is not supported (only 'none')")
+    if config.get("modules_to_save"):
+        fail(f"modules_to_save={config['modules_to_save']} (fully trained modules) is not supported")
+
+
+def _delta(adapter_name, model, layer_index, name, a, b, scale, dtype, device) -> LoRADelta:
+    if not 0 <= layer_index < len(model.layers):
+        raise InvalidConfigError(f"LoRA adapter {adapter_name!r}: layer {layer_index} is not in the model "
+                                 f"({len(model.layers)} layers)")
+    layer = model.layers[layer_index]
+    fused_name, part = _TARGETS[name]
+    module = getattr(layer.self_attn if fused_name in ("qkv_proj", "o_proj") else layer.mlp, fused_name)
+    if fused_name == "qkv_proj":
+        attention = layer.self_attn
+        sizes = [attention.q_size, attention.kv_size, attention.kv_size]
+    elif fused_name == "gate_up_proj":
+        sizes = [module.out_features // 2] * 2
+    else:
+        sizes = [module.out_features]
+    start = sum(sizes[:part])
+    expected_a, expected_b = (a.shape[0], module.in_features), (sizes[part], a.shape[0])
+    if a.dim() != 2 or b.dim() != 2 or tuple(a.shape) != expected_a or tuple(b.shape) != expected_b:
+        raise InvalidConfigError(f"LoRA adapter {adapter_name!r}: layer {layer_index} {name} has A {tuple(a.shape)} "
+                                 f"and B {tuple(b.shape)}; this model needs A [r, {module.in_features}] and "
+                                 f"B [{sizes[part]}, r]")
+    return LoRADelta(a.to(device=device, dtype=dtype), (b.float() * scale).to(device=device, dtype=dtype),
+                     start, start + sizes[part])
+
+
+def lora_batch(adapters: list[Optional[LoRAAdapter]], token_counts: list[int], device) -> Optional[LoRABatch]:
+    """The LoRABatch of a step whose i-th scheduled sequence has token_counts[i] tokens and runs
+    adapters[i] (None: the base model); None when no sequence has one."""
+    if not any(adapters):
+        return None
+    rows: dict[int, tuple[LoRAAdapter, list[int]]] = {}
+    first = 0
+    for adapter, count in zip(adapters, token_counts):
+        if adapter is not None:
+            rows.setdefault(id(adapter), (adapter, []))[1].extend(range(first, first + count))
+        first += count
+    return LoRABatch([(adapter, torch.tensor(indices, dtype=torch.long, device=device))
+                      for adapter, indices in rows.values()])

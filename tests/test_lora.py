@@ -1,0 +1,165 @@
+"""LoRA adapters per request on the embedded SmolLM2 (float32, CPU): each request's greedy output
+equals HF transformers running the base model with that adapter merged into its weights, with
+requests of different adapters (and none) in the same batches, through chunked prefill,
+preemption, prefix caching and forks; bad adapters are clear errors that leave nothing behind."""
+
+import copy
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from pagedkv import LLM, InvalidConfigError, LoRARequest, SamplingParams
+
+MAX_NEW_TOKENS = 20
+NUM_LAYERS, HIDDEN, INTERMEDIATE, Q_SIZE, KV_SIZE = 30, 576, 1536, 576, 192
+SHAPES = {  # PEFT module -> (in_features, out_features) in SmolLM2
+    "q_proj": (HIDDEN, Q_SIZE), "k_proj": (HIDDEN, KV_SIZE), "v_proj": (HIDDEN, KV_SIZE), "o_proj": (Q_SIZE, HIDDEN),
+    "gate_proj": (HIDDEN, INTERMEDIATE), "up_proj": (HIDDEN, INTERMEDIATE), "down_proj": (INTERMEDIATE, HIDDEN),
+}
+
+
+def write_adapter(directory, modules, rank, alpha, seed, use_rslora=False, extra_config=None, extra_weights=None):
+    """A PEFT LoRA directory with random A and B (PEFT's file names, keys and config fields)."""
+    generator = torch.Generator().manual_seed(seed)
+    weights = {}
+    for layer in range(NUM_LAYERS):
+        for module in modules:
+            in_features, out_features = SHAPES[module]
+            block = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
+            weights[f"{prefix}.lora_A.weight"] = torch.randn((rank, in_features), generator=generator) * 0.05
+            weights[f"{prefix}.lora_B.weight"] = torch.randn((out_features, rank), generator=generator) * 0.05
+    weights.update(extra_weights or {})
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(directory / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(modules), "bias": "none",
+              "use_rslora": use_rslora, "lora_dropout": 0.0, "task_type": "CAUSAL_LM", **(extra_config or {})}
+    (directory / "adapter_config.json").write_text(json.dumps(config))
+    return str(directory)
+
+
+def merged(hf_model, adapter_dir):
+    """The HF model with the adapter's scale * B @ A added to each targeted weight."""
+    from safetensors.torch import load_file
+
+    config = json.loads(open(f"{adapter_dir}/adapter_config.json").read())
+    scale = config["lora_alpha"] / (config["r"] ** 0.5 if config.get("use_rslora") else config["r"])
+    model = copy.deepcopy(hf_model)
+    parameters = dict(model.named_parameters())
+    weights = load_file(f"{adapter_dir}/adapter_model.safetensors")
+    with torch.no_grad():
+        for key, a in weights.items():
+            if ".lora_A." in key:
+                b = weights[key.replace(".lora_A.", ".lora_B.")]
+                name = key.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")
+                parameters[name] += scale * (b @ a)
+    return model
+
+
+def hf_greedy(model, token_ids):
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([token_ids]), do_sample=False, max_new_tokens=MAX_NEW_TOKENS, pad_token_id=0)
+    return out[0, len(token_ids) :].tolist()
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    every = write_adapter(root / "every", list(SHAPES), rank=8, alpha=16, seed=1)
+    attention = write_adapter(root / "qv", ["q_proj", "v_proj"], rank=4, alpha=8, seed=2, use_rslora=True)
+    return {"every": LoRARequest("every", 1, every), "qv": LoRARequest("qv", 2, attention)}
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2_hf_model):
+    long_text = " ".join(f"Item {i} is a {['red', 'green', 'blue'][i % 3]} box." for i in range(40))
+    return ["The quick brown fox", "def fibonacci(n):", long_text + " The last item is", "Paris is the capital of"]
+
+
+@pytest.fixture(scope="module")
+def references(smollm2_hf_model, adapters, prompts):
+    """{adapter name or None: HF greedy tokens of every prompt}."""
+    from transformers import AutoTokenizer
+
+    from pagedkv.loader import default_model_path
+
+    directory, name = default_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    token_ids = [tokenizer.encode(prompt) for prompt in prompts]
+    models = {None: smollm2_hf_model, **{key: merged(smollm2_hf_model, request.lora_path)
+                                         for key, request in adapters.items()}}
+    return {key: [hf_greedy(model, ids) for ids in token_ids] for key, model in models.items()}
+
+
+def greedy(n=1):
+    return SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS, n=n)
+
+
+def test_adapters_change_the_output(references):
+    """(Otherwise the tests below could not tell an adapter from none.)"""
+    assert references["every"] != references[None] and references["qv"] != references[None]
+    assert references["every"] != references["qv"]
+
+
+def test_mixed_adapters_in_one_batch_through_chunks_and_preemption(adapters, prompts, references):
+    llm = LLM(dtype="float32", enable_lora=True, num_device_blocks=40, max_num_batched_tokens=96,
+              max_model_len=512, swap_space_bytes=64 << 20)
+    keys = [None, "every", "qv"]
+    jobs = [(prompt_index, key) for prompt_index in range(len(prompts)) for key in keys]
+    outputs = llm.generate([prompts[i] for i, _ in jobs], greedy(), use_tqdm=False,
+                           lora_request=[adapters[key] if key else None for _, key in jobs])
+    for (prompt_index, key), output in zip(jobs, outputs):
+        assert output.outputs[0].token_ids == references[key][prompt_index], (prompt_index, key)
+    stats = llm.engine.stats()
+    assert stats["num_preemptions_swap"] + stats["num_preemptions_recompute"] > 0
+    assert stats["num_free_device_blocks"] == stats["num_device_blocks"]
+    assert {request.lora_name for request in llm.engine.list_loras()} == {"every", "qv"}
+
+
+def test_prefix_cache_keeps_adapters_apart(adapters, prompts, references):
+    """The same prompt cached by the base model (or another adapter) is not reused for an adapter:
+    its K/V differ in every layer."""
+    llm = LLM(dtype="float32", enable_lora=True, num_device_blocks=256, max_model_len=512)
+    long_prompt = prompts[2]
+    for key in (None, "every", "qv", "every"):
+        output = llm.generate([long_prompt], greedy(), use_tqdm=False, lora_request=adapters.get(key))[0]
+        assert output.outputs[0].token_ids == references[key][2], key
+    # The repeated adapter did hit its own cached prompt.
+    assert output.metrics.num_prefix_hit_tokens > 0
+
+
+def test_forked_samples_keep_their_adapter(adapters, prompts, references):
+    llm = LLM(dtype="float32", enable_lora=True, num_device_blocks=128, max_model_len=512)
+    output = llm.generate([prompts[0]], greedy(n=2), use_tqdm=False, lora_request=adapters["every"])[0]
+    assert [sample.token_ids for sample in output.outputs] == [references["every"][0]] * 2
+
+
+def test_bad_adapters_are_clear_errors_and_queue_nothing(tmp_path, adapters):
+    llm = LLM(dtype="float32", enable_lora=True, max_lora_rank=8, num_device_blocks=64, max_model_len=256)
+    too_big = write_adapter(tmp_path / "big", ["q_proj"], rank=16, alpha=16, seed=3)
+    lm_head = write_adapter(tmp_path / "head", ["q_proj"], rank=4, alpha=4, seed=4,
+                            extra_weights={"base_model.model.lm_head.lora_A.weight": torch.zeros(4, HIDDEN)})
+    dora = write_adapter(tmp_path / "dora", ["q_proj"], rank=4, alpha=4, seed=5, extra_config={"use_dora": True})
+    cases = [
+        (LoRARequest("big", 10, too_big), InvalidConfigError, "max_lora_rank=8"),
+        (LoRARequest("head", 11, lm_head), InvalidConfigError, "lm_head"),
+        (LoRARequest("dora", 12, dora), InvalidConfigError, "use_dora"),
+        (LoRARequest("missing", 13, str(tmp_path / "nowhere")), InvalidConfigError, "adapter_config.json"),
+        (LoRARequest("clash", adapters["every"].lora_int_id, adapters["qv"].lora_path), ValueError, "already names"),
+        (LoRARequest("zero", 0, adapters["qv"].lora_path), ValueError, "lora_int_id"),
+    ]
+    llm.engine.add_lora(adapters["every"])
+    for request, error, message in cases:
+        with pytest.raises(error, match=message):
+            llm.generate(["Hello", "Hi"], greedy(), use_tqdm=False, lora_request=[None, request])
+        assert not llm.engine.has_unfinished_requests()
+    stats = llm.engine.stats()
+    assert stats["num_free_device_blocks"] == stats["num_device_blocks"]
+
+    base = LLM(dtype="float32", num_device_blocks=64, max_model_len=256)
+    with pytest.raises(ValueError, match="enable_lora=True"):
+        base.generate(["Hello"], greedy(), use_tqdm=False, lora_request=adapters["qv"])
+    with pytest.raises(InvalidConfigError, match="max_lora_rank"):
+        LLM(dtype="float32", enable_lora=True, max_lora_rank=0)
