@@ -163,3 +163,26 @@ def test_bad_adapters_are_clear_errors_and_queue_nothing(tmp_path, adapters):
         base.generate(["Hello"], greedy(), use_tqdm=False, lora_request=adapters["qv"])
     with pytest.raises(InvalidConfigError, match="max_lora_rank"):
         LLM(dtype="float32", enable_lora=True, max_lora_rank=0)
+
+
+def test_the_server_serves_each_adapter_as_a_model(adapters, references, prompts):
+    import httpx
+
+    from test_server import LiveServer
+
+    live = LiveServer(enable_lora=True, num_device_blocks=128, max_model_len=256,
+                      lora_modules={"every": adapters["every"].lora_path})
+    try:
+        cards = httpx.get(live.url + "/v1/models", timeout=10).json()["data"]
+        base = live.engine.model_name
+        assert [(card["id"], card.get("parent")) for card in cards] == [(base, None), ("every", base)]
+        body = {"prompt": prompts[0], "max_tokens": MAX_NEW_TOKENS, "temperature": 0}
+        for model, key in ((base, None), ("every", "every")):
+            response = httpx.post(live.url + "/v1/completions", json={**body, "model": model}, timeout=120).json()
+            assert response["model"] == model
+            expected = live.engine.tokenizer.decode(references[key][0], skip_special_tokens=True)
+            assert response["choices"][0]["text"] == expected, model
+        response = httpx.post(live.url + "/v1/completions", json={**body, "model": "nope"}, timeout=30)
+        assert response.status_code == 404 and "'every'" in response.json()["error"]["message"]
+    finally:
+        live.stop()

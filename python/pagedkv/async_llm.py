@@ -9,6 +9,7 @@ from pagedkv.config import engine_config
 from pagedkv.engine import LLMEngine
 from pagedkv.engine_loop import EngineLoop
 from pagedkv.errors import EngineStoppedError
+from pagedkv.lora import LoRARequest
 from pagedkv.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedkv.pooling_params import PoolingParams
 from pagedkv.sampling_params import SamplingParams
@@ -43,13 +44,16 @@ class AsyncLLM:
         sampling_params: Optional[SamplingParams] = None,
         request_id: Optional[str] = None,
         priority: int = 0,
+        lora_request: Optional[LoRARequest] = None,
     ) -> AsyncIterator[RequestOutput]:
         """Queues a request and yields its cumulative output after every step that advanced it,
         the last one with `finished`. Raises what `LLMEngine.add_request` raises on the first
         iteration (PromptTooLongError, OverloadedError, ...). Leaving early (break, cancel, or
-        `aclose()`) aborts the request and frees its blocks. `priority`: see `LLMEngine.add_request`."""
+        `aclose()`) aborts the request and frees its blocks. `priority`, `lora_request`: see
+        `LLMEngine.add_request`."""
         request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
-        [outputs] = await self._loop.submit_all([(request_id, prompt)], sampling_params or SamplingParams(), priority)
+        [outputs] = await self._loop.submit_all([(request_id, prompt)], sampling_params or SamplingParams(), priority,
+                                                lora_request)
         finished = False
         try:
             while not finished:
@@ -69,10 +73,12 @@ class AsyncLLM:
         pooling_params: Optional[PoolingParams] = None,
         request_id: Optional[str] = None,
         priority: int = 0,
+        lora_request: Optional[LoRARequest] = None,
     ) -> EmbeddingRequestOutput:
         """The prompt's embedding (`output.outputs.embedding`), batched with everything else."""
         request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
-        [outputs] = await self._loop.submit_all([(request_id, prompt)], pooling_params or PoolingParams(), priority)
+        [outputs] = await self._loop.submit_all([(request_id, prompt)], pooling_params or PoolingParams(), priority,
+                                                lora_request)
         try:
             item = await outputs.get()
         except BaseException:

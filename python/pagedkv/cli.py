@@ -127,8 +127,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if chat_template is not None and os.path.isfile(chat_template):
         with open(chat_template, encoding="utf-8") as file:
             chat_template = file.read()
+    lora_modules = {}
+    for module in args.lora_modules:
+        name, separator, path = module.partition("=")
+        if not separator or not name or not path:
+            raise SystemExit(f"--lora-modules takes NAME=PATH pairs, got {module!r}")
+        lora_modules[name] = path
     return serve(engine_config(args), host=args.host, port=args.port, served_model_name=args.served_model_name,
-                 chat_template=chat_template, api_key=args.api_key)
+                 chat_template=chat_template, api_key=args.api_key, lora_modules=lora_modules)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -182,6 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None, help="model name in the API (default: file name)")
     serve.add_argument("--chat-template", default=None,
                        help="Jinja chat template (a file or the template itself; default: the tokenizer's)")
+    serve.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                       help="LoRA adapters (PEFT directories) served as models of these names; turns --enable-lora on")
     serve.add_argument("--api-key", default=os.environ.get("PAGEDKV_API_KEY"),
                        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $PAGEDKV_API_KEY, else none)")
     add_engine_arguments(serve)

@@ -15,6 +15,7 @@ from typing import Optional, Union
 
 from pagedkv.engine import LLMEngine
 from pagedkv.errors import EngineStoppedError
+from pagedkv.lora import LoRARequest
 from pagedkv.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedkv.pooling_params import PoolingParams
 from pagedkv.sampling_params import SamplingParams
@@ -54,7 +55,8 @@ class EngineLoop:
         self._thread.join(timeout)
 
     async def submit_all(
-        self, requests: list[tuple[str, object]], params: Union[SamplingParams, PoolingParams], priority: int = 0
+        self, requests: list[tuple[str, object]], params: Union[SamplingParams, PoolingParams], priority: int = 0,
+        lora_request: Optional[LoRARequest] = None,
     ) -> list[asyncio.Queue]:
         """Queues (request_id, prompt) pairs all or none: if one is refused, none runs and its
         error (what `engine.add_request` raises: PromptTooLongError, ...) is raised. One output
@@ -65,7 +67,7 @@ class EngineLoop:
         with self._lock:
             if self._closed or self._stopping.is_set():
                 raise EngineStoppedError("the engine loop has stopped")
-            self._commands.put(("add", streams, params, priority, accepted))
+            self._commands.put(("add", streams, params, priority, lora_request, accepted))
         await accepted
         return [stream.outputs for _, _, stream in streams]
 
@@ -134,11 +136,11 @@ class EngineLoop:
     def _execute(self, command) -> None:
         kind = command[0]
         if kind == "add":
-            _, streams, params, priority, accepted = command
+            _, streams, params, priority, lora_request, accepted = command
             added: list[str] = []
             try:
                 for request_id, prompt, _ in streams:
-                    self.engine.add_request(request_id, prompt, params, priority=priority)
+                    self.engine.add_request(request_id, prompt, params, priority=priority, lora_request=lora_request)
                     added.append(request_id)
             except Exception as error:  # handed back to the HTTP handler, which maps it to a status
                 for request_id in added:  # (no step ran in between: they never started)

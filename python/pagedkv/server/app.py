@@ -25,6 +25,7 @@ from pagedkv.config import EngineConfig
 from pagedkv.engine import LLMEngine
 from pagedkv.errors import DuplicateRequestError, EngineStoppedError, OverloadedError, PromptTooLongError
 from pagedkv.engine_loop import EngineLoop
+from pagedkv.lora import LoRARequest
 from pagedkv.outputs import RequestOutput
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.pooling_params import PoolingParams
@@ -56,12 +57,19 @@ def error_response(status: int, message: str, type_: str, param=None, code=None,
 
 
 def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_template: Optional[str] = None,
-               api_key: Optional[str] = None) -> FastAPI:
+               api_key: Optional[str] = None, lora_modules: Optional[dict[str, str]] = None) -> FastAPI:
     """The app around an engine; the engine loop runs for the app's lifetime. `chat_template`
     (Jinja) replaces the tokenizer's own, e.g. for a base model that has none. `api_key`: /v1
-    routes answer 401 unless the request carries `Authorization: Bearer <api_key>`."""
+    routes answer 401 unless the request carries `Authorization: Bearer <api_key>`.
+    `lora_modules` ({name: PEFT directory}, engine with enable_lora): each adapter is served as a
+    model of its own name, loaded now."""
     model_name = served_model_name or engine.model_name
-    responses = ResponseBuilder(engine.tokenizer, model_name)
+    adapters = {name: LoRARequest(name, index + 1, path) for index, (name, path) in enumerate((lora_modules or {}).items())}
+    if model_name in adapters:
+        raise ValueError(f"LoRA module name {model_name!r} is the base model's served name")
+    for adapter in adapters.values():
+        engine.add_lora(adapter)  # (a bad adapter stops the server from starting, not a request)
+    builders = {name: ResponseBuilder(engine.tokenizer, name) for name in (model_name, *adapters)}
     state: dict = {}
 
     @asynccontextmanager
@@ -114,7 +122,10 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
     async def models():
         card = {"id": model_name, "object": "model", "created": 0, "owned_by": "pagedkv",
                 "max_model_len": engine.max_model_len}
-        return {"object": "list", "data": [card]}
+        lora_cards = [{"id": name, "object": "model", "created": 0, "owned_by": "pagedkv", "root": adapter.lora_path,
+                       "parent": model_name, "max_model_len": engine.max_model_len}
+                      for name, adapter in adapters.items()]
+        return {"object": "list", "data": [card, *lora_cards]}
 
     @app.get("/metrics")
     async def metrics():
@@ -122,14 +133,14 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        check_model(body.model)
+        served = check_model(body.model)
         params = make_params(body.completion_params)
         prompts = make_params(body.prompts)
-        return await run(request, prompts, params, body, chat=False)
+        return await run(request, prompts, params, body, served, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        check_model(body.model)
+        served = check_model(body.model)
         if body.max_completion_tokens is not None and body.max_tokens is None:
             body.max_tokens = body.max_completion_tokens
         default_max = max(1, engine.max_model_len // 2)
@@ -141,11 +152,11 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
                                "outputs (response_format, guided_*)", "invalid_request_error", "tool_choice")
             params = dataclasses.replace(params, structured_outputs=tools.constraint())
         prompt = chat_prompt(body.messages, True, body.tools if tools is not None else None)
-        return await run(request, [prompt], params, body, chat=True, tools=tools)
+        return await run(request, [prompt], params, body, served, chat=True, tools=tools)
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest):
-        check_model(body.model)
+        served = check_model(body.model)
         inputs = make_params(body.inputs)
         hidden_size = engine.runner.hf_config.hidden_size
         if body.dimensions is not None and body.dimensions != hidden_size:
@@ -154,7 +165,8 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
         request_id = "embd-" + uuid.uuid4().hex
         request_ids = [f"{request_id}-{i}" for i in range(len(inputs))]
         try:
-            queues = await state["loop"].submit_all(list(zip(request_ids, inputs)), PoolingParams(), body.priority)
+            queues = await state["loop"].submit_all(list(zip(request_ids, inputs)), PoolingParams(), body.priority,
+                                                    adapters.get(served))
         except Exception as error:
             raise submit_error(error, chat=False, prompt_field="input") from error
         outputs = []
@@ -164,7 +176,7 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
         finally:
             for sub_id in request_ids[len(outputs):]:
                 state["loop"].abort(sub_id)
-        return responses.embeddings(outputs, body.encoding_format)
+        return builders[served].embeddings(outputs, body.encoding_format)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
@@ -199,10 +211,15 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
         except Exception as error:
             raise APIError(400, f"messages: cannot apply the chat template: {error}", "invalid_request_error", "messages")
 
-    def check_model(name: Optional[str]) -> None:
-        if name is not None and name != model_name:
-            raise APIError(404, f"model {name!r} does not exist; this server serves {model_name!r}",
-                           "invalid_request_error", "model", "model_not_found")
+    def check_model(name: Optional[str]) -> str:
+        """The served name a request asked for (the base model's by default)."""
+        if name is None or name == model_name:
+            return model_name
+        if name in adapters:
+            return name
+        served = ", ".join(repr(known) for known in (model_name, *adapters))
+        raise APIError(404, f"model {name!r} does not exist; this server serves {served}",
+                       "invalid_request_error", "model", "model_not_found")
 
     def make_params(build):
         try:
@@ -211,14 +228,18 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
             field = str(error).split(" ", 1)[0]
             raise APIError(400, str(error), "invalid_request_error", field)
 
-    async def run(request: Request, prompts: list, params, body, chat: bool, tools: Optional[ToolCalling] = None):
-        """Queues one engine request per prompt (all or none) and answers with their choices."""
+    async def run(request: Request, prompts: list, params, body, served: str, chat: bool,
+                  tools: Optional[ToolCalling] = None):
+        """Queues one engine request per prompt (all or none), with the adapter `served` names
+        if it is one, and answers with their choices."""
+        responses = builders[served]
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         request_ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         if not body.stream:  # only the final output is sent: spare the engine per-step detokenizing
             params = dataclasses.replace(params, output_kind="final_only")
         try:
-            queues = await state["loop"].submit_all(list(zip(request_ids, prompts)), params, body.priority)
+            queues = await state["loop"].submit_all(list(zip(request_ids, prompts)), params, body.priority,
+                                                    adapters.get(served))
         except Exception as error:
             raise submit_error(error, chat) from error
         created = int(time.time())
@@ -300,9 +321,10 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
 
 
 def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, served_model_name=None,
-          chat_template: Optional[str] = None, api_key: Optional[str] = None) -> int:
+          chat_template: Optional[str] = None, api_key: Optional[str] = None,
+          lora_modules: Optional[dict[str, str]] = None) -> int:
     """Builds the engine and runs uvicorn until SIGINT/SIGTERM: stops accepting, lets in-flight
-    requests finish (10 s), aborts the rest, and returns 0."""
+    requests finish (10 s), aborts the rest, and returns 0. `lora_modules` turns enable_lora on."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -314,6 +336,8 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, serve
                 signal.signal(sig, self.handle_exit)
             yield
 
-    app = create_app(LLMEngine(config), served_model_name, chat_template, api_key)
+    if lora_modules and not config.enable_lora:
+        config = dataclasses.replace(config, enable_lora=True)
+    app = create_app(LLMEngine(config), served_model_name, chat_template, api_key, lora_modules)
     Server(uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=10, log_level="info")).run()
     return 0
