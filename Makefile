@@ -28,6 +28,7 @@ bench: setup
 	$(PYTHON) benches/cpu_prefix_cache.py
 	$(PYTHON) benches/speculative.py
 	$(PYTHON) benches/kv_cache_dtype.py
+	$(PYTHON) benches/lora.py
 	$(PYTHON) benches/serving.py
 
 serve: setup
