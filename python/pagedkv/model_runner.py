@@ -149,7 +149,9 @@ class ModelRunner:
             return self.model.compute_logits(hidden), {}  # (decode steps have no prompt tokens to score)
         input_ids, positions, metadata, sample_index = self._prepare(scheduled)
         starts = metadata.query_start_loc_host
-        lora = lora_batch(adapters, [b - a for a, b in zip(starts, starts[1:])], self.device) if adapters else None
+        lora = None
+        if adapters:
+            lora = lora_batch(self.lora_registry, adapters, [b - a for a, b in zip(starts, starts[1:])], self.device)
         hidden = self.model(input_ids, positions, metadata, self.kv_cache, self.backend, lora)
         all_hidden = {
             item.seq_id: hidden[starts[i] : starts[i + 1]] for i, item in enumerate(scheduled) if item.seq_id in all_hidden_for
