@@ -405,3 +405,25 @@ def test_cache_salt_isolates_prefix_cache_sharing(prompts):
     assert hits_of(cache_salt="tenant-a") > 0 and hits_of() > 0  # the same salt (or none) shares
     with pytest.raises(ValueError, match="cache_salt"):
         SamplingParams(cache_salt="")
+
+
+def test_bad_words_allowed_token_ids_and_prompt_truncation(llm, prompts):
+    plain = llm.generate(["Paris is the capital of"], greedy(8), use_tqdm=False)[0].outputs[0]
+    assert " United States" in plain.text  # (so the ban below has something to remove)
+    banned = llm.generate(["Paris is the capital of"], greedy(8, bad_words=["United States"]), use_tqdm=False)[0]
+    assert banned.outputs[0].text != plain.text
+    for spelling in ("United States", " United States"):
+        word = llm.tokenizer.encode(spelling, add_special_tokens=False)
+        ids = banned.outputs[0].token_ids
+        assert all(ids[i : i + len(word)] != word for i in range(len(ids))), spelling
+
+    allowed = llm.tokenizer.encode(" yes no maybe", add_special_tokens=False)
+    output = llm.generate(["Is the sky blue?"], greedy(6, allowed_token_ids=allowed), use_tqdm=False)[0]
+    assert output.outputs[0].token_ids and set(output.outputs[0].token_ids) <= set(allowed)
+
+    long_ids = llm.tokenizer.encode(prompts[5])
+    truncated = llm.generate([prompts[5]], greedy(8, truncate_prompt_tokens=40), use_tqdm=False)[0]
+    assert truncated.prompt_token_ids == long_ids[-40:]
+    assert truncated.outputs[0].token_ids == llm.generate([long_ids[-40:]], greedy(8), use_tqdm=False)[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        llm.generate(["Hi"], greedy(2, allowed_token_ids=[10**7]), use_tqdm=False)

@@ -140,6 +140,11 @@ def test_logit_bias_adds_to_the_named_logits_only():
         (dict(logit_bias={-1: 1.0}), "logit_bias"),
         (dict(logit_bias={"3": 1.0}), "logit_bias"),
         (dict(stop_token_ids=[-4]), "stop_token_ids"),
+        (dict(allowed_token_ids=[]), "allowed_token_ids"),
+        (dict(allowed_token_ids=[3, -1]), "allowed_token_ids"),
+        (dict(bad_words=["ok", " "]), "bad_words"),
+        (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
+        (dict(truncate_prompt_tokens=-2), "truncate_prompt_tokens"),
     ],
 )
 def test_bad_token_ids_and_biases_are_named(params, field):
@@ -199,3 +204,27 @@ def test_a_mixed_batch_samples_each_row_under_its_own_settings():
     batched = [sampler(logits, [row(0, temperature=0), row(2, seed=99, temperature=0.5, top_p=0.5),
                                 row(4, seed=s, temperature=1.0)])[2].token_id for s in range(20)]
     assert alone == batched
+
+
+def test_allowed_token_ids_leave_only_those_tokens():
+    logits = random_logits(2, seed=9)
+    allowed = [4, 17, 31]
+    results = Sampler()(logits, [row(0, temperature=0, allowed_token_ids=allowed), row(1, temperature=0)])
+    assert results[0].token_id == max(allowed, key=lambda t: logits[0, t].item())
+    assert results[1].token_id == logits[1].argmax().item()  # the other row is untouched
+    drawn = sample_tokens(logits, lambda i: row(seed=i, temperature=5.0, allowed_token_ids=allowed), 60)
+    assert set(drawn) == set(allowed)  # (at temperature 5 all three come up in 60 draws)
+
+
+def test_bad_words_ban_a_words_last_token_only_where_it_would_complete_the_word():
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 7], logits[0, 8], logits[0, 9] = 10.0, 9.0, 8.0
+    words = ((7,), (3, 8))  # a one-token word, and a two-token word ending in 8
+
+    def greedy_after(output):
+        return Sampler()(logits, [SamplingRow(0, SamplingParams(temperature=0), [], output, None, frozenset(),
+                                              bad_words_token_ids=words)])[0].token_id
+
+    assert greedy_after([]) == 8  # 7 is always banned; 8 only after 3
+    assert greedy_after([5, 3]) == 9
+    assert greedy_after([3, 5]) == 8

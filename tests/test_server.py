@@ -543,3 +543,15 @@ def test_embeddings_endpoint(client, server, smollm2_hf_model):
         response = httpx.post(server.url + "/v1/embeddings", json=bad, timeout=60)
         assert response.status_code == 400 and response.json()["error"]["param"] == param, bad
     assert server.metric("pagedkv_kv_blocks_used_device") == 0
+
+
+def test_truncation_allowed_tokens_and_bad_words_fields(server):
+    body = {"prompt": "The quick brown fox jumps over the lazy dog", "max_tokens": 4, "temperature": 0}
+    response = httpx.post(server.url + "/v1/completions", json={**body, "truncate_prompt_tokens": 3}, timeout=60).json()
+    assert response["usage"]["prompt_tokens"] == 3
+    allowed = server.engine.tokenizer.encode(" yes no", add_special_tokens=False)
+    response = httpx.post(server.url + "/v1/completions", json={**body, "allowed_token_ids": allowed}, timeout=60)
+    text = response.json()["choices"][0]["text"]
+    assert set(server.engine.tokenizer.encode(text, add_special_tokens=False)) <= set(allowed)
+    response = httpx.post(server.url + "/v1/completions", json={**body, "bad_words": [""]}, timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "bad_words"

@@ -122,7 +122,14 @@ class LLMEngine:
                 raise ValueError(f"prompt token ids must be a non-empty list of ints in [0, {vocab_size})")
         if not prompt_token_ids:
             raise ValueError("prompt must not be empty")
-        for name, token_ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids)):
+        if params.truncate_prompt_tokens is not None:
+            keep = self.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
+            if len(prompt_token_ids) > keep:  # (the text reported is what was kept)
+                prompt_token_ids = prompt_token_ids[-keep:]
+                prompt_text = None if prompt_text is None else self.tokenizer.decode(prompt_token_ids)
+        token_id_fields = (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids),
+                           ("allowed_token_ids", params.allowed_token_ids or ()))
+        for name, token_ids in token_id_fields:
             if any(token_id >= vocab_size for token_id in token_ids):
                 raise ValueError(f"{name} names token ids outside the vocabulary [0, {vocab_size})")
         if params.num_sequences > self.config.max_num_seqs:
@@ -145,7 +152,7 @@ class LLMEngine:
         metrics = RequestMetrics(arrival_time=arrival_time or time.monotonic(), num_prompt_tokens=len(prompt_token_ids))
         first = SequenceState(seq_id=seq_id, index=0, generator=self._generator(params, 0), matcher=matcher)
         request = RequestState(request_id, prompt_text, prompt_token_ids, params, metrics, [first], pooling=pooling,
-                               lora=lora)
+                               lora=lora, bad_words_token_ids=self._bad_words_token_ids(params.bad_words))
         if params.use_beam_search:
             request.beam_search = BeamSearch(
                 beam_width=params.beam_width,
@@ -158,6 +165,16 @@ class LLMEngine:
             request.beam_search.running[seq_id] = ([], 0.0)
         self.requests[request_id] = request
         self.seq_owner[seq_id] = (request, first)
+
+    def _bad_words_token_ids(self, bad_words: Optional[list[str]]) -> tuple[tuple[int, ...], ...]:
+        """Each bad word as the model writes it: alone and after a space (vLLM's two spellings)."""
+        spellings = set()
+        for word in bad_words or ():
+            for text in (word.lstrip(), " " + word.lstrip()):
+                token_ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if token_ids:
+                    spellings.add(tuple(token_ids))
+        return tuple(sorted(spellings))
 
     def add_lora(self, lora_request: LoRARequest) -> None:
         """Loads an adapter now (requests naming it load it on first use otherwise); raises as
@@ -396,6 +413,7 @@ class LLMEngine:
             generator=seq.generator,
             eos_token_ids=self.eos_token_ids,
             matcher=seq.matcher,
+            bad_words_token_ids=request.bad_words_token_ids,
         )
 
     def _sync_beam_sequences(self, request: RequestState) -> None:

@@ -59,6 +59,7 @@ class RequestState:
     pooling: Optional[PoolingParams] = None  # a pooling request: its prompt's embedding, no tokens
     embedding: Optional[list[float]] = None
     lora: object = None  # the LoRAAdapter the request runs with, else None
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # params.bad_words, tokenized
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None:

@@ -34,6 +34,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: Optional[dict[int, float]] = None  # token id -> value added to its logit, in [-100, 100]
+    allowed_token_ids: Optional[list[int]] = None  # only these tokens may be generated
+    bad_words: Optional[list[str]] = None  # words never generated (as a whole, with or without a leading space)
+    truncate_prompt_tokens: Optional[int] = None  # keep only the prompt's last k tokens (-1: the model's limit)
     use_beam_search: bool = False
     beam_width: Optional[int] = None
     length_penalty: float = 1.0
@@ -50,6 +53,8 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
+        self.allowed_token_ids = list(self.allowed_token_ids) if self.allowed_token_ids is not None else None
+        self.bad_words = list(self.bad_words) if self.bad_words else None
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if self.beam_width is None:
@@ -93,6 +98,17 @@ class SamplingParams:
                 fail("logit_bias", token_id, "keyed by token ids (integers >= 0)")
             if not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
                 fail("logit_bias", bias, f"a number in [-100, 100] (token {token_id})")
+        if self.allowed_token_ids is not None and (
+            not self.allowed_token_ids or any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)
+        ):
+            fail("allowed_token_ids", self.allowed_token_ids, "None or a non-empty list of token ids (integers >= 0)")
+        if any(not isinstance(word, str) or not word.strip() for word in self.bad_words or ()):
+            fail("bad_words", self.bad_words, "a list of non-empty strings")
+        if self.truncate_prompt_tokens is not None and (
+            not isinstance(self.truncate_prompt_tokens, int) or (self.truncate_prompt_tokens < 1
+                                                                 and self.truncate_prompt_tokens != -1)
+        ):
+            fail("truncate_prompt_tokens", self.truncate_prompt_tokens, "None, -1 (the model's limit) or >= 1")
         if self.seed is not None and not isinstance(self.seed, int):
             fail("seed", self.seed, "an integer")
         if any(not isinstance(s, str) or not s for s in self.stop):

@@ -25,6 +25,7 @@ class SamplingRow:
     generator: Optional[torch.Generator]
     eos_token_ids: frozenset[int]
     matcher: object = None  # xgrammar GrammarMatcher of a structured-output sequence
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # the request's bad_words, tokenized
 
 
 @dataclass
@@ -94,16 +95,37 @@ class Sampler:
         if (params.presence_penalty or params.frequency_penalty) and row.output_token_ids:
             ids, counts = torch.tensor(row.output_token_ids, device=logits.device).unique(return_counts=True)
             logits[ids] -= params.frequency_penalty * counts.to(logits.dtype) + params.presence_penalty
+        if params.allowed_token_ids is not None:
+            allowed = torch.tensor(params.allowed_token_ids, device=logits.device)
+            kept = logits[allowed]
+            logits.fill_(float("-inf"))
+            logits[allowed] = kept
+        banned_words = _banned_by_bad_words(row.bad_words_token_ids, row.output_token_ids)
+        if banned_words:
+            logits[torch.tensor(banned_words, device=logits.device)] = float("-inf")
         if len(row.output_token_ids) < params.min_tokens and row.matcher is None:  # (a grammar decides the end)
             banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(row.eos_token_ids))
             if banned:
                 logits[torch.tensor(sorted(banned), device=logits.device)] = float("-inf")
 
 
+def _banned_by_bad_words(bad_words: tuple[tuple[int, ...], ...], output_token_ids: list[int]) -> list[int]:
+    """The last token of every bad word whose other tokens end the output so far (vLLM's rule:
+    a one-token word is always banned; a longer one only where it would be completed)."""
+    banned = []
+    for word in bad_words:
+        prefix = word[:-1]
+        if not prefix or (len(output_token_ids) >= len(prefix) and tuple(output_token_ids[-len(prefix):]) == prefix):
+            banned.append(word[-1])
+    return banned
+
+
 def changes_logits(row: SamplingRow) -> bool:
     """Whether `_apply_penalties_and_masks` or a grammar would change this row's logits."""
     params = row.params
     if row.matcher is not None or params.logit_bias or params.repetition_penalty != 1.0:
+        return True
+    if params.allowed_token_ids is not None or row.bad_words_token_ids:
         return True
     if (params.presence_penalty or params.frequency_penalty) and row.output_token_ids:
         return True

@@ -38,6 +38,9 @@ class _Sampling(BaseModel):
     use_beam_search: bool = False
     length_penalty: float = 1.0
     cache_salt: Optional[str] = None  # only requests with the same salt share prefix-cache blocks
+    allowed_token_ids: Optional[list[int]] = None
+    bad_words: Optional[list[str]] = None
+    truncate_prompt_tokens: Optional[int] = None
     priority: int = 0  # with --scheduling-policy priority: smaller is served first
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_* fields.
     response_format: Optional[dict] = None
@@ -72,6 +75,9 @@ class _Sampling(BaseModel):
             length_penalty=self.length_penalty,
             structured_outputs=self.structured(),
             cache_salt=self.cache_salt,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
         )
 
     def structured(self) -> Optional[StructuredOutputsParams]:
