@@ -7,10 +7,11 @@ namespace pagedkv {
 // Scatters key/value [T, num_kv_heads, head_dim] (rows of key_token_stride /
 // value_token_stride, heads contiguous) into slot slot_mapping[t] = block * block_size + offset
 // of the per-layer caches [num_blocks, num_kv_heads, block_size, head_dim] (block stride
-// cache_block_stride). Slot -1 means "do not store" (padding). Grid (T), 128 threads.
-template <int DT>
+// cache_block_stride), converted from DT to the cache's CT (rounded to nearest even; float8
+// saturates). Slot -1 means "do not store" (padding). Grid (T), 128 threads.
+template <int DT, int CT>
 __global__ void reshape_and_cache_kernel(
-    typename Element<DT>::type* __restrict__ key_cache, typename Element<DT>::type* __restrict__ value_cache,
+    typename Element<CT>::type* __restrict__ key_cache, typename Element<CT>::type* __restrict__ value_cache,
     const typename Element<DT>::type* __restrict__ key, const typename Element<DT>::type* __restrict__ value,
     const long long* __restrict__ slot_mapping, long long key_token_stride, long long value_token_stride,
     long long cache_block_stride, int num_kv_heads, int block_size, int head_dim) {
@@ -23,8 +24,13 @@ __global__ void reshape_and_cache_kernel(
   for (int index = threadIdx.x; index < num_kv_heads * head_dim; index += blockDim.x) {
     const int head = index / head_dim, d = index % head_dim;
     const long long target = block * cache_block_stride + ((long long)head * block_size + offset) * head_dim + d;
-    key_cache[target] = key_row[index];
-    value_cache[target] = value_row[index];
+    if constexpr (CT == DT) {  // (no conversion: bits copied as they are)
+      key_cache[target] = key_row[index];
+      value_cache[target] = value_row[index];
+    } else {
+      key_cache[target] = from_float<CT>(to_float<DT>(key_row[index]));
+      value_cache[target] = from_float<CT>(to_float<DT>(value_row[index]));
+    }
   }
 }
 

@@ -12,7 +12,8 @@
 // result and reduce_partitions_kernel combines them.
 //
 // Cache layout per layer: [num_blocks, num_kv_heads, BLOCK_SIZE, HEAD_DIM] with a free
-// block stride (the block-major cache interleaves layers), each token's row contiguous.
+// block stride (the block-major cache interleaves layers), each token's row contiguous. The
+// cache's element type CT is the queries' DT or a float8 format, widened as it is loaded.
 #include "pagedkv_common.cuh"
 
 namespace pagedkv {
@@ -21,17 +22,17 @@ constexpr int NUM_THREADS = 128;
 constexpr int NUM_WARPS = NUM_THREADS / 32;
 constexpr int UNROLL = 4;  // K rows loaded before their dot products, to hide latency
 
-template <int DT, int HEAD_DIM, int BLOCK_SIZE, int GROUP>
+template <int DT, int CT, int HEAD_DIM, int BLOCK_SIZE, int GROUP>
 __device__ __forceinline__ void attend_partition(
     typename Element<DT>::type* __restrict__ out,
     float* __restrict__ partial_out, float* __restrict__ max_logits, float* __restrict__ exp_sums,
-    const typename Element<DT>::type* __restrict__ query, const typename Element<DT>::type* __restrict__ key_cache,
-    const typename Element<DT>::type* __restrict__ value_cache, const int* __restrict__ block_table,
+    const typename Element<DT>::type* __restrict__ query, const typename Element<CT>::type* __restrict__ key_cache,
+    const typename Element<CT>::type* __restrict__ value_cache, const int* __restrict__ block_table,
     int context_len, long long out_token_stride, long long cache_block_stride,
     int num_heads, int first_head, int kv_head, int partition_size, int max_partitions, float scale,
     float* shared) {
-  using scalar_t = typename Element<DT>::type;
-  constexpr int VEC = VecWidth<DT>::value;
+  using cache_t = typename Element<CT>::type;
+  constexpr int VEC = VecWidth<CT>::value;  // a thread's slices of a row are 16-byte cache loads
   constexpr int VECS_PER_ROW = HEAD_DIM / VEC;
   constexpr int THREADS_PER_TOKEN = VECS_PER_ROW < 32 ? VECS_PER_ROW : 32;
   constexpr int VECS_PER_THREAD = VECS_PER_ROW / THREADS_PER_TOKEN;
@@ -57,7 +58,8 @@ __device__ __forceinline__ void attend_partition(
   for (int g = 0; g < GROUP; ++g)
 #pragma unroll
     for (int j = 0; j < VECS_PER_THREAD; ++j) {
-      load_vec<DT>(query + (long long)(first_head + g) * HEAD_DIM + (rank + j * THREADS_PER_TOKEN) * VEC, q[g][j]);
+      load_elements<DT, VEC>(query + (long long)(first_head + g) * HEAD_DIM + (rank + j * THREADS_PER_TOKEN) * VEC,
+                             q[g][j]);
 #pragma unroll
       for (int e = 0; e < VEC; ++e) q[g][j][e] *= scale;
     }
@@ -72,9 +74,9 @@ __device__ __forceinline__ void attend_partition(
       if (i < length) {
         const int token = start + i;
         const long long block = block_table[token / BLOCK_SIZE];
-        const scalar_t* row = key_cache + block * cache_block_stride + head_offset + (token % BLOCK_SIZE) * HEAD_DIM;
+        const cache_t* row = key_cache + block * cache_block_stride + head_offset + (token % BLOCK_SIZE) * HEAD_DIM;
 #pragma unroll
-        for (int j = 0; j < VECS_PER_THREAD; ++j) load_vec<DT>(row + (rank + j * THREADS_PER_TOKEN) * VEC, k[u][j]);
+        for (int j = 0; j < VECS_PER_THREAD; ++j) load_vec<CT>(row + (rank + j * THREADS_PER_TOKEN) * VEC, k[u][j]);
       }
     }
 #pragma unroll
@@ -126,10 +128,10 @@ __device__ __forceinline__ void attend_partition(
   for (int i = token_lane; i < length; i += TOKEN_LANES) {
     const int token = start + i;
     const long long block = block_table[token / BLOCK_SIZE];
-    const scalar_t* row = value_cache + block * cache_block_stride + head_offset + (token % BLOCK_SIZE) * HEAD_DIM;
+    const cache_t* row = value_cache + block * cache_block_stride + head_offset + (token % BLOCK_SIZE) * HEAD_DIM;
     float v[VECS_PER_THREAD][VEC];
 #pragma unroll
-    for (int j = 0; j < VECS_PER_THREAD; ++j) load_vec<DT>(row + (rank + j * THREADS_PER_TOKEN) * VEC, v[j]);
+    for (int j = 0; j < VECS_PER_THREAD; ++j) load_vec<CT>(row + (rank + j * THREADS_PER_TOKEN) * VEC, v[j]);
 #pragma unroll
     for (int g = 0; g < GROUP; ++g) {
       const float p = logits[g * partition_size + i];
@@ -184,15 +186,15 @@ __device__ __forceinline__ void attend_partition(
 // threads, and (max(GROUP * partition_size, NUM_WARPS * GROUP * HEAD_DIM) + 2 * GROUP) * 4
 // bytes of dynamic shared memory. Query heads of kv head h: h * group .. (h + 1) * group - 1,
 // split into head_tiles tiles of GROUP heads.
-template <int DT, int HEAD_DIM, int BLOCK_SIZE, int GROUP>
+template <int DT, int CT, int HEAD_DIM, int BLOCK_SIZE, int GROUP>
 __global__ void paged_attention_kernel(
     typename Element<DT>::type* __restrict__ out,  // [T, num_heads, HEAD_DIM] rows of out_token_stride
     float* __restrict__ partial_out,               // [T, num_heads, max_partitions, HEAD_DIM] (split-K)
     float* __restrict__ max_logits,                // [T, num_heads, max_partitions] (split-K)
     float* __restrict__ exp_sums,                  // [T, num_heads, max_partitions] (split-K)
     const typename Element<DT>::type* __restrict__ query,  // [T, num_heads, HEAD_DIM] rows of query_token_stride
-    const typename Element<DT>::type* __restrict__ key_cache,
-    const typename Element<DT>::type* __restrict__ value_cache,
+    const typename Element<CT>::type* __restrict__ key_cache,
+    const typename Element<CT>::type* __restrict__ value_cache,
     const int* __restrict__ block_tables,  // [num_seqs, block_table_stride]
     const int* __restrict__ seq_index,     // [T] row of block_tables for each query token
     const int* __restrict__ context_lens,  // [T] cached tokens visible to each query token
@@ -208,7 +210,7 @@ __global__ void paged_attention_kernel(
   const int kv_head = blockIdx.y / head_tiles;
   const int first_head = kv_head * group + (blockIdx.y % head_tiles) * GROUP;
   const int* block_table = block_tables + (long long)seq_index[token_index] * block_table_stride;
-  attend_partition<DT, HEAD_DIM, BLOCK_SIZE, GROUP>(
+  attend_partition<DT, CT, HEAD_DIM, BLOCK_SIZE, GROUP>(
       out, partial_out, max_logits, exp_sums, query + token_index * query_token_stride, key_cache, value_cache,
       block_table, context_len, out_token_stride, cache_block_stride, num_heads, first_head,
       kv_head, partition_size, max_partitions, scale, shared);

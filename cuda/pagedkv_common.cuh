@@ -12,11 +12,14 @@
 
 namespace pagedkv {
 
-// Kernel template argument DT: the element type of queries, keys, values and outputs.
-enum DType { F32 = 0, F16 = 1, BF16 = 2 };
+// Element types: DT (queries, outputs, new keys/values) is F32, F16 or BF16; CT (the KV cache)
+// is DT or a float8 format (kv_cache_dtype="fp8"), widened to float on reading.
+enum DType { F32 = 0, F16 = 1, BF16 = 2, FP8_E4M3 = 3, FP8_E5M2 = 4 };
 
 template <int DT> struct Element { using type = unsigned short; };  // f16 and bf16 bits
 template <> struct Element<F32> { using type = float; };
+template <> struct Element<FP8_E4M3> { using type = unsigned char; };
+template <> struct Element<FP8_E5M2> { using type = unsigned char; };
 
 struct alignas(16) Vec16 { unsigned int x, y, z, w; };  // one 16-byte load or store
 
@@ -69,17 +72,48 @@ __device__ __forceinline__ unsigned short float_to_bf16(float f) {
   return (unsigned short)(bits >> 16);
 }
 
+// e5m2 is the high byte of an IEEE half (same sign, exponent width and bias): exact.
+__device__ __forceinline__ float e5m2_to_float(unsigned char code) { return half_to_float((unsigned short)(code << 8)); }
+
+// e4m3 with its sign moved to bit 15 and its magnitude to bits 7..13 reads as a half of
+// value * 2^-8, subnormals included (a half's exponent has one more bit, bias 15 = 7 + 8).
+__device__ __forceinline__ float e4m3_to_float(unsigned char code) {
+  if ((code & 0x7fu) == 0x7fu) return __uint_as_float(0x7fc00000u);  // the NaN code
+  return half_to_float((unsigned short)(((code & 0x80u) << 8) | ((code & 0x7fu) << 7))) * 256.f;
+}
+
+// The float8 code nearest f (ties to even) of a format with MANTISSA mantissa bits and exponent
+// bias BIAS, saturating at max_code (infinities too); NaN becomes nan_code. As rust/fp8.rs.
+template <int MANTISSA, int BIAS>
+__device__ __forceinline__ unsigned char float_to_fp8(float f, unsigned int max_code, unsigned int nan_code) {
+  const unsigned int bits = __float_as_uint(f), sign = (bits >> 24) & 0x80u;
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return (unsigned char)(sign | nan_code);
+  const unsigned int magnitude_bits = min(bits & 0x7fffffffu, 0x7f7fffffu);
+  // Below the smallest normal exponent the spacing stays that of the subnormals.
+  const int exponent = max((int)(magnitude_bits >> 23) - 127, 1 - BIAS);
+  const float quantum = __uint_as_float((unsigned int)(exponent - MANTISSA + 127) << 23);
+  // Quanta from the exponent's first value (a power-of-two division: exact); a mantissa that
+  // rounds up to the next power of two carries into the exponent by itself.
+  const unsigned int steps = (unsigned int)rintf(__uint_as_float(magnitude_bits) / quantum);
+  const unsigned int code = ((unsigned int)(exponent + BIAS - 1) << MANTISSA) + steps;
+  return (unsigned char)(sign | min(code, max_code));
+}
+
 template <int DT> __device__ __forceinline__ float to_float(typename Element<DT>::type x);
 template <> __device__ __forceinline__ float to_float<F32>(float x) { return x; }
 template <> __device__ __forceinline__ float to_float<F16>(unsigned short x) { return half_to_float(x); }
 template <> __device__ __forceinline__ float to_float<BF16>(unsigned short x) { return bf16_to_float(x); }
+template <> __device__ __forceinline__ float to_float<FP8_E4M3>(unsigned char x) { return e4m3_to_float(x); }
+template <> __device__ __forceinline__ float to_float<FP8_E5M2>(unsigned char x) { return e5m2_to_float(x); }
 
 template <int DT> __device__ __forceinline__ typename Element<DT>::type from_float(float x);
 template <> __device__ __forceinline__ float from_float<F32>(float x) { return x; }
 template <> __device__ __forceinline__ unsigned short from_float<F16>(float x) { return float_to_half(x); }
 template <> __device__ __forceinline__ unsigned short from_float<BF16>(float x) { return float_to_bf16(x); }
+template <> __device__ __forceinline__ unsigned char from_float<FP8_E4M3>(float x) { return float_to_fp8<3, 7>(x, 0x7eu, 0x7fu); }
+template <> __device__ __forceinline__ unsigned char from_float<FP8_E5M2>(float x) { return float_to_fp8<2, 15>(x, 0x7bu, 0x7eu); }
 
-// Elements per 16-byte vector: 4 floats or 8 halves.
+// Elements per 16-byte vector: 4 floats, 8 halves or 16 float8 codes.
 template <int DT> struct VecWidth { static constexpr int value = 16 / (int)sizeof(typename Element<DT>::type); };
 
 // Loads 16 bytes at `source` (16-byte aligned) and widens them to floats.
@@ -89,6 +123,13 @@ __device__ __forceinline__ void load_vec(const typename Element<DT>::type* sourc
   const typename Element<DT>::type* elements = reinterpret_cast<const typename Element<DT>::type*>(&raw);
 #pragma unroll
   for (int i = 0; i < VecWidth<DT>::value; ++i) out[i] = to_float<DT>(elements[i]);
+}
+
+// Loads N elements at `source` (16-byte aligned, N a multiple of the vector width) as floats.
+template <int DT, int N>
+__device__ __forceinline__ void load_elements(const typename Element<DT>::type* source, float* out) {
+#pragma unroll
+  for (int i = 0; i < N; i += VecWidth<DT>::value) load_vec<DT>(source + i, out + i);
 }
 
 template <typename T>

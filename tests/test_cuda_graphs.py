@@ -44,9 +44,9 @@ def emulator(tmp_path_factory):
     launcher = EmulatorLauncher(tmp_path_factory.mktemp("emulator"))
     code = sources.DTYPE_CODES[torch.float32]
     launcher.prepare([
-        (sources.ATTENTION_SOURCE, sources.attention_kernel(code, 64, 16, sources.head_tile(3))),
+        (sources.ATTENTION_SOURCE, sources.attention_kernel(code, code, 64, 16, sources.head_tile(3))),
         (sources.ATTENTION_SOURCE, sources.reduce_kernel(code, 64)),
-        (sources.CACHE_OPS_SOURCE, sources.cache_kernel(code)),
+        (sources.CACHE_OPS_SOURCE, sources.cache_kernel(code, code)),
         (sources.CACHE_OPS_SOURCE, sources.COPY_BLOCKS_KERNEL),
     ])
     return launcher

@@ -22,6 +22,10 @@ from pagedkv.kernels import sources
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 TOLERANCE = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+# float8 caches (kv_cache_dtype="fp8"): (query dtype, cache dtype) pairs the emulator builds.
+FP8_PAIRS = [(torch.bfloat16, torch.float8_e4m3fn), (torch.bfloat16, torch.float8_e5m2), (torch.float32, torch.float8_e4m3fn),
+             (torch.float16, torch.float8_e5m2)]
 # (head_dim, block_size, num_heads, num_kv_heads): SmolLM2's GQA 9/3, a Llama-like 8/2 with
 # 32-token blocks, plain multi-head attention, and a GQA group of 16 (two head tiles).
 SHAPES = [(64, 16, 9, 3), (128, 32, 8, 2), (64, 8, 4, 4), (256, 16, 16, 1)]
@@ -51,9 +55,16 @@ def target(request, tmp_path_factory):
     for code in sources.DTYPE_CODES.values():
         for head_dim, block_size, num_heads, num_kv_heads in SHAPES:
             tile = sources.head_tile(num_heads // num_kv_heads)
-            kernels.append((sources.ATTENTION_SOURCE, sources.attention_kernel(code, head_dim, block_size, tile)))
+            kernels.append((sources.ATTENTION_SOURCE, sources.attention_kernel(code, code, head_dim, block_size, tile)))
         kernels += [(sources.ATTENTION_SOURCE, sources.reduce_kernel(code, d)) for d in sources.HEAD_DIMS]
-        kernels.append((sources.CACHE_OPS_SOURCE, sources.cache_kernel(code)))
+        kernels.append((sources.CACHE_OPS_SOURCE, sources.cache_kernel(code, code)))
+    for query_dtype, cache_dtype in FP8_PAIRS:
+        code, cache_code = sources.DTYPE_CODES[query_dtype], sources.FP8_CODES[cache_dtype]
+        for head_dim, block_size, num_heads, num_kv_heads in SHAPES[:2]:
+            tile = sources.head_tile(num_heads // num_kv_heads)
+            kernels.append((sources.ATTENTION_SOURCE,
+                            sources.attention_kernel(code, cache_code, head_dim, block_size, tile)))
+        kernels.append((sources.CACHE_OPS_SOURCE, sources.cache_kernel(code, cache_code)))
     kernels.append((sources.CACHE_OPS_SOURCE, sources.COPY_BLOCKS_KERNEL))
     launcher.prepare(kernels)  # one build for the whole module
     return launcher, torch.device("cpu")
@@ -87,15 +98,16 @@ def relative_error(actual, expected):
     return ((actual.cpu().double() - expected).norm() / expected.norm()).item()
 
 
-def make_batch(shape, dtype, device, generator, context_lens_per_seq, prefill_chunks=()):
+def make_batch(shape, dtype, device, generator, context_lens_per_seq, prefill_chunks=(), cache_dtype=None):
     """Sequences with random non-contiguous block tables; one decode token per sequence, plus
     for each (seq, chunk_len) in prefill_chunks the last chunk_len tokens of that sequence as
-    causal queries. Returns the kernel arguments (query is a strided view of a qkv tensor)."""
+    causal queries. Returns the kernel arguments (query is a strided view of a qkv tensor);
+    the cache is of cache_dtype (default: dtype)."""
     head_dim, block_size, num_heads, num_kv_heads = shape
     max_blocks = max(math.ceil(c / block_size) for c in context_lens_per_seq) + 1
     num_blocks = max_blocks * len(context_lens_per_seq) + 3
     cache, key_cache, value_cache = block_major_cache(
-        num_blocks, 2, num_kv_heads, block_size, head_dim, dtype, device, generator
+        num_blocks, 2, num_kv_heads, block_size, head_dim, cache_dtype or dtype, device, generator
     )
     permutation = torch.randperm(num_blocks, generator=generator)
     block_tables = permutation[: len(context_lens_per_seq) * max_blocks].view(-1, max_blocks).int()
@@ -296,4 +308,95 @@ def test_cuda_backend_matches_the_torch_reference_on_a_mixed_step(target):
         outputs.append(backend.forward(query, kv[:, 1, 0], kv[:, 1, 1], metadata, head_dim**-0.5))
         backend.copy_blocks(kv, torch.tensor([[tables[0, 0], 23]], dtype=torch.int64, device=device))
     assert torch.equal(cache, reference_cache)
+    assert relative_error(outputs[0], outputs[1].cpu().double()) < 1e-5
+
+
+@pytest.mark.parametrize("dtypes", FP8_PAIRS, ids=lambda pair: f"{pair[0]}-{pair[1]}".replace("torch.", ""))
+@pytest.mark.parametrize("shape", SHAPES[:2], ids=lambda s: "d{}-bs{}-h{}-kv{}".format(*s))
+def test_float8_caches_match_the_reference_on_their_values(target, dtypes, shape):
+    """Queries of the model's dtype over a float8 cache: against float64 math on the codes'
+    exact values, for decodes, a causal chunk after a cached prefix, and split-K."""
+    launcher, device = target
+    dtype, cache_dtype = dtypes
+    generator = torch.Generator().manual_seed(hash((str(dtypes), shape)) % 2**31)
+    batch = make_batch(shape, dtype, device, generator, [1, 17, 200, 129], prefill_chunks=[(2, 30)],
+                       cache_dtype=cache_dtype)
+    scale = shape[0] ** -0.5
+    expected = reference_attention(
+        batch["query"], batch["key_cache"], batch["value_cache"], batch["block_tables"],
+        batch["seq_index"], batch["context_lens"], scale,
+    )
+    for partition_size in (None, 64):
+        out = torch.full(batch["query"].shape, float("nan"), dtype=dtype, device=device)
+        paged_attention(**batch, scale=scale, out=out, partition_size=partition_size, launcher=launcher)
+        assert out.dtype == dtype and not torch.isnan(out).any()
+        assert relative_error(out, expected) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtypes", FP8_PAIRS, ids=lambda pair: f"{pair[0]}-{pair[1]}".replace("torch.", ""))
+def test_reshape_and_cache_narrows_to_float8_as_torch_does(target, dtypes):
+    """Every written code equals torch's own conversion of the value clamped to the format's
+    range (what the torch reference backend stores): ties, subnormals, saturation, signs."""
+    from pagedkv.attention.torch_ref import to_cache_dtype
+
+    launcher, device = target
+    dtype, cache_dtype = dtypes
+    head_dim, block_size, _, num_kv_heads = SHAPES[0]
+    generator = torch.Generator().manual_seed(13)
+    cache = torch.zeros((8, 2, 2, num_kv_heads, block_size, head_dim), dtype=cache_dtype, device=device)
+    key_cache, value_cache = cache[:, 1, 0], cache[:, 1, 1]
+    num_tokens = 24
+    # Magnitudes from far below the smallest subnormal to far above the largest value, and
+    # every code's exact value and the midpoints between neighbouring codes (ties).
+    codes = torch.arange(256, dtype=torch.uint8).view(cache_dtype).float()
+    codes = codes[torch.isfinite(codes)]
+    midpoints = (codes.sort().values[1:] + codes.sort().values[:-1]) / 2
+    size = 2 * num_tokens * num_kv_heads * head_dim
+    spread = torch.randn(size, generator=generator) * 10.0 ** torch.randint(-12, 7, (size,), generator=generator).float()
+    values = torch.cat([codes, midpoints, spread])[:size]
+    kv = values.view(num_tokens, 2 * num_kv_heads, head_dim).to(dtype).to(device)
+    key, value = kv[:, :num_kv_heads], kv[:, num_kv_heads:]
+    slots = torch.randperm(8 * block_size, generator=generator)[:num_tokens].to(device)
+    reshape_and_cache(key, value, key_cache, value_cache, slots, launcher=launcher)
+    blocks, offsets = slots // block_size, slots % block_size
+    for written, source in ((key_cache, key), (value_cache, value)):
+        got = written[blocks, :, offsets].view(torch.uint8)
+        want = to_cache_dtype(source.float(), cache_dtype).view(torch.uint8)
+        assert torch.equal(got, want)
+
+
+def test_float8_cuda_backend_matches_the_torch_reference(target):
+    """The engine's float8 step through CudaAttentionBackend and TorchRefBackend: same cache
+    bytes after the write and a block copy, attention outputs within float32 rounding."""
+    from pagedkv.attention import AttentionMetadata, TorchRefBackend
+    from pagedkv.attention.cuda import CudaAttentionBackend
+
+    launcher, device = target
+    head_dim, block_size, num_heads, num_kv_heads = SHAPES[0]
+    generator = torch.Generator().manual_seed(17)
+    cache = (torch.randn((24, 2, 2, num_kv_heads, block_size, head_dim), generator=generator) * 4).to(torch.float8_e4m3fn)
+    cache = cache.to(device)
+    reference_cache = cache.clone()
+    new_tokens, contexts = [20, 9, 1, 1], [52, 9, 33, 70]
+    tables = torch.randperm(24, generator=generator)[:20].view(4, 5).int()
+    starts, slots = [0], []
+    for seq, (count, context) in enumerate(zip(new_tokens, contexts)):
+        starts.append(starts[-1] + count)
+        slots += [int(tables[seq, p // block_size]) * block_size + p % block_size for p in range(context - count, context)]
+    metadata = AttentionMetadata(
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        context_lens=torch.tensor(contexts, dtype=torch.int32, device=device),
+        block_tables=tables.to(device), slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        max_query_len=max(new_tokens), max_context_len=max(contexts), num_decode_tokens=2,
+        query_start_loc_host=starts, context_lens_host=contexts,
+    )
+    num_tokens = starts[-1]
+    query, key, value = (torch.randn((num_tokens, heads, head_dim), generator=generator).to(device) * 3
+                         for heads in (num_heads, num_kv_heads, num_kv_heads))
+    outputs = []
+    for backend, kv in ((CudaAttentionBackend(launcher), cache), (TorchRefBackend(), reference_cache)):
+        backend.write_kv(kv[:, 1, 0], kv[:, 1, 1], key, value, metadata.slot_mapping)
+        outputs.append(backend.forward(query, kv[:, 1, 0], kv[:, 1, 1], metadata, head_dim**-0.5))
+        backend.copy_blocks(kv, torch.tensor([[tables[0, 0], 23]], dtype=torch.int64, device=device))
+    assert torch.equal(cache.view(torch.uint8), reference_cache.view(torch.uint8))
     assert relative_error(outputs[0], outputs[1].cpu().double()) < 1e-5

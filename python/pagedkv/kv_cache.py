@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from pagedkv.attention.torch_ref import as_bytes
+
 
 class KVCache:
     def __init__(self, num_layers, num_kv_heads, head_dim, block_size, num_device_blocks, num_cpu_blocks, dtype, device):
@@ -37,7 +39,7 @@ class KVCache:
             return
         src, dst = _indices(pairs)
         if not self.is_cuda:
-            self.cpu_cache[dst] = self.device_cache[src]
+            as_bytes(self.cpu_cache)[dst] = as_bytes(self.device_cache)[src]
             return
         compute = torch.cuda.current_stream()
         self.swap_stream.wait_stream(compute)
@@ -57,7 +59,7 @@ class KVCache:
             return
         src, dst = _indices(pairs)
         if not self.is_cuda:
-            self.device_cache[dst] = self.cpu_cache[src]
+            as_bytes(self.device_cache)[dst] = as_bytes(self.cpu_cache)[src]
             return
         self.swap_stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.swap_stream):
@@ -85,7 +87,7 @@ class KVCache:
         if backend is not None:
             backend.copy_blocks(self.device_cache, pairs_tensor)
         else:
-            self.device_cache[pairs_tensor[:, 1]] = self.device_cache[pairs_tensor[:, 0]]
+            as_bytes(self.device_cache)[pairs_tensor[:, 1]] = as_bytes(self.device_cache)[pairs_tensor[:, 0]]
 
 
 def block_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:

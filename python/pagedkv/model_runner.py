@@ -38,17 +38,7 @@ class ModelRunner:
         self.max_model_len = self._max_model_len()
         self.vocab_size = self.hf_config.vocab_size
         self.num_parameters = sum(p.numel() for p in self.model.parameters())
-        backend = config.attention_backend
-        if self.kv_dtype.itemsize == 1 and backend == "auto" and self.device.type == "cuda":
-            backend = "torch"
-            logger.info("kv_cache_dtype=%s: the torch reference attention reads the float8 cache on the GPU",
-                        config.kv_cache_dtype)
-        self.backend = get_backend(backend, config.device)
-        if self.kv_dtype.itemsize == 1 and self.backend.name == "cuda":
-            raise InvalidConfigError(
-                f"kv_cache_dtype={config.kv_cache_dtype!r} is not supported by the cuda attention kernels yet; "
-                "use attention_backend='torch' for a float8 cache on the GPU"
-            )
+        self.backend = get_backend(config.attention_backend, config.device)
 
         attention = self.model.layers[0].self_attn
         num_layers = len(self.model.layers)

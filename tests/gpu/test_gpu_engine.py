@@ -104,14 +104,36 @@ def test_copy_on_write_of_a_block_swapped_in_the_same_step(backend):
     assert torch.equal(cache.device_cache[1025].cpu(), cache.cpu_cache[0])
 
 
-def test_float8_cache_on_the_gpu_runs_through_the_torch_backend():
+@pytest.mark.parametrize("backend", ["torch", "cuda"])
+def test_float8_cache_on_the_gpu(backend):
+    """bfloat16 model, e4m3 cache, a pool small enough to swap: every request completes and
+    every block comes back. (Token equality is no test for a float8 cache: see
+    tests/test_kv_cache_dtype.py; the kernels' values are checked in tests/test_kernels.py.)"""
     from pagedkv import LLM, SamplingParams
 
-    llm = LLM(model_path(), device="cuda", dtype="bfloat16", kv_cache_dtype="fp8", num_device_blocks=64,
-              max_model_len=512)
-    assert llm.engine.runner.backend.name == "torch"
+    llm = LLM(model_path(), device="cuda", dtype="bfloat16", kv_cache_dtype="fp8", num_device_blocks=24,
+              max_model_len=512, attention_backend=backend, preemption_mode="swap", swap_space_bytes=64 << 20)
+    assert llm.engine.runner.backend.name == backend
     assert llm.engine.runner.kv_cache.device_cache.dtype == torch.float8_e4m3fn
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
     assert all(len(out.outputs[0].token_ids) == 16 for out in outputs)
     stats = llm.engine.stats()
     assert stats["num_free_device_blocks"] == stats["num_device_blocks"]
+
+
+def test_lora_adapters_on_the_gpu_equal_the_cpu_engine(tmp_path):
+    """Mixed adapters in one batch on the GPU give the CPU engine's greedy tokens (float32)."""
+    from test_lora import write_adapter, SHAPES
+
+    from pagedkv import LLM, LoRARequest, SamplingParams
+
+    adapter = LoRARequest("every", 1, write_adapter(tmp_path / "every", list(SHAPES), rank=8, alpha=16, seed=1))
+    loras = [None, adapter] * (len(PROMPTS) // 2)
+    params = SamplingParams(temperature=0, max_tokens=16)
+    results = []
+    for device in ("cpu", "cuda"):
+        llm = LLM(model_path(), device=device, dtype="float32", enable_lora=True, num_device_blocks=256,
+                  max_model_len=1024)
+        outputs = llm.generate(PROMPTS[: len(loras)], params, use_tqdm=False, lora_request=loras)
+        results.append([out.outputs[0].token_ids for out in outputs])
+    assert results[0] == results[1]

@@ -23,20 +23,26 @@ def to_cache_dtype(tensor: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tens
     return tensor.to(cache_dtype)
 
 
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A float8 tensor as its bytes (uint8, same shape), others as they are: the scatters and
+    gathers below then need no float8 kernels, which torch lacks for some ops and devices."""
+    return tensor.view(torch.uint8) if tensor.dtype in FP8_DTYPES else tensor
+
+
 def write_kv(key_cache, value_cache, key, value, slot_mapping) -> None:
     """Scatters key/value [T, Hkv, D] into the per-layer caches [num_blocks, Hkv, block_size, D],
     converted to the caches' element type."""
     block_size = key_cache.shape[2]
     blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
     offsets = slot_mapping % block_size
-    key_cache[blocks, :, offsets] = to_cache_dtype(key, key_cache.dtype)
-    value_cache[blocks, :, offsets] = to_cache_dtype(value, value_cache.dtype)
+    as_bytes(key_cache)[blocks, :, offsets] = as_bytes(to_cache_dtype(key, key_cache.dtype))
+    as_bytes(value_cache)[blocks, :, offsets] = as_bytes(to_cache_dtype(value, value_cache.dtype))
 
 
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
     """One sequence's cached K or V as [Hkv, context_len, D]."""
     num_blocks = -(-context_len // cache.shape[2])
-    blocks = cache[block_table[:num_blocks].long()]  # [n, Hkv, bs, D]
+    blocks = as_bytes(cache)[block_table[:num_blocks].long()].view(cache.dtype)  # [n, Hkv, bs, D]
     return blocks.permute(1, 0, 2, 3).reshape(cache.shape[1], -1, cache.shape[3])[:, :context_len]
 
 
@@ -110,8 +116,8 @@ def _decode_batch(query, key_cache, value_cache, block_tables, context_lens, max
     flat_tables = block_tables[:, :max_blocks].reshape(-1).long()
     shape = (batch, max_blocks, num_kv_heads, block_size, head_dim)
     # (float8 caches are widened to the query's dtype: torch has no float8 matmul on every device)
-    keys = key_cache.index_select(0, flat_tables).view(shape).to(query.dtype)
-    values = value_cache.index_select(0, flat_tables).view(shape).to(query.dtype)
+    keys = as_bytes(key_cache).index_select(0, flat_tables).view(key_cache.dtype).view(shape).to(query.dtype)
+    values = as_bytes(value_cache).index_select(0, flat_tables).view(value_cache.dtype).view(shape).to(query.dtype)
     group = num_heads // num_kv_heads
     queries = query.view(batch, 1, num_kv_heads, group, head_dim)
     scores = torch.matmul(queries, keys.transpose(-1, -2)).float() * scale  # [B, n, Hkv, G, bs]
@@ -127,7 +133,7 @@ def _decode_batch(query, key_cache, value_cache, block_tables, context_lens, max
 def copy_blocks(kv_cache: torch.Tensor, pairs: torch.Tensor) -> None:
     """Copy-on-write: kv_cache [N, L, 2, Hkv, bs, D]; pairs int64 [P, 2] of (src, dst)."""
     if pairs.numel():
-        kv_cache[pairs[:, 1]] = kv_cache[pairs[:, 0]]
+        as_bytes(kv_cache)[pairs[:, 1]] = as_bytes(kv_cache)[pairs[:, 0]]
 
 
 class TorchRefBackend:

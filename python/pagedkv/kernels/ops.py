@@ -48,6 +48,17 @@ def _dtype_code(tensor: torch.Tensor, what: str) -> int:
     return sources.DTYPE_CODES[tensor.dtype]
 
 
+def _cache_code(cache: torch.Tensor, dtype_code: int, what: str) -> int:
+    """The kernels' code for the cache dtype that goes with queries (or new K/V) of dtype_code."""
+    code = sources.DTYPE_CODES.get(cache.dtype, sources.FP8_CODES.get(cache.dtype))
+    if code not in sources.cache_codes(dtype_code):
+        names = {code: dtype for dtype, code in {**sources.DTYPE_CODES, **sources.FP8_CODES}.items()}
+        supported = ", ".join(str(names[code]) for code in sources.cache_codes(dtype_code))
+        raise UnsupportedKernelError(f"{what} has dtype {cache.dtype}; with {names[dtype_code]} inputs the kernels "
+                                     f"support {supported}")
+    return code
+
+
 def _check_caches(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[int, int, int]:
     """(num_kv_heads, block_size, head_dim) of a same-shaped, same-strided K/V cache pair."""
     shape = _check_cache(key_cache, "key_cache")
@@ -119,8 +130,9 @@ def paged_attention(
     """
     dtype_code = _dtype_code(query, "query")
     num_kv_heads, block_size, head_dim = _check_caches(key_cache, value_cache)
-    if key_cache.dtype != query.dtype or key_cache.device != query.device:
-        raise ValueError(f"key_cache must be {query.dtype} on {query.device} like the query")
+    cache_code = _cache_code(key_cache, dtype_code, "key_cache")
+    if key_cache.device != query.device:
+        raise ValueError(f"key_cache must be on {query.device} like the query")
     if head_dim not in sources.HEAD_DIMS:
         raise UnsupportedKernelError(f"head_dim={head_dim} is not supported (supported: {sources.HEAD_DIMS})")
     if block_size not in sources.BLOCK_SIZES:
@@ -169,7 +181,7 @@ def paged_attention(
         partial_out = torch.empty((*scratch_shape, head_dim), dtype=torch.float32, device=query.device)
         stats = torch.empty((2, *scratch_shape), dtype=torch.float32, device=query.device)
         workspace = (pointer(partial_out), pointer(stats[0]), pointer(stats[1]))
-    attention = sources.attention_kernel(dtype_code, head_dim, block_size, tile)
+    attention = sources.attention_kernel(dtype_code, cache_code, head_dim, block_size, tile)
     for first in range(0, num_tokens, tokens_per_launch):
         tokens = slice(first, first + tokens_per_launch)
         slice_len = min(tokens_per_launch, num_tokens - first)
@@ -204,12 +216,14 @@ def paged_attention(
 
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, *, launcher=None) -> None:
     """Writes key/value [T, Hkv, D] into slots slot_mapping (int64 [T]; -1 skips a token) of the
-    per-layer caches [num_blocks, Hkv, block_size, D]."""
-    dtype_code = _dtype_code(key_cache, "key_cache")
+    per-layer caches [num_blocks, Hkv, block_size, D]: of the same dtype, or float8 (rounded to
+    nearest even, saturating at the format's largest value)."""
+    dtype_code = _dtype_code(key, "key")
     num_kv_heads, block_size, head_dim = _check_caches(key_cache, value_cache)
+    cache_code = _cache_code(key_cache, dtype_code, "key_cache")
     for tensor, what in ((key, "key"), (value, "value")):
-        if tensor.dtype != key_cache.dtype or tensor.device != key_cache.device:
-            raise ValueError(f"{what} must be {key_cache.dtype} on {key_cache.device} like key_cache")
+        if tensor.dtype != key.dtype or tensor.device != key_cache.device:
+            raise ValueError(f"{what} must be {key.dtype} on {key_cache.device}")
     _check_rows(key, "key", num_kv_heads, head_dim)
     _check_rows(value, "value", num_kv_heads, head_dim)
     _check_int(slot_mapping, "slot_mapping", torch.int64, key_cache.device)
@@ -220,7 +234,7 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, *, launc
     launcher = launcher or default_launcher(key_cache.device)
     launcher.launch(
         sources.CACHE_OPS_SOURCE,
-        sources.cache_kernel(dtype_code),
+        sources.cache_kernel(dtype_code, cache_code),
         (key.shape[0], 1, 1),
         (128, 1, 1),
         0,

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # queries, outputs, new K/V
+FP8_CODES = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}  # float8 KV caches (kv_cache_dtype="fp8")
 HEAD_DIMS = (64, 128, 256)
 BLOCK_SIZES = (8, 16, 32)
 MAX_HEAD_TILE = 8  # query heads per CTA; a larger GQA group is split into tiles
@@ -59,16 +60,21 @@ def head_tile(group: int) -> int:
     return max(tile for tile in range(1, MAX_HEAD_TILE + 1) if group % tile == 0)
 
 
-def attention_kernel(dtype_code: int, head_dim: int, block_size: int, tile: int) -> str:
-    return f"pagedkv::paged_attention_kernel<{dtype_code}, {head_dim}, {block_size}, {tile}>"
+def cache_codes(dtype_code: int) -> list[int]:
+    """The cache element types the kernels pair with queries of dtype_code: the same, or float8."""
+    return [dtype_code, *FP8_CODES.values()]
+
+
+def attention_kernel(dtype_code: int, cache_code: int, head_dim: int, block_size: int, tile: int) -> str:
+    return f"pagedkv::paged_attention_kernel<{dtype_code}, {cache_code}, {head_dim}, {block_size}, {tile}>"
 
 
 def reduce_kernel(dtype_code: int, head_dim: int) -> str:
     return f"pagedkv::reduce_partitions_kernel<{dtype_code}, {head_dim}>"
 
 
-def cache_kernel(dtype_code: int) -> str:
-    return f"pagedkv::reshape_and_cache_kernel<{dtype_code}>"
+def cache_kernel(dtype_code: int, cache_code: int) -> str:
+    return f"pagedkv::reshape_and_cache_kernel<{dtype_code}, {cache_code}>"
 
 
 COPY_BLOCKS_KERNEL = "copy_blocks_kernel"
@@ -77,12 +83,14 @@ COPY_BLOCKS_KERNEL = "copy_blocks_kernel"
 def all_instantiations() -> dict[str, list[str]]:
     """Every kernel the Python side can launch, by source file (what CI compiles)."""
     attention = [
-        attention_kernel(code, head_dim, block_size, tile)
+        attention_kernel(code, cache_code, head_dim, block_size, tile)
         for code in DTYPE_CODES.values()
+        for cache_code in cache_codes(code)
         for head_dim in HEAD_DIMS
         for block_size in BLOCK_SIZES
         for tile in range(1, MAX_HEAD_TILE + 1)
     ]
     attention += [reduce_kernel(code, head_dim) for code in DTYPE_CODES.values() for head_dim in HEAD_DIMS]
-    cache = [cache_kernel(code) for code in DTYPE_CODES.values()] + [COPY_BLOCKS_KERNEL]
+    cache = [cache_kernel(code, cache_code) for code in DTYPE_CODES.values() for cache_code in cache_codes(code)]
+    cache.append(COPY_BLOCKS_KERNEL)
     return {ATTENTION_SOURCE: attention, CACHE_OPS_SOURCE: cache}
