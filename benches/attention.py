@@ -3,6 +3,7 @@ data, and vs the device-to-device copy bandwidth measured in the same run. Print
 
     python benches/attention.py                        # GQA 32q/8kv, head dim 128, bf16
     python benches/attention.py --batches 1 64 --contexts 2048
+    python benches/attention.py --kv-cache-dtype fp8_e4m3     # float8 cache (SDPA on its widened values)
 
 Bytes moved per call = the K and V rows read (each once for all GQA query heads) plus queries
 and outputs; GB/s = bytes / time. The ceiling is a large device-to-device `copy_`, counted as
@@ -42,7 +43,8 @@ def copy_ceiling_gbps(num_bytes: int = 2 << 30) -> float:
     return 2 * num_bytes / seconds / 1e9
 
 
-def bench_one(batch, context, num_heads, num_kv_heads, head_dim, block_size, dtype, ceiling):
+def bench_one(batch, context, num_heads, num_kv_heads, head_dim, block_size, dtype, ceiling, cache_dtype=None):
+    from pagedkv.attention.torch_ref import to_cache_dtype
     from pagedkv.kernels import paged_attention
 
     generator = torch.Generator(device="cuda").manual_seed(batch * 100003 + context)
@@ -51,6 +53,8 @@ def bench_one(batch, context, num_heads, num_kv_heads, head_dim, block_size, dty
     shape = (num_blocks, num_kv_heads, block_size, head_dim)
     key_cache = torch.randn(shape, generator=generator, device="cuda", dtype=dtype)
     value_cache = torch.randn(shape, generator=generator, device="cuda", dtype=dtype)
+    if cache_dtype is not None:  # the kernel reads float8 codes; SDPA gets their exact values
+        key_cache, value_cache = to_cache_dtype(key_cache, cache_dtype), to_cache_dtype(value_cache, cache_dtype)
     # Random, non-contiguous block tables, as after a while of allocating and freeing.
     permutation = torch.randperm(num_blocks, generator=generator, device="cuda")
     block_tables = permutation.view(batch, blocks_per_seq).int()
@@ -65,8 +69,10 @@ def bench_one(batch, context, num_heads, num_kv_heads, head_dim, block_size, dty
 
     # The same K/V, contiguous per sequence, for SDPA: [B, Hkv, context, D].
     def contiguous(cache):
-        rows = cache[block_tables.long()].permute(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, -1, head_dim)
-        return rows[:, :, :context].contiguous()
+        rows = cache.view(torch.uint8)[block_tables.long()].view(cache.dtype) if cache.element_size() == 1 else \
+            cache[block_tables.long()]
+        rows = rows.permute(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, -1, head_dim)
+        return rows[:, :, :context].to(dtype).contiguous()
 
     keys, values = contiguous(key_cache), contiguous(value_cache)
     sdpa_query = query.view(batch, num_heads, 1, head_dim)
@@ -78,8 +84,7 @@ def bench_one(batch, context, num_heads, num_kv_heads, head_dim, block_size, dty
     expected = F.scaled_dot_product_attention(sdpa_query, keys, values, scale=scale, enable_gqa=True)
     error = ((out.float() - expected.view_as(out).float()).norm() / expected.float().norm()).item()
     paged_seconds, sdpa_seconds = time_cuda(paged), time_cuda(sdpa)
-    element = key_cache.element_size()
-    moved = 2 * batch * context * num_kv_heads * head_dim * element + 2 * query.numel() * element
+    moved = 2 * batch * context * num_kv_heads * head_dim * key_cache.element_size() + 2 * query.numel() * query.element_size()
     gbps = moved / paged_seconds / 1e9
     del key_cache, value_cache, keys, values
     return {
@@ -103,14 +108,17 @@ def main(argv=None) -> int:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16", "float32"])
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3", "fp8_e5m2"],
+                        help="the paged cache's element type (auto: --dtype)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("benches/attention.py needs a CUDA GPU", file=sys.stderr)
         return 2
     dtype = getattr(torch, args.dtype)
+    cache_dtype = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[args.kv_cache_dtype]
     ceiling = copy_ceiling_gbps()
     device = torch.cuda.get_device_name()
-    print(f"{device}, {date.today()}, {args.dtype}, {args.num_heads}q/{args.num_kv_heads}kv heads, "
+    print(f"{device}, {date.today()}, {args.dtype}, KV cache {args.kv_cache_dtype}, {args.num_heads}q/{args.num_kv_heads}kv heads, "
           f"head dim {args.head_dim}, block size {args.block_size}; copy ceiling {ceiling:.0f} GB/s")
     print()
     print("| batch | context | paged µs | SDPA (contiguous) µs | paged / SDPA time | paged GB/s | % of copy | rel. error |")
@@ -118,7 +126,7 @@ def main(argv=None) -> int:
     for batch in args.batches:
         for context in args.contexts:
             row = bench_one(batch, context, args.num_heads, args.num_kv_heads, args.head_dim, args.block_size,
-                            dtype, ceiling)
+                            dtype, ceiling, cache_dtype)
             print(f"| {row['batch']} | {row['context']} | {row['paged_us']:.1f} | {row['sdpa_us']:.1f} | "
                   f"{row['vs_sdpa']:.2f} | {row['gbps']:.0f} | {row['ceiling_pct']:.0f}% | {row['error']:.1e} |",
                   flush=True)

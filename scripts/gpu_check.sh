@@ -4,6 +4,7 @@
 # parts) once per machine, then runs the stages named (default: all of them, in this order):
 #   tests       kernel tests on CUDA, tests/gpu (engine with both backends, CUDA graphs, swap)
 #   attention   benches/attention.py      swap   benches/swap.py
+#   attention-fp8  benches/attention.py --kv-cache-dtype fp8_e4m3 (the float8 cache path)
 #   throughput  benches/throughput.py --device cuda --dtype bfloat16 (eager, CUDA graphs, HF)
 # One call may run for at most 10 minutes: name one or two stages per call if need be.
 # Logs go to $OUT (or ./gpu-results) so they come back.
@@ -34,9 +35,11 @@ for stage in "${stages[@]}"; do
         tests) python3 -m pytest -q -rs "$repo/tests/test_kernels.py" "$repo/tests/gpu" -k "not emulator" \
                    -p no:cacheprovider 2>&1 | tee "$results/tests.txt" ;;
         attention) python3 "$repo/benches/attention.py" 2>&1 | tee "$results/attention.txt" ;;
+        attention-fp8) python3 "$repo/benches/attention.py" --kv-cache-dtype fp8_e4m3 2>&1 \
+                           | tee "$results/attention-fp8.txt" ;;
         swap) python3 "$repo/benches/swap.py" 2>&1 | tee "$results/swap.txt" ;;
         throughput) python3 "$repo/benches/throughput.py" --device cuda --dtype bfloat16 2>&1 | grep -v "it/s" \
                         | tee "$results/throughput.txt" ;;
-        *) echo "unknown stage $stage (tests, attention, swap, throughput)"; exit 2 ;;
+        *) echo "unknown stage $stage (tests, attention, attention-fp8, swap, throughput)"; exit 2 ;;
     esac
 done
