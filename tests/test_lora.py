@@ -186,3 +186,17 @@ def test_the_server_serves_each_adapter_as_a_model(adapters, references, prompts
         assert response.status_code == 404 and "'every'" in response.json()["error"]["message"]
     finally:
         live.stop()
+
+
+def test_max_cpu_loras_drops_the_least_recently_used_adapter(adapters, prompts, references):
+    llm = LLM(dtype="float32", enable_lora=True, max_cpu_loras=1, num_device_blocks=128, max_model_len=512)
+    for key in ("every", "qv", "every"):
+        output = llm.generate([prompts[0]], greedy(), use_tqdm=False, lora_request=adapters[key])[0]
+        assert output.outputs[0].token_ids == references[key][0], key
+        assert [request.lora_name for request in llm.engine.list_loras()] == [key]
+    # Both adapters in one batch with room for one: each request keeps its own loaded adapter.
+    outputs = llm.generate([prompts[0], prompts[1]], greedy(), use_tqdm=False,
+                           lora_request=[adapters["qv"], adapters["every"]])
+    assert [output.outputs[0].token_ids for output in outputs] == [references["qv"][0], references["every"][1]]
+    with pytest.raises(InvalidConfigError, match="max_cpu_loras"):
+        LLM(dtype="float32", enable_lora=True, max_cpu_loras=0)

@@ -88,6 +88,9 @@ class EngineConfig:
     directory): requests with different adapters, or none, share batches."""
     max_lora_rank: int = 16
     """Largest LoRA rank accepted (vLLM's default 16)."""
+    max_cpu_loras: Optional[int] = None
+    """Adapters kept loaded; beyond it the least recently used one is dropped (requests running
+    with it keep it) and loaded again when next named. None = every adapter stays."""
     enforce_eager: bool = True
     """Launch every decode kernel from Python. False captures CUDA graphs of decode steps at
     start-up (cuda device and attention backend; see cuda_graphs.py). Off by default until
@@ -129,6 +132,8 @@ class EngineConfig:
             fail("watermark", self.watermark, "in [0, 1)")
         if not isinstance(self.max_lora_rank, int) or self.max_lora_rank < 1:
             fail("max_lora_rank", self.max_lora_rank, "a positive integer")
+        if self.max_cpu_loras is not None and (not isinstance(self.max_cpu_loras, int) or self.max_cpu_loras < 1):
+            fail("max_cpu_loras", self.max_cpu_loras, "None or a positive integer")
         if self.attention_backend not in ("auto", "torch", "cpu", "cuda"):
             fail("attention_backend", self.attention_backend, "auto, torch, cpu or cuda")
 

@@ -67,6 +67,7 @@ class StackedAdapters:
     and `owner` says which adapter (its index in the batch) each rank column belongs to."""
 
     def __init__(self, adapters: list[LoRAAdapter]):
+        self.adapters = adapters
         self.modules: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         owners: dict[tuple[int, ...], torch.Tensor] = {}  # one tensor per column layout (masks are cached by it)
         for key in sorted({key for adapter in adapters for key in adapter.deltas}):
@@ -106,16 +107,21 @@ class LoRABatch:
 
 
 class LoRARegistry:
-    """Adapters by id, loaded on first use for one model."""
+    """Adapters by id, loaded on first use for one model; at most `max_loaded` of them (least
+    recently used dropped first; a request holds its adapter itself, so dropping never breaks one)."""
 
-    def __init__(self, model, max_lora_rank: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, model, max_lora_rank: int, dtype: torch.dtype, device: torch.device,
+                 max_loaded: Optional[int] = None):
         self.model, self.max_lora_rank, self.dtype, self.device = model, max_lora_rank, dtype, device
-        self.adapters: dict[int, LoRAAdapter] = {}
-        self._stacks: dict[tuple[int, ...], StackedAdapters] = {}  # by adapter ids, most recent last
+        self.max_loaded = max_loaded
+        self.adapters: dict[int, LoRAAdapter] = {}  # least recently used first
+        # By the adapter objects' identities (a stack holds its adapters, so they stay unique):
+        # an id dropped and loaded again from elsewhere gets a stack of its own. Most recent last.
+        self._stacks: dict[tuple[int, ...], StackedAdapters] = {}
 
     def stacked(self, adapters: list[LoRAAdapter]) -> StackedAdapters:
         """The StackedAdapters of these adapters (in this order), reused while the same set runs."""
-        key = tuple(adapter.request.lora_int_id for adapter in adapters)
+        key = tuple(id(adapter) for adapter in adapters)
         stack = self._stacks.pop(key, None) or StackedAdapters(adapters)
         self._stacks[key] = stack
         if len(self._stacks) > _STACKS_KEPT:
@@ -133,9 +139,14 @@ class LoRARegistry:
             if (known.lora_name, known.lora_path) != (request.lora_name, request.lora_path):
                 raise ValueError(f"lora_int_id {request.lora_int_id} already names adapter {known.lora_name!r} "
                                  f"at {known.lora_path!r}")
+            self.adapters[request.lora_int_id] = self.adapters.pop(request.lora_int_id)  # most recent
             return adapter
         adapter = load_adapter(request, self.model, self.max_lora_rank, self.dtype, self.device)
         self.adapters[request.lora_int_id] = adapter
+        while self.max_loaded is not None and len(self.adapters) > self.max_loaded:
+            dropped = self.adapters.pop(next(iter(self.adapters)))
+            logger.info("dropped LoRA adapter %r (id %d): max_cpu_loras=%d", dropped.request.lora_name,
+                        dropped.request.lora_int_id, self.max_loaded)
         logger.info("loaded LoRA adapter %r (id %d, rank %d, %d projections) from %s", request.lora_name,
                     request.lora_int_id, adapter.rank, sum(map(len, adapter.deltas.values())), request.lora_path)
         return adapter

@@ -66,7 +66,10 @@ class ModelRunner:
             self.kv_dtype,
             self.backend.name,
         )
-        self.lora_registry = LoRARegistry(self.model, config.max_lora_rank, self.dtype, self.device) if config.enable_lora else None
+        self.lora_registry = None
+        if config.enable_lora:
+            self.lora_registry = LoRARegistry(self.model, config.max_lora_rank, self.dtype, self.device,
+                                              config.max_cpu_loras)
         self.decode_graphs = None
         if config.is_cuda and not config.enforce_eager:
             self.capture_decode_graphs()
