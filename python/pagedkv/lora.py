@@ -2,7 +2,8 @@
 fine-tunes at once. An adapter is a PEFT directory (`adapter_config.json` +
 `adapter_model.safetensors`); each projection it targets gets `scale * B (A x)` added to its
 output for the tokens of the requests that named it, so requests with different adapters (or
-none) share one batch, and one forward pass. Adapters load on first use and stay in memory."""
+none) share one batch, and one forward pass. Adapters load on first use and stay in memory
+(up to `max_cpu_loras`, least recently used dropped first)."""
 
 from __future__ import annotations
 
