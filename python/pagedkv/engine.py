@@ -140,7 +140,8 @@ class LLMEngine:
         if params.cache_salt is not None or lora is not None:
             # An adapter changes every layer's K/V: its prompts get prefix-cache keys of their own.
             # (Top bit clear: never one of the unique keys below.)
-            salt = (params.cache_salt or "") + (f"\0lora:{lora_request.lora_int_id}" if lora else "")
+            adapter = f"\0lora:{lora_request.lora_int_id}:{lora_request.lora_path}" if lora else ""
+            salt = (params.cache_salt or "") + adapter
             digest = hashlib.blake2b(salt.encode(), digest_size=8).digest()
             extra_key = int.from_bytes(digest, "little") & ((1 << 63) - 1)
         if params.prompt_logprobs is not None:
