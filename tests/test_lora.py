@@ -200,3 +200,36 @@ def test_max_cpu_loras_drops_the_least_recently_used_adapter(adapters, prompts, 
     assert [output.outputs[0].token_ids for output in outputs] == [references["qv"][0], references["every"][1]]
     with pytest.raises(InvalidConfigError, match="max_cpu_loras"):
         LLM(dtype="float32", enable_lora=True, max_cpu_loras=0)
+
+
+def test_the_server_loads_and_unloads_adapters_at_runtime(adapters, references, prompts, tmp_path):
+    import httpx
+
+    from test_server import LiveServer
+
+    live = LiveServer(enable_lora=True, num_device_blocks=128, max_model_len=256, allow_runtime_lora_updating=True)
+    try:
+        def post(path, **body):
+            return httpx.post(live.url + path, json=body, timeout=120)
+
+        assert post("/v1/load_lora_adapter", lora_name="qv", lora_path=adapters["qv"].lora_path).status_code == 200
+        again = post("/v1/load_lora_adapter", lora_name="qv", lora_path=adapters["qv"].lora_path)
+        assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"]
+        missing = post("/v1/load_lora_adapter", lora_name="gone", lora_path=str(tmp_path / "nowhere"))
+        assert missing.status_code == 400 and "adapter_config.json" in missing.json()["error"]["message"]
+        assert [card["id"] for card in httpx.get(live.url + "/v1/models", timeout=10).json()["data"]][1:] == ["qv"]
+        body = {"prompt": prompts[0], "max_tokens": MAX_NEW_TOKENS, "temperature": 0, "model": "qv"}
+        text = post("/v1/completions", **body).json()["choices"][0]["text"]
+        assert text == live.engine.tokenizer.decode(references["qv"][0], skip_special_tokens=True)
+        assert post("/v1/unload_lora_adapter", lora_name="qv").status_code == 200
+        assert post("/v1/completions", **body).status_code == 404
+        assert post("/v1/unload_lora_adapter", lora_name="qv").status_code == 404
+        assert live.engine.list_loras() == []
+    finally:
+        live.stop()
+    closed = LiveServer(num_device_blocks=32, max_model_len=128)
+    try:
+        response = httpx.post(closed.url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/"}, timeout=10)
+        assert response.status_code == 404  # (the routes exist only when allowed)
+    finally:
+        closed.stop()

@@ -134,7 +134,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise SystemExit(f"--lora-modules takes NAME=PATH pairs, got {module!r}")
         lora_modules[name] = path
     return serve(engine_config(args), host=args.host, port=args.port, served_model_name=args.served_model_name,
-                 chat_template=chat_template, api_key=args.api_key, lora_modules=lora_modules)
+                 chat_template=chat_template, api_key=args.api_key, lora_modules=lora_modules,
+                 allow_runtime_lora_updating=args.allow_runtime_lora_updating)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -191,6 +192,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="Jinja chat template (a file or the template itself; default: the tokenizer's)")
     serve.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                        help="LoRA adapters (PEFT directories) served as models of these names; turns --enable-lora on")
+    serve.add_argument("--allow-runtime-lora-updating", action="store_true",
+                       default=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
+                       help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter load adapters from this "
+                            "machine's disk while serving (default: $VLLM_ALLOW_RUNTIME_LORA_UPDATING)")
     serve.add_argument("--api-key", default=os.environ.get("PAGEDKV_API_KEY"),
                        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $PAGEDKV_API_KEY, else none)")
     add_engine_arguments(serve)

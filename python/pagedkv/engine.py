@@ -182,6 +182,11 @@ class LLMEngine:
         `add_request` does for a bad one."""
         self._lora_adapter(lora_request)
 
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unloads an adapter (requests running with it finish with it); False if not loaded."""
+        registry = self.runner.lora_registry
+        return registry is not None and registry.adapters.pop(lora_int_id, None) is not None
+
     def list_loras(self) -> list[LoRARequest]:
         """The adapters loaded so far."""
         registry = self.runner.lora_registry

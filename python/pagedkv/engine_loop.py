@@ -71,6 +71,16 @@ class EngineLoop:
         await accepted
         return [stream.outputs for _, _, stream in streams]
 
+    async def call(self, function):
+        """`function(engine)` run on the loop thread between steps (the engine is not
+        thread-safe); returns its result or raises its exception."""
+        done = asyncio.get_running_loop().create_future()
+        with self._lock:
+            if self._closed or self._stopping.is_set():
+                raise EngineStoppedError("the engine loop has stopped")
+            self._commands.put(("call", function, done))
+        return await done
+
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
 
@@ -113,7 +123,7 @@ class EngineLoop:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 break
-            if command[0] == "add":
+            if command[0] in ("add", "call"):
                 accepted = command[-1]
                 accepted.get_loop().call_soon_threadsafe(
                     _set_exception, accepted, EngineStoppedError("the engine loop has stopped"))
@@ -150,6 +160,14 @@ class EngineLoop:
             for request_id, _, stream in streams:
                 self._streams[request_id] = stream
             accepted.get_loop().call_soon_threadsafe(_set_result, accepted)
+        elif kind == "call":
+            _, function, done = command
+            try:
+                result = function(self.engine)
+            except Exception as error:
+                done.get_loop().call_soon_threadsafe(_set_exception, done, error)
+            else:
+                done.get_loop().call_soon_threadsafe(_set_value, done, result)
         elif kind == "abort":
             output = self.engine.abort(command[1])
             if output is not None:
@@ -187,6 +205,11 @@ class EngineLoop:
 def _set_result(future: asyncio.Future) -> None:
     if not future.done():
         future.set_result(None)
+
+
+def _set_value(future: asyncio.Future, value) -> None:
+    if not future.done():
+        future.set_result(value)
 
 
 def _set_exception(future: asyncio.Future, error: BaseException) -> None:

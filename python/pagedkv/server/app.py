@@ -34,7 +34,9 @@ from pagedkv.server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
+    LoadLoRAAdapterRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
 from pagedkv.server.responses import ResponseBuilder
 from pagedkv.server.tools import ToolCalling
@@ -57,12 +59,14 @@ def error_response(status: int, message: str, type_: str, param=None, code=None,
 
 
 def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_template: Optional[str] = None,
-               api_key: Optional[str] = None, lora_modules: Optional[dict[str, str]] = None) -> FastAPI:
+               api_key: Optional[str] = None, lora_modules: Optional[dict[str, str]] = None,
+               allow_runtime_lora_updating: bool = False) -> FastAPI:
     """The app around an engine; the engine loop runs for the app's lifetime. `chat_template`
     (Jinja) replaces the tokenizer's own, e.g. for a base model that has none. `api_key`: /v1
     routes answer 401 unless the request carries `Authorization: Bearer <api_key>`.
     `lora_modules` ({name: PEFT directory}, engine with enable_lora): each adapter is served as a
-    model of its own name, loaded now."""
+    model of its own name, loaded now. `allow_runtime_lora_updating` adds vLLM's
+    /v1/load_lora_adapter and /v1/unload_lora_adapter (adapters from the server's disk)."""
     model_name = served_model_name or engine.model_name
     adapters = {name: LoRARequest(name, index + 1, path) for index, (name, path) in enumerate((lora_modules or {}).items())}
     if model_name in adapters:
@@ -198,6 +202,37 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
             raise APIError(400, f"tokens must be token ids in [0, {vocab_size})", "invalid_request_error", "tokens")
         return {"prompt": engine.tokenizer.decode(body.tokens)}
 
+    if allow_runtime_lora_updating:
+        if engine.runner.lora_registry is None:
+            raise ValueError("allow_runtime_lora_updating needs an engine built with enable_lora=True")
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(body: LoadLoRAAdapterRequest):
+            name = body.lora_name
+            if name == model_name or name in adapters:
+                raise APIError(400, f"The lora adapter '{name}' has already been loaded.", "invalid_request_error",
+                               "lora_name")
+            next_id = max((known.lora_int_id for known in adapters.values()), default=0) + 1
+            adapter = LoRARequest(name, next_id, body.lora_path)
+            try:
+                await state["loop"].call(lambda engine: engine.add_lora(adapter))
+            except ValueError as error:  # (InvalidConfigError: the message names what is wrong)
+                raise APIError(400, str(error), "invalid_request_error", "lora_path") from error
+            adapters[name] = adapter
+            builders[name] = ResponseBuilder(engine.tokenizer, name)
+            logger.info("LoRA adapter %r loaded from %s", name, body.lora_path)
+            return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
+            adapter = adapters.pop(body.lora_name, None)
+            if adapter is None:
+                raise APIError(404, f"The lora adapter '{body.lora_name}' cannot be found.", "invalid_request_error",
+                               "lora_name", "model_not_found")
+            builders.pop(body.lora_name, None)
+            await state["loop"].call(lambda engine: engine.remove_lora(adapter.lora_int_id))
+            return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
+
     @app.get("/version")
     async def version():
         return {"version": __version__}
@@ -322,9 +357,9 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
 
 def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, served_model_name=None,
           chat_template: Optional[str] = None, api_key: Optional[str] = None,
-          lora_modules: Optional[dict[str, str]] = None) -> int:
+          lora_modules: Optional[dict[str, str]] = None, allow_runtime_lora_updating: bool = False) -> int:
     """Builds the engine and runs uvicorn until SIGINT/SIGTERM: stops accepting, lets in-flight
-    requests finish (10 s), aborts the rest, and returns 0. `lora_modules` turns enable_lora on."""
+    requests finish (10 s), aborts the rest, and returns 0. `lora_modules` and `allow_runtime_lora_updating` turn enable_lora on."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -336,8 +371,9 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, serve
                 signal.signal(sig, self.handle_exit)
             yield
 
-    if lora_modules and not config.enable_lora:
+    if (lora_modules or allow_runtime_lora_updating) and not config.enable_lora:
         config = dataclasses.replace(config, enable_lora=True)
-    app = create_app(LLMEngine(config), served_model_name, chat_template, api_key, lora_modules)
+    app = create_app(LLMEngine(config), served_model_name, chat_template, api_key, lora_modules,
+                     allow_runtime_lora_updating)
     Server(uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=10, log_level="info")).run()
     return 0

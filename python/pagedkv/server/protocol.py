@@ -195,6 +195,15 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
 
 
+class LoadLoRAAdapterRequest(BaseModel):
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    lora_name: str
+
+
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
