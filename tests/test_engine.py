@@ -427,3 +427,17 @@ def test_bad_words_allowed_token_ids_and_prompt_truncation(llm, prompts):
     assert truncated.outputs[0].token_ids == llm.generate([long_ids[-40:]], greedy(8), use_tqdm=False)[0].outputs[0].token_ids
     with pytest.raises(ValueError, match="allowed_token_ids"):
         llm.generate(["Hi"], greedy(2, allowed_token_ids=[10**7]), use_tqdm=False)
+
+
+def test_logits_processors_run_on_every_step_with_the_history(llm):
+    forced = llm.tokenizer.encode(" cat", add_special_tokens=False)[0]
+    histories = []
+
+    def force(prompt_ids, output_ids, logits):
+        histories.append(len(output_ids))
+        logits[forced] = logits.max() + 1
+        return logits
+
+    output = llm.generate(["Hello"], greedy(5, logits_processors=[force]), use_tqdm=False)[0]
+    assert output.outputs[0].token_ids == [forced] * 5
+    assert histories == [0, 1, 2, 3, 4]

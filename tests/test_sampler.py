@@ -228,3 +228,27 @@ def test_bad_words_ban_a_words_last_token_only_where_it_would_complete_the_word(
     assert greedy_after([]) == 8  # 7 is always banned; 8 only after 3
     assert greedy_after([5, 3]) == 9
     assert greedy_after([3, 5]) == 8
+
+
+def test_logits_processors_see_the_history_and_replace_the_logits():
+    logits = random_logits(2, seed=21)
+    seen = []
+
+    def two_args(output_ids, row_logits):
+        seen.append(("two", list(output_ids), row_logits.shape))
+        row_logits[11] = 1e4  # in place
+        return row_logits
+
+    def three_args(prompt_ids, output_ids, row_logits):
+        seen.append(("three", list(prompt_ids), list(output_ids)))
+        boosted = row_logits.clone()
+        boosted[13] = 2e4  # a new tensor
+        return boosted
+
+    rows = [row(0, temperature=0, prompt=[1, 2], output=[3], logits_processors=[two_args, three_args]),
+            row(1, temperature=0, logits_processors=[two_args])]
+    results = Sampler()(logits, rows)
+    assert [result.token_id for result in results] == [13, 11]
+    assert seen == [("two", [3], (VOCAB,)), ("three", [1, 2], [3]), ("two", [], (VOCAB,))]
+    with pytest.raises(ValueError, match="logits_processors"):
+        SamplingParams(logits_processors=[3])

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 from pagedkv.structured_output import StructuredOutputsParams
 
@@ -37,6 +37,9 @@ class SamplingParams:
     allowed_token_ids: Optional[list[int]] = None  # only these tokens may be generated
     bad_words: Optional[list[str]] = None  # words never generated (as a whole, with or without a leading space)
     truncate_prompt_tokens: Optional[int] = None  # keep only the prompt's last k tokens (-1: the model's limit)
+    # Callables (output_token_ids, logits) or (prompt_token_ids, output_token_ids, logits) -> logits,
+    # logits being the row's 1-D float32 vocabulary scores (vLLM's logits_processors).
+    logits_processors: Optional[list[Callable]] = None
     use_beam_search: bool = False
     beam_width: Optional[int] = None
     length_penalty: float = 1.0
@@ -55,6 +58,7 @@ class SamplingParams:
         self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
         self.allowed_token_ids = list(self.allowed_token_ids) if self.allowed_token_ids is not None else None
         self.bad_words = list(self.bad_words) if self.bad_words else None
+        self.logits_processors = list(self.logits_processors) if self.logits_processors else None
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if self.beam_width is None:
@@ -104,6 +108,8 @@ class SamplingParams:
             fail("allowed_token_ids", self.allowed_token_ids, "None or a non-empty list of token ids (integers >= 0)")
         if any(not isinstance(word, str) or not word.strip() for word in self.bad_words or ()):
             fail("bad_words", self.bad_words, "a list of non-empty strings")
+        if any(not callable(processor) for processor in self.logits_processors or ()):
+            fail("logits_processors", self.logits_processors, "a list of callables")
         if self.truncate_prompt_tokens is not None and (
             not isinstance(self.truncate_prompt_tokens, int) or (self.truncate_prompt_tokens < 1
                                                                  and self.truncate_prompt_tokens != -1)

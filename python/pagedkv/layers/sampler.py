@@ -5,6 +5,7 @@ over the vocabulary) per row."""
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Optional
 
@@ -100,6 +101,13 @@ class Sampler:
             kept = logits[allowed]
             logits.fill_(float("-inf"))
             logits[allowed] = kept
+        for processor in params.logits_processors or ():
+            arguments = (list(row.output_token_ids), logits)
+            if _takes_prompt(processor):
+                arguments = (list(row.prompt_token_ids), *arguments)
+            result = processor(*arguments)
+            if result is not logits:
+                logits.copy_(result)
         banned_words = _banned_by_bad_words(row.bad_words_token_ids, row.output_token_ids)
         if banned_words:
             logits[torch.tensor(banned_words, device=logits.device)] = float("-inf")
@@ -107,6 +115,11 @@ class Sampler:
             banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(row.eos_token_ids))
             if banned:
                 logits[torch.tensor(sorted(banned), device=logits.device)] = float("-inf")
+
+
+def _takes_prompt(processor) -> bool:
+    """Whether a logits processor has vLLM's three-argument form (prompt ids first)."""
+    return len(inspect.signature(processor).parameters) == 3
 
 
 def _banned_by_bad_words(bad_words: tuple[tuple[int, ...], ...], output_token_ids: list[int]) -> list[int]:
@@ -125,7 +138,7 @@ def changes_logits(row: SamplingRow) -> bool:
     params = row.params
     if row.matcher is not None or params.logit_bias or params.repetition_penalty != 1.0:
         return True
-    if params.allowed_token_ids is not None or row.bad_words_token_ids:
+    if params.allowed_token_ids is not None or row.bad_words_token_ids or params.logits_processors:
         return True
     if (params.presence_penalty or params.frequency_penalty) and row.output_token_ids:
         return True
