@@ -218,6 +218,7 @@ def test_the_server_loads_and_unloads_adapters_at_runtime(adapters, references, 
         missing = post("/v1/load_lora_adapter", lora_name="gone", lora_path=str(tmp_path / "nowhere"))
         assert missing.status_code == 400 and "adapter_config.json" in missing.json()["error"]["message"]
         assert [card["id"] for card in httpx.get(live.url + "/v1/models", timeout=10).json()["data"]][1:] == ["qv"]
+        assert live.metric("pagedkv_lora_adapters_loaded") == 1
         body = {"prompt": prompts[0], "max_tokens": MAX_NEW_TOKENS, "temperature": 0, "model": "qv"}
         text = post("/v1/completions", **body).json()["choices"][0]["text"]
         assert text == live.engine.tokenizer.decode(references["qv"][0], skip_special_tokens=True)
@@ -233,3 +234,17 @@ def test_the_server_loads_and_unloads_adapters_at_runtime(adapters, references, 
         assert response.status_code == 404  # (the routes exist only when allowed)
     finally:
         closed.stop()
+
+
+def test_stats_count_unfinished_requests_by_adapter(adapters):
+    llm = LLM(dtype="float32", enable_lora=True, num_device_blocks=64, max_model_len=256)
+    engine = llm.engine
+    for index, lora in enumerate([adapters["every"], None, adapters["every"], adapters["qv"]]):
+        engine.add_request(f"r{index}", "Hello there", greedy(), lora_request=lora)
+    engine.step()
+    stats = engine.stats()
+    assert stats["lora_requests"] == {"every": 2, "qv": 1} and stats["num_loaded_loras"] == 2
+    for index in range(4):
+        engine.abort(f"r{index}")
+    stats = engine.stats()
+    assert stats["lora_requests"] == {} and stats["num_free_device_blocks"] == stats["num_device_blocks"]

@@ -462,4 +462,11 @@ class LLMEngine:
         stats["num_draft_tokens"] = self.num_draft_tokens
         stats["num_accepted_draft_tokens"] = self.num_accepted_draft_tokens
         stats["finished_by_reason"] = dict(self.num_finished_by_reason)
+        stats["num_loaded_loras"] = len(self.list_loras())
+        lora_requests: dict[str, int] = {}
+        for request in self.requests.values():
+            if request.lora is not None:
+                name = request.lora.request.lora_name
+                lora_requests[name] = lora_requests.get(name, 0) + 1
+        stats["lora_requests"] = lora_requests  # unfinished requests by adapter name
         return stats

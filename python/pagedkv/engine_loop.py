@@ -168,6 +168,7 @@ class EngineLoop:
                 done.get_loop().call_soon_threadsafe(_set_exception, done, error)
             else:
                 done.get_loop().call_soon_threadsafe(_set_value, done, result)
+            self.stats = self.engine.stats()
         elif kind == "abort":
             output = self.engine.abort(command[1])
             if output is not None:

@@ -92,6 +92,11 @@ class _EngineCollector:
         drafts.add_metric(["proposed"], stats.get("num_draft_tokens", 0))
         drafts.add_metric(["accepted"], stats.get("num_accepted_draft_tokens", 0))
         yield drafts
+        yield _gauge("pagedkv_lora_adapters_loaded", "LoRA adapters loaded", stats.get("num_loaded_loras", 0))
+        lora = GaugeMetricFamily("pagedkv_lora_requests", "Unfinished requests by LoRA adapter", labels=["adapter"])
+        for name, count in sorted(stats.get("lora_requests", {}).items()):
+            lora.add_metric([name], count)
+        yield lora
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
