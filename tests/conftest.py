@@ -1,5 +1,6 @@
-"""Shared fixtures: the embedded SmolLM2 GGUF (path, HF reference model, our ModelRunner) and a tiny
-random-weight Qwen2 checkpoint (qkv bias) written as safetensors with an offline-built tokenizer."""
+"""Shared fixtures: the embedded SmolLM2 GGUF (path, HF reference model, our ModelRunner) and tiny
+random-weight checkpoints (Qwen2 with qkv bias, ...) written as safetensors with an offline-built
+tokenizer."""
 
 import importlib.util
 import os
@@ -40,15 +41,28 @@ def smollm2_runner(smollm2):
     return ModelRunner(EngineConfig(dtype="float32", num_device_blocks=64, swap_space_bytes=16 << 20, max_model_len=512))
 
 
+def save_tiny_checkpoint(directory, model) -> str:
+    """Saves a random HF model as safetensors next to a word-level tokenizer over ids 0-255
+    (<unk>, <s>, </s>, then w3..w255); returns the directory."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    model.save_pretrained(directory, safe_serialization=True)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 256)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    tokenizer.save_pretrained(directory)
+    return str(directory)
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory) -> str:
     """A 2-layer random Qwen2 (qkv bias, GQA 4:2, untied lm_head, rope_theta 5e5) saved as
     safetensors, with a word-level tokenizer over its 256 ids."""
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    directory = tmp_path_factory.mktemp("tiny_qwen2")
     config = Qwen2Config(
         vocab_size=256,
         hidden_size=64,
@@ -68,11 +82,4 @@ def tiny_qwen2_dir(tmp_path_factory) -> str:
         for layer in model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 proj.bias.normal_(std=0.5)
-    model.save_pretrained(directory, safe_serialization=True)
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 256)}}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    tokenizer.save_pretrained(directory)
-    return str(directory)
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny_qwen2"), model)

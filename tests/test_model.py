@@ -1,10 +1,12 @@
-"""Our Llama-family model against HF transformers: SmolLM2 (GGUF, Llama) and a random Qwen2 with
-qkv bias loaded from safetensors by our loader."""
+"""Our Llama-family model against HF transformers: SmolLM2 (GGUF, Llama) and tiny random
+checkpoints of the other architectures (Qwen2 with qkv bias, Qwen3 with q/k norms, ...) loaded from
+safetensors by our loader."""
 
 import os
 
 import pytest
 import torch
+from conftest import save_tiny_checkpoint
 
 from pagedkv.attention import AttentionMetadata, TorchRefBackend
 from pagedkv.kv_cache import KVCache
@@ -69,6 +71,40 @@ def test_tiny_qwen2_from_safetensors_matches_hf(tiny_qwen2_dir):
     reference = hf_logits(hf_model, tokens)
     assert (ours - reference).abs().max().item() < 1e-4
     assert torch.equal(ours.argmax(-1), reference.argmax(-1))
+
+
+def assert_prefill_matches_hf(directory: str, model_type: str, tolerance: float = 1e-4):
+    """Our loader's model and HF's on one 37-token prompt over a non-contiguous block table."""
+    from transformers import AutoModelForCausalLM
+
+    loaded = load(directory, None, None, torch.float32, torch.device("cpu"), None)
+    assert loaded.hf_config.model_type == model_type
+    hf_model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(3, 256, (37,), generator=generator).tolist()
+    ours = prefill_all_positions(loaded.model, tokens, [3, 0, 6], block_size=16, num_blocks=8)
+    reference = hf_logits(hf_model, tokens)
+    assert (ours - reference).abs().max().item() < tolerance
+    assert torch.equal(ours.argmax(-1), reference.argmax(-1))
+    return loaded
+
+
+def test_tiny_qwen3_with_query_and_key_norms_matches_hf(tmp_path):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    # head_dim 32 with hidden 64 and 4 heads: the attention is wider than the residual stream,
+    # as in Qwen3-0.6B (16 x 128 over 1024)
+    config = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                         tie_word_embeddings=True, eos_token_id=2, bos_token_id=1)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():  # norm weights far from 1, so a skipped q/k norm shows in the logits
+        for layer in model.model.layers:
+            layer.self_attn.q_norm.weight.uniform_(0.2, 3.0)
+            layer.self_attn.k_norm.weight.uniform_(0.2, 3.0)
+    loaded = assert_prefill_matches_hf(save_tiny_checkpoint(tmp_path, model), "qwen3")
+    assert loaded.model.layers[0].self_attn.q_norm is not None
 
 
 def test_loader_rejects_unknown_directories(tmp_path):

@@ -198,9 +198,9 @@ def _trailing_decodes(scheduled) -> int:
 
 
 def sliding_window(hf_config) -> int | None:
-    """The attention window of a model that uses one (Mistral's `sliding_window`; Qwen2's when
+    """The attention window of a model that uses one (Mistral's `sliding_window`; Qwen's when
     `use_sliding_window`), else None."""
     window = getattr(hf_config, "sliding_window", None)
-    if not window or (hf_config.model_type in ("qwen2", "qwen2_moe") and not getattr(hf_config, "use_sliding_window", False)):
+    if not window or (hf_config.model_type.startswith("qwen") and not getattr(hf_config, "use_sliding_window", False)):
         return None
     return int(window)

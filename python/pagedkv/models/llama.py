@@ -1,4 +1,5 @@
-"""The Llama family (Llama, Mistral, Qwen2 with qkv bias, tied embeddings) over the paged cache.
+"""The Llama family (Llama, Mistral, Qwen2 with qkv bias, Qwen3 with per-head q/k norms, tied
+embeddings) over the paged cache.
 
 Weights come from HF state dicts (see loader.py); Q/K/V and gate/up projections are fused into one
 matmul each.
@@ -15,6 +16,8 @@ from pagedkv.layers.activation import silu_and_mul
 from pagedkv.layers.rms_norm import RMSNorm
 from pagedkv.layers.rotary_embedding import RotaryEmbedding, split_and_rotate
 
+QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
+
 
 class LlamaAttention(nn.Module):
     def __init__(self, hf_config, layer_index: int):
@@ -29,12 +32,19 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(hf_config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(self.q_size, hf_config.hidden_size, bias=False)
+        if hf_config.model_type in QK_NORM_MODEL_TYPES:
+            self.q_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
 
     def forward(self, hidden, cos_sin, metadata: AttentionMetadata, kv_cache, backend, lora=None):
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         if lora is not None:
             lora.add(self.layer_index, "qkv_proj", hidden, qkv)
+        if self.q_norm is not None:
+            self._normalize_query_and_key_heads_(qkv)
         query, key, value = split_and_rotate(qkv, cos_sin, self.num_heads, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache.layer(self.layer_index)
         backend.write_kv(key_cache, value_cache, key, value, metadata.slot_mapping)
@@ -43,6 +53,14 @@ class LlamaAttention(nn.Module):
         if lora is not None:
             lora.add(self.layer_index, "o_proj", out, projected)
         return projected
+
+    def _normalize_query_and_key_heads_(self, qkv: torch.Tensor) -> None:
+        """Qwen3's RMSNorm over each query and key head, before the rotation; writes qkv."""
+        num_tokens = qkv.shape[0]
+        query = qkv[:, : self.q_size].reshape(num_tokens * self.num_heads, self.head_dim)
+        key = qkv[:, self.q_size : self.q_size + self.kv_size].reshape(num_tokens * self.num_kv_heads, self.head_dim)
+        qkv[:, : self.q_size] = self.q_norm(query).view(num_tokens, self.q_size)
+        qkv[:, self.q_size : self.q_size + self.kv_size] = self.k_norm(key).view(num_tokens, self.kv_size)
 
 
 class LlamaMLP(nn.Module):
