@@ -107,6 +107,44 @@ def test_tiny_qwen3_with_query_and_key_norms_matches_hf(tmp_path):
     assert loaded.model.layers[0].self_attn.q_norm is not None
 
 
+TINY_MOE = dict(vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=512, eos_token_id=2, bos_token_id=1, num_experts_per_tok=2)
+
+
+def tiny_moe_models():
+    """(model_type, HF model): Mixtral (always renormalized), Qwen3-MoE (q/k norms, one dense
+    layer, renormalized) and Qwen2-MoE (shared expert, qkv bias, not renormalized)."""
+    from transformers import (MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig,
+                              Qwen3MoeForCausalLM)
+
+    torch.manual_seed(0)
+    yield "mixtral", MixtralForCausalLM(MixtralConfig(**TINY_MOE, intermediate_size=48, num_local_experts=8))
+    yield "qwen3_moe", Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        **TINY_MOE, head_dim=16, intermediate_size=96, moe_intermediate_size=32, num_experts=6, mlp_only_layers=[1],
+        norm_topk_prob=True))
+    yield "qwen2_moe", Qwen2MoeForCausalLM(Qwen2MoeConfig(
+        **TINY_MOE, intermediate_size=96, moe_intermediate_size=32, num_experts=6, shared_expert_intermediate_size=40,
+        norm_topk_prob=False))
+
+
+@pytest.mark.parametrize("index", range(3), ids=["mixtral", "qwen3_moe", "qwen2_moe"])
+def test_tiny_mixture_of_experts_checkpoints_match_hf(tmp_path, index):
+    model_type, hf_model = list(tiny_moe_models())[index]
+    with torch.no_grad():  # a sharper router than random init's, so every token's top-k is decisive
+        for name, parameter in hf_model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                parameter.normal_(std=1.0)
+    loaded = assert_prefill_matches_hf(save_tiny_checkpoint(tmp_path, hf_model.eval()), model_type)
+    layers = loaded.model.layers
+    assert [layer.is_moe for layer in layers] == ([True, False, True] if model_type == "qwen3_moe" else [True] * 3)
+    assert layers[0].mlp.has_shared_expert == (model_type == "qwen2_moe")
+    # transformers keeps experts stacked in memory (what a GGUF file is dequantized into): same weights
+    again = type(loaded.model)(loaded.hf_config, 512, torch.float32)
+    again.load_hf_state_dict(hf_model.state_dict())
+    for (name, ours), theirs in zip(loaded.model.state_dict().items(), again.state_dict().values()):
+        assert torch.equal(ours, theirs), name
+
+
 def test_loader_rejects_unknown_directories(tmp_path):
     import pytest
 

@@ -18,7 +18,7 @@ from pagedkv.models.llama import LlamaForCausalLM
 logger = logging.getLogger("pagedkv.loader")
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def default_model_path() -> tuple[str, str]:

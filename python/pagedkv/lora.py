@@ -217,6 +217,9 @@ def _delta(adapter_name, model, layer_index, name, a, b, scale, dtype, device) -
                                  f"({len(model.layers)} layers)")
     layer = model.layers[layer_index]
     fused_name, part = _TARGETS[name]
+    if layer.is_moe and fused_name not in ("qkv_proj", "o_proj"):
+        raise InvalidConfigError(f"LoRA adapter {adapter_name!r}: layer {layer_index} {name} is a mixture of experts; "
+                                 "adapters of expert layers are not supported (attention projections are)")
     module = getattr(layer.self_attn if fused_name in ("qkv_proj", "o_proj") else layer.mlp, fused_name)
     if fused_name == "qkv_proj":
         attention = layer.self_attn

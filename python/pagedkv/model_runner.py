@@ -72,7 +72,10 @@ class ModelRunner:
                                               config.max_cpu_loras)
         self.decode_graphs = None
         if config.is_cuda and not config.enforce_eager:
-            self.capture_decode_graphs()
+            if any(layer.is_moe for layer in self.model.layers):
+                logger.info("CUDA graphs off: a mixture-of-experts step sizes its expert matmuls on the host")
+            else:
+                self.capture_decode_graphs()
 
     @torch.inference_mode()
     def capture_decode_graphs(self, capture=None) -> None:

@@ -1,8 +1,8 @@
 """The Llama family (Llama, Mistral, Qwen2 with qkv bias, Qwen3 with per-head q/k norms, tied
-embeddings) over the paged cache.
+embeddings, and the mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE) over the paged cache.
 
 Weights come from HF state dicts (see loader.py); Q/K/V and gate/up projections are fused into one
-matmul each.
+matmul each, and a MoE layer's experts are stacked into one tensor per projection.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from torch import nn
 
 from pagedkv.attention.metadata import AttentionMetadata
 from pagedkv.layers.activation import silu_and_mul
+from pagedkv.layers.fused_moe import SparseMoE, is_moe_layer, moe_config
 from pagedkv.layers.rms_norm import RMSNorm
 from pagedkv.layers.rotary_embedding import RotaryEmbedding, split_and_rotate
 
@@ -27,7 +28,8 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // self.num_heads
         self.scale = self.head_dim**-0.5
-        bias = bool(getattr(hf_config, "attention_bias", False) or hf_config.model_type == "qwen2")
+        bias = bool(getattr(hf_config, "attention_bias", False) or getattr(hf_config, "qkv_bias", False)
+                    or hf_config.model_type == "qwen2")
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(hf_config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
@@ -87,7 +89,13 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.self_attn = LlamaAttention(hf_config, layer_index)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
-        self.mlp = LlamaMLP(hf_config, layer_index)
+        self.is_moe = is_moe_layer(hf_config, layer_index)
+        if self.is_moe:
+            num_experts, top_k, intermediate_size, renormalize = moe_config(hf_config)
+            shared = getattr(hf_config, "shared_expert_intermediate_size", 0) if hf_config.model_type == "qwen2_moe" else 0
+            self.mlp = SparseMoE(hf_config.hidden_size, intermediate_size, num_experts, top_k, renormalize, shared)
+        else:
+            self.mlp = LlamaMLP(hf_config, layer_index)
 
     def forward(self, hidden, residual, cos_sin, metadata, kv_cache, backend, lora=None):
         """(hidden, residual) -> the next layer's (hidden, residual), whose sum is this layer's
@@ -98,7 +106,8 @@ class LlamaDecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(hidden, cos_sin, metadata, kv_cache, backend, lora)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden, lora), residual
+        # LoRA adapters never target experts (refused when they load)
+        return (self.mlp(hidden) if self.is_moe else self.mlp(hidden, lora)), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -128,15 +137,16 @@ class LlamaForCausalLM(nn.Module):
         return F.linear(hidden, weight).float()
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Loads HF-named weights, fusing q/k/v and gate/up. Fails loudly on missing weights."""
+        """Loads HF-named weights, fusing q/k/v and gate/up and stacking experts. Fails loudly
+        on missing weights."""
         own = {}
         prefix = "model."
         for name, tensor in state.items():
             if name.startswith(prefix):
                 name = name[len(prefix) :]
-            own[name] = tensor
+            own[name.replace(".block_sparse_moe.", ".mlp.")] = tensor  # Mixtral's name for its MoE
         fused = {}
-        for i in range(len(self.layers)):
+        for i, layer in enumerate(self.layers):
             p = f"layers.{i}."
             fused[p + "self_attn.qkv_proj.weight"] = torch.cat(
                 [own.pop(p + f"self_attn.{x}_proj.weight") for x in "qkv"], dim=0
@@ -145,9 +155,12 @@ class LlamaForCausalLM(nn.Module):
                 fused[p + "self_attn.qkv_proj.bias"] = torch.cat(
                     [own.pop(p + f"self_attn.{x}_proj.bias") for x in "qkv"], dim=0
                 )
-            fused[p + "mlp.gate_up_proj.weight"] = torch.cat(
-                [own.pop(p + "mlp.gate_proj.weight"), own.pop(p + "mlp.up_proj.weight")], dim=0
-            )
+            if layer.is_moe:
+                fused.update(_stacked_experts(own, p + "mlp.", layer.mlp.num_experts))
+            else:
+                fused[p + "mlp.gate_up_proj.weight"] = torch.cat(
+                    [own.pop(p + "mlp.gate_proj.weight"), own.pop(p + "mlp.up_proj.weight")], dim=0
+                )
         own.update(fused)
         if self.tie_word_embeddings:
             own.pop("lm_head.weight", None)
@@ -155,3 +168,24 @@ class LlamaForCausalLM(nn.Module):
         unexpected = [name for name in unexpected if "rotary" not in name]
         if missing or unexpected:
             raise ValueError(f"checkpoint does not fit the model: missing {missing}, unexpected {unexpected}")
+
+
+def _stacked_experts(own: dict[str, torch.Tensor], p: str, num_experts: int) -> dict[str, torch.Tensor]:
+    """One MoE layer's weights in our names, popped from `own`: the experts as checkpoints store
+    them (Mixtral's w1/w3/w2 or Qwen's gate/up/down_proj, one tensor each per expert) or as
+    transformers holds them in memory (already stacked: experts.gate_up_proj, experts.down_proj)."""
+    out = {}
+    if p + "experts.gate_up_proj" in own:
+        out[p + "expert_gate_up"] = own.pop(p + "experts.gate_up_proj")
+        out[p + "expert_down"] = own.pop(p + "experts.down_proj")
+    else:
+        gate, up, down = ("w1", "w3", "w2") if p + "experts.0.w1.weight" in own else ("gate_proj", "up_proj", "down_proj")
+        expert = [f"{p}experts.{e}." for e in range(num_experts)]
+        out[p + "expert_gate_up"] = torch.stack(
+            [torch.cat([own.pop(x + f"{gate}.weight"), own.pop(x + f"{up}.weight")], dim=0) for x in expert])
+        out[p + "expert_down"] = torch.stack([own.pop(x + f"{down}.weight") for x in expert])
+    if p + "shared_expert.gate_proj.weight" in own:
+        out[p + "shared_gate_up.weight"] = torch.cat(
+            [own.pop(p + "shared_expert.gate_proj.weight"), own.pop(p + "shared_expert.up_proj.weight")], dim=0)
+        out[p + "shared_down.weight"] = own.pop(p + "shared_expert.down_proj.weight")
+    return out
