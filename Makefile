@@ -29,6 +29,7 @@ bench: setup
 	$(PYTHON) benches/speculative.py
 	$(PYTHON) benches/kv_cache_dtype.py
 	$(PYTHON) benches/lora.py
+	$(PYTHON) benches/moe.py
 	$(PYTHON) benches/serving.py
 
 serve: setup
