@@ -3,7 +3,8 @@
 //
 // One kernel serves decode, chunked prefill and prefix-cached extend: every query token t
 // names its sequence (seq_index[t]) and how many cached tokens it may see (context_lens[t]);
-// a prefill chunk's tokens get increasing context lengths, which makes them causal.
+// a prefill chunk's tokens get increasing context lengths, which makes them causal. With a
+// sliding window w > 0, a token sees only the last w of them (Mistral, Gemma's local layers).
 //
 // Grid: (query tokens, kv heads * head tiles, partitions), NUM_THREADS threads.
 // A CTA handles one query token, GROUP query heads that share one kv head (GQA: each K/V
@@ -28,7 +29,7 @@ __device__ __forceinline__ void attend_partition(
     float* __restrict__ partial_out, float* __restrict__ max_logits, float* __restrict__ exp_sums,
     const typename Element<DT>::type* __restrict__ query, const typename Element<CT>::type* __restrict__ key_cache,
     const typename Element<CT>::type* __restrict__ value_cache, const int* __restrict__ block_table,
-    int context_len, long long out_token_stride, long long cache_block_stride,
+    int first_visible, int context_len, long long out_token_stride, long long cache_block_stride,
     int num_heads, int first_head, int kv_head, int partition_size, int max_partitions, float scale,
     float* shared) {
   using cache_t = typename Element<CT>::type;
@@ -43,7 +44,7 @@ __device__ __forceinline__ void attend_partition(
   const int rank = tid % THREADS_PER_TOKEN;  // which 16-byte slices of a row this thread reads
   const int token_lane = tid / THREADS_PER_TOKEN;
   const int partition = blockIdx.z;
-  const int start = partition * partition_size;
+  const int start = first_visible + partition * partition_size;
   const int length = min(partition_size, context_len - start);
   const long long head_offset = (long long)kv_head * BLOCK_SIZE * HEAD_DIM;
 
@@ -200,11 +201,12 @@ __global__ void paged_attention_kernel(
     const int* __restrict__ context_lens,  // [T] cached tokens visible to each query token
     long long query_token_stride, long long out_token_stride, long long cache_block_stride,
     int block_table_stride, int num_heads, int num_kv_heads, int partition_size, int max_partitions,
-    float scale) {
+    float scale, int sliding_window) {
   PAGEDKV_SHARED_FLOATS(shared);
   const int token_index = blockIdx.x;
   const int context_len = context_lens[token_index];
-  if ((int)blockIdx.z * partition_size >= context_len) return;  // the whole CTA leaves together
+  const int first_visible = sliding_window > 0 ? max(0, context_len - sliding_window) : 0;
+  if ((int)blockIdx.z * partition_size >= context_len - first_visible) return;  // the whole CTA leaves together
   const int group = num_heads / num_kv_heads;
   const int head_tiles = group / GROUP;
   const int kv_head = blockIdx.y / head_tiles;
@@ -212,7 +214,7 @@ __global__ void paged_attention_kernel(
   const int* block_table = block_tables + (long long)seq_index[token_index] * block_table_stride;
   attend_partition<DT, CT, HEAD_DIM, BLOCK_SIZE, GROUP>(
       out, partial_out, max_logits, exp_sums, query + token_index * query_token_stride, key_cache, value_cache,
-      block_table, context_len, out_token_stride, cache_block_stride, num_heads, first_head,
+      block_table, first_visible, context_len, out_token_stride, cache_block_stride, num_heads, first_head,
       kv_head, partition_size, max_partitions, scale, shared);
 }
 
@@ -223,9 +225,11 @@ template <int DT, int HEAD_DIM>
 __global__ void reduce_partitions_kernel(
     typename Element<DT>::type* __restrict__ out, const float* __restrict__ partial_out,
     const float* __restrict__ max_logits, const float* __restrict__ exp_sums, const int* __restrict__ context_lens,
-    long long out_token_stride, int num_heads, int partition_size, int max_partitions) {
+    long long out_token_stride, int num_heads, int partition_size, int max_partitions, int sliding_window) {
   const int token_index = blockIdx.x, head = blockIdx.y;
-  const int num_partitions = (context_lens[token_index] + partition_size - 1) / partition_size;
+  const int context_len = context_lens[token_index];
+  const int visible = sliding_window > 0 ? min(context_len, sliding_window) : context_len;
+  const int num_partitions = (visible + partition_size - 1) / partition_size;
   const long long first = ((long long)token_index * num_heads + head) * max_partitions;
   float m = neg_infinity();
   for (int p = 0; p < num_partitions; ++p) m = fmaxf(m, max_logits[first + p]);

@@ -26,6 +26,9 @@ pub struct DecodeShape {
     pub block_stride: usize,
     /// Row length of `block_tables` ([batch, table_width]).
     pub table_width: usize,
+    /// A token attends to the last `sliding_window` positions up to and including its own
+    /// (Mistral's, Gemma's local layers); 0 attends to the whole context.
+    pub sliding_window: usize,
 }
 
 impl DecodeShape {
@@ -35,6 +38,15 @@ impl DecodeShape {
             return 0;
         }
         (self.num_blocks - 1) * self.block_stride + self.num_kv_heads * self.block_size * self.head_dim
+    }
+
+    /// The first position a token at `position` attends to.
+    pub fn first_visible(&self, position: usize) -> usize {
+        if self.sliding_window == 0 {
+            0
+        } else {
+            (position + 1).saturating_sub(self.sliding_window)
+        }
     }
 
     pub(crate) fn check(&self) -> Result<()> {
@@ -56,7 +68,8 @@ impl DecodeShape {
 }
 
 /// out[b, h] = softmax(scale * q[b, h] . K_b) V_b over the first context_lens[b] tokens of
-/// sequence b, split over `num_threads` threads by sequence.
+/// sequence b (the last `shape.sliding_window` of them where set), split over `num_threads`
+/// threads by sequence.
 #[allow(clippy::too_many_arguments)]
 pub fn paged_decode_attention<T: Element, C: Element>(
     out: &mut [T],
@@ -125,6 +138,7 @@ pub fn paged_decode_attention_with<T: Element, C: Element>(
                 key_cache,
                 value_cache,
                 table: &block_tables[b * shape.table_width..][..shape.table_width],
+                start: shape.first_visible(context_lens[b] as usize - 1),
                 context: context_lens[b] as usize,
                 kv_head,
                 shape: *shape,
@@ -185,6 +199,8 @@ struct HeadInputs<'a, T, C> {
     key_cache: &'a [C],
     value_cache: &'a [C],
     table: &'a [i32],
+    /// Attends to positions start..context.
+    start: usize,
     context: usize,
     kv_head: usize,
     shape: DecodeShape,
@@ -249,9 +265,9 @@ fn attend_head_widened<T: Element, C: Element, const D: usize, const ISA: u8>(
     scratch: &mut Vec<f32>,
 ) {
     let dim = if D > 0 { D } else { inputs.shape.head_dim };
-    let (context, block_size) = (inputs.context, inputs.shape.block_size);
+    let (context, block_size) = (inputs.context - inputs.start, inputs.shape.block_size);
     let group = inputs.shape.num_heads / inputs.shape.num_kv_heads;
-    let blocks = |cache, prefetch| block_rows(cache, inputs.table, context, inputs.kv_head, inputs.shape, prefetch);
+    let blocks = |cache, prefetch| block_rows(cache, inputs, prefetch);
     // scratch: logits (then softmax numerators), the query rows widened to f32, the group's
     // output accumulators, one block widened to f32.
     scratch.clear();
@@ -334,9 +350,9 @@ fn attend_head<T: Element, C: Element, const D: usize, const ISA: u8>(
     scratch: &mut Vec<f32>,
 ) {
     let dim = if D > 0 { D } else { inputs.shape.head_dim };
-    let context = inputs.context;
+    let context = inputs.context - inputs.start;
     let group = inputs.shape.num_heads / inputs.shape.num_kv_heads;
-    let blocks = |cache, prefetch| block_rows(cache, inputs.table, context, inputs.kv_head, inputs.shape, prefetch);
+    let blocks = |cache, prefetch| block_rows(cache, inputs, prefetch);
     // scratch: the group's logits (then softmax numerators), their sums, the query rows widened
     // to f32, and one output row for the run-time head dim.
     scratch.clear();
@@ -392,33 +408,33 @@ fn attend_head<T: Element, C: Element, const D: usize, const ISA: u8>(
     }
 }
 
-/// The context block by block: (first position, the block's rows of one kv head), so the
-/// loops need no division per position. With `prefetch`, yielding a block asks the CPU to
-/// fetch the next one: blocks lie anywhere in the pool, where its own prefetcher cannot guess.
+/// The visible context (positions start..context) block by block: (its first position counted
+/// from start, the block's rows of one kv head), so the loops need no division per position.
+/// With `prefetch`, yielding a block asks the CPU to fetch the next one: blocks lie anywhere in
+/// the pool, where its own prefetcher cannot guess.
 #[inline(always)]
-fn block_rows<'a, T>(
+fn block_rows<'a, T, Q>(
     cache: &'a [T],
-    table: &'a [i32],
-    context: usize,
-    kv_head: usize,
-    shape: DecodeShape,
+    inputs: &HeadInputs<'a, Q, T>,
     prefetch: bool,
 ) -> impl Iterator<Item = (usize, &'a [T])> + 'a {
+    let (shape, table, start, context) = (inputs.shape, inputs.table, inputs.start, inputs.context);
     let (dim, block_size) = (shape.head_dim, shape.block_size);
-    let head_rows = kv_head * block_size * dim;
-    let num_blocks = context.div_ceil(block_size);
+    let head_rows = inputs.kv_head * block_size * dim;
+    let (first_block, end_block) = (start / block_size, context.div_ceil(block_size));
     let rows_of = move |i: usize| {
-        let rows = context.min((i + 1) * block_size) - i * block_size;
-        &cache[table[i] as usize * shape.block_stride + head_rows..][..rows * dim]
+        let (low, high) = (start.max(i * block_size), context.min((i + 1) * block_size));
+        let block = &cache[table[i] as usize * shape.block_stride + head_rows..];
+        &block[(low - i * block_size) * dim..(high - i * block_size) * dim]
     };
     if prefetch {
-        (0..PREFETCH_BLOCKS.min(num_blocks)).for_each(|i| prefetch_lines(rows_of(i)));
+        (first_block..end_block.min(first_block + PREFETCH_BLOCKS)).for_each(|i| prefetch_lines(rows_of(i)));
     }
-    (0..num_blocks).map(move |i| {
-        if prefetch && i + PREFETCH_BLOCKS < num_blocks {
+    (first_block..end_block).map(move |i| {
+        if prefetch && i + PREFETCH_BLOCKS < end_block {
             prefetch_lines(rows_of(i + PREFETCH_BLOCKS));
         }
-        (i * block_size, rows_of(i))
+        (start.max(i * block_size) - start, rows_of(i))
     })
 }
 
@@ -678,7 +694,9 @@ pub(crate) mod tests {
                     tables[b * shape.table_width + pos / shape.block_size] as usize * shape.block_stride
                         + (kv_head * shape.block_size + pos % shape.block_size) * dim
                 };
-                let logits: Vec<f64> = (0..context)
+                let visible = shape.first_visible(context - 1)..context;
+                let logits: Vec<f64> = visible
+                    .clone()
                     .map(|pos| {
                         (0..dim).map(|d| q[d] as f64 * cache_k[offset(pos) + d] as f64).sum::<f64>() * scale as f64
                     })
@@ -687,7 +705,8 @@ pub(crate) mod tests {
                 let weights: Vec<f64> = logits.iter().map(|l| (l - max).exp()).collect();
                 let total: f64 = weights.iter().sum();
                 for d in 0..dim {
-                    let value: f64 = (0..context).map(|pos| weights[pos] * cache_v[offset(pos) + d] as f64).sum();
+                    let value: f64 =
+                        visible.clone().zip(&weights).map(|(pos, weight)| weight * cache_v[offset(pos) + d] as f64).sum();
                     out[(b * shape.num_heads + head) * dim + d] = (value / total) as f32;
                 }
             }
@@ -710,9 +729,16 @@ pub(crate) mod tests {
     fn matches_the_reference_with_gqa_strided_blocks_and_odd_contexts() {
         let isas = [Isa::Portable, Isa::Avx2Fma, Isa::Avx512].into_iter().filter(|isa| isa.is_supported());
         for isa in isas {
-            for (num_heads, num_kv_heads, head_dim, threads) in
-                [(9, 3, 64, 2), (4, 4, 24, 1), (8, 2, 128, 3), (2, 1, 80, 2)]
-            {
+            for (num_heads, num_kv_heads, head_dim, threads, sliding_window) in [
+                (9, 3, 64, 2, 0),
+                (4, 4, 24, 1, 0),
+                (8, 2, 128, 3, 0),
+                (2, 1, 80, 2, 0),
+                (9, 3, 64, 2, 1),
+                (9, 3, 64, 2, 23),
+                (8, 2, 128, 3, 32),
+                (4, 4, 24, 1, 50),
+            ] {
                 let shape = DecodeShape {
                     batch: 4,
                     num_heads,
@@ -722,6 +748,7 @@ pub(crate) mod tests {
                     num_blocks: 20,
                     block_stride: 3 * num_kv_heads * 16 * head_dim,
                     table_width: 6,
+                    sliding_window,
                 };
                 let cache = pseudo_random(shape.num_blocks * shape.block_stride, 1);
                 let value_offset = num_kv_heads * 16 * head_dim; // V follows K inside each block, as in the engine
@@ -737,7 +764,10 @@ pub(crate) mod tests {
                 .unwrap();
                 let expected = reference(&query, keys, values, &tables, &contexts, &shape, 0.125);
                 for (got, want) in out.iter().zip(&expected) {
-                    assert!((got - want).abs() < 1e-4, "{isa:?} head dim {head_dim}: {got} vs {want}");
+                    assert!(
+                        (got - want).abs() < 1e-4,
+                        "{isa:?} head dim {head_dim} window {sliding_window}: {got} vs {want}"
+                    );
                 }
             }
         }
@@ -754,6 +784,7 @@ pub(crate) mod tests {
             num_blocks: 12,
             block_stride: 2 * 3 * 16 * 64,
             table_width: 4,
+            sliding_window: 0,
         };
         let cache: Vec<Bf16> =
             pseudo_random(shape.num_blocks * shape.block_stride, 3).into_iter().map(Bf16::from_f32).collect();
@@ -802,6 +833,7 @@ pub(crate) mod tests {
             num_blocks: 10,
             block_stride: 2 * 2 * 16 * dim,
             table_width: 4,
+            sliding_window: 0,
         };
         let finite: Vec<C> = (0..=255u8).filter_map(codes).collect();
         let cache: Vec<C> = (0..shape.num_blocks * shape.block_stride).map(|i| finite[(i * 37) % finite.len()]).collect();
@@ -865,6 +897,7 @@ pub(crate) mod tests {
             num_blocks: 2,
             block_stride: 32,
             table_width: 2,
+            sliding_window: 0,
         };
         let cache = vec![0.0; 64];
         let query = vec![0.0; 16];

@@ -25,7 +25,8 @@ const QUERY_TILE: usize = 32;
 /// Head dims with a compiled kernel.
 pub const HEAD_DIMS: [usize; 2] = [64, 128];
 
-/// out[t, h] = softmax(scale * q[t, h] . K) V over positions 0..=pos(t) of token t's sequence.
+/// out[t, h] = softmax(scale * q[t, h] . K) V over positions 0..=pos(t) of token t's sequence
+/// (the last `shape.sliding_window` of them where set).
 ///
 /// `shape.batch` is the number of sequences. Sequence b's new tokens are query rows
 /// `query_start_loc[b]..query_start_loc[b + 1]`, the last ones of its `context_lens[b]` cached
@@ -212,24 +213,28 @@ fn attend_tile<T: Element, C: Element, const D: usize, const ROWS: usize, const 
     scratch.keys_t.resize(D * KEYS, 0.0);
     scratch.values.resize(KEYS * D, 0.0);
 
-    // Keys 0..=last_position; row r (token r / group) sees 0..=first_position + r / group.
+    // Keys first_key..=last_position; row r (token r / group, at position p) sees
+    // shape.first_visible(p)..=p.
     let last_position = item.first_position + item.num_tokens - 1;
-    for chunk_start in (0..=last_position).step_by(KEYS) {
+    let first_key = shape.first_visible(item.first_position) / KEYS * KEYS;
+    for chunk_start in (first_key..=last_position).step_by(KEYS) {
         let chunk_len = KEYS.min(last_position + 1 - chunk_start);
         load_chunk::<T, C, D>(inputs, chunk_start, chunk_len, &mut scratch.keys_t, &mut scratch.values);
-        // Tokens before first_visible see nothing of this chunk (it lies in their future).
-        let first_visible = chunk_start.saturating_sub(item.first_position);
-        for block in (first_visible * group / ROWS * ROWS..num_rows).step_by(ROWS) {
+        // Tokens before first_token see nothing of this chunk (it lies in their future).
+        let first_token = chunk_start.saturating_sub(item.first_position);
+        for block in (first_token * group / ROWS * ROWS..num_rows).step_by(ROWS) {
             let scores = block_scores::<D, ROWS, ISA>(&scratch.queries[block * D..][..ROWS * D], &scratch.keys_t);
             for (i, row_scores) in scores.iter().enumerate().take(num_rows - block) {
                 let r = block + i;
                 let position = item.first_position + r / group;
-                let visible = (position + 1).saturating_sub(chunk_start).min(chunk_len);
-                if visible == 0 {
+                let visible_end = (position + 1).saturating_sub(chunk_start).min(chunk_len);
+                let visible_start = shape.first_visible(position).saturating_sub(chunk_start);
+                if visible_start >= visible_end {
                     continue;
                 }
                 let acc: &mut [f32; D] = (&mut scratch.acc[r * D..][..D]).try_into().unwrap();
                 let (max, sum) = (&mut scratch.max[r], &mut scratch.sum[r]);
+                let visible = visible_start..visible_end;
                 online_softmax_step::<D, ISA>(row_scores, visible, max, sum, acc, &scratch.values);
             }
         }
@@ -300,12 +305,12 @@ fn block_scores<const D: usize, const ROWS: usize, const ISA: u8>(
     scores
 }
 
-/// Folds one chunk's scores (the first `visible` count) into a row's running max, sum and
-/// weighted value sum.
+/// Folds one chunk's scores (those in `visible`) into a row's running max, sum and weighted
+/// value sum.
 #[inline(always)]
 fn online_softmax_step<const D: usize, const ISA: u8>(
     scores: &[f32; KEYS],
-    visible: usize,
+    visible: std::ops::Range<usize>,
     max: &mut f32,
     sum: &mut f32,
     acc: &mut [f32; D],
@@ -316,7 +321,7 @@ fn online_softmax_step<const D: usize, const ISA: u8>(
     let mut lanes = [f32::NEG_INFINITY; LANES];
     for (half, chunk) in scores.chunks_exact(LANES).enumerate() {
         for l in 0..LANES {
-            let score = if half * LANES + l < visible { chunk[l] } else { f32::NEG_INFINITY };
+            let score = if visible.contains(&(half * LANES + l)) { chunk[l] } else { f32::NEG_INFINITY };
             lanes[l] = if score > lanes[l] { score } else { lanes[l] };
         }
     }
@@ -326,7 +331,7 @@ fn online_softmax_step<const D: usize, const ISA: u8>(
     let mut weights = [0.0f32; KEYS];
     for j in 0..KEYS {
         let weight = exp_nonpositive(scores[j] - new_max);
-        weights[j] = if j < visible { weight } else { 0.0 };
+        weights[j] = if visible.contains(&j) { weight } else { 0.0 };
     }
     let mut lanes = [0.0f32; LANES];
     for chunk in weights.chunks_exact(LANES) {
@@ -516,9 +521,10 @@ mod tests {
             let (start, end) = (starts[b] as usize, starts[b + 1] as usize);
             for t in start..end {
                 let visible = contexts[b] as usize - (end - t) + 1;
+                let first = shape.first_visible(visible - 1);
                 for h in 0..shape.num_heads {
                     let q = &query[(t * shape.num_heads + h) * dim..][..dim];
-                    let logits: Vec<f64> = (0..visible)
+                    let logits: Vec<f64> = (first..visible)
                         .map(|p| {
                             (0..dim).map(|d| q[d] as f64 * at(keys, b, h / group, p, d)).sum::<f64>() * scale as f64
                         })
@@ -527,7 +533,7 @@ mod tests {
                     let weights: Vec<f64> = logits.iter().map(|l| (l - max).exp()).collect();
                     let total: f64 = weights.iter().sum();
                     for d in 0..dim {
-                        let v: f64 = weights.iter().enumerate().map(|(p, w)| w * at(values, b, h / group, p, d)).sum();
+                        let v: f64 = (first..visible).zip(&weights).map(|(p, w)| w * at(values, b, h / group, p, d)).sum();
                         out[(t * shape.num_heads + h) * dim + d] = (v / total) as f32;
                     }
                 }
@@ -560,6 +566,7 @@ mod tests {
             num_blocks,
             block_stride: 3 * num_kv_heads * block_size * head_dim,
             table_width,
+            sliding_window: 0,
         };
         let cache: Vec<C> = pseudo_random(num_blocks * shape.block_stride, 1).into_iter().map(to_cache).collect();
         let values = &cache[num_kv_heads * block_size * head_dim..];
@@ -572,15 +579,19 @@ mod tests {
         let query: Vec<T> = pseudo_random(num_tokens * num_heads * head_dim, 2).into_iter().map(convert).collect();
         let widened: Vec<f32> = query.iter().map(|q| q.to_f32()).collect();
         let scale = 1.0 / (head_dim as f32).sqrt();
-        let want = reference(&widened, &cache, values, &tables, &starts, &contexts, &shape, scale);
-        for isa in [Isa::Avx512, Isa::Avx2Fma, Isa::Portable].into_iter().filter(|isa| isa.is_supported()) {
-            let mut out = vec![convert(f32::NAN); query.len()];
-            paged_prefill_attention(
-                isa, &mut out, &query, &cache, values, &tables, &starts, &contexts, &shape, scale, 2,
-            )
-            .unwrap();
-            let error = out.iter().zip(&want).map(|(a, b)| (a.to_f32() - b).abs()).fold(0.0f32, f32::max);
-            assert!(error < tolerance, "{isa:?} d{head_dim} bs{block_size}: max error {error}");
+        // windows: none, one token, inside one key chunk, across chunks and blocks, past every context
+        for sliding_window in [0, 1, 20, 45, 200] {
+            let shape = DecodeShape { sliding_window, ..shape };
+            let want = reference(&widened, &cache, values, &tables, &starts, &contexts, &shape, scale);
+            for isa in [Isa::Avx512, Isa::Avx2Fma, Isa::Portable].into_iter().filter(|isa| isa.is_supported()) {
+                let mut out = vec![convert(f32::NAN); query.len()];
+                paged_prefill_attention(
+                    isa, &mut out, &query, &cache, values, &tables, &starts, &contexts, &shape, scale, 2,
+                )
+                .unwrap();
+                let error = out.iter().zip(&want).map(|(a, b)| (a.to_f32() - b).abs()).fold(0.0f32, f32::max);
+                assert!(error < tolerance, "{isa:?} d{head_dim} bs{block_size} window {sliding_window}: error {error}");
+            }
         }
     }
 
@@ -613,6 +624,7 @@ mod tests {
             num_blocks: 2,
             block_stride: 16 * 64,
             table_width: 2,
+            sliding_window: 0,
         };
         let cache = vec![0.0f32; 2 * 16 * 64];
         let query = vec![0.0f32; 3 * 2 * 64];

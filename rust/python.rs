@@ -552,10 +552,20 @@ impl BlockManager {
 }
 
 /// The kernels' shape from Python's tuple (batch, num_heads, num_kv_heads, head_dim,
-/// block_size, num_blocks, block_stride, table_width).
-fn decode_shape(shape: (usize, usize, usize, usize, usize, usize, usize, usize)) -> DecodeShape {
+/// block_size, num_blocks, block_stride, table_width) and sliding window (0: none).
+fn decode_shape(shape: (usize, usize, usize, usize, usize, usize, usize, usize), sliding_window: usize) -> DecodeShape {
     let (batch, num_heads, num_kv_heads, head_dim, block_size, num_blocks, block_stride, table_width) = shape;
-    DecodeShape { batch, num_heads, num_kv_heads, head_dim, block_size, num_blocks, block_stride, table_width }
+    DecodeShape {
+        batch,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        num_blocks,
+        block_stride,
+        table_width,
+        sliding_window,
+    }
 }
 
 /// Calls `$body` with `$T` the query/output element type and `$C` the cache element type named by
@@ -608,8 +618,9 @@ fn paged_decode_attention_cpu(
     scale: f32,
     num_threads: usize,
     cache_dtype: &str,
+    sliding_window: usize,
 ) -> PyResult<()> {
-    let shape = decode_shape(shape);
+    let shape = decode_shape(shape, sliding_window);
     let rows = shape.batch * shape.num_heads * shape.head_dim;
     with_attention_elements!(cache_dtype, T, C => py.detach(|| call(|| {
         // SAFETY: the pointers are those of live, contiguous CPU tensors of these shapes (T out
@@ -670,8 +681,9 @@ fn paged_prefill_attention_cpu(
     scale: f32,
     num_threads: usize,
     cache_dtype: &str,
+    sliding_window: usize,
 ) -> PyResult<()> {
-    let shape = decode_shape(shape);
+    let shape = decode_shape(shape, sliding_window);
     let rows = num_tokens * shape.num_heads * shape.head_dim;
     with_attention_elements!(cache_dtype, T, C => py.detach(|| call(|| {
         // SAFETY: as in `paged_decode_attention_cpu`; query_start_loc has batch + 1 entries.

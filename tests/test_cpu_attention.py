@@ -131,3 +131,44 @@ def test_cpu_backend_mixed_step_equals_the_torch_reference():
     got = CpuAttentionBackend().forward(query, key_cache, value_cache, metadata, 0.125)
     want = TorchRefBackend().forward(query, key_cache, value_cache, metadata, 0.125)
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-4)
+
+
+def dense_windowed_attention(query, key_cache, value_cache, tables, starts, contexts, scale, window):
+    """float64, token by token: each new token over the last `window` positions up to its own."""
+    from pagedkv.attention.torch_ref import gather_context
+
+    out = torch.empty_like(query, dtype=torch.float64)
+    group = query.shape[1] // key_cache.shape[1]
+    for b, context in enumerate(contexts):
+        keys = gather_context(key_cache, tables[b], context).double().repeat_interleave(group, 0)
+        values = gather_context(value_cache, tables[b], context).double().repeat_interleave(group, 0)
+        begin, end = int(starts[b]), int(starts[b + 1])
+        for row in range(begin, end):
+            position = context - (end - row)
+            first = max(0, position + 1 - window)
+            scores = torch.einsum("hd,hkd->hk", query[row].double(), keys[:, first : position + 1]) * scale
+            out[row] = torch.einsum("hk,hkd->hd", scores.softmax(-1), values[:, first : position + 1])
+    return out
+
+
+@pytest.mark.parametrize("backend", [TorchRefBackend, CpuAttentionBackend])
+@pytest.mark.parametrize("window", [1, 13, 40, 500])
+def test_sliding_window_attention_matches_a_dense_computation(backend, window):
+    """Prefill chunks (a whole prompt, a chunk after a prefix) and decodes in one step, each token
+    over the last `window` positions only (Mistral's and Gemma's local layers)."""
+    generator = torch.Generator().manual_seed(window)
+    new_tokens, contexts = [70, 20, 1, 1], [70, 90, 33, 120]
+    query, key_cache, value_cache, tables, starts, context_lens = prefill_batch(
+        new_tokens, contexts, 9, 3, 64, 16, generator, torch.float32
+    )
+    metadata = AttentionMetadata(
+        query_start_loc=starts, context_lens=context_lens, block_tables=tables,
+        slot_mapping=torch.zeros(int(starts[-1]), dtype=torch.int64), max_query_len=70, max_context_len=120,
+        num_decode_tokens=2, query_start_loc_host=starts.tolist(), context_lens_host=contexts,
+    )
+    got = backend().forward(query, key_cache, value_cache, metadata, 0.125, sliding_window=window)
+    want = dense_windowed_attention(query, key_cache, value_cache, tables, starts, contexts, 0.125, window)
+    assert torch.allclose(got.double(), want, atol=1e-5, rtol=1e-4)
+    if window < 70:  # a window shorter than the contexts changes the result
+        full = backend().forward(query, key_cache, value_cache, metadata, 0.125)
+        assert not torch.allclose(full, got, atol=1e-3)

@@ -78,8 +78,9 @@ def block_major_cache(num_blocks, num_layers, num_kv_heads, block_size, head_dim
     return cache, cache[:, 1, 0], cache[:, 1, 1]
 
 
-def reference_attention(query, key_cache, value_cache, block_tables, seq_index, context_lens, scale):
-    """float64, one query token at a time."""
+def reference_attention(query, key_cache, value_cache, block_tables, seq_index, context_lens, scale,
+                        sliding_window=None):
+    """float64, one query token at a time (over its last sliding_window cached tokens, if given)."""
     num_heads, num_kv_heads, block_size = query.shape[1], key_cache.shape[1], key_cache.shape[2]
     out = torch.empty(query.shape, dtype=torch.float64)
     for t in range(query.shape[0]):
@@ -89,6 +90,8 @@ def reference_attention(query, key_cache, value_cache, block_tables, seq_index, 
         values = value_cache.cpu()[blocks].double().transpose(0, 1).reshape(num_kv_heads, -1, query.shape[2])[:, :context]
         group = num_heads // num_kv_heads
         keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
+        if sliding_window is not None:
+            keys, values = keys[:, -sliding_window:], values[:, -sliding_window:]
         scores = torch.einsum("hd,hcd->hc", query[t].cpu().double(), keys) * scale
         out[t] = torch.einsum("hc,hcd->hd", scores.softmax(-1), values)
     return out
@@ -176,6 +179,26 @@ def test_paged_prefill_and_extend_are_causal(target, dtype, partition_size):
         batch["seq_index"], full, scale,
     )
     assert relative_error(out[:43], leaky[:43]) > 10 * TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("sliding_window", [1, 20, 100, 1000])
+@pytest.mark.parametrize("partition_size", [None, 32], ids=["auto", "splitk32"])
+def test_sliding_window_attention_sees_the_last_window_tokens(target, sliding_window, partition_size):
+    """Prefill chunks and decodes, each token over the last `sliding_window` cached tokens only,
+    in one pass and split-K (a window spanning several partitions, one starting mid-partition)."""
+    launcher, device = target
+    shape, dtype = SHAPES[0], torch.float32
+    generator = torch.Generator().manual_seed(sliding_window)
+    batch = make_batch(shape, dtype, device, generator, [45, 150, 9, 230], prefill_chunks=[(0, 44), (1, 37)])
+    scale = shape[0] ** -0.5
+    out = paged_attention(**batch, scale=scale, partition_size=partition_size, sliding_window=sliding_window,
+                          launcher=launcher)
+    arguments = [batch[name] for name in ("query", "key_cache", "value_cache", "block_tables", "seq_index",
+                                          "context_lens")]
+    expected = reference_attention(*arguments, scale, sliding_window)
+    assert relative_error(out, expected) < TOLERANCE[dtype]
+    if sliding_window < 100:  # shorter than most contexts: the window changes the result
+        assert relative_error(out, reference_attention(*arguments, scale)) > 10 * TOLERANCE[dtype]
 
 
 class CountingLauncher:

@@ -152,28 +152,52 @@ def test_loader_rejects_unknown_directories(tmp_path):
         load(str(tmp_path / "missing"), None, None, torch.float32, torch.device("cpu"), None)
 
 
-def _tiny_qwen2(directory, **overrides):
+def test_max_model_len_stays_within_the_positions(tmp_path):
+    import pagedkv
+    from pagedkv import LLM
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, **overrides)
-    Qwen2ForCausalLM(config).save_pretrained(directory, safe_serialization=True)
-    return str(directory)
-
-
-def test_max_model_len_stays_within_the_positions_and_the_sliding_window(tmp_path, smollm2):
-    import pagedkv
-    from pagedkv import LLM
-
-    tokenizer = os.path.join(*smollm2)
-    plain = _tiny_qwen2(tmp_path / "plain", sliding_window=64, use_sliding_window=False)
-    assert LLM(plain, dtype="float32", num_device_blocks=64, tokenizer=tokenizer).engine.max_model_len == 512
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    directory = save_tiny_checkpoint(tmp_path, Qwen2ForCausalLM(config))
+    assert LLM(directory, dtype="float32", num_device_blocks=64).engine.max_model_len == 512
     with pytest.raises(pagedkv.InvalidConfigError, match="max_model_len=600 exceeds the model's max_position_embeddings=512"):
-        LLM(plain, dtype="float32", num_device_blocks=64, tokenizer=tokenizer, max_model_len=600)
-    windowed = _tiny_qwen2(tmp_path / "windowed", sliding_window=64, use_sliding_window=True, max_window_layers=0)
-    llm = LLM(windowed, dtype="float32", num_device_blocks=64, tokenizer=tokenizer)
-    assert llm.engine.max_model_len == 64
-    with pytest.raises(pagedkv.PromptTooLongError, match="max_model_len=64"):
-        llm.generate([list(range(3, 80))], use_tqdm=False)
-    with pytest.raises(pagedkv.InvalidConfigError, match="sliding_window=64"):
-        LLM(windowed, dtype="float32", num_device_blocks=64, tokenizer=tokenizer, max_model_len=128)
+        LLM(directory, dtype="float32", num_device_blocks=64, max_model_len=600)
+
+
+def tiny_windowed_models():
+    """(name, HF model) with sliding-window attention over 16 positions and head dim 64 (the
+    Rust prefill kernel's): Mistral (every layer) and Qwen2 (`layer_types`: full, then windowed)."""
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    common = dict(vocab_size=256, hidden_size=128, intermediate_size=192, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, max_position_embeddings=512, eos_token_id=2, bos_token_id=1,
+                  sliding_window=16)
+    torch.manual_seed(0)
+    yield "mistral", MistralForCausalLM(MistralConfig(**common))
+    yield "qwen2", Qwen2ForCausalLM(Qwen2Config(**common, use_sliding_window=True, max_window_layers=1))
+
+
+@pytest.mark.parametrize("index", range(2), ids=["mistral", "qwen2"])
+def test_sliding_window_models_match_hf_past_their_window(tmp_path, index):
+    """Prefill logits at every position of a 37-token prompt (two windows) and greedy generation
+    through the engine's CPU kernels, chunked and batched, all well past the 16-token window."""
+    from pagedkv import LLM, SamplingParams
+
+    model_type, hf_model = list(tiny_windowed_models())[index]
+    with torch.no_grad():
+        hf_model.lm_head.weight.normal_(std=0.5)  # decisive logits: float32 noise never flips a token
+    directory = save_tiny_checkpoint(tmp_path, hf_model.eval())
+    loaded = assert_prefill_matches_hf(directory, model_type)
+    windows = [layer.self_attn.sliding_window for layer in loaded.model.layers]
+    assert windows == ([16, 16] if model_type == "mistral" else [None, 16])
+
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 256, (length,), generator=generator).tolist() for length in (40, 7, 90)]
+    with torch.inference_mode():
+        expected = [hf_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=24, min_new_tokens=24,
+                                      pad_token_id=0)[0, len(prompt):].tolist() for prompt in prompts]
+    llm = LLM(directory, dtype="float32", attention_backend="cpu", max_num_batched_tokens=32, num_device_blocks=64)
+    assert llm.engine.max_model_len == 512
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    assert [output.outputs[0].token_ids for output in outputs] == expected

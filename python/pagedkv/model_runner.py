@@ -89,21 +89,13 @@ class ModelRunner:
         )
 
     def _max_model_len(self) -> int:
-        """`max_model_len`, else min(the model's positions, 8192); never past the model's sliding
-        attention window, which the attention backends do not implement (beyond it a windowed
-        model's outputs would silently differ)."""
-        limit, limit_name = self.max_position_embeddings, "max_position_embeddings"
-        window = sliding_window(self.hf_config)
-        if window is not None and window < limit:
-            limit, limit_name = window, "sliding_window"
+        """`max_model_len`, else min(the model's positions, 8192)."""
+        limit = self.max_position_embeddings
         requested = self.config.max_model_len
         if requested is not None:
             if requested > limit:
-                raise InvalidConfigError(f"max_model_len={requested} exceeds the model's {limit_name}={limit}")
+                raise InvalidConfigError(f"max_model_len={requested} exceeds the model's max_position_embeddings={limit}")
             return requested
-        if limit_name == "sliding_window" and window < 8192:
-            logger.warning("max_model_len capped at the model's sliding_window=%d (sliding-window attention "
-                           "is not implemented)", window)
         return min(limit, 8192)
 
     def _kv_budget(self) -> int:
@@ -198,12 +190,3 @@ def _trailing_decodes(scheduled) -> int:
             break
         count += 1
     return count
-
-
-def sliding_window(hf_config) -> int | None:
-    """The attention window of a model that uses one (Mistral's `sliding_window`; Qwen's when
-    `use_sliding_window`), else None."""
-    window = getattr(hf_config, "sliding_window", None)
-    if not window or (hf_config.model_type.startswith("qwen") and not getattr(hf_config, "use_sliding_window", False)):
-        return None
-    return int(window)

@@ -12,6 +12,7 @@ the torch reference.
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import torch
 
@@ -55,10 +56,12 @@ def _check_caches(query, key_cache, value_cache) -> None:
         raise ValueError("caches must be contiguous within a block and share strides")
 
 
-def paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, scale: float) -> torch.Tensor:
+def paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, scale: float,
+                           sliding_window: Optional[int] = None) -> torch.Tensor:
     """query [B, Hq, D] -> [B, Hq, D] of query's dtype: one query token per sequence over its
-    first context_lens[b] cached tokens. Caches [num_blocks, Hkv, block_size, D] (any block
-    stride), float32, bfloat16 or float8; the math is float32 whatever the dtypes."""
+    first context_lens[b] cached tokens (the last `sliding_window` of them, where given). Caches
+    [num_blocks, Hkv, block_size, D] (any block stride), float32, bfloat16 or float8; the math is
+    float32 whatever the dtypes."""
     num_blocks, num_kv_heads, block_size, head_dim = key_cache.shape
     batch, num_heads, _ = query.shape
     _check_caches(query, key_cache, value_cache)
@@ -73,17 +76,20 @@ def paged_decode_attention(query, key_cache, value_cache, block_tables, context_
     _core.paged_decode_attention_cpu(
         out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
         tables.data_ptr(), contexts.data_ptr(), shape, scale, torch.get_num_threads(), CACHE_DTYPES[key_cache.dtype],
+        _window(sliding_window),
     )
     return out.to(result_dtype)
 
 
 def paged_prefill_attention(
-    query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale: float
+    query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale: float,
+    sliding_window: Optional[int] = None,
 ) -> torch.Tensor:
     """query [T, Hq, D] -> [T, Hq, D] of query's dtype: sequence b's new tokens are rows
     query_start_loc[b]:query_start_loc[b + 1], the last of its context_lens[b] cached tokens
-    (their K/V already written), and attend causally to everything cached before them. Caches
-    as for `paged_decode_attention`; head dims 64 and 128 (`PREFILL_HEAD_DIMS`)."""
+    (their K/V already written), and attend causally to everything cached before them (to the
+    last `sliding_window` positions, where given). Caches as for `paged_decode_attention`; head
+    dims 64 and 128 (`PREFILL_HEAD_DIMS`)."""
     num_blocks, num_kv_heads, block_size, head_dim = key_cache.shape
     num_tokens, num_heads, _ = query.shape
     _check_caches(query, key_cache, value_cache)
@@ -102,21 +108,34 @@ def paged_prefill_attention(
     _core.paged_prefill_attention_cpu(
         out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(),
         starts.data_ptr(), contexts.data_ptr(), shape, num_tokens, scale, torch.get_num_threads(),
-        CACHE_DTYPES[key_cache.dtype],
+        CACHE_DTYPES[key_cache.dtype], _window(sliding_window),
     )
     return out.to(result_dtype)
 
 
-def _decode(query, key_cache, value_cache, block_tables, context_lens, max_context_len: int, scale: float):
+def _window(sliding_window: Optional[int]) -> int:
+    """The kernels' encoding: 0 for no window."""
+    if sliding_window is None:
+        return 0
+    if sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    return sliding_window
+
+
+def _decode(query, key_cache, value_cache, block_tables, context_lens, max_context_len: int, scale: float,
+            sliding_window: Optional[int]):
     if key_cache.dtype not in CACHE_DTYPES:
-        return _decode_batch(query, key_cache, value_cache, block_tables, context_lens, max_context_len, scale)
-    return paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, scale)
+        return _decode_batch(query, key_cache, value_cache, block_tables, context_lens, max_context_len, scale,
+                             sliding_window)
+    return paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, scale, sliding_window)
 
 
-def _prefill(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale: float):
+def _prefill(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale: float,
+             sliding_window: Optional[int]):
     if not prefill_kernel_enabled or key_cache.dtype not in CACHE_DTYPES or key_cache.shape[3] not in PREFILL_HEAD_DIMS:
         return None
-    return paged_prefill_attention(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale)
+    return paged_prefill_attention(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale,
+                                   sliding_window)
 
 
 class CpuAttentionBackend(TorchRefBackend):
@@ -129,5 +148,7 @@ class CpuAttentionBackend(TorchRefBackend):
         # Without SIMD (the portable build) torch's SDPA is the faster prefill.
         self._prefill = _prefill if isa != "Portable" else None
 
-    def forward(self, query, key_cache, value_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
-        return paged_attention_ref(query, key_cache, value_cache, metadata, scale, decode=_decode, prefill=self._prefill)
+    def forward(self, query, key_cache, value_cache, metadata: AttentionMetadata, scale: float,
+                sliding_window: Optional[int] = None) -> torch.Tensor:
+        return paged_attention_ref(query, key_cache, value_cache, metadata, scale, decode=_decode,
+                                   prefill=self._prefill, sliding_window=sliding_window)

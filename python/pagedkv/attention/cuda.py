@@ -3,6 +3,8 @@ current stream. Same interface and results as the torch reference backend."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from pagedkv.attention.metadata import AttentionMetadata
@@ -48,11 +50,12 @@ class CudaAttentionBackend:
     def write_kv(self, key_cache, value_cache, key, value, slot_mapping) -> None:
         reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, launcher=self.launcher)
 
-    def forward(self, query, key_cache, value_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, query, key_cache, value_cache, metadata: AttentionMetadata, scale: float,
+                sliding_window: Optional[int] = None) -> torch.Tensor:
         seq_index, context_lens = token_layout(metadata, query.device)
         return paged_attention(
             query, key_cache, value_cache, metadata.block_tables, seq_index, context_lens,
-            metadata.max_context_len, scale, launcher=self.launcher,
+            metadata.max_context_len, scale, sliding_window=sliding_window, launcher=self.launcher,
         )
 
     def copy_blocks(self, kv_cache, pairs) -> None:

@@ -3,6 +3,8 @@ tables. It is the oracle the CUDA kernels are tested against, and the CPU engine
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
@@ -47,12 +49,14 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: 
 
 
 def paged_attention_ref(
-    query, key_cache, value_cache, metadata: AttentionMetadata, scale: float, decode=None, prefill=None
+    query, key_cache, value_cache, metadata: AttentionMetadata, scale: float, decode=None, prefill=None,
+    sliding_window: Optional[int] = None,
 ) -> torch.Tensor:
-    """query [T, Hq, D] -> [T, Hq, D], causal over each sequence's cached context. `decode`
-    replaces the batched decode part (same arguments as `_decode_batch`); `prefill`, when it
-    returns a tensor, the per-sequence prefill loop (query rows of the prefill chunks, caches,
-    their block tables, query_start_loc and context_lens, scale; None: not supported)."""
+    """query [T, Hq, D] -> [T, Hq, D], causal over each sequence's cached context (over its last
+    `sliding_window` positions, where given). `decode` replaces the batched decode part (same
+    arguments as `_decode_batch`); `prefill`, when it returns a tensor, the per-sequence prefill
+    loop (query rows of the prefill chunks, caches, their block tables, query_start_loc and
+    context_lens, scale, sliding_window; None: not supported)."""
     output = torch.empty_like(query)
     num_prefills = metadata.num_prefills
     starts = metadata.query_start_loc_host
@@ -61,7 +65,7 @@ def paged_attention_ref(
         num_prefill_tokens = starts[num_prefills]
         prefilled = prefill(
             query[:num_prefill_tokens], key_cache, value_cache, metadata.block_tables[:num_prefills],
-            metadata.query_start_loc[: num_prefills + 1], metadata.context_lens[:num_prefills], scale,
+            metadata.query_start_loc[: num_prefills + 1], metadata.context_lens[:num_prefills], scale, sliding_window,
         )
         if prefilled is not None:
             output[:num_prefill_tokens] = prefilled
@@ -69,7 +73,7 @@ def paged_attention_ref(
         begin, end = starts[b], starts[b + 1]
         context_len = metadata.context_lens_host[b]
         output[begin:end] = _prefill_one(
-            query[begin:end], key_cache, value_cache, metadata.block_tables[b], context_len, scale
+            query[begin:end], key_cache, value_cache, metadata.block_tables[b], context_len, scale, sliding_window
         )
     if metadata.num_decode_tokens:
         first = starts[num_prefills]
@@ -81,29 +85,35 @@ def paged_attention_ref(
             metadata.context_lens[num_prefills:],
             metadata.max_context_len,
             scale,
+            sliding_window,
         )
     return output
 
 
-def _prefill_one(query, key_cache, value_cache, block_table, context_len: int, scale: float) -> torch.Tensor:
+def _prefill_one(query, key_cache, value_cache, block_table, context_len: int, scale: float,
+                 sliding_window: Optional[int] = None) -> torch.Tensor:
     num_queries = query.shape[0]
     keys = gather_context(key_cache, block_table, context_len).to(query.dtype)
     values = gather_context(value_cache, block_table, context_len).to(query.dtype)
     # enable_gqa: query head h reads kv head h // group, without repeating K/V per query head.
-    if num_queries == context_len:  # a whole prompt: plain causal, whose kernels skip the masked half
+    if num_queries == context_len and sliding_window is None:  # plain causal: its kernels skip the masked half
         out = F.scaled_dot_product_attention(
             query.transpose(0, 1), keys, values, is_causal=True, scale=scale, enable_gqa=True
         )
         return out.transpose(0, 1)
-    query_positions = torch.arange(context_len - num_queries, context_len, device=query.device)
-    mask = torch.arange(context_len, device=query.device)[None, :] <= query_positions[:, None]
+    query_positions = torch.arange(context_len - num_queries, context_len, device=query.device)[:, None]
+    key_positions = torch.arange(context_len, device=query.device)[None, :]
+    mask = key_positions <= query_positions
+    if sliding_window is not None:
+        mask &= key_positions > query_positions - sliding_window
     out = F.scaled_dot_product_attention(
         query.transpose(0, 1), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
     )
     return out.transpose(0, 1)
 
 
-def _decode_batch(query, key_cache, value_cache, block_tables, context_lens, max_context_len: int, scale: float):
+def _decode_batch(query, key_cache, value_cache, block_tables, context_lens, max_context_len: int, scale: float,
+                  sliding_window: Optional[int] = None):
     """One query token per sequence, all sequences at once (no Python loop).
 
     The gathered K/V stay block-shaped ([B, n, Hkv, bs, D], one index_select each, no permuted
@@ -122,7 +132,10 @@ def _decode_batch(query, key_cache, value_cache, block_tables, context_lens, max
     queries = query.view(batch, 1, num_kv_heads, group, head_dim)
     scores = torch.matmul(queries, keys.transpose(-1, -2)).float() * scale  # [B, n, Hkv, G, bs]
     positions = torch.arange(max_blocks * block_size, device=query.device).view(1, max_blocks, 1, 1, block_size)
-    invalid = positions >= context_lens.view(-1, 1, 1, 1, 1).to(positions.dtype)
+    context_ends = context_lens.view(-1, 1, 1, 1, 1).to(positions.dtype)
+    invalid = positions >= context_ends
+    if sliding_window is not None:
+        invalid |= positions < context_ends - sliding_window
     scores = scores.masked_fill(invalid, float("-inf"))
     weights = torch.exp(scores - scores.amax(dim=(1, 4), keepdim=True))
     total = weights.sum(dim=(1, 4), keepdim=True).squeeze(1)  # [B, Hkv, G, 1]
@@ -144,8 +157,11 @@ class TorchRefBackend:
     def write_kv(self, key_cache, value_cache, key, value, slot_mapping) -> None:
         write_kv(key_cache, value_cache, key, value, slot_mapping)
 
-    def forward(self, query, key_cache, value_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
-        return paged_attention_ref(query, key_cache, value_cache, metadata, scale)
+    def forward(self, query, key_cache, value_cache, metadata: AttentionMetadata, scale: float,
+                sliding_window: Optional[int] = None) -> torch.Tensor:
+        """Attention of the step's new tokens, each over its sequence's cached context (its last
+        `sliding_window` positions, where given)."""
+        return paged_attention_ref(query, key_cache, value_cache, metadata, scale, sliding_window=sliding_window)
 
     def copy_blocks(self, kv_cache, pairs) -> None:
         copy_blocks(kv_cache, pairs)

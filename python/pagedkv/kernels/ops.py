@@ -116,6 +116,7 @@ def paged_attention(
     *,
     partition_size: int | None = None,
     max_workspace_bytes: int = MAX_SPLIT_K_WORKSPACE_BYTES,
+    sliding_window: int | None = None,
     launcher=None,
 ) -> torch.Tensor:
     """Attention of each query token over its sequence's cached K/V.
@@ -123,7 +124,8 @@ def paged_attention(
     query [T, Hq, D]; key_cache/value_cache [num_blocks, Hkv, block_size, D] (any block
     stride); block_tables int32 [B, max_blocks]; seq_index int32 [T]: each token's row of
     block_tables; context_lens int32 [T]: cached tokens each query token sees (its own position
-    + 1, which makes prefill chunks causal); max_context_len >= every context_lens entry.
+    + 1, which makes prefill chunks causal); max_context_len >= every context_lens entry;
+    sliding_window: each token sees only the last this many of its cached tokens (None: all).
     Returns out [T, Hq, D]. partition_size forces the split-K partition (a multiple of 16,
     or max_context_len or more for a single pass); None chooses one. Split-K launches cover as
     many tokens at a time as fit in max_workspace_bytes of float32 scratch.
@@ -156,18 +158,22 @@ def paged_attention(
             raise ValueError(f"{what} must be contiguous [{num_tokens}], got {tuple(tensor.shape)}")
     if max_context_len > block_tables.shape[1] * block_size:
         raise ValueError(f"max_context_len={max_context_len} exceeds the block tables' {block_tables.shape[1]} blocks")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
     if num_tokens == 0:
         return out
 
     launcher = launcher or default_launcher(query.device)
+    window = sliding_window or 0
+    visible_len = min(max_context_len, sliding_window or max_context_len)  # what one token reads at most
     group = num_heads // num_kv_heads
     tile = sources.head_tile(group)
     num_ctas = num_tokens * num_kv_heads * (group // tile)
     if partition_size is None:
-        partition_size = choose_partition_size(num_ctas, max_context_len, launcher.num_sms)
-    num_partitions = max(1, math.ceil(max_context_len / partition_size))
+        partition_size = choose_partition_size(num_ctas, visible_len, launcher.num_sms)
+    num_partitions = max(1, math.ceil(visible_len / partition_size))
     if num_partitions == 1:
-        partition_size = max(partition_size, max_context_len)
+        partition_size = max(partition_size, visible_len)
     shared_floats = max(tile * partition_size, sources.NUM_WARPS * tile * head_dim) + 2 * tile
     if shared_floats * 4 > 48 * 1024:
         raise ValueError(f"partition_size={partition_size} needs more than 48 KiB of shared memory")
@@ -196,7 +202,7 @@ def paged_attention(
                 pointer(block_tables), pointer(seq_index[tokens]), pointer(context_lens[tokens]),
                 np.int64(query.stride(0)), np.int64(out.stride(0)), np.int64(key_cache.stride(0)),
                 np.int32(block_tables.stride(0)), np.int32(num_heads), np.int32(num_kv_heads),
-                np.int32(partition_size), np.int32(num_partitions), np.float32(scale),
+                np.int32(partition_size), np.int32(num_partitions), np.float32(scale), np.int32(window),
             ),
         )
         if num_partitions > 1:
@@ -208,7 +214,7 @@ def paged_attention(
                 0,
                 (
                     pointer(out[tokens]), *workspace, pointer(context_lens[tokens]), np.int64(out.stride(0)),
-                    np.int32(num_heads), np.int32(partition_size), np.int32(num_partitions),
+                    np.int32(num_heads), np.int32(partition_size), np.int32(num_partitions), np.int32(window),
                 ),
             )
     return out

@@ -1,5 +1,6 @@
-"""The Llama family (Llama, Mistral, Qwen2 with qkv bias, Qwen3 with per-head q/k norms, tied
-embeddings, and the mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE) over the paged cache.
+"""The Llama family (Llama, Mistral with sliding-window attention, Qwen2 with qkv bias, Qwen3 with
+per-head q/k norms, tied embeddings, and the mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE)
+over the paged cache.
 
 Weights come from HF state dicts (see loader.py); Q/K/V and gate/up projections are fused into one
 matmul each, and a MoE layer's experts are stacked into one tensor per projection.
@@ -20,6 +21,19 @@ from pagedkv.layers.rotary_embedding import RotaryEmbedding, split_and_rotate
 QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
 
 
+def layer_sliding_window(hf_config, layer_index: int) -> int | None:
+    """The attention window of this layer, or None for full attention: Mistral's and Mixtral's
+    `sliding_window` in every layer; Qwen's only with `use_sliding_window`, in the layers its
+    `layer_types` names "sliding_attention"."""
+    window = getattr(hf_config, "sliding_window", None)
+    if not window or (hf_config.model_type.startswith("qwen") and not getattr(hf_config, "use_sliding_window", False)):
+        return None
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None and layer_types[layer_index] != "sliding_attention":
+        return None
+    return int(window)
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, hf_config, layer_index: int):
         super().__init__()
@@ -28,6 +42,7 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // self.num_heads
         self.scale = self.head_dim**-0.5
+        self.sliding_window = layer_sliding_window(hf_config, layer_index)
         bias = bool(getattr(hf_config, "attention_bias", False) or getattr(hf_config, "qkv_bias", False)
                     or hf_config.model_type == "qwen2")
         self.q_size = self.num_heads * self.head_dim
@@ -50,7 +65,8 @@ class LlamaAttention(nn.Module):
         query, key, value = split_and_rotate(qkv, cos_sin, self.num_heads, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache.layer(self.layer_index)
         backend.write_kv(key_cache, value_cache, key, value, metadata.slot_mapping)
-        out = backend.forward(query, key_cache, value_cache, metadata, self.scale).reshape(num_tokens, self.q_size)
+        out = backend.forward(query, key_cache, value_cache, metadata, self.scale, self.sliding_window)
+        out = out.reshape(num_tokens, self.q_size)
         projected = self.o_proj(out)
         if lora is not None:
             lora.add(self.layer_index, "o_proj", out, projected)
