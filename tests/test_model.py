@@ -145,6 +145,54 @@ def test_tiny_mixture_of_experts_checkpoints_match_hf(tmp_path, index):
         assert torch.equal(ours, theirs), name
 
 
+def tiny_gemma3(**overrides):
+    """A random Gemma 3 text model: sliding (window 16, rope base 1e4) and full layers (rope base
+    1e6, linear scaling), query_pre_attn_scalar apart from head_dim, soft-capped logits."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(
+        vocab_size=256, hidden_size=128, intermediate_size=192, num_hidden_layers=3, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=64, max_position_embeddings=512, eos_token_id=2, bos_token_id=1,
+        pad_token_id=0, sliding_window=16, query_pre_attn_scalar=48, final_logit_softcapping=30.0,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 2.0}},
+        **overrides,
+    )
+    torch.manual_seed(0)
+    model = Gemma3ForCausalLM(config)
+    with torch.no_grad():  # norm offsets away from 0 (random init leaves them at 0), so (1 + w) matters
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight"):
+                parameter.uniform_(-0.5, 0.5)
+        model.model.embed_tokens.weight.normal_(std=0.3)
+    return model.eval()
+
+
+def test_tiny_gemma3_matches_hf_past_its_window(tmp_path):
+    from pagedkv import LLM, SamplingParams
+
+    hf_model = tiny_gemma3()
+    directory = save_tiny_checkpoint(tmp_path, hf_model)
+    loaded = assert_prefill_matches_hf(directory, "gemma3_text")
+    assert [layer.self_attn.sliding_window for layer in loaded.model.layers] == [16, None, 16]
+
+    generator = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, 256, (length,), generator=generator).tolist() for length in (40, 7, 70)]
+    with torch.inference_mode():
+        expected = [hf_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=20, min_new_tokens=20,
+                                      pad_token_id=0)[0, len(prompt):].tolist() for prompt in prompts]
+    llm = LLM(directory, dtype="float32", max_num_batched_tokens=32, num_device_blocks=64)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+    assert [output.outputs[0].token_ids for output in outputs] == expected
+
+
+def test_gemma3_options_the_kernels_lack_are_refused(tmp_path):
+    directory = save_tiny_checkpoint(tmp_path, tiny_gemma3(attn_logit_softcapping=50.0))
+    with pytest.raises(ValueError, match="attn_logit_softcapping"):
+        load(directory, None, None, torch.float32, torch.device("cpu"), None)
+
+
 def test_loader_rejects_unknown_directories(tmp_path):
     import pytest
 

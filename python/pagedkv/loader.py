@@ -12,13 +12,18 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedkv.layers.rotary_embedding import RotaryEmbedding
+from pagedkv.models.gemma3 import Gemma3ForCausalLM
 from pagedkv.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger("pagedkv.loader")
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+# model_type -> our class
+ARCHITECTURES = {
+    **dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"), LlamaForCausalLM),
+    "gemma3_text": Gemma3ForCausalLM,
+}
+SUPPORTED = tuple(ARCHITECTURES)
 
 
 def default_model_path() -> tuple[str, str]:
@@ -31,7 +36,7 @@ def default_model_path() -> tuple[str, str]:
 
 @dataclass
 class LoadedModel:
-    model: LlamaForCausalLM
+    model: LlamaForCausalLM  # or another class of ARCHITECTURES, of the same interface
     tokenizer: object
     hf_config: object
     eos_token_ids: list[int]
@@ -72,9 +77,9 @@ def load(model: str | None, gguf_file: str | None, tokenizer: str | None, dtype,
 
     positions = max_positions or hf_config.max_position_embeddings
     with torch.device("meta"):  # no time spent on random init: every weight is loaded below
-        net = LlamaForCausalLM(hf_config, positions, dtype)
+        net = ARCHITECTURES[hf_config.model_type](hf_config, positions, dtype)
     net = net.to_empty(device="cpu")
-    net.rotary = RotaryEmbedding(hf_config, positions, dtype)  # computed, not in the checkpoint
+    net.compute_buffers(positions, dtype)
     net.load_hf_state_dict(state)
     net = net.to(device=device, dtype=dtype).eval()
 

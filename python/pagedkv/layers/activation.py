@@ -1,4 +1,5 @@
-"""SiLU-and-mul, Llama's MLP activation over the fused gate/up projection."""
+"""Gated MLP activations over the fused gate/up projection: SiLU-and-mul (Llama) and
+tanh-approximated GELU-and-mul (Gemma)."""
 
 import torch
 import torch.nn.functional as F
@@ -12,3 +13,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return cpu_fused.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] holding [gate | up] -> gelu(gate, tanh approximation) * up, [T, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

@@ -9,14 +9,18 @@ from torch import nn
 from pagedkv.layers import cpu_fused
 
 
-def rope_inverse_frequencies(hf_config) -> tuple[torch.Tensor, float]:
-    """(inv_freq, attention_scaling) exactly as transformers computes them for this config."""
+def rope_inverse_frequencies(hf_config, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+    """(inv_freq, attention_scaling) exactly as transformers computes them for this config (for
+    one `layer_type`'s settings in models whose `rope_parameters` are per layer type, as Gemma 3's)."""
     parameters = getattr(hf_config, "rope_parameters", None) or {}
+    if layer_type is not None:
+        parameters = parameters[layer_type]
     rope_type = parameters.get("rope_type", "default")
     if rope_type != "default":
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-        return ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
+        extra = {} if layer_type is None else {"layer_type": layer_type}
+        return ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu", **extra)
     base = parameters.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
@@ -26,11 +30,12 @@ def rope_inverse_frequencies(hf_config) -> tuple[torch.Tensor, float]:
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position up to `max_positions`, cached in the model dtype."""
 
-    def __init__(self, hf_config, max_positions: int, dtype: torch.dtype):
+    def __init__(self, hf_config, max_positions: int, dtype: torch.dtype, layer_type: str | None = None):
         super().__init__()
-        inv_freq, scaling = rope_inverse_frequencies(hf_config)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float), inv_freq.float())
-        emb = torch.cat((freqs, freqs), dim=-1)
+        with torch.device("cpu"):  # real values even while the loader builds the model on "meta"
+            inv_freq, scaling = rope_inverse_frequencies(hf_config, layer_type)
+            freqs = torch.outer(torch.arange(max_positions, dtype=torch.float), inv_freq.float())
+            emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", (emb.cos() * scaling).to(dtype), persistent=False)
         self.register_buffer("sin", (emb.sin() * scaling).to(dtype), persistent=False)
 

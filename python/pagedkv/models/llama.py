@@ -82,18 +82,19 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hf_config, layer_index: int):
+    def __init__(self, hf_config, layer_index: int, act_and_mul=silu_and_mul):
         super().__init__()
         self.layer_index = layer_index
+        self.act_and_mul = act_and_mul
         self.gate_up_proj = nn.Linear(hf_config.hidden_size, 2 * hf_config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(hf_config.intermediate_size, hf_config.hidden_size, bias=False)
 
     def forward(self, hidden, lora=None):
         if lora is None:
-            return self.down_proj(silu_and_mul(self.gate_up_proj(hidden)))
+            return self.down_proj(self.act_and_mul(self.gate_up_proj(hidden)))
         gate_up = self.gate_up_proj(hidden)
         lora.add(self.layer_index, "gate_up_proj", hidden, gate_up)
-        activated = silu_and_mul(gate_up)
+        activated = self.act_and_mul(gate_up)
         out = self.down_proj(activated)
         lora.add(self.layer_index, "down_proj", activated, out)
         return out
@@ -139,7 +140,12 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(hf_config, max_positions, dtype)
+        self.compute_buffers(max_positions, dtype)
+
+    def compute_buffers(self, max_positions: int, dtype: torch.dtype) -> None:
+        """(Re)builds what is computed, not loaded: the rotary tables (the loader builds the model
+        on the meta device, which leaves them empty)."""
+        self.rotary = RotaryEmbedding(self.hf_config, max_positions, dtype)
 
     def forward(self, input_ids, positions, metadata: AttentionMetadata, kv_cache, backend, lora=None) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None

@@ -1,0 +1,101 @@
+"""Gemma 3 (text: `gemma3_text`, Gemma-3-270M and -1B) over the paged cache.
+
+Llama's blocks with Gemma's changes: RMSNorm weights stored as offsets from 1, the embeddings
+scaled by sqrt(hidden), norms before and after both attention and MLP, per-head q/k norms,
+a GELU(tanh) MLP, attention scaled by `query_pre_attn_scalar`, and layers of two kinds: sliding
+(a local window, their own rope base) and full (global rope). Final logits may be soft-capped.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedkv.attention.metadata import AttentionMetadata
+from pagedkv.layers.activation import gelu_tanh_and_mul
+from pagedkv.layers.rotary_embedding import RotaryEmbedding
+from pagedkv.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+
+
+class GemmaRMSNorm(nn.Module):
+    """x / rms(x) · (1 + weight), in float32, rounded once (Gemma's order, unlike Llama's)."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+        self.eps = eps
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        normalized = hidden.float()
+        normalized = normalized * torch.rsqrt(normalized.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normalized * (1.0 + self.weight.float())).to(hidden.dtype)
+
+
+class Gemma3Attention(LlamaAttention):
+    def __init__(self, hf_config, layer_index: int):
+        super().__init__(hf_config, layer_index)
+        self.scale = hf_config.query_pre_attn_scalar**-0.5
+        self.q_norm = GemmaRMSNorm(self.head_dim, hf_config.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(self.head_dim, hf_config.rms_norm_eps)
+
+
+class Gemma3DecoderLayer(nn.Module):
+    is_moe = False
+
+    def __init__(self, hf_config, layer_index: int):
+        super().__init__()
+        self.is_sliding = hf_config.layer_types[layer_index] == "sliding_attention"
+        self.self_attn = Gemma3Attention(hf_config, layer_index)
+        self.mlp = LlamaMLP(hf_config, layer_index, act_and_mul=gelu_tanh_and_mul)
+        norm = lambda: GemmaRMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)  # noqa: E731
+        self.input_layernorm, self.post_attention_layernorm = norm(), norm()
+        self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
+
+    def forward(self, hidden, cos_sin, metadata, kv_cache, backend, lora=None):
+        attended = self.self_attn(self.input_layernorm(hidden), cos_sin, metadata, kv_cache, backend, lora)
+        hidden = hidden + self.post_attention_layernorm(attended)
+        fed = self.mlp(self.pre_feedforward_layernorm(hidden), lora)
+        return hidden + self.post_feedforward_layernorm(fed)
+
+
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    """The interface of LlamaForCausalLM (forward, compute_logits, load_hf_state_dict, layers
+    with self_attn and mlp), so the runner, LoRA and the loader treat both alike."""
+
+    def __init__(self, hf_config, max_positions: int, dtype: torch.dtype):
+        if getattr(hf_config, "attn_logit_softcapping", None) is not None:
+            raise ValueError("attn_logit_softcapping is not supported (Gemma 3 checkpoints leave it unset)")
+        if getattr(hf_config, "use_bidirectional_attention", False):
+            raise ValueError("use_bidirectional_attention=True (an encoder) is not supported")
+        nn.Module.__init__(self)
+        self.hf_config = hf_config
+        self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(hf_config, i) for i in range(hf_config.num_hidden_layers))
+        self.norm = GemmaRMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", True))
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+        self.final_logit_softcapping = getattr(hf_config, "final_logit_softcapping", None)
+        self.compute_buffers(max_positions, dtype)
+
+    def compute_buffers(self, max_positions: int, dtype: torch.dtype) -> None:
+        """Rotary tables of both layer kinds and the embedding scale, sqrt(hidden) rounded to the
+        model dtype as transformers rounds it."""
+        self.rotary = RotaryEmbedding(self.hf_config, max_positions, dtype, "full_attention")
+        self.rotary_local = RotaryEmbedding(self.hf_config, max_positions, dtype, "sliding_attention")
+        self.register_buffer("embed_scale", torch.tensor(self.hf_config.hidden_size**0.5).to(dtype), persistent=False)
+
+    def forward(self, input_ids, positions, metadata: AttentionMetadata, kv_cache, backend, lora=None) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids) * self.embed_scale
+        global_cos_sin, local_cos_sin = self.rotary(positions), self.rotary_local(positions)
+        for layer in self.layers:
+            cos_sin = local_cos_sin if layer.is_sliding else global_cos_sin
+            hidden = layer(hidden, cos_sin, metadata, kv_cache, backend, lora)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = super().compute_logits(hidden)
+        if self.final_logit_softcapping is not None:
+            logits = torch.tanh(logits / self.final_logit_softcapping) * self.final_logit_softcapping
+        return logits
