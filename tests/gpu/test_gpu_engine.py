@@ -137,3 +137,25 @@ def test_lora_adapters_on_the_gpu_equal_the_cpu_engine(tmp_path):
         outputs = llm.generate(PROMPTS[: len(loras)], params, use_tqdm=False, lora_request=loras)
         results.append([out.outputs[0].token_ids for out in outputs])
     assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("architecture", ["gemma3", "qwen3_moe"])
+def test_other_architectures_on_the_gpu_equal_the_cpu_engine(tmp_path, architecture):
+    """A tiny random Gemma 3 (sliding-window and full layers, through the CUDA kernels' window)
+    and Qwen3-MoE (experts, eager: no decode graphs) give the CPU engine's greedy tokens."""
+    from conftest import save_tiny_checkpoint
+    from test_model import tiny_gemma3, tiny_moe_models
+
+    from pagedkv import LLM, SamplingParams
+
+    hf_model = tiny_gemma3() if architecture == "gemma3" else dict(tiny_moe_models())["qwen3_moe"].eval()
+    directory = save_tiny_checkpoint(tmp_path, hf_model)
+    generator = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 256, (length,), generator=generator).tolist() for length in (40, 7, 70)]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    results = []
+    for device, backend in (("cpu", "auto"), ("cuda", "cuda")):
+        llm = LLM(directory, device=device, dtype="float32", attention_backend=backend, max_num_batched_tokens=32,
+                  num_device_blocks=64, enforce_eager=False)
+        results.append([out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)])
+    assert results[0] == results[1]
