@@ -248,9 +248,11 @@ fn attend_any_dim<T: Element, C: Element, const ISA: u8>(
     match (inputs.shape.head_dim, widened) {
         (64, false) => attend_head::<T, C, 64, ISA>(out, inputs, scratch),
         (128, false) => attend_head::<T, C, 128, ISA>(out, inputs, scratch),
+        (256, false) => attend_head::<T, C, 256, ISA>(out, inputs, scratch),
         (_, false) => attend_head::<T, C, 0, ISA>(out, inputs, scratch),
         (64, true) => attend_head_widened::<T, C, 64, ISA>(out, inputs, scratch),
         (128, true) => attend_head_widened::<T, C, 128, ISA>(out, inputs, scratch),
+        (256, true) => attend_head_widened::<T, C, 256, ISA>(out, inputs, scratch),
         (_, true) => attend_head_widened::<T, C, 0, ISA>(out, inputs, scratch),
     }
 }
@@ -734,6 +736,8 @@ pub(crate) mod tests {
                 (4, 4, 24, 1, 0),
                 (8, 2, 128, 3, 0),
                 (2, 1, 80, 2, 0),
+                (4, 1, 256, 2, 0),
+                (4, 1, 256, 2, 20),
                 (9, 3, 64, 2, 1),
                 (9, 3, 64, 2, 23),
                 (8, 2, 128, 3, 32),

@@ -5,7 +5,7 @@
 //!
 //! A work item is (sequence, kv head, tile of query tokens); its rows are the tile's tokens
 //! times the query heads of the kv head's GQA group, so each K/V chunk is widened and
-//! transposed once for all of them. Head dims 64 and 128.
+//! transposed once for all of them. Head dims 64, 128 and 256.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
@@ -23,7 +23,7 @@ const LANES: usize = 16;
 /// Query tokens per work item.
 const QUERY_TILE: usize = 32;
 /// Head dims with a compiled kernel.
-pub const HEAD_DIMS: [usize; 2] = [64, 128];
+pub const HEAD_DIMS: [usize; 3] = [64, 128, 256];
 
 /// out[t, h] = softmax(scale * q[t, h] . K) V over positions 0..=pos(t) of token t's sequence
 /// (the last `shape.sliding_window` of them where set).
@@ -88,13 +88,16 @@ pub fn paged_prefill_attention<T: Element, C: Element>(
                 scale,
             };
             let s = &mut scratch;
-            match (isa, shape.head_dim == 64) {
-                (Isa::Avx512, true) => with_isa(isa, || attend_tile::<T, C, 64, 8, AVX512>(&inputs, s)),
-                (Isa::Avx512, false) => with_isa(isa, || attend_tile::<T, C, 128, 8, AVX512>(&inputs, s)),
-                (Isa::Avx2Fma, true) => with_isa(isa, || attend_tile::<T, C, 64, 2, AVX2>(&inputs, s)),
-                (Isa::Avx2Fma, false) => with_isa(isa, || attend_tile::<T, C, 128, 2, AVX2>(&inputs, s)),
-                (Isa::Portable, true) => attend_tile::<T, C, 64, 4, PORTABLE>(&inputs, s),
-                (Isa::Portable, false) => attend_tile::<T, C, 128, 4, PORTABLE>(&inputs, s),
+            match (isa, shape.head_dim) {
+                (Isa::Avx512, 64) => with_isa(isa, || attend_tile::<T, C, 64, 8, AVX512>(&inputs, s)),
+                (Isa::Avx512, 128) => with_isa(isa, || attend_tile::<T, C, 128, 8, AVX512>(&inputs, s)),
+                (Isa::Avx512, _) => with_isa(isa, || attend_tile::<T, C, 256, 8, AVX512>(&inputs, s)),
+                (Isa::Avx2Fma, 64) => with_isa(isa, || attend_tile::<T, C, 64, 2, AVX2>(&inputs, s)),
+                (Isa::Avx2Fma, 128) => with_isa(isa, || attend_tile::<T, C, 128, 2, AVX2>(&inputs, s)),
+                (Isa::Avx2Fma, _) => with_isa(isa, || attend_tile::<T, C, 256, 2, AVX2>(&inputs, s)),
+                (Isa::Portable, 64) => attend_tile::<T, C, 64, 4, PORTABLE>(&inputs, s),
+                (Isa::Portable, 128) => attend_tile::<T, C, 128, 4, PORTABLE>(&inputs, s),
+                (Isa::Portable, _) => attend_tile::<T, C, 256, 4, PORTABLE>(&inputs, s),
             }
             let mut out = output.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
             scratch.write_rows(&mut out, &inputs);
@@ -450,7 +453,7 @@ mod x86 {
         weights: &[f32; KEYS],
         values: *const f32,
     ) {
-        let mut total = [_mm512_setzero_ps(); 8]; // D <= 128
+        let mut total = [_mm512_setzero_ps(); 16]; // D <= 256
         let correction = _mm512_set1_ps(correction);
         for c in 0..D / 16 {
             total[c] = _mm512_mul_ps(_mm512_loadu_ps(acc.as_ptr().add(c * 16)), correction);
@@ -474,7 +477,7 @@ mod x86 {
         weights: &[f32; KEYS],
         values: *const f32,
     ) {
-        let mut total = [_mm256_setzero_ps(); 16]; // D <= 128
+        let mut total = [_mm256_setzero_ps(); 32]; // D <= 256
         let correction = _mm256_set1_ps(correction);
         for c in 0..D / 8 {
             total[c] = _mm256_mul_ps(_mm256_loadu_ps(acc.as_ptr().add(c * 8)), correction);
@@ -603,6 +606,8 @@ mod tests {
         // bfloat16 outputs: one rounding (half an ulp of values below 1 is < 2e-3).
         check(64, 16, Bf16::from_f32, Bf16::from_f32, 2e-3);
         check(128, 16, Bf16::from_f32, Bf16::from_f32, 2e-3);
+        check(256, 16, |x| x, |x| x, 2e-5); // Gemma 3's
+        check(256, 32, Bf16::from_f32, Bf16::from_f32, 2e-3);
     }
 
     #[test]

@@ -14,7 +14,8 @@ def block_major(num_blocks, num_kv_heads, block_size, head_dim, generator, dtype
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [(9, 3, 64, 16), (4, 4, 128, 8), (8, 1, 32, 32)])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size",
+                         [(9, 3, 64, 16), (4, 4, 128, 8), (8, 1, 32, 32), (4, 1, 256, 16)])
 def test_rust_decode_matches_the_reference(num_heads, num_kv_heads, head_dim, block_size, dtype):
     """Against float64 attention over the same (already rounded) values: the kernel's float32
     math adds ~1e-6 whatever the cache dtype; a bfloat16 output adds its own rounding."""
@@ -81,7 +82,8 @@ def prefill_batch(new_tokens, contexts, num_heads, num_kv_heads, head_dim, block
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [(9, 3, 64, 16), (4, 4, 128, 8), (8, 2, 64, 32)])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size",
+                         [(9, 3, 64, 16), (4, 4, 128, 8), (8, 2, 64, 32), (4, 1, 256, 16)])
 def test_rust_prefill_matches_the_reference(num_heads, num_kv_heads, head_dim, block_size, dtype):
     """A whole prompt longer than a query tile, a chunk after a cached prefix (prefix caching,
     chunked prefill), one-token and empty chunks, against float64 SDPA over the gathered K/V."""

@@ -5,7 +5,7 @@ Both read K/V in place through the block table (the torch reference gathers them
 tensors first) and split their work over torch's CPU threads. Caches of float32, bfloat16
 (the fast CPU dtype where the CPU has AVX512-BF16: half the bytes to read, float32 math) or
 float8 (`kv_cache_dtype="fp8"`: a quarter of float32's bytes, read with float32 queries);
-float16 caches, head dims other than 64/128 in prefill, and CPUs without AVX2 go through
+float16 caches, head dims other than 64/128/256 in prefill, and CPUs without AVX2 go through
 the torch reference.
 """
 
@@ -29,7 +29,7 @@ CACHE_DTYPES = {
     torch.float8_e4m3fn: "fp8_e4m3",
     torch.float8_e5m2: "fp8_e5m2",
 }
-PREFILL_HEAD_DIMS = (64, 128)
+PREFILL_HEAD_DIMS = (64, 128, 256)
 # False sends prefill chunks through the torch reference (gather + SDPA; benchmarks compare).
 prefill_kernel_enabled = True
 
@@ -89,7 +89,7 @@ def paged_prefill_attention(
     query_start_loc[b]:query_start_loc[b + 1], the last of its context_lens[b] cached tokens
     (their K/V already written), and attend causally to everything cached before them (to the
     last `sliding_window` positions, where given). Caches as for `paged_decode_attention`; head
-    dims 64 and 128 (`PREFILL_HEAD_DIMS`)."""
+    dims 64, 128 and 256 (`PREFILL_HEAD_DIMS`)."""
     num_blocks, num_kv_heads, block_size, head_dim = key_cache.shape
     num_tokens, num_heads, _ = query.shape
     _check_caches(query, key_cache, value_cache)
