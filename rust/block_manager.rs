@@ -121,6 +121,21 @@ impl BlockManager {
         self.cpu_tier.take_copies()
     }
 
+    /// Forgets every cached prefix (device and CPU tier), as after a weight update, when cached
+    /// K/V no longer match what the model would compute. Only when no sequence holds blocks:
+    /// returns false (and changes nothing) otherwise. Hit counters are kept.
+    pub fn reset_prefix_cache(&mut self) -> bool {
+        if !self.tables.is_empty() {
+            return false;
+        }
+        self.begin_step(); // with no sequence left, the last step's copies have run
+        for block in self.cache.take_blocks() {
+            self.gpu.clear_hash(block);
+        }
+        self.cpu_tier.reset(&mut self.cpu);
+        true
+    }
+
     pub fn block_size(&self) -> usize {
         self.block_size
     }
@@ -742,6 +757,32 @@ mod tests {
         assert!(bm.num_cached_cpu_blocks() < 2);
         bm.check_invariants().unwrap();
         assert!(matches!(manager(4, 4, false).enable_cpu_prefix_cache(), Err(Error::InvalidConfig { .. })));
+    }
+
+    #[test]
+    fn reset_prefix_cache_forgets_both_tiers_only_when_no_sequence_holds_blocks() {
+        let mut bm = manager(4, 4, true);
+        bm.enable_cpu_prefix_cache().unwrap();
+        bm.allocate(1, &tokens(9), None).unwrap();
+        bm.free(1).unwrap();
+        bm.allocate(2, &(0..16).collect::<Vec<u32>>(), None).unwrap(); // evicts 0 and 1 to the CPU tier
+        bm.free(2).unwrap();
+        bm.begin_step();
+        assert!(bm.num_cached_cpu_blocks() > 0 && bm.num_cached_device_blocks() > 0);
+        bm.allocate(3, &[7, 7], None).unwrap();
+        assert!(!bm.reset_prefix_cache(), "sequence 3 still holds blocks");
+        assert!(bm.num_cached_cpu_blocks() > 0 && bm.num_cached_device_blocks() > 0, "nothing changed");
+        bm.free(3).unwrap();
+        assert!(bm.reset_prefix_cache());
+        assert_eq!((bm.num_cached_device_blocks(), bm.num_cached_cpu_blocks()), (0, 0));
+        assert_eq!((bm.num_free_device_blocks(), bm.num_free_cpu_blocks()), (4, 4));
+        assert_eq!(bm.peek_prefix_hits(&tokens(9), None), PrefixHits::default());
+        bm.check_invariants().unwrap();
+        // Caching goes on afterwards.
+        bm.allocate(4, &tokens(9), None).unwrap();
+        bm.free(4).unwrap();
+        assert_eq!(bm.peek_prefix_hits(&tokens(9), None).device, 2);
+        bm.check_invariants().unwrap();
     }
 
     #[test]

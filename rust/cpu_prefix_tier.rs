@@ -109,6 +109,14 @@ impl CpuPrefixTier {
         (std::mem::take(&mut self.offloads), std::mem::take(&mut self.reloads))
     }
 
+    /// Forgets every cached block: they become plain free CPU blocks. Call with nothing pinned.
+    pub fn reset(&mut self, cpu: &mut BlockPool) {
+        debug_assert!(self.pinned.is_empty());
+        for block in self.cache.take_blocks() {
+            cpu.clear_hash(block);
+        }
+    }
+
     /// References held by pins, per CPU block (for the invariant check).
     pub fn pinned(&self) -> &[BlockId] {
         &self.pinned

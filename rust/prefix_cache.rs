@@ -65,6 +65,11 @@ impl PrefixCache {
         self.blocks.len()
     }
 
+    /// Forgets every entry (the counters stay); returns the blocks they named.
+    pub fn take_blocks(&mut self) -> Vec<BlockId> {
+        self.blocks.drain().map(|(_, block)| block).collect()
+    }
+
     /// Every (hash, block) entry.
     pub fn entries(&self) -> impl Iterator<Item = (u64, BlockId)> + '_ {
         self.blocks.iter().map(|(hash, block)| (*hash, *block))

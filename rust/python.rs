@@ -381,6 +381,10 @@ impl Scheduler {
         self.inner.has_unfinished()
     }
 
+    fn reset_prefix_cache(&mut self) -> bool {
+        self.inner.reset_prefix_cache()
+    }
+
     #[getter]
     fn num_unfinished_requests(&self) -> usize {
         self.inner.num_unfinished()

@@ -256,6 +256,12 @@ impl Scheduler {
         !self.groups.is_empty()
     }
 
+    /// Forgets every cached prefix (see `BlockManager::reset_prefix_cache`); false while any
+    /// request is unfinished.
+    pub fn reset_prefix_cache(&mut self) -> bool {
+        !self.has_unfinished() && self.blocks.reset_prefix_cache()
+    }
+
     pub fn num_unfinished(&self) -> usize {
         self.groups.len()
     }

@@ -180,6 +180,27 @@ def test_cpu_prefix_cache_brings_evicted_prefix_blocks_back(prompts, hf_referenc
     assert hit_tokens[True] >= hit_tokens[False] + 16 * 16, hit_tokens
 
 
+def test_reset_prefix_cache_forgets_both_tiers_but_not_while_requests_run(prompts, hf_references):
+    from pagedkv import SamplingParams
+
+    llm = LLM(dtype="float32", num_device_blocks=40, swap_space_bytes=64 << 20, max_model_len=640,
+              enable_cpu_prefix_cache=True)
+    llm.generate([prompts[5]], greedy(), use_tqdm=False)
+    assert llm.engine.stats()["num_cached_device_blocks"] > 0
+    llm.engine.add_request("running", prompts[0], SamplingParams(max_tokens=4))
+    assert not llm.reset_prefix_cache()  # a request is unfinished: nothing changes
+    assert llm.engine.stats()["num_cached_device_blocks"] > 0
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    assert llm.reset_prefix_cache()
+    stats = llm.engine.stats()
+    assert (stats["num_cached_device_blocks"], stats["num_cached_cpu_blocks"]) == (0, 0)
+    again = llm.generate([prompts[5]], greedy(), use_tqdm=False)[0]
+    assert again.metrics.num_prefix_hit_tokens == 0  # computed afresh
+    assert again.outputs[0].token_ids == hf_references[5]
+    assert_all_blocks_free(llm.engine)
+
+
 def test_prompt_logprobs_match_hf_across_chunks_despite_the_prefix_cache(hf_model, prompts, monkeypatch):
     from pagedkv import request_state
 

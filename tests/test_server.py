@@ -499,6 +499,9 @@ def test_an_api_key_guards_the_v1_routes():
             assert response.json()["error"]["code"] == "invalid_api_key"
         assert httpx.get(live.url + "/v1/models", timeout=10).status_code == 401
         assert httpx.get(live.url + "/health", timeout=10).status_code == 200  # probes need no key
+        assert httpx.post(live.url + "/reset_prefix_cache", timeout=10).status_code == 401
+        response = httpx.post(live.url + "/reset_prefix_cache", headers={"Authorization": "Bearer s3cret"}, timeout=30)
+        assert response.status_code == 200 and response.json() == {"status": "ok"}
         client = OpenAI(base_url=live.url + "/v1", api_key="s3cret", timeout=60, max_retries=0)
         assert len(client.completions.create(model=client.models.list().data[0].id, **body).choices[0].text) > 0
         assert live.metric("pagedkv_kv_blocks_used_device") == 0

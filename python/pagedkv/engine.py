@@ -235,6 +235,16 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix, device and CPU tier (vLLM's, for after a weight update:
+        cached K/V would no longer match the model). Returns False, changing nothing, while
+        requests are unfinished."""
+        if not self.scheduler.reset_prefix_cache():
+            logger.warning("prefix cache not reset: %d requests are unfinished", len(self.requests))
+            return False
+        logger.info("prefix cache reset")
+        return True
+
     @property
     def num_unfinished_requests(self) -> int:
         return len(self.requests)

@@ -127,6 +127,10 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix (vLLM's; see `LLMEngine.reset_prefix_cache`)."""
+        return self.engine.reset_prefix_cache()
+
 
 def _as_prompt_list(prompts) -> list[Prompt]:
     """One prompt (text or token ids) or a sequence of them, as a list."""

@@ -45,6 +45,8 @@ logger = logging.getLogger("pagedkv.server")
 
 # Engine ValueErrors that start with one of these name a sampling field; others are about the prompt.
 SAMPLING_FIELDS = frozenset({"logit_bias", "stop_token_ids", "n", "structured_outputs", "priority", "allowed_token_ids"})
+# Routes outside /v1 that --api-key guards too.
+ADMIN_ROUTES = frozenset({"/reset_prefix_cache"})
 
 
 class APIError(Exception):
@@ -97,7 +99,8 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
 
         @app.middleware("http")
         async def authenticate(request: Request, call_next):
-            if request.method != "OPTIONS" and request.url.path.startswith("/v1"):
+            path = request.url.path
+            if request.method != "OPTIONS" and (path.startswith("/v1") or path in ADMIN_ROUTES):
                 given = request.headers.get("authorization", "").encode()
                 if not hmac.compare_digest(given, expected):  # (constant time: no key guessing by timing)
                     return error_response(401, "invalid or missing API key (Authorization: Bearer <key>)",
@@ -201,6 +204,13 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
         if any(not 0 <= token < vocab_size for token in body.tokens):
             raise APIError(400, f"tokens must be token ids in [0, {vocab_size})", "invalid_request_error", "tokens")
         return {"prompt": engine.tokenizer.decode(body.tokens)}
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        """vLLM's: forgets every cached prefix (after a weight update); 409 while requests run."""
+        if not await state["loop"].call(lambda engine: engine.reset_prefix_cache()):
+            raise APIError(409, "the prefix cache cannot be reset while requests are unfinished", "conflict_error", None)
+        return {"status": "ok"}
 
     if allow_runtime_lora_updating:
         if engine.runner.lora_registry is None:
