@@ -169,6 +169,28 @@ def tiny_gemma3(**overrides):
     return model.eval()
 
 
+def test_tiny_smollm3_with_rotary_free_layers_matches_hf(tmp_path):
+    from transformers import SmolLM3Config, SmolLM3ForCausalLM
+
+    config = SmolLM3Config(vocab_size=256, hidden_size=128, intermediate_size=192, num_hidden_layers=4,
+                           num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                           no_rope_layers=[1, 1, 0, 1], eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    torch.manual_seed(0)
+    loaded = assert_prefill_matches_hf(save_tiny_checkpoint(tmp_path, SmolLM3ForCausalLM(config).eval()), "smollm3")
+    assert [layer.self_attn.use_rope for layer in loaded.model.layers] == [True, True, False, True]
+
+
+def test_tiny_granite_with_its_multipliers_matches_hf(tmp_path):
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    config = GraniteConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                           embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0078125,
+                           logits_scaling=8.0, eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    torch.manual_seed(0)
+    assert_prefill_matches_hf(save_tiny_checkpoint(tmp_path, GraniteForCausalLM(config).eval()), "granite")
+
+
 def test_tiny_gemma3_matches_hf_past_its_window(tmp_path):
     from pagedkv import LLM, SamplingParams
 

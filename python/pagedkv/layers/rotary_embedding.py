@@ -58,11 +58,15 @@ def split_and_rotate(qkv: torch.Tensor, cos_sin, num_heads: int, num_kv_heads: i
             key.view(num_tokens, num_kv_heads, head_dim),
             value.view(num_tokens, num_kv_heads, head_dim),
         )
-    query, key, value = qkv.view(num_tokens, num_heads + 2 * num_kv_heads, head_dim).split(
-        [num_heads, num_kv_heads, num_kv_heads], dim=1
-    )
+    query, key, value = split_heads(qkv, num_heads, num_kv_heads, head_dim)
     query, key = apply_rotary(cos_sin, query, key)
     return query, key, value
+
+
+def split_heads(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int):
+    """qkv [T, (Hq + 2 Hkv) D] -> views query [T, Hq, D], key and value [T, Hkv, D] (for layers
+    without rotary embedding, e.g. SmolLM3's NoPE layers)."""
+    return qkv.view(qkv.shape[0], num_heads + 2 * num_kv_heads, head_dim).split([num_heads, num_kv_heads, num_kv_heads], 1)
 
 
 def apply_rotary(cos_sin: tuple[torch.Tensor, torch.Tensor], query: torch.Tensor, key: torch.Tensor):

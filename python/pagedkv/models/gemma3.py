@@ -77,6 +77,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
         self.final_logit_softcapping = getattr(hf_config, "final_logit_softcapping", None)
+        self.logits_scaling = 1.0
         self.compute_buffers(max_positions, dtype)
 
     def compute_buffers(self, max_positions: int, dtype: torch.dtype) -> None:

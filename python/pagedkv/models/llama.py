@@ -1,6 +1,6 @@
 """The Llama family (Llama, Mistral with sliding-window attention, Qwen2 with qkv bias, Qwen3 with
-per-head q/k norms, tied embeddings, and the mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE)
-over the paged cache.
+per-head q/k norms, SmolLM3 with rotary-free layers, Granite with its multipliers, tied embeddings,
+and the mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE) over the paged cache.
 
 Weights come from HF state dicts (see loader.py); Q/K/V and gate/up projections are fused into one
 matmul each, and a MoE layer's experts are stacked into one tensor per projection.
@@ -16,17 +16,17 @@ from pagedkv.attention.metadata import AttentionMetadata
 from pagedkv.layers.activation import silu_and_mul
 from pagedkv.layers.fused_moe import SparseMoE, is_moe_layer, moe_config
 from pagedkv.layers.rms_norm import RMSNorm
-from pagedkv.layers.rotary_embedding import RotaryEmbedding, split_and_rotate
+from pagedkv.layers.rotary_embedding import RotaryEmbedding, split_and_rotate, split_heads
 
 QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
 
 
 def layer_sliding_window(hf_config, layer_index: int) -> int | None:
     """The attention window of this layer, or None for full attention: Mistral's and Mixtral's
-    `sliding_window` in every layer; Qwen's only with `use_sliding_window`, in the layers its
-    `layer_types` names "sliding_attention"."""
+    `sliding_window` in every layer; Qwen's and SmolLM3's only with `use_sliding_window`, in the
+    layers their `layer_types` name "sliding_attention"."""
     window = getattr(hf_config, "sliding_window", None)
-    if not window or (hf_config.model_type.startswith("qwen") and not getattr(hf_config, "use_sliding_window", False)):
+    if not window or not getattr(hf_config, "use_sliding_window", True):  # (Qwen's and SmolLM3's switch)
         return None
     layer_types = getattr(hf_config, "layer_types", None)
     if layer_types is not None and layer_types[layer_index] != "sliding_attention":
@@ -41,8 +41,12 @@ class LlamaAttention(nn.Module):
         self.num_heads = hf_config.num_attention_heads
         self.num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // self.num_heads
-        self.scale = self.head_dim**-0.5
+        # Granite scales attention by its own multiplier
+        self.scale = getattr(hf_config, "attention_multiplier", None) or self.head_dim**-0.5
         self.sliding_window = layer_sliding_window(hf_config, layer_index)
+        # SmolLM3 leaves rotary embedding out of the layers whose no_rope_layers entry is 0
+        no_rope_layers = getattr(hf_config, "no_rope_layers", None)
+        self.use_rope = no_rope_layers is None or bool(no_rope_layers[layer_index])
         bias = bool(getattr(hf_config, "attention_bias", False) or getattr(hf_config, "qkv_bias", False)
                     or hf_config.model_type == "qwen2")
         self.q_size = self.num_heads * self.head_dim
@@ -62,7 +66,10 @@ class LlamaAttention(nn.Module):
             lora.add(self.layer_index, "qkv_proj", hidden, qkv)
         if self.q_norm is not None:
             self._normalize_query_and_key_heads_(qkv)
-        query, key, value = split_and_rotate(qkv, cos_sin, self.num_heads, self.num_kv_heads, self.head_dim)
+        if self.use_rope:
+            query, key, value = split_and_rotate(qkv, cos_sin, self.num_heads, self.num_kv_heads, self.head_dim)
+        else:
+            query, key, value = split_heads(qkv, self.num_heads, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache.layer(self.layer_index)
         backend.write_kv(key_cache, value_cache, key, value, metadata.slot_mapping)
         out = backend.forward(query, key_cache, value_cache, metadata, self.scale, self.sliding_window)
@@ -106,6 +113,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.self_attn = LlamaAttention(hf_config, layer_index)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        self.residual_multiplier = getattr(hf_config, "residual_multiplier", 1.0)  # Granite's
         self.is_moe = is_moe_layer(hf_config, layer_index)
         if self.is_moe:
             num_experts, top_k, intermediate_size, renormalize = moe_config(hf_config)
@@ -122,9 +130,14 @@ class LlamaDecoderLayer(nn.Module):
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(hidden, cos_sin, metadata, kv_cache, backend, lora)
+        if self.residual_multiplier != 1.0:
+            hidden = hidden * self.residual_multiplier
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         # LoRA adapters never target experts (refused when they load)
-        return (self.mlp(hidden) if self.is_moe else self.mlp(hidden, lora)), residual
+        hidden = self.mlp(hidden) if self.is_moe else self.mlp(hidden, lora)
+        if self.residual_multiplier != 1.0:
+            hidden = hidden * self.residual_multiplier
+        return hidden, residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -140,6 +153,9 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+        # Granite's: embeddings scaled up, logits scaled down
+        self.embedding_multiplier = getattr(hf_config, "embedding_multiplier", 1.0)
+        self.logits_scaling = getattr(hf_config, "logits_scaling", 1.0)
         self.compute_buffers(max_positions, dtype)
 
     def compute_buffers(self, max_positions: int, dtype: torch.dtype) -> None:
@@ -149,6 +165,8 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids, positions, metadata: AttentionMetadata, kv_cache, backend, lora=None) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
+        if self.embedding_multiplier != 1.0:
+            hidden = hidden * self.embedding_multiplier
         cos_sin = self.rotary(positions)
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, cos_sin, metadata, kv_cache, backend, lora)
@@ -156,7 +174,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        logits = F.linear(hidden, weight).float()
+        return logits if self.logits_scaling == 1.0 else logits / self.logits_scaling
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Loads HF-named weights, fusing q/k/v and gate/up and stacking experts. Fails loudly
