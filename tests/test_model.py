@@ -191,6 +191,38 @@ def test_tiny_granite_with_its_multipliers_matches_hf(tmp_path):
     assert_prefill_matches_hf(save_tiny_checkpoint(tmp_path, GraniteForCausalLM(config).eval()), "granite")
 
 
+def tiny_phi3(tmp_path):
+    """A random Phi-3 (fused qkv and gate/up weights) with Phi-4-mini's partial rotary factor and
+    LongRoPE factors over a pretraining length of 64."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+            "original_max_position_embeddings": 64, "short_factor": [1.0, 1.3, 2.1, 4.0],
+            "long_factor": [1.0, 2.5, 6.0, 16.0]}
+    config = Phi3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                        original_max_position_embeddings=64, rope_parameters=rope, eos_token_id=2, bos_token_id=1,
+                        pad_token_id=0)
+    torch.manual_seed(0)
+    return save_tiny_checkpoint(tmp_path, Phi3ForCausalLM(config).eval())
+
+
+def test_tiny_phi3_with_partial_rotary_and_longrope_matches_hf(tmp_path):
+    """Within the pretraining length (where every implementation uses the short factors); past it,
+    each position is rotated with the long factors."""
+    from pagedkv.layers.rotary_embedding import rope_inverse_frequencies
+
+    loaded = assert_prefill_matches_hf(tiny_phi3(tmp_path), "phi3")
+    rotary, config = loaded.model.rotary, loaded.hf_config
+    assert rotary.cos.shape[-1] == 8  # half of each 16-dim head rotates
+    short, scaling = rope_inverse_frequencies(config)
+    long, _ = rope_inverse_frequencies(config, seq_len=65)
+    assert not torch.allclose(short, long)
+    for position, inv_freq in ((63, short), (64, long), (200, long)):
+        angles = position * inv_freq
+        torch.testing.assert_close(rotary.cos[position], torch.cat([angles, angles]).cos() * scaling)
+
+
 def test_tiny_gemma3_matches_hf_past_its_window(tmp_path):
     from pagedkv import LLM, SamplingParams
 

@@ -20,7 +20,8 @@ logger = logging.getLogger("pagedkv.loader")
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # model_type -> our class
 ARCHITECTURES = {
-    **dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "smollm3", "granite"),
+    **dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "smollm3", "granite",
+                     "phi3"),
                     LlamaForCausalLM),
     "gemma3_text": Gemma3ForCausalLM,
 }

@@ -1,6 +1,7 @@
 """The Llama family (Llama, Mistral with sliding-window attention, Qwen2 with qkv bias, Qwen3 with
-per-head q/k norms, SmolLM3 with rotary-free layers, Granite with its multipliers, tied embeddings,
-and the mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE) over the paged cache.
+per-head q/k norms, SmolLM3 with rotary-free layers, Granite with its multipliers, Phi-3 with
+partial rotary and LongRoPE, tied embeddings, and the mixture-of-experts Mixtral, Qwen2-MoE and
+Qwen3-MoE) over the paged cache.
 
 Weights come from HF state dicts (see loader.py); Q/K/V and gate/up projections are fused into one
 matmul each, and a MoE layer's experts are stacked into one tensor per projection.
@@ -189,6 +190,8 @@ class LlamaForCausalLM(nn.Module):
         fused = {}
         for i, layer in enumerate(self.layers):
             p = f"layers.{i}."
+            if p + "self_attn.qkv_proj.weight" in own:  # Phi-3 stores them fused already
+                continue
             fused[p + "self_attn.qkv_proj.weight"] = torch.cat(
                 [own.pop(p + f"self_attn.{x}_proj.weight") for x in "qkv"], dim=0
             )
