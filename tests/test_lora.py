@@ -248,3 +248,36 @@ def test_stats_count_unfinished_requests_by_adapter(adapters):
         engine.abort(f"r{index}")
     stats = engine.stats()
     assert stats["lora_requests"] == {} and stats["num_free_device_blocks"] == stats["num_device_blocks"]
+
+
+def test_adapters_of_fused_projections_on_phi3(tmp_path):
+    """Phi-3 holds q/k/v and gate/up fused, and so do its PEFT adapters (qkv_proj, gate_up_proj):
+    greedy tokens equal HF with the adapter merged."""
+    from test_model import tiny_phi3
+    from transformers import AutoModelForCausalLM
+
+    directory = tiny_phi3(tmp_path / "model")
+    hf_model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    generator = torch.Generator().manual_seed(9)
+    shapes = {"self_attn.qkv_proj": (64, 64 + 2 * 32), "self_attn.o_proj": (64, 64), "mlp.gate_up_proj": (64, 256)}
+    weights = {}
+    for layer in range(2):
+        for module, (in_features, out_features) in shapes.items():
+            prefix = f"base_model.model.model.layers.{layer}.{module}"
+            weights[f"{prefix}.lora_A.weight"] = torch.randn((4, in_features), generator=generator) * 0.3
+            weights[f"{prefix}.lora_B.weight"] = torch.randn((out_features, 4), generator=generator) * 0.3
+    adapter_dir = tmp_path / "adapter"
+    adapter_dir.mkdir()
+    save_file(weights, str(adapter_dir / "adapter_model.safetensors"))
+    (adapter_dir / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8}))
+
+    prompt = torch.randint(3, 256, (20,), generator=generator).tolist()
+    llm = LLM(directory, dtype="float32", enable_lora=True, max_lora_rank=4, num_device_blocks=32)
+    lora = LoRARequest("fused", 1, str(adapter_dir))
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+    with_adapter = llm.generate([prompt], params, use_tqdm=False, lora_request=lora)[0].outputs[0].token_ids
+    without = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    hf_model.generation_config.eos_token_id = None
+    assert with_adapter == hf_greedy(merged(hf_model, str(adapter_dir)), prompt)
+    assert without == hf_greedy(hf_model, prompt)
+    assert with_adapter != without

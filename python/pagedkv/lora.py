@@ -21,10 +21,12 @@ from pagedkv.errors import InvalidConfigError
 
 logger = logging.getLogger("pagedkv.lora")
 
-# PEFT module name -> (our fused module, which of its parts): q/k/v share qkv_proj, gate/up gate_up_proj.
+# PEFT module name -> (our fused module, which of its parts): q/k/v share qkv_proj, gate/up
+# gate_up_proj; None: the whole module (Phi-3's checkpoints, and so its adapters, hold them fused).
 _TARGETS = {
     "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2), "o_proj": ("o_proj", 0),
     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0),
+    "qkv_proj": ("qkv_proj", None), "gate_up_proj": ("gate_up_proj", None),
 }
 _STACKS_KEPT = 8  # adapter sets whose stacked matrices are kept
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
@@ -221,7 +223,9 @@ def _delta(adapter_name, model, layer_index, name, a, b, scale, dtype, device) -
         raise InvalidConfigError(f"LoRA adapter {adapter_name!r}: layer {layer_index} {name} is a mixture of experts; "
                                  "adapters of expert layers are not supported (attention projections are)")
     module = getattr(layer.self_attn if fused_name in ("qkv_proj", "o_proj") else layer.mlp, fused_name)
-    if fused_name == "qkv_proj":
+    if part is None:
+        sizes, part = [module.out_features], 0
+    elif fused_name == "qkv_proj":
         attention = layer.self_attn
         sizes = [attention.q_size, attention.kv_size, attention.kv_size]
     elif fused_name == "gate_up_proj":
