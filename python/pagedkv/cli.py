@@ -135,7 +135,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         lora_modules[name] = path
     return serve(engine_config(args), host=args.host, port=args.port, served_model_name=args.served_model_name,
                  chat_template=chat_template, api_key=args.api_key, lora_modules=lora_modules,
-                 allow_runtime_lora_updating=args.allow_runtime_lora_updating)
+                 allow_runtime_lora_updating=args.allow_runtime_lora_updating, reasoning_parser=args.reasoning_parser)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -197,6 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
                        default=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
                        help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter load adapters from this "
                             "machine's disk while serving (default: $VLLM_ALLOW_RUNTIME_LORA_UPDATING)")
+    serve.add_argument("--reasoning-parser", choices=["deepseek_r1", "qwen3"], default=None,
+                       help="move chat replies' <think> blocks to reasoning_content (default: none)")
     serve.add_argument("--api-key", default=os.environ.get("PAGEDKV_API_KEY"),
                        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $PAGEDKV_API_KEY, else none)")
     add_engine_arguments(serve)

@@ -115,13 +115,16 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: Optional[str] = None,
         lora_request: Optional[LoRARequest] = None,
+        chat_template_kwargs: Optional[dict] = None,
     ) -> list[RequestOutput]:
         """Applies the chat template (the tokenizer's, or `chat_template`, a Jinja template) to
-        one conversation (or a list of them) and generates the assistant's reply."""
+        one conversation (or a list of them) and generates the assistant's reply.
+        `chat_template_kwargs` are template variables (e.g. Qwen3's `enable_thinking`)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
             self.tokenizer.apply_chat_template(
-                conversation, chat_template=chat_template, tokenize=False, add_generation_prompt=True
+                conversation, chat_template=chat_template, tokenize=False, add_generation_prompt=True,
+                **(chat_template_kwargs or {}),
             )
             for conversation in conversations
         ]

@@ -38,6 +38,7 @@ from pagedkv.server.protocol import (
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
 )
+from pagedkv.server.reasoning import ReasoningParser
 from pagedkv.server.responses import ResponseBuilder
 from pagedkv.server.tools import ToolCalling
 
@@ -62,20 +63,23 @@ def error_response(status: int, message: str, type_: str, param=None, code=None,
 
 def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_template: Optional[str] = None,
                api_key: Optional[str] = None, lora_modules: Optional[dict[str, str]] = None,
-               allow_runtime_lora_updating: bool = False) -> FastAPI:
+               allow_runtime_lora_updating: bool = False, reasoning_parser: Optional[str] = None) -> FastAPI:
     """The app around an engine; the engine loop runs for the app's lifetime. `chat_template`
     (Jinja) replaces the tokenizer's own, e.g. for a base model that has none. `api_key`: /v1
     routes answer 401 unless the request carries `Authorization: Bearer <api_key>`.
     `lora_modules` ({name: PEFT directory}, engine with enable_lora): each adapter is served as a
     model of its own name, loaded now. `allow_runtime_lora_updating` adds vLLM's
-    /v1/load_lora_adapter and /v1/unload_lora_adapter (adapters from the server's disk)."""
+    /v1/load_lora_adapter and /v1/unload_lora_adapter (adapters from the server's disk).
+    `reasoning_parser` ("deepseek_r1", "qwen3"): chat replies' think blocks become
+    `reasoning_content` (server/reasoning.py)."""
     model_name = served_model_name or engine.model_name
     adapters = {name: LoRARequest(name, index + 1, path) for index, (name, path) in enumerate((lora_modules or {}).items())}
     if model_name in adapters:
         raise ValueError(f"LoRA module name {model_name!r} is the base model's served name")
     for adapter in adapters.values():
         engine.add_lora(adapter)  # (a bad adapter stops the server from starting, not a request)
-    builders = {name: ResponseBuilder(engine.tokenizer, name) for name in (model_name, *adapters)}
+    reasoning = ReasoningParser(reasoning_parser) if reasoning_parser else None
+    builders = {name: ResponseBuilder(engine.tokenizer, name, reasoning) for name in (model_name, *adapters)}
     state: dict = {}
 
     @asynccontextmanager
@@ -158,7 +162,7 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
                 raise APIError(400, "tool_choice required or a named function cannot be combined with structured "
                                "outputs (response_format, guided_*)", "invalid_request_error", "tool_choice")
             params = dataclasses.replace(params, structured_outputs=tools.constraint())
-        prompt = chat_prompt(body.messages, True, body.tools if tools is not None else None)
+        prompt = chat_prompt(body.messages, True, body.tools if tools is not None else None, body.chat_template_kwargs)
         return await run(request, [prompt], params, body, served, chat=True, tools=tools)
 
     @app.post("/v1/embeddings")
@@ -191,7 +195,7 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", "invalid_request_error", "prompt")
         if body.messages is not None:
-            text = chat_prompt(body.messages, body.add_generation_prompt)
+            text = chat_prompt(body.messages, body.add_generation_prompt, None, body.chat_template_kwargs)
         else:
             text = body.prompt
         tokens = engine.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
@@ -247,12 +251,14 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
     async def version():
         return {"version": __version__}
 
-    def chat_prompt(messages, add_generation_prompt: bool, tools=None) -> str:
+    def chat_prompt(messages, add_generation_prompt: bool, tools=None, template_kwargs=None) -> str:
+        """The prompt text; `template_kwargs` reach the template as variables (e.g. Qwen3's
+        enable_thinking)."""
         turns = [message.template_fields() for message in messages]
         try:
             return engine.tokenizer.apply_chat_template(
                 turns, tools=tools, chat_template=chat_template, tokenize=False,
-                add_generation_prompt=add_generation_prompt)
+                add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
         except Exception as error:
             raise APIError(400, f"messages: cannot apply the chat template: {error}", "invalid_request_error", "messages")
 
@@ -367,7 +373,8 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
 
 def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, served_model_name=None,
           chat_template: Optional[str] = None, api_key: Optional[str] = None,
-          lora_modules: Optional[dict[str, str]] = None, allow_runtime_lora_updating: bool = False) -> int:
+          lora_modules: Optional[dict[str, str]] = None, allow_runtime_lora_updating: bool = False,
+          reasoning_parser: Optional[str] = None) -> int:
     """Builds the engine and runs uvicorn until SIGINT/SIGTERM: stops accepting, lets in-flight
     requests finish (10 s), aborts the rest, and returns 0. `lora_modules` and `allow_runtime_lora_updating` turn enable_lora on."""
     import uvicorn
@@ -384,6 +391,6 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, serve
     if (lora_modules or allow_runtime_lora_updating) and not config.enable_lora:
         config = dataclasses.replace(config, enable_lora=True)
     app = create_app(LLMEngine(config), served_model_name, chat_template, api_key, lora_modules,
-                     allow_runtime_lora_updating)
+                     allow_runtime_lora_updating, reasoning_parser)
     Server(uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=10, log_level="info")).run()
     return 0

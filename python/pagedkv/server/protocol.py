@@ -178,6 +178,7 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: Optional[int] = None
     tools: Optional[list[dict]] = None
     tool_choice: Optional[Union[str, dict]] = None
+    chat_template_kwargs: Optional[dict] = None  # template variables, e.g. {"enable_thinking": false}
 
     def chat_logprobs(self) -> Optional[int]:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -193,6 +194,7 @@ class TokenizeRequest(BaseModel):
     messages: Optional[list[ChatMessage]] = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    chat_template_kwargs: Optional[dict] = None
 
 
 class LoadLoRAAdapterRequest(BaseModel):

@@ -8,6 +8,7 @@ import struct
 from typing import AsyncIterator, Optional
 
 from pagedkv.outputs import EmbeddingRequestOutput, RequestOutput
+from pagedkv.server.reasoning import ReasoningParser
 from pagedkv.server.tools import ToolCalling
 
 
@@ -17,11 +18,13 @@ def sse(payload: dict) -> str:
 
 class ResponseBuilder:
     """Completions and chat completions, whole or streamed, for one served model. Choice
-    `i * n + j` is sample `j` of prompt `i`; `echo` prepends each prompt to its choices."""
+    `i * n + j` is sample `j` of prompt `i`; `echo` prepends each prompt to its choices; a
+    `reasoning` parser moves chat replies' think blocks to `reasoning_content`."""
 
-    def __init__(self, tokenizer, model_name: str):
+    def __init__(self, tokenizer, model_name: str, reasoning: Optional[ReasoningParser] = None):
         self.tokenizer = tokenizer
         self.model_name = model_name
+        self.reasoning = reasoning
 
     async def stream_chunks(
         self, request_id: str, outputs: AsyncIterator[tuple[int, RequestOutput]], num_prompts: int, created: int,
@@ -29,6 +32,7 @@ class ResponseBuilder:
     ) -> AsyncIterator[str]:
         """SSE chunks of (prompt index, output) pairs as they arrive, then usage and [DONE]."""
         num_choices = n * num_prompts
+        sent_chat: dict[int, dict[str, int]] = {}  # per choice: reasoning, content and tokens sent
         sent_text: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
         next_offset: dict[int, int] = {}  # text offset of the next token, per choice (streamed logprobs)
@@ -42,6 +46,12 @@ class ResponseBuilder:
             choices = []
             for completion in output.outputs:
                 index = prompt_index * n + completion.index
+                if chat:
+                    choice = self._chat_chunk(index, completion, sent_chat.setdefault(index, dict.fromkeys(
+                        ("reasoning", "content", "tokens"), 0)), tools)
+                    if choice is not None:
+                        choices.append(choice)
+                    continue
                 text = completion.text
                 delta = text[sent_text.get(index, 0):]
                 first_chunk = index not in sent_text
@@ -50,28 +60,17 @@ class ResponseBuilder:
                 if not delta and completion.finish_reason is None:
                     continue
                 first_token = sent_tokens.get(index, 0)
-                if tools is not None:  # content streams up to a possible call; calls go out whole at the end
-                    choice = self._tool_chunk(index, completion, sent_text.get(index, 0), tools)
-                    if choice is not None:
-                        sent_text[index] = len(text) if completion.finish_reason else tools.streamable_len(text)
-                        choices.append(choice)
-                    continue
                 sent_text[index], sent_tokens[index] = len(text), len(completion.token_ids)
-                if chat:
-                    choices.append({"index": index, "delta": {"content": delta} if delta else {},
-                                    "logprobs": self.chat_logprobs(completion, first_token),
-                                    "finish_reason": completion.finish_reason})
-                else:
-                    # Offsets carry over from chunk to chunk (recomputing them would decode every earlier token).
-                    if index not in next_offset:
-                        next_offset[index] = len(self.prompt_text(output)) if echo else 0
-                    offset = next_offset[index]
-                    logprobs = self.completion_logprobs(output, completion, first_token, echo, echo and first_chunk, offset)
-                    if logprobs is not None:
-                        new_tokens = logprobs["tokens"][len(logprobs["tokens"]) - (len(completion.token_ids) - first_token):]
-                        next_offset[index] = offset + sum(len(token) for token in new_tokens)
-                    choices.append({"index": index, "text": delta, "logprobs": logprobs,
-                                    "finish_reason": completion.finish_reason})
+                # Offsets carry over from chunk to chunk (recomputing them would decode every earlier token).
+                if index not in next_offset:
+                    next_offset[index] = len(self.prompt_text(output)) if echo else 0
+                offset = next_offset[index]
+                logprobs = self.completion_logprobs(output, completion, first_token, echo, echo and first_chunk, offset)
+                if logprobs is not None:
+                    new_tokens = logprobs["tokens"][len(logprobs["tokens"]) - (len(completion.token_ids) - first_token):]
+                    next_offset[index] = offset + sum(len(token) for token in new_tokens)
+                choices.append({"index": index, "text": delta, "logprobs": logprobs,
+                                "finish_reason": completion.finish_reason})
             if choices:
                 yield sse({"id": request_id, "object": kind, "created": created, "model": self.model_name, "choices": choices})
             if output.finished:
@@ -83,19 +82,38 @@ class ResponseBuilder:
                     yield "data: [DONE]\n\n"
                     return
 
-    @staticmethod
-    def _tool_chunk(index: int, completion, sent: int, tools: ToolCalling) -> Optional[dict]:
-        if completion.finish_reason is None:
-            end = tools.streamable_len(completion.text)
-            if end <= sent:
-                return None
-            return {"index": index, "delta": {"content": completion.text[sent:end]}, "logprobs": None,
-                    "finish_reason": None}
-        content, calls, reason = tools.finish_stream(completion.text, sent, completion.finish_reason)
-        delta: dict = {"content": content} if content else {}
-        if calls:
-            delta["tool_calls"] = [dict(call, index=i) for i, call in enumerate(calls)]
-        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+    def _chat_chunk(self, index: int, completion, sent: dict[str, int], tools: Optional[ToolCalling]) -> Optional[dict]:
+        """A chat choice's next chunk, or None when nothing new can go out yet: new reasoning,
+        new content (with tools: up to a possible call; calls go out whole at the end) and the
+        new tokens' logprobs. `sent` counts what went out before and is updated."""
+        finished = completion.finish_reason is not None
+        reasoning, content = self.split_reasoning(completion.text, finished)
+        delta: dict = {}
+        if len(reasoning) > sent["reasoning"]:
+            delta["reasoning_content"] = delta["reasoning"] = reasoning[sent["reasoning"]:]
+            sent["reasoning"] = len(reasoning)
+        reason = completion.finish_reason
+        if tools is None or not finished:
+            end = len(content) if tools is None else tools.streamable_len(content)
+            if end > sent["content"]:
+                delta["content"] = content[sent["content"]:end]
+                sent["content"] = end
+        else:
+            rest, calls, reason = tools.finish_stream(content, sent["content"], reason)
+            if rest:
+                delta["content"] = rest
+            if calls:
+                delta["tool_calls"] = [dict(call, index=i) for i, call in enumerate(calls)]
+            sent["content"] = len(content)
+        if not delta and not finished:
+            return None
+        logprobs = None if tools is not None else self.chat_logprobs(completion, sent["tokens"])
+        sent["tokens"] = len(completion.token_ids)
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+
+    def split_reasoning(self, text: str, finished: bool = True) -> tuple[str, str]:
+        """(reasoning, content) of a chat reply: all content without a reasoning parser."""
+        return self.reasoning.split(text, finished) if self.reasoning is not None else ("", text)
 
     def prompt_text(self, output: RequestOutput) -> str:
         if output.prompt is not None:
@@ -122,10 +140,13 @@ class ResponseBuilder:
             for completion in output.outputs:
                 index = prompt_index * n + completion.index
                 if chat:
-                    content, calls, reason = completion.text, [], completion.finish_reason
+                    reasoning, content = self.split_reasoning(completion.text)
+                    calls, reason = [], completion.finish_reason
                     if tools is not None:
-                        content, calls, reason = tools.parse(completion.text, completion.finish_reason)
+                        content, calls, reason = tools.parse(content, completion.finish_reason)
                     message = {"role": "assistant", "content": content}
+                    if self.reasoning is not None:
+                        message["reasoning_content"] = message["reasoning"] = reasoning or None
                     if calls:
                         message["tool_calls"] = calls
                     choice = {"index": index, "message": message, "finish_reason": reason,

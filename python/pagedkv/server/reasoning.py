@@ -1,0 +1,58 @@
+"""Reasoning parsers (vLLM's `--reasoning-parser`): the `<think>...</think>` part of a chat reply
+becomes the message's `reasoning_content` (also sent as `reasoning`, vLLM's newer name), the rest
+its `content`.
+
+- `deepseek_r1`: the chat template opens the think block in the prompt, so the reply is reasoning
+  up to `</think>` (all of it when the reply never closes the block, e.g. cut off by max_tokens).
+- `qwen3` (hybrid Qwen3 models, which open the block themselves): a reply is reasoning inside a
+  think block it opens with `<think>`; with `chat_template_kwargs={"enable_thinking": false}`
+  they write none, and the whole reply is content. A whole reply that only closes a block is
+  split at `</think>` too, but streamed as content (nothing tells it apart until the close):
+  templates that open the block in the prompt (QwQ, Qwen3-Thinking-2507) want `deepseek_r1`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PARSERS = ("deepseek_r1", "qwen3")
+START, END = "<think>", "</think>"
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that is the start of `tag` (a tag maybe being written)."""
+    for length in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:length]):
+            return length
+    return 0
+
+
+@dataclass(frozen=True)
+class ReasoningParser:
+    name: str
+
+    def __post_init__(self):
+        if self.name not in PARSERS:
+            raise ValueError(f"reasoning parser must be one of {PARSERS}, got {self.name!r}")
+
+    def split(self, text: str, finished: bool = True) -> tuple[str, str]:
+        """(reasoning, content) of a reply; of a growing one (`finished=False`), the parts that
+        can be streamed so far: text that may still become a tag is held back."""
+        end = text.find(END)
+        if end >= 0:
+            return _without_start(text[:end]), text[end + len(END):]
+        opened = text.startswith(START)
+        if self.name == "qwen3" and not opened:
+            if not finished and START.startswith(text):
+                return "", ""  # "<thi..." may still open a block
+            return "", text
+        if not finished:
+            if not opened and START.startswith(text):
+                return "", ""
+            reasoning = _without_start(text)
+            return reasoning[: len(reasoning) - _partial_suffix(reasoning, END)], ""
+        return _without_start(text), ""
+
+
+def _without_start(text: str) -> str:
+    return text[len(START):] if text.startswith(START) else text

@@ -1,0 +1,116 @@
+"""Reasoning parsers (--reasoning-parser): think blocks of chat replies go to reasoning_content,
+whole and streamed, next to tool calls; chat_template_kwargs reach the chat template."""
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from pagedkv.outputs import CompletionOutput, RequestOutput
+from pagedkv.server.reasoning import ReasoningParser
+from pagedkv.server.responses import ResponseBuilder
+from pagedkv.server.tools import ToolCalling
+
+CASES = {  # reply -> (reasoning, content) per parser
+    "<think>Let me see.</think>It is 4.": {"qwen3": ("Let me see.", "It is 4."), "deepseek_r1": ("Let me see.", "It is 4.")},
+    "Let me see.</think>It is 4.": {"qwen3": ("Let me see.", "It is 4."), "deepseek_r1": ("Let me see.", "It is 4.")},
+    "It is 4.": {"qwen3": ("", "It is 4."), "deepseek_r1": ("It is 4.", "")},
+    "<think>Cut off by max_tok": {"qwen3": ("Cut off by max_tok", ""), "deepseek_r1": ("Cut off by max_tok", "")},
+    "<think></think>Quick.": {"qwen3": ("", "Quick."), "deepseek_r1": ("", "Quick.")},
+}
+
+
+@pytest.mark.parametrize("name", ["qwen3", "deepseek_r1"])
+@pytest.mark.parametrize("reply", list(CASES))
+def test_streamed_parts_add_up_to_the_whole_split(name, reply):
+    """Growing the reply one character at a time, what can be streamed only ever grows, never
+    shows part of a tag, and ends as the finished reply's split."""
+    parser = ReasoningParser(name)
+    assert parser.split(reply) == CASES[reply][name]
+    if name == "qwen3" and not reply.startswith("<think>") and "</think>" in reply:
+        # A block opened in the prompt: qwen3 streams it as content, as it cannot know until the
+        # close (templates that open the block belong to deepseek_r1).
+        assert parser.split(reply[:5], finished=False) == ("", reply[:5])
+        return
+    previous = ("", "")
+    for end in range(len(reply) + 1):
+        reasoning, content = parser.split(reply[:end], finished=end == len(reply))
+        assert reasoning.startswith(previous[0]) and content.startswith(previous[1]), (reply[:end], reasoning, content)
+        assert "<" not in reasoning and "</think>" not in content
+        previous = (reasoning, content)
+    assert previous == CASES[reply][name]
+
+
+def test_unknown_parsers_are_refused():
+    with pytest.raises(ValueError, match="reasoning parser must be one of"):
+        ReasoningParser("nope")
+
+
+def test_streamed_reasoning_then_content_then_a_tool_call():
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    reply = ('<think>The user wants weather.</think>Checking. '
+             '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>')
+    cuts = [3, 12, 30, 40, 52, 60, len(reply)]
+
+    async def outputs():
+        for step, cut in enumerate(cuts):
+            last = cut == len(reply)
+            completion = CompletionOutput(index=0, text=reply[:cut], token_ids=list(range(step + 1)),
+                                          finish_reason="stop" if last else None)
+            yield 0, RequestOutput("r", "p", [1, 2], [completion], finished=last)
+
+    async def collect():
+        builder = ResponseBuilder(tokenizer=None, model_name="m", reasoning=ReasoningParser("qwen3"))
+        tools = ToolCalling.from_request([weather], "auto")
+        return [json.loads(chunk[6:]) async for chunk in builder.stream_chunks(
+            "r", outputs(), 1, 0, chat=True, include_usage=False, n=1, echo=False, tools=tools)
+            if chunk.startswith("data: {")]
+
+    deltas = [chunk["choices"][0]["delta"] for chunk in asyncio.run(collect())[1:]]
+    assert "".join(delta.get("reasoning_content", "") for delta in deltas) == "The user wants weather."
+    assert all(delta.get("reasoning") == delta.get("reasoning_content") for delta in deltas)
+    assert "".join(delta.get("content", "") for delta in deltas) == "Checking. "
+    [call] = deltas[-1]["tool_calls"]
+    assert json.loads(call["function"]["arguments"]) == {"city": "Oslo"}
+
+
+def test_the_server_splits_replies_whole_and_streamed():
+    from test_server import LiveServer
+
+    live = LiveServer(reasoning_parser="qwen3", num_device_blocks=64, max_model_len=256)
+    try:
+        # The grammar makes the model write a think block, whatever it would say.
+        body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 40, "temperature": 0,
+                "guided_regex": "<think>[a-z]{2,8}( [a-z]{2,8}){0,2}</think>[A-Z][a-z]{2,10}"}
+        whole = httpx.post(live.url + "/v1/chat/completions", json=body, timeout=120).json()
+        message = whole["choices"][0]["message"]
+        assert message["reasoning_content"] and message["reasoning"] == message["reasoning_content"]
+        assert "<" not in message["reasoning_content"] and message["content"][0].isupper()
+        streamed = {"reasoning_content": "", "content": ""}
+        with httpx.stream("POST", live.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=120) as reply:
+            for line in reply.iter_lines():
+                if line.startswith("data: {"):
+                    delta = json.loads(line[6:])["choices"][0]["delta"]
+                    for key in streamed:
+                        streamed[key] += delta.get(key) or ""
+        assert streamed == {"reasoning_content": message["reasoning_content"], "content": message["content"]}
+    finally:
+        live.stop()
+
+
+def test_chat_template_kwargs_reach_the_template():
+    from test_server import LiveServer
+
+    template = "{% if shout %}LOUD {% endif %}{{ messages[0]['content'] }}"
+    live = LiveServer(chat_template=template, num_device_blocks=32, max_model_len=128)
+    try:
+        def tokens(**extra):
+            body = {"messages": [{"role": "user", "content": "hello there"}], **extra}
+            return httpx.post(live.url + "/tokenize", json=body, timeout=30).json()["tokens"]
+
+        loud = tokens(chat_template_kwargs={"shout": True})
+        assert live.engine.tokenizer.decode(loud).startswith("LOUD hello")
+        assert not live.engine.tokenizer.decode(tokens()).startswith("LOUD")
+    finally:
+        live.stop()
