@@ -35,11 +35,13 @@ from pagedkv.server.protocol import (
     DetokenizeRequest,
     EmbeddingRequest,
     LoadLoRAAdapterRequest,
+    ResponsesRequest,
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
 )
 from pagedkv.server.reasoning import ReasoningParser
 from pagedkv.server.responses import ResponseBuilder
+from pagedkv.server.responses_api import ResponseState, usage as responses_usage
 from pagedkv.server.tools import ToolCalling
 
 logger = logging.getLogger("pagedkv.server")
@@ -164,6 +166,51 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
             params = dataclasses.replace(params, structured_outputs=tools.constraint())
         prompt = chat_prompt(body.messages, True, body.tools if tools is not None else None, body.chat_template_kwargs)
         return await run(request, [prompt], params, body, served, chat=True, tools=tools)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest):
+        """OpenAI's Responses API, stateless (store is always false), whole or streamed as events."""
+        served = check_model(body.model)
+        params = make_params(lambda: body.responses_params(max(1, engine.max_model_len // 2)))
+        messages = make_params(body.messages)
+        chat_tools, tool_choice = make_params(body.chat_tools)
+        tools = make_params(lambda: ToolCalling.from_request(chat_tools, tool_choice))
+        if tools is not None and tools.constrained:
+            if params.structured_outputs is not None:
+                raise APIError(400, "tool_choice required or a named function cannot be combined with text.format",
+                               "invalid_request_error", "tool_choice")
+            params = dataclasses.replace(params, structured_outputs=tools.constraint())
+        prompt = chat_prompt(messages, True, chat_tools if tools is not None else None, body.chat_template_kwargs)
+        response = ResponseState(served, body, reasoning, tools)
+        if not body.stream:
+            params = dataclasses.replace(params, output_kind="final_only")
+        try:
+            [queue] = await state["loop"].submit_all([(response.id, prompt)], params, body.priority, adapters.get(served))
+        except Exception as error:
+            raise submit_error(error, chat=False, prompt_field="input") from error
+
+        async def events():
+            yield "".join(response.start())
+            output = None
+            while output is None or not output.finished:
+                output = await next_output(queue)
+                completion = output.outputs[0]
+                text = "".join(response.update(completion.text, completion.finish_reason, output.finished))
+                if text:
+                    yield text
+            yield "".join(response.finish(completion.finish_reason, responses_usage(output)))
+
+        if body.stream:
+            return StreamingResponse(guarded([response.id], events()), media_type="text/event-stream")
+        output = None
+        try:
+            while output is None or not output.finished:
+                output = await next_output(queue)
+        finally:
+            if output is None or not output.finished:
+                state["loop"].abort(response.id)
+        completion = output.outputs[0]
+        return response.complete(completion.text, completion.finish_reason, responses_usage(output))
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest):

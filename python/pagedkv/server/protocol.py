@@ -211,3 +211,73 @@ class DetokenizeRequest(BaseModel):
 
     model: Optional[str] = None
     tokens: list[int]
+
+
+class ResponsesRequest(_Sampling):
+    """OpenAI's Responses API (/v1/responses), stateless: `instructions` and the `input` items
+    become chat messages; flat function tools and `text.format` map to their chat equivalents."""
+
+    input: Union[str, list[dict]]
+    instructions: Optional[str] = None
+    max_output_tokens: Optional[int] = Field(default=None, ge=1)
+    tools: Optional[list[dict]] = None
+    tool_choice: Optional[Union[str, dict]] = None
+    text: Optional[dict] = None  # {"format": {"type": "text" | "json_object" | "json_schema", "schema": ...}}
+    previous_response_id: Optional[str] = None
+    metadata: Optional[dict] = None
+    chat_template_kwargs: Optional[dict] = None
+
+    def messages(self) -> list[ChatMessage]:
+        """The conversation as chat messages. Raises ValueError naming the field."""
+        turns = [ChatMessage(role="system", content=self.instructions)] if self.instructions else []
+        if isinstance(self.input, str):
+            return turns + [ChatMessage(role="user", content=self.input)]
+        for item in self.input:
+            kind = item.get("type", "message")
+            if kind == "message":
+                content = item.get("content")
+                if isinstance(content, list):  # input_text / output_text parts
+                    content = "".join(part.get("text", "") for part in content if "text" in part)
+                try:
+                    turns.append(ChatMessage(role=item.get("role", "user"), content=content))
+                except ValueError:
+                    raise ValueError(f"input message role must be system, developer, user or assistant, got "
+                                     f"{item.get('role')!r}") from None
+            elif kind == "function_call":
+                call = {"id": item.get("call_id"), "type": "function",
+                        "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
+                turns.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
+            elif kind == "function_call_output":
+                turns.append(ChatMessage(role="tool", content=str(item.get("output", "")),
+                                         tool_call_id=item.get("call_id")))
+            elif kind != "reasoning":  # earlier reasoning is not shown to the model again
+                raise ValueError(f"input item type {kind!r} is not supported (message, function_call, "
+                                 "function_call_output, reasoning)")
+        if not turns:
+            raise ValueError("input must hold at least one message")
+        return turns
+
+    def chat_tools(self) -> tuple[Optional[list[dict]], Optional[Union[str, dict]]]:
+        """(tools, tool_choice) in the chat API's nested shape."""
+        tools = []
+        for tool in self.tools or []:
+            if tool.get("type") != "function" or not tool.get("name"):
+                raise ValueError(f"tools must be function tools (the only kind supported), got {tool!r}")
+            function = {key: tool[key] for key in ("name", "description", "parameters") if tool.get(key) is not None}
+            tools.append({"type": "function", "function": function})
+        choice = self.tool_choice
+        if isinstance(choice, dict) and choice.get("type") == "function":
+            choice = {"type": "function", "function": {"name": choice.get("name")}}
+        return tools or None, choice
+
+    def responses_params(self, default_max_tokens: int) -> SamplingParams:
+        if self.previous_response_id is not None:
+            raise ValueError("previous_response_id is not supported: responses are not stored; send the "
+                             "conversation in input")
+        if self.n != 1:
+            raise ValueError(f"n must be 1 for responses, got {self.n}")
+        fmt = dict((self.text or {}).get("format") or {"type": "text"})
+        if fmt.get("type") == "json_schema":
+            fmt = {"type": "json_schema", "json_schema": {"schema": fmt.get("schema"), "name": fmt.get("name")}}
+        update = {"max_tokens": self.max_output_tokens, "response_format": fmt}
+        return self.model_copy(update=update).sampling_params(None, default_max_tokens)

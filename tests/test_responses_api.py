@@ -1,0 +1,135 @@
+"""OpenAI's Responses API (/v1/responses) through the openai client: the same reply as chat
+completions, streamed events that add up to the whole response, function tools, reasoning items,
+structured text formats, and clear 400s for what a stateless server cannot do."""
+
+import json
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from pagedkv.server.reasoning import ReasoningParser
+from pagedkv.server.responses_api import ResponseState
+from pagedkv.server.protocol import ResponsesRequest
+from pagedkv.server.tools import ToolCalling
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "Weather of a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+
+
+@pytest.fixture(scope="module")
+def live():
+    from test_server import LiveServer
+
+    server = LiveServer(reasoning_parser="qwen3", num_device_blocks=128, max_model_len=512)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(live):
+    return OpenAI(base_url=live.url + "/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+def test_a_response_carries_the_chat_completions_reply(client, live):
+    model = client.models.list().data[0].id
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a fruit."}],
+        max_tokens=12, temperature=0)
+    response = client.responses.create(model=model, instructions="Be brief.", input="Name a fruit.",
+                                       max_output_tokens=12, temperature=0)
+    assert response.object == "response" and response.id.startswith("resp_")
+    assert response.output_text == chat.choices[0].message.content
+    [message] = response.output
+    assert message.type == "message" and message.role == "assistant"
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    assert response.usage.output_tokens == chat.usage.completion_tokens
+    if chat.choices[0].finish_reason == "length":
+        assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    else:
+        assert response.status == "completed"
+
+
+def test_streamed_events_add_up_to_the_whole_response(client):
+    model = client.models.list().data[0].id
+    request = dict(model=model, input=[{"role": "user", "content": [{"type": "input_text", "text": "Count to five."}]}],
+                   max_output_tokens=16, temperature=0)
+    whole = client.responses.create(**request)
+    events = list(client.responses.create(**request, stream=True))
+    kinds = [event.type for event in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] in ("response.completed",
+                                                                                       "response.incomplete")
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    assert "".join(event.delta for event in events if event.type == "response.output_text.delta") == whole.output_text
+    [done] = [event for event in events if event.type == "response.output_text.done"]
+    assert done.text == whole.output_text
+    assert events[-1].response.output_text == whole.output_text
+
+
+def test_reasoning_items_come_before_the_message(client):
+    model = client.models.list().data[0].id
+    extra = {"guided_regex": "<think>[a-z]{2,8}( [a-z]{2,8}){0,2}</think>[A-Z][a-z]{2,10}"}
+    response = client.responses.create(model=model, input="Hi", max_output_tokens=40, temperature=0, extra_body=extra)
+    reasoning, message = response.output
+    assert reasoning.type == "reasoning" and reasoning.content[0].text and "<" not in reasoning.content[0].text
+    assert message.type == "message" and response.output_text[0].isupper()
+    events = list(client.responses.create(model=model, input="Hi", max_output_tokens=40, temperature=0,
+                                          extra_body=extra, stream=True))
+    streamed = "".join(event.delta for event in events if event.type == "response.reasoning_text.delta")
+    assert streamed == reasoning.content[0].text
+
+
+def test_function_tools_and_their_results(client):
+    model = client.models.list().data[0].id
+    response = client.responses.create(model=model, input="What is the weather in Paris?", tools=[WEATHER],
+                                       tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=40,
+                                       temperature=0)
+    [call] = response.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    assert set(json.loads(call.arguments)) >= {"city"}
+    # The call and its output go back in as input items.
+    follow_up = client.responses.create(
+        model=model, tools=[WEATHER], max_output_tokens=8, temperature=0,
+        input=[{"role": "user", "content": "What is the weather in Paris?"},
+               {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+               {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"}])
+    assert follow_up.status in ("completed", "incomplete") and follow_up.output[0].type in ("message", "function_call")
+
+
+def test_text_format_json_schema_constrains_the_reply(client):
+    model = client.models.list().data[0].id
+    schema = {"type": "object", "properties": {"fruit": {"type": "string", "maxLength": 12}}, "required": ["fruit"],
+              "additionalProperties": False}
+    response = client.responses.create(model=model, input="Name a fruit as JSON.", max_output_tokens=40, temperature=0,
+                                       text={"format": {"type": "json_schema", "name": "fruit", "schema": schema}})
+    assert set(json.loads(response.output_text)) == {"fruit"}
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": "Hi", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": [{"type": "image_generation_call"}]}, "input"),
+    ({"input": "Hi", "tools": [{"type": "web_search"}]}, "tools"),
+    ({"input": "Hi", "max_output_tokens": 0}, "max_output_tokens"),
+])
+def test_what_a_stateless_server_cannot_do_is_a_400_naming_the_field(live, body, param):
+    response = httpx.post(live.url + "/v1/responses", json=body, timeout=30)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == param
+
+
+def test_streamed_function_calls_follow_the_text_before_them():
+    """Without a server: a reply that writes text, then a Hermes tool call, streamed in pieces."""
+    request = ResponsesRequest(input="weather?", tools=[WEATHER])
+    chat_tools, choice = request.chat_tools()
+    state = ResponseState("m", request, ReasoningParser("qwen3"), ToolCalling.from_request(chat_tools, choice))
+    reply = '<think>Need a tool.</think>Checking. <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    events = state.start()
+    for cut in (5, 20, 33, 50, len(reply)):
+        events += state.update(reply[:cut], "stop" if cut == len(reply) else None, cut == len(reply))
+    events += state.finish("stop", {"input_tokens": 1, "output_tokens": 1, "total_tokens": 2})
+    payloads = [json.loads(event.split("data: ", 1)[1]) for event in events]
+    assert "".join(p["delta"] for p in payloads if p["type"] == "response.reasoning_text.delta") == "Need a tool."
+    assert "".join(p["delta"] for p in payloads if p["type"] == "response.output_text.delta") == "Checking. "
+    final = payloads[-1]["response"]
+    assert [item["type"] for item in final["output"]] == ["reasoning", "message", "function_call"]
+    assert json.loads(final["output"][2]["arguments"]) == {"city": "Oslo"}
