@@ -19,14 +19,14 @@ from pagedkv.server import create_app
 
 class LiveServer:
     def __init__(self, chat_template=None, api_key=None, lora_modules=None, allow_runtime_lora_updating=False,
-                 reasoning_parser=None, **engine_options):
+                 reasoning_parser=None, tool_call_parser="hermes", **engine_options):
         self.engine = LLMEngine(EngineConfig(dtype="float32", **engine_options))
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
         config = uvicorn.Config(create_app(self.engine, chat_template=chat_template, api_key=api_key, lora_modules=lora_modules,
                                            allow_runtime_lora_updating=allow_runtime_lora_updating,
-                                           reasoning_parser=reasoning_parser),
+                                           reasoning_parser=reasoning_parser, tool_call_parser=tool_call_parser),
                                 host="127.0.0.1", port=self.port, log_level="warning")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)

@@ -135,7 +135,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         lora_modules[name] = path
     return serve(engine_config(args), host=args.host, port=args.port, served_model_name=args.served_model_name,
                  chat_template=chat_template, api_key=args.api_key, lora_modules=lora_modules,
-                 allow_runtime_lora_updating=args.allow_runtime_lora_updating, reasoning_parser=args.reasoning_parser)
+                 allow_runtime_lora_updating=args.allow_runtime_lora_updating, reasoning_parser=args.reasoning_parser,
+                 tool_call_parser=args.tool_call_parser)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -199,6 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "machine's disk while serving (default: $VLLM_ALLOW_RUNTIME_LORA_UPDATING)")
     serve.add_argument("--reasoning-parser", choices=["deepseek_r1", "qwen3"], default=None,
                        help="move chat replies' <think> blocks to reasoning_content (default: none)")
+    serve.add_argument("--tool-call-parser", choices=["hermes", "llama3_json", "mistral"], default="hermes",
+                       help="how tool calls are found in replies with tool_choice auto (default: hermes)")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="accepted for vLLM compatibility: tool_choice auto is always on")
     serve.add_argument("--api-key", default=os.environ.get("PAGEDKV_API_KEY"),
                        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $PAGEDKV_API_KEY, else none)")
     add_engine_arguments(serve)

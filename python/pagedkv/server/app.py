@@ -42,6 +42,7 @@ from pagedkv.server.protocol import (
 from pagedkv.server.reasoning import ReasoningParser
 from pagedkv.server.responses import ResponseBuilder
 from pagedkv.server.responses_api import ResponseState, usage as responses_usage
+from pagedkv.server.tools import PARSERS as TOOL_CALL_PARSERS
 from pagedkv.server.tools import ToolCalling
 
 logger = logging.getLogger("pagedkv.server")
@@ -65,7 +66,8 @@ def error_response(status: int, message: str, type_: str, param=None, code=None,
 
 def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_template: Optional[str] = None,
                api_key: Optional[str] = None, lora_modules: Optional[dict[str, str]] = None,
-               allow_runtime_lora_updating: bool = False, reasoning_parser: Optional[str] = None) -> FastAPI:
+               allow_runtime_lora_updating: bool = False, reasoning_parser: Optional[str] = None,
+               tool_call_parser: str = "hermes") -> FastAPI:
     """The app around an engine; the engine loop runs for the app's lifetime. `chat_template`
     (Jinja) replaces the tokenizer's own, e.g. for a base model that has none. `api_key`: /v1
     routes answer 401 unless the request carries `Authorization: Bearer <api_key>`.
@@ -73,7 +75,10 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
     model of its own name, loaded now. `allow_runtime_lora_updating` adds vLLM's
     /v1/load_lora_adapter and /v1/unload_lora_adapter (adapters from the server's disk).
     `reasoning_parser` ("deepseek_r1", "qwen3"): chat replies' think blocks become
-    `reasoning_content` (server/reasoning.py)."""
+    `reasoning_content` (server/reasoning.py). `tool_call_parser` ("hermes", "llama3_json",
+    "mistral"): how tool calls are found in replies with tool_choice "auto" (server/tools.py)."""
+    if tool_call_parser not in TOOL_CALL_PARSERS:
+        raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {tool_call_parser!r}")
     model_name = served_model_name or engine.model_name
     adapters = {name: LoRARequest(name, index + 1, path) for index, (name, path) in enumerate((lora_modules or {}).items())}
     if model_name in adapters:
@@ -158,12 +163,13 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
             body.max_tokens = body.max_completion_tokens
         default_max = max(1, engine.max_model_len // 2)
         params = make_params(lambda: body.sampling_params(body.chat_logprobs(), default_max))
-        tools = make_params(lambda: ToolCalling.from_request(body.tools, body.tool_choice))
+        tools = make_params(lambda: ToolCalling.from_request(body.tools, body.tool_choice, tool_call_parser))
         if tools is not None and tools.constrained:
             if params.structured_outputs is not None:
                 raise APIError(400, "tool_choice required or a named function cannot be combined with structured "
                                "outputs (response_format, guided_*)", "invalid_request_error", "tool_choice")
             params = dataclasses.replace(params, structured_outputs=tools.constraint())
+        params = keep_tool_tags(params, tools)
         prompt = chat_prompt(body.messages, True, body.tools if tools is not None else None, body.chat_template_kwargs)
         return await run(request, [prompt], params, body, served, chat=True, tools=tools)
 
@@ -174,12 +180,13 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
         params = make_params(lambda: body.responses_params(max(1, engine.max_model_len // 2)))
         messages = make_params(body.messages)
         chat_tools, tool_choice = make_params(body.chat_tools)
-        tools = make_params(lambda: ToolCalling.from_request(chat_tools, tool_choice))
+        tools = make_params(lambda: ToolCalling.from_request(chat_tools, tool_choice, tool_call_parser))
         if tools is not None and tools.constrained:
             if params.structured_outputs is not None:
                 raise APIError(400, "tool_choice required or a named function cannot be combined with text.format",
                                "invalid_request_error", "tool_choice")
             params = dataclasses.replace(params, structured_outputs=tools.constraint())
+        params = keep_tool_tags(params, tools)
         prompt = chat_prompt(messages, True, chat_tools if tools is not None else None, body.chat_template_kwargs)
         response = ResponseState(served, body, reasoning, tools)
         if not body.stream:
@@ -309,6 +316,13 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
         except Exception as error:
             raise APIError(400, f"messages: cannot apply the chat template: {error}", "invalid_request_error", "messages")
 
+    def keep_tool_tags(params, tools: Optional[ToolCalling]):
+        """Llama 3's <|python_tag|> and Mistral's [TOOL_CALLS] are special tokens: keep them in
+        the text where the parser looks for them (as vLLM does)."""
+        if tools is not None and not tools.constrained and tools.parser != "hermes":
+            return dataclasses.replace(params, skip_special_tokens=False)
+        return params
+
     def check_model(name: Optional[str]) -> str:
         """The served name a request asked for (the base model's by default)."""
         if name is None or name == model_name:
@@ -421,7 +435,7 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
 def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, served_model_name=None,
           chat_template: Optional[str] = None, api_key: Optional[str] = None,
           lora_modules: Optional[dict[str, str]] = None, allow_runtime_lora_updating: bool = False,
-          reasoning_parser: Optional[str] = None) -> int:
+          reasoning_parser: Optional[str] = None, tool_call_parser: str = "hermes") -> int:
     """Builds the engine and runs uvicorn until SIGINT/SIGTERM: stops accepting, lets in-flight
     requests finish (10 s), aborts the rest, and returns 0. `lora_modules` and `allow_runtime_lora_updating` turn enable_lora on."""
     import uvicorn
@@ -438,6 +452,6 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, serve
     if (lora_modules or allow_runtime_lora_updating) and not config.enable_lora:
         config = dataclasses.replace(config, enable_lora=True)
     app = create_app(LLMEngine(config), served_model_name, chat_template, api_key, lora_modules,
-                     allow_runtime_lora_updating, reasoning_parser)
+                     allow_runtime_lora_updating, reasoning_parser, tool_call_parser)
     Server(uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=10, log_level="info")).run()
     return 0

@@ -4,8 +4,15 @@
 A named function or "required" constrains the output with a JSON schema (structured outputs),
 so the call is well-formed whatever the model: the named function's arguments, or a list of
 {"name", "parameters"} calls to the given tools (as vLLM does). With "auto" the model writes
-text, and Hermes-style `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks in it
-become tool calls. The tools reach the model through its chat template.
+text, and the server's tool-call parser (vLLM's `--tool-call-parser`) finds the calls in it:
+
+- `hermes` (Qwen, Hermes, SmolLM3): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks;
+- `llama3_json` (Llama 3.1+): the reply is one JSON call `{"name": ..., "parameters": {...}}` (or
+  several separated by `;`), optionally after `<|python_tag|>`;
+- `mistral`: `[TOOL_CALLS]` then a JSON list of `{"name", "arguments"}` calls, or (newer
+  tokenizers) `[TOOL_CALLS]name[ARGS]{...}` per call.
+
+The tools reach the model through its chat template.
 """
 
 from __future__ import annotations
@@ -18,8 +25,11 @@ from typing import Optional, Union
 
 from pagedkv.structured_output import StructuredOutputsParams
 
+PARSERS = ("hermes", "llama3_json", "mistral")
 _HERMES_TAG = "<tool_call>"
 _HERMES_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
+_PYTHON_TAG = "<|python_tag|>"
+_MISTRAL_TAG = "[TOOL_CALLS]"
 
 
 @dataclass
@@ -28,10 +38,13 @@ class ToolCalling:
 
     functions: dict[str, dict]  # name -> parameters schema
     choice: Union[str, dict]  # "auto", "required" or the name of the forced function
+    parser: str = "hermes"  # how "auto" finds calls in the text (PARSERS)
 
     @classmethod
-    def from_request(cls, tools: Optional[list[dict]], tool_choice) -> Optional["ToolCalling"]:
+    def from_request(cls, tools: Optional[list[dict]], tool_choice, parser: str = "hermes") -> Optional["ToolCalling"]:
         """None when the request does not call tools. Raises ValueError naming the field."""
+        if parser not in PARSERS:
+            raise ValueError(f"tool-call parser must be one of {PARSERS}, got {parser!r}")
         if not tools:
             if tool_choice not in (None, "none", "auto"):
                 raise ValueError("tool_choice needs tools")
@@ -43,15 +56,15 @@ class ToolCalling:
                 raise ValueError(f"tools must be {{'type': 'function', 'function': {{'name': ...}}}} entries, got {tool!r}")
             functions[function["name"]] = function.get("parameters") or {"type": "object", "properties": {}}
         if tool_choice in (None, "auto"):
-            return cls(functions, "auto")
+            return cls(functions, "auto", parser)
         if tool_choice == "none":
             return None
         if tool_choice == "required":
-            return cls(functions, "required")
+            return cls(functions, "required", parser)
         name = (tool_choice.get("function") or {}).get("name") if isinstance(tool_choice, dict) else None
         if name not in functions:
             raise ValueError(f"tool_choice must be none, auto, required or one of the tools' names, got {tool_choice!r}")
-        return cls(functions, {"name": name})
+        return cls(functions, {"name": name}, parser)
 
     @property
     def constrained(self) -> bool:
@@ -74,21 +87,28 @@ class ToolCalling:
         and with "auto" the text before a tool-call tag (or before what may become one)."""
         if self.constrained:
             return 0
-        tag = text.find(_HERMES_TAG)
-        if tag >= 0:
-            return tag
-        for length in range(min(len(_HERMES_TAG) - 1, len(text)), 0, -1):
-            if text.endswith(_HERMES_TAG[:length]):
+        if self.parser == "llama3_json":
+            # A call is the whole reply: hold back a reply that starts like one.
+            start = text.lstrip()
+            if start.startswith(("{", _PYTHON_TAG)) or (start and _PYTHON_TAG.startswith(start)):
+                return 0
+            return len(text)
+        tag = _HERMES_TAG if self.parser == "hermes" else _MISTRAL_TAG
+        found = text.find(tag)
+        if found >= 0:
+            return found
+        for length in range(min(len(tag) - 1, len(text)), 0, -1):
+            if text.endswith(tag[:length]):
                 return len(text) - length
         return len(text)
 
     def finish_stream(self, text: str, sent: int, finish_reason: Optional[str]) -> tuple[str, list[dict], Optional[str]]:
         """(content not streamed yet, tool calls, finish_reason) of a finished streamed output
         whose first `sent` characters went out as content."""
-        _, calls, reason = self.parse(text, finish_reason)
+        content, calls, reason = self.parse(text, finish_reason)
         if not calls:
             return text[sent:], [], reason
-        return ("" if self.constrained else _HERMES_CALL.sub("", text[sent:]).strip()), calls, reason
+        return ("" if self.constrained else (content or "")[sent:].strip()), calls, reason
 
     def parse(self, text: str, finish_reason: Optional[str]) -> tuple[Optional[str], list[dict], Optional[str]]:
         """(content, tool calls, finish_reason) of a finished output. Text that does not parse
@@ -105,19 +125,67 @@ class ToolCalling:
             except (ValueError, KeyError, TypeError):
                 return text, [], finish_reason
             return None, calls, "tool_calls"
+        content, found = {"hermes": _hermes, "llama3_json": _llama3_json, "mistral": _mistral}[self.parser](text)
         calls = []
-        for match in _HERMES_CALL.finditer(text):
-            try:
-                call = json.loads(match.group(1))
-                name, arguments = call["name"], call.get("arguments", call.get("parameters", {}))
-            except (ValueError, KeyError, TypeError):
-                continue
+        for name, arguments in found:
             if name in self.functions:
                 calls.append(_call(name, arguments if isinstance(arguments, str) else json.dumps(arguments)))
         if not calls:
             return text, [], finish_reason
-        content = _HERMES_CALL.sub("", text).strip()
-        return content or None, calls, "tool_calls"
+        return content.strip() or None, calls, "tool_calls"
+
+
+def _hermes(text: str) -> tuple[str, list[tuple]]:
+    """(text around the calls, [(name, arguments)]) of `<tool_call>` blocks."""
+    found = []
+    for match in _HERMES_CALL.finditer(text):
+        try:
+            call = json.loads(match.group(1))
+            found.append((call["name"], call.get("arguments", call.get("parameters", {}))))
+        except (ValueError, KeyError, TypeError):
+            continue
+    return _HERMES_CALL.sub("", text), found
+
+
+def _llama3_json(text: str) -> tuple[str, list[tuple]]:
+    """A reply that is nothing but calls: `{"name", "parameters"}` objects separated by `;`."""
+    body = text.strip()
+    if body.startswith(_PYTHON_TAG):
+        body = body[len(_PYTHON_TAG):]
+    found = []
+    decoder = json.JSONDecoder()
+    position = 0
+    try:
+        while position < len(body):
+            call, end = decoder.raw_decode(body, position)
+            found.append((call["name"], call.get("parameters", call.get("arguments", {}))))
+            position = end
+            while position < len(body) and body[position] in " \n\t;":
+                position += 1
+    except (ValueError, KeyError, TypeError):
+        return text, []
+    return "", found
+
+
+def _mistral(text: str) -> tuple[str, list[tuple]]:
+    """`[TOOL_CALLS]` then a JSON list of calls, or `[TOOL_CALLS]name[ARGS]{...}` per call."""
+    tag = text.find(_MISTRAL_TAG)
+    if tag < 0:
+        return text, []
+    found = []
+    decoder = json.JSONDecoder()
+    try:
+        for part in text[tag:].split(_MISTRAL_TAG)[1:]:
+            part = part.strip()
+            if "[ARGS]" in part:
+                name, arguments = part.split("[ARGS]", 1)
+                found.append((name.strip(), decoder.raw_decode(arguments.strip())[0]))
+            else:
+                for call in decoder.raw_decode(part)[0]:
+                    found.append((call["name"], call.get("arguments", call.get("parameters", {}))))
+    except (ValueError, KeyError, TypeError):
+        return text, []
+    return text[:tag], found
 
 
 def _call(name: str, arguments: str) -> dict:
