@@ -271,6 +271,27 @@ def test_beam_search_matches_hf_and_shares_blocks(llm, hf_model, prompts):
     assert_all_blocks_free(llm.engine)
 
 
+def test_llm_beam_search_returns_the_beams_of_hf_with_their_prompts(llm, hf_model, prompts):
+    """vLLM's LLM.beam_search API: beam_width beams per prompt, best first, prompt included."""
+    from pagedkv import BeamSearchParams
+
+    token_ids = llm.tokenizer.encode(prompts[1])
+    with torch.inference_mode():
+        hf = hf_model.generate(torch.tensor([token_ids]), do_sample=False, num_beams=3, num_return_sequences=3,
+                               max_new_tokens=10, pad_token_id=-1)
+    expected = [[t for t in row.tolist() if t != -1] for row in hf]
+    params = BeamSearchParams(beam_width=3, max_tokens=10)
+    by_text, by_ids = llm.beam_search([{"prompt": prompts[1]}, {"prompt_token_ids": token_ids}], params)
+    for output in (by_text, by_ids):
+        assert [beam.tokens for beam in output.sequences] == expected
+        assert all(beam.text.startswith(prompts[1]) for beam in output.sequences)
+        scores = [beam.cum_logprob / (len(beam.tokens) - len(token_ids)) for beam in output.sequences]
+        assert scores == sorted(scores, reverse=True)
+    with pytest.raises(ValueError, match="temperature must be 0"):
+        llm.beam_search(prompts[1], BeamSearchParams(beam_width=2, max_tokens=4, temperature=0.7))
+    assert_all_blocks_free(llm.engine)
+
+
 def test_seeded_sampling_is_reproducible(llm):
     def sample(seed):
         params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=seed, max_tokens=16, ignore_eos=True)

@@ -39,6 +39,8 @@ _LAZY = {
     "CompletionOutput": "pagedkv.outputs",
     "EmbeddingRequestOutput": "pagedkv.outputs",
     "LoRARequest": "pagedkv.lora",
+    "BeamSearchParams": "pagedkv.beam_search",
+    "BeamSearchOutput": "pagedkv.beam_search",
 }
 
 

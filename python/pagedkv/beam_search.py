@@ -9,6 +9,7 @@ can beat the worst kept hypothesis), so greedy beams give the same sequences.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -117,3 +118,32 @@ class BeamSearch:
             )
             for index, hyp in enumerate(best)
         ]
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's `LLM.beam_search` parameters: `beam_width` beams kept and returned, greedy."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+
+@dataclass
+class BeamSearchSequence:
+    """One returned beam: `tokens` and `text` include the prompt's (as in vLLM)."""
+
+    tokens: list[int]
+    text: str
+    cum_logprob: float
+    finish_reason: Optional[str]
+
+
+@dataclass
+class BeamSearchOutput:
+    """A prompt's beams, best first."""
+
+    sequences: list[BeamSearchSequence]

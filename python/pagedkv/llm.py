@@ -8,6 +8,7 @@ from typing import Optional, Sequence, Union
 
 from tqdm.auto import tqdm
 
+from pagedkv.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedkv.config import engine_config
 from pagedkv.engine import LLMEngine
 from pagedkv.errors import OverloadedError
@@ -130,9 +131,50 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
+    def beam_search(
+        self,
+        prompts,
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+        lora_request: Optional[LoRARequest] = None,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's beam-search API: each prompt's `beam_width` best beams, best first (scored by
+        cumulative logprob / length ** length_penalty). Prompts are text, token ids, or vLLM's
+        {"prompt": ...} / {"prompt_token_ids": ...} dicts. Beams share their prefix's blocks."""
+        if params.temperature != 0:
+            raise ValueError(f"temperature must be 0 for beam search (beams are greedy), got {params.temperature}")
+        given = [prompts] if isinstance(prompts, dict) else _as_prompt_list(prompts)
+        prompt_list = [_prompt_of(prompt) for prompt in given]
+        sampling = SamplingParams(
+            n=params.beam_width, use_beam_search=True, beam_width=params.beam_width, temperature=0.0,
+            max_tokens=params.max_tokens, ignore_eos=params.ignore_eos, length_penalty=params.length_penalty,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+        )
+        outputs = self.generate(prompt_list, sampling, use_tqdm=use_tqdm, lora_request=lora_request)
+        results = []
+        for output in outputs:
+            prompt_text = output.prompt if output.prompt is not None else self.tokenizer.decode(output.prompt_token_ids)
+            results.append(BeamSearchOutput([
+                BeamSearchSequence(output.prompt_token_ids + beam.token_ids, prompt_text + beam.text,
+                                   beam.cumulative_logprob, beam.finish_reason)
+                for beam in output.outputs
+            ]))
+        return results
+
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached prefix (vLLM's; see `LLMEngine.reset_prefix_cache`)."""
         return self.engine.reset_prefix_cache()
+
+
+def _prompt_of(prompt) -> Prompt:
+    """Text or token ids from vLLM's prompt dicts ({"prompt": ...} or {"prompt_token_ids": ...})."""
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            return prompt["prompt"]
+        raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+    return prompt
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:
