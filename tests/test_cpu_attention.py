@@ -118,18 +118,25 @@ def test_bad_prefill_inputs_raise_instead_of_reading_out_of_bounds():
         paged_prefill_attention(torch.randn((3, 2, 32)), small_k, small_v, torch.tensor([[0, 1]]), starts, torch.tensor([5]), 1.0)
 
 
-def test_cpu_backend_mixed_step_equals_the_torch_reference():
-    """Prefill chunks and decodes in one step, through the backends' interface."""
-    generator = torch.Generator().manual_seed(3)
-    new_tokens, contexts = [40, 20, 1, 1], [40, 90, 33, 7]
+def mixed_step(new_tokens, contexts, seed):
+    """A step of prefill chunks then two decodes (the last two sequences): its query, caches and
+    metadata, through `prefill_batch`."""
+    generator = torch.Generator().manual_seed(seed)
     query, key_cache, value_cache, tables, starts, context_lens = prefill_batch(
         new_tokens, contexts, 9, 3, 64, 16, generator, torch.float32
     )
     metadata = AttentionMetadata(
         query_start_loc=starts, context_lens=context_lens, block_tables=tables,
-        slot_mapping=torch.zeros(int(starts[-1]), dtype=torch.int64), max_query_len=40, max_context_len=90,
-        num_decode_tokens=2, query_start_loc_host=starts.tolist(), context_lens_host=contexts,
+        slot_mapping=torch.zeros(int(starts[-1]), dtype=torch.int64), max_query_len=max(new_tokens),
+        max_context_len=max(contexts), num_decode_tokens=2, query_start_loc_host=starts.tolist(),
+        context_lens_host=contexts,
     )
+    return query, key_cache, value_cache, tables, starts, metadata
+
+
+def test_cpu_backend_mixed_step_equals_the_torch_reference():
+    """Prefill chunks and decodes in one step, through the backends' interface."""
+    query, key_cache, value_cache, _, _, metadata = mixed_step([40, 20, 1, 1], [40, 90, 33, 7], seed=3)
     got = CpuAttentionBackend().forward(query, key_cache, value_cache, metadata, 0.125)
     want = TorchRefBackend().forward(query, key_cache, value_cache, metadata, 0.125)
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-4)
@@ -158,16 +165,8 @@ def dense_windowed_attention(query, key_cache, value_cache, tables, starts, cont
 def test_sliding_window_attention_matches_a_dense_computation(backend, window):
     """Prefill chunks (a whole prompt, a chunk after a prefix) and decodes in one step, each token
     over the last `window` positions only (Mistral's and Gemma's local layers)."""
-    generator = torch.Generator().manual_seed(window)
-    new_tokens, contexts = [70, 20, 1, 1], [70, 90, 33, 120]
-    query, key_cache, value_cache, tables, starts, context_lens = prefill_batch(
-        new_tokens, contexts, 9, 3, 64, 16, generator, torch.float32
-    )
-    metadata = AttentionMetadata(
-        query_start_loc=starts, context_lens=context_lens, block_tables=tables,
-        slot_mapping=torch.zeros(int(starts[-1]), dtype=torch.int64), max_query_len=70, max_context_len=120,
-        num_decode_tokens=2, query_start_loc_host=starts.tolist(), context_lens_host=contexts,
-    )
+    contexts = [70, 90, 33, 120]
+    query, key_cache, value_cache, tables, starts, metadata = mixed_step([70, 20, 1, 1], contexts, seed=window)
     got = backend().forward(query, key_cache, value_cache, metadata, 0.125, sliding_window=window)
     want = dense_windowed_attention(query, key_cache, value_cache, tables, starts, contexts, 0.125, window)
     assert torch.allclose(got.double(), want, atol=1e-5, rtol=1e-4)

@@ -2,8 +2,6 @@
 checkpoints of the other architectures (Qwen2 with qkv bias, Qwen3 with q/k norms, ...) loaded from
 safetensors by our loader."""
 
-import os
-
 import pytest
 import torch
 from conftest import save_tiny_checkpoint

@@ -9,7 +9,6 @@ a GELU(tanh) MLP, attention scaled by `query_pre_attn_scalar`, and layers of two
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedkv.attention.metadata import AttentionMetadata
@@ -63,22 +62,16 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     """The interface of LlamaForCausalLM (forward, compute_logits, load_hf_state_dict, layers
     with self_attn and mlp), so the runner, LoRA and the loader treat both alike."""
 
+    decoder_layer_class = Gemma3DecoderLayer
+    norm_class = GemmaRMSNorm
+
     def __init__(self, hf_config, max_positions: int, dtype: torch.dtype):
         if getattr(hf_config, "attn_logit_softcapping", None) is not None:
             raise ValueError("attn_logit_softcapping is not supported (Gemma 3 checkpoints leave it unset)")
         if getattr(hf_config, "use_bidirectional_attention", False):
             raise ValueError("use_bidirectional_attention=True (an encoder) is not supported")
-        nn.Module.__init__(self)
-        self.hf_config = hf_config
-        self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(hf_config, i) for i in range(hf_config.num_hidden_layers))
-        self.norm = GemmaRMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", True))
-        if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+        super().__init__(hf_config, max_positions, dtype)
         self.final_logit_softcapping = getattr(hf_config, "final_logit_softcapping", None)
-        self.logits_scaling = 1.0
-        self.compute_buffers(max_positions, dtype)
 
     def compute_buffers(self, max_positions: int, dtype: torch.dtype) -> None:
         """Rotary tables of both layer kinds and the embedding scale, sqrt(hidden) rounded to the

@@ -145,12 +145,16 @@ class LlamaForCausalLM(nn.Module):
     """forward(input_ids [T], positions [T], metadata, kv_cache, backend, lora) -> hidden [T, H];
     `lora` (a pagedkv.lora.LoRABatch) adds the step's adapters' updates to the projections."""
 
+    # What a variant of the family swaps (Gemma 3: its decoder layer and norm)
+    decoder_layer_class = LlamaDecoderLayer
+    norm_class = RMSNorm
+
     def __init__(self, hf_config, max_positions: int, dtype: torch.dtype):
         super().__init__()
         self.hf_config = hf_config
         self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(hf_config, i) for i in range(hf_config.num_hidden_layers))
-        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        self.layers = nn.ModuleList(self.decoder_layer_class(hf_config, i) for i in range(hf_config.num_hidden_layers))
+        self.norm = self.norm_class(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
