@@ -287,6 +287,10 @@ def test_llm_beam_search_returns_the_beams_of_hf_with_their_prompts(llm, hf_mode
         assert all(beam.text.startswith(prompts[1]) for beam in output.sequences)
         scores = [beam.cum_logprob / (len(beam.tokens) - len(token_ids)) for beam in output.sequences]
         assert scores == sorted(scores, reverse=True)
+    as_dict = llm.generate({"prompt_token_ids": token_ids}, greedy(), use_tqdm=False)[0]  # vLLM's TokensPrompt
+    assert as_dict.outputs[0].token_ids == llm.generate([prompts[1]], greedy(), use_tqdm=False)[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="a prompt dict needs"):
+        llm.generate({"text": prompts[1]}, use_tqdm=False)
     with pytest.raises(ValueError, match="temperature must be 0"):
         llm.beam_search(prompts[1], BeamSearchParams(beam_width=2, max_tokens=4, temperature=0.7))
     assert_all_blocks_free(llm.engine)

@@ -562,3 +562,18 @@ def test_truncation_allowed_tokens_and_bad_words_fields(server):
     assert set(server.engine.tokenizer.encode(text, add_special_tokens=False)) <= set(allowed)
     response = httpx.post(server.url + "/v1/completions", json={**body, "bad_words": [""]}, timeout=60)
     assert response.status_code == 400 and response.json()["error"]["param"] == "bad_words"
+
+
+def test_a_stopped_server_lets_its_engine_go():
+    """Nothing keeps a finished app's engine alive (FastAPI caches route functions, whose
+    closures would otherwise hold it): tests and embedding stacks build many apps per process."""
+    import gc
+    import weakref
+
+    live = LiveServer(num_device_blocks=16, max_model_len=64)
+    httpx.post(live.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+    engine = weakref.ref(live.engine)
+    live.stop()
+    del live
+    gc.collect()
+    assert engine() is None

@@ -92,13 +92,14 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str,
-        prompt: Union[str, list[int]],
+        prompt: Union[str, list[int], dict],
         params: Optional[Union[SamplingParams, PoolingParams]] = None,
         arrival_time: Optional[float] = None,
         priority: int = 0,
         lora_request: Optional[LoRARequest] = None,
     ) -> None:
-        """Queues a request: generation with `SamplingParams`, or the prompt's embedding with
+        """Queues a request for a prompt (text, token ids, or vLLM's {"prompt": ...} /
+        {"prompt_token_ids": ...} dicts): generation with `SamplingParams`, or the prompt's embedding with
         `PoolingParams` (one `EmbeddingRequestOutput` when done). `priority`
         (scheduling_policy="priority" only): smaller is served first and preempted last.
         `lora_request` (enable_lora=True): the adapter to run with, loaded on first use. Raises
@@ -114,6 +115,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise DuplicateRequestError(f"request id {request_id!r} is already in use")
         vocab_size = self.runner.vocab_size
+        prompt = prompt_of(prompt)
         if isinstance(prompt, str):
             prompt_text, prompt_token_ids = prompt, self.tokenizer.encode(prompt)
         else:
@@ -480,3 +482,14 @@ class LLMEngine:
                 lora_requests[name] = lora_requests.get(name, 0) + 1
         stats["lora_requests"] = lora_requests  # unfinished requests by adapter name
         return stats
+
+
+def prompt_of(prompt) -> Union[str, list[int]]:
+    """Text or token ids from vLLM's prompt dicts ({"prompt": ...} or {"prompt_token_ids": ...})."""
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            return prompt["prompt"]
+        raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+    return prompt

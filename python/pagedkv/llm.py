@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 
 from pagedkv.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedkv.config import engine_config
-from pagedkv.engine import LLMEngine
+from pagedkv.engine import LLMEngine, prompt_of
 from pagedkv.errors import OverloadedError
 from pagedkv.lora import LoRARequest
 from pagedkv.outputs import EmbeddingRequestOutput, RequestOutput
@@ -43,7 +43,7 @@ class LLM:
         lora_request: Optional[Union[LoRARequest, Sequence[Optional[LoRARequest]]]] = None,
     ) -> list[RequestOutput]:
         """Runs every prompt to completion (continuous batching) and returns their outputs in
-        prompt order. Prompts are strings or token-id lists. `priority` (one per prompt, with
+        prompt order. Prompts are strings, token-id lists or vLLM prompt dicts. `priority` (one per prompt, with
         scheduling_policy="priority"): smaller values are served first. `lora_request` (with
         enable_lora=True): one adapter for every prompt, or one (or None) per prompt."""
         prompts = _as_prompt_list(prompts)
@@ -143,8 +143,7 @@ class LLM:
         {"prompt": ...} / {"prompt_token_ids": ...} dicts. Beams share their prefix's blocks."""
         if params.temperature != 0:
             raise ValueError(f"temperature must be 0 for beam search (beams are greedy), got {params.temperature}")
-        given = [prompts] if isinstance(prompts, dict) else _as_prompt_list(prompts)
-        prompt_list = [_prompt_of(prompt) for prompt in given]
+        prompt_list = _as_prompt_list(prompts)
         sampling = SamplingParams(
             n=params.beam_width, use_beam_search=True, beam_width=params.beam_width, temperature=0.0,
             max_tokens=params.max_tokens, ignore_eos=params.ignore_eos, length_penalty=params.length_penalty,
@@ -166,19 +165,9 @@ class LLM:
         return self.engine.reset_prefix_cache()
 
 
-def _prompt_of(prompt) -> Prompt:
-    """Text or token ids from vLLM's prompt dicts ({"prompt": ...} or {"prompt_token_ids": ...})."""
-    if isinstance(prompt, dict):
-        if "prompt_token_ids" in prompt:
-            return list(prompt["prompt_token_ids"])
-        if "prompt" in prompt:
-            return prompt["prompt"]
-        raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
-    return prompt
-
-
 def _as_prompt_list(prompts) -> list[Prompt]:
-    """One prompt (text or token ids) or a sequence of them, as a list."""
-    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-        return [prompts]
-    return list(prompts)
+    """One prompt (text, token ids or a vLLM prompt dict) or a sequence of them, as a list of
+    texts and token-id lists."""
+    if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    return [prompt_of(prompt) for prompt in prompts]

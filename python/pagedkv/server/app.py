@@ -87,11 +87,13 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
         engine.add_lora(adapter)  # (a bad adapter stops the server from starting, not a request)
     reasoning = ReasoningParser(reasoning_parser) if reasoning_parser else None
     builders = {name: ResponseBuilder(engine.tokenizer, name, reasoning) for name in (model_name, *adapters)}
-    state: dict = {}
+    # Routes reach the engine through `state`, emptied at shutdown: an app that is done must not
+    # keep its engine alive (FastAPI caches route functions, and with them their closures).
+    state: dict = {"engine": engine}
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        loop = EngineLoop(engine)
+        loop = EngineLoop(state["engine"])
         metrics = ServerMetrics(lambda: loop.stats)
         loop.metrics = metrics
         state.update(loop=loop, metrics=metrics)
@@ -101,6 +103,8 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
             yield
         finally:
             loop.stop()
+            state.clear()
+            builders.clear()  # (they hold the tokenizer)
 
     app = FastAPI(title="pagedkv", lifespan=lifespan)
     app.state.pagedkv = state
@@ -139,9 +143,9 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
     @app.get("/v1/models")
     async def models():
         card = {"id": model_name, "object": "model", "created": 0, "owned_by": "pagedkv",
-                "max_model_len": engine.max_model_len}
+                "max_model_len": state["engine"].max_model_len}
         lora_cards = [{"id": name, "object": "model", "created": 0, "owned_by": "pagedkv", "root": adapter.lora_path,
-                       "parent": model_name, "max_model_len": engine.max_model_len}
+                       "parent": model_name, "max_model_len": state["engine"].max_model_len}
                       for name, adapter in adapters.items()]
         return {"object": "list", "data": [card, *lora_cards]}
 
@@ -161,7 +165,7 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
         served = check_model(body.model)
         if body.max_completion_tokens is not None and body.max_tokens is None:
             body.max_tokens = body.max_completion_tokens
-        default_max = max(1, engine.max_model_len // 2)
+        default_max = max(1, state["engine"].max_model_len // 2)
         params = make_params(lambda: body.sampling_params(body.chat_logprobs(), default_max))
         tools = make_params(lambda: ToolCalling.from_request(body.tools, body.tool_choice, tool_call_parser))
         if tools is not None and tools.constrained:
@@ -177,7 +181,7 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
     async def responses(body: ResponsesRequest):
         """OpenAI's Responses API, stateless (store is always false), whole or streamed as events."""
         served = check_model(body.model)
-        params = make_params(lambda: body.responses_params(max(1, engine.max_model_len // 2)))
+        params = make_params(lambda: body.responses_params(max(1, state["engine"].max_model_len // 2)))
         messages = make_params(body.messages)
         chat_tools, tool_choice = make_params(body.chat_tools)
         tools = make_params(lambda: ToolCalling.from_request(chat_tools, tool_choice, tool_call_parser))
@@ -223,7 +227,7 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
     async def embeddings(body: EmbeddingRequest):
         served = check_model(body.model)
         inputs = make_params(body.inputs)
-        hidden_size = engine.runner.hf_config.hidden_size
+        hidden_size = state["engine"].runner.hf_config.hidden_size
         if body.dimensions is not None and body.dimensions != hidden_size:
             raise APIError(400, f"dimensions={body.dimensions} is not supported: this model's embeddings have "
                            f"{hidden_size}", "invalid_request_error", "dimensions")
@@ -252,26 +256,26 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
             text = chat_prompt(body.messages, body.add_generation_prompt, None, body.chat_template_kwargs)
         else:
             text = body.prompt
-        tokens = engine.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
-        return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
+        tokens = state["engine"].tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+        return {"count": len(tokens), "max_model_len": state["engine"].max_model_len, "tokens": tokens}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         check_model(body.model)
-        vocab_size = engine.runner.vocab_size
+        vocab_size = state["engine"].runner.vocab_size
         if any(not 0 <= token < vocab_size for token in body.tokens):
             raise APIError(400, f"tokens must be token ids in [0, {vocab_size})", "invalid_request_error", "tokens")
-        return {"prompt": engine.tokenizer.decode(body.tokens)}
+        return {"prompt": state["engine"].tokenizer.decode(body.tokens)}
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache():
         """vLLM's: forgets every cached prefix (after a weight update); 409 while requests run."""
-        if not await state["loop"].call(lambda engine: engine.reset_prefix_cache()):
+        if not await state["loop"].call(lambda running: running.reset_prefix_cache()):
             raise APIError(409, "the prefix cache cannot be reset while requests are unfinished", "conflict_error", None)
         return {"status": "ok"}
 
     if allow_runtime_lora_updating:
-        if engine.runner.lora_registry is None:
+        if state["engine"].runner.lora_registry is None:
             raise ValueError("allow_runtime_lora_updating needs an engine built with enable_lora=True")
 
         @app.post("/v1/load_lora_adapter")
@@ -283,11 +287,11 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
             next_id = max((known.lora_int_id for known in adapters.values()), default=0) + 1
             adapter = LoRARequest(name, next_id, body.lora_path)
             try:
-                await state["loop"].call(lambda engine: engine.add_lora(adapter))
+                await state["loop"].call(lambda running: running.add_lora(adapter))
             except ValueError as error:  # (InvalidConfigError: the message names what is wrong)
                 raise APIError(400, str(error), "invalid_request_error", "lora_path") from error
             adapters[name] = adapter
-            builders[name] = ResponseBuilder(engine.tokenizer, name)
+            builders[name] = ResponseBuilder(state["engine"].tokenizer, name, reasoning)
             logger.info("LoRA adapter %r loaded from %s", name, body.lora_path)
             return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
 
@@ -298,7 +302,7 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
                 raise APIError(404, f"The lora adapter '{body.lora_name}' cannot be found.", "invalid_request_error",
                                "lora_name", "model_not_found")
             builders.pop(body.lora_name, None)
-            await state["loop"].call(lambda engine: engine.remove_lora(adapter.lora_int_id))
+            await state["loop"].call(lambda running: running.remove_lora(adapter.lora_int_id))
             return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
 
     @app.get("/version")
@@ -310,7 +314,7 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
         enable_thinking)."""
         turns = [message.template_fields() for message in messages]
         try:
-            return engine.tokenizer.apply_chat_template(
+            return state["engine"].tokenizer.apply_chat_template(
                 turns, tools=tools, chat_template=chat_template, tokenize=False,
                 add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
         except Exception as error:
