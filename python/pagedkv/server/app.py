@@ -168,12 +168,7 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
         default_max = max(1, state["engine"].max_model_len // 2)
         params = make_params(lambda: body.sampling_params(body.chat_logprobs(), default_max))
         tools = make_params(lambda: ToolCalling.from_request(body.tools, body.tool_choice, tool_call_parser))
-        if tools is not None and tools.constrained:
-            if params.structured_outputs is not None:
-                raise APIError(400, "tool_choice required or a named function cannot be combined with structured "
-                               "outputs (response_format, guided_*)", "invalid_request_error", "tool_choice")
-            params = dataclasses.replace(params, structured_outputs=tools.constraint())
-        params = keep_tool_tags(params, tools)
+        params = with_tools(params, tools, "structured outputs (response_format, guided_*)")
         prompt = chat_prompt(body.messages, True, body.tools if tools is not None else None, body.chat_template_kwargs)
         return await run(request, [prompt], params, body, served, chat=True, tools=tools)
 
@@ -185,12 +180,7 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
         messages = make_params(body.messages)
         chat_tools, tool_choice = make_params(body.chat_tools)
         tools = make_params(lambda: ToolCalling.from_request(chat_tools, tool_choice, tool_call_parser))
-        if tools is not None and tools.constrained:
-            if params.structured_outputs is not None:
-                raise APIError(400, "tool_choice required or a named function cannot be combined with text.format",
-                               "invalid_request_error", "tool_choice")
-            params = dataclasses.replace(params, structured_outputs=tools.constraint())
-        params = keep_tool_tags(params, tools)
+        params = with_tools(params, tools, "text.format")
         prompt = chat_prompt(messages, True, chat_tools if tools is not None else None, body.chat_template_kwargs)
         response = ResponseState(served, body, reasoning, tools)
         if not body.stream:
@@ -320,10 +310,19 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
         except Exception as error:
             raise APIError(400, f"messages: cannot apply the chat template: {error}", "invalid_request_error", "messages")
 
-    def keep_tool_tags(params, tools: Optional[ToolCalling]):
-        """Llama 3's <|python_tag|> and Mistral's [TOOL_CALLS] are special tokens: keep them in
-        the text where the parser looks for them (as vLLM does)."""
-        if tools is not None and not tools.constrained and tools.parser != "hermes":
+    def with_tools(params, tools: Optional[ToolCalling], structured_fields: str):
+        """The request's sampling params with its tools: a forced call is a grammar (none other may
+        be asked for, in `structured_fields`); with "auto", Llama 3's <|python_tag|> and
+        Mistral's [TOOL_CALLS] are special tokens, kept in the text where the parser looks for
+        them (as vLLM does)."""
+        if tools is None:
+            return params
+        if tools.constrained:
+            if params.structured_outputs is not None:
+                raise APIError(400, f"tool_choice required or a named function cannot be combined with "
+                               f"{structured_fields}", "invalid_request_error", "tool_choice")
+            return dataclasses.replace(params, structured_outputs=tools.constraint())
+        if tools.parser != "hermes":
             return dataclasses.replace(params, skip_special_tokens=False)
         return params
 
