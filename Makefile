@@ -30,6 +30,7 @@ bench: setup
 	$(PYTHON) benches/kv_cache_dtype.py
 	$(PYTHON) benches/lora.py
 	$(PYTHON) benches/moe.py
+	$(PYTHON) benches/sliding_window.py
 	$(PYTHON) benches/serving.py
 
 serve: setup

@@ -287,6 +287,7 @@ def test_llm_beam_search_returns_the_beams_of_hf_with_their_prompts(llm, hf_mode
         assert all(beam.text.startswith(prompts[1]) for beam in output.sequences)
         scores = [beam.cum_logprob / (len(beam.tokens) - len(token_ids)) for beam in output.sequences]
         assert scores == sorted(scores, reverse=True)
+    assert llm.llm_engine is llm.engine and llm.get_tokenizer() is llm.tokenizer  # vLLM's accessors
     as_dict = llm.generate({"prompt_token_ids": token_ids}, greedy(), use_tqdm=False)[0]  # vLLM's TokensPrompt
     assert as_dict.outputs[0].token_ids == llm.generate([prompts[1]], greedy(), use_tqdm=False)[0].outputs[0].token_ids
     with pytest.raises(ValueError, match="a prompt dict needs"):

@@ -34,6 +34,15 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """The engine underneath (vLLM's name for it)."""
+        return self.engine
+
+    def get_tokenizer(self):
+        """The model's tokenizer (vLLM's accessor)."""
+        return self.tokenizer
+
     def generate(
         self,
         prompts: Union[Prompt, Sequence[Prompt]],

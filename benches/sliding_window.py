@@ -1,0 +1,72 @@
+"""Sliding-window decode attention on the CPU (the Rust kernel): a decode step over long contexts
+with a window (Mistral's 4096, Gemma 3's 512 or 1024) against the same step attending to the
+whole context, in one run. A windowed kernel reads only the window's blocks, so its time should
+follow the window, not the context.
+
+    python benches/sliding_window.py                   # Mistral-7B's heads: 32 q / 8 kv, d=128
+    python benches/sliding_window.py --heads 4 --kv-heads 1 --head-dim 256 --windows 512   # Gemma-3-1B's
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from pagedkv.attention.cpu import paged_decode_attention
+
+
+def median_seconds(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384])
+    parser.add_argument("--windows", type=int, nargs="+", default=[4096, 1024])
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+
+    dtype, block = torch.bfloat16, args.block_size
+    print(f"# decode, batch {args.batch}, {args.heads} q / {args.kv_heads} kv heads, d={args.head_dim}, "
+          f"bfloat16 cache, {torch.get_num_threads()} threads, CPU")
+    print("| context | window | µs per step | vs whole context |")
+    print("| ---: | ---: | ---: | ---: |")
+    generator = torch.Generator().manual_seed(0)
+    for context in args.contexts:
+        blocks_per_seq = -(-context // block)
+        num_blocks = blocks_per_seq * args.batch
+        shape = (num_blocks, args.kv_heads, block, args.head_dim)
+        key_cache = torch.randn(shape, generator=generator).to(dtype)
+        value_cache = torch.randn(shape, generator=generator).to(dtype)
+        tables = torch.randperm(num_blocks, generator=generator).view(args.batch, blocks_per_seq).int()
+        contexts = torch.full((args.batch,), context, dtype=torch.int32)
+        query = torch.randn((args.batch, args.heads, args.head_dim), generator=generator).to(dtype)
+        scale = args.head_dim**-0.5
+
+        def step(window):
+            return lambda: paged_decode_attention(query, key_cache, value_cache, tables, contexts, scale, window)
+
+        whole = median_seconds(step(None), args.repeats)
+        print(f"| {context} | whole | {whole * 1e6:,.0f} | 1.00× |")
+        for window in args.windows:
+            if window < context:
+                seconds = median_seconds(step(window), args.repeats)
+                print(f"| {context} | {window} | {seconds * 1e6:,.0f} | {whole / seconds:.2f}× |")
+
+
+if __name__ == "__main__":
+    main()
