@@ -12,8 +12,8 @@ experts the step hits at this machine's copy bandwidth (what bounds small, decod
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -21,22 +21,15 @@ import torch.nn.functional as F
 from pagedkv.layers.activation import silu_and_mul
 from pagedkv.layers.fused_moe import SparseMoE
 
-
-def median_seconds(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cpu_layers import median_us  # noqa: E402
 
 
 def copy_bandwidth(repeats: int) -> float:
     """Bytes per second of a 256 MiB tensor copy (read + write counted)."""
     source = torch.ones(256 << 20, dtype=torch.uint8)
     destination = torch.empty_like(source)
-    return 2 * source.numel() / median_seconds(lambda: destination.copy_(source), repeats)
+    return 2 * source.numel() / (median_us(lambda: destination.copy_(source), repeats) / 1e6)
 
 
 def hf_block(ours: SparseMoE, hidden_size: int, intermediate: int, num_experts: int, top_k: int):
@@ -89,9 +82,9 @@ def main() -> None:
             def ceiling():
                 F.linear(silu_and_mul(F.linear(routed, ours.expert_gate_up[0])), ours.expert_down[0])
 
-            hf_s = median_seconds(lambda: hf(hidden.unsqueeze(0)), args.repeats)
-            ours_s = median_seconds(lambda: ours(hidden), args.repeats)
-            grouped_s = median_seconds(ceiling, args.repeats)
+            hf_s = median_us(lambda: hf(hidden.unsqueeze(0)), args.repeats) / 1e6
+            ours_s = median_us(lambda: ours(hidden), args.repeats) / 1e6
+            grouped_s = median_us(ceiling, args.repeats) / 1e6
             experts_hit = ours.route(hidden)[1].unique().numel()
             reads_s = experts_hit * expert_bytes / bandwidth
             print(f"| {num_tokens} | {experts_hit} | {hf_s * 1e6:,.0f} | {ours_s * 1e6:,.0f} | {hf_s / ours_s:.2f}× | "

@@ -10,22 +10,15 @@ follow the window, not the context.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import os
+import sys
 
 import torch
 
 from pagedkv.attention.cpu import paged_decode_attention
 
-
-def median_seconds(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cpu_layers import median_us  # noqa: E402
 
 
 def main() -> None:
@@ -60,11 +53,11 @@ def main() -> None:
         def step(window):
             return lambda: paged_decode_attention(query, key_cache, value_cache, tables, contexts, scale, window)
 
-        whole = median_seconds(step(None), args.repeats)
+        whole = median_us(step(None), args.repeats) / 1e6
         print(f"| {context} | whole | {whole * 1e6:,.0f} | 1.00× |")
         for window in args.windows:
             if window < context:
-                seconds = median_seconds(step(window), args.repeats)
+                seconds = median_us(step(window), args.repeats) / 1e6
                 print(f"| {context} | {window} | {seconds * 1e6:,.0f} | {whole / seconds:.2f}× |")
 
 
