@@ -33,6 +33,7 @@ fn decode_attention(c: &mut Criterion) {
             block_stride: 4 * block_floats,
             table_width: blocks_per_seq,
             sliding_window: 0,
+            logit_softcap: 0.0,
         };
         let cache: Vec<f32> =
             (0..shape.num_blocks * shape.block_stride).map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5).collect();

@@ -32,6 +32,7 @@ fn prefill_attention(c: &mut Criterion) {
             block_stride: 4 * block,
             table_width,
             sliding_window: 0,
+            logit_softcap: 0.0,
         };
         let values = |n: usize, seed: usize| -> Vec<Bf16> {
             (0..n).map(|i| Bf16::from_f32(((i * seed) % 1000) as f32 / 1000.0 - 0.5)).collect()

@@ -4,7 +4,8 @@
 // One kernel serves decode, chunked prefill and prefix-cached extend: every query token t
 // names its sequence (seq_index[t]) and how many cached tokens it may see (context_lens[t]);
 // a prefill chunk's tokens get increasing context lengths, which makes them causal. With a
-// sliding window w > 0, a token sees only the last w of them (Mistral, Gemma's local layers).
+// sliding window w > 0, a token sees only the last w of them (Mistral, Gemma's local layers);
+// with logit_softcap c > 0, logits become c * tanh(logit / c) before the softmax (Gemma 2).
 //
 // Grid: (query tokens, kv heads * head tiles, partitions), NUM_THREADS threads.
 // A CTA handles one query token, GROUP query heads that share one kv head (GQA: each K/V
@@ -31,7 +32,7 @@ __device__ __forceinline__ void attend_partition(
     const typename Element<CT>::type* __restrict__ value_cache, const int* __restrict__ block_table,
     int first_visible, int context_len, long long out_token_stride, long long cache_block_stride,
     int num_heads, int first_head, int kv_head, int partition_size, int max_partitions, float scale,
-    float* shared) {
+    float logit_softcap, float* shared) {
   using cache_t = typename Element<CT>::type;
   constexpr int VEC = VecWidth<CT>::value;  // a thread's slices of a row are 16-byte cache loads
   constexpr int VECS_PER_ROW = HEAD_DIM / VEC;
@@ -93,6 +94,7 @@ __device__ __forceinline__ void attend_partition(
 #pragma unroll
             for (int e = 0; e < VEC; ++e) dot += q[g][j][e] * k[u][j][e];
         if (THREADS_PER_TOKEN > 1) dot = warp_xor_sum(dot, THREADS_PER_TOKEN / 2, 1);
+        if (logit_softcap > 0.f) dot = logit_softcap * tanhf(dot / logit_softcap);
         if (i < length && rank == 0) logits[g * partition_size + i] = dot;
       }
     }
@@ -201,7 +203,7 @@ __global__ void paged_attention_kernel(
     const int* __restrict__ context_lens,  // [T] cached tokens visible to each query token
     long long query_token_stride, long long out_token_stride, long long cache_block_stride,
     int block_table_stride, int num_heads, int num_kv_heads, int partition_size, int max_partitions,
-    float scale, int sliding_window) {
+    float scale, int sliding_window, float logit_softcap) {
   PAGEDKV_SHARED_FLOATS(shared);
   const int token_index = blockIdx.x;
   const int context_len = context_lens[token_index];
@@ -215,7 +217,7 @@ __global__ void paged_attention_kernel(
   attend_partition<DT, CT, HEAD_DIM, BLOCK_SIZE, GROUP>(
       out, partial_out, max_logits, exp_sums, query + token_index * query_token_stride, key_cache, value_cache,
       block_table, first_visible, context_len, out_token_stride, cache_block_stride, num_heads, first_head,
-      kv_head, partition_size, max_partitions, scale, shared);
+      kv_head, partition_size, max_partitions, scale, logit_softcap, shared);
 }
 
 // Combines the split-K partitions of paged_attention_kernel: each partition's normalized

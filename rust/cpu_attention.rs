@@ -29,6 +29,9 @@ pub struct DecodeShape {
     /// A token attends to the last `sliding_window` positions up to and including its own
     /// (Mistral's, Gemma's local layers); 0 attends to the whole context.
     pub sliding_window: usize,
+    /// Logits become `cap * tanh(logit / cap)` before the softmax (Gemma 2's attention soft
+    /// cap); 0 leaves them as they are.
+    pub logit_softcap: f32,
 }
 
 impl DecodeShape {
@@ -49,8 +52,22 @@ impl DecodeShape {
         }
     }
 
+    /// Soft-caps scaled logits in place where the shape asks for it.
+    #[inline(always)]
+    pub fn soft_cap(&self, logits: &mut [f32]) {
+        if self.logit_softcap > 0.0 {
+            let (cap, inverse) = (self.logit_softcap, 1.0 / self.logit_softcap);
+            for logit in logits {
+                *logit = cap * (*logit * inverse).tanh();
+            }
+        }
+    }
+
     pub(crate) fn check(&self) -> Result<()> {
         let invalid = |message: String| Err(Error::InvalidConfig { field: "shape", message });
+        if !(self.logit_softcap >= 0.0 && self.logit_softcap.is_finite()) {
+            return invalid(format!("logit_softcap={} must be finite and >= 0", self.logit_softcap));
+        }
         if self.num_kv_heads == 0 || self.num_heads == 0 || !self.num_heads.is_multiple_of(self.num_kv_heads) {
             return invalid(format!(
                 "num_heads={} must be a multiple of num_kv_heads={}",
@@ -67,7 +84,7 @@ impl DecodeShape {
     }
 }
 
-/// out[b, h] = softmax(scale * q[b, h] . K_b) V_b over the first context_lens[b] tokens of
+/// out[b, h] = softmax(softcap(scale * q[b, h] . K_b)) V_b over the first context_lens[b] tokens of
 /// sequence b (the last `shape.sliding_window` of them where set), split over `num_threads`
 /// threads by sequence.
 #[allow(clippy::too_many_arguments)]
@@ -290,6 +307,7 @@ fn attend_head_widened<T: Element, C: Element, const D: usize, const ISA: u8>(
             }
         }
     }
+    inputs.shape.soft_cap(logits);
     let inverses: Vec<f32> = (0..group).map(|g| 1.0 / exp_normalize(&mut logits[g * context..][..context])).collect();
     for (first, rows) in blocks(inputs.value_cache, true) {
         let values = &mut block[..rows.len()];
@@ -373,6 +391,7 @@ fn attend_head<T: Element, C: Element, const D: usize, const ISA: u8>(
             }
         }
     }
+    inputs.shape.soft_cap(logits);
     for g in 0..group {
         sums[g] = exp_normalize(&mut logits[g * context..][..context]);
     }
@@ -700,7 +719,9 @@ pub(crate) mod tests {
                 let logits: Vec<f64> = visible
                     .clone()
                     .map(|pos| {
-                        (0..dim).map(|d| q[d] as f64 * cache_k[offset(pos) + d] as f64).sum::<f64>() * scale as f64
+                        let logit = (0..dim).map(|d| q[d] as f64 * cache_k[offset(pos) + d] as f64).sum::<f64>()
+                            * scale as f64;
+                        soft_cap_f64(logit, shape.logit_softcap)
                     })
                     .collect();
                 let max = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
@@ -714,6 +735,15 @@ pub(crate) mod tests {
             }
         }
         out
+    }
+
+    /// `cap * tanh(logit / cap)`, or the logit for cap 0 (the kernels' tests share it).
+    pub(crate) fn soft_cap_f64(logit: f64, cap: f32) -> f64 {
+        if cap > 0.0 {
+            cap as f64 * (logit / cap as f64).tanh()
+        } else {
+            logit
+        }
     }
 
     /// Deterministic values in [-1, 1) (the kernels' tests share them).
@@ -731,17 +761,20 @@ pub(crate) mod tests {
     fn matches_the_reference_with_gqa_strided_blocks_and_odd_contexts() {
         let isas = [Isa::Portable, Isa::Avx2Fma, Isa::Avx512].into_iter().filter(|isa| isa.is_supported());
         for isa in isas {
-            for (num_heads, num_kv_heads, head_dim, threads, sliding_window) in [
-                (9, 3, 64, 2, 0),
-                (4, 4, 24, 1, 0),
-                (8, 2, 128, 3, 0),
-                (2, 1, 80, 2, 0),
-                (4, 1, 256, 2, 0),
-                (4, 1, 256, 2, 20),
-                (9, 3, 64, 2, 1),
-                (9, 3, 64, 2, 23),
-                (8, 2, 128, 3, 32),
-                (4, 4, 24, 1, 50),
+            for (num_heads, num_kv_heads, head_dim, threads, sliding_window, logit_softcap) in [
+                (9, 3, 64, 2, 0, 0.0),
+                (4, 4, 24, 1, 0, 0.0),
+                (8, 2, 128, 3, 0, 0.0),
+                (2, 1, 80, 2, 0, 0.0),
+                (4, 1, 256, 2, 0, 0.0),
+                (4, 1, 256, 2, 20, 0.0),
+                (9, 3, 64, 2, 1, 0.0),
+                (9, 3, 64, 2, 23, 0.0),
+                (8, 2, 128, 3, 32, 0.0),
+                (4, 4, 24, 1, 50, 0.0),
+                (9, 3, 64, 2, 0, 0.25),
+                (8, 2, 128, 3, 32, 0.5),
+                (4, 1, 256, 2, 0, 0.25),
             ] {
                 let shape = DecodeShape {
                     batch: 4,
@@ -753,6 +786,7 @@ pub(crate) mod tests {
                     block_stride: 3 * num_kv_heads * 16 * head_dim,
                     table_width: 6,
                     sliding_window,
+                    logit_softcap,
                 };
                 let cache = pseudo_random(shape.num_blocks * shape.block_stride, 1);
                 let value_offset = num_kv_heads * 16 * head_dim; // V follows K inside each block, as in the engine
@@ -770,7 +804,7 @@ pub(crate) mod tests {
                 for (got, want) in out.iter().zip(&expected) {
                     assert!(
                         (got - want).abs() < 1e-4,
-                        "{isa:?} head dim {head_dim} window {sliding_window}: {got} vs {want}"
+                        "{isa:?} head dim {head_dim} window {sliding_window} cap {logit_softcap}: {got} vs {want}"
                     );
                 }
             }
@@ -789,6 +823,7 @@ pub(crate) mod tests {
             block_stride: 2 * 3 * 16 * 64,
             table_width: 4,
             sliding_window: 0,
+            logit_softcap: 0.0,
         };
         let cache: Vec<Bf16> =
             pseudo_random(shape.num_blocks * shape.block_stride, 3).into_iter().map(Bf16::from_f32).collect();
@@ -838,6 +873,7 @@ pub(crate) mod tests {
             block_stride: 2 * 2 * 16 * dim,
             table_width: 4,
             sliding_window: 0,
+            logit_softcap: 0.0,
         };
         let finite: Vec<C> = (0..=255u8).filter_map(codes).collect();
         let cache: Vec<C> = (0..shape.num_blocks * shape.block_stride).map(|i| finite[(i * 37) % finite.len()]).collect();
@@ -902,6 +938,7 @@ pub(crate) mod tests {
             block_stride: 32,
             table_width: 2,
             sliding_window: 0,
+            logit_softcap: 0.0,
         };
         let cache = vec![0.0; 64];
         let query = vec![0.0; 16];

@@ -25,7 +25,7 @@ const QUERY_TILE: usize = 32;
 /// Head dims with a compiled kernel.
 pub const HEAD_DIMS: [usize; 3] = [64, 128, 256];
 
-/// out[t, h] = softmax(scale * q[t, h] . K) V over positions 0..=pos(t) of token t's sequence
+/// out[t, h] = softmax(softcap(scale * q[t, h] . K)) V over positions 0..=pos(t) of token t's sequence
 /// (the last `shape.sliding_window` of them where set).
 ///
 /// `shape.batch` is the number of sequences. Sequence b's new tokens are query rows
@@ -226,7 +226,8 @@ fn attend_tile<T: Element, C: Element, const D: usize, const ROWS: usize, const 
         // Tokens before first_token see nothing of this chunk (it lies in their future).
         let first_token = chunk_start.saturating_sub(item.first_position);
         for block in (first_token * group / ROWS * ROWS..num_rows).step_by(ROWS) {
-            let scores = block_scores::<D, ROWS, ISA>(&scratch.queries[block * D..][..ROWS * D], &scratch.keys_t);
+            let mut scores = block_scores::<D, ROWS, ISA>(&scratch.queries[block * D..][..ROWS * D], &scratch.keys_t);
+            scores.iter_mut().for_each(|row| shape.soft_cap(row));
             for (i, row_scores) in scores.iter().enumerate().take(num_rows - block) {
                 let r = block + i;
                 let position = item.first_position + r / group;
@@ -497,7 +498,7 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cpu_attention::tests::pseudo_random;
+    use crate::cpu_attention::tests::{pseudo_random, soft_cap_f64};
     use crate::cpu_simd::Bf16;
     use crate::fp8::{Fp8E4m3, Fp8E5m2};
 
@@ -529,7 +530,8 @@ mod tests {
                     let q = &query[(t * shape.num_heads + h) * dim..][..dim];
                     let logits: Vec<f64> = (first..visible)
                         .map(|p| {
-                            (0..dim).map(|d| q[d] as f64 * at(keys, b, h / group, p, d)).sum::<f64>() * scale as f64
+                            let logit = (0..dim).map(|d| q[d] as f64 * at(keys, b, h / group, p, d)).sum::<f64>();
+                            soft_cap_f64(logit * scale as f64, shape.logit_softcap)
                         })
                         .collect();
                     let max = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
@@ -570,6 +572,7 @@ mod tests {
             block_stride: 3 * num_kv_heads * block_size * head_dim,
             table_width,
             sliding_window: 0,
+            logit_softcap: 0.0,
         };
         let cache: Vec<C> = pseudo_random(num_blocks * shape.block_stride, 1).into_iter().map(to_cache).collect();
         let values = &cache[num_kv_heads * block_size * head_dim..];
@@ -582,9 +585,10 @@ mod tests {
         let query: Vec<T> = pseudo_random(num_tokens * num_heads * head_dim, 2).into_iter().map(convert).collect();
         let widened: Vec<f32> = query.iter().map(|q| q.to_f32()).collect();
         let scale = 1.0 / (head_dim as f32).sqrt();
-        // windows: none, one token, inside one key chunk, across chunks and blocks, past every context
-        for sliding_window in [0, 1, 20, 45, 200] {
-            let shape = DecodeShape { sliding_window, ..shape };
+        // windows: none, one token, inside one key chunk, across chunks and blocks, past every
+        // context; soft-capped logits with and without a window
+        for (sliding_window, logit_softcap) in [(0, 0.0), (1, 0.0), (20, 0.0), (45, 0.0), (200, 0.0), (0, 0.3), (20, 0.3)] {
+            let shape = DecodeShape { sliding_window, logit_softcap, ..shape };
             let want = reference(&widened, &cache, values, &tables, &starts, &contexts, &shape, scale);
             for isa in [Isa::Avx512, Isa::Avx2Fma, Isa::Portable].into_iter().filter(|isa| isa.is_supported()) {
                 let mut out = vec![convert(f32::NAN); query.len()];
@@ -593,7 +597,7 @@ mod tests {
                 )
                 .unwrap();
                 let error = out.iter().zip(&want).map(|(a, b)| (a.to_f32() - b).abs()).fold(0.0f32, f32::max);
-                assert!(error < tolerance, "{isa:?} d{head_dim} bs{block_size} window {sliding_window}: error {error}");
+                assert!(error < tolerance, "{isa:?} d{head_dim} bs{block_size} window {sliding_window} cap {logit_softcap}: error {error}");
             }
         }
     }
@@ -630,6 +634,7 @@ mod tests {
             block_stride: 16 * 64,
             table_width: 2,
             sliding_window: 0,
+            logit_softcap: 0.0,
         };
         let cache = vec![0.0f32; 2 * 16 * 64];
         let query = vec![0.0f32; 3 * 2 * 64];

@@ -556,8 +556,13 @@ impl BlockManager {
 }
 
 /// The kernels' shape from Python's tuple (batch, num_heads, num_kv_heads, head_dim,
-/// block_size, num_blocks, block_stride, table_width) and sliding window (0: none).
-fn decode_shape(shape: (usize, usize, usize, usize, usize, usize, usize, usize), sliding_window: usize) -> DecodeShape {
+/// block_size, num_blocks, block_stride, table_width), sliding window (0: none) and logit soft
+/// cap (0: none).
+fn decode_shape(
+    shape: (usize, usize, usize, usize, usize, usize, usize, usize),
+    sliding_window: usize,
+    logit_softcap: f32,
+) -> DecodeShape {
     let (batch, num_heads, num_kv_heads, head_dim, block_size, num_blocks, block_stride, table_width) = shape;
     DecodeShape {
         batch,
@@ -569,6 +574,7 @@ fn decode_shape(shape: (usize, usize, usize, usize, usize, usize, usize, usize),
         block_stride,
         table_width,
         sliding_window,
+        logit_softcap,
     }
 }
 
@@ -623,8 +629,9 @@ fn paged_decode_attention_cpu(
     num_threads: usize,
     cache_dtype: &str,
     sliding_window: usize,
+    logit_softcap: f32,
 ) -> PyResult<()> {
-    let shape = decode_shape(shape, sliding_window);
+    let shape = decode_shape(shape, sliding_window, logit_softcap);
     let rows = shape.batch * shape.num_heads * shape.head_dim;
     with_attention_elements!(cache_dtype, T, C => py.detach(|| call(|| {
         // SAFETY: the pointers are those of live, contiguous CPU tensors of these shapes (T out
@@ -686,8 +693,9 @@ fn paged_prefill_attention_cpu(
     num_threads: usize,
     cache_dtype: &str,
     sliding_window: usize,
+    logit_softcap: f32,
 ) -> PyResult<()> {
-    let shape = decode_shape(shape, sliding_window);
+    let shape = decode_shape(shape, sliding_window, logit_softcap);
     let rows = num_tokens * shape.num_heads * shape.head_dim;
     with_attention_elements!(cache_dtype, T, C => py.detach(|| call(|| {
         // SAFETY: as in `paged_decode_attention_cpu`; query_start_loc has batch + 1 entries.

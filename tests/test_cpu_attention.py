@@ -142,8 +142,10 @@ def test_cpu_backend_mixed_step_equals_the_torch_reference():
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-4)
 
 
-def dense_windowed_attention(query, key_cache, value_cache, tables, starts, contexts, scale, window):
-    """float64, token by token: each new token over the last `window` positions up to its own."""
+def dense_windowed_attention(query, key_cache, value_cache, tables, starts, contexts, scale, window,
+                             logit_softcap=None):
+    """float64, token by token: each new token over the last `window` positions up to its own,
+    logits soft-capped where `logit_softcap` is given."""
     from pagedkv.attention.torch_ref import gather_context
 
     out = torch.empty_like(query, dtype=torch.float64)
@@ -156,6 +158,8 @@ def dense_windowed_attention(query, key_cache, value_cache, tables, starts, cont
             position = context - (end - row)
             first = max(0, position + 1 - window)
             scores = torch.einsum("hd,hkd->hk", query[row].double(), keys[:, first : position + 1]) * scale
+            if logit_softcap is not None:
+                scores = logit_softcap * torch.tanh(scores / logit_softcap)
             out[row] = torch.einsum("hk,hkd->hd", scores.softmax(-1), values[:, first : position + 1])
     return out
 
@@ -173,3 +177,19 @@ def test_sliding_window_attention_matches_a_dense_computation(backend, window):
     if window < 70:  # a window shorter than the contexts changes the result
         full = backend().forward(query, key_cache, value_cache, metadata, 0.125)
         assert not torch.allclose(full, got, atol=1e-3)
+
+
+@pytest.mark.parametrize("backend", [TorchRefBackend, CpuAttentionBackend])
+@pytest.mark.parametrize("window", [None, 13])
+def test_soft_capped_attention_matches_a_dense_computation(backend, window):
+    """Gemma 2's soft cap, cap * tanh(logit / cap), in prefill chunks and decodes, with and
+    without a window."""
+    contexts = [70, 90, 33, 120]
+    query, key_cache, value_cache, tables, starts, metadata = mixed_step([70, 20, 1, 1], contexts, seed=3)
+    query = query * 8  # logits of several units, where a cap of 2 bends them
+    got = backend().forward(query, key_cache, value_cache, metadata, 0.125, sliding_window=window, logit_softcap=2.0)
+    want = dense_windowed_attention(query, key_cache, value_cache, tables, starts, contexts, 0.125, window or 10**6,
+                                    logit_softcap=2.0)
+    assert torch.allclose(got.double(), want, atol=1e-5, rtol=1e-4)
+    uncapped = backend().forward(query, key_cache, value_cache, metadata, 0.125, sliding_window=window)
+    assert not torch.allclose(uncapped, got, atol=1e-2)

@@ -79,8 +79,9 @@ def block_major_cache(num_blocks, num_layers, num_kv_heads, block_size, head_dim
 
 
 def reference_attention(query, key_cache, value_cache, block_tables, seq_index, context_lens, scale,
-                        sliding_window=None):
-    """float64, one query token at a time (over its last sliding_window cached tokens, if given)."""
+                        sliding_window=None, logit_softcap=None):
+    """float64, one query token at a time (over its last sliding_window cached tokens, if given;
+    logits soft-capped to logit_softcap * tanh(logit / logit_softcap), if given)."""
     num_heads, num_kv_heads, block_size = query.shape[1], key_cache.shape[1], key_cache.shape[2]
     out = torch.empty(query.shape, dtype=torch.float64)
     for t in range(query.shape[0]):
@@ -93,6 +94,8 @@ def reference_attention(query, key_cache, value_cache, block_tables, seq_index, 
         if sliding_window is not None:
             keys, values = keys[:, -sliding_window:], values[:, -sliding_window:]
         scores = torch.einsum("hd,hcd->hc", query[t].cpu().double(), keys) * scale
+        if logit_softcap is not None:
+            scores = logit_softcap * torch.tanh(scores / logit_softcap)
         out[t] = torch.einsum("hc,hcd->hd", scores.softmax(-1), values)
     return out
 
@@ -199,6 +202,28 @@ def test_sliding_window_attention_sees_the_last_window_tokens(target, sliding_wi
     assert relative_error(out, expected) < TOLERANCE[dtype]
     if sliding_window < 100:  # shorter than most contexts: the window changes the result
         assert relative_error(out, reference_attention(*arguments, scale)) > 10 * TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("sliding_window", [None, 20])
+@pytest.mark.parametrize("partition_size", [None, 32], ids=["auto", "splitk32"])
+def test_soft_capped_logits(target, sliding_window, partition_size):
+    """Gemma 2's attention soft cap: logits squashed to cap * tanh(logit / cap) before the
+    softmax, in one pass and split-K (whose reduction rescales by the capped maxima)."""
+    launcher, device = target
+    shape, dtype, cap = SHAPES[0], torch.float32, 1.5
+    generator = torch.Generator().manual_seed(5)
+    batch = make_batch(shape, dtype, device, generator, [45, 150, 9, 230], prefill_chunks=[(0, 44), (1, 37)])
+    batch["query"] = batch["query"] * 4  # logits of several units, where the cap bends them
+    scale = shape[0] ** -0.5
+    out = paged_attention(**batch, scale=scale, partition_size=partition_size, sliding_window=sliding_window,
+                          logit_softcap=cap, launcher=launcher)
+    arguments = [batch[name] for name in ("query", "key_cache", "value_cache", "block_tables", "seq_index",
+                                          "context_lens")]
+    expected = reference_attention(*arguments, scale, sliding_window, cap)
+    assert relative_error(out, expected) < TOLERANCE[dtype]
+    assert relative_error(out, reference_attention(*arguments, scale, sliding_window)) > 10 * TOLERANCE[dtype]
+    with pytest.raises(ValueError, match="logit_softcap"):
+        paged_attention(**batch, scale=scale, logit_softcap=0.0, launcher=launcher)
 
 
 class CountingLauncher:

@@ -71,13 +71,13 @@ def test_tiny_qwen2_from_safetensors_matches_hf(tiny_qwen2_dir):
     assert torch.equal(ours.argmax(-1), reference.argmax(-1))
 
 
-def assert_prefill_matches_hf(directory: str, model_type: str, tolerance: float = 1e-4):
+def assert_prefill_matches_hf(directory: str, model_type: str, tolerance: float = 1e-4, **hf_options):
     """Our loader's model and HF's on one 37-token prompt over a non-contiguous block table."""
     from transformers import AutoModelForCausalLM
 
     loaded = load(directory, None, None, torch.float32, torch.device("cpu"), None)
     assert loaded.hf_config.model_type == model_type
-    hf_model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    hf_model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, **hf_options).eval()
     generator = torch.Generator().manual_seed(1)
     tokens = torch.randint(3, 256, (37,), generator=generator).tolist()
     ours = prefill_all_positions(loaded.model, tokens, [3, 0, 6], block_size=16, num_blocks=8)
@@ -239,9 +239,60 @@ def test_tiny_gemma3_matches_hf_past_its_window(tmp_path):
     assert [output.outputs[0].token_ids for output in outputs] == expected
 
 
-def test_gemma3_options_the_kernels_lack_are_refused(tmp_path):
-    directory = save_tiny_checkpoint(tmp_path, tiny_gemma3(attn_logit_softcapping=50.0))
-    with pytest.raises(ValueError, match="attn_logit_softcapping"):
+def tiny_gemma2():
+    """A random Gemma 2: sliding (window 16) and full layers sharing one rope, attention logits
+    soft-capped at 2 (so the cap bends them: Gemma 2's own 50 barely touches random ones)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(
+        vocab_size=256, hidden_size=128, intermediate_size=192, num_hidden_layers=3, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=64, max_position_embeddings=512, eos_token_id=2, bos_token_id=1,
+        pad_token_id=0, sliding_window=16, query_pre_attn_scalar=48, attn_logit_softcapping=2.0,
+        final_logit_softcapping=30.0, attn_implementation="eager",  # (SDPA would drop the soft cap)
+    )
+    torch.manual_seed(0)
+    model = Gemma2ForCausalLM(config)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight"):
+                parameter.uniform_(-0.5, 0.5)
+        model.model.embed_tokens.weight.normal_(std=0.3)
+        for layer in model.model.layers:  # larger queries: logits of several units, where the cap bends them
+            layer.self_attn.q_proj.weight.mul_(8)
+    return model.eval()
+
+
+def test_tiny_gemma2_with_soft_capped_attention_matches_hf(tmp_path):
+    from pagedkv import LLM, SamplingParams
+
+    hf_model = tiny_gemma2()
+    directory = save_tiny_checkpoint(tmp_path, hf_model)
+    loaded = assert_prefill_matches_hf(directory, "gemma2", attn_implementation="eager")
+    assert [layer.self_attn.sliding_window for layer in loaded.model.layers] == [16, None, 16]
+    assert {layer.self_attn.logit_softcap for layer in loaded.model.layers} == {2.0}
+
+    # Prompts past the window, decoded by the Rust kernels (prefill chunks of 32 tokens)
+    generator = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 256, (length,), generator=generator).tolist() for length in (40, 9, 70)]
+    with torch.inference_mode():
+        expected = [hf_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=16, min_new_tokens=16,
+                                      pad_token_id=0)[0, len(prompt):].tolist() for prompt in prompts]
+    llm = LLM(directory, dtype="float32", max_num_batched_tokens=32, num_device_blocks=64)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    assert [output.outputs[0].token_ids for output in outputs] == expected
+    # ... and the soft cap matters: without it the logits differ
+    with torch.inference_mode():
+        tokens = prompts[0][:37]
+        capped = prefill_all_positions(loaded.model, tokens, [3, 0, 6], block_size=16, num_blocks=8)
+        for layer in loaded.model.layers:
+            layer.self_attn.logit_softcap = None
+        uncapped = prefill_all_positions(loaded.model, tokens, [3, 0, 6], block_size=16, num_blocks=8)
+    assert (capped - uncapped).abs().max().item() > 0.1
+
+
+def test_gemma_options_the_kernels_lack_are_refused(tmp_path):
+    directory = save_tiny_checkpoint(tmp_path, tiny_gemma3(use_bidirectional_attention=True))
+    with pytest.raises(ValueError, match="use_bidirectional_attention"):
         load(directory, None, None, torch.float32, torch.device("cpu"), None)
 
 

@@ -205,11 +205,12 @@ def paged_decode_attention_cpu(
     num_threads: int,
     cache_dtype: Literal["float32", "bfloat16", "fp8_e4m3", "fp8_e5m2"],
     sliding_window: int,
+    logit_softcap: float,
 ) -> None:
     """Paged decode attention over CPU tensors given by data pointer: caches of `cache_dtype`;
     query and out of the same dtype, or float32 for the float8 caches; shape is (batch, num_heads, num_kv_heads, head_dim, block_size,
     num_blocks, block_stride, table_width); each token sees the last `sliding_window` positions
-    (0: all). Internal: use
+    (0: all); scaled logits become `logit_softcap * tanh(logit / logit_softcap)` (0: unchanged). Internal: use
     `pagedkv.attention.cpu.paged_decode_attention`, which checks the tensors."""
 
 def paged_prefill_attention_cpu(
@@ -226,6 +227,7 @@ def paged_prefill_attention_cpu(
     num_threads: int,
     cache_dtype: Literal["float32", "bfloat16", "fp8_e4m3", "fp8_e5m2"],
     sliding_window: int,
+    logit_softcap: float,
 ) -> None:
     """Paged prefill/extend attention over CPU tensors given by data pointer: query, out
     [num_tokens, num_heads, head_dim] (float32 for the float8 caches, else the cache dtype),

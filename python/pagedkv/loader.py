@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedkv.models.gemma3 import Gemma3ForCausalLM
+from pagedkv.models.gemma import GemmaForCausalLM
 from pagedkv.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger("pagedkv.loader")
@@ -23,7 +23,8 @@ ARCHITECTURES = {
     **dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "smollm3", "granite",
                      "phi3"),
                     LlamaForCausalLM),
-    "gemma3_text": Gemma3ForCausalLM,
+    "gemma2": GemmaForCausalLM,
+    "gemma3_text": GemmaForCausalLM,
 }
 SUPPORTED = tuple(ARCHITECTURES)
 

@@ -57,9 +57,10 @@ def _check_caches(query, key_cache, value_cache) -> None:
 
 
 def paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, scale: float,
-                           sliding_window: Optional[int] = None) -> torch.Tensor:
+                           sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None) -> torch.Tensor:
     """query [B, Hq, D] -> [B, Hq, D] of query's dtype: one query token per sequence over its
-    first context_lens[b] cached tokens (the last `sliding_window` of them, where given). Caches
+    first context_lens[b] cached tokens (the last `sliding_window` of them, where given), scaled
+    logits soft-capped to `logit_softcap * tanh(logit / logit_softcap)` where given. Caches
     [num_blocks, Hkv, block_size, D] (any block stride), float32, bfloat16 or float8; the math is
     float32 whatever the dtypes."""
     num_blocks, num_kv_heads, block_size, head_dim = key_cache.shape
@@ -76,19 +77,20 @@ def paged_decode_attention(query, key_cache, value_cache, block_tables, context_
     _core.paged_decode_attention_cpu(
         out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
         tables.data_ptr(), contexts.data_ptr(), shape, scale, torch.get_num_threads(), CACHE_DTYPES[key_cache.dtype],
-        _window(sliding_window),
+        _window(sliding_window), _softcap(logit_softcap),
     )
     return out.to(result_dtype)
 
 
 def paged_prefill_attention(
     query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale: float,
-    sliding_window: Optional[int] = None,
+    sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None,
 ) -> torch.Tensor:
     """query [T, Hq, D] -> [T, Hq, D] of query's dtype: sequence b's new tokens are rows
     query_start_loc[b]:query_start_loc[b + 1], the last of its context_lens[b] cached tokens
     (their K/V already written), and attend causally to everything cached before them (to the
-    last `sliding_window` positions, where given). Caches as for `paged_decode_attention`; head
+    last `sliding_window` positions, where given; logits soft-capped as in
+    `paged_decode_attention`). Caches as for `paged_decode_attention`; head
     dims 64, 128 and 256 (`PREFILL_HEAD_DIMS`)."""
     num_blocks, num_kv_heads, block_size, head_dim = key_cache.shape
     num_tokens, num_heads, _ = query.shape
@@ -108,7 +110,7 @@ def paged_prefill_attention(
     _core.paged_prefill_attention_cpu(
         out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(),
         starts.data_ptr(), contexts.data_ptr(), shape, num_tokens, scale, torch.get_num_threads(),
-        CACHE_DTYPES[key_cache.dtype], _window(sliding_window),
+        CACHE_DTYPES[key_cache.dtype], _window(sliding_window), _softcap(logit_softcap),
     )
     return out.to(result_dtype)
 
@@ -122,20 +124,30 @@ def _window(sliding_window: Optional[int]) -> int:
     return sliding_window
 
 
+def _softcap(logit_softcap: Optional[float]) -> float:
+    """The kernels' encoding: 0 for no soft cap."""
+    if logit_softcap is None:
+        return 0.0
+    if not logit_softcap > 0:
+        raise ValueError(f"logit_softcap must be > 0 or None, got {logit_softcap}")
+    return float(logit_softcap)
+
+
 def _decode(query, key_cache, value_cache, block_tables, context_lens, max_context_len: int, scale: float,
-            sliding_window: Optional[int]):
+            sliding_window: Optional[int], logit_softcap: Optional[float]):
     if key_cache.dtype not in CACHE_DTYPES:
         return _decode_batch(query, key_cache, value_cache, block_tables, context_lens, max_context_len, scale,
-                             sliding_window)
-    return paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, scale, sliding_window)
+                             sliding_window, logit_softcap)
+    return paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, scale, sliding_window,
+                                  logit_softcap)
 
 
 def _prefill(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale: float,
-             sliding_window: Optional[int]):
+             sliding_window: Optional[int], logit_softcap: Optional[float]):
     if not prefill_kernel_enabled or key_cache.dtype not in CACHE_DTYPES or key_cache.shape[3] not in PREFILL_HEAD_DIMS:
         return None
     return paged_prefill_attention(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale,
-                                   sliding_window)
+                                   sliding_window, logit_softcap)
 
 
 class CpuAttentionBackend(TorchRefBackend):
@@ -149,6 +161,6 @@ class CpuAttentionBackend(TorchRefBackend):
         self._prefill = _prefill if isa != "Portable" else None
 
     def forward(self, query, key_cache, value_cache, metadata: AttentionMetadata, scale: float,
-                sliding_window: Optional[int] = None) -> torch.Tensor:
+                sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None) -> torch.Tensor:
         return paged_attention_ref(query, key_cache, value_cache, metadata, scale, decode=_decode,
-                                   prefill=self._prefill, sliding_window=sliding_window)
+                                   prefill=self._prefill, sliding_window=sliding_window, logit_softcap=logit_softcap)

@@ -50,13 +50,14 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: 
 
 def paged_attention_ref(
     query, key_cache, value_cache, metadata: AttentionMetadata, scale: float, decode=None, prefill=None,
-    sliding_window: Optional[int] = None,
+    sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None,
 ) -> torch.Tensor:
     """query [T, Hq, D] -> [T, Hq, D], causal over each sequence's cached context (over its last
-    `sliding_window` positions, where given). `decode` replaces the batched decode part (same
-    arguments as `_decode_batch`); `prefill`, when it returns a tensor, the per-sequence prefill
-    loop (query rows of the prefill chunks, caches, their block tables, query_start_loc and
-    context_lens, scale, sliding_window; None: not supported)."""
+    `sliding_window` positions, where given), the scaled logits soft-capped to
+    `logit_softcap * tanh(logit / logit_softcap)` where given (Gemma 2). `decode` replaces the
+    batched decode part (same arguments as `_decode_batch`); `prefill`, when it returns a tensor,
+    the per-sequence prefill loop (query rows of the prefill chunks, caches, their block tables,
+    query_start_loc and context_lens, scale, sliding_window, logit_softcap; None: not supported)."""
     output = torch.empty_like(query)
     num_prefills = metadata.num_prefills
     starts = metadata.query_start_loc_host
@@ -66,6 +67,7 @@ def paged_attention_ref(
         prefilled = prefill(
             query[:num_prefill_tokens], key_cache, value_cache, metadata.block_tables[:num_prefills],
             metadata.query_start_loc[: num_prefills + 1], metadata.context_lens[:num_prefills], scale, sliding_window,
+            logit_softcap,
         )
         if prefilled is not None:
             output[:num_prefill_tokens] = prefilled
@@ -73,7 +75,8 @@ def paged_attention_ref(
         begin, end = starts[b], starts[b + 1]
         context_len = metadata.context_lens_host[b]
         output[begin:end] = _prefill_one(
-            query[begin:end], key_cache, value_cache, metadata.block_tables[b], context_len, scale, sliding_window
+            query[begin:end], key_cache, value_cache, metadata.block_tables[b], context_len, scale, sliding_window,
+            logit_softcap,
         )
     if metadata.num_decode_tokens:
         first = starts[num_prefills]
@@ -86,17 +89,18 @@ def paged_attention_ref(
             metadata.max_context_len,
             scale,
             sliding_window,
+            logit_softcap,
         )
     return output
 
 
 def _prefill_one(query, key_cache, value_cache, block_table, context_len: int, scale: float,
-                 sliding_window: Optional[int] = None) -> torch.Tensor:
+                 sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None) -> torch.Tensor:
     num_queries = query.shape[0]
     keys = gather_context(key_cache, block_table, context_len).to(query.dtype)
     values = gather_context(value_cache, block_table, context_len).to(query.dtype)
     # enable_gqa: query head h reads kv head h // group, without repeating K/V per query head.
-    if num_queries == context_len and sliding_window is None:  # plain causal: its kernels skip the masked half
+    if num_queries == context_len and sliding_window is None and logit_softcap is None:  # plain causal: its kernels skip the masked half
         out = F.scaled_dot_product_attention(
             query.transpose(0, 1), keys, values, is_causal=True, scale=scale, enable_gqa=True
         )
@@ -106,6 +110,12 @@ def _prefill_one(query, key_cache, value_cache, block_table, context_len: int, s
     mask = key_positions <= query_positions
     if sliding_window is not None:
         mask &= key_positions > query_positions - sliding_window
+    if logit_softcap is not None:  # SDPA has no soft cap: the logits explicitly, [Hq, T, context]
+        keys = keys.repeat_interleave(query.shape[1] // keys.shape[0], dim=0)
+        values = values.repeat_interleave(query.shape[1] // values.shape[0], dim=0)
+        scores = soft_cap(torch.matmul(query.transpose(0, 1), keys.transpose(1, 2)).float() * scale, logit_softcap)
+        weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+        return torch.matmul(weights.to(values.dtype), values).transpose(0, 1)
     out = F.scaled_dot_product_attention(
         query.transpose(0, 1), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
     )
@@ -113,7 +123,7 @@ def _prefill_one(query, key_cache, value_cache, block_table, context_len: int, s
 
 
 def _decode_batch(query, key_cache, value_cache, block_tables, context_lens, max_context_len: int, scale: float,
-                  sliding_window: Optional[int] = None):
+                  sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None):
     """One query token per sequence, all sequences at once (no Python loop).
 
     The gathered K/V stay block-shaped ([B, n, Hkv, bs, D], one index_select each, no permuted
@@ -131,6 +141,8 @@ def _decode_batch(query, key_cache, value_cache, block_tables, context_lens, max
     group = num_heads // num_kv_heads
     queries = query.view(batch, 1, num_kv_heads, group, head_dim)
     scores = torch.matmul(queries, keys.transpose(-1, -2)).float() * scale  # [B, n, Hkv, G, bs]
+    if logit_softcap is not None:
+        scores = soft_cap(scores, logit_softcap)
     positions = torch.arange(max_blocks * block_size, device=query.device).view(1, max_blocks, 1, 1, block_size)
     context_ends = context_lens.view(-1, 1, 1, 1, 1).to(positions.dtype)
     invalid = positions >= context_ends
@@ -141,6 +153,11 @@ def _decode_batch(query, key_cache, value_cache, block_tables, context_lens, max
     total = weights.sum(dim=(1, 4), keepdim=True).squeeze(1)  # [B, Hkv, G, 1]
     out = torch.matmul(weights.to(values.dtype), values).sum(1, dtype=torch.float32)  # [B, Hkv, G, D]
     return (out / total).to(query.dtype).reshape(batch, num_heads, head_dim)
+
+
+def soft_cap(logits: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(logits / cap): logits squashed smoothly into (-cap, cap) (Gemma 2)."""
+    return torch.tanh(logits / cap) * cap
 
 
 def copy_blocks(kv_cache: torch.Tensor, pairs: torch.Tensor) -> None:
@@ -158,10 +175,11 @@ class TorchRefBackend:
         write_kv(key_cache, value_cache, key, value, slot_mapping)
 
     def forward(self, query, key_cache, value_cache, metadata: AttentionMetadata, scale: float,
-                sliding_window: Optional[int] = None) -> torch.Tensor:
+                sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None) -> torch.Tensor:
         """Attention of the step's new tokens, each over its sequence's cached context (its last
-        `sliding_window` positions, where given)."""
-        return paged_attention_ref(query, key_cache, value_cache, metadata, scale, sliding_window=sliding_window)
+        `sliding_window` positions, where given), logits soft-capped at `logit_softcap` where given."""
+        return paged_attention_ref(query, key_cache, value_cache, metadata, scale, sliding_window=sliding_window,
+                                   logit_softcap=logit_softcap)
 
     def copy_blocks(self, kv_cache, pairs) -> None:
         copy_blocks(kv_cache, pairs)

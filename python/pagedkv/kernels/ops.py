@@ -117,6 +117,7 @@ def paged_attention(
     partition_size: int | None = None,
     max_workspace_bytes: int = MAX_SPLIT_K_WORKSPACE_BYTES,
     sliding_window: int | None = None,
+    logit_softcap: float | None = None,
     launcher=None,
 ) -> torch.Tensor:
     """Attention of each query token over its sequence's cached K/V.
@@ -125,7 +126,9 @@ def paged_attention(
     stride); block_tables int32 [B, max_blocks]; seq_index int32 [T]: each token's row of
     block_tables; context_lens int32 [T]: cached tokens each query token sees (its own position
     + 1, which makes prefill chunks causal); max_context_len >= every context_lens entry;
-    sliding_window: each token sees only the last this many of its cached tokens (None: all).
+    sliding_window: each token sees only the last this many of its cached tokens (None: all);
+    logit_softcap: scaled logits become logit_softcap * tanh(logit / logit_softcap) (None: as
+    they are).
     Returns out [T, Hq, D]. partition_size forces the split-K partition (a multiple of 16,
     or max_context_len or more for a single pass); None chooses one. Split-K launches cover as
     many tokens at a time as fit in max_workspace_bytes of float32 scratch.
@@ -160,6 +163,8 @@ def paged_attention(
         raise ValueError(f"max_context_len={max_context_len} exceeds the block tables' {block_tables.shape[1]} blocks")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    if logit_softcap is not None and not logit_softcap > 0:
+        raise ValueError(f"logit_softcap must be > 0 or None, got {logit_softcap}")
     if num_tokens == 0:
         return out
 
@@ -203,6 +208,7 @@ def paged_attention(
                 np.int64(query.stride(0)), np.int64(out.stride(0)), np.int64(key_cache.stride(0)),
                 np.int32(block_tables.stride(0)), np.int32(num_heads), np.int32(num_kv_heads),
                 np.int32(partition_size), np.int32(num_partitions), np.float32(scale), np.int32(window),
+                np.float32(logit_softcap or 0.0),
             ),
         )
         if num_partitions > 1:

@@ -45,6 +45,7 @@ class LlamaAttention(nn.Module):
         # Granite scales attention by its own multiplier
         self.scale = getattr(hf_config, "attention_multiplier", None) or self.head_dim**-0.5
         self.sliding_window = layer_sliding_window(hf_config, layer_index)
+        self.logit_softcap = getattr(hf_config, "attn_logit_softcapping", None)  # Gemma 2's
         # SmolLM3 leaves rotary embedding out of the layers whose no_rope_layers entry is 0
         no_rope_layers = getattr(hf_config, "no_rope_layers", None)
         self.use_rope = no_rope_layers is None or bool(no_rope_layers[layer_index])
@@ -73,7 +74,8 @@ class LlamaAttention(nn.Module):
             query, key, value = split_heads(qkv, self.num_heads, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache.layer(self.layer_index)
         backend.write_kv(key_cache, value_cache, key, value, metadata.slot_mapping)
-        out = backend.forward(query, key_cache, value_cache, metadata, self.scale, self.sliding_window)
+        out = backend.forward(query, key_cache, value_cache, metadata, self.scale, self.sliding_window,
+                              self.logit_softcap)
         out = out.reshape(num_tokens, self.q_size)
         projected = self.o_proj(out)
         if lora is not None:

@@ -1,9 +1,12 @@
-"""Gemma 3 (text: `gemma3_text`, Gemma-3-270M and -1B) over the paged cache.
+"""Gemma 2 (`gemma2`) and Gemma 3 text models (`gemma3_text`: Gemma-3-270M and -1B) over the
+paged cache.
 
 Llama's blocks with Gemma's changes: RMSNorm weights stored as offsets from 1, the embeddings
-scaled by sqrt(hidden), norms before and after both attention and MLP, per-head q/k norms,
-a GELU(tanh) MLP, attention scaled by `query_pre_attn_scalar`, and layers of two kinds: sliding
-(a local window, their own rope base) and full (global rope). Final logits may be soft-capped.
+scaled by sqrt(hidden), norms before and after both attention and MLP, a GELU(tanh) MLP,
+attention scaled by `query_pre_attn_scalar`, layers of two kinds, sliding (a local window) and
+full, and soft-capped final logits. Gemma 2 soft-caps the attention logits too (every backend
+takes `logit_softcap`); Gemma 3 instead normalizes query and key heads and gives its sliding
+layers a rope base of their own.
 """
 
 from __future__ import annotations
@@ -31,21 +34,22 @@ class GemmaRMSNorm(nn.Module):
         return (normalized * (1.0 + self.weight.float())).to(hidden.dtype)
 
 
-class Gemma3Attention(LlamaAttention):
+class GemmaAttention(LlamaAttention):
     def __init__(self, hf_config, layer_index: int):
         super().__init__(hf_config, layer_index)
         self.scale = hf_config.query_pre_attn_scalar**-0.5
-        self.q_norm = GemmaRMSNorm(self.head_dim, hf_config.rms_norm_eps)
-        self.k_norm = GemmaRMSNorm(self.head_dim, hf_config.rms_norm_eps)
+        if hf_config.model_type != "gemma2":
+            self.q_norm = GemmaRMSNorm(self.head_dim, hf_config.rms_norm_eps)
+            self.k_norm = GemmaRMSNorm(self.head_dim, hf_config.rms_norm_eps)
 
 
-class Gemma3DecoderLayer(nn.Module):
+class GemmaDecoderLayer(nn.Module):
     is_moe = False
 
     def __init__(self, hf_config, layer_index: int):
         super().__init__()
         self.is_sliding = hf_config.layer_types[layer_index] == "sliding_attention"
-        self.self_attn = Gemma3Attention(hf_config, layer_index)
+        self.self_attn = GemmaAttention(hf_config, layer_index)
         self.mlp = LlamaMLP(hf_config, layer_index, act_and_mul=gelu_tanh_and_mul)
         norm = lambda: GemmaRMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)  # noqa: E731
         self.input_layernorm, self.post_attention_layernorm = norm(), norm()
@@ -58,31 +62,35 @@ class Gemma3DecoderLayer(nn.Module):
         return hidden + self.post_feedforward_layernorm(fed)
 
 
-class Gemma3ForCausalLM(LlamaForCausalLM):
-    """The interface of LlamaForCausalLM (forward, compute_logits, load_hf_state_dict, layers
-    with self_attn and mlp), so the runner, LoRA and the loader treat both alike."""
+class GemmaForCausalLM(LlamaForCausalLM):
+    """Gemma 2 and 3, with the interface of LlamaForCausalLM (forward, compute_logits,
+    load_hf_state_dict, layers with self_attn and mlp), so the runner, LoRA and the loader treat
+    them alike."""
 
-    decoder_layer_class = Gemma3DecoderLayer
+    decoder_layer_class = GemmaDecoderLayer
     norm_class = GemmaRMSNorm
 
     def __init__(self, hf_config, max_positions: int, dtype: torch.dtype):
-        if getattr(hf_config, "attn_logit_softcapping", None) is not None:
-            raise ValueError("attn_logit_softcapping is not supported (Gemma 3 checkpoints leave it unset)")
         if getattr(hf_config, "use_bidirectional_attention", False):
             raise ValueError("use_bidirectional_attention=True (an encoder) is not supported")
         super().__init__(hf_config, max_positions, dtype)
         self.final_logit_softcapping = getattr(hf_config, "final_logit_softcapping", None)
 
     def compute_buffers(self, max_positions: int, dtype: torch.dtype) -> None:
-        """Rotary tables of both layer kinds and the embedding scale, sqrt(hidden) rounded to the
-        model dtype as transformers rounds it."""
-        self.rotary = RotaryEmbedding(self.hf_config, max_positions, dtype, "full_attention")
-        self.rotary_local = RotaryEmbedding(self.hf_config, max_positions, dtype, "sliding_attention")
+        """Rotary tables of both layer kinds (one shared table where `rope_parameters` are not
+        per layer type, as Gemma 2's) and the embedding scale, sqrt(hidden) rounded to the model
+        dtype as transformers rounds it."""
+        if "full_attention" in (getattr(self.hf_config, "rope_parameters", None) or {}):
+            self.rotary = RotaryEmbedding(self.hf_config, max_positions, dtype, "full_attention")
+            self.rotary_local = RotaryEmbedding(self.hf_config, max_positions, dtype, "sliding_attention")
+        else:
+            self.rotary = self.rotary_local = RotaryEmbedding(self.hf_config, max_positions, dtype)
         self.register_buffer("embed_scale", torch.tensor(self.hf_config.hidden_size**0.5).to(dtype), persistent=False)
 
     def forward(self, input_ids, positions, metadata: AttentionMetadata, kv_cache, backend, lora=None) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids) * self.embed_scale
-        global_cos_sin, local_cos_sin = self.rotary(positions), self.rotary_local(positions)
+        global_cos_sin = self.rotary(positions)
+        local_cos_sin = global_cos_sin if self.rotary_local is self.rotary else self.rotary_local(positions)
         for layer in self.layers:
             cos_sin = local_cos_sin if layer.is_sliding else global_cos_sin
             hidden = layer(hidden, cos_sin, metadata, kv_cache, backend, lora)
