@@ -290,6 +290,29 @@ def test_tiny_gemma2_with_soft_capped_attention_matches_hf(tmp_path):
     assert (capped - uncapped).abs().max().item() > 0.1
 
 
+def test_tiny_gemma1_matches_hf(tmp_path):
+    """Gemma 1: Llama's layout with Gemma's norms, scaled embeddings and a GELU MLP (the legacy
+    `hidden_act="gelu"` of the official configs means the tanh approximation, as transformers
+    reads it)."""
+    from pagedkv.layers.activation import gelu_tanh_and_mul
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    config = GemmaConfig(vocab_size=256, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=512,
+                         hidden_act="gelu", eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    torch.manual_seed(0)
+    model = GemmaForCausalLM(config)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight"):
+                parameter.uniform_(-0.5, 0.5)
+            if "mlp" in name:  # an MLP that dominates the residual stream, so its activation shows
+                parameter.mul_(20)
+    loaded = assert_prefill_matches_hf(save_tiny_checkpoint(tmp_path, model.eval()), "gemma")
+    assert not any(layer.sandwich_norms or layer.self_attn.sliding_window for layer in loaded.model.layers)
+    assert loaded.model.layers[0].mlp.act_and_mul is gelu_tanh_and_mul
+
+
 def test_gemma_options_the_kernels_lack_are_refused(tmp_path):
     directory = save_tiny_checkpoint(tmp_path, tiny_gemma3(use_bidirectional_attention=True))
     with pytest.raises(ValueError, match="use_bidirectional_attention"):

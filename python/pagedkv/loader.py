@@ -23,8 +23,7 @@ ARCHITECTURES = {
     **dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "smollm3", "granite",
                      "phi3"),
                     LlamaForCausalLM),
-    "gemma2": GemmaForCausalLM,
-    "gemma3_text": GemmaForCausalLM,
+    **dict.fromkeys(("gemma", "gemma2", "gemma3_text"), GemmaForCausalLM),
 }
 SUPPORTED = tuple(ARCHITECTURES)
 

@@ -1,12 +1,12 @@
-"""Gemma 2 (`gemma2`) and Gemma 3 text models (`gemma3_text`: Gemma-3-270M and -1B) over the
-paged cache.
+"""Gemma (`gemma`), Gemma 2 (`gemma2`) and Gemma 3 text models (`gemma3_text`: Gemma-3-270M and
+-1B) over the paged cache.
 
 Llama's blocks with Gemma's changes: RMSNorm weights stored as offsets from 1, the embeddings
-scaled by sqrt(hidden), norms before and after both attention and MLP, a GELU(tanh) MLP,
-attention scaled by `query_pre_attn_scalar`, layers of two kinds, sliding (a local window) and
-full, and soft-capped final logits. Gemma 2 soft-caps the attention logits too (every backend
-takes `logit_softcap`); Gemma 3 instead normalizes query and key heads and gives its sliding
-layers a rope base of their own.
+scaled by sqrt(hidden), a GELU MLP. Gemma 1 stops there. Gemma 2 and 3 add norms after both
+attention and MLP, attention scaled by `query_pre_attn_scalar`, layers of two kinds, sliding (a
+local window) and full, and soft-capped final logits; Gemma 2 soft-caps the attention logits too
+(every backend takes `logit_softcap`), Gemma 3 instead normalizes query and key heads and gives
+its sliding layers a rope base of their own.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from pagedkv.attention.metadata import AttentionMetadata
-from pagedkv.layers.activation import gelu_tanh_and_mul
+from pagedkv.layers.activation import gated_activation
 from pagedkv.layers.rotary_embedding import RotaryEmbedding
 from pagedkv.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 
@@ -37,8 +37,8 @@ class GemmaRMSNorm(nn.Module):
 class GemmaAttention(LlamaAttention):
     def __init__(self, hf_config, layer_index: int):
         super().__init__(hf_config, layer_index)
-        self.scale = hf_config.query_pre_attn_scalar**-0.5
-        if hf_config.model_type != "gemma2":
+        self.scale = (getattr(hf_config, "query_pre_attn_scalar", None) or self.head_dim) ** -0.5
+        if hf_config.model_type == "gemma3_text":
             self.q_norm = GemmaRMSNorm(self.head_dim, hf_config.rms_norm_eps)
             self.k_norm = GemmaRMSNorm(self.head_dim, hf_config.rms_norm_eps)
 
@@ -48,22 +48,29 @@ class GemmaDecoderLayer(nn.Module):
 
     def __init__(self, hf_config, layer_index: int):
         super().__init__()
-        self.is_sliding = hf_config.layer_types[layer_index] == "sliding_attention"
+        layer_types = getattr(hf_config, "layer_types", None)
+        self.is_sliding = layer_types is not None and layer_types[layer_index] == "sliding_attention"
         self.self_attn = GemmaAttention(hf_config, layer_index)
-        self.mlp = LlamaMLP(hf_config, layer_index, act_and_mul=gelu_tanh_and_mul)
+        activation = getattr(hf_config, "hidden_activation", None) or hf_config.hidden_act
+        self.mlp = LlamaMLP(hf_config, layer_index, act_and_mul=gated_activation(activation))
         norm = lambda: GemmaRMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)  # noqa: E731
         self.input_layernorm, self.post_attention_layernorm = norm(), norm()
-        self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
+        self.sandwich_norms = hf_config.model_type != "gemma"
+        if self.sandwich_norms:
+            self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
 
     def forward(self, hidden, cos_sin, metadata, kv_cache, backend, lora=None):
         attended = self.self_attn(self.input_layernorm(hidden), cos_sin, metadata, kv_cache, backend, lora)
+        if not self.sandwich_norms:  # Gemma 1: Llama's layout, post_attention_layernorm feeds the MLP
+            hidden = hidden + attended
+            return hidden + self.mlp(self.post_attention_layernorm(hidden), lora)
         hidden = hidden + self.post_attention_layernorm(attended)
         fed = self.mlp(self.pre_feedforward_layernorm(hidden), lora)
         return hidden + self.post_feedforward_layernorm(fed)
 
 
 class GemmaForCausalLM(LlamaForCausalLM):
-    """Gemma 2 and 3, with the interface of LlamaForCausalLM (forward, compute_logits,
+    """Gemma 1, 2 and 3, with the interface of LlamaForCausalLM (forward, compute_logits,
     load_hf_state_dict, layers with self_attn and mlp), so the runner, LoRA and the loader treat
     them alike."""
 
