@@ -313,6 +313,51 @@ def test_tiny_gemma1_matches_hf(tmp_path):
     assert loaded.model.layers[0].mlp.act_and_mul is gelu_tanh_and_mul
 
 
+def tiny_olmo(model_type: str):
+    """A random OLMo 2, or OLMo 3 with sliding (window 16, rope base 1e4) and full layers (rope
+    base 5e5, linear scaling)."""
+    from transformers import Olmo2Config, Olmo2ForCausalLM, Olmo3Config, Olmo3ForCausalLM
+
+    shape = dict(vocab_size=256, hidden_size=128, intermediate_size=192, num_hidden_layers=3, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=512, eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    if model_type == "olmo2":
+        config, model_class = Olmo2Config(**shape), Olmo2ForCausalLM
+    else:
+        config = Olmo3Config(
+            **shape, sliding_window=16, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "full_attention": {"rope_type": "linear", "rope_theta": 500000.0, "factor": 2.0}},
+        )
+        model_class = Olmo3ForCausalLM
+    torch.manual_seed(0)
+    model = model_class(config)
+    with torch.no_grad():  # norm weights away from 1, so each norm's placement matters
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight"):
+                parameter.uniform_(0.5, 1.5)
+    return model.eval()
+
+
+@pytest.mark.parametrize("model_type", ["olmo2", "olmo3"])
+def test_tiny_olmo_with_post_norms_matches_hf(tmp_path, model_type):
+    from pagedkv import LLM, SamplingParams
+
+    hf_model = tiny_olmo(model_type)
+    directory = save_tiny_checkpoint(tmp_path, hf_model)
+    loaded = assert_prefill_matches_hf(directory, model_type)
+    windows = [layer.self_attn.sliding_window for layer in loaded.model.layers]
+    assert windows == ([None] * 3 if model_type == "olmo2" else [16, None, 16])
+
+    generator = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(3, 256, (length,), generator=generator).tolist() for length in (40, 9, 70)]
+    with torch.inference_mode():
+        expected = [hf_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=16, min_new_tokens=16,
+                                      pad_token_id=0)[0, len(prompt):].tolist() for prompt in prompts]
+    llm = LLM(directory, dtype="float32", max_num_batched_tokens=32, num_device_blocks=64)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    assert [output.outputs[0].token_ids for output in outputs] == expected
+
+
 def test_gemma_options_the_kernels_lack_are_refused(tmp_path):
     directory = save_tiny_checkpoint(tmp_path, tiny_gemma3(use_bidirectional_attention=True))
     with pytest.raises(ValueError, match="use_bidirectional_attention"):

@@ -14,6 +14,7 @@ import torch
 
 from pagedkv.models.gemma import GemmaForCausalLM
 from pagedkv.models.llama import LlamaForCausalLM
+from pagedkv.models.olmo2 import Olmo2ForCausalLM
 
 logger = logging.getLogger("pagedkv.loader")
 
@@ -24,6 +25,7 @@ ARCHITECTURES = {
                      "phi3"),
                     LlamaForCausalLM),
     **dict.fromkeys(("gemma", "gemma2", "gemma3_text"), GemmaForCausalLM),
+    **dict.fromkeys(("olmo2", "olmo3"), Olmo2ForCausalLM),
 }
 SUPPORTED = tuple(ARCHITECTURES)
 

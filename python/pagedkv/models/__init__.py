@@ -2,5 +2,6 @@
 
 from pagedkv.models.gemma import GemmaForCausalLM
 from pagedkv.models.llama import LlamaForCausalLM
+from pagedkv.models.olmo2 import Olmo2ForCausalLM
 
-__all__ = ["GemmaForCausalLM", "LlamaForCausalLM"]
+__all__ = ["GemmaForCausalLM", "LlamaForCausalLM", "Olmo2ForCausalLM"]

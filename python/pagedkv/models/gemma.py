@@ -16,7 +16,6 @@ from torch import nn
 
 from pagedkv.attention.metadata import AttentionMetadata
 from pagedkv.layers.activation import gated_activation
-from pagedkv.layers.rotary_embedding import RotaryEmbedding
 from pagedkv.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 
 
@@ -48,8 +47,6 @@ class GemmaDecoderLayer(nn.Module):
 
     def __init__(self, hf_config, layer_index: int):
         super().__init__()
-        layer_types = getattr(hf_config, "layer_types", None)
-        self.is_sliding = layer_types is not None and layer_types[layer_index] == "sliding_attention"
         self.self_attn = GemmaAttention(hf_config, layer_index)
         activation = getattr(hf_config, "hidden_activation", None) or hf_config.hidden_act
         self.mlp = LlamaMLP(hf_config, layer_index, act_and_mul=gated_activation(activation))
@@ -84,22 +81,14 @@ class GemmaForCausalLM(LlamaForCausalLM):
         self.final_logit_softcapping = getattr(hf_config, "final_logit_softcapping", None)
 
     def compute_buffers(self, max_positions: int, dtype: torch.dtype) -> None:
-        """Rotary tables of both layer kinds (one shared table where `rope_parameters` are not
-        per layer type, as Gemma 2's) and the embedding scale, sqrt(hidden) rounded to the model
-        dtype as transformers rounds it."""
-        if "full_attention" in (getattr(self.hf_config, "rope_parameters", None) or {}):
-            self.rotary = RotaryEmbedding(self.hf_config, max_positions, dtype, "full_attention")
-            self.rotary_local = RotaryEmbedding(self.hf_config, max_positions, dtype, "sliding_attention")
-        else:
-            self.rotary = self.rotary_local = RotaryEmbedding(self.hf_config, max_positions, dtype)
+        """The rotary tables and the embedding scale, sqrt(hidden) rounded to the model dtype as
+        transformers rounds it."""
+        super().compute_buffers(max_positions, dtype)
         self.register_buffer("embed_scale", torch.tensor(self.hf_config.hidden_size**0.5).to(dtype), persistent=False)
 
     def forward(self, input_ids, positions, metadata: AttentionMetadata, kv_cache, backend, lora=None) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids) * self.embed_scale
-        global_cos_sin = self.rotary(positions)
-        local_cos_sin = global_cos_sin if self.rotary_local is self.rotary else self.rotary_local(positions)
-        for layer in self.layers:
-            cos_sin = local_cos_sin if layer.is_sliding else global_cos_sin
+        for layer, cos_sin in zip(self.layers, self.layer_rotations(positions)):
             hidden = layer(hidden, cos_sin, metadata, kv_cache, backend, lora)
         return self.norm(hidden)
 

@@ -147,7 +147,7 @@ class LlamaForCausalLM(nn.Module):
     """forward(input_ids [T], positions [T], metadata, kv_cache, backend, lora) -> hidden [T, H];
     `lora` (a pagedkv.lora.LoRABatch) adds the step's adapters' updates to the projections."""
 
-    # What a variant of the family swaps (Gemma 3: its decoder layer and norm)
+    # What a variant of the family swaps (Gemma's and OLMo's: their decoder layers and norm)
     decoder_layer_class = LlamaDecoderLayer
     norm_class = RMSNorm
 
@@ -167,15 +167,28 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_buffers(self, max_positions: int, dtype: torch.dtype) -> None:
         """(Re)builds what is computed, not loaded: the rotary tables (the loader builds the model
-        on the meta device, which leaves them empty)."""
-        self.rotary = RotaryEmbedding(self.hf_config, max_positions, dtype)
+        on the meta device, which leaves them empty). Where `rope_parameters` are per layer type
+        (Gemma 3's, OLMo 3's), sliding layers get a table of their own."""
+        if "full_attention" in (getattr(self.hf_config, "rope_parameters", None) or {}):
+            self.rotary = RotaryEmbedding(self.hf_config, max_positions, dtype, "full_attention")
+            self.rotary_sliding = RotaryEmbedding(self.hf_config, max_positions, dtype, "sliding_attention")
+        else:
+            self.rotary, self.rotary_sliding = RotaryEmbedding(self.hf_config, max_positions, dtype), None
+
+    def layer_rotations(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's (cos, sin) for these positions, looked up once per table."""
+        full = self.rotary(positions)
+        if self.rotary_sliding is None:
+            return [full] * len(self.layers)
+        sliding = self.rotary_sliding(positions)
+        layer_types = self.hf_config.layer_types
+        return [sliding if layer_type == "sliding_attention" else full for layer_type in layer_types]
 
     def forward(self, input_ids, positions, metadata: AttentionMetadata, kv_cache, backend, lora=None) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
         if self.embedding_multiplier != 1.0:
             hidden = hidden * self.embedding_multiplier
-        cos_sin = self.rotary(positions)
-        for layer in self.layers:
+        for layer, cos_sin in zip(self.layers, self.layer_rotations(positions)):
             hidden, residual = layer(hidden, residual, cos_sin, metadata, kv_cache, backend, lora)
         return self.norm(hidden, residual)[0]
 

@@ -1,0 +1,58 @@
+"""OLMo 2 (`olmo2`) and OLMo 3 (`olmo3`) over the paged cache.
+
+Llama's blocks with AllenAI's changes: the norms come after attention and after the MLP (on
+what each adds to the residual stream, none before), and queries and keys are RMS-normalized
+over the whole projection (all heads together) before the rotation. OLMo 3 adds sliding-window
+layers (`layer_types`), with rope settings of their own.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedkv.attention.metadata import AttentionMetadata
+from pagedkv.layers.rms_norm import RMSNorm
+from pagedkv.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+
+
+class Olmo2Attention(LlamaAttention):
+    def __init__(self, hf_config, layer_index: int):
+        super().__init__(hf_config, layer_index)
+        self.q_norm = RMSNorm(self.q_size, hf_config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.kv_size, hf_config.rms_norm_eps)
+
+    def _normalize_query_and_key_heads_(self, qkv: torch.Tensor) -> None:
+        """OLMo's RMSNorm over the query and key projections as wholes; writes qkv."""
+        qkv[:, : self.q_size] = self.q_norm(qkv[:, : self.q_size].contiguous())
+        keys = qkv[:, self.q_size : self.q_size + self.kv_size]
+        qkv[:, self.q_size : self.q_size + self.kv_size] = self.k_norm(keys.contiguous())
+
+
+class Olmo2DecoderLayer(nn.Module):
+    is_moe = False
+
+    def __init__(self, hf_config, layer_index: int):
+        super().__init__()
+        self.self_attn = Olmo2Attention(hf_config, layer_index)
+        self.mlp = LlamaMLP(hf_config, layer_index)
+        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        self.post_feedforward_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+
+    def forward(self, hidden, cos_sin, metadata, kv_cache, backend, lora=None):
+        attended = self.self_attn(hidden, cos_sin, metadata, kv_cache, backend, lora)
+        hidden = hidden + self.post_attention_layernorm(attended)
+        return hidden + self.post_feedforward_layernorm(self.mlp(hidden, lora))
+
+
+class Olmo2ForCausalLM(LlamaForCausalLM):
+    """OLMo 2 and 3, with the interface of LlamaForCausalLM (forward, compute_logits,
+    load_hf_state_dict, layers with self_attn and mlp)."""
+
+    decoder_layer_class = Olmo2DecoderLayer
+
+    def forward(self, input_ids, positions, metadata: AttentionMetadata, kv_cache, backend, lora=None) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        for layer, cos_sin in zip(self.layers, self.layer_rotations(positions)):
+            hidden = layer(hidden, cos_sin, metadata, kv_cache, backend, lora)
+        return self.norm(hidden)
