@@ -52,7 +52,7 @@ class AsyncLLM:
         `aclose()`) aborts the request and frees its blocks. `priority`, `lora_request`: see
         `LLMEngine.add_request`."""
         request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
-        [outputs] = await self._loop.submit_all([(request_id, prompt)], sampling_params or SamplingParams(), priority,
+        [outputs] = await self._loop.submit_all([(request_id, prompt)], sampling_params or self.engine.get_default_sampling_params(), priority,
                                                 lora_request)
         finished = False
         try:

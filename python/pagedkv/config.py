@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -25,6 +26,11 @@ class EngineConfig:
     """GGUF file name inside `model` (a directory)."""
     tokenizer: Optional[str] = None
     """Tokenizer dir or .gguf file, when it is not next to the weights."""
+    generation_config: str = "auto"
+    """Where default sampling parameters come from (vLLM's option): auto = the model's
+    generation_config.json (its temperature, top_p, top_k, min_p, repetition_penalty and
+    max_new_tokens, where it sets them), vllm = pagedkv's own defaults,
+    or a directory holding a generation_config.json. Requests that set a field keep their value."""
     dtype: str = "auto"
     """Weights and KV dtype: auto, float32, float16, bfloat16. auto is bfloat16 on CUDA and on CPUs
     with native bfloat16 math (AVX512-BF16 or AMX, where it runs ~2x faster), else float32."""
@@ -100,6 +106,8 @@ class EngineConfig:
         def fail(field: str, value: object, rule: str) -> None:
             raise InvalidConfigError(f"{field} must be {rule}, got {value!r}")
 
+        if self.generation_config not in ("auto", "vllm") and not os.path.isdir(self.generation_config):
+            fail("generation_config", self.generation_config, "'auto', 'vllm' or an existing directory")
         if self.dtype not in _DTYPES:
             fail("dtype", self.dtype, f"one of {_DTYPES}")
         if self.kv_cache_dtype not in _KV_CACHE_DTYPES:

@@ -42,6 +42,8 @@ class LLMEngine:
         self.tokenizer = self.runner.tokenizer
         self.model_name = self.runner.model_name
         self.eos_token_ids = frozenset(self.runner.eos_token_ids)
+        # Sampling parameters a request leaves unset take these (the model's generation config)
+        self.generation_defaults = self.runner.generation_defaults
         self.sampler = Sampler()
         self.scheduler = Scheduler(self._scheduler_config())
         self.max_model_len = self.scheduler.max_model_len
@@ -89,6 +91,11 @@ class LLMEngine:
         )
 
     # -- requests --------------------------------------------------------------------------
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a request without SamplingParams samples with: pagedkv's defaults, overridden by the
+        model's generation config (EngineConfig.generation_config)."""
+        return SamplingParams(**self.generation_defaults)
+
     def add_request(
         self,
         request_id: str,
@@ -108,7 +115,7 @@ class LLMEngine:
         pooling = params if isinstance(params, PoolingParams) else None
         if pooling is not None:  # computed like a one-token greedy request, reported only at the end
             params = SamplingParams(temperature=0.0, max_tokens=1, output_kind="final_only")
-        params = params or SamplingParams()
+        params = params or self.get_default_sampling_params()
         if priority != 0 and self.config.scheduling_policy != "priority":
             raise ValueError(f"priority must be 0 unless scheduling_policy is 'priority' (got {priority}; "
                              f"this engine runs {self.config.scheduling_policy!r})")

@@ -39,6 +39,11 @@ class LLM:
         """The engine underneath (vLLM's name for it)."""
         return self.engine
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The sampling parameters `generate` uses when given none (vLLM's accessor): pagedkv's
+        defaults, overridden by the model's generation config (EngineConfig.generation_config)."""
+        return self.engine.get_default_sampling_params()
+
     def get_tokenizer(self):
         """The model's tokenizer (vLLM's accessor)."""
         return self.tokenizer
@@ -57,7 +62,7 @@ class LLM:
         enable_lora=True): one adapter for every prompt, or one (or None) per prompt."""
         prompts = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params or SamplingParams()] * len(prompts)
+            params_list = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):

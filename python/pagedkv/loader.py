@@ -38,6 +38,10 @@ def default_model_path() -> tuple[str, str]:
     return spec.submodule_search_locations[0], EMBEDDED_GGUF
 
 
+# What vLLM takes from a generation config as default sampling parameters
+GENERATION_DEFAULT_FIELDS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p", "max_new_tokens")
+
+
 @dataclass
 class LoadedModel:
     model: LlamaForCausalLM  # or another class of ARCHITECTURES, of the same interface
@@ -45,6 +49,20 @@ class LoadedModel:
     hf_config: object
     eos_token_ids: list[int]
     name: str
+    generation_config: object  # transformers' GenerationConfig of the checkpoint, or None
+
+
+def generation_defaults(generation_config) -> dict:
+    """The default sampling parameters a generation config sets (vLLM's rule: the fields of
+    GENERATION_DEFAULT_FIELDS its diff dict holds), as SamplingParams keyword arguments:
+    max_new_tokens becomes max_tokens."""
+    if generation_config is None:
+        return {}
+    given = generation_config.to_diff_dict()
+    defaults = {name: given[name] for name in GENERATION_DEFAULT_FIELDS if given.get(name) is not None}
+    if "max_new_tokens" in defaults:
+        defaults["max_tokens"] = defaults.pop("max_new_tokens")
+    return defaults
 
 
 def _split_gguf(model: str | None, gguf_file: str | None) -> tuple[str, str | None]:
@@ -89,9 +107,10 @@ def load(model: str | None, gguf_file: str | None, tokenizer: str | None, dtype,
 
     tokenizer_source, tokenizer_gguf = _split_gguf(tokenizer, None) if tokenizer else (directory, gguf)
     tok = AutoTokenizer.from_pretrained(tokenizer_source, gguf_file=tokenizer_gguf)
-    eos = _eos_token_ids(directory, gguf, hf_config, tok)
+    generation_config = load_generation_config(directory, gguf)
+    eos = _eos_token_ids(hf_config, generation_config, tok)
     name = os.path.basename(os.path.join(directory, gguf or "").rstrip("/")) or directory
-    return LoadedModel(net, tok, hf_config, eos, name)
+    return LoadedModel(net, tok, hf_config, eos, name, generation_config)
 
 
 @functools.lru_cache(maxsize=1)
@@ -107,9 +126,9 @@ def _dequantized_gguf(path: str) -> dict[str, torch.Tensor]:
     return {name: tensor.detach() for name, tensor in hf_model.state_dict().items()}
 
 
-def _eos_token_ids(directory, gguf, hf_config, tokenizer) -> list[int]:
+def _eos_token_ids(hf_config, generation_config, tokenizer) -> list[int]:
     ids: set[int] = set()
-    for source in (hf_config, _generation_config(directory, gguf)):
+    for source in (hf_config, generation_config):
         value = getattr(source, "eos_token_id", None) if source is not None else None
         if isinstance(value, int):
             ids.add(value)
@@ -120,7 +139,8 @@ def _eos_token_ids(directory, gguf, hf_config, tokenizer) -> list[int]:
     return sorted(ids)
 
 
-def _generation_config(directory, gguf):
+def load_generation_config(directory: str, gguf: str | None = None):
+    """transformers' GenerationConfig of a checkpoint directory (or GGUF file), or None."""
     from transformers import GenerationConfig
 
     try:

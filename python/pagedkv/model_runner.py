@@ -12,7 +12,7 @@ from pagedkv.config import EngineConfig
 from pagedkv.cuda_graphs import DecodeGraphs
 from pagedkv.errors import InvalidConfigError
 from pagedkv.kv_cache import KVCache
-from pagedkv.loader import load
+from pagedkv.loader import generation_defaults, load, load_generation_config
 from pagedkv.lora import LoRARegistry, lora_batch
 
 logger = logging.getLogger("pagedkv.model_runner")
@@ -34,6 +34,7 @@ class ModelRunner:
         loaded = load(config.model, config.gguf_file, config.tokenizer, self.dtype, self.device, config.max_model_len)
         self.model, self.tokenizer, self.hf_config = loaded.model, loaded.tokenizer, loaded.hf_config
         self.eos_token_ids, self.model_name = loaded.eos_token_ids, loaded.name
+        self.generation_defaults = self._generation_defaults(loaded.generation_config)
         self.max_position_embeddings = self.hf_config.max_position_embeddings
         self.max_model_len = self._max_model_len()
         self.vocab_size = self.hf_config.vocab_size
@@ -87,6 +88,18 @@ class ModelRunner:
             block_size=self.config.block_size, hidden_size=self.hf_config.hidden_size,
             dtype=self.dtype, device=self.device, capture=capture,
         )
+
+    def _generation_defaults(self, model_generation_config) -> dict:
+        """Default sampling parameters per `config.generation_config` (see EngineConfig)."""
+        source = self.config.generation_config
+        if source == "vllm":
+            return {}
+        generation_config = model_generation_config if source == "auto" else load_generation_config(source)
+        defaults = generation_defaults(generation_config)
+        if defaults:
+            logger.info("default sampling parameters from %s's generation config: %s (generation_config='vllm' "
+                        "leaves them out)", "the model" if source == "auto" else source, defaults)
+        return defaults
 
     def _max_model_len(self) -> int:
         """`max_model_len`, else min(the model's positions, 8192)."""

@@ -156,7 +156,7 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         served = check_model(body.model)
-        params = make_params(body.completion_params)
+        params = make_params(lambda: body.completion_params(state["engine"].generation_defaults))
         prompts = make_params(body.prompts)
         return await run(request, prompts, params, body, served, chat=False)
 
@@ -166,7 +166,8 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
         if body.max_completion_tokens is not None and body.max_tokens is None:
             body.max_tokens = body.max_completion_tokens
         default_max = max(1, state["engine"].max_model_len // 2)
-        params = make_params(lambda: body.sampling_params(body.chat_logprobs(), default_max))
+        params = make_params(lambda: body.sampling_params(body.chat_logprobs(), default_max,
+                                                          state["engine"].generation_defaults))
         tools = make_params(lambda: ToolCalling.from_request(body.tools, body.tool_choice, tool_call_parser))
         params = with_tools(params, tools, "structured outputs (response_format, guided_*)")
         prompt = chat_prompt(body.messages, True, body.tools if tools is not None else None, body.chat_template_kwargs)
@@ -176,7 +177,8 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
     async def responses(body: ResponsesRequest):
         """OpenAI's Responses API, stateless (store is always false), whole or streamed as events."""
         served = check_model(body.model)
-        params = make_params(lambda: body.responses_params(max(1, state["engine"].max_model_len // 2)))
+        params = make_params(lambda: body.responses_params(max(1, state["engine"].max_model_len // 2),
+                                                           state["engine"].generation_defaults))
         messages = make_params(body.messages)
         chat_tools, tool_choice = make_params(body.chat_tools)
         tools = make_params(lambda: ToolCalling.from_request(chat_tools, tool_choice, tool_call_parser))

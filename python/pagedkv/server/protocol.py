@@ -50,23 +50,30 @@ class _Sampling(BaseModel):
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
 
-    def sampling_params(self, logprobs: Optional[int], default_max_tokens: int) -> SamplingParams:
-        """Raises ValueError naming the field (first word of the message) for invalid values."""
+    def sampling_params(self, logprobs: Optional[int], default_max_tokens: int,
+                        defaults: Optional[dict] = None) -> SamplingParams:
+        """Fields the request leaves unset take `defaults` (the model's generation config: see
+        LLMEngine.generation_defaults) where it has them. Raises ValueError naming the field
+        (first word of the message) for invalid values."""
+        defaults = defaults or {}
+        chosen = {name: value for name, value in defaults.items() if name not in self.model_fields_set}
+        value = lambda name: chosen.get(name, getattr(self, name))  # noqa: E731
+        max_tokens = self.max_tokens if self.max_tokens is not None else defaults.get("max_tokens", default_max_tokens)
         return SamplingParams(
             n=self.n,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
+            temperature=value("temperature"),
+            top_p=value("top_p"),
+            top_k=value("top_k"),
+            min_p=value("min_p"),
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
             seed=self.seed,
-            max_tokens=default_max_tokens if self.max_tokens is None else self.max_tokens,
+            max_tokens=max_tokens,
             min_tokens=self.min_tokens,
             ignore_eos=self.ignore_eos,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
+            repetition_penalty=value("repetition_penalty"),
             logit_bias=self.token_logit_bias(),
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
@@ -118,8 +125,8 @@ class CompletionRequest(_Sampling):
     logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     echo: bool = False  # prepend the prompt (and with logprobs, its tokens' logprobs) to each choice
 
-    def completion_params(self) -> SamplingParams:
-        params = self.sampling_params(self.logprobs, 16)
+    def completion_params(self, defaults: Optional[dict] = None) -> SamplingParams:
+        params = self.sampling_params(self.logprobs, 16, defaults)
         if self.echo and self.logprobs is not None:  # as in vLLM: the prompt's logprobs come first
             params.prompt_logprobs = self.logprobs
         return params
@@ -270,7 +277,7 @@ class ResponsesRequest(_Sampling):
             choice = {"type": "function", "function": {"name": choice.get("name")}}
         return tools or None, choice
 
-    def responses_params(self, default_max_tokens: int) -> SamplingParams:
+    def responses_params(self, default_max_tokens: int, defaults: Optional[dict] = None) -> SamplingParams:
         if self.previous_response_id is not None:
             raise ValueError("previous_response_id is not supported: responses are not stored; send the "
                              "conversation in input")
@@ -280,4 +287,4 @@ class ResponsesRequest(_Sampling):
         if fmt.get("type") == "json_schema":
             fmt = {"type": "json_schema", "json_schema": {"schema": fmt.get("schema"), "name": fmt.get("name")}}
         update = {"max_tokens": self.max_output_tokens, "response_format": fmt}
-        return self.model_copy(update=update).sampling_params(None, default_max_tokens)
+        return self.model_copy(update=update).sampling_params(None, default_max_tokens, defaults)
