@@ -31,6 +31,7 @@ bench: setup
 	$(PYTHON) benches/lora.py
 	$(PYTHON) benches/moe.py
 	$(PYTHON) benches/sliding_window.py
+	$(PYTHON) benches/long_prefill.py
 	$(PYTHON) benches/serving.py
 
 serve: setup

@@ -49,6 +49,9 @@ pub struct SchedulerConfig {
     /// a prefix hit instead of recomputed (`cpu_prefix_tier.rs`). Needs prefix caching.
     pub enable_cpu_prefix_cache: bool,
     pub enable_chunked_prefill: bool,
+    /// Most tokens one sequence's prefill takes in a step (0: no limit, only the budget), so one
+    /// long prompt leaves room in the step for others (vLLM's long_prefill_token_threshold).
+    pub long_prefill_token_threshold: usize,
     pub preemption_mode: PreemptionMode,
     pub scheduling_policy: SchedulingPolicy,
     /// Fraction of device blocks admissions leave free.
@@ -69,6 +72,7 @@ impl Default for SchedulerConfig {
             enable_prefix_caching: true,
             enable_cpu_prefix_cache: false,
             enable_chunked_prefill: true,
+            long_prefill_token_threshold: 0,
             preemption_mode: PreemptionMode::Auto,
             scheduling_policy: SchedulingPolicy::Fcfs,
             watermark: 0.01,

@@ -86,6 +86,8 @@ pub struct SchedulerConfig {
     #[pyo3(get, set)]
     enable_chunked_prefill: bool,
     #[pyo3(get, set)]
+    long_prefill_token_threshold: usize,
+    #[pyo3(get, set)]
     preemption_mode: String,
     #[pyo3(get, set)]
     scheduling_policy: String,
@@ -109,7 +111,7 @@ impl SchedulerConfig {
         max_num_batched_tokens=2048, max_model_len=2048, max_waiting_requests=1024,
         enable_prefix_caching=true, enable_chunked_prefill=true, preemption_mode="auto".to_string(),
         scheduling_policy="fcfs".to_string(), watermark=0.01, recompute_cost_per_token=None, block_bytes=None,
-        swap_bandwidth=None, swap_latency=None, enable_cpu_prefix_cache=false,
+        swap_bandwidth=None, swap_latency=None, enable_cpu_prefix_cache=false, long_prefill_token_threshold=0,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -130,6 +132,7 @@ impl SchedulerConfig {
         swap_bandwidth: Option<f64>,
         swap_latency: Option<f64>,
         enable_cpu_prefix_cache: bool,
+        long_prefill_token_threshold: usize,
     ) -> PyResult<Self> {
         let cost = CostModel::default();
         let config = SchedulerConfig {
@@ -143,6 +146,7 @@ impl SchedulerConfig {
             enable_prefix_caching,
             enable_cpu_prefix_cache,
             enable_chunked_prefill,
+            long_prefill_token_threshold,
             preemption_mode,
             scheduling_policy,
             watermark,
@@ -189,6 +193,7 @@ impl SchedulerConfig {
             enable_prefix_caching: self.enable_prefix_caching,
             enable_cpu_prefix_cache: self.enable_cpu_prefix_cache,
             enable_chunked_prefill: self.enable_chunked_prefill,
+            long_prefill_token_threshold: self.long_prefill_token_threshold,
             preemption_mode: self.preemption_mode.parse::<PreemptionMode>().map_err(to_py_err)?,
             scheduling_policy: self.scheduling_policy.parse::<SchedulingPolicy>().map_err(to_py_err)?,
             watermark: self.watermark,

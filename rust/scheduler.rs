@@ -729,11 +729,22 @@ impl Scheduler {
     fn step_demand(&self, group_id: GroupId) -> (usize, usize) {
         let (mut tokens, mut blocks) = (0, 0);
         for seq in self.groups[group_id].active_seqs() {
-            let take = seq.num_uncomputed().min(self.config.max_num_batched_tokens);
+            let take = seq.num_uncomputed().min(self.config.max_num_batched_tokens).min(self.step_cap(seq.in_prefill()));
             tokens += take;
             blocks += self.blocks.blocks_needed_to_append(seq.id, take).expect("running table");
         }
         (tokens, blocks)
+    }
+
+    /// Most tokens a sequence computes in one step besides the budget: a chunked prefill stops at
+    /// long_prefill_token_threshold (where set).
+    fn step_cap(&self, in_prefill: bool) -> usize {
+        let threshold = self.config.long_prefill_token_threshold;
+        if in_prefill && self.config.enable_chunked_prefill && threshold > 0 {
+            threshold
+        } else {
+            usize::MAX
+        }
     }
 
     /// (seq, tokens to compute) for each active sequence of a running group within `budget`.
@@ -747,7 +758,7 @@ impl Scheduler {
             if uncomputed == 0 {
                 continue;
             }
-            let take = uncomputed.min(left);
+            let take = uncomputed.min(left).min(self.step_cap(seq.in_prefill()));
             // Only prefills are chunked: a decode with drafts is verified in one forward pass.
             let whole = !self.config.enable_chunked_prefill || !seq.in_prefill();
             if take == 0 || (whole && take < uncomputed) {
@@ -782,7 +793,7 @@ impl Scheduler {
             let hits = self.blocks.peek_prefix_hits(&seq.tokens, group.extra_key);
             let hit_tokens = hits.blocks() * self.config.block_size;
             let uncomputed = seq.len() - hit_tokens;
-            let take = uncomputed.min(left);
+            let take = uncomputed.min(left).min(self.step_cap(true));
             if take == 0 || (!self.config.enable_chunked_prefill && take < uncomputed) {
                 return None;
             }

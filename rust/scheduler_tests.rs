@@ -17,6 +17,7 @@ fn config(num_device_blocks: usize, num_cpu_blocks: usize) -> SchedulerConfig {
         enable_prefix_caching: false,
         enable_cpu_prefix_cache: false,
         enable_chunked_prefill: true,
+        long_prefill_token_threshold: 0,
         preemption_mode: PreemptionMode::Swap,
         scheduling_policy: SchedulingPolicy::Fcfs,
         watermark: 0.0,
@@ -110,6 +111,32 @@ fn decodes_come_first_and_prefill_takes_what_is_left() {
     assert_eq!(s.request_id(out.scheduled[0].seq_id).unwrap(), "d");
     assert_eq!(out.scheduled[0].end, 7);
     assert!(out.scheduled[1..].iter().all(|seq| !seq.is_prefill && seq.end - seq.start == 1));
+}
+
+#[test]
+fn a_long_prefill_threshold_leaves_room_for_a_short_prompt_behind_a_long_one() {
+    for (threshold, expected) in [(0, vec![("long", 0, 64)]), (16, vec![("long", 0, 16), ("short", 0, 5)])] {
+        let mut cfg = config(64, 0);
+        cfg.max_model_len = 128;
+        cfg.max_num_batched_tokens = 64;
+        cfg.long_prefill_token_threshold = threshold;
+        let mut s = Scheduler::new(cfg).unwrap();
+        s.add_request("long", prompt(100, 1), None).unwrap();
+        s.add_request("short", prompt(5, 2), None).unwrap();
+        let out = s.schedule();
+        let chunks: Vec<(&str, usize, usize)> =
+            out.scheduled.iter().map(|seq| (s.request_id(seq.seq_id).unwrap(), seq.start, seq.end)).collect();
+        assert_eq!(chunks, expected, "threshold {threshold}");
+        sample_all(&mut s, &out);
+        check(&s);
+        if threshold > 0 {
+            // the next step: the short one decodes, the long one takes its next capped chunk
+            let out = s.schedule();
+            let long = out.scheduled.iter().find(|seq| s.request_id(seq.seq_id).unwrap() == "long").unwrap();
+            assert_eq!((long.start, long.end), (16, 32));
+            assert_eq!(out.num_batched_tokens, 17);
+        }
+    }
 }
 
 #[test]

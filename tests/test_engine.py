@@ -88,8 +88,10 @@ def test_greedy_matches_hf_transformers(llm, prompts, hf_references):
     [
         dict(enable_prefix_caching=False, enable_chunked_prefill=False),
         dict(enable_prefix_caching=True, max_num_batched_tokens=48),  # long prompts prefilled in chunks
+        # several prompts' chunks of at most 24 tokens in each step
+        dict(enable_prefix_caching=True, max_num_batched_tokens=128, long_prefill_token_threshold=24),
     ],
-    ids=["no-prefix-cache-no-chunking", "prefix-cache-and-chunked-prefill"],
+    ids=["no-prefix-cache-no-chunking", "prefix-cache-and-chunked-prefill", "long-prefill-threshold"],
 )
 def test_same_outputs_with_caching_and_chunking(options, prompts, hf_references):
     llm = LLM(dtype="float32", num_device_blocks=512, max_model_len=1024, **options)

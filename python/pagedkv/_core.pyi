@@ -24,6 +24,8 @@ class SchedulerConfig:
     """Cached blocks evicted from the device move to free CPU blocks and come back on a hit
     (their copies join blocks_to_swap_out / blocks_to_swap_in). Needs enable_prefix_caching."""
     enable_chunked_prefill: bool
+    long_prefill_token_threshold: int
+    """Most tokens one sequence's prefill takes in a step (0: only the budget limits it)."""
     preemption_mode: str
     """'swap', 'recompute' or 'auto' (cheaper of the two per victim by the cost model)."""
     scheduling_policy: str
@@ -58,6 +60,7 @@ class SchedulerConfig:
         swap_bandwidth: Optional[float] = None,
         swap_latency: Optional[float] = None,
         enable_cpu_prefix_cache: bool = False,
+        long_prefill_token_threshold: int = 0,
     ) -> None: ...
 
 class ScheduledSequence:

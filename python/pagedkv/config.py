@@ -64,6 +64,10 @@ class EngineConfig:
     back on a hit instead of recomputed (vLLM's KV offloading to CPU). Needs prefix caching."""
     enable_chunked_prefill: bool = True
     """Split long prompts across steps to fit the token budget."""
+    long_prefill_token_threshold: int = 0
+    """Most tokens one request's prefill takes in a step (vLLM's option; 0 = only the budget
+    limits it): a long prompt then leaves room in each step for shorter ones, whose first
+    tokens come sooner, at some cost to the long one's."""
     preemption_mode: str = "auto"
     """auto, swap or recompute."""
     scheduling_policy: str = "fcfs"
@@ -124,6 +128,8 @@ class EngineConfig:
             value = getattr(self, field)
             if not isinstance(value, int) or value <= 0:
                 fail(field, value, "a positive integer")
+        if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
+            fail("long_prefill_token_threshold", self.long_prefill_token_threshold, "an integer >= 0")
         if not isinstance(self.swap_space_bytes, int) or self.swap_space_bytes < 0:
             fail("swap_space_bytes", self.swap_space_bytes, "an integer >= 0")
         if self.preemption_mode not in _PREEMPTION_MODES:

@@ -82,6 +82,7 @@ class LLMEngine:
             enable_prefix_caching=config.enable_prefix_caching,
             enable_cpu_prefix_cache=config.enable_cpu_prefix_cache,
             enable_chunked_prefill=config.enable_chunked_prefill,
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
             preemption_mode=config.preemption_mode,
             scheduling_policy=config.scheduling_policy,
             watermark=config.watermark,
