@@ -884,16 +884,20 @@ pub(crate) mod tests {
         let contexts = [49, 1, 64];
         // Scaled so that the large codes (up to 57344) do not leave one key with all the weight.
         let scale = 1e-4;
-        let expected = reference(&query, &widened, &widened[value_offset..], &tables, &contexts, &shape, scale);
-        for isa in [Isa::Portable, Isa::Avx2Fma, Isa::Avx512].into_iter().filter(|isa| isa.is_supported()) {
-            let mut out = vec![f32::NAN; query.len()];
-            let (keys, values) = (&cache[..], &cache[value_offset..]);
-            paged_decode_attention_with(isa, &mut out, &query, keys, values, &tables, &contexts, &shape, scale, 2)
-                .unwrap();
-            // Outputs average values up to the largest code: f32 rounding is relative to those.
-            let largest = widened.iter().fold(0.0f32, |m, x| m.max(x.abs()));
-            for (got, want) in out.iter().zip(&expected) {
-                assert!((got - want).abs() <= 1e-6 * largest, "{isa:?} dim {dim}: {got} vs {want}");
+        // Soft-capped too (the widened kernels cap their logits on their own path)
+        for shape in [shape, DecodeShape { logit_softcap: 0.5, ..shape }] {
+            let expected = reference(&query, &widened, &widened[value_offset..], &tables, &contexts, &shape, scale);
+            for isa in [Isa::Portable, Isa::Avx2Fma, Isa::Avx512].into_iter().filter(|isa| isa.is_supported()) {
+                let mut out = vec![f32::NAN; query.len()];
+                let (keys, values) = (&cache[..], &cache[value_offset..]);
+                paged_decode_attention_with(isa, &mut out, &query, keys, values, &tables, &contexts, &shape, scale, 2)
+                    .unwrap();
+                // Outputs average values up to the largest code: f32 rounding is relative to those.
+                let largest = widened.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+                for (got, want) in out.iter().zip(&expected) {
+                    let cap = shape.logit_softcap;
+                    assert!((got - want).abs() <= 1e-6 * largest, "{isa:?} dim {dim} cap {cap}: {got} vs {want}");
+                }
             }
         }
     }
