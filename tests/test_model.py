@@ -87,6 +87,33 @@ def assert_prefill_matches_hf(directory: str, model_type: str, tolerance: float 
     return loaded
 
 
+def assert_greedy_generation_matches_hf(hf_model, directory: str, lengths, max_tokens: int, seed: int, **options):
+    """Random prompts of these lengths, greedy through our engine (batched, prefill chunks of 32
+    tokens) and through HF `generate`: the same tokens. Returns the LLM."""
+    from pagedkv import LLM, SamplingParams
+
+    generator = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 256, (length,), generator=generator).tolist() for length in lengths]
+    with torch.inference_mode():
+        expected = [hf_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_tokens,
+                                      min_new_tokens=max_tokens, pad_token_id=0)[0, len(prompt):].tolist()
+                    for prompt in prompts]
+    llm = LLM(directory, dtype="float32", max_num_batched_tokens=32, num_device_blocks=64, **options)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [output.outputs[0].token_ids for output in outputs] == expected
+    return llm
+
+
+def randomize_norms(model, low: float, high: float) -> None:
+    """Norm weights drawn from [low, high) (random init leaves them constant), so each norm's
+    form and placement shows in the logits."""
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight"):
+                parameter.uniform_(low, high)
+
+
 def test_tiny_qwen3_with_query_and_key_norms_matches_hf(tmp_path):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -159,10 +186,8 @@ def tiny_gemma3(**overrides):
     )
     torch.manual_seed(0)
     model = Gemma3ForCausalLM(config)
-    with torch.no_grad():  # norm offsets away from 0 (random init leaves them at 0), so (1 + w) matters
-        for name, parameter in model.named_parameters():
-            if name.endswith("norm.weight"):
-                parameter.uniform_(-0.5, 0.5)
+    randomize_norms(model, -0.5, 0.5)  # offsets away from 0, so (1 + w) matters
+    with torch.no_grad():
         model.model.embed_tokens.weight.normal_(std=0.3)
     return model.eval()
 
@@ -222,21 +247,12 @@ def test_tiny_phi3_with_partial_rotary_and_longrope_matches_hf(tmp_path):
 
 
 def test_tiny_gemma3_matches_hf_past_its_window(tmp_path):
-    from pagedkv import LLM, SamplingParams
-
     hf_model = tiny_gemma3()
     directory = save_tiny_checkpoint(tmp_path, hf_model)
     loaded = assert_prefill_matches_hf(directory, "gemma3_text")
     assert [layer.self_attn.sliding_window for layer in loaded.model.layers] == [16, None, 16]
 
-    generator = torch.Generator().manual_seed(6)
-    prompts = [torch.randint(3, 256, (length,), generator=generator).tolist() for length in (40, 7, 70)]
-    with torch.inference_mode():
-        expected = [hf_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=20, min_new_tokens=20,
-                                      pad_token_id=0)[0, len(prompt):].tolist() for prompt in prompts]
-    llm = LLM(directory, dtype="float32", max_num_batched_tokens=32, num_device_blocks=64)
-    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
-    assert [output.outputs[0].token_ids for output in outputs] == expected
+    assert_greedy_generation_matches_hf(hf_model, directory, (40, 7, 70), 20, seed=6)
 
 
 def tiny_gemma2():
@@ -252,10 +268,8 @@ def tiny_gemma2():
     )
     torch.manual_seed(0)
     model = Gemma2ForCausalLM(config)
+    randomize_norms(model, -0.5, 0.5)
     with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith("norm.weight"):
-                parameter.uniform_(-0.5, 0.5)
         model.model.embed_tokens.weight.normal_(std=0.3)
         for layer in model.model.layers:  # larger queries: logits of several units, where the cap bends them
             layer.self_attn.q_proj.weight.mul_(8)
@@ -263,8 +277,6 @@ def tiny_gemma2():
 
 
 def test_tiny_gemma2_with_soft_capped_attention_matches_hf(tmp_path):
-    from pagedkv import LLM, SamplingParams
-
     hf_model = tiny_gemma2()
     directory = save_tiny_checkpoint(tmp_path, hf_model)
     loaded = assert_prefill_matches_hf(directory, "gemma2", attn_implementation="eager")
@@ -272,17 +284,10 @@ def test_tiny_gemma2_with_soft_capped_attention_matches_hf(tmp_path):
     assert {layer.self_attn.logit_softcap for layer in loaded.model.layers} == {2.0}
 
     # Prompts past the window, decoded by the Rust kernels (prefill chunks of 32 tokens)
-    generator = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(3, 256, (length,), generator=generator).tolist() for length in (40, 9, 70)]
-    with torch.inference_mode():
-        expected = [hf_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=16, min_new_tokens=16,
-                                      pad_token_id=0)[0, len(prompt):].tolist() for prompt in prompts]
-    llm = LLM(directory, dtype="float32", max_num_batched_tokens=32, num_device_blocks=64)
-    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
-    assert [output.outputs[0].token_ids for output in outputs] == expected
+    assert_greedy_generation_matches_hf(hf_model, directory, (40, 9, 70), 16, seed=7)
     # ... and the soft cap matters: without it the logits differ
     with torch.inference_mode():
-        tokens = prompts[0][:37]
+        tokens = torch.randint(3, 256, (37,), generator=torch.Generator().manual_seed(3)).tolist()
         capped = prefill_all_positions(loaded.model, tokens, [3, 0, 6], block_size=16, num_blocks=8)
         for layer in loaded.model.layers:
             layer.self_attn.logit_softcap = None
@@ -302,10 +307,9 @@ def test_tiny_gemma1_matches_hf(tmp_path):
                          hidden_act="gelu", eos_token_id=2, bos_token_id=1, pad_token_id=0)
     torch.manual_seed(0)
     model = GemmaForCausalLM(config)
+    randomize_norms(model, -0.5, 0.5)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
-            if name.endswith("norm.weight"):
-                parameter.uniform_(-0.5, 0.5)
             if "mlp" in name:  # an MLP that dominates the residual stream, so its activation shows
                 parameter.mul_(20)
     loaded = assert_prefill_matches_hf(save_tiny_checkpoint(tmp_path, model.eval()), "gemma")
@@ -331,31 +335,19 @@ def tiny_olmo(model_type: str):
         model_class = Olmo3ForCausalLM
     torch.manual_seed(0)
     model = model_class(config)
-    with torch.no_grad():  # norm weights away from 1, so each norm's placement matters
-        for name, parameter in model.named_parameters():
-            if name.endswith("norm.weight"):
-                parameter.uniform_(0.5, 1.5)
+    randomize_norms(model, 0.5, 1.5)  # away from 1, so each norm's placement matters
     return model.eval()
 
 
 @pytest.mark.parametrize("model_type", ["olmo2", "olmo3"])
 def test_tiny_olmo_with_post_norms_matches_hf(tmp_path, model_type):
-    from pagedkv import LLM, SamplingParams
-
     hf_model = tiny_olmo(model_type)
     directory = save_tiny_checkpoint(tmp_path, hf_model)
     loaded = assert_prefill_matches_hf(directory, model_type)
     windows = [layer.self_attn.sliding_window for layer in loaded.model.layers]
     assert windows == ([None] * 3 if model_type == "olmo2" else [16, None, 16])
 
-    generator = torch.Generator().manual_seed(8)
-    prompts = [torch.randint(3, 256, (length,), generator=generator).tolist() for length in (40, 9, 70)]
-    with torch.inference_mode():
-        expected = [hf_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=16, min_new_tokens=16,
-                                      pad_token_id=0)[0, len(prompt):].tolist() for prompt in prompts]
-    llm = LLM(directory, dtype="float32", max_num_batched_tokens=32, num_device_blocks=64)
-    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
-    assert [output.outputs[0].token_ids for output in outputs] == expected
+    assert_greedy_generation_matches_hf(hf_model, directory, (40, 9, 70), 16, seed=8)
 
 
 def test_gemma_options_the_kernels_lack_are_refused(tmp_path):
@@ -401,7 +393,6 @@ def tiny_windowed_models():
 def test_sliding_window_models_match_hf_past_their_window(tmp_path, index):
     """Prefill logits at every position of a 37-token prompt (two windows) and greedy generation
     through the engine's CPU kernels, chunked and batched, all well past the 16-token window."""
-    from pagedkv import LLM, SamplingParams
 
     model_type, hf_model = list(tiny_windowed_models())[index]
     with torch.no_grad():
@@ -411,12 +402,5 @@ def test_sliding_window_models_match_hf_past_their_window(tmp_path, index):
     windows = [layer.self_attn.sliding_window for layer in loaded.model.layers]
     assert windows == ([16, 16] if model_type == "mistral" else [None, 16])
 
-    generator = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(3, 256, (length,), generator=generator).tolist() for length in (40, 7, 90)]
-    with torch.inference_mode():
-        expected = [hf_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=24, min_new_tokens=24,
-                                      pad_token_id=0)[0, len(prompt):].tolist() for prompt in prompts]
-    llm = LLM(directory, dtype="float32", attention_backend="cpu", max_num_batched_tokens=32, num_device_blocks=64)
+    llm = assert_greedy_generation_matches_hf(hf_model, directory, (40, 7, 90), 24, seed=5, attention_backend="cpu")
     assert llm.engine.max_model_len == 512
-    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
-    assert [output.outputs[0].token_ids for output in outputs] == expected
