@@ -78,7 +78,7 @@ struct Inputs<'a> {
 impl Inputs<'_> {
     fn run<T: Element>(&self, isa: Isa, out: &mut [T], query: &[T], keys: &[T], values: &[T]) {
         let Inputs { tables, contexts, shape } = self;
-        paged_decode_attention_with(isa, out, query, keys, values, tables, contexts, shape, 0.125, 2).unwrap();
+        paged_decode_attention_with(isa, out, query, keys, values, tables, contexts, shape, 0.125, None, 2).unwrap();
         black_box(out);
     }
 }

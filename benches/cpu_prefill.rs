@@ -48,7 +48,7 @@ fn prefill_attention(c: &mut Criterion) {
                 b.iter(|| {
                     let (keys, values) = (&cache[..], &cache[block..]);
                     paged_prefill_attention(
-                        isa, &mut out, &query, keys, values, &tables, &starts, &contexts, &shape, 0.125, 2,
+                        isa, &mut out, &query, keys, values, &tables, &starts, &contexts, &shape, 0.125, None, 2,
                     )
                     .unwrap();
                     black_box(&out);

@@ -86,7 +86,8 @@ impl DecodeShape {
 
 /// out[b, h] = softmax(softcap(scale * q[b, h] . K_b)) V_b over the first context_lens[b] tokens of
 /// sequence b (the last `shape.sliding_window` of them where set), split over `num_threads`
-/// threads by sequence.
+/// threads by sequence. `sinks` (one logit per query head, GPT-OSS's attention sinks) join each
+/// head's softmax as a key whose value is zero: they only take weight from the real keys.
 #[allow(clippy::too_many_arguments)]
 pub fn paged_decode_attention<T: Element, C: Element>(
     out: &mut [T],
@@ -97,6 +98,7 @@ pub fn paged_decode_attention<T: Element, C: Element>(
     context_lens: &[i32],
     shape: &DecodeShape,
     scale: f32,
+    sinks: Option<&[f32]>,
     num_threads: usize,
 ) -> Result<()> {
     paged_decode_attention_with(
@@ -109,6 +111,7 @@ pub fn paged_decode_attention<T: Element, C: Element>(
         context_lens,
         shape,
         scale,
+        sinks,
         num_threads,
     )
 }
@@ -126,9 +129,11 @@ pub fn paged_decode_attention_with<T: Element, C: Element>(
     context_lens: &[i32],
     shape: &DecodeShape,
     scale: f32,
+    sinks: Option<&[f32]>,
     num_threads: usize,
 ) -> Result<()> {
     check_paged_inputs(isa, shape, key_cache, value_cache, block_tables, context_lens, 1)?;
+    check_sinks(shape, sinks)?;
     let row = shape.num_heads * shape.head_dim;
     if out.len() != shape.batch * row || query.len() != shape.batch * row {
         let message = "out and query must be [batch, num_heads, head_dim]".into();
@@ -160,6 +165,7 @@ pub fn paged_decode_attention_with<T: Element, C: Element>(
                 kv_head,
                 shape: *shape,
                 scale,
+                sinks: sinks.map(|sinks| &sinks[kv_head * (shape.num_heads / shape.num_kv_heads)..]),
             };
             // Each item is claimed once, so its lock is never contended.
             let mut output = output.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
@@ -168,6 +174,19 @@ pub fn paged_decode_attention_with<T: Element, C: Element>(
     };
     run_on_team(num_threads.clamp(1, outputs.len()), &work);
     Ok(())
+}
+
+/// Sinks, where given, are one finite logit per query head.
+pub(crate) fn check_sinks(shape: &DecodeShape, sinks: Option<&[f32]>) -> Result<()> {
+    match sinks {
+        Some(sinks) if sinks.len() != shape.num_heads || !sinks.iter().all(|sink| sink.is_finite()) => {
+            Err(Error::InvalidConfig {
+                field: "sinks",
+                message: format!("must be {} finite logits (one per query head), got {}", shape.num_heads, sinks.len()),
+            })
+        }
+        _ => Ok(()),
+    }
 }
 
 /// The checks the CPU attention kernels share: `isa` runs here, the shape is consistent, the
@@ -222,6 +241,20 @@ struct HeadInputs<'a, T, C> {
     kv_head: usize,
     shape: DecodeShape,
     scale: f32,
+    /// The attention sinks of the group's query heads (from its first), if any.
+    sinks: Option<&'a [f32]>,
+}
+
+impl<T, C> HeadInputs<'_, T, C> {
+    /// Softmax numerators of query head g's logits in place; returns their sum (with the head's
+    /// sink, where there is one, in the max and the sum).
+    #[inline(always)]
+    fn exp_normalize(&self, g: usize, logits: &mut [f32]) -> f32 {
+        match self.sinks {
+            None => exp_normalize(logits, f32::NEG_INFINITY),
+            Some(sinks) => exp_normalize(logits, sinks[g]),
+        }
+    }
 }
 
 /// One sequence and kv head on a supported instruction set.
@@ -308,7 +341,8 @@ fn attend_head_widened<T: Element, C: Element, const D: usize, const ISA: u8>(
         }
     }
     inputs.shape.soft_cap(logits);
-    let inverses: Vec<f32> = (0..group).map(|g| 1.0 / exp_normalize(&mut logits[g * context..][..context])).collect();
+    let inverses: Vec<f32> =
+        (0..group).map(|g| 1.0 / inputs.exp_normalize(g, &mut logits[g * context..][..context])).collect();
     for (first, rows) in blocks(inputs.value_cache, true) {
         let values = &mut block[..rows.len()];
         widen::<C, ISA>(rows, values);
@@ -393,7 +427,7 @@ fn attend_head<T: Element, C: Element, const D: usize, const ISA: u8>(
     }
     inputs.shape.soft_cap(logits);
     for g in 0..group {
-        sums[g] = exp_normalize(&mut logits[g * context..][..context]);
+        sums[g] = inputs.exp_normalize(g, &mut logits[g * context..][..context]);
     }
     // One query head at a time, so its accumulator fits in registers; the V rows it re-reads
     // are in cache.
@@ -476,10 +510,11 @@ fn prefetch_lines<T>(data: &[T]) {
     let _ = data;
 }
 
-/// Replaces logits by exp(logit - max) and returns their sum (a softmax before the division).
+/// Replaces logits by exp(logit - max) and returns their sum (a softmax before the division);
+/// `sink` (an attention sink's logit, or -inf for none) counts in the max and the sum.
 #[inline(always)]
-fn exp_normalize(logits: &mut [f32]) -> f32 {
-    let mut lanes = [f32::NEG_INFINITY; 8];
+fn exp_normalize(logits: &mut [f32], sink: f32) -> f32 {
+    let mut lanes = [sink; 8];
     let mut chunks = logits.chunks_exact(8);
     for chunk in &mut chunks {
         for lane in 0..8 {
@@ -495,7 +530,7 @@ fn exp_normalize(logits: &mut [f32]) -> f32 {
             sums[lane] += chunk[lane];
         }
     }
-    let mut sum: f32 = sums.iter().sum();
+    let mut sum: f32 = sums.iter().sum::<f32>() + if sink > f32::NEG_INFINITY { exp_nonpositive(sink - max) } else { 0.0 };
     for logit in chunks.into_remainder() {
         *logit = exp_nonpositive(*logit - max);
         sum += *logit;
@@ -703,6 +738,7 @@ pub(crate) mod tests {
         contexts: &[i32],
         shape: &DecodeShape,
         scale: f32,
+        sinks: Option<&[f32]>,
     ) -> Vec<f32> {
         let (dim, group) = (shape.head_dim, shape.num_heads / shape.num_kv_heads);
         let mut out = vec![0.0f32; shape.batch * shape.num_heads * dim];
@@ -724,9 +760,10 @@ pub(crate) mod tests {
                         soft_cap_f64(logit, shape.logit_softcap)
                     })
                     .collect();
-                let max = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let sink = sinks.map_or(f64::NEG_INFINITY, |sinks| sinks[head] as f64);
+                let max = logits.iter().cloned().fold(sink, f64::max);
                 let weights: Vec<f64> = logits.iter().map(|l| (l - max).exp()).collect();
-                let total: f64 = weights.iter().sum();
+                let total: f64 = weights.iter().sum::<f64>() + (sink - max).exp();
                 for d in 0..dim {
                     let value: f64 =
                         visible.clone().zip(&weights).map(|(pos, weight)| weight * cache_v[offset(pos) + d] as f64).sum();
@@ -761,21 +798,27 @@ pub(crate) mod tests {
     fn matches_the_reference_with_gqa_strided_blocks_and_odd_contexts() {
         let isas = [Isa::Portable, Isa::Avx2Fma, Isa::Avx512].into_iter().filter(|isa| isa.is_supported());
         for isa in isas {
-            for (num_heads, num_kv_heads, head_dim, threads, sliding_window, logit_softcap) in [
-                (9, 3, 64, 2, 0, 0.0),
-                (4, 4, 24, 1, 0, 0.0),
-                (8, 2, 128, 3, 0, 0.0),
-                (2, 1, 80, 2, 0, 0.0),
-                (4, 1, 256, 2, 0, 0.0),
-                (4, 1, 256, 2, 20, 0.0),
-                (9, 3, 64, 2, 1, 0.0),
-                (9, 3, 64, 2, 23, 0.0),
-                (8, 2, 128, 3, 32, 0.0),
-                (4, 4, 24, 1, 50, 0.0),
-                (9, 3, 64, 2, 0, 0.25),
-                (8, 2, 128, 3, 32, 0.5),
-                (4, 1, 256, 2, 0, 0.25),
+            for (num_heads, num_kv_heads, head_dim, threads, sliding_window, logit_softcap, with_sinks) in [
+                (9, 3, 64, 2, 0, 0.0, false),
+                (4, 4, 24, 1, 0, 0.0, false),
+                (8, 2, 128, 3, 0, 0.0, false),
+                (2, 1, 80, 2, 0, 0.0, false),
+                (4, 1, 256, 2, 0, 0.0, false),
+                (4, 1, 256, 2, 20, 0.0, false),
+                (9, 3, 64, 2, 1, 0.0, false),
+                (9, 3, 64, 2, 23, 0.0, false),
+                (8, 2, 128, 3, 32, 0.0, false),
+                (4, 4, 24, 1, 50, 0.0, false),
+                (9, 3, 64, 2, 0, 0.25, false),
+                (8, 2, 128, 3, 32, 0.5, false),
+                (4, 1, 256, 2, 0, 0.25, false),
+                (9, 3, 64, 2, 0, 0.0, true),
+                (8, 2, 128, 3, 32, 0.0, true),
+                (4, 4, 24, 1, 0, 0.0, true),
             ] {
+                // sinks of up to +-2: as large as the logits, so they take a real share
+                let sink_values: Vec<f32> = pseudo_random(num_heads, 9).iter().map(|x| 2.0 * x).collect();
+                let sinks = with_sinks.then_some(&sink_values[..]);
                 let shape = DecodeShape {
                     batch: 4,
                     num_heads,
@@ -797,14 +840,14 @@ pub(crate) mod tests {
                 let contexts = [1, 17, 96, 40];
                 let mut out = vec![f32::NAN; shape.batch * num_heads * head_dim];
                 paged_decode_attention_with(
-                    isa, &mut out, &query, keys, values, &tables, &contexts, &shape, 0.125, threads,
+                    isa, &mut out, &query, keys, values, &tables, &contexts, &shape, 0.125, sinks, threads,
                 )
                 .unwrap();
-                let expected = reference(&query, keys, values, &tables, &contexts, &shape, 0.125);
+                let expected = reference(&query, keys, values, &tables, &contexts, &shape, 0.125, sinks);
                 for (got, want) in out.iter().zip(&expected) {
                     assert!(
                         (got - want).abs() < 1e-4,
-                        "{isa:?} head dim {head_dim} window {sliding_window} cap {logit_softcap}: {got} vs {want}"
+                        "{isa:?} head dim {head_dim} window {sliding_window} cap {logit_softcap} sinks {with_sinks}: {got} vs {want}"
                     );
                 }
             }
@@ -843,10 +886,12 @@ pub(crate) mod tests {
             &contexts,
             &shape,
             0.125,
+            None,
             2,
         )
         .unwrap();
-        let expected = reference(&widened_query, &widened, &widened[value_offset..], &tables, &contexts, &shape, 0.125);
+        let expected =
+            reference(&widened_query, &widened, &widened[value_offset..], &tables, &contexts, &shape, 0.125, None);
         for (got, want) in out.iter().zip(&expected) {
             // The output is rounded to bfloat16 once: within half a bfloat16 step of the exact value.
             assert!((got.to_f32() - want).abs() <= want.abs() / 256.0 + 1e-6, "{got:?} vs {want}");
@@ -886,11 +931,11 @@ pub(crate) mod tests {
         let scale = 1e-4;
         // Soft-capped too (the widened kernels cap their logits on their own path)
         for shape in [shape, DecodeShape { logit_softcap: 0.5, ..shape }] {
-            let expected = reference(&query, &widened, &widened[value_offset..], &tables, &contexts, &shape, scale);
+            let expected = reference(&query, &widened, &widened[value_offset..], &tables, &contexts, &shape, scale, None);
             for isa in [Isa::Portable, Isa::Avx2Fma, Isa::Avx512].into_iter().filter(|isa| isa.is_supported()) {
                 let mut out = vec![f32::NAN; query.len()];
                 let (keys, values) = (&cache[..], &cache[value_offset..]);
-                paged_decode_attention_with(isa, &mut out, &query, keys, values, &tables, &contexts, &shape, scale, 2)
+                paged_decode_attention_with(isa, &mut out, &query, keys, values, &tables, &contexts, &shape, scale, None, 2)
                     .unwrap();
                 // Outputs average values up to the largest code: f32 rounding is relative to those.
                 let largest = widened.iter().fold(0.0f32, |m, x| m.max(x.abs()));
@@ -948,7 +993,7 @@ pub(crate) mod tests {
         let query = vec![0.0; 16];
         let mut out = vec![0.0; 16];
         let run = |tables: &[i32], contexts: &[i32], out: &mut [f32]| {
-            paged_decode_attention(out, &query, &cache, &cache, tables, contexts, &shape, 1.0, 1)
+            paged_decode_attention(out, &query, &cache, &cache, tables, contexts, &shape, 1.0, None, 1)
         };
         assert!(run(&[0, 5], &[8], &mut out).is_err()); // block out of range
         assert!(run(&[0, 1], &[9], &mut out).is_err()); // context longer than the table
@@ -956,16 +1001,16 @@ pub(crate) mod tests {
         assert!(run(&[0, 1], &[8], &mut out[..8]).is_err()); // wrong output size
         assert!(run(&[0, 1], &[8], &mut out).is_ok());
         let no_heads = DecodeShape { num_heads: 0, ..shape };
-        assert!(paged_decode_attention::<f32, f32>(&mut [], &[], &cache, &cache, &[0, 1], &[8], &no_heads, 1.0, 1).is_err());
+        assert!(paged_decode_attention::<f32, f32>(&mut [], &[], &cache, &cache, &[0, 1], &[8], &no_heads, 1.0, None, 1).is_err());
         let empty = DecodeShape { batch: 0, ..shape };
-        assert!(paged_decode_attention::<f32, f32>(&mut [], &[], &cache, &cache, &[], &[], &empty, 1.0, 2).is_ok());
+        assert!(paged_decode_attention::<f32, f32>(&mut [], &[], &cache, &cache, &[], &[], &empty, 1.0, None, 2).is_ok());
     }
 
     #[test]
     fn exp_normalize_leaves_softmax_numerators() {
         let mut logits = [3.0f32, -1.0, 0.5, 2.0, -30.0, 1.0, 0.0, -2.5, 4.0, 1.5];
         let expected: Vec<f64> = logits.iter().map(|&l| ((l - 4.0) as f64).exp()).collect();
-        let sum = exp_normalize(&mut logits);
+        let sum = exp_normalize(&mut logits, f32::NEG_INFINITY);
         assert!((sum as f64 - expected.iter().sum::<f64>()).abs() < 1e-6);
         for (got, want) in logits.iter().zip(&expected) {
             assert!((*got as f64 - want).abs() < 1e-7);

@@ -10,7 +10,7 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
-use crate::cpu_attention::{check_paged_inputs, DecodeShape};
+use crate::cpu_attention::{check_paged_inputs, check_sinks, DecodeShape};
 use crate::cpu_simd::{exp_nonpositive, with_isa, Element, Isa};
 use crate::errors::{Error, Result};
 use crate::openmp_team::run_on_team;
@@ -44,9 +44,11 @@ pub fn paged_prefill_attention<T: Element, C: Element>(
     context_lens: &[i32],
     shape: &DecodeShape,
     scale: f32,
+    sinks: Option<&[f32]>,
     num_threads: usize,
 ) -> Result<()> {
     check_paged_inputs(isa, shape, key_cache, value_cache, block_tables, context_lens, 0)?;
+    check_sinks(shape, sinks)?;
     let invalid = |message: String| Err(Error::InvalidConfig { field: "inputs", message });
     if !HEAD_DIMS.contains(&shape.head_dim) {
         return invalid(format!("head_dim={} has no prefill kernel (supported: {HEAD_DIMS:?})", shape.head_dim));
@@ -86,6 +88,7 @@ pub fn paged_prefill_attention<T: Element, C: Element>(
                 item: *item,
                 shape: *shape,
                 scale,
+                sinks,
             };
             let s = &mut scratch;
             match (isa, shape.head_dim) {
@@ -151,6 +154,8 @@ struct TileInputs<'a, T, C> {
     item: WorkItem,
     shape: DecodeShape,
     scale: f32,
+    /// One logit per query head that joins every softmax with a zero value (GPT-OSS's sinks).
+    sinks: Option<&'a [f32]>,
 }
 
 /// A thread's working memory, reused across items.
@@ -208,9 +213,19 @@ fn attend_tile<T: Element, C: Element, const D: usize, const ROWS: usize, const 
         }
     }
     scratch.max.clear();
-    scratch.max.resize(num_rows, f32::NEG_INFINITY);
     scratch.sum.clear();
-    scratch.sum.resize(num_rows, 0.0);
+    match inputs.sinks {
+        // A sink is a key seen before all others: the running max starts at it, the sum at exp(0).
+        Some(sinks) => {
+            let group_sinks = &sinks[item.kv_head * group..][..group];
+            scratch.max.extend((0..num_rows).map(|r| group_sinks[r % group]));
+            scratch.sum.resize(num_rows, 1.0);
+        }
+        None => {
+            scratch.max.resize(num_rows, f32::NEG_INFINITY);
+            scratch.sum.resize(num_rows, 0.0);
+        }
+    }
     scratch.acc.clear();
     scratch.acc.resize(num_rows * D, 0.0);
     scratch.keys_t.resize(D * KEYS, 0.0);
@@ -513,6 +528,7 @@ mod tests {
         contexts: &[i32],
         shape: &DecodeShape,
         scale: f32,
+        sinks: Option<&[f32]>,
     ) -> Vec<f32> {
         let (dim, group) = (shape.head_dim, shape.num_heads / shape.num_kv_heads);
         let mut out = vec![0.0f32; query.len()];
@@ -534,9 +550,10 @@ mod tests {
                             soft_cap_f64(logit * scale as f64, shape.logit_softcap)
                         })
                         .collect();
-                    let max = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    let sink = sinks.map_or(f64::NEG_INFINITY, |sinks| sinks[h] as f64);
+                    let max = logits.iter().cloned().fold(sink, f64::max);
                     let weights: Vec<f64> = logits.iter().map(|l| (l - max).exp()).collect();
-                    let total: f64 = weights.iter().sum();
+                    let total: f64 = weights.iter().sum::<f64>() + (sink - max).exp();
                     for d in 0..dim {
                         let v: f64 = (first..visible).zip(&weights).map(|(p, w)| w * at(values, b, h / group, p, d)).sum();
                         out[(t * shape.num_heads + h) * dim + d] = (v / total) as f32;
@@ -587,17 +604,30 @@ mod tests {
         let scale = 1.0 / (head_dim as f32).sqrt();
         // windows: none, one token, inside one key chunk, across chunks and blocks, past every
         // context; soft-capped logits with and without a window
-        for (sliding_window, logit_softcap) in [(0, 0.0), (1, 0.0), (20, 0.0), (45, 0.0), (200, 0.0), (0, 0.3), (20, 0.3)] {
+        // and attention sinks (one logit of up to +-2 per query head)
+        let sink_values: Vec<f32> = pseudo_random(num_heads, 9).iter().map(|x| 2.0 * x).collect();
+        for (sliding_window, logit_softcap, with_sinks) in [
+            (0, 0.0, false),
+            (1, 0.0, false),
+            (20, 0.0, false),
+            (45, 0.0, false),
+            (200, 0.0, false),
+            (0, 0.3, false),
+            (20, 0.3, false),
+            (0, 0.0, true),
+            (20, 0.0, true),
+        ] {
             let shape = DecodeShape { sliding_window, logit_softcap, ..shape };
-            let want = reference(&widened, &cache, values, &tables, &starts, &contexts, &shape, scale);
+            let sinks = with_sinks.then_some(&sink_values[..]);
+            let want = reference(&widened, &cache, values, &tables, &starts, &contexts, &shape, scale, sinks);
             for isa in [Isa::Avx512, Isa::Avx2Fma, Isa::Portable].into_iter().filter(|isa| isa.is_supported()) {
                 let mut out = vec![convert(f32::NAN); query.len()];
                 paged_prefill_attention(
-                    isa, &mut out, &query, &cache, values, &tables, &starts, &contexts, &shape, scale, 2,
+                    isa, &mut out, &query, &cache, values, &tables, &starts, &contexts, &shape, scale, sinks, 2,
                 )
                 .unwrap();
                 let error = out.iter().zip(&want).map(|(a, b)| (a.to_f32() - b).abs()).fold(0.0f32, f32::max);
-                assert!(error < tolerance, "{isa:?} d{head_dim} bs{block_size} window {sliding_window} cap {logit_softcap}: error {error}");
+                assert!(error < tolerance, "{isa:?} d{head_dim} bs{block_size} window {sliding_window} cap {logit_softcap} sinks {with_sinks}: error {error}");
             }
         }
     }
@@ -640,7 +670,7 @@ mod tests {
         let query = vec![0.0f32; 3 * 2 * 64];
         let mut out = vec![0.0f32; query.len()];
         let run = |out: &mut [f32], starts: &[i32], contexts: &[i32], tables: &[i32], shape: &DecodeShape| {
-            paged_prefill_attention(Isa::Portable, out, &query, &cache, &cache, tables, starts, contexts, shape, 1.0, 1)
+            paged_prefill_attention(Isa::Portable, out, &query, &cache, &cache, tables, starts, contexts, shape, 1.0, None, 1)
         };
         assert!(run(&mut out, &[0, 3], &[2], &[0, 1], &shape).is_err()); // more new tokens than context
         assert!(run(&mut out, &[0, 3], &[40], &[0, 1], &shape).is_err()); // past the table

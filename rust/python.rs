@@ -635,10 +635,13 @@ fn paged_decode_attention_cpu(
     cache_dtype: &str,
     sliding_window: usize,
     logit_softcap: f32,
+    sinks: usize,
 ) -> PyResult<()> {
     let shape = decode_shape(shape, sliding_window, logit_softcap);
     let rows = shape.batch * shape.num_heads * shape.head_dim;
     with_attention_elements!(cache_dtype, T, C => py.detach(|| call(|| {
+        // SAFETY: 0 or a live float32 tensor of num_heads values (checked by the caller).
+        let sinks = (sinks != 0).then(|| unsafe { std::slice::from_raw_parts(sinks as *const f32, shape.num_heads) });
         // SAFETY: the pointers are those of live, contiguous CPU tensors of these shapes (T out
         // and query, C caches, int32 tables/contexts), checked by the caller, and `out` is a
         // fresh tensor that aliases no input. The caches may overlap each other (K and V of the
@@ -653,7 +656,7 @@ fn paged_decode_attention_cpu(
                 std::slice::from_raw_parts(context_lens as *const i32, shape.batch),
             )
         };
-        paged_decode_attention(out, query, keys, values, tables, contexts, &shape, scale, num_threads)
+        paged_decode_attention(out, query, keys, values, tables, contexts, &shape, scale, sinks, num_threads)
     })))
 }
 
@@ -699,10 +702,13 @@ fn paged_prefill_attention_cpu(
     cache_dtype: &str,
     sliding_window: usize,
     logit_softcap: f32,
+    sinks: usize,
 ) -> PyResult<()> {
     let shape = decode_shape(shape, sliding_window, logit_softcap);
     let rows = num_tokens * shape.num_heads * shape.head_dim;
     with_attention_elements!(cache_dtype, T, C => py.detach(|| call(|| {
+        // SAFETY: 0 or a live float32 tensor of num_heads values (checked by the caller).
+        let sinks = (sinks != 0).then(|| unsafe { std::slice::from_raw_parts(sinks as *const f32, shape.num_heads) });
         // SAFETY: as in `paged_decode_attention_cpu`; query_start_loc has batch + 1 entries.
         let (out, query, keys, values, tables, starts, contexts) = unsafe {
             (
@@ -715,7 +721,9 @@ fn paged_prefill_attention_cpu(
                 std::slice::from_raw_parts(context_lens as *const i32, shape.batch),
             )
         };
-        paged_prefill_attention(Isa::best(), out, query, keys, values, tables, starts, contexts, &shape, scale, num_threads)
+        paged_prefill_attention(
+            Isa::best(), out, query, keys, values, tables, starts, contexts, &shape, scale, sinks, num_threads,
+        )
     })))
 }
 

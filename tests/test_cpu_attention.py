@@ -143,9 +143,10 @@ def test_cpu_backend_mixed_step_equals_the_torch_reference():
 
 
 def dense_windowed_attention(query, key_cache, value_cache, tables, starts, contexts, scale, window,
-                             logit_softcap=None):
+                             logit_softcap=None, sinks=None):
     """float64, token by token: each new token over the last `window` positions up to its own,
-    logits soft-capped where `logit_softcap` is given."""
+    logits soft-capped where `logit_softcap` is given, a zero-valued key of logit sinks[h] in
+    head h's softmax where `sinks` are."""
     from pagedkv.attention.torch_ref import gather_context
 
     out = torch.empty_like(query, dtype=torch.float64)
@@ -160,7 +161,10 @@ def dense_windowed_attention(query, key_cache, value_cache, tables, starts, cont
             scores = torch.einsum("hd,hkd->hk", query[row].double(), keys[:, first : position + 1]) * scale
             if logit_softcap is not None:
                 scores = logit_softcap * torch.tanh(scores / logit_softcap)
-            out[row] = torch.einsum("hk,hkd->hd", scores.softmax(-1), values[:, first : position + 1])
+            if sinks is not None:
+                scores = torch.cat([scores, sinks.double()[:, None]], dim=1)
+            weights = scores.softmax(-1)[:, : position + 1 - first]
+            out[row] = torch.einsum("hk,hkd->hd", weights, values[:, first : position + 1])
     return out
 
 
@@ -193,3 +197,19 @@ def test_soft_capped_attention_matches_a_dense_computation(backend, window):
     assert torch.allclose(got.double(), want, atol=1e-5, rtol=1e-4)
     uncapped = backend().forward(query, key_cache, value_cache, metadata, 0.125, sliding_window=window)
     assert not torch.allclose(uncapped, got, atol=1e-2)
+
+
+@pytest.mark.parametrize("backend", [TorchRefBackend, CpuAttentionBackend])
+@pytest.mark.parametrize("window", [None, 13])
+def test_attention_sinks_match_a_dense_computation(backend, window):
+    """GPT-OSS's attention sinks, one logit per query head that joins its softmax as a key of
+    zero value, in prefill chunks and decodes, with and without a window."""
+    contexts = [70, 90, 33, 120]
+    query, key_cache, value_cache, tables, starts, metadata = mixed_step([70, 20, 1, 1], contexts, seed=4)
+    sinks = torch.linspace(-2.0, 3.0, query.shape[1])
+    got = backend().forward(query, key_cache, value_cache, metadata, 0.125, sliding_window=window, sinks=sinks)
+    want = dense_windowed_attention(query, key_cache, value_cache, tables, starts, contexts, 0.125, window or 10**6,
+                                    sinks=sinks)
+    assert torch.allclose(got.double(), want, atol=1e-5, rtol=1e-4)
+    without = backend().forward(query, key_cache, value_cache, metadata, 0.125, sliding_window=window)
+    assert not torch.allclose(without, got, atol=1e-2)

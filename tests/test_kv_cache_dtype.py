@@ -121,8 +121,9 @@ def test_float8_engine_attention_equals_the_torch_reference_through_chunks_prefi
     errors = []
     rust_forward = cpu_attention.CpuAttentionBackend.forward
 
-    def checked(self, query, key_cache, value_cache, metadata, scale, sliding_window=None, logit_softcap=None):
-        assert sliding_window is None and logit_softcap is None  # SmolLM2 attends to the whole context
+    def checked(self, query, key_cache, value_cache, metadata, scale, sliding_window=None, logit_softcap=None,
+                sinks=None):
+        assert sliding_window is None and logit_softcap is None and sinks is None  # SmolLM2: plain attention
         out = rust_forward(self, query, key_cache, value_cache, metadata, scale)
         want = paged_attention_ref(query.double(), key_cache, value_cache, metadata, scale)
         errors.append(((out.double() - want).abs().max() / want.abs().max()).item())

@@ -209,11 +209,13 @@ def paged_decode_attention_cpu(
     cache_dtype: Literal["float32", "bfloat16", "fp8_e4m3", "fp8_e5m2"],
     sliding_window: int,
     logit_softcap: float,
+    sinks: int,
 ) -> None:
     """Paged decode attention over CPU tensors given by data pointer: caches of `cache_dtype`;
     query and out of the same dtype, or float32 for the float8 caches; shape is (batch, num_heads, num_kv_heads, head_dim, block_size,
     num_blocks, block_stride, table_width); each token sees the last `sliding_window` positions
-    (0: all); scaled logits become `logit_softcap * tanh(logit / logit_softcap)` (0: unchanged). Internal: use
+    (0: all); scaled logits become `logit_softcap * tanh(logit / logit_softcap)` (0: unchanged);
+    `sinks`: 0 or a float32 [num_heads] of attention-sink logits. Internal: use
     `pagedkv.attention.cpu.paged_decode_attention`, which checks the tensors."""
 
 def paged_prefill_attention_cpu(
@@ -231,6 +233,7 @@ def paged_prefill_attention_cpu(
     cache_dtype: Literal["float32", "bfloat16", "fp8_e4m3", "fp8_e5m2"],
     sliding_window: int,
     logit_softcap: float,
+    sinks: int,
 ) -> None:
     """Paged prefill/extend attention over CPU tensors given by data pointer: query, out
     [num_tokens, num_heads, head_dim] (float32 for the float8 caches, else the cache dtype),

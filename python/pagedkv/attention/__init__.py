@@ -2,8 +2,8 @@
 
 Backends: `torch` (reference, CPU and GPU; the oracle), `cpu` (the reference with decode in
 Rust), `cuda` (pagedkv's kernels). A backend has `write_kv(key_cache, value_cache, key, value, slot_mapping)`,
-`forward(query, key_cache, value_cache, metadata, scale, sliding_window=None, logit_softcap=None)
--> output` and
+`forward(query, key_cache, value_cache, metadata, scale, sliding_window=None, logit_softcap=None,
+sinks=None) -> output` and
 `copy_blocks(kv_cache, pairs)`; caches are per-layer views `[num_blocks, Hkv, block_size, D]` of
 the block-major cache `[num_blocks, num_layers, 2, Hkv, block_size, D]` (docs/architecture.md).
 """

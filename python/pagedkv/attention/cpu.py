@@ -57,10 +57,12 @@ def _check_caches(query, key_cache, value_cache) -> None:
 
 
 def paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, scale: float,
-                           sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None) -> torch.Tensor:
+                           sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None,
+                           sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """query [B, Hq, D] -> [B, Hq, D] of query's dtype: one query token per sequence over its
     first context_lens[b] cached tokens (the last `sliding_window` of them, where given), scaled
-    logits soft-capped to `logit_softcap * tanh(logit / logit_softcap)` where given. Caches
+    logits soft-capped to `logit_softcap * tanh(logit / logit_softcap)` where given, `sinks` ([Hq]
+    attention-sink logits, GPT-OSS's) in each head's softmax where given. Caches
     [num_blocks, Hkv, block_size, D] (any block stride), float32, bfloat16 or float8; the math is
     float32 whatever the dtypes."""
     num_blocks, num_kv_heads, block_size, head_dim = key_cache.shape
@@ -73,23 +75,24 @@ def paged_decode_attention(query, key_cache, value_cache, block_tables, context_
     if tables.dim() != 2 or tables.shape[0] != batch or contexts.shape != (batch,):
         raise ValueError("block_tables must be [batch, width] and context_lens [batch]")
     out = torch.empty_like(query)
+    sinks = _sinks(sinks, num_heads)
     shape = (batch, num_heads, num_kv_heads, head_dim, block_size, num_blocks, key_cache.stride(0), tables.shape[1])
     _core.paged_decode_attention_cpu(
         out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
         tables.data_ptr(), contexts.data_ptr(), shape, scale, torch.get_num_threads(), CACHE_DTYPES[key_cache.dtype],
-        _window(sliding_window), _softcap(logit_softcap),
+        _window(sliding_window), _softcap(logit_softcap), 0 if sinks is None else sinks.data_ptr(),
     )
     return out.to(result_dtype)
 
 
 def paged_prefill_attention(
     query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale: float,
-    sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None,
+    sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """query [T, Hq, D] -> [T, Hq, D] of query's dtype: sequence b's new tokens are rows
     query_start_loc[b]:query_start_loc[b + 1], the last of its context_lens[b] cached tokens
     (their K/V already written), and attend causally to everything cached before them (to the
-    last `sliding_window` positions, where given; logits soft-capped as in
+    last `sliding_window` positions, where given; logits soft-capped and sinks as in
     `paged_decode_attention`). Caches as for `paged_decode_attention`; head
     dims 64, 128 and 256 (`PREFILL_HEAD_DIMS`)."""
     num_blocks, num_kv_heads, block_size, head_dim = key_cache.shape
@@ -106,11 +109,13 @@ def paged_prefill_attention(
     if tables.dim() != 2 or tables.shape[0] != num_seqs or starts.shape != (num_seqs + 1,):
         raise ValueError("block_tables must be [num_seqs, width] and query_start_loc [num_seqs + 1]")
     out = torch.empty_like(query)
+    sinks = _sinks(sinks, num_heads)
     shape = (num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks, key_cache.stride(0), tables.shape[1])
     _core.paged_prefill_attention_cpu(
         out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(),
         starts.data_ptr(), contexts.data_ptr(), shape, num_tokens, scale, torch.get_num_threads(),
         CACHE_DTYPES[key_cache.dtype], _window(sliding_window), _softcap(logit_softcap),
+        0 if sinks is None else sinks.data_ptr(),
     )
     return out.to(result_dtype)
 
@@ -133,21 +138,30 @@ def _softcap(logit_softcap: Optional[float]) -> float:
     return float(logit_softcap)
 
 
+def _sinks(sinks: Optional[torch.Tensor], num_heads: int) -> Optional[torch.Tensor]:
+    """The kernels' sinks: float32, contiguous, one per query head, on the CPU (or None)."""
+    if sinks is None:
+        return None
+    if sinks.shape != (num_heads,) or sinks.device.type != "cpu":
+        raise ValueError(f"sinks must be a CPU tensor of {num_heads} logits, got {tuple(sinks.shape)} on {sinks.device}")
+    return sinks.float().contiguous()
+
+
 def _decode(query, key_cache, value_cache, block_tables, context_lens, max_context_len: int, scale: float,
-            sliding_window: Optional[int], logit_softcap: Optional[float]):
+            sliding_window: Optional[int], logit_softcap: Optional[float], sinks: Optional[torch.Tensor]):
     if key_cache.dtype not in CACHE_DTYPES:
         return _decode_batch(query, key_cache, value_cache, block_tables, context_lens, max_context_len, scale,
-                             sliding_window, logit_softcap)
+                             sliding_window, logit_softcap, sinks)
     return paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, scale, sliding_window,
-                                  logit_softcap)
+                                  logit_softcap, sinks)
 
 
 def _prefill(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale: float,
-             sliding_window: Optional[int], logit_softcap: Optional[float]):
+             sliding_window: Optional[int], logit_softcap: Optional[float], sinks: Optional[torch.Tensor]):
     if not prefill_kernel_enabled or key_cache.dtype not in CACHE_DTYPES or key_cache.shape[3] not in PREFILL_HEAD_DIMS:
         return None
     return paged_prefill_attention(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale,
-                                   sliding_window, logit_softcap)
+                                   sliding_window, logit_softcap, sinks)
 
 
 class CpuAttentionBackend(TorchRefBackend):
@@ -161,6 +175,8 @@ class CpuAttentionBackend(TorchRefBackend):
         self._prefill = _prefill if isa != "Portable" else None
 
     def forward(self, query, key_cache, value_cache, metadata: AttentionMetadata, scale: float,
-                sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None) -> torch.Tensor:
+                sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None,
+                sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         return paged_attention_ref(query, key_cache, value_cache, metadata, scale, decode=_decode,
-                                   prefill=self._prefill, sliding_window=sliding_window, logit_softcap=logit_softcap)
+                                   prefill=self._prefill, sliding_window=sliding_window, logit_softcap=logit_softcap,
+                                   sinks=sinks)

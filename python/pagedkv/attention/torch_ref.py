@@ -50,14 +50,16 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: 
 
 def paged_attention_ref(
     query, key_cache, value_cache, metadata: AttentionMetadata, scale: float, decode=None, prefill=None,
-    sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None,
+    sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """query [T, Hq, D] -> [T, Hq, D], causal over each sequence's cached context (over its last
     `sliding_window` positions, where given), the scaled logits soft-capped to
-    `logit_softcap * tanh(logit / logit_softcap)` where given (Gemma 2). `decode` replaces the
-    batched decode part (same arguments as `_decode_batch`); `prefill`, when it returns a tensor,
-    the per-sequence prefill loop (query rows of the prefill chunks, caches, their block tables,
-    query_start_loc and context_lens, scale, sliding_window, logit_softcap; None: not supported)."""
+    `logit_softcap * tanh(logit / logit_softcap)` where given (Gemma 2); `sinks` ([Hq] logits,
+    GPT-OSS's attention sinks) join each head's softmax as keys of zero value. `decode` replaces
+    the batched decode part (same arguments as `_decode_batch`); `prefill`, when it returns a
+    tensor, the per-sequence prefill loop (query rows of the prefill chunks, caches, their block
+    tables, query_start_loc and context_lens, scale, sliding_window, logit_softcap, sinks; None:
+    not supported)."""
     output = torch.empty_like(query)
     num_prefills = metadata.num_prefills
     starts = metadata.query_start_loc_host
@@ -67,7 +69,7 @@ def paged_attention_ref(
         prefilled = prefill(
             query[:num_prefill_tokens], key_cache, value_cache, metadata.block_tables[:num_prefills],
             metadata.query_start_loc[: num_prefills + 1], metadata.context_lens[:num_prefills], scale, sliding_window,
-            logit_softcap,
+            logit_softcap, sinks,
         )
         if prefilled is not None:
             output[:num_prefill_tokens] = prefilled
@@ -76,7 +78,7 @@ def paged_attention_ref(
         context_len = metadata.context_lens_host[b]
         output[begin:end] = _prefill_one(
             query[begin:end], key_cache, value_cache, metadata.block_tables[b], context_len, scale, sliding_window,
-            logit_softcap,
+            logit_softcap, sinks,
         )
     if metadata.num_decode_tokens:
         first = starts[num_prefills]
@@ -90,17 +92,19 @@ def paged_attention_ref(
             scale,
             sliding_window,
             logit_softcap,
+            sinks,
         )
     return output
 
 
 def _prefill_one(query, key_cache, value_cache, block_table, context_len: int, scale: float,
-                 sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None) -> torch.Tensor:
+                 sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None,
+                 sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     num_queries = query.shape[0]
     keys = gather_context(key_cache, block_table, context_len).to(query.dtype)
     values = gather_context(value_cache, block_table, context_len).to(query.dtype)
     # enable_gqa: query head h reads kv head h // group, without repeating K/V per query head.
-    if num_queries == context_len and sliding_window is None and logit_softcap is None:  # plain causal: its kernels skip the masked half
+    if num_queries == context_len and sliding_window is None and logit_softcap is None and sinks is None:  # plain causal: its kernels skip the masked half
         out = F.scaled_dot_product_attention(
             query.transpose(0, 1), keys, values, is_causal=True, scale=scale, enable_gqa=True
         )
@@ -110,11 +114,16 @@ def _prefill_one(query, key_cache, value_cache, block_table, context_len: int, s
     mask = key_positions <= query_positions
     if sliding_window is not None:
         mask &= key_positions > query_positions - sliding_window
-    if logit_softcap is not None:  # SDPA has no soft cap: the logits explicitly, [Hq, T, context]
+    if logit_softcap is not None or sinks is not None:  # SDPA has neither: the logits explicitly, [Hq, T, context]
         keys = keys.repeat_interleave(query.shape[1] // keys.shape[0], dim=0)
         values = values.repeat_interleave(query.shape[1] // values.shape[0], dim=0)
-        scores = soft_cap(torch.matmul(query.transpose(0, 1), keys.transpose(1, 2)).float() * scale, logit_softcap)
-        weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+        scores = torch.matmul(query.transpose(0, 1), keys.transpose(1, 2)).float() * scale
+        if logit_softcap is not None:
+            scores = soft_cap(scores, logit_softcap)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        if sinks is not None:  # one more key per head, whose value is zero: dropped after the softmax
+            scores = torch.cat([scores, sinks.float().view(-1, 1, 1).expand(-1, num_queries, 1)], dim=-1)
+        weights = torch.softmax(scores, dim=-1)[..., :context_len]
         return torch.matmul(weights.to(values.dtype), values).transpose(0, 1)
     out = F.scaled_dot_product_attention(
         query.transpose(0, 1), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
@@ -123,7 +132,8 @@ def _prefill_one(query, key_cache, value_cache, block_table, context_len: int, s
 
 
 def _decode_batch(query, key_cache, value_cache, block_tables, context_lens, max_context_len: int, scale: float,
-                  sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None):
+                  sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None,
+                  sinks: Optional[torch.Tensor] = None):
     """One query token per sequence, all sequences at once (no Python loop).
 
     The gathered K/V stay block-shaped ([B, n, Hkv, bs, D], one index_select each, no permuted
@@ -149,8 +159,14 @@ def _decode_batch(query, key_cache, value_cache, block_tables, context_lens, max
     if sliding_window is not None:
         invalid |= positions < context_ends - sliding_window
     scores = scores.masked_fill(invalid, float("-inf"))
-    weights = torch.exp(scores - scores.amax(dim=(1, 4), keepdim=True))
+    maxima = scores.amax(dim=(1, 4), keepdim=True)
+    if sinks is not None:  # a key of zero value per head, in the max and the sum
+        sink = sinks.float().view(1, 1, num_kv_heads, group, 1)
+        maxima = torch.maximum(maxima, sink)
+    weights = torch.exp(scores - maxima)
     total = weights.sum(dim=(1, 4), keepdim=True).squeeze(1)  # [B, Hkv, G, 1]
+    if sinks is not None:
+        total = total + torch.exp(sink - maxima).squeeze(1)
     out = torch.matmul(weights.to(values.dtype), values).sum(1, dtype=torch.float32)  # [B, Hkv, G, D]
     return (out / total).to(query.dtype).reshape(batch, num_heads, head_dim)
 
@@ -175,11 +191,13 @@ class TorchRefBackend:
         write_kv(key_cache, value_cache, key, value, slot_mapping)
 
     def forward(self, query, key_cache, value_cache, metadata: AttentionMetadata, scale: float,
-                sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None) -> torch.Tensor:
+                sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None,
+                sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Attention of the step's new tokens, each over its sequence's cached context (its last
-        `sliding_window` positions, where given), logits soft-capped at `logit_softcap` where given."""
+        `sliding_window` positions, where given), logits soft-capped at `logit_softcap` and
+        attention sinks ([Hq] logits) in the softmax, where given."""
         return paged_attention_ref(query, key_cache, value_cache, metadata, scale, sliding_window=sliding_window,
-                                   logit_softcap=logit_softcap)
+                                   logit_softcap=logit_softcap, sinks=sinks)
 
     def copy_blocks(self, kv_cache, pairs) -> None:
         copy_blocks(kv_cache, pairs)
