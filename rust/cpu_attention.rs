@@ -730,6 +730,7 @@ pub(crate) mod tests {
     use crate::fp8::{Fp8E4m3, Fp8E5m2};
 
     /// Straightforward reference: gather the context, softmax in f64.
+    #[allow(clippy::too_many_arguments)]
     fn reference(
         query: &[f32],
         cache_k: &[f32],
