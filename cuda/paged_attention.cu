@@ -5,7 +5,8 @@
 // names its sequence (seq_index[t]) and how many cached tokens it may see (context_lens[t]);
 // a prefill chunk's tokens get increasing context lengths, which makes them causal. With a
 // sliding window w > 0, a token sees only the last w of them (Mistral, Gemma's local layers);
-// with logit_softcap c > 0, logits become c * tanh(logit / c) before the softmax (Gemma 2).
+// with logit_softcap c > 0, logits become c * tanh(logit / c) before the softmax (Gemma 2); with
+// sinks, each query head's softmax has one more key, of logit sinks[head] and value zero (GPT-OSS).
 //
 // Grid: (query tokens, kv heads * head tiles, partitions), NUM_THREADS threads.
 // A CTA handles one query token, GROUP query heads that share one kv head (GQA: each K/V
@@ -32,7 +33,7 @@ __device__ __forceinline__ void attend_partition(
     const typename Element<CT>::type* __restrict__ value_cache, const int* __restrict__ block_table,
     int first_visible, int context_len, long long out_token_stride, long long cache_block_stride,
     int num_heads, int first_head, int kv_head, int partition_size, int max_partitions, float scale,
-    float logit_softcap, float* shared) {
+    float logit_softcap, const float* __restrict__ sinks, float* shared) {
   using cache_t = typename Element<CT>::type;
   constexpr int VEC = VecWidth<CT>::value;  // a thread's slices of a row are 16-byte cache loads
   constexpr int VECS_PER_ROW = HEAD_DIM / VEC;
@@ -101,9 +102,11 @@ __device__ __forceinline__ void attend_partition(
   }
   __syncthreads();
 
-  // Softmax numerators in place; one warp per query head.
+  // Softmax numerators in place; one warp per query head. A head's sink (a key of zero value)
+  // joins the max and the sum here in one pass; split-K adds it when reducing the partitions.
+  const bool sink_here = sinks != nullptr && max_partitions == 1;
   for (int g = warp; g < GROUP; g += NUM_WARPS) {
-    float m = neg_infinity();
+    float m = sink_here ? sinks[first_head + g] : neg_infinity();
     for (int i = lane; i < length; i += 32) m = fmaxf(m, logits[g * partition_size + i]);
     m = warp_max(m);
     float sum = 0.f;
@@ -113,6 +116,7 @@ __device__ __forceinline__ void attend_partition(
       sum += p;
     }
     sum = warp_xor_sum(sum, 16, 1);
+    if (sink_here) sum += __expf(sinks[first_head + g] - m);
     if (lane == 0) {
       group_max[g] = m;
       group_sum[g] = sum;
@@ -203,7 +207,8 @@ __global__ void paged_attention_kernel(
     const int* __restrict__ context_lens,  // [T] cached tokens visible to each query token
     long long query_token_stride, long long out_token_stride, long long cache_block_stride,
     int block_table_stride, int num_heads, int num_kv_heads, int partition_size, int max_partitions,
-    float scale, int sliding_window, float logit_softcap) {
+    float scale, int sliding_window, float logit_softcap,
+    const float* __restrict__ sinks) {  // [num_heads] attention-sink logits, or null
   PAGEDKV_SHARED_FLOATS(shared);
   const int token_index = blockIdx.x;
   const int context_len = context_lens[token_index];
@@ -217,7 +222,7 @@ __global__ void paged_attention_kernel(
   attend_partition<DT, CT, HEAD_DIM, BLOCK_SIZE, GROUP>(
       out, partial_out, max_logits, exp_sums, query + token_index * query_token_stride, key_cache, value_cache,
       block_table, first_visible, context_len, out_token_stride, cache_block_stride, num_heads, first_head,
-      kv_head, partition_size, max_partitions, scale, logit_softcap, shared);
+      kv_head, partition_size, max_partitions, scale, logit_softcap, sinks, shared);
 }
 
 // Combines the split-K partitions of paged_attention_kernel: each partition's normalized
@@ -227,15 +232,16 @@ template <int DT, int HEAD_DIM>
 __global__ void reduce_partitions_kernel(
     typename Element<DT>::type* __restrict__ out, const float* __restrict__ partial_out,
     const float* __restrict__ max_logits, const float* __restrict__ exp_sums, const int* __restrict__ context_lens,
-    long long out_token_stride, int num_heads, int partition_size, int max_partitions, int sliding_window) {
+    long long out_token_stride, int num_heads, int partition_size, int max_partitions, int sliding_window,
+    const float* __restrict__ sinks) {
   const int token_index = blockIdx.x, head = blockIdx.y;
   const int context_len = context_lens[token_index];
   const int visible = sliding_window > 0 ? min(context_len, sliding_window) : context_len;
   const int num_partitions = (visible + partition_size - 1) / partition_size;
   const long long first = ((long long)token_index * num_heads + head) * max_partitions;
-  float m = neg_infinity();
+  float m = sinks != nullptr ? sinks[head] : neg_infinity();
   for (int p = 0; p < num_partitions; ++p) m = fmaxf(m, max_logits[first + p]);
-  float denominator = 0.f;
+  float denominator = sinks != nullptr ? __expf(sinks[head] - m) : 0.f;
   for (int p = 0; p < num_partitions; ++p) denominator += exp_sums[first + p] * __expf(max_logits[first + p] - m);
   for (int d = threadIdx.x; d < HEAD_DIM; d += NUM_THREADS) {
     float total = 0.f;

@@ -79,9 +79,10 @@ def block_major_cache(num_blocks, num_layers, num_kv_heads, block_size, head_dim
 
 
 def reference_attention(query, key_cache, value_cache, block_tables, seq_index, context_lens, scale,
-                        sliding_window=None, logit_softcap=None):
+                        sliding_window=None, logit_softcap=None, sinks=None):
     """float64, one query token at a time (over its last sliding_window cached tokens, if given;
-    logits soft-capped to logit_softcap * tanh(logit / logit_softcap), if given)."""
+    logits soft-capped to logit_softcap * tanh(logit / logit_softcap), if given; a key of logit
+    sinks[h] and value zero in head h's softmax, if given)."""
     num_heads, num_kv_heads, block_size = query.shape[1], key_cache.shape[1], key_cache.shape[2]
     out = torch.empty(query.shape, dtype=torch.float64)
     for t in range(query.shape[0]):
@@ -96,7 +97,10 @@ def reference_attention(query, key_cache, value_cache, block_tables, seq_index, 
         scores = torch.einsum("hd,hcd->hc", query[t].cpu().double(), keys) * scale
         if logit_softcap is not None:
             scores = logit_softcap * torch.tanh(scores / logit_softcap)
-        out[t] = torch.einsum("hc,hcd->hd", scores.softmax(-1), values)
+        weights = scores.softmax(-1)
+        if sinks is not None:
+            weights = torch.cat([scores, sinks.cpu().double()[:, None]], dim=1).softmax(-1)[:, :-1]
+        out[t] = torch.einsum("hc,hcd->hd", weights, values)
     return out
 
 
@@ -224,6 +228,28 @@ def test_soft_capped_logits(target, sliding_window, partition_size):
     assert relative_error(out, reference_attention(*arguments, scale, sliding_window)) > 10 * TOLERANCE[dtype]
     with pytest.raises(ValueError, match="logit_softcap"):
         paged_attention(**batch, scale=scale, logit_softcap=0.0, launcher=launcher)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 20])
+@pytest.mark.parametrize("partition_size", [None, 32], ids=["auto", "splitk32"])
+def test_attention_sinks(target, sliding_window, partition_size):
+    """GPT-OSS's attention sinks, a zero-valued key of logit sinks[h] in head h's softmax: in one
+    pass (in the partition's softmax) and split-K (added once, when reducing the partitions)."""
+    launcher, device = target
+    shape, dtype = SHAPES[0], torch.float32
+    generator = torch.Generator().manual_seed(6)
+    batch = make_batch(shape, dtype, device, generator, [45, 150, 9, 230], prefill_chunks=[(0, 44), (1, 37)])
+    scale = shape[0] ** -0.5
+    sinks = torch.linspace(-2.0, 4.0, shape[2]).to(device)
+    out = paged_attention(**batch, scale=scale, partition_size=partition_size, sliding_window=sliding_window,
+                          sinks=sinks, launcher=launcher)
+    arguments = [batch[name] for name in ("query", "key_cache", "value_cache", "block_tables", "seq_index",
+                                          "context_lens")]
+    expected = reference_attention(*arguments, scale, sliding_window, sinks=sinks)
+    assert relative_error(out, expected) < TOLERANCE[dtype]
+    assert relative_error(out, reference_attention(*arguments, scale, sliding_window)) > 10 * TOLERANCE[dtype]
+    with pytest.raises(ValueError, match="sinks"):
+        paged_attention(**batch, scale=scale, sinks=sinks[:1], launcher=launcher)
 
 
 class CountingLauncher:

@@ -51,12 +51,13 @@ class CudaAttentionBackend:
         reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, launcher=self.launcher)
 
     def forward(self, query, key_cache, value_cache, metadata: AttentionMetadata, scale: float,
-                sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None) -> torch.Tensor:
+                sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None,
+                sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         seq_index, context_lens = token_layout(metadata, query.device)
         return paged_attention(
             query, key_cache, value_cache, metadata.block_tables, seq_index, context_lens,
             metadata.max_context_len, scale, sliding_window=sliding_window, logit_softcap=logit_softcap,
-            launcher=self.launcher,
+            sinks=sinks, launcher=self.launcher,
         )
 
     def copy_blocks(self, kv_cache, pairs) -> None:

@@ -118,6 +118,7 @@ def paged_attention(
     max_workspace_bytes: int = MAX_SPLIT_K_WORKSPACE_BYTES,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     launcher=None,
 ) -> torch.Tensor:
     """Attention of each query token over its sequence's cached K/V.
@@ -128,7 +129,8 @@ def paged_attention(
     + 1, which makes prefill chunks causal); max_context_len >= every context_lens entry;
     sliding_window: each token sees only the last this many of its cached tokens (None: all);
     logit_softcap: scaled logits become logit_softcap * tanh(logit / logit_softcap) (None: as
-    they are).
+    they are); sinks: float32 [Hq] on the device, one attention-sink logit per query head
+    (GPT-OSS: a key of value zero in each head's softmax), or None.
     Returns out [T, Hq, D]. partition_size forces the split-K partition (a multiple of 16,
     or max_context_len or more for a single pass); None chooses one. Split-K launches cover as
     many tokens at a time as fit in max_workspace_bytes of float32 scratch.
@@ -165,6 +167,11 @@ def paged_attention(
         raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
     if logit_softcap is not None and not logit_softcap > 0:
         raise ValueError(f"logit_softcap must be > 0 or None, got {logit_softcap}")
+    if sinks is not None:
+        if sinks.shape != (num_heads,) or sinks.device != query.device:
+            raise ValueError(f"sinks must be [{num_heads}] on {query.device}, got {tuple(sinks.shape)} on {sinks.device}")
+        sinks = sinks.float().contiguous()
+    sinks_pointer = np.uint64(0) if sinks is None else pointer(sinks)
     if num_tokens == 0:
         return out
 
@@ -208,7 +215,7 @@ def paged_attention(
                 np.int64(query.stride(0)), np.int64(out.stride(0)), np.int64(key_cache.stride(0)),
                 np.int32(block_tables.stride(0)), np.int32(num_heads), np.int32(num_kv_heads),
                 np.int32(partition_size), np.int32(num_partitions), np.float32(scale), np.int32(window),
-                np.float32(logit_softcap or 0.0),
+                np.float32(logit_softcap or 0.0), sinks_pointer,
             ),
         )
         if num_partitions > 1:
@@ -221,6 +228,7 @@ def paged_attention(
                 (
                     pointer(out[tokens]), *workspace, pointer(context_lens[tokens]), np.int64(out.stride(0)),
                     np.int32(num_heads), np.int32(partition_size), np.int32(num_partitions), np.int32(window),
+                    sinks_pointer,
                 ),
             )
     return out
