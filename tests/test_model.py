@@ -2,6 +2,8 @@
 checkpoints of the other architectures (Qwen2 with qkv bias, Qwen3 with q/k norms, ...) loaded from
 safetensors by our loader."""
 
+import glob
+
 import pytest
 import torch
 from conftest import save_tiny_checkpoint
@@ -348,6 +350,68 @@ def test_tiny_olmo_with_post_norms_matches_hf(tmp_path, model_type):
     assert windows == ([None] * 3 if model_type == "olmo2" else [16, None, 16])
 
     assert_greedy_generation_matches_hf(hf_model, directory, (40, 9, 70), 16, seed=8)
+
+
+def tiny_gpt_oss():
+    """A random GPT-OSS: attention sinks, biases on every projection, sliding (window 16) and
+    full layers, YaRN rope, 4 experts (top 2) with biases and the clamped SwiGLU."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    rope = {"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+            "original_max_position_embeddings": 64, "rope_theta": 150000.0}
+    config = GptOssConfig(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                          num_experts_per_tok=2, max_position_embeddings=512, sliding_window=16, rope_parameters=rope,
+                          eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    torch.manual_seed(0)
+    model = GptOssForCausalLM(config)
+    with torch.no_grad():  # random init leaves sinks, biases and the router near zero: make them count
+        for name, parameter in model.named_parameters():
+            if name.endswith(("sinks", "bias")) or "router" in name:
+                parameter.normal_(std=1.0)
+            elif "experts" in name:
+                parameter.normal_(std=0.5)  # activations past the SwiGLU clamp at 7 now and then
+    return model.eval()
+
+
+def test_tiny_gpt_oss_with_sinks_and_biased_experts_matches_hf(tmp_path):
+    hf_model = tiny_gpt_oss()
+    directory = save_tiny_checkpoint(tmp_path, hf_model)
+    loaded = assert_prefill_matches_hf(directory, "gpt_oss")
+    attention = [layer.self_attn for layer in loaded.model.layers]
+    assert [a.sliding_window for a in attention] == [16, None] and all(a.sinks is not None for a in attention)
+    assert all(layer.is_moe and layer.mlp.expert_down_bias is not None for layer in loaded.model.layers)
+    assert_greedy_generation_matches_hf(hf_model, directory, (40, 9, 70), 16, seed=9)
+
+
+def test_gpt_oss_mxfp4_experts_load_as_transformers_widens_them(tmp_path):
+    """GPT-OSS checkpoints store experts in MXFP4 (experts.*_blocks: two 4-bit floats a byte,
+    *_scales: a power of two per 32): random codes, widened into the HF model's weights, then
+    saved packed; our loader's model matches the HF model on them."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    hf_model = tiny_gpt_oss()
+    generator = torch.Generator().manual_seed(4)
+    packed = {}
+    for i, layer in enumerate(hf_model.model.layers):
+        for name, rows, columns in (("gate_up_proj", 128, 64), ("down_proj", 64, 64)):
+            blocks = torch.randint(0, 256, (4, rows, columns // 32, 16), generator=generator, dtype=torch.uint8)
+            scales = torch.randint(122, 127, (4, rows, columns // 32), generator=generator, dtype=torch.uint8)
+            with torch.no_grad():
+                getattr(layer.mlp.experts, name).copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+            packed[f"model.layers.{i}.mlp.experts.{name}_blocks"] = blocks
+            packed[f"model.layers.{i}.mlp.experts.{name}_scales"] = scales
+    directory = save_tiny_checkpoint(tmp_path, hf_model)
+    [weights_file] = glob.glob(f"{directory}/*.safetensors")
+    state = {name: tensor for name, tensor in load_file(weights_file).items()
+             if not name.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+    save_file({**state, **packed}, weights_file, metadata={"format": "pt"})
+
+    loaded = load(directory, None, None, torch.float32, torch.device("cpu"), None)
+    tokens = torch.randint(3, 256, (37,), generator=generator).tolist()
+    ours = prefill_all_positions(loaded.model, tokens, [3, 0, 6], block_size=16, num_blocks=8)
+    assert (ours - hf_logits(hf_model, tokens)).abs().max().item() < 1e-4
 
 
 def test_gemma_options_the_kernels_lack_are_refused(tmp_path):

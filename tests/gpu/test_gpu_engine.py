@@ -139,18 +139,19 @@ def test_lora_adapters_on_the_gpu_equal_the_cpu_engine(tmp_path):
     assert results[0] == results[1]
 
 
-@pytest.mark.parametrize("architecture", ["gemma2", "gemma3", "olmo3", "qwen3_moe"])
+@pytest.mark.parametrize("architecture", ["gemma2", "gemma3", "olmo3", "qwen3_moe", "gpt_oss"])
 def test_other_architectures_on_the_gpu_equal_the_cpu_engine(tmp_path, architecture):
     """A tiny random Gemma 2 (soft-capped attention logits), Gemma 3 and OLMo 3 (sliding-window
     and full layers, through the CUDA kernels' window) and Qwen3-MoE (experts, eager: no decode
-    graphs) give the CPU engine's greedy tokens."""
+    graphs) and GPT-OSS (attention sinks through the CUDA kernel, biased experts) give the CPU
+    engine's greedy tokens."""
     from conftest import save_tiny_checkpoint
-    from test_model import tiny_gemma2, tiny_gemma3, tiny_moe_models, tiny_olmo
+    from test_model import tiny_gemma2, tiny_gemma3, tiny_gpt_oss, tiny_moe_models, tiny_olmo
 
     from pagedkv import LLM, SamplingParams
 
     builders = {"gemma2": tiny_gemma2, "gemma3": tiny_gemma3, "olmo3": lambda: tiny_olmo("olmo3"),
-                "qwen3_moe": lambda: dict(tiny_moe_models())["qwen3_moe"]}
+                "qwen3_moe": lambda: dict(tiny_moe_models())["qwen3_moe"], "gpt_oss": tiny_gpt_oss}
     hf_model = builders[architecture]().eval()
     directory = save_tiny_checkpoint(tmp_path, hf_model)
     generator = torch.Generator().manual_seed(2)

@@ -1,5 +1,5 @@
-"""Gated MLP activations over the fused gate/up projection: SiLU-and-mul (Llama) and GELU-and-mul,
-tanh-approximated or exact (Gemma)."""
+"""Gated MLP activations over the fused gate/up projection: SiLU-and-mul (Llama), GELU-and-mul,
+tanh-approximated or exact (Gemma), and GPT-OSS's clamped SwiGLU."""
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +25,14 @@ def gelu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2I] holding [gate | up] -> gelu(gate) * up, [T, I]."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.gelu(gate) * up
+
+
+def clamped_swiglu_and_mul(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """GPT-OSS's: [T, 2I] holding [gate | up] -> (up + 1) * gate * sigmoid(alpha * gate), the gate
+    clamped to at most `limit` and up to [-limit, limit]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    return (up.clamp(-limit, limit) + 1) * gate * torch.sigmoid(gate * alpha)
 
 
 GATED_ACTIVATIONS = {

@@ -1,5 +1,5 @@
-"""Sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): a router picks each token's
-top-k experts, and every expert runs once per step, on all the tokens routed to it.
+"""Sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS): a router picks each
+token's top-k experts, and every expert runs once per step, on all the tokens routed to it.
 
 The step's (token, expert) pairs are sorted by expert, so each expert's tokens are one contiguous
 slice: one gate/up matmul, one down matmul per expert hit, then a weighted scatter-add back to the
@@ -8,17 +8,20 @@ tokens. HF transformers instead masks the whole batch once per expert.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedkv.layers.activation import silu_and_mul
+from pagedkv.layers.activation import clamped_swiglu_and_mul, silu_and_mul
 
 
 def moe_config(hf_config) -> tuple[int, int, int, bool] | None:
     """(num_experts, top_k, expert intermediate size, renormalize top-k weights) of a MoE
-    checkpoint, else None. Mixtral always renormalizes; Qwen's MoEs when `norm_topk_prob`."""
-    if hf_config.model_type == "mixtral":
+    checkpoint, else None. Mixtral always renormalizes, and GPT-OSS (a softmax over the top-k
+    logits is the same thing); Qwen's MoEs when `norm_topk_prob`."""
+    if hf_config.model_type in ("mixtral", "gpt_oss"):
         return hf_config.num_local_experts, hf_config.num_experts_per_tok, hf_config.intermediate_size, True
     num_experts = getattr(hf_config, "num_experts", 0) or 0
     if hf_config.model_type in ("qwen2_moe", "qwen3_moe") and num_experts > 0:
@@ -35,23 +38,41 @@ def is_moe_layer(hf_config, layer_index: int) -> bool:
     return (layer_index + 1) % (getattr(hf_config, "decoder_sparse_step", 1) or 1) == 0
 
 
+def sparse_moe(hf_config) -> "SparseMoE":
+    """The MoE MLP a checkpoint's config describes (moe_config must not be None)."""
+    num_experts, top_k, intermediate_size, renormalize = moe_config(hf_config)
+    shared = getattr(hf_config, "shared_expert_intermediate_size", 0) if hf_config.model_type == "qwen2_moe" else 0
+    if hf_config.model_type != "gpt_oss":
+        return SparseMoE(hf_config.hidden_size, intermediate_size, num_experts, top_k, renormalize, shared)
+    activation = functools.partial(clamped_swiglu_and_mul, alpha=hf_config.swiglu_alpha, limit=hf_config.swiglu_limit)
+    return SparseMoE(hf_config.hidden_size, intermediate_size, num_experts, top_k, renormalize, bias=True,
+                     act_and_mul=activation)
+
+
 class SparseMoE(nn.Module):
     """forward(hidden [T, H]) -> [T, H]: the sum over each token's top-k experts of
-    weight · down(silu(gate(x)) · up(x)), plus Qwen2-MoE's sigmoid-gated shared expert.
+    weight · down(act(gate(x)) · up(x)), plus Qwen2-MoE's sigmoid-gated shared expert.
 
     Weights: `gate` (the router, [E, H]), `expert_gate_up` [E, 2I, H] ([gate; up] per expert),
-    `expert_down` [E, H, I]; with a shared expert, `shared_gate_up`, `shared_down`,
-    `shared_expert_gate` ([1, H])."""
+    `expert_down` [E, H, I]; with `bias` (GPT-OSS), the router's bias and `expert_gate_up_bias`
+    [E, 2I], `expert_down_bias` [E, H]; with a shared expert, `shared_gate_up`, `shared_down`,
+    `shared_expert_gate` ([1, H]). `act_and_mul` takes [T, 2I] = [gate | up] to [T, I]."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, renormalize: bool,
-                 shared_intermediate_size: int = 0):
+                 shared_intermediate_size: int = 0, bias: bool = False, act_and_mul=silu_and_mul):
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok={top_k} must be between 1 and num_experts={num_experts}")
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
-        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.act_and_mul = act_and_mul
+        self.gate = nn.Linear(hidden_size, num_experts, bias=bias)
         self.expert_gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.expert_down = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        if bias:
+            self.expert_gate_up_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size))
+            self.expert_down_bias = nn.Parameter(torch.empty(num_experts, hidden_size))
+        else:
+            self.expert_gate_up_bias = self.expert_down_bias = None
         self.has_shared_expert = shared_intermediate_size > 0
         if self.has_shared_expert:
             self.shared_gate_up = nn.Linear(hidden_size, 2 * shared_intermediate_size, bias=False)
@@ -88,8 +109,10 @@ class SparseMoE(nn.Module):
             if count == 0:
                 continue
             tokens = routed[start : start + count]
-            activated = silu_and_mul(F.linear(tokens, self.expert_gate_up[expert]))
-            expert_outputs[start : start + count] = F.linear(activated, self.expert_down[expert])
+            gate_up_bias, down_bias = (None, None) if self.expert_down_bias is None else (
+                self.expert_gate_up_bias[expert], self.expert_down_bias[expert])
+            activated = self.act_and_mul(F.linear(tokens, self.expert_gate_up[expert], gate_up_bias))
+            expert_outputs[start : start + count] = F.linear(activated, self.expert_down[expert], down_bias)
             start += count
         expert_outputs *= weights.flatten()[order].unsqueeze(1)
         return torch.zeros_like(hidden).index_add_(0, token_of_pair, expert_outputs)

@@ -15,7 +15,7 @@ from torch import nn
 
 from pagedkv.attention.metadata import AttentionMetadata
 from pagedkv.layers.activation import silu_and_mul
-from pagedkv.layers.fused_moe import SparseMoE, is_moe_layer, moe_config
+from pagedkv.layers.fused_moe import is_moe_layer, sparse_moe
 from pagedkv.layers.rms_norm import RMSNorm
 from pagedkv.layers.rotary_embedding import RotaryEmbedding, split_and_rotate, split_heads
 
@@ -46,6 +46,8 @@ class LlamaAttention(nn.Module):
         self.scale = getattr(hf_config, "attention_multiplier", None) or self.head_dim**-0.5
         self.sliding_window = layer_sliding_window(hf_config, layer_index)
         self.logit_softcap = getattr(hf_config, "attn_logit_softcapping", None)  # Gemma 2's
+        # GPT-OSS's attention sinks: a learned logit per query head, a key of value zero
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if hf_config.model_type == "gpt_oss" else None
         # SmolLM3 leaves rotary embedding out of the layers whose no_rope_layers entry is 0
         no_rope_layers = getattr(hf_config, "no_rope_layers", None)
         self.use_rope = no_rope_layers is None or bool(no_rope_layers[layer_index])
@@ -54,7 +56,7 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(hf_config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, hf_config.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, hf_config.hidden_size, bias=bool(getattr(hf_config, "attention_bias", False)))
         if hf_config.model_type in QK_NORM_MODEL_TYPES:
             self.q_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
@@ -75,7 +77,7 @@ class LlamaAttention(nn.Module):
         key_cache, value_cache = kv_cache.layer(self.layer_index)
         backend.write_kv(key_cache, value_cache, key, value, metadata.slot_mapping)
         out = backend.forward(query, key_cache, value_cache, metadata, self.scale, self.sliding_window,
-                              self.logit_softcap)
+                              self.logit_softcap, self.sinks)
         out = out.reshape(num_tokens, self.q_size)
         projected = self.o_proj(out)
         if lora is not None:
@@ -119,9 +121,7 @@ class LlamaDecoderLayer(nn.Module):
         self.residual_multiplier = getattr(hf_config, "residual_multiplier", 1.0)  # Granite's
         self.is_moe = is_moe_layer(hf_config, layer_index)
         if self.is_moe:
-            num_experts, top_k, intermediate_size, renormalize = moe_config(hf_config)
-            shared = getattr(hf_config, "shared_expert_intermediate_size", 0) if hf_config.model_type == "qwen2_moe" else 0
-            self.mlp = SparseMoE(hf_config.hidden_size, intermediate_size, num_experts, top_k, renormalize, shared)
+            self.mlp = sparse_moe(hf_config)
         else:
             self.mlp = LlamaMLP(hf_config, layer_index)
 
@@ -205,7 +205,8 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in state.items():
             if name.startswith(prefix):
                 name = name[len(prefix) :]
-            own[name.replace(".block_sparse_moe.", ".mlp.")] = tensor  # Mixtral's name for its MoE
+            # Mixtral's name for its MoE, GPT-OSS's for its router
+            own[name.replace(".block_sparse_moe.", ".mlp.").replace(".mlp.router.", ".mlp.gate.")] = tensor
         fused = {}
         for i, layer in enumerate(self.layers):
             p = f"layers.{i}."
@@ -235,10 +236,23 @@ class LlamaForCausalLM(nn.Module):
 
 def _stacked_experts(own: dict[str, torch.Tensor], p: str, num_experts: int) -> dict[str, torch.Tensor]:
     """One MoE layer's weights in our names, popped from `own`: the experts as checkpoints store
-    them (Mixtral's w1/w3/w2 or Qwen's gate/up/down_proj, one tensor each per expert) or as
-    transformers holds them in memory (already stacked: experts.gate_up_proj, experts.down_proj)."""
+    them (Mixtral's w1/w3/w2 or Qwen's gate/up/down_proj, one tensor each per expert; GPT-OSS's
+    stacked, transposed and interleaved, with biases) or as transformers holds them in memory
+    (already stacked: experts.gate_up_proj, experts.down_proj)."""
     out = {}
-    if p + "experts.gate_up_proj" in own:
+    for name in ("gate_up_proj", "down_proj"):
+        if p + f"experts.{name}_blocks" in own:  # GPT-OSS's MXFP4 experts, widened as transformers widens them
+            from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+            blocks, scales = own.pop(p + f"experts.{name}_blocks"), own.pop(p + f"experts.{name}_scales")
+            own[p + f"experts.{name}"] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    if p + "experts.gate_up_proj_bias" in own:  # GPT-OSS: [E, H, 2I] with gate and up interleaved, biases
+        gate_up, gate_up_bias = own.pop(p + "experts.gate_up_proj"), own.pop(p + "experts.gate_up_proj_bias")
+        out[p + "expert_gate_up"] = torch.cat([gate_up[..., ::2], gate_up[..., 1::2]], dim=-1).transpose(1, 2)
+        out[p + "expert_gate_up_bias"] = torch.cat([gate_up_bias[:, ::2], gate_up_bias[:, 1::2]], dim=-1)
+        out[p + "expert_down"] = own.pop(p + "experts.down_proj").transpose(1, 2)
+        out[p + "expert_down_bias"] = own.pop(p + "experts.down_proj_bias")
+    elif p + "experts.gate_up_proj" in own:
         out[p + "expert_gate_up"] = own.pop(p + "experts.gate_up_proj")
         out[p + "expert_down"] = own.pop(p + "experts.down_proj")
     else:
