@@ -140,9 +140,10 @@ TINY_MOE = dict(vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attenti
 
 def tiny_moe_models():
     """(model_type, HF model): Mixtral (always renormalized), Qwen3-MoE (q/k norms, one dense
-    layer, renormalized) and Qwen2-MoE (shared expert, qkv bias, not renormalized)."""
-    from transformers import (MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig,
-                              Qwen3MoeForCausalLM)
+    layer, renormalized), Qwen2-MoE (shared expert, qkv bias, not renormalized) and Granite MoE
+    (Granite's multipliers, softmax over the top-k logits)."""
+    from transformers import (GraniteMoeConfig, GraniteMoeForCausalLM, MixtralConfig, MixtralForCausalLM,
+                              Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
     torch.manual_seed(0)
     yield "mixtral", MixtralForCausalLM(MixtralConfig(**TINY_MOE, intermediate_size=48, num_local_experts=8))
@@ -152,14 +153,17 @@ def tiny_moe_models():
     yield "qwen2_moe", Qwen2MoeForCausalLM(Qwen2MoeConfig(
         **TINY_MOE, intermediate_size=96, moe_intermediate_size=32, num_experts=6, shared_expert_intermediate_size=40,
         norm_topk_prob=False))
+    yield "granitemoe", GraniteMoeForCausalLM(GraniteMoeConfig(
+        **TINY_MOE, intermediate_size=32, num_local_experts=6, embedding_multiplier=12.0, residual_multiplier=0.22,
+        attention_multiplier=0.0078125, logits_scaling=8.0))
 
 
-@pytest.mark.parametrize("index", range(3), ids=["mixtral", "qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("index", range(4), ids=["mixtral", "qwen3_moe", "qwen2_moe", "granitemoe"])
 def test_tiny_mixture_of_experts_checkpoints_match_hf(tmp_path, index):
     model_type, hf_model = list(tiny_moe_models())[index]
     with torch.no_grad():  # a sharper router than random init's, so every token's top-k is decisive
         for name, parameter in hf_model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
+            if name.endswith(("mlp.gate.weight", "router.weight")):
                 parameter.normal_(std=1.0)
     loaded = assert_prefill_matches_hf(save_tiny_checkpoint(tmp_path, hf_model.eval()), model_type)
     layers = loaded.model.layers

@@ -205,8 +205,9 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in state.items():
             if name.startswith(prefix):
                 name = name[len(prefix) :]
-            # Mixtral's name for its MoE, GPT-OSS's for its router
-            own[name.replace(".block_sparse_moe.", ".mlp.").replace(".mlp.router.", ".mlp.gate.")] = tensor
+            # Mixtral's and Granite MoE's name for the MoE, GPT-OSS's and Granite MoE's for its router
+            name = name.replace(".block_sparse_moe.", ".mlp.").replace(".mlp.router.layer.", ".mlp.gate.")
+            own[name.replace(".mlp.router.", ".mlp.gate.")] = tensor
         fused = {}
         for i, layer in enumerate(self.layers):
             p = f"layers.{i}."
@@ -236,8 +237,9 @@ class LlamaForCausalLM(nn.Module):
 
 def _stacked_experts(own: dict[str, torch.Tensor], p: str, num_experts: int) -> dict[str, torch.Tensor]:
     """One MoE layer's weights in our names, popped from `own`: the experts as checkpoints store
-    them (Mixtral's w1/w3/w2 or Qwen's gate/up/down_proj, one tensor each per expert; GPT-OSS's
-    stacked, transposed and interleaved, with biases) or as transformers holds them in memory
+    them (Mixtral's w1/w3/w2 or Qwen's gate/up/down_proj, one tensor each per expert; Granite
+    MoE's stacked input/output_linear; GPT-OSS's stacked, transposed and interleaved, with
+    biases) or as transformers holds them in memory
     (already stacked: experts.gate_up_proj, experts.down_proj)."""
     out = {}
     for name in ("gate_up_proj", "down_proj"):
@@ -252,6 +254,9 @@ def _stacked_experts(own: dict[str, torch.Tensor], p: str, num_experts: int) -> 
         out[p + "expert_gate_up_bias"] = torch.cat([gate_up_bias[:, ::2], gate_up_bias[:, 1::2]], dim=-1)
         out[p + "expert_down"] = own.pop(p + "experts.down_proj").transpose(1, 2)
         out[p + "expert_down_bias"] = own.pop(p + "experts.down_proj_bias")
+    elif p + "input_linear.weight" in own:  # Granite MoE's: stacked, [gate; up] per expert
+        out[p + "expert_gate_up"] = own.pop(p + "input_linear.weight")
+        out[p + "expert_down"] = own.pop(p + "output_linear.weight")
     elif p + "experts.gate_up_proj" in own:
         out[p + "expert_gate_up"] = own.pop(p + "experts.gate_up_proj")
         out[p + "expert_down"] = own.pop(p + "experts.down_proj")
