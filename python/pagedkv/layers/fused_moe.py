@@ -1,5 +1,6 @@
-"""Sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, Granite MoE, GPT-OSS): a router picks each
-token's top-k experts, and every expert runs once per step, on all the tokens routed to it.
+"""Sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, Granite MoE, GPT-OSS): a router
+picks each token's top-k experts, and every expert runs once per step, on all the tokens routed
+to it.
 
 The step's (token, expert) pairs are sorted by expert, so each expert's tokens are one contiguous
 slice: one gate/up matmul, one down matmul per expert hit, then a weighted scatter-add back to the
