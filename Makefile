@@ -32,6 +32,7 @@ bench: setup
 	$(PYTHON) benches/moe.py
 	$(PYTHON) benches/sliding_window.py
 	$(PYTHON) benches/long_prefill.py
+	$(PYTHON) benches/attention_variants.py
 	$(PYTHON) benches/serving.py
 
 serve: setup
