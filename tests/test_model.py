@@ -141,9 +141,11 @@ TINY_MOE = dict(vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attenti
 def tiny_moe_models():
     """(model_type, HF model): Mixtral (always renormalized), Qwen3-MoE (q/k norms, one dense
     layer, renormalized), Qwen2-MoE (shared expert, qkv bias, not renormalized) and Granite MoE
-    (Granite's multipliers, softmax over the top-k logits)."""
+    (Granite's multipliers, softmax over the top-k logits) and OLMoE (q/k norms over whole
+    projections, clipped q/k/v, not renormalized)."""
     from transformers import (GraniteMoeConfig, GraniteMoeForCausalLM, MixtralConfig, MixtralForCausalLM,
-                              Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+                              OlmoeConfig, OlmoeForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig,
+                              Qwen3MoeForCausalLM)
 
     torch.manual_seed(0)
     yield "mixtral", MixtralForCausalLM(MixtralConfig(**TINY_MOE, intermediate_size=48, num_local_experts=8))
@@ -156,9 +158,11 @@ def tiny_moe_models():
     yield "granitemoe", GraniteMoeForCausalLM(GraniteMoeConfig(
         **TINY_MOE, intermediate_size=32, num_local_experts=6, embedding_multiplier=12.0, residual_multiplier=0.22,
         attention_multiplier=0.0078125, logits_scaling=8.0))
+    yield "olmoe", OlmoeForCausalLM(OlmoeConfig(
+        **TINY_MOE, intermediate_size=32, num_experts=6, norm_topk_prob=False, clip_qkv=0.5))
 
 
-@pytest.mark.parametrize("index", range(4), ids=["mixtral", "qwen3_moe", "qwen2_moe", "granitemoe"])
+@pytest.mark.parametrize("index", range(5), ids=["mixtral", "qwen3_moe", "qwen2_moe", "granitemoe", "olmoe"])
 def test_tiny_mixture_of_experts_checkpoints_match_hf(tmp_path, index):
     model_type, hf_model = list(tiny_moe_models())[index]
     with torch.no_grad():  # a sharper router than random init's, so every token's top-k is decisive

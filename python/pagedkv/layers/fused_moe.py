@@ -1,4 +1,4 @@
-"""Sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, Granite MoE, GPT-OSS): a router
+"""Sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, Granite MoE, OLMoE, GPT-OSS): a router
 picks each token's top-k experts, and every expert runs once per step, on all the tokens routed
 to it.
 
@@ -21,13 +21,14 @@ from pagedkv.layers.activation import clamped_swiglu_and_mul, silu_and_mul
 def moe_config(hf_config) -> tuple[int, int, int, bool] | None:
     """(num_experts, top_k, expert intermediate size, renormalize top-k weights) of a MoE
     checkpoint, else None. Mixtral always renormalizes, and Granite MoE and GPT-OSS (a softmax
-    over the top-k logits is the same thing); Qwen's MoEs when `norm_topk_prob`."""
+    over the top-k logits is the same thing); Qwen's MoEs and OLMoE when `norm_topk_prob`."""
     if hf_config.model_type in ("mixtral", "granitemoe", "gpt_oss"):
         return hf_config.num_local_experts, hf_config.num_experts_per_tok, hf_config.intermediate_size, True
     num_experts = getattr(hf_config, "num_experts", 0) or 0
-    if hf_config.model_type in ("qwen2_moe", "qwen3_moe") and num_experts > 0:
-        return (num_experts, hf_config.num_experts_per_tok, hf_config.moe_intermediate_size,
-                bool(hf_config.norm_topk_prob))
+    if hf_config.model_type in ("qwen2_moe", "qwen3_moe", "olmoe") and num_experts > 0:
+        # (OLMoE's experts are intermediate_size wide: it has no dense MLP)
+        expert_size = hf_config.intermediate_size if hf_config.model_type == "olmoe" else hf_config.moe_intermediate_size
+        return num_experts, hf_config.num_experts_per_tok, expert_size, bool(hf_config.norm_topk_prob)
     return None
 
 

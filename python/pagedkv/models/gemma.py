@@ -37,7 +37,8 @@ class GemmaAttention(LlamaAttention):
     def __init__(self, hf_config, layer_index: int):
         super().__init__(hf_config, layer_index)
         self.scale = (getattr(hf_config, "query_pre_attn_scalar", None) or self.head_dim) ** -0.5
-        if hf_config.model_type == "gemma3_text":
+        if hf_config.model_type == "gemma3_text":  # per head, as Qwen3's
+            self.qk_norm_per_head = True
             self.q_norm = GemmaRMSNorm(self.head_dim, hf_config.rms_norm_eps)
             self.k_norm = GemmaRMSNorm(self.head_dim, hf_config.rms_norm_eps)
 

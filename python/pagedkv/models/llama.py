@@ -19,7 +19,9 @@ from pagedkv.layers.fused_moe import is_moe_layer, sparse_moe
 from pagedkv.layers.rms_norm import RMSNorm
 from pagedkv.layers.rotary_embedding import RotaryEmbedding, split_and_rotate, split_heads
 
-QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
+# Query/key RMSNorm before the rotation: per head (Qwen3's) or over whole projections (OLMo's)
+HEAD_QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
+PROJECTION_QK_NORM_MODEL_TYPES = ("olmo2", "olmo3", "olmoe")
 
 
 def layer_sliding_window(hf_config, layer_index: int) -> int | None:
@@ -57,11 +59,16 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(hf_config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(self.q_size, hf_config.hidden_size, bias=bool(getattr(hf_config, "attention_bias", False)))
-        if hf_config.model_type in QK_NORM_MODEL_TYPES:
+        self.qk_norm_per_head = hf_config.model_type in HEAD_QK_NORM_MODEL_TYPES
+        if self.qk_norm_per_head:
             self.q_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
+        elif hf_config.model_type in PROJECTION_QK_NORM_MODEL_TYPES:
+            self.q_norm = RMSNorm(self.q_size, hf_config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.kv_size, hf_config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.clip_qkv = getattr(hf_config, "clip_qkv", None)  # OLMoE's
 
     def forward(self, hidden, cos_sin, metadata: AttentionMetadata, kv_cache, backend, lora=None):
         num_tokens = hidden.shape[0]
@@ -69,7 +76,9 @@ class LlamaAttention(nn.Module):
         if lora is not None:
             lora.add(self.layer_index, "qkv_proj", hidden, qkv)
         if self.q_norm is not None:
-            self._normalize_query_and_key_heads_(qkv)
+            self._normalize_query_and_key_(qkv)
+        if self.clip_qkv is not None:
+            qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
         if self.use_rope:
             query, key, value = split_and_rotate(qkv, cos_sin, self.num_heads, self.num_kv_heads, self.head_dim)
         else:
@@ -84,13 +93,16 @@ class LlamaAttention(nn.Module):
             lora.add(self.layer_index, "o_proj", out, projected)
         return projected
 
-    def _normalize_query_and_key_heads_(self, qkv: torch.Tensor) -> None:
-        """Qwen3's RMSNorm over each query and key head, before the rotation; writes qkv."""
+    def _normalize_query_and_key_(self, qkv: torch.Tensor) -> None:
+        """RMSNorm over each query and key head (Qwen3's) or over the query and key projections
+        as wholes (OLMo's), before the rotation; writes qkv."""
         num_tokens = qkv.shape[0]
-        query = qkv[:, : self.q_size].reshape(num_tokens * self.num_heads, self.head_dim)
-        key = qkv[:, self.q_size : self.q_size + self.kv_size].reshape(num_tokens * self.num_kv_heads, self.head_dim)
-        qkv[:, : self.q_size] = self.q_norm(query).view(num_tokens, self.q_size)
-        qkv[:, self.q_size : self.q_size + self.kv_size] = self.k_norm(key).view(num_tokens, self.kv_size)
+        query, key = qkv[:, : self.q_size], qkv[:, self.q_size : self.q_size + self.kv_size]
+        if self.qk_norm_per_head:
+            query = query.reshape(num_tokens * self.num_heads, self.head_dim)
+            key = key.reshape(num_tokens * self.num_kv_heads, self.head_dim)
+        qkv[:, : self.q_size] = self.q_norm(query.contiguous()).view(num_tokens, self.q_size)
+        qkv[:, self.q_size : self.q_size + self.kv_size] = self.k_norm(key.contiguous()).view(num_tokens, self.kv_size)
 
 
 class LlamaMLP(nn.Module):

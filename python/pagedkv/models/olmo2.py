@@ -16,25 +16,12 @@ from pagedkv.layers.rms_norm import RMSNorm
 from pagedkv.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 
 
-class Olmo2Attention(LlamaAttention):
-    def __init__(self, hf_config, layer_index: int):
-        super().__init__(hf_config, layer_index)
-        self.q_norm = RMSNorm(self.q_size, hf_config.rms_norm_eps)
-        self.k_norm = RMSNorm(self.kv_size, hf_config.rms_norm_eps)
-
-    def _normalize_query_and_key_heads_(self, qkv: torch.Tensor) -> None:
-        """OLMo's RMSNorm over the query and key projections as wholes; writes qkv."""
-        qkv[:, : self.q_size] = self.q_norm(qkv[:, : self.q_size].contiguous())
-        keys = qkv[:, self.q_size : self.q_size + self.kv_size]
-        qkv[:, self.q_size : self.q_size + self.kv_size] = self.k_norm(keys.contiguous())
-
-
 class Olmo2DecoderLayer(nn.Module):
     is_moe = False
 
     def __init__(self, hf_config, layer_index: int):
         super().__init__()
-        self.self_attn = Olmo2Attention(hf_config, layer_index)
+        self.self_attn = LlamaAttention(hf_config, layer_index)  # with OLMo's whole-projection q/k norms
         self.mlp = LlamaMLP(hf_config, layer_index)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.post_feedforward_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
