@@ -5,7 +5,7 @@
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 
 use crate::block_pool::{BlockId, BlockPool, Device};
-use crate::block_table::{block_offset, BlockTable};
+use crate::block_table::{block_index, block_offset, BlockTable};
 use crate::cpu_prefix_tier::CpuPrefixTier;
 use crate::errors::{Error, Result};
 use crate::prefix_cache::{block_hash, block_hashes, PrefixCache};
@@ -53,6 +53,8 @@ pub struct BlockManager {
     cpu_tier: CpuPrefixTier,
     enable_prefix_caching: bool,
     watermark_blocks: usize,
+    /// Positions every layer attends back to, counting its own (0: all); see `set_sliding_window`.
+    sliding_window: usize,
     tables: HashMap<SeqId, BlockTable>,
 }
 
@@ -89,6 +91,7 @@ impl BlockManager {
             cpu_tier: CpuPrefixTier::default(),
             enable_prefix_caching,
             watermark_blocks: (watermark * num_device_blocks as f64).ceil() as usize,
+            sliding_window: 0,
             tables: HashMap::default(),
         })
     }
@@ -104,6 +107,23 @@ impl BlockManager {
         }
         self.cpu_tier.enable();
         Ok(())
+    }
+
+    /// For models whose every layer attends only to the last `window` positions (counting its
+    /// own; 0 = no window): a sequence about to compute position p no longer needs the blocks
+    /// wholly before p + 1 - window, so they are released as it advances (full ones stay in the
+    /// prefix cache) and its live blocks stay within its window plus the step's new tokens.
+    pub fn set_sliding_window(&mut self, window: usize) {
+        self.sliding_window = window;
+    }
+
+    pub fn sliding_window(&self) -> usize {
+        self.sliding_window
+    }
+
+    #[inline]
+    fn first_needed_block(&self, next_position: usize) -> usize {
+        first_needed_block(next_position, self.sliding_window, self.block_size)
     }
 
     pub fn cpu_tier(&self) -> &CpuPrefixTier {
@@ -201,13 +221,16 @@ impl BlockManager {
         self.gpu.num_free() >= num_blocks + self.watermark_blocks
     }
 
-    /// Device blocks that appending `num_tokens` tokens to `seq` takes, copy-on-write included.
+    /// Device blocks that appending `num_tokens` tokens to `seq` takes, copy-on-write included,
+    /// less those the sliding window lets it free first.
     pub fn blocks_needed_to_append(&self, seq: SeqId, num_tokens: usize) -> Result<usize> {
         let table = self.table(seq)?;
         let cow = num_tokens > 0
             && table.last_block_partial(self.block_size)
             && self.gpu.refcount(*table.blocks.last().unwrap()) > 1;
-        Ok(table.new_blocks_for(num_tokens, self.block_size) + cow as usize)
+        let release_to = self.first_needed_block(table.num_tokens).clamp(table.num_released, table.blocks.len());
+        let freed = blocks_freed_by_release(table, &self.gpu, release_to);
+        Ok((table.new_blocks_for(num_tokens, self.block_size) + cow as usize).saturating_sub(freed))
     }
 
     /// Device blocks that a new sequence with these tokens would take from the free pool:
@@ -230,18 +253,25 @@ impl BlockManager {
             return hits;
         }
         let max_blocks = self.max_hit_blocks(tokens.len());
+        let mut free_device_hits = Vec::new(); // (index, whether free)
         for hash in block_hashes(&tokens[..max_blocks * self.block_size], self.block_size, extra_key) {
             match self.cache.lookup(hash) {
                 Some(block) if hits.cpu == 0 => {
+                    free_device_hits.push(self.gpu.refcount(block) == 0);
                     hits.device += 1;
-                    hits.revived += (self.gpu.refcount(block) == 0) as usize;
                 }
                 _ if self.cpu_tier.lookup(hash).is_some() => hits.cpu += 1,
                 _ => break,
             }
         }
+        hits.revived = free_device_hits.iter().filter(|free| **free).count();
         // Every tier hit takes a device block; those beyond the free ones are not hits after all.
         hits.cpu = hits.cpu.min(self.gpu.num_free() - hits.revived);
+        // Hits before the sliding window are not taken (`allocate_prefix`), free or not.
+        let first_needed = self.first_needed_block(hits.blocks() * self.block_size);
+        if first_needed > 0 {
+            hits.revived = free_device_hits.iter().skip(first_needed).filter(|free| **free).count();
+        }
         hits
     }
 
@@ -258,19 +288,26 @@ impl BlockManager {
             let hits = self.peek_prefix_hits(tokens, extra_key);
             self.cache.queries += tokens.len() as u64 / self.block_size as u64;
             let hashes = block_hashes(&tokens[..hits.blocks() * self.block_size], self.block_size, extra_key);
+            // Hits before the sliding window are recorded released: nothing will read them.
+            let first_needed = self.first_needed_block(hits.blocks() * self.block_size).min(hits.blocks());
+            table.num_released = first_needed;
             // Device hits first: once retained, reloading the tier hits cannot evict them.
-            for &hash in &hashes[..hits.device] {
+            for (index, &hash) in hashes[..hits.device].iter().enumerate() {
                 let block = self.cache.lookup(hash).expect("peeked");
-                self.gpu.retain(block);
+                if index >= first_needed {
+                    self.gpu.retain(block);
+                }
                 table.blocks.push(block);
             }
+            let reload_from = first_needed.max(hits.device);
+            table.blocks.resize(reload_from, 0); // (released tier hits: any block id will do)
             let mut cpu_blocks = Vec::with_capacity(hits.cpu);
-            for &hash in &hashes[hits.device..] {
+            for &hash in &hashes[reload_from..] {
                 let cpu_block = self.cpu_tier.lookup(hash).expect("peeked");
                 self.cpu_tier.pin(&mut self.cpu, cpu_block);
                 cpu_blocks.push(cpu_block);
             }
-            for (&hash, cpu_block) in hashes[hits.device..].iter().zip(cpu_blocks) {
+            for (&hash, cpu_block) in hashes[reload_from..].iter().zip(cpu_blocks) {
                 let block = allocate_evicting(&mut self.gpu, &mut self.cache, &mut self.cpu, &mut self.cpu_tier)?;
                 self.cpu_tier.reload(cpu_block, block);
                 if self.cache.insert(hash, block) {
@@ -315,15 +352,18 @@ impl BlockManager {
     }
 
     fn grow(&mut self, seq: SeqId, tokens: &[u32]) -> Result<(Option<BlockCopy>, &mut BlockTable)> {
+        let (window, block_size) = (self.sliding_window, self.block_size);
         let table = self.tables.get_mut(&seq).ok_or(Error::UnknownSequence(seq))?;
         if table.device != Device::Gpu {
             return Err(Error::InvalidState(format!("sequence {seq} is swapped out; swap it in before appending")));
         }
+        let release_to = first_needed_block(table.num_tokens, window, block_size).clamp(table.num_released, table.blocks.len());
         // The decode step's usual case, fifteen times in sixteen: one token lands in the unshared,
         // partially filled last block without filling it. Nothing to allocate, copy or hash.
         if let [token] = tokens {
             let offset = block_offset(table.num_tokens, self.block_size);
             if offset != 0 && offset + 1 < self.block_size && self.gpu.refcount(*table.blocks.last().unwrap()) == 1 {
+                release_blocks_before(table, &mut self.gpu, release_to);
                 table.num_tokens += 1;
                 if self.enable_prefix_caching {
                     table.tail_tokens.push(*token);
@@ -335,10 +375,12 @@ impl BlockManager {
             && table.last_block_partial(self.block_size)
             && self.gpu.refcount(*table.blocks.last().unwrap()) > 1;
         let needed = table.new_blocks_for(tokens.len(), self.block_size) + cow as usize;
-        if needed > self.gpu.num_free() {
+        let freed = blocks_freed_by_release(table, &self.gpu, release_to);
+        if needed > self.gpu.num_free() + freed {
+            let needed = needed - freed;
             return Err(Error::OutOfBlocks { device: Device::Gpu, needed, free: self.gpu.num_free() });
         }
-        let block_size = self.block_size;
+        release_blocks_before(table, &mut self.gpu, release_to);
         let mut copy = None;
         if cow {
             let last = *table.blocks.last().unwrap();
@@ -388,13 +430,15 @@ impl BlockManager {
             )));
         }
         let keep = new_len.div_ceil(block_size);
-        for block in table.blocks.drain(keep..) {
+        let already_released = table.num_released.saturating_sub(keep);
+        for block in table.blocks.drain(keep..).skip(already_released) {
             self.gpu.release(block);
         }
+        table.num_released = table.num_released.min(keep);
         table.num_reported = table.num_reported.min(keep);
         let full = new_len / block_size;
         if table.hashes.len() > full {
-            if keep > full {
+            if keep > full && full >= table.num_released {
                 let block = table.blocks[full];
                 if let (1, Some(hash)) = (self.gpu.refcount(block), self.gpu.hash(block)) {
                     self.cache.remove(hash, block);
@@ -426,7 +470,7 @@ impl BlockManager {
             Device::Gpu => &mut self.gpu,
             Device::Cpu => &mut self.cpu,
         };
-        for &block in &table.blocks {
+        for &block in table.live_blocks() {
             pool.retain(block);
         }
         self.tables.insert(child, table);
@@ -440,7 +484,7 @@ impl BlockManager {
             Device::Gpu => &mut self.gpu,
             Device::Cpu => &mut self.cpu,
         };
-        for block in table.blocks {
+        for &block in table.live_blocks() {
             pool.release(block);
         }
         Ok(())
@@ -454,7 +498,7 @@ impl BlockManager {
             if table.device != device {
                 return Err(Error::InvalidState(format!("sequence {seq} is not in the {device} pool")));
             }
-            unique.extend(table.blocks.iter().copied().filter(|block| seen.insert(*block)));
+            unique.extend(table.live_blocks().iter().copied().filter(|block| seen.insert(*block)));
         }
         Ok(unique)
     }
@@ -479,7 +523,8 @@ impl BlockManager {
         let mut copies = Vec::with_capacity(unique.len());
         for &seq in seqs {
             let table = self.tables.get_mut(&seq).unwrap();
-            for block in table.blocks.iter_mut() {
+            let num_released = table.num_released;
+            for block in table.blocks[num_released..].iter_mut() {
                 let cpu_block = match mapping.get(block) {
                     Some(&cpu_block) => {
                         self.cpu.retain(cpu_block);
@@ -517,7 +562,8 @@ impl BlockManager {
         let mut copies = Vec::with_capacity(unique.len());
         for &seq in seqs {
             let table = self.tables.get_mut(&seq).unwrap();
-            for (index, block) in table.blocks.iter_mut().enumerate() {
+            let num_released = table.num_released;
+            for (index, block) in table.blocks.iter_mut().enumerate().skip(num_released) {
                 let device_block = match mapping.get(block) {
                     Some(&device_block) => {
                         self.gpu.retain(device_block);
@@ -562,7 +608,7 @@ impl BlockManager {
             let pool = self.pool(device);
             let mut holders = vec![0u32; pool.num_blocks()];
             for table in self.tables.values().filter(|table| table.device == device) {
-                for &block in &table.blocks {
+                for &block in table.live_blocks() {
                     holders[block as usize] += 1;
                 }
             }
@@ -607,6 +653,31 @@ impl BlockManager {
         }
         Ok(())
     }
+}
+
+/// Releases `table`'s live blocks before logical block `release_to` (the sliding window moved past).
+#[inline]
+fn release_blocks_before(table: &mut BlockTable, gpu: &mut BlockPool, release_to: usize) {
+    for &block in &table.blocks[table.num_released..release_to] {
+        gpu.release(block);
+    }
+    table.num_released = release_to;
+}
+
+/// The device blocks `release_blocks_before` would free: those no other table shares.
+#[inline]
+fn blocks_freed_by_release(table: &BlockTable, gpu: &BlockPool, release_to: usize) -> usize {
+    table.blocks[table.num_released..release_to].iter().filter(|&&block| gpu.refcount(block) == 1).count()
+}
+
+/// The first block that a sequence whose next computed position is `next_position` still reads,
+/// under a sliding window of `window` positions (0: none, so block 0).
+#[inline]
+fn first_needed_block(next_position: usize, window: usize, block_size: usize) -> usize {
+    if window == 0 {
+        return 0;
+    }
+    block_index((next_position + 1).saturating_sub(window), block_size)
 }
 
 /// Takes a device block, dropping the prefix-cache name of a cached block it had to evict (whose
@@ -873,5 +944,86 @@ mod tests {
             let error = BlockManager::new(1, 0, block_size, false, 0.0).unwrap_err();
             assert!(error.to_string().contains(&format!("power of two (8, 16, 32, ...), got {block_size}")), "{error}");
         }
+    }
+
+    fn windowed(device: usize, cpu: usize, caching: bool, window: usize) -> BlockManager {
+        let mut bm = manager(device, cpu, caching);
+        bm.set_sliding_window(window);
+        bm
+    }
+
+    fn live(bm: &BlockManager, seq: SeqId) -> Vec<BlockId> {
+        bm.table(seq).unwrap().live_blocks().to_vec()
+    }
+
+    #[test]
+    fn a_sliding_window_releases_blocks_that_slid_out_of_it() {
+        // Window 6, blocks of 4: computing position p reads p-5..=p.
+        let mut bm = windowed(8, 0, false, 6);
+        bm.allocate(1, &tokens(8), None).unwrap();
+        assert_eq!(bm.num_free_device_blocks(), 6, "a prompt's blocks are all taken while it is computed");
+        let first = bm.table(1).unwrap().blocks[0];
+        // Position 8 reads 3..=8: block 0 (positions 0..=3) is still needed.
+        bm.append_token(1, 0).unwrap();
+        assert_eq!(bm.table(1).unwrap().num_released, 0);
+        // Position 9 reads 4..=9: block 0 goes.
+        bm.append_token(1, 0).unwrap();
+        assert_eq!(bm.table(1).unwrap().num_released, 1);
+        assert_eq!(bm.refcount(first, Device::Gpu), 0);
+        assert_eq!(bm.table(1).unwrap().blocks.len(), 3, "logical positions keep their index");
+        for _ in 0..100 {
+            bm.append_token(1, 0).unwrap();
+            assert!(live(&bm, 1).len() <= 3, "window 6 + the new token span at most 3 blocks of 4");
+            bm.check_invariants().unwrap();
+        }
+        assert_eq!(bm.table(1).unwrap().num_tokens, 110, "110 tokens in a pool of 32 slots");
+        bm.free(1).unwrap();
+        assert_eq!(bm.num_free_device_blocks(), 8);
+    }
+
+    #[test]
+    fn released_full_blocks_stay_cached_but_a_new_sequence_takes_only_hits_in_its_window() {
+        let mut bm = windowed(16, 0, true, 6);
+        bm.allocate(1, &tokens(16), None).unwrap();
+        bm.append_slots(1, &[0]).unwrap(); // position 16 reads 11..=16: blocks 0 and 1 go
+        assert_eq!(bm.table(1).unwrap().num_released, 2);
+        let released = bm.table(1).unwrap().blocks[..2].to_vec();
+        assert!(released.iter().all(|&block| bm.refcount(block, Device::Gpu) == 0));
+        assert_eq!(bm.num_cached_device_blocks(), 2, "released full blocks stay in the prefix cache");
+        // Same 16-token prompt: blocks 0..3 hit (never the last token); its first computed position
+        // is 12, which reads 7..=12, so hit block 0 is not taken and hit block 1 is revived.
+        let hits = bm.peek_prefix_hits(&tokens(16), None);
+        assert_eq!((hits.device, hits.revived), (3, 1));
+        let free_before = bm.num_free_device_blocks();
+        assert_eq!(bm.blocks_needed_to_allocate(&tokens(16), None), 2);
+        assert_eq!(bm.allocate(2, &tokens(16), None).unwrap(), 12);
+        assert_eq!(bm.num_free_device_blocks(), free_before - 2, "revived block 1 and a fresh block 3");
+        let table = bm.table(2).unwrap();
+        assert_eq!((table.num_released, table.blocks[..2].to_vec()), (1, released.clone()));
+        assert_eq!(bm.refcount(released[0], Device::Gpu), 0);
+        assert_eq!(bm.refcount(released[1], Device::Gpu), 1);
+        bm.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn swap_fork_truncate_and_free_skip_released_blocks() {
+        let mut bm = windowed(8, 8, true, 5);
+        bm.allocate(1, &tokens(12), None).unwrap();
+        bm.append_slots(1, &[1, 2]).unwrap(); // position 12 reads 8..=12: blocks 0 and 1 go
+        assert_eq!(bm.table(1).unwrap().num_released, 2);
+        bm.fork(1, 2).unwrap();
+        bm.check_invariants().unwrap();
+        let copies = bm.swap_out(&[1, 2]).unwrap();
+        assert_eq!(copies.len(), 2, "only the live blocks move, shared ones once");
+        bm.check_invariants().unwrap();
+        assert_eq!(bm.blocks_needed_to_swap_in(&[1, 2]).unwrap(), 2);
+        bm.swap_in(&[1, 2]).unwrap();
+        bm.check_invariants().unwrap();
+        bm.truncate(2, &tokens(13)).unwrap();
+        assert_eq!(bm.table(2).unwrap().num_released, 2);
+        bm.check_invariants().unwrap();
+        bm.free(1).unwrap();
+        bm.free(2).unwrap();
+        assert_eq!((bm.num_free_device_blocks(), bm.num_free_cpu_blocks()), (8, 8));
     }
 }

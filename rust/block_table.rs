@@ -14,6 +14,10 @@ pub struct BlockTable {
     /// Token ids in the partially filled last block: hashed once the block fills up.
     pub tail_tokens: Vec<u32>,
     pub extra_key: Option<u64>,
+    /// Leading blocks released because sliding-window attention will never read them again
+    /// (`BlockManager::set_sliding_window`): `blocks[..num_released]` keep the ids they had, which
+    /// may since hold other sequences' KV, and are held by nobody. Live blocks are the rest.
+    pub num_released: usize,
     /// Leading blocks the step consumer already holds as they are: the scheduler reports only
     /// `blocks[num_reported..]` (see `ScheduledSequence::block_table_from`). Anything that remaps
     /// a block lowers it; a new table starts at 0.
@@ -29,8 +33,15 @@ impl BlockTable {
             hashes: Vec::new(),
             tail_tokens: Vec::new(),
             extra_key,
+            num_released: 0,
             num_reported: 0,
         }
+    }
+
+    /// The blocks this table holds a reference to (all but the released ones).
+    #[inline]
+    pub fn live_blocks(&self) -> &[BlockId] {
+        &self.blocks[self.num_released..]
     }
 
     /// The first logical block changed since the last call (`blocks[from..]` is new or

@@ -52,6 +52,10 @@ pub struct SchedulerConfig {
     /// Most tokens one sequence's prefill takes in a step (0: no limit, only the budget), so one
     /// long prompt leaves room in the step for others (vLLM's long_prefill_token_threshold).
     pub long_prefill_token_threshold: usize,
+    /// The model's attention window when every layer has one (Mistral's `sliding_window`): each
+    /// token attends to the last `sliding_window` positions, its own included. Blocks before a
+    /// sequence's window are released as it advances; 0 = no window.
+    pub sliding_window: usize,
     pub preemption_mode: PreemptionMode,
     pub scheduling_policy: SchedulingPolicy,
     /// Fraction of device blocks admissions leave free.
@@ -73,6 +77,7 @@ impl Default for SchedulerConfig {
             enable_cpu_prefix_cache: false,
             enable_chunked_prefill: true,
             long_prefill_token_threshold: 0,
+            sliding_window: 0,
             preemption_mode: PreemptionMode::Auto,
             scheduling_policy: SchedulingPolicy::Fcfs,
             watermark: 0.01,
@@ -128,8 +133,22 @@ impl SchedulerConfig {
     }
 
     /// The longest sequence that can be served: `max_model_len`, or less when the device pool
-    /// (minus the watermark) cannot hold that many tokens.
+    /// cannot hold that many tokens. Under a sliding window with chunked prefill a sequence only
+    /// ever holds its window and one step's chunk, so a pool that holds those serves any length.
     pub fn effective_max_model_len(&self) -> usize {
+        if self.sliding_window > 0 && self.enable_chunked_prefill && self.num_device_blocks >= self.max_windowed_blocks() {
+            return self.max_model_len;
+        }
         self.max_model_len.min(self.num_device_blocks * self.block_size)
+    }
+
+    /// Most blocks a sequence holds under the sliding window: the window's positions before the
+    /// next computed one, plus one step's chunk, at any alignment to the blocks.
+    fn max_windowed_blocks(&self) -> usize {
+        let mut chunk = self.max_num_batched_tokens;
+        if self.long_prefill_token_threshold > 0 {
+            chunk = chunk.min(self.long_prefill_token_threshold);
+        }
+        (self.sliding_window - 1 + chunk).div_ceil(self.block_size) + 1
     }
 }

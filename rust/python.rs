@@ -88,6 +88,8 @@ pub struct SchedulerConfig {
     #[pyo3(get, set)]
     long_prefill_token_threshold: usize,
     #[pyo3(get, set)]
+    sliding_window: usize,
+    #[pyo3(get, set)]
     preemption_mode: String,
     #[pyo3(get, set)]
     scheduling_policy: String,
@@ -112,6 +114,7 @@ impl SchedulerConfig {
         enable_prefix_caching=true, enable_chunked_prefill=true, preemption_mode="auto".to_string(),
         scheduling_policy="fcfs".to_string(), watermark=0.01, recompute_cost_per_token=None, block_bytes=None,
         swap_bandwidth=None, swap_latency=None, enable_cpu_prefix_cache=false, long_prefill_token_threshold=0,
+        sliding_window=0,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -133,6 +136,7 @@ impl SchedulerConfig {
         swap_latency: Option<f64>,
         enable_cpu_prefix_cache: bool,
         long_prefill_token_threshold: usize,
+        sliding_window: usize,
     ) -> PyResult<Self> {
         let cost = CostModel::default();
         let config = SchedulerConfig {
@@ -147,6 +151,7 @@ impl SchedulerConfig {
             enable_cpu_prefix_cache,
             enable_chunked_prefill,
             long_prefill_token_threshold,
+            sliding_window,
             preemption_mode,
             scheduling_policy,
             watermark,
@@ -194,6 +199,7 @@ impl SchedulerConfig {
             enable_cpu_prefix_cache: self.enable_cpu_prefix_cache,
             enable_chunked_prefill: self.enable_chunked_prefill,
             long_prefill_token_threshold: self.long_prefill_token_threshold,
+            sliding_window: self.sliding_window,
             preemption_mode: self.preemption_mode.parse::<PreemptionMode>().map_err(to_py_err)?,
             scheduling_policy: self.scheduling_policy.parse::<SchedulingPolicy>().map_err(to_py_err)?,
             watermark: self.watermark,
@@ -451,17 +457,19 @@ pub struct BlockManager {
 #[pymethods]
 impl BlockManager {
     #[new]
-    #[pyo3(signature = (num_device_blocks, num_cpu_blocks, block_size=16, enable_prefix_caching=false, watermark=0.0))]
+    #[pyo3(signature = (num_device_blocks, num_cpu_blocks, block_size=16, enable_prefix_caching=false, watermark=0.0, sliding_window=0))]
     fn new(
         num_device_blocks: usize,
         num_cpu_blocks: usize,
         block_size: usize,
         enable_prefix_caching: bool,
         watermark: f64,
+        sliding_window: usize,
     ) -> PyResult<Self> {
-        let inner = call(|| {
+        let mut inner = call(|| {
             RustBlockManager::new(num_device_blocks, num_cpu_blocks, block_size, enable_prefix_caching, watermark)
         })?;
+        inner.set_sliding_window(sliding_window);
         Ok(BlockManager { inner })
     }
 
@@ -500,6 +508,10 @@ impl BlockManager {
 
     fn num_tokens(&self, seq_id: u64) -> PyResult<usize> {
         call(|| Ok(self.inner.table(seq_id)?.num_tokens))
+    }
+
+    fn num_released_blocks(&self, seq_id: u64) -> PyResult<usize> {
+        call(|| Ok(self.inner.table(seq_id)?.num_released))
     }
 
     fn is_swapped(&self, seq_id: u64) -> PyResult<bool> {

@@ -223,6 +223,7 @@ impl Scheduler {
         if config.enable_cpu_prefix_cache {
             blocks.enable_cpu_prefix_cache()?;
         }
+        blocks.set_sliding_window(config.sliding_window);
         Ok(Scheduler {
             max_model_len: config.effective_max_model_len(),
             config,

@@ -18,6 +18,7 @@ fn config(num_device_blocks: usize, num_cpu_blocks: usize) -> SchedulerConfig {
         enable_cpu_prefix_cache: false,
         enable_chunked_prefill: true,
         long_prefill_token_threshold: 0,
+        sliding_window: 0,
         preemption_mode: PreemptionMode::Swap,
         scheduling_policy: SchedulingPolicy::Fcfs,
         watermark: 0.0,
@@ -514,6 +515,7 @@ fn a_newcomer_of_higher_priority_goes_before_a_swapped_group() {
 /// engine's order (swap-outs, swap-ins, copy-on-write), then written at the slot mapping.
 struct SimulatedCache {
     block_size: usize,
+    sliding_window: usize,
     device: Vec<Vec<Option<u32>>>,
     cpu: Vec<Vec<Option<u32>>>,
 }
@@ -521,10 +523,16 @@ struct SimulatedCache {
 impl SimulatedCache {
     fn new(cfg: &SchedulerConfig) -> Self {
         let blocks = |n| vec![vec![None; cfg.block_size]; n];
-        SimulatedCache { block_size: cfg.block_size, device: blocks(cfg.num_device_blocks), cpu: blocks(cfg.num_cpu_blocks) }
+        SimulatedCache {
+            block_size: cfg.block_size,
+            sliding_window: cfg.sliding_window,
+            device: blocks(cfg.num_device_blocks),
+            cpu: blocks(cfg.num_cpu_blocks),
+        }
     }
 
-    /// Runs one step and checks that every scheduled sequence reads its own tokens back.
+    /// Runs one step and checks that every scheduled sequence reads its own tokens back (those
+    /// its new tokens attend to, under a sliding window).
     fn run(&mut self, s: &Scheduler, out: &SchedulerOutput, tokens: &std::collections::HashMap<u64, Vec<u32>>) {
         for &(device, cpu) in &out.blocks_to_swap_out {
             self.cpu[cpu as usize] = self.device[device as usize].clone();
@@ -543,7 +551,8 @@ impl SimulatedCache {
         }
         for seq in &out.scheduled {
             let table = s.block_table(seq.seq_id).unwrap();
-            for position in 0..seq.end {
+            let first_read = if self.sliding_window > 0 { (seq.start + 1).saturating_sub(self.sliding_window) } else { 0 };
+            for position in first_read..seq.end {
                 let read = self.device[table[position / self.block_size] as usize][position % self.block_size];
                 assert_eq!(read, Some(tokens[&seq.seq_id][position]), "seq {} position {position}", seq.seq_id);
             }
@@ -553,19 +562,23 @@ impl SimulatedCache {
 
 /// Random requests sharing prefixes, forks, swaps, recomputes, (with the CPU tier) offloads and
 /// reloads, and (speculating) drafts partly accepted: every step each sequence must read back
-/// exactly the tokens it holds.
+/// exactly the tokens it holds (under a sliding window, those in its window, the rest released).
 #[test]
 fn random_workload_reads_back_every_token_through_all_the_copies() {
     let cases = [
-        (PreemptionMode::Swap, false, false),
-        (PreemptionMode::Swap, true, false),
-        (PreemptionMode::Recompute, true, false),
-        (PreemptionMode::Auto, true, false),
-        (PreemptionMode::Swap, true, true),
-        (PreemptionMode::Recompute, false, true),
+        (PreemptionMode::Swap, false, false, 0),
+        (PreemptionMode::Swap, true, false, 0),
+        (PreemptionMode::Recompute, true, false, 0),
+        (PreemptionMode::Auto, true, false, 0),
+        (PreemptionMode::Swap, true, true, 0),
+        (PreemptionMode::Recompute, false, true, 0),
+        (PreemptionMode::Swap, true, false, 6),
+        (PreemptionMode::Recompute, true, true, 6),
+        (PreemptionMode::Auto, false, true, 9),
     ];
-    for (mode, cpu_tier, speculate) in cases {
+    for (mode, cpu_tier, speculate, sliding_window) in cases {
         let mut cfg = config(20, 16);
+        cfg.sliding_window = sliding_window;
         cfg.preemption_mode = mode;
         cfg.enable_prefix_caching = true;
         cfg.enable_cpu_prefix_cache = cpu_tier;
@@ -583,6 +596,7 @@ fn random_workload_reads_back_every_token_through_all_the_copies() {
         let mut tokens = std::collections::HashMap::<u64, Vec<u32>>::new();
         let mut drafts = std::collections::HashMap::<u64, usize>::new();
         let (mut num_drafted, mut num_rejected) = (0, 0);
+        let mut released_any = false;
         let mut targets = std::collections::HashMap::new();
         let mut added = 0;
         let mut steps = 0;
@@ -608,6 +622,7 @@ fn random_workload_reads_back_every_token_through_all_the_copies() {
                 }
             }
             cache.run(&s, &out, &tokens);
+            released_any |= out.scheduled.iter().any(|seq| s.block_manager().table(seq.seq_id).unwrap().num_released > 0);
             for seq in out.scheduled.iter().filter(|seq| seq.sample) {
                 let pending = drafts.remove(&seq.seq_id).unwrap_or(0);
                 if pending > 0 {
@@ -646,6 +661,7 @@ fn random_workload_reads_back_every_token_through_all_the_copies() {
         let stats = s.stats();
         assert_eq!((stats.num_free_device_blocks, stats.num_free_cpu_blocks), (20, 16), "{mode:?} {cpu_tier}");
         assert!(stats.prefix_cache_hits > 0, "{mode:?} {cpu_tier}");
+        assert_eq!(released_any, sliding_window > 0, "blocks are released under a window only");
         if speculate {
             assert!(num_drafted > 0 && num_rejected > 0 && num_rejected < num_drafted);
         }
@@ -656,4 +672,33 @@ fn random_workload_reads_back_every_token_through_all_the_copies() {
         }
         check(&s);
     }
+}
+
+/// Under a sliding window a sequence holds only its window and one step's chunk, so a pool of 6
+/// blocks of 4 serves a 60-token sequence.
+#[test]
+fn a_windowed_model_serves_sequences_longer_than_the_pool() {
+    let mut cfg = config(6, 0);
+    cfg.max_num_batched_tokens = 4;
+    assert_eq!(Scheduler::new(cfg.clone()).unwrap().max_model_len(), 24, "without a window the pool is the limit");
+    cfg.sliding_window = 5;
+    let mut s = Scheduler::new(cfg.clone()).unwrap();
+    assert_eq!(s.max_model_len(), 64);
+    let seq = s.add_request("long", prompt(30, 1), None).unwrap();
+    while s.sequence_len(seq).unwrap() < 60 {
+        let out = s.schedule();
+        assert!(out.preempted.is_empty() && out.aborted.is_empty());
+        check(&s);
+        let live = s.block_manager().table(seq).unwrap().live_blocks().len();
+        assert!(live <= 3, "window 5 + a chunk of 4 span at most 3 blocks of 4, held {live}");
+        if out.scheduled[0].sample {
+            s.append_token(seq, 7).unwrap();
+        }
+    }
+    s.finish_sequence(seq).unwrap();
+    assert_eq!(s.stats().num_free_device_blocks, 6);
+    // Without chunked prefill a whole prompt is computed at once: the pool stays the limit.
+    cfg.enable_chunked_prefill = false;
+    cfg.max_num_batched_tokens = 64;
+    assert_eq!(Scheduler::new(cfg).unwrap().max_model_len(), 24);
 }

@@ -3,9 +3,12 @@
 Besides the bookkeeping invariants, the machine simulates the KV cache itself: every token is
 "written" into the slot the manager gives it, copy-on-write and swap copies are executed, and each
 live sequence must read back exactly its own tokens through its block table. Wrong sharing, a
-missed copy or a stale prefix-cache hit shows up as a wrong token.
+missed copy or a stale prefix-cache hit shows up as a wrong token. A second machine runs the same
+rules under a sliding window: blocks before each sequence's window are released, and the tokens
+in the window must still read back.
 """
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
@@ -20,15 +23,25 @@ token_lists = st.lists(st.integers(0, 2), min_size=1, max_size=14)
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
+    sliding_window = 0  # positions each token attends to (0: all)
+
     def __init__(self):
         super().__init__()
-        self.manager = BlockManager(NUM_DEVICE_BLOCKS, NUM_CPU_BLOCKS, BLOCK_SIZE, enable_prefix_caching=True)
+        self.manager = BlockManager(NUM_DEVICE_BLOCKS, NUM_CPU_BLOCKS, BLOCK_SIZE, enable_prefix_caching=True,
+                                    sliding_window=self.sliding_window)
         self.tokens: dict[int, list[int]] = {}  # the model: each live sequence's tokens
         self.device_slots: dict[int, int] = {}  # simulated device KV: slot -> token
         self.cpu_slots: dict[int, int] = {}
         self.next_seq = 0
 
     # -- helpers ---------------------------------------------------------------------------
+    def first_needed_position(self, seq: int) -> int:
+        """The first position the sequence's next token attends to (after its last append)."""
+        return max(0, len(self.tokens[seq]) - self.sliding_window) if self.sliding_window else 0
+
+    def live_blocks(self, seq: int) -> list[int]:
+        return self.manager.block_table(seq)[self.manager.num_released_blocks(seq):]
+
     def on_device(self):
         return [seq for seq in self.tokens if not self.manager.is_swapped(seq)]
 
@@ -81,6 +94,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.copy_block(self.device_slots, src, self.device_slots, dst)
         self.tokens[seq].append(token)
         self.write(seq, len(self.tokens[seq]) - 1)
+        # Blocks wholly before the window are gone; the rest stay.
+        assert self.manager.num_released_blocks(seq) == self.first_needed_position(seq) // BLOCK_SIZE
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
@@ -131,7 +146,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         STEPS_RUN[0] += 1
         holders = {True: [0] * NUM_DEVICE_BLOCKS, False: [0] * NUM_CPU_BLOCKS}
         for seq in self.tokens:
-            for block in self.manager.block_table(seq):
+            for block in self.live_blocks(seq):
                 holders[not self.manager.is_swapped(seq)][block] += 1
         for on_device, counts in holders.items():
             for block, count in enumerate(counts):
@@ -148,8 +163,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert self.manager.num_tokens(seq) == len(tokens)
             assert len(table) == -(-len(tokens) // BLOCK_SIZE)
             slots = self.cpu_slots if self.manager.is_swapped(seq) else self.device_slots
-            read = [slots.get(table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE) for pos in range(len(tokens))]
-            assert read == tokens, f"sequence {seq} reads {read}, expected {tokens}"
+            first = self.first_needed_position(seq)
+            assert self.manager.num_released_blocks(seq) <= first // BLOCK_SIZE
+            read = [slots.get(table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE) for pos in range(first, len(tokens))]
+            assert read == tokens[first:], f"sequence {seq} reads {read}, expected {tokens[first:]}"
 
     def teardown(self):
         for seq in list(self.tokens):
@@ -158,12 +175,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert self.manager.num_free_cpu_blocks == NUM_CPU_BLOCKS
 
 
+class WindowedBlockManagerMachine(BlockManagerMachine):
+    sliding_window = 6  # a window and a half of blocks of 4: whether a block goes depends on alignment
+
+
 STEPS_RUN = [0]
 
 
-def test_block_manager_state_machine_runs_at_least_10000_steps():
+@pytest.mark.parametrize("machine", [BlockManagerMachine, WindowedBlockManagerMachine], ids=["full", "windowed"])
+def test_block_manager_state_machine_runs_at_least_10000_steps(machine):
     STEPS_RUN[0] = 0
-    run_state_machine_as_test(
-        BlockManagerMachine, settings=settings(max_examples=300, stateful_step_count=80, deadline=None)
-    )
+    run_state_machine_as_test(machine, settings=settings(max_examples=300, stateful_step_count=80, deadline=None))
     assert STEPS_RUN[0] >= 10_000, f"only {STEPS_RUN[0]} steps ran"

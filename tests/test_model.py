@@ -100,7 +100,7 @@ def assert_greedy_generation_matches_hf(hf_model, directory: str, lengths, max_t
         expected = [hf_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_tokens,
                                       min_new_tokens=max_tokens, pad_token_id=0)[0, len(prompt):].tolist()
                     for prompt in prompts]
-    llm = LLM(directory, dtype="float32", max_num_batched_tokens=32, num_device_blocks=64, **options)
+    llm = LLM(directory, **{"dtype": "float32", "max_num_batched_tokens": 32, "num_device_blocks": 64, **options})
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert [output.outputs[0].token_ids for output in outputs] == expected
@@ -476,3 +476,14 @@ def test_sliding_window_models_match_hf_past_their_window(tmp_path, index):
 
     llm = assert_greedy_generation_matches_hf(hf_model, directory, (40, 7, 90), 24, seed=5, attention_backend="cpu")
     assert llm.engine.max_model_len == 512
+    # Mistral's every layer is windowed: blocks before each sequence's window are released, so a
+    # pool of 5 blocks of 16 tokens (80) serves the 114-token sequence, through both backends
+    # (the torch reference reads released entries of the tables masked).
+    assert llm.engine.runner.sliding_window == (16 if model_type == "mistral" else 0)
+    if model_type == "mistral":
+        for backend in ("cpu", "torch"):
+            llm = assert_greedy_generation_matches_hf(hf_model, directory, (40, 7, 90), 24, seed=5,
+                                                      attention_backend=backend, num_device_blocks=5)
+            assert llm.engine.max_model_len == 512
+            stats = llm.engine.scheduler.stats()
+            assert stats["num_free_device_blocks"] == 5

@@ -26,6 +26,10 @@ class SchedulerConfig:
     enable_chunked_prefill: bool
     long_prefill_token_threshold: int
     """Most tokens one sequence's prefill takes in a step (0: only the budget limits it)."""
+    sliding_window: int
+    """The model's attention window when every layer has one (0: none): blocks wholly before a
+    sequence's window are released as it advances, so with chunked prefill a sequence holds at
+    most its window plus one step's chunk and may be longer than the pool."""
     preemption_mode: str
     """'swap', 'recompute' or 'auto' (cheaper of the two per victim by the cost model)."""
     scheduling_policy: str
@@ -61,6 +65,7 @@ class SchedulerConfig:
         swap_latency: Optional[float] = None,
         enable_cpu_prefix_cache: bool = False,
         long_prefill_token_threshold: int = 0,
+        sliding_window: int = 0,
     ) -> None: ...
 
 class ScheduledSequence:
@@ -75,7 +80,9 @@ class ScheduledSequence:
     """One past the last position; also the context length after the step."""
     token_ids: list[int]
     block_table: list[int]
-    """Physical device block of each logical block of the sequence (the whole table)."""
+    """Physical device block of each logical block of the sequence (the whole table). Under a
+    sliding window, entries of blocks released before the window are stale ids: attention never
+    reads them (the torch reference reads them masked)."""
     block_table_from: int
     """First logical block that changed since this sequence was last scheduled: a consumer that
     keeps a persistent block-table tensor rewrites only `block_table[block_table_from:]`. It is 0
@@ -150,7 +157,9 @@ class Scheduler:
 
 class BlockManager:
     """Device and CPU block pools with per-sequence block tables, fork and copy-on-write,
-    prefix caching by block content hash, swap between tiers."""
+    prefix caching by block content hash, swap between tiers. With `sliding_window` (positions
+    each token attends to, its own included; 0 = all), appending to a sequence first releases its
+    blocks wholly before the window of its next position."""
 
     def __init__(
         self,
@@ -159,6 +168,7 @@ class BlockManager:
         block_size: int = 16,
         enable_prefix_caching: bool = False,
         watermark: float = 0.0,
+        sliding_window: int = 0,
     ) -> None: ...
     def allocate(self, seq_id: int, token_ids: list[int], extra_key: Optional[int] = None) -> int:
         """Blocks for a new sequence; returns the number of prefix-cache hit tokens."""
@@ -171,7 +181,11 @@ class BlockManager:
         """Move the sequences' blocks to the CPU pool; returns (device, cpu) copies."""
     def swap_in(self, seq_ids: list[int]) -> list[tuple[int, int]]:
         """Move them back; returns (cpu, device) copies."""
-    def block_table(self, seq_id: int) -> list[int]: ...
+    def block_table(self, seq_id: int) -> list[int]:
+        """Physical block of each logical block; the first num_released_blocks entries are
+        released (stale ids that nothing reads)."""
+    def num_released_blocks(self, seq_id: int) -> int:
+        """Leading blocks released because the sliding window moved past them."""
     def num_tokens(self, seq_id: int) -> int: ...
     def is_swapped(self, seq_id: int) -> bool: ...
     def refcount(self, block: int, on_device: bool = True) -> int: ...

@@ -63,6 +63,9 @@ class LLMEngine:
             self.config.block_size,
             self.max_model_len,
         )
+        if self.runner.sliding_window:
+            logger.info("every layer attends to the last %d positions: blocks before a sequence's window are "
+                        "released as it advances", self.runner.sliding_window)
 
     def _scheduler_config(self) -> SchedulerConfig:
         config, runner = self.config, self.runner
@@ -83,6 +86,7 @@ class LLMEngine:
             enable_cpu_prefix_cache=config.enable_cpu_prefix_cache,
             enable_chunked_prefill=config.enable_chunked_prefill,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
+            sliding_window=runner.sliding_window,
             preemption_mode=config.preemption_mode,
             scheduling_policy=config.scheduling_policy,
             watermark=config.watermark,

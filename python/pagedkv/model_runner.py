@@ -43,6 +43,7 @@ class ModelRunner:
 
         attention = self.model.layers[0].self_attn
         num_layers = len(self.model.layers)
+        self.sliding_window = _common_sliding_window(self.model)
         self.block_bytes = KVCache.bytes_per_block(
             num_layers, attention.num_kv_heads, attention.head_dim, config.block_size, self.kv_dtype
         )
@@ -193,6 +194,13 @@ class ModelRunner:
             metadata,
             torch.tensor(sample_index, dtype=torch.long, device=device),
         )
+
+
+def _common_sliding_window(model) -> int:
+    """The window every attention layer stays within (the widest, where they differ), or 0 when
+    some layer attends to the whole context: the scheduler releases blocks before it."""
+    windows = [getattr(layer.self_attn, "sliding_window", None) for layer in model.layers]
+    return 0 if None in windows else max(windows)
 
 
 def _trailing_decodes(scheduled) -> int:
