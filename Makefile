@@ -31,6 +31,7 @@ bench: setup
 	$(PYTHON) benches/lora.py
 	$(PYTHON) benches/moe.py
 	$(PYTHON) benches/sliding_window.py
+	$(PYTHON) benches/window_blocks.py
 	$(PYTHON) benches/long_prefill.py
 	$(PYTHON) benches/attention_variants.py
 	$(PYTHON) benches/serving.py

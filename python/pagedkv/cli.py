@@ -158,6 +158,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "lora": "lora.py",
         "moe": "moe.py",
         "sliding-window": "sliding_window.py",
+        "window-blocks": "window_blocks.py",
         "long-prefill": "long_prefill.py",
         "attention-variants": "attention_variants.py",
     }
@@ -215,8 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="run a benchmark")
     bench.add_argument("which", choices=["memory", "throughput", "serving", "scheduler", "attention", "swap",
                                           "cpu-layers", "cpu-prefill", "cpu-prefix-cache", "speculative",
-                                          "kv-cache-dtype", "lora", "moe", "sliding-window", "long-prefill",
-                                          "attention-variants"])
+                                          "kv-cache-dtype", "lora", "moe", "sliding-window", "window-blocks",
+                                          "long-prefill", "attention-variants"])
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
     bench.set_defaults(func=cmd_bench)
     return parser
