@@ -28,18 +28,37 @@ pub struct StepSlots<'a> {
 /// Cached full blocks a prompt's prefix would hit, by where they are.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PrefixHits {
+    /// Leading blocks before the sliding window of the first computed token: their tokens are
+    /// skipped, but no block is taken (they need not even be cached).
+    pub released: usize,
     /// On the device (shared in place).
     pub device: usize,
     /// Of the device hits, those free right now (taking them takes them off the free list).
     pub revived: usize,
-    /// In the CPU tier, after the device hits (each needs a device block and a copy).
+    /// In the CPU tier (each needs a device block and a copy).
     pub cpu: usize,
 }
 
 impl PrefixHits {
+    /// Blocks of the prompt not computed again.
     pub fn blocks(&self) -> usize {
-        self.device + self.cpu
+        self.released + self.device + self.cpu
     }
+
+    /// Device blocks that a table of `num_blocks` blocks starting with these hits takes from the
+    /// free pool: fresh ones for all but the device hits, plus the device hits it revives.
+    pub fn blocks_taken(&self, num_blocks: usize) -> usize {
+        num_blocks - self.released - self.device + self.revived
+    }
+}
+
+/// Where one block of a prompt's cached prefix is.
+#[derive(Debug, Clone, Copy)]
+enum CachedAt {
+    /// On the device; `free`: no table holds it right now.
+    Device { block: BlockId, free: bool },
+    /// In the CPU tier.
+    Cpu(BlockId),
 }
 
 /// Owns both pools and all block tables. Every public method either succeeds or changes
@@ -237,8 +256,7 @@ impl BlockManager {
     /// fresh blocks for what misses the prefix cache, plus cached hits that are free right now
     /// (reviving them takes them off the free list too).
     pub fn blocks_needed_to_allocate(&self, tokens: &[u32], extra_key: Option<u64>) -> usize {
-        let hits = self.peek_prefix_hits(tokens, extra_key);
-        self.blocks_for_tokens(tokens.len()) - hits.device + hits.revived
+        self.peek_prefix_hits(tokens, extra_key).blocks_taken(self.blocks_for_tokens(tokens.len()))
     }
 
     fn max_hit_blocks(&self, num_tokens: usize) -> usize {
@@ -248,75 +266,114 @@ impl BlockManager {
 
     /// The cached blocks a prefix of `tokens` would hit (what `allocate_prefix` takes).
     pub fn peek_prefix_hits(&self, tokens: &[u32], extra_key: Option<u64>) -> PrefixHits {
-        let mut hits = PrefixHits::default();
-        if !self.enable_prefix_caching {
-            return hits;
-        }
-        let max_blocks = self.max_hit_blocks(tokens.len());
-        let mut free_device_hits = Vec::new(); // (index, whether free)
-        for hash in block_hashes(&tokens[..max_blocks * self.block_size], self.block_size, extra_key) {
-            match self.cache.lookup(hash) {
-                Some(block) if hits.cpu == 0 => {
-                    free_device_hits.push(self.gpu.refcount(block) == 0);
-                    hits.device += 1;
-                }
-                _ if self.cpu_tier.lookup(hash).is_some() => hits.cpu += 1,
-                _ => break,
-            }
-        }
-        hits.revived = free_device_hits.iter().filter(|free| **free).count();
-        // Every tier hit takes a device block; those beyond the free ones are not hits after all.
-        hits.cpu = hits.cpu.min(self.gpu.num_free() - hits.revived);
-        // Hits before the sliding window are not taken (`allocate_prefix`), free or not.
-        let first_needed = self.first_needed_block(hits.blocks() * self.block_size);
-        if first_needed > 0 {
-            hits.revived = free_device_hits.iter().skip(first_needed).filter(|free| **free).count();
-        }
-        hits
+        self.plan_prefix(tokens, extra_key).0
     }
 
-    /// Starts a table for `seq` holding the longest cached prefix of `tokens` (whole blocks,
-    /// never all of the tokens): device hits shared in place, then CPU-tier hits copied into fresh
-    /// device blocks (the copies come out of `take_cpu_tier_copies`). Returns the number of
-    /// tokens that hit the cache; the caller appends the rest with `append_slots`.
+    /// The longest prefix of `tokens` (whole blocks, never all of the tokens) a new sequence can
+    /// start from: every block its first computed token reads is cached, on the device or in the
+    /// CPU tier, and the tier hits fit the free device blocks. Without a sliding window that is
+    /// every block from the first; with one, the blocks in the window (vLLM's sliding-window
+    /// cache hit), so a long prompt whose early blocks were evicted still hits. Returns the hits,
+    /// the prefix's block hashes, and where each block is cached (None: before the window).
+    fn plan_prefix(&self, tokens: &[u32], extra_key: Option<u64>) -> (PrefixHits, Vec<u64>, Vec<Option<CachedAt>>) {
+        if !self.enable_prefix_caching {
+            return Default::default();
+        }
+        let block_size = self.block_size;
+        let mut hashes = block_hashes(&tokens[..self.max_hit_blocks(tokens.len()) * block_size], block_size, extra_key);
+        let mut found = Vec::with_capacity(hashes.len());
+        for &hash in &hashes {
+            let at = match self.cache.lookup(hash) {
+                Some(block) => Some(CachedAt::Device { block, free: self.gpu.refcount(block) == 0 }),
+                None => self.cpu_tier.lookup(hash).map(CachedAt::Cpu),
+            };
+            if at.is_none() && self.sliding_window == 0 {
+                break; // without a window no prefix goes past a miss
+            }
+            found.push(at);
+        }
+        // Running counts, so that each candidate length is checked in O(1).
+        let mut counts = vec![[0usize; 4]; found.len() + 1]; // misses, device, revived, cpu
+        for (index, at) in found.iter().enumerate() {
+            let mut next = counts[index];
+            match at {
+                None => next[0] += 1,
+                Some(CachedAt::Device { free, .. }) => {
+                    next[1] += 1;
+                    next[2] += *free as usize;
+                }
+                Some(CachedAt::Cpu(_)) => next[3] += 1,
+            }
+            counts[index + 1] = next;
+        }
+        let within = |from: usize, to: usize, kind: usize| counts[to][kind] - counts[from][kind];
+        let num_free = self.gpu.num_free();
+        let mut length = found.len();
+        let mut first_needed = 0;
+        while length > 0 {
+            first_needed = self.first_needed_block(length * block_size).min(length);
+            // Each tier hit takes a device block besides the free device hits it revives.
+            if within(first_needed, length, 0) == 0 && within(first_needed, length, 2) + within(first_needed, length, 3) <= num_free {
+                break;
+            }
+            length -= 1;
+        }
+        if length == 0 {
+            return Default::default();
+        }
+        hashes.truncate(length);
+        found.truncate(length);
+        found[..first_needed].fill(None);
+        let hits = PrefixHits {
+            released: first_needed,
+            device: within(first_needed, length, 1),
+            revived: within(first_needed, length, 2),
+            cpu: within(first_needed, length, 3),
+        };
+        (hits, hashes, found)
+    }
+
+    /// Starts a table for `seq` holding the longest cached prefix of `tokens` (`plan_prefix`):
+    /// device hits shared in place, CPU-tier hits copied into fresh device blocks (the copies come
+    /// out of `take_cpu_tier_copies`), blocks before the sliding window released from the start.
+    /// Returns the number of tokens that hit the cache; the caller appends the rest with
+    /// `append_slots`.
     pub fn allocate_prefix(&mut self, seq: SeqId, tokens: &[u32], extra_key: Option<u64>) -> Result<usize> {
         if self.tables.contains_key(&seq) {
             return Err(Error::DuplicateSequence(seq));
         }
         let mut table = BlockTable::new(extra_key);
         if self.enable_prefix_caching {
-            let hits = self.peek_prefix_hits(tokens, extra_key);
+            let (hits, hashes, found) = self.plan_prefix(tokens, extra_key);
             self.cache.queries += tokens.len() as u64 / self.block_size as u64;
-            let hashes = block_hashes(&tokens[..hits.blocks() * self.block_size], self.block_size, extra_key);
-            // Hits before the sliding window are recorded released: nothing will read them.
-            let first_needed = self.first_needed_block(hits.blocks() * self.block_size).min(hits.blocks());
-            table.num_released = first_needed;
+            // Released entries keep block 0: nothing reads them.
+            table.blocks = vec![0; found.len()];
+            table.num_released = hits.released;
             // Device hits first: once retained, reloading the tier hits cannot evict them.
-            for (index, &hash) in hashes[..hits.device].iter().enumerate() {
-                let block = self.cache.lookup(hash).expect("peeked");
-                if index >= first_needed {
-                    self.gpu.retain(block);
+            let mut reloads = Vec::with_capacity(hits.cpu);
+            for (index, at) in found.iter().enumerate() {
+                match *at {
+                    Some(CachedAt::Device { block, .. }) => {
+                        self.gpu.retain(block);
+                        table.blocks[index] = block;
+                    }
+                    Some(CachedAt::Cpu(cpu_block)) => {
+                        self.cpu_tier.pin(&mut self.cpu, cpu_block);
+                        reloads.push((index, cpu_block));
+                    }
+                    None => {}
                 }
-                table.blocks.push(block);
             }
-            let reload_from = first_needed.max(hits.device);
-            table.blocks.resize(reload_from, 0); // (released tier hits: any block id will do)
-            let mut cpu_blocks = Vec::with_capacity(hits.cpu);
-            for &hash in &hashes[reload_from..] {
-                let cpu_block = self.cpu_tier.lookup(hash).expect("peeked");
-                self.cpu_tier.pin(&mut self.cpu, cpu_block);
-                cpu_blocks.push(cpu_block);
-            }
-            for (&hash, cpu_block) in hashes[reload_from..].iter().zip(cpu_blocks) {
+            for (index, cpu_block) in reloads {
                 let block = allocate_evicting(&mut self.gpu, &mut self.cache, &mut self.cpu, &mut self.cpu_tier)?;
                 self.cpu_tier.reload(cpu_block, block);
-                if self.cache.insert(hash, block) {
-                    self.gpu.set_hash(block, hash);
+                if self.cache.insert(hashes[index], block) {
+                    self.gpu.set_hash(block, hashes[index]);
                 }
-                table.blocks.push(block);
+                table.blocks[index] = block;
             }
             table.hashes = hashes;
-            self.cache.hits += hits.device as u64;
+            self.cache.hits += (hits.released + hits.device) as u64;
             table.num_tokens = table.blocks.len() * self.block_size;
         }
         let hit_tokens = table.num_tokens;
@@ -993,13 +1050,13 @@ mod tests {
         // Same 16-token prompt: blocks 0..3 hit (never the last token); its first computed position
         // is 12, which reads 7..=12, so hit block 0 is not taken and hit block 1 is revived.
         let hits = bm.peek_prefix_hits(&tokens(16), None);
-        assert_eq!((hits.device, hits.revived), (3, 1));
+        assert_eq!(hits, PrefixHits { released: 1, device: 2, revived: 1, cpu: 0 });
         let free_before = bm.num_free_device_blocks();
         assert_eq!(bm.blocks_needed_to_allocate(&tokens(16), None), 2);
         assert_eq!(bm.allocate(2, &tokens(16), None).unwrap(), 12);
         assert_eq!(bm.num_free_device_blocks(), free_before - 2, "revived block 1 and a fresh block 3");
         let table = bm.table(2).unwrap();
-        assert_eq!((table.num_released, table.blocks[..2].to_vec()), (1, released.clone()));
+        assert_eq!((table.num_released, table.blocks[1]), (1, released[1]));
         assert_eq!(bm.refcount(released[0], Device::Gpu), 0);
         assert_eq!(bm.refcount(released[1], Device::Gpu), 1);
         bm.check_invariants().unwrap();
@@ -1025,5 +1082,30 @@ mod tests {
         bm.free(1).unwrap();
         bm.free(2).unwrap();
         assert_eq!((bm.num_free_device_blocks(), bm.num_free_cpu_blocks()), (8, 8));
+    }
+
+    #[test]
+    fn under_a_window_a_prompt_hits_the_cache_without_its_evicted_first_blocks() {
+        // Pool of 6 blocks of 4, window 6: a 24-token prompt whose first blocks were evicted still
+        // hits, since its first computed token (position 20) reads only positions 15..=20.
+        let mut bm = windowed(6, 0, true, 6);
+        let prompt = tokens(24);
+        bm.allocate(1, &prompt[..8], None).unwrap();
+        for &token in &prompt[8..] {
+            bm.append_token(1, token).unwrap();
+        }
+        bm.free(1).unwrap();
+        // Another prompt evicts the two least recently freed cached blocks: blocks 0 and 1.
+        bm.allocate(2, &tokens(100)[92..], None).unwrap();
+        bm.free(2).unwrap();
+        let hits = bm.peek_prefix_hits(&prompt, None);
+        assert_eq!(hits, PrefixHits { released: 3, device: 2, revived: 2, cpu: 0 });
+        assert_eq!(bm.allocate(3, &prompt, None).unwrap(), 20);
+        assert_eq!(bm.table(3).unwrap().live_blocks().len(), 3, "hit blocks 3 and 4, and block 5 for the last token");
+        bm.check_invariants().unwrap();
+        // Without a window the same cache yields nothing: block 0 is gone.
+        bm.free(3).unwrap();
+        bm.set_sliding_window(0);
+        assert_eq!(bm.peek_prefix_hits(&prompt, None), PrefixHits::default());
     }
 }

@@ -800,7 +800,7 @@ impl Scheduler {
             }
             // Fresh blocks for the chunk and the CPU-tier hits, plus device hits that must be taken
             // off the free list.
-            blocks += self.blocks.blocks_for_tokens(hit_tokens + take) - hits.device + hits.revived;
+            blocks += hits.blocks_taken(self.blocks.blocks_for_tokens(hit_tokens + take));
             left -= take;
         }
         // With nothing running there is nobody to protect: ignore the watermark.
