@@ -281,3 +281,35 @@ def test_adapters_of_fused_projections_on_phi3(tmp_path):
     assert with_adapter == hf_greedy(merged(hf_model, str(adapter_dir)), prompt)
     assert without == hf_greedy(hf_model, prompt)
     assert with_adapter != without
+
+
+def test_adapters_of_starcoder2s_ungated_mlp(tmp_path):
+    """StarCoder2's MLP is c_fc and c_proj (no gate): adapters of those and of attention give the
+    greedy tokens of HF with the adapter merged."""
+    from test_model import tiny_starcoder2
+
+    hf_model = tiny_starcoder2(tmp_path / "model")
+    generator = torch.Generator().manual_seed(11)
+    shapes = {"self_attn.q_proj": (128, 128), "self_attn.o_proj": (128, 128), "mlp.c_fc": (128, 192),
+              "mlp.c_proj": (192, 128)}
+    weights = {}
+    for layer in range(2):
+        for module, (in_features, out_features) in shapes.items():
+            prefix = f"base_model.model.model.layers.{layer}.{module}"
+            weights[f"{prefix}.lora_A.weight"] = torch.randn((4, in_features), generator=generator) * 0.3
+            weights[f"{prefix}.lora_B.weight"] = torch.randn((out_features, 4), generator=generator) * 0.3
+    adapter_dir = tmp_path / "adapter"
+    adapter_dir.mkdir()
+    save_file(weights, str(adapter_dir / "adapter_model.safetensors"))
+    (adapter_dir / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8}))
+
+    prompt = torch.randint(3, 256, (20,), generator=generator).tolist()
+    llm = LLM(str(tmp_path / "model"), dtype="float32", enable_lora=True, max_lora_rank=4, num_device_blocks=32)
+    lora = LoRARequest("code", 1, str(adapter_dir))
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+    with_adapter = llm.generate([prompt], params, use_tqdm=False, lora_request=lora)[0].outputs[0].token_ids
+    without = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    hf_model.generation_config.eos_token_id = None
+    assert with_adapter == hf_greedy(merged(hf_model, str(adapter_dir)), prompt)
+    assert without == hf_greedy(hf_model, prompt)
+    assert with_adapter != without

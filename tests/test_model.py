@@ -327,6 +327,41 @@ def test_tiny_gemma1_matches_hf(tmp_path):
     assert loaded.model.layers[0].mlp.act_and_mul is gelu_tanh_and_mul
 
 
+def tiny_starcoder2(directory):
+    """A random StarCoder2 (hidden 128, MLP 192, 2 query heads and 1 KV head of 64, every layer
+    windowed over 16 positions) with random norms and biases, saved in `directory`. Returns the
+    HF model."""
+    from transformers import Starcoder2Config, Starcoder2ForCausalLM
+
+    config = Starcoder2Config(vocab_size=256, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
+                              num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                              sliding_window=16, eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    torch.manual_seed(0)
+    model = Starcoder2ForCausalLM(config)
+    randomize_norms(model, 0.5, 1.5)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias"):  # random init leaves biases at 0
+                parameter.uniform_(-0.5, 0.5)
+        model.model.embed_tokens.weight.normal_(std=0.5)  # (tied: decisive logits too)
+    save_tiny_checkpoint(directory, model.eval())
+    return model
+
+
+def test_tiny_starcoder2_matches_hf_and_releases_blocks_behind_its_window(tmp_path):
+    """StarCoder2: biased LayerNorms and projections, a GELU MLP without a gate, tied embeddings,
+    every layer windowed (16 positions): prefill logits, and greedy generation in a pool of 5
+    blocks of 16 that the longest sequence (70 + 16 tokens) outgrows unless blocks behind its
+    window are released."""
+    model = tiny_starcoder2(tmp_path)
+    directory = str(tmp_path)
+    loaded = assert_prefill_matches_hf(directory, "starcoder2")
+    assert loaded.model.layers[0].self_attn.o_proj.bias is not None
+    llm = assert_greedy_generation_matches_hf(model, directory, (40, 9, 70), 16, seed=7, attention_backend="cpu",
+                                              num_device_blocks=5)
+    assert llm.engine.runner.sliding_window == 16 and llm.engine.max_model_len == 512
+
+
 def tiny_olmo(model_type: str):
     """A random OLMo 2, or OLMo 3 with sliding (window 16, rope base 1e4) and full layers (rope
     base 5e5, linear scaling)."""

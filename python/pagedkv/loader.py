@@ -15,6 +15,7 @@ import torch
 from pagedkv.models.gemma import GemmaForCausalLM
 from pagedkv.models.llama import LlamaForCausalLM
 from pagedkv.models.olmo2 import Olmo2ForCausalLM
+from pagedkv.models.starcoder2 import Starcoder2ForCausalLM
 
 logger = logging.getLogger("pagedkv.loader")
 
@@ -26,6 +27,7 @@ ARCHITECTURES = {
                     LlamaForCausalLM),
     **dict.fromkeys(("gemma", "gemma2", "gemma3_text"), GemmaForCausalLM),
     **dict.fromkeys(("olmo2", "olmo3"), Olmo2ForCausalLM),
+    "starcoder2": Starcoder2ForCausalLM,
 }
 SUPPORTED = tuple(ARCHITECTURES)
 

@@ -27,6 +27,7 @@ _TARGETS = {
     "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2), "o_proj": ("o_proj", 0),
     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0),
     "qkv_proj": ("qkv_proj", None), "gate_up_proj": ("gate_up_proj", None),
+    "c_fc": ("c_fc", 0), "c_proj": ("c_proj", 0),  # StarCoder2's MLP
 }
 _STACKS_KEPT = 8  # adapter sets whose stacked matrices are kept
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
@@ -222,7 +223,9 @@ def _delta(adapter_name, model, layer_index, name, a, b, scale, dtype, device) -
     if layer.is_moe and fused_name not in ("qkv_proj", "o_proj"):
         raise InvalidConfigError(f"LoRA adapter {adapter_name!r}: layer {layer_index} {name} is a mixture of experts; "
                                  "adapters of expert layers are not supported (attention projections are)")
-    module = getattr(layer.self_attn if fused_name in ("qkv_proj", "o_proj") else layer.mlp, fused_name)
+    module = getattr(layer.self_attn if fused_name in ("qkv_proj", "o_proj") else layer.mlp, fused_name, None)
+    if module is None:
+        raise InvalidConfigError(f"LoRA adapter {adapter_name!r}: this model has no {name} to adapt")
     if part is None:
         sizes, part = [module.out_features], 0
     elif fused_name == "qkv_proj":

@@ -3,5 +3,6 @@
 from pagedkv.models.gemma import GemmaForCausalLM
 from pagedkv.models.llama import LlamaForCausalLM
 from pagedkv.models.olmo2 import Olmo2ForCausalLM
+from pagedkv.models.starcoder2 import Starcoder2ForCausalLM
 
-__all__ = ["GemmaForCausalLM", "LlamaForCausalLM", "Olmo2ForCausalLM"]
+__all__ = ["GemmaForCausalLM", "LlamaForCausalLM", "Olmo2ForCausalLM", "Starcoder2ForCausalLM"]

@@ -37,6 +37,12 @@ def layer_sliding_window(hf_config, layer_index: int) -> int | None:
     return int(window)
 
 
+def norm_eps(hf_config) -> float:
+    """The epsilon of the model's norms: `rms_norm_eps`, or StarCoder2's `norm_epsilon`."""
+    eps = getattr(hf_config, "rms_norm_eps", None)
+    return hf_config.norm_epsilon if eps is None else eps
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, hf_config, layer_index: int):
         super().__init__()
@@ -53,12 +59,12 @@ class LlamaAttention(nn.Module):
         # SmolLM3 leaves rotary embedding out of the layers whose no_rope_layers entry is 0
         no_rope_layers = getattr(hf_config, "no_rope_layers", None)
         self.use_rope = no_rope_layers is None or bool(no_rope_layers[layer_index])
-        bias = bool(getattr(hf_config, "attention_bias", False) or getattr(hf_config, "qkv_bias", False)
-                    or hf_config.model_type == "qwen2")
+        output_bias = bool(getattr(hf_config, "attention_bias", False) or getattr(hf_config, "use_bias", False))
+        bias = output_bias or bool(getattr(hf_config, "qkv_bias", False)) or hf_config.model_type == "qwen2"
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(hf_config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, hf_config.hidden_size, bias=bool(getattr(hf_config, "attention_bias", False)))
+        self.o_proj = nn.Linear(self.q_size, hf_config.hidden_size, bias=output_bias)
         self.qk_norm_per_head = hf_config.model_type in HEAD_QK_NORM_MODEL_TYPES
         if self.qk_norm_per_head:
             self.q_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
@@ -168,7 +174,7 @@ class LlamaForCausalLM(nn.Module):
         self.hf_config = hf_config
         self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
         self.layers = nn.ModuleList(self.decoder_layer_class(hf_config, i) for i in range(hf_config.num_hidden_layers))
-        self.norm = self.norm_class(hf_config.hidden_size, hf_config.rms_norm_eps)
+        self.norm = self.norm_class(hf_config.hidden_size, norm_eps(hf_config))
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
@@ -234,7 +240,7 @@ class LlamaForCausalLM(nn.Module):
                 )
             if layer.is_moe:
                 fused.update(_stacked_experts(own, p + "mlp.", layer.mlp.num_experts))
-            else:
+            elif p + "mlp.gate_proj.weight" in own:  # (StarCoder2's c_fc and c_proj load as they are)
                 fused[p + "mlp.gate_up_proj.weight"] = torch.cat(
                     [own.pop(p + "mlp.gate_proj.weight"), own.pop(p + "mlp.up_proj.weight")], dim=0
                 )
