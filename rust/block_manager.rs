@@ -74,6 +74,8 @@ pub struct BlockManager {
     watermark_blocks: usize,
     /// Positions every layer attends back to, counting its own (0: all); see `set_sliding_window`.
     sliding_window: usize,
+    /// The prefix cache's root seed: a prompt's first block name chains from it.
+    hash_seed: u64,
     tables: HashMap<SeqId, BlockTable>,
 }
 
@@ -111,6 +113,7 @@ impl BlockManager {
             enable_prefix_caching,
             watermark_blocks: (watermark * num_device_blocks as f64).ceil() as usize,
             sliding_window: 0,
+            hash_seed: 0,
             tables: HashMap::default(),
         })
     }
@@ -138,6 +141,17 @@ impl BlockManager {
 
     pub fn sliding_window(&self) -> usize {
         self.sliding_window
+    }
+
+    /// Roots the prefix cache's block names at `seed` (0 until set). A secret seed keeps names
+    /// from being computed outside this manager (see prefix_cache.rs); engines that must agree
+    /// on names share one. Only before any block is named: an error otherwise, changing nothing.
+    pub fn set_hash_seed(&mut self, seed: u64) -> Result<()> {
+        if !self.tables.is_empty() || !self.cache.is_empty() || !self.cpu_tier.cache().is_empty() {
+            return Err(Error::InvalidState("the prefix cache's hash seed can only be set before any block is cached".into()));
+        }
+        self.hash_seed = seed;
+        Ok(())
     }
 
     #[inline]
@@ -244,6 +258,9 @@ impl BlockManager {
     /// less those the sliding window lets it free first.
     pub fn blocks_needed_to_append(&self, seq: SeqId, num_tokens: usize) -> Result<usize> {
         let table = self.table(seq)?;
+        if table.device != Device::Gpu {
+            return Err(Error::InvalidState(format!("sequence {seq} is swapped out; swap it in before appending")));
+        }
         let cow = num_tokens > 0
             && table.last_block_partial(self.block_size)
             && self.gpu.refcount(*table.blocks.last().unwrap()) > 1;
@@ -280,7 +297,8 @@ impl BlockManager {
             return Default::default();
         }
         let block_size = self.block_size;
-        let mut hashes = block_hashes(&tokens[..self.max_hit_blocks(tokens.len()) * block_size], block_size, extra_key);
+        let mut hashes =
+            block_hashes(self.hash_seed, &tokens[..self.max_hit_blocks(tokens.len()) * block_size], block_size, extra_key);
         let mut found = Vec::with_capacity(hashes.len());
         for &hash in &hashes {
             let at = match self.cache.lookup(hash) {
@@ -456,7 +474,8 @@ impl BlockManager {
             if self.enable_prefix_caching {
                 table.tail_tokens.push(token);
                 if table.tail_tokens.len() == block_size {
-                    let hash = block_hash(table.hashes.last().copied(), &table.tail_tokens, table.extra_key);
+                    let parent = table.hashes.last().copied().unwrap_or(self.hash_seed);
+                    let hash = block_hash(parent, &table.tail_tokens, table.extra_key);
                     table.tail_tokens.clear();
                     table.hashes.push(hash);
                     let block = *table.blocks.last().unwrap();
@@ -1073,6 +1092,7 @@ mod tests {
         let copies = bm.swap_out(&[1, 2]).unwrap();
         assert_eq!(copies.len(), 2, "only the live blocks move, shared ones once");
         bm.check_invariants().unwrap();
+        assert!(matches!(bm.blocks_needed_to_append(1, 4), Err(Error::InvalidState(_))), "a swapped table cannot grow");
         assert_eq!(bm.blocks_needed_to_swap_in(&[1, 2]).unwrap(), 2);
         bm.swap_in(&[1, 2]).unwrap();
         bm.check_invariants().unwrap();
@@ -1107,5 +1127,24 @@ mod tests {
         bm.free(3).unwrap();
         bm.set_sliding_window(0);
         assert_eq!(bm.peek_prefix_hits(&prompt, None), PrefixHits::default());
+    }
+
+    #[test]
+    fn block_names_chain_from_the_hash_seed_which_is_set_before_anything_is_cached() {
+        let names = |seed: u64| {
+            let mut bm = manager(8, 0, true);
+            bm.set_hash_seed(seed).unwrap();
+            bm.allocate(1, &tokens(9), None).unwrap();
+            let names = bm.table(1).unwrap().hashes.clone();
+            assert_eq!(bm.set_hash_seed(seed + 1), Err(Error::InvalidState(
+                "the prefix cache's hash seed can only be set before any block is cached".into())));
+            bm.free(1).unwrap();
+            assert!(bm.set_hash_seed(seed + 1).is_err(), "freed blocks stay cached under their names");
+            assert_eq!(bm.allocate(2, &tokens(9), None).unwrap(), 8, "the seed did not change");
+            names
+        };
+        assert_eq!(names(7), names(7));
+        let (a, b) = (names(7), names(8));
+        assert!(a.iter().zip(&b).all(|(x, y)| x != y), "every name depends on the seed: {a:?} {b:?}");
     }
 }

@@ -56,6 +56,9 @@ pub struct SchedulerConfig {
     /// token attends to the last `sliding_window` positions, its own included. Blocks before a
     /// sequence's window are released as it advances; 0 = no window.
     pub sliding_window: usize,
+    /// Root of the prefix cache's block names (see prefix_cache.rs): a secret random value keeps
+    /// them from being computed, and collisions crafted, outside the engine.
+    pub prefix_caching_hash_seed: u64,
     pub preemption_mode: PreemptionMode,
     pub scheduling_policy: SchedulingPolicy,
     /// Fraction of device blocks admissions leave free.
@@ -78,6 +81,7 @@ impl Default for SchedulerConfig {
             enable_chunked_prefill: true,
             long_prefill_token_threshold: 0,
             sliding_window: 0,
+            prefix_caching_hash_seed: 0,
             preemption_mode: PreemptionMode::Auto,
             scheduling_policy: SchedulingPolicy::Fcfs,
             watermark: 0.01,

@@ -1,5 +1,8 @@
 //! Prefix caching: a full block is named by a hash chained over (parent block's hash, its token
 //! ids, an optional extra key such as an adapter id); the map finds a device block by that name.
+//! A prompt's first block chains from a root seed: a secret one (the engine's default, as vLLM
+//! seeds its root from os.urandom) makes names impossible to compute outside the engine, so no
+//! one can craft a prompt whose blocks collide with another user's and read their KV.
 
 use std::hash::{Hash, Hasher};
 
@@ -7,9 +10,9 @@ use rustc_hash::FxHashMap as HashMap;
 
 use crate::block_pool::BlockId;
 
-/// Hash of one full block given its parent's hash. Deterministic across processes (SipHash with
-/// fixed keys), so two engines agree on names.
-pub fn block_hash(parent: Option<u64>, tokens: &[u32], extra_key: Option<u64>) -> u64 {
+/// Hash of one full block given its parent's hash (the root seed for a first block). SipHash
+/// with fixed keys: engines with the same root agree on names.
+pub fn block_hash(parent: u64, tokens: &[u32], extra_key: Option<u64>) -> u64 {
     let mut hasher = std::hash::DefaultHasher::new();
     parent.hash(&mut hasher);
     tokens.hash(&mut hasher);
@@ -17,15 +20,14 @@ pub fn block_hash(parent: Option<u64>, tokens: &[u32], extra_key: Option<u64>) -
     hasher.finish()
 }
 
-/// The hash of every full block of `tokens`, in order.
-pub fn block_hashes(tokens: &[u32], block_size: usize, extra_key: Option<u64>) -> Vec<u64> {
-    let mut parent = None;
+/// The hash of every full block of `tokens`, in order, chained from `root`.
+pub fn block_hashes(root: u64, tokens: &[u32], block_size: usize, extra_key: Option<u64>) -> Vec<u64> {
+    let mut parent = root;
     tokens
         .chunks_exact(block_size)
         .map(|chunk| {
-            let hash = block_hash(parent, chunk, extra_key);
-            parent = Some(hash);
-            hash
+            parent = block_hash(parent, chunk, extra_key);
+            parent
         })
         .collect()
 }
@@ -94,13 +96,15 @@ mod tests {
 
     #[test]
     fn hash_chain_depends_on_parent_tokens_and_extra_key() {
-        let a = block_hashes(&[1, 2, 3, 4, 5, 6, 7, 8], 4, None);
-        let b = block_hashes(&[9, 2, 3, 4, 5, 6, 7, 8], 4, None);
+        let a = block_hashes(0, &[1, 2, 3, 4, 5, 6, 7, 8], 4, None);
+        let b = block_hashes(0, &[9, 2, 3, 4, 5, 6, 7, 8], 4, None);
         assert_eq!(a.len(), 2);
         assert_ne!(a[0], b[0]);
         assert_ne!(a[1], b[1], "the second block's name depends on the first block");
-        assert_ne!(a, block_hashes(&[1, 2, 3, 4, 5, 6, 7, 8], 4, Some(7)));
-        assert_eq!(a, block_hashes(&[1, 2, 3, 4, 5, 6, 7, 8, 9], 4, None), "partial blocks are not hashed");
+        assert_ne!(a, block_hashes(0, &[1, 2, 3, 4, 5, 6, 7, 8], 4, Some(7)));
+        assert_eq!(a, block_hashes(0, &[1, 2, 3, 4, 5, 6, 7, 8, 9], 4, None), "partial blocks are not hashed");
+        let seeded = block_hashes(12345, &[1, 2, 3, 4, 5, 6, 7, 8], 4, None);
+        assert!(seeded[0] != a[0] && seeded[1] != a[1], "every name depends on the root seed");
     }
 
     #[test]

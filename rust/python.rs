@@ -90,6 +90,8 @@ pub struct SchedulerConfig {
     #[pyo3(get, set)]
     sliding_window: usize,
     #[pyo3(get, set)]
+    prefix_caching_hash_seed: u64,
+    #[pyo3(get, set)]
     preemption_mode: String,
     #[pyo3(get, set)]
     scheduling_policy: String,
@@ -114,7 +116,7 @@ impl SchedulerConfig {
         enable_prefix_caching=true, enable_chunked_prefill=true, preemption_mode="auto".to_string(),
         scheduling_policy="fcfs".to_string(), watermark=0.01, recompute_cost_per_token=None, block_bytes=None,
         swap_bandwidth=None, swap_latency=None, enable_cpu_prefix_cache=false, long_prefill_token_threshold=0,
-        sliding_window=0,
+        sliding_window=0, prefix_caching_hash_seed=0,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -137,6 +139,7 @@ impl SchedulerConfig {
         enable_cpu_prefix_cache: bool,
         long_prefill_token_threshold: usize,
         sliding_window: usize,
+        prefix_caching_hash_seed: u64,
     ) -> PyResult<Self> {
         let cost = CostModel::default();
         let config = SchedulerConfig {
@@ -152,6 +155,7 @@ impl SchedulerConfig {
             enable_chunked_prefill,
             long_prefill_token_threshold,
             sliding_window,
+            prefix_caching_hash_seed,
             preemption_mode,
             scheduling_policy,
             watermark,
@@ -200,6 +204,7 @@ impl SchedulerConfig {
             enable_chunked_prefill: self.enable_chunked_prefill,
             long_prefill_token_threshold: self.long_prefill_token_threshold,
             sliding_window: self.sliding_window,
+            prefix_caching_hash_seed: self.prefix_caching_hash_seed,
             preemption_mode: self.preemption_mode.parse::<PreemptionMode>().map_err(to_py_err)?,
             scheduling_policy: self.scheduling_policy.parse::<SchedulingPolicy>().map_err(to_py_err)?,
             watermark: self.watermark,
@@ -457,7 +462,10 @@ pub struct BlockManager {
 #[pymethods]
 impl BlockManager {
     #[new]
-    #[pyo3(signature = (num_device_blocks, num_cpu_blocks, block_size=16, enable_prefix_caching=false, watermark=0.0, sliding_window=0))]
+    #[pyo3(signature = (
+        num_device_blocks, num_cpu_blocks, block_size=16, enable_prefix_caching=false, watermark=0.0, sliding_window=0,
+        hash_seed=0,
+    ))]
     fn new(
         num_device_blocks: usize,
         num_cpu_blocks: usize,
@@ -465,11 +473,13 @@ impl BlockManager {
         enable_prefix_caching: bool,
         watermark: f64,
         sliding_window: usize,
+        hash_seed: u64,
     ) -> PyResult<Self> {
         let mut inner = call(|| {
             RustBlockManager::new(num_device_blocks, num_cpu_blocks, block_size, enable_prefix_caching, watermark)
         })?;
         inner.set_sliding_window(sliding_window);
+        call(|| inner.set_hash_seed(hash_seed))?;
         Ok(BlockManager { inner })
     }
 

@@ -224,6 +224,7 @@ impl Scheduler {
             blocks.enable_cpu_prefix_cache()?;
         }
         blocks.set_sliding_window(config.sliding_window);
+        blocks.set_hash_seed(config.prefix_caching_hash_seed)?;
         Ok(Scheduler {
             max_model_len: config.effective_max_model_len(),
             config,

@@ -456,6 +456,24 @@ def test_cache_salt_isolates_prefix_cache_sharing(prompts):
         SamplingParams(cache_salt="")
 
 
+def test_prefix_cache_names_root_at_a_secret_seed_unless_one_is_given(monkeypatch):
+    """vLLM's rule: a random root per engine (names cannot be computed, nor collisions crafted,
+    outside it), a fixed one derived from PYTHONHASHSEED when that is set, or the one given."""
+    from pagedkv import EngineConfig, InvalidConfigError
+
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    assert EngineConfig().resolved_prefix_caching_hash_seed() != EngineConfig().resolved_prefix_caching_hash_seed()
+    assert EngineConfig(prefix_caching_hash_seed=5).resolved_prefix_caching_hash_seed() == 5
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    from_env = EngineConfig().resolved_prefix_caching_hash_seed()
+    assert from_env == EngineConfig().resolved_prefix_caching_hash_seed() and from_env not in (0, 5)
+    monkeypatch.setenv("PYTHONHASHSEED", "1")
+    assert EngineConfig().resolved_prefix_caching_hash_seed() != from_env
+    for bad in (-1, 1 << 64, "7"):
+        with pytest.raises(InvalidConfigError, match="prefix_caching_hash_seed"):
+            EngineConfig(prefix_caching_hash_seed=bad)
+
+
 def test_bad_words_allowed_token_ids_and_prompt_truncation(llm, prompts):
     plain = llm.generate(["Paris is the capital of"], greedy(8), use_tqdm=False)[0].outputs[0]
     assert " United States" in plain.text  # (so the ban below has something to remove)

@@ -5,8 +5,11 @@ speculative drafts partly accepted, and aborts.
 The machine plays the model runner: it executes each step's copies (swap-outs, swap-ins,
 copy-on-write, in that order) on a simulated KV cache, writes every scheduled token into its
 slot, and then every scheduled sequence must read its own tokens back through its block table.
+A second machine adds a sliding window: blocks behind each window are released, and a sequence
+must read back the tokens its new ones attend to.
 """
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
@@ -19,13 +22,15 @@ NUM_CPU_BLOCKS = 12
 
 
 class SchedulerMachine(RuleBasedStateMachine):
+    sliding_window = 0
+
     def __init__(self):
         super().__init__()
         config = SchedulerConfig(
             block_size=BLOCK_SIZE, num_device_blocks=NUM_DEVICE_BLOCKS, num_cpu_blocks=NUM_CPU_BLOCKS,
             max_num_seqs=6, max_num_batched_tokens=16, max_model_len=40, max_waiting_requests=64,
             enable_prefix_caching=True, enable_cpu_prefix_cache=True, preemption_mode="swap",
-            scheduling_policy="priority", watermark=0.0,
+            scheduling_policy="priority", watermark=0.0, sliding_window=self.sliding_window,
         )
         self.scheduler = Scheduler(config)
         self.tokens: dict[int, list[int]] = {}  # each live sequence's tokens, as the engine knows them
@@ -74,9 +79,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             for slot, token in zip(seq.slot_mapping, seq.token_ids):
                 self.device[slot] = token
         for seq in out.scheduled:
+            first = max(0, seq.start + 1 - self.sliding_window) if self.sliding_window else 0
             read = [self.device.get(seq.block_table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
-                    for pos in range(seq.end)]
-            assert read == self.tokens[seq.seq_id][: seq.end], f"sequence {seq.seq_id} reads wrong KV"
+                    for pos in range(first, seq.end)]
+            assert read == self.tokens[seq.seq_id][first : seq.end], f"sequence {seq.seq_id} reads wrong KV"
         self.sampled = [seq.seq_id for seq in out.scheduled if seq.sample and seq.seq_id in self.tokens]
 
     @precondition(lambda self: self.sampled)
@@ -134,6 +140,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert stats["num_free_cpu_blocks"] == NUM_CPU_BLOCKS
 
 
-def test_scheduler_state_machine():
-    run_state_machine_as_test(SchedulerMachine, settings=settings(max_examples=150, stateful_step_count=60,
-                                                                  deadline=None))
+class WindowedSchedulerMachine(SchedulerMachine):
+    sliding_window = 6
+
+
+@pytest.mark.parametrize("machine", [SchedulerMachine, WindowedSchedulerMachine], ids=["full", "windowed"])
+def test_scheduler_state_machine(machine):
+    run_state_machine_as_test(machine, settings=settings(max_examples=150, stateful_step_count=60, deadline=None))

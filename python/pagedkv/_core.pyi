@@ -30,6 +30,8 @@ class SchedulerConfig:
     """The model's attention window when every layer has one (0: none): blocks wholly before a
     sequence's window are released as it advances, so with chunked prefill a sequence holds at
     most its window plus one step's chunk and may be longer than the pool."""
+    prefix_caching_hash_seed: int
+    """Root of the prefix cache's block names (0 here; the engine passes a secret random one)."""
     preemption_mode: str
     """'swap', 'recompute' or 'auto' (cheaper of the two per victim by the cost model)."""
     scheduling_policy: str
@@ -66,6 +68,7 @@ class SchedulerConfig:
         enable_cpu_prefix_cache: bool = False,
         long_prefill_token_threshold: int = 0,
         sliding_window: int = 0,
+        prefix_caching_hash_seed: int = 0,
     ) -> None: ...
 
 class ScheduledSequence:
@@ -159,7 +162,8 @@ class BlockManager:
     """Device and CPU block pools with per-sequence block tables, fork and copy-on-write,
     prefix caching by block content hash, swap between tiers. With `sliding_window` (positions
     each token attends to, its own included; 0 = all), appending to a sequence first releases its
-    blocks wholly before the window of its next position."""
+    blocks wholly before the window of its next position. `hash_seed`: the root the prefix cache's
+    block names chain from."""
 
     def __init__(
         self,
@@ -169,6 +173,7 @@ class BlockManager:
         enable_prefix_caching: bool = False,
         watermark: float = 0.0,
         sliding_window: int = 0,
+        hash_seed: int = 0,
     ) -> None: ...
     def allocate(self, seq_id: int, token_ids: list[int], extra_key: Optional[int] = None) -> int:
         """Blocks for a new sequence; returns the number of prefix-cache hit tokens."""

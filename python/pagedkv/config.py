@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import os
+import secrets
 from dataclasses import dataclass
 from typing import Optional
 
@@ -59,6 +61,12 @@ class EngineConfig:
     """Waiting-queue bound; beyond it requests get OverloadedError (HTTP 503)."""
     enable_prefix_caching: bool = True
     """Reuse KV blocks of identical prompt prefixes."""
+    prefix_caching_hash_seed: Optional[int] = None
+    """Root of the prefix cache's block names (hashes chained from it). None = a secret random seed
+    per engine, as vLLM seeds its root from os.urandom: names cannot be computed outside the
+    engine, so no prompt can be crafted to collide with another user's cached blocks. With
+    PYTHONHASHSEED set, None derives the seed from it (vLLM's rule), for names that agree across
+    engines and restarts."""
     enable_cpu_prefix_cache: bool = False
     """Prefix-cache blocks evicted from the device move to free CPU swap blocks and are copied
     back on a hit instead of recomputed (vLLM's KV offloading to CPU). Needs prefix caching."""
@@ -130,6 +138,9 @@ class EngineConfig:
                 fail(field, value, "a positive integer")
         if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
             fail("long_prefill_token_threshold", self.long_prefill_token_threshold, "an integer >= 0")
+        seed = self.prefix_caching_hash_seed
+        if seed is not None and (not isinstance(seed, int) or not 0 <= seed < 1 << 64):
+            fail("prefix_caching_hash_seed", seed, "None or an integer in [0, 2**64)")
         if not isinstance(self.swap_space_bytes, int) or self.swap_space_bytes < 0:
             fail("swap_space_bytes", self.swap_space_bytes, "an integer >= 0")
         if self.preemption_mode not in _PREEMPTION_MODES:
@@ -161,6 +172,16 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if self.is_cuda or cpu_has_native_bfloat16() else torch.float32
         return getattr(torch, self.dtype)
+
+    def resolved_prefix_caching_hash_seed(self) -> int:
+        """prefix_caching_hash_seed, else one derived from PYTHONHASHSEED, else a random one."""
+        if self.prefix_caching_hash_seed is not None:
+            return self.prefix_caching_hash_seed
+        python_hash_seed = os.environ.get("PYTHONHASHSEED", "")
+        if python_hash_seed.isdigit():
+            digest = hashlib.sha256(f"pagedkv prefix cache {python_hash_seed}".encode()).digest()
+            return int.from_bytes(digest[:8], "little")
+        return secrets.randbits(64)
 
     def kv_cache_torch_dtype(self):
         """The KV cache's element type (the model's dtype for kv_cache_dtype='auto')."""

@@ -87,6 +87,7 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             sliding_window=runner.sliding_window,
+            prefix_caching_hash_seed=config.resolved_prefix_caching_hash_seed(),
             preemption_mode=config.preemption_mode,
             scheduling_policy=config.scheduling_policy,
             watermark=config.watermark,
