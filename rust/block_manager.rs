@@ -432,13 +432,19 @@ impl BlockManager {
         if table.device != Device::Gpu {
             return Err(Error::InvalidState(format!("sequence {seq} is swapped out; swap it in before appending")));
         }
-        let release_to = first_needed_block(table.num_tokens, window, block_size).clamp(table.num_released, table.blocks.len());
+        let release_to = if window == 0 {
+            table.num_released
+        } else {
+            first_needed_block(table.num_tokens, window, block_size).clamp(table.num_released, table.blocks.len())
+        };
         // The decode step's usual case, fifteen times in sixteen: one token lands in the unshared,
         // partially filled last block without filling it. Nothing to allocate, copy or hash.
         if let [token] = tokens {
             let offset = block_offset(table.num_tokens, self.block_size);
             if offset != 0 && offset + 1 < self.block_size && self.gpu.refcount(*table.blocks.last().unwrap()) == 1 {
-                release_blocks_before(table, &mut self.gpu, release_to);
+                if release_to > table.num_released {
+                    release_blocks_before(table, &mut self.gpu, release_to);
+                }
                 table.num_tokens += 1;
                 if self.enable_prefix_caching {
                     table.tail_tokens.push(*token);
