@@ -501,6 +501,8 @@ def test_sliding_window_models_match_hf_past_their_window(tmp_path, index):
     """Prefill logits at every position of a 37-token prompt (two windows) and greedy generation
     through the engine's CPU kernels, chunked and batched, all well past the 16-token window."""
 
+    from pagedkv import SamplingParams
+
     model_type, hf_model = list(tiny_windowed_models())[index]
     with torch.no_grad():
         hf_model.lm_head.weight.normal_(std=0.5)  # decisive logits: float32 noise never flips a token
@@ -522,3 +524,15 @@ def test_sliding_window_models_match_hf_past_their_window(tmp_path, index):
             assert llm.engine.max_model_len == 512
             stats = llm.engine.scheduler.stats()
             assert stats["num_free_device_blocks"] == 5
+            # The 90-token prompt again: its first blocks were evicted from the 5-block pool, but
+            # those its first computed token reads are cached, so it hits (windowed cache hits)
+            # and still generates what HF does.
+            generator = torch.Generator().manual_seed(5)  # (the helper's prompts, drawn again)
+            prompt = [torch.randint(3, 256, (length,), generator=generator).tolist() for length in (40, 7, 90)][2]
+            with torch.inference_mode():
+                expected = hf_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=24,
+                                             min_new_tokens=24, pad_token_id=0)[0, len(prompt):].tolist()
+            params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+            again = llm.generate([prompt], params, use_tqdm=False)[0]
+            assert again.outputs[0].token_ids == expected
+            assert llm.engine.scheduler.stats()["prefix_cache_hits"] > stats["prefix_cache_hits"]
