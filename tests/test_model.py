@@ -362,6 +362,37 @@ def test_tiny_starcoder2_matches_hf_and_releases_blocks_behind_its_window(tmp_pa
     assert llm.engine.runner.sliding_window == 16 and llm.engine.max_model_len == 512
 
 
+def test_tiny_glm4_matches_hf(tmp_path):
+    """GLM-4: four norms per layer, rotary embedding over adjacent pairs of the first half of each
+    head, biased q/k/v but not o_proj, fused gate/up: prefill logits and greedy generation as
+    HF's, and rotating halves instead of pairs would show."""
+    from transformers import Glm4Config, Glm4ForCausalLM
+
+    config = Glm4Config(vocab_size=256, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
+                        num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=512,
+                        eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    torch.manual_seed(0)
+    model = Glm4ForCausalLM(config)
+    randomize_norms(model, 0.5, 1.5)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias"):
+                parameter.uniform_(-0.5, 0.5)
+        model.lm_head.weight.normal_(std=0.5)
+    directory = save_tiny_checkpoint(tmp_path, model.eval())
+    loaded = assert_prefill_matches_hf(directory, "glm4")
+    attention = loaded.model.layers[0].self_attn
+    assert attention.rope_interleaved and attention.qkv_proj.bias is not None and attention.o_proj.bias is None
+    assert_greedy_generation_matches_hf(model, directory, (40, 9), 16, seed=7)
+    tokens = torch.randint(3, 256, (37,), generator=torch.Generator().manual_seed(3)).tolist()
+    with torch.inference_mode():
+        pairs = prefill_all_positions(loaded.model, tokens, [3, 0, 6], block_size=16, num_blocks=8)
+        for layer in loaded.model.layers:
+            layer.self_attn.rope_interleaved = False
+        halves = prefill_all_positions(loaded.model, tokens, [3, 0, 6], block_size=16, num_blocks=8)
+    assert (pairs - halves).abs().max().item() > 0.1
+
+
 def tiny_olmo(model_type: str):
     """A random OLMo 2, or OLMo 3 with sliding (window 16, rope base 1e4) and full layers (rope
     base 5e5, linear scaling)."""

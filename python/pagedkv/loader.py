@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedkv.models.gemma import GemmaForCausalLM
+from pagedkv.models.glm4 import Glm4ForCausalLM
 from pagedkv.models.llama import LlamaForCausalLM
 from pagedkv.models.olmo2 import Olmo2ForCausalLM
 from pagedkv.models.starcoder2 import Starcoder2ForCausalLM
@@ -28,6 +29,7 @@ ARCHITECTURES = {
     **dict.fromkeys(("gemma", "gemma2", "gemma3_text"), GemmaForCausalLM),
     **dict.fromkeys(("olmo2", "olmo3"), Olmo2ForCausalLM),
     "starcoder2": Starcoder2ForCausalLM,
+    "glm4": Glm4ForCausalLM,
 }
 SUPPORTED = tuple(ARCHITECTURES)
 

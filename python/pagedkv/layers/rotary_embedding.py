@@ -61,12 +61,14 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions], self.sin[positions]
 
 
-def split_and_rotate(qkv: torch.Tensor, cos_sin, num_heads: int, num_kv_heads: int, head_dim: int):
+def split_and_rotate(qkv: torch.Tensor, cos_sin, num_heads: int, num_kv_heads: int, head_dim: int,
+                     interleaved: bool = False):
     """qkv [T, (Hq + 2 Hkv) D] -> query [T, Hq, D] and key [T, Hkv, D] rotated by the (cos, sin)
-    of their positions, value [T, Hkv, D]. On the CPU, rotates qkv in place."""
+    of their positions, value [T, Hkv, D]; `interleaved`: see apply_rotary. On the CPU, rotates
+    qkv in place."""
     num_tokens = qkv.shape[0]
     cos, sin = cos_sin
-    if cos.shape[-1] == head_dim and cpu_fused.supports(qkv, cos, sin):
+    if cos.shape[-1] == head_dim and not interleaved and cpu_fused.supports(qkv, cos, sin):
         cpu_fused.rotary_(qkv, cos, sin, num_heads + num_kv_heads, head_dim)
         query, key, value = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], -1)
         return (
@@ -75,7 +77,7 @@ def split_and_rotate(qkv: torch.Tensor, cos_sin, num_heads: int, num_kv_heads: i
             value.view(num_tokens, num_kv_heads, head_dim),
         )
     query, key, value = split_heads(qkv, num_heads, num_kv_heads, head_dim)
-    query, key = apply_rotary(cos_sin, query, key)
+    query, key = apply_rotary(cos_sin, query, key, interleaved)
     return query, key, value
 
 
@@ -85,16 +87,28 @@ def split_heads(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: 
     return qkv.view(qkv.shape[0], num_heads + 2 * num_kv_heads, head_dim).split([num_heads, num_kv_heads, num_kv_heads], 1)
 
 
-def apply_rotary(cos_sin: tuple[torch.Tensor, torch.Tensor], query: torch.Tensor, key: torch.Tensor):
+def apply_rotary(cos_sin: tuple[torch.Tensor, torch.Tensor], query: torch.Tensor, key: torch.Tensor,
+                 interleaved: bool = False):
     """Rotates query [T, Hq, D] and key [T, Hkv, D] by the (cos, sin) [T, R] of their positions:
-    the first R dims of each head (R < D: a partial rotary factor), the rest passed through."""
+    the first R dims of each head (R < D: a partial rotary factor), the rest passed through.
+    Frequency i turns dims (i, i + R/2), or with `interleaved` (GPT-J's and GLM's layout) dims
+    (2i, 2i + 1)."""
     cos, sin = cos_sin[0].unsqueeze(1), cos_sin[1].unsqueeze(1)
     rotary_dim = cos.shape[-1]
     if rotary_dim < query.shape[-1]:
         (query, query_pass), (key, key_pass) = (x.split([rotary_dim, x.shape[-1] - rotary_dim], -1) for x in (query, key))
-        query, key = apply_rotary(cos_sin, query, key)
+        query, key = apply_rotary(cos_sin, query, key, interleaved)
         return torch.cat([query, query_pass], -1), torch.cat([key, key_pass], -1)
+    if interleaved:  # the tables hold each frequency twice, (f0..fn, f0..fn): make it (f0, f0, f1, f1, ...)
+        cos = cos[..., : rotary_dim // 2].repeat_interleave(2, -1)
+        sin = sin[..., : rotary_dim // 2].repeat_interleave(2, -1)
+        return query * cos + _rotate_pairs(query) * sin, key * cos + _rotate_pairs(key) * sin
     return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
+
+
+def _rotate_pairs(x: torch.Tensor) -> torch.Tensor:
+    """(x0, x1, x2, x3, ...) -> (-x1, x0, -x3, x2, ...)."""
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -59,6 +59,7 @@ class LlamaAttention(nn.Module):
         # SmolLM3 leaves rotary embedding out of the layers whose no_rope_layers entry is 0
         no_rope_layers = getattr(hf_config, "no_rope_layers", None)
         self.use_rope = no_rope_layers is None or bool(no_rope_layers[layer_index])
+        self.rope_interleaved = False  # (GLM-4's rotates adjacent pairs)
         output_bias = bool(getattr(hf_config, "attention_bias", False) or getattr(hf_config, "use_bias", False))
         bias = output_bias or bool(getattr(hf_config, "qkv_bias", False)) or hf_config.model_type == "qwen2"
         self.q_size = self.num_heads * self.head_dim
@@ -86,7 +87,8 @@ class LlamaAttention(nn.Module):
         if self.clip_qkv is not None:
             qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
         if self.use_rope:
-            query, key, value = split_and_rotate(qkv, cos_sin, self.num_heads, self.num_kv_heads, self.head_dim)
+            query, key, value = split_and_rotate(qkv, cos_sin, self.num_heads, self.num_kv_heads, self.head_dim,
+                                                 self.rope_interleaved)
         else:
             query, key, value = split_heads(qkv, self.num_heads, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache.layer(self.layer_index)

@@ -1,0 +1,53 @@
+"""GLM-4 (`glm4`: GLM-4-9B-0414, GLM-Z1) over the paged cache.
+
+Llama's blocks with Zhipu's changes: norms on what attention and the MLP add to the residual
+stream besides those before them (four per layer), rotary embedding on the first half of each
+head only and over adjacent pairs of dims (GPT-J's layout), biases on q/k/v but not on the output
+projection, and gate/up stored fused.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedkv.attention.metadata import AttentionMetadata
+from pagedkv.layers.rms_norm import RMSNorm
+from pagedkv.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+
+
+class Glm4Attention(LlamaAttention):
+    def __init__(self, hf_config, layer_index: int):
+        super().__init__(hf_config, layer_index)
+        self.rope_interleaved = True
+        self.o_proj = nn.Linear(self.q_size, hf_config.hidden_size, bias=False)  # (attention_bias: q/k/v only)
+
+
+class Glm4DecoderLayer(nn.Module):
+    is_moe = False
+
+    def __init__(self, hf_config, layer_index: int):
+        super().__init__()
+        self.self_attn = Glm4Attention(hf_config, layer_index)
+        self.mlp = LlamaMLP(hf_config, layer_index)
+        norm = lambda: RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)  # noqa: E731
+        self.input_layernorm, self.post_self_attn_layernorm = norm(), norm()
+        self.post_attention_layernorm, self.post_mlp_layernorm = norm(), norm()
+
+    def forward(self, hidden, cos_sin, metadata, kv_cache, backend, lora=None):
+        attended = self.self_attn(self.input_layernorm(hidden), cos_sin, metadata, kv_cache, backend, lora)
+        hidden = hidden + self.post_self_attn_layernorm(attended)
+        return hidden + self.post_mlp_layernorm(self.mlp(self.post_attention_layernorm(hidden), lora))
+
+
+class Glm4ForCausalLM(LlamaForCausalLM):
+    """GLM-4, with the interface of LlamaForCausalLM (forward, compute_logits,
+    load_hf_state_dict, layers with self_attn and mlp)."""
+
+    decoder_layer_class = Glm4DecoderLayer
+
+    def forward(self, input_ids, positions, metadata: AttentionMetadata, kv_cache, backend, lora=None) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        for layer, cos_sin in zip(self.layers, self.layer_rotations(positions)):
+            hidden = layer(hidden, cos_sin, metadata, kv_cache, backend, lora)
+        return self.norm(hidden)
