@@ -559,14 +559,16 @@ impl BlockManager {
         Ok(())
     }
 
-    /// Releases every block of `seq`. Full blocks with a hash stay cached until evicted.
+    /// Releases every block of `seq`. Full blocks with a hash stay cached until evicted, the last
+    /// ones first (released first, as vLLM does): a prefix's head, which every later prompt
+    /// sharing any of it needs, stays longest.
     pub fn free(&mut self, seq: SeqId) -> Result<()> {
         let table = self.tables.remove(&seq).ok_or(Error::UnknownSequence(seq))?;
         let pool = match table.device {
             Device::Gpu => &mut self.gpu,
             Device::Cpu => &mut self.cpu,
         };
-        for &block in table.live_blocks() {
+        for &block in table.live_blocks().iter().rev() {
             pool.release(block);
         }
         Ok(())
@@ -887,9 +889,9 @@ mod tests {
         bm.allocate(1, &tokens(9), None).unwrap(); // blocks 0 and 1 full and hashed, 2 partial
         bm.free(1).unwrap();
         let other: Vec<u32> = (0..16).collect();
-        bm.allocate(2, &other, None).unwrap(); // takes the free blocks, then evicts 0 and 1
+        bm.allocate(2, &other, None).unwrap(); // takes the free blocks, then evicts 1 and 0 (tail first)
         let (offloads, reloads) = bm.take_cpu_tier_copies();
-        assert_eq!(offloads.iter().map(|copy| copy.0).collect::<Vec<_>>(), [0, 1]);
+        assert_eq!(offloads.iter().map(|copy| copy.0).collect::<Vec<_>>(), [1, 0]);
         assert!(reloads.is_empty());
         assert_eq!(bm.num_free_cpu_blocks(), 2, "offload targets are pinned for the step");
         bm.check_invariants().unwrap();
@@ -900,7 +902,7 @@ mod tests {
         assert_eq!(bm.allocate(3, &tokens(9), None).unwrap(), 8);
         let (_, reloads) = bm.take_cpu_tier_copies();
         let table = bm.table(3).unwrap().blocks.clone();
-        assert_eq!(reloads, vec![(offloads[0].1, table[0]), (offloads[1].1, table[1])]);
+        assert_eq!(reloads, vec![(offloads[1].1, table[0]), (offloads[0].1, table[1])]);
         assert_eq!(bm.cpu_tier().num_reloaded, 2);
         bm.check_invariants().unwrap();
         // A swap-out may not take blocks this step's copies still use; next step it evicts the tier.
@@ -1152,5 +1154,18 @@ mod tests {
         assert_eq!(names(7), names(7));
         let (a, b) = (names(7), names(8));
         assert!(a.iter().zip(&b).all(|(x, y)| x != y), "every name depends on the seed: {a:?} {b:?}");
+    }
+
+    #[test]
+    fn a_freed_prefix_is_evicted_from_its_tail_so_its_head_keeps_hitting() {
+        let mut bm = manager(4, 0, true);
+        bm.allocate(1, &tokens(13), None).unwrap(); // blocks: 3 full, 1 partial
+        bm.free(1).unwrap();
+        assert_eq!(bm.num_cached_device_blocks(), 3);
+        // 5 other tokens take the uncached partial block and evict one cached block: the last.
+        bm.allocate(2, &[7, 7, 7, 7, 7], None).unwrap();
+        assert_eq!(bm.num_cached_device_blocks(), 2);
+        assert_eq!(bm.peek_prefix_hits(&tokens(13), None).device, 2, "blocks 0 and 1 still hit");
+        bm.check_invariants().unwrap();
     }
 }
