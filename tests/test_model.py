@@ -393,6 +393,26 @@ def test_tiny_glm4_matches_hf(tmp_path):
     assert (pairs - halves).abs().max().item() > 0.1
 
 
+@pytest.mark.parametrize("use_qk_norm", [False, True], ids=["command-r", "command-r-plus"])
+def test_tiny_cohere_matches_hf(tmp_path, use_qk_norm):
+    """Cohere: parallel attention and MLP off one mean-subtracting norm, rotary embedding over
+    adjacent pairs, per-head query/key norms (Command R+), scaled logits."""
+    from transformers import CohereConfig, CohereForCausalLM
+
+    config = CohereConfig(vocab_size=256, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                          use_qk_norm=use_qk_norm, logit_scale=0.5, eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    torch.manual_seed(0)
+    model = CohereForCausalLM(config)
+    randomize_norms(model, 0.5, 1.5)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.normal_(std=1.0)  # (tied, and scaled by 0.5: decisive logits)
+    directory = save_tiny_checkpoint(tmp_path, model.eval())
+    loaded = assert_prefill_matches_hf(directory, "cohere")
+    assert (loaded.model.layers[0].self_attn.q_norm is not None) == use_qk_norm
+    assert_greedy_generation_matches_hf(model, directory, (40, 9), 16, seed=7)
+
+
 def tiny_olmo(model_type: str):
     """A random OLMo 2, or OLMo 3 with sliding (window 16, rope base 1e4) and full layers (rope
     base 5e5, linear scaling)."""

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedkv.models.cohere import CohereForCausalLM
 from pagedkv.models.gemma import GemmaForCausalLM
 from pagedkv.models.glm4 import Glm4ForCausalLM
 from pagedkv.models.llama import LlamaForCausalLM
@@ -30,6 +31,7 @@ ARCHITECTURES = {
     **dict.fromkeys(("olmo2", "olmo3"), Olmo2ForCausalLM),
     "starcoder2": Starcoder2ForCausalLM,
     "glm4": Glm4ForCausalLM,
+    "cohere": CohereForCausalLM,
 }
 SUPPORTED = tuple(ARCHITECTURES)
 

@@ -38,9 +38,13 @@ def layer_sliding_window(hf_config, layer_index: int) -> int | None:
 
 
 def norm_eps(hf_config) -> float:
-    """The epsilon of the model's norms: `rms_norm_eps`, or StarCoder2's `norm_epsilon`."""
-    eps = getattr(hf_config, "rms_norm_eps", None)
-    return hf_config.norm_epsilon if eps is None else eps
+    """The epsilon of the model's norms: `rms_norm_eps`, StarCoder2's `norm_epsilon` or
+    Cohere's `layer_norm_eps`."""
+    for name in ("rms_norm_eps", "norm_epsilon", "layer_norm_eps"):
+        eps = getattr(hf_config, name, None)
+        if eps is not None:
+            return eps
+    raise ValueError(f"{hf_config.model_type} config names no norm epsilon")
 
 
 class LlamaAttention(nn.Module):

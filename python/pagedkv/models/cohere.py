@@ -1,0 +1,80 @@
+"""Cohere (`cohere`: Command-R, Aya Expanse) over the paged cache.
+
+Llama's projections in parallel blocks: one norm per layer feeds attention and the MLP side by
+side, and both add to the residual stream. Cohere's norms subtract the mean (a LayerNorm without
+bias), its rotary embedding turns adjacent pairs of dims (GPT-J's layout), optional query/key
+norms have weights per head, and the logits are scaled by `logit_scale`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedkv.attention.metadata import AttentionMetadata
+from pagedkv.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+
+
+class CohereLayerNorm(nn.Module):
+    """(x - mean) / std · weight over the last dim, in float32, no bias; `shape` (heads, head_dim)
+    gives each head its own weights (the query/key norms)."""
+
+    def __init__(self, shape, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(shape))
+        self.eps = eps
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        x = hidden.float()
+        centered = x - x.mean(-1, keepdim=True)
+        normalized = centered * torch.rsqrt(centered.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * normalized).to(hidden.dtype)
+
+
+class CohereAttention(LlamaAttention):
+    def __init__(self, hf_config, layer_index: int):
+        super().__init__(hf_config, layer_index)
+        self.rope_interleaved = True
+        if hf_config.use_qk_norm:
+            self.q_norm = CohereLayerNorm((self.num_heads, self.head_dim), hf_config.layer_norm_eps)
+            self.k_norm = CohereLayerNorm((self.num_kv_heads, self.head_dim), hf_config.layer_norm_eps)
+
+    def _normalize_query_and_key_(self, qkv: torch.Tensor) -> None:
+        """Each query and key head normalized with its own weights, before the rotation."""
+        num_tokens = qkv.shape[0]
+        query, key = qkv[:, : self.q_size], qkv[:, self.q_size : self.q_size + self.kv_size]
+        qkv[:, : self.q_size] = self.q_norm(query.reshape(num_tokens, self.num_heads, self.head_dim)).flatten(1)
+        qkv[:, self.q_size : self.q_size + self.kv_size] = self.k_norm(
+            key.reshape(num_tokens, self.num_kv_heads, self.head_dim)).flatten(1)
+
+
+class CohereDecoderLayer(nn.Module):
+    is_moe = False
+
+    def __init__(self, hf_config, layer_index: int):
+        super().__init__()
+        self.input_layernorm = CohereLayerNorm(hf_config.hidden_size, hf_config.layer_norm_eps)
+        self.self_attn = CohereAttention(hf_config, layer_index)
+        self.mlp = LlamaMLP(hf_config, layer_index)
+
+    def forward(self, hidden, cos_sin, metadata, kv_cache, backend, lora=None):
+        normalized = self.input_layernorm(hidden)
+        attended = self.self_attn(normalized, cos_sin, metadata, kv_cache, backend, lora)
+        return hidden + attended + self.mlp(normalized, lora)
+
+
+class CohereForCausalLM(LlamaForCausalLM):
+    """Cohere, with the interface of LlamaForCausalLM (forward, compute_logits,
+    load_hf_state_dict, layers with self_attn and mlp)."""
+
+    decoder_layer_class = CohereDecoderLayer
+    norm_class = CohereLayerNorm
+
+    def forward(self, input_ids, positions, metadata: AttentionMetadata, kv_cache, backend, lora=None) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        for layer, cos_sin in zip(self.layers, self.layer_rotations(positions)):
+            hidden = layer(hidden, cos_sin, metadata, kv_cache, backend, lora)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return super().compute_logits(hidden) * self.hf_config.logit_scale
