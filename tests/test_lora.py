@@ -283,15 +283,24 @@ def test_adapters_of_fused_projections_on_phi3(tmp_path):
     assert with_adapter != without
 
 
-def test_adapters_of_starcoder2s_ungated_mlp(tmp_path):
-    """StarCoder2's MLP is c_fc and c_proj (no gate): adapters of those and of attention give the
-    greedy tokens of HF with the adapter merged."""
-    from test_model import tiny_starcoder2
+UNGATED_MLP_ADAPTERS = {  # model -> the PEFT modules an adapter targets: (in, out features)
+    "starcoder2": {"self_attn.q_proj": (128, 128), "self_attn.o_proj": (128, 128), "mlp.c_fc": (128, 192),
+                   "mlp.c_proj": (192, 128)},
+    "phi2": {"self_attn.q_proj": (160, 160), "self_attn.dense": (160, 160), "mlp.fc1": (160, 192),
+             "mlp.fc2": (192, 160)},
+}
 
-    hf_model = tiny_starcoder2(tmp_path / "model")
+
+@pytest.mark.parametrize("model_name", sorted(UNGATED_MLP_ADAPTERS))
+def test_adapters_of_ungated_mlps(tmp_path, model_name):
+    """StarCoder2's MLP is c_fc and c_proj, Phi-2's fc1 and fc2 (no gate), Phi-2's output
+    projection `dense`: adapters of those and of attention give the greedy tokens of HF with the
+    adapter merged."""
+    import test_model
+
+    hf_model = getattr(test_model, f"tiny_{model_name}")(tmp_path / "model")
     generator = torch.Generator().manual_seed(11)
-    shapes = {"self_attn.q_proj": (128, 128), "self_attn.o_proj": (128, 128), "mlp.c_fc": (128, 192),
-              "mlp.c_proj": (192, 128)}
+    shapes = UNGATED_MLP_ADAPTERS[model_name]
     weights = {}
     for layer in range(2):
         for module, (in_features, out_features) in shapes.items():

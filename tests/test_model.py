@@ -413,6 +413,35 @@ def test_tiny_cohere_matches_hf(tmp_path, use_qk_norm):
     assert_greedy_generation_matches_hf(model, directory, (40, 9), 16, seed=7)
 
 
+def tiny_phi2(directory):
+    """A random Phi-2 (hidden 160, 2 heads of 80, rotary on 32 dims of each) with random norms and
+    biases, saved in `directory`. Returns the HF model."""
+    from transformers import PhiConfig, PhiForCausalLM
+
+    config = PhiConfig(vocab_size=256, hidden_size=160, intermediate_size=192, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512,
+                       eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    torch.manual_seed(0)
+    model = PhiForCausalLM(config)
+    randomize_norms(model, 0.5, 1.5)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias"):
+                parameter.uniform_(-0.5, 0.5)
+        model.lm_head.weight.normal_(std=0.5)
+    save_tiny_checkpoint(directory, model.eval())
+    return model
+
+
+def test_tiny_phi2_matches_hf(tmp_path):
+    """Phi-2: parallel attention and GELU MLP off one biased LayerNorm, biases everywhere (the LM
+    head's too), rotary embedding on 40% of each head (32 of 80 dims)."""
+    model, directory = tiny_phi2(tmp_path), str(tmp_path)
+    loaded = assert_prefill_matches_hf(directory, "phi")
+    assert loaded.model.lm_head.bias is not None and loaded.model.layers[0].self_attn.o_proj.bias is not None
+    assert_greedy_generation_matches_hf(model, directory, (40, 9), 16, seed=7)
+
+
 def tiny_olmo(model_type: str):
     """A random OLMo 2, or OLMo 3 with sliding (window 16, rope base 1e4) and full layers (rope
     base 5e5, linear scaling)."""

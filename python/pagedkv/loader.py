@@ -17,6 +17,7 @@ from pagedkv.models.gemma import GemmaForCausalLM
 from pagedkv.models.glm4 import Glm4ForCausalLM
 from pagedkv.models.llama import LlamaForCausalLM
 from pagedkv.models.olmo2 import Olmo2ForCausalLM
+from pagedkv.models.phi import PhiForCausalLM
 from pagedkv.models.starcoder2 import Starcoder2ForCausalLM
 
 logger = logging.getLogger("pagedkv.loader")
@@ -32,6 +33,7 @@ ARCHITECTURES = {
     "starcoder2": Starcoder2ForCausalLM,
     "glm4": Glm4ForCausalLM,
     "cohere": CohereForCausalLM,
+    "phi": PhiForCausalLM,
 }
 SUPPORTED = tuple(ARCHITECTURES)
 

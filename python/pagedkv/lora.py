@@ -28,6 +28,7 @@ _TARGETS = {
     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0),
     "qkv_proj": ("qkv_proj", None), "gate_up_proj": ("gate_up_proj", None),
     "c_fc": ("c_fc", 0), "c_proj": ("c_proj", 0),  # StarCoder2's MLP
+    "fc1": ("c_fc", 0), "fc2": ("c_proj", 0), "dense": ("o_proj", 0),  # Phi-2's names for the same
 }
 _STACKS_KEPT = 8  # adapter sets whose stacked matrices are kept
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")

@@ -5,6 +5,8 @@ from pagedkv.models.gemma import GemmaForCausalLM
 from pagedkv.models.glm4 import Glm4ForCausalLM
 from pagedkv.models.llama import LlamaForCausalLM
 from pagedkv.models.olmo2 import Olmo2ForCausalLM
+from pagedkv.models.phi import PhiForCausalLM
 from pagedkv.models.starcoder2 import Starcoder2ForCausalLM
 
-__all__ = ["CohereForCausalLM", "GemmaForCausalLM", "Glm4ForCausalLM", "LlamaForCausalLM", "Olmo2ForCausalLM", "Starcoder2ForCausalLM"]
+__all__ = ["CohereForCausalLM", "GemmaForCausalLM", "Glm4ForCausalLM", "LlamaForCausalLM", "Olmo2ForCausalLM",
+           "PhiForCausalLM", "Starcoder2ForCausalLM"]

@@ -18,7 +18,7 @@ from pagedkv.models.llama import LlamaAttention, LlamaForCausalLM
 
 class Starcoder2MLP(nn.Module):
     """c_proj(gelu(c_fc(x))); GELU's tanh approximation for `gelu_pytorch_tanh` (the released
-    models') and `gelu_new`, exact for `gelu`."""
+    models') and `gelu_new`, exact for `gelu`. Phi-2's fc1/fc2 MLP is the same."""
 
     def __init__(self, hf_config, layer_index: int):
         super().__init__()
@@ -27,8 +27,9 @@ class Starcoder2MLP(nn.Module):
             raise ValueError(f"StarCoder2 hidden_act {hf_config.hidden_act!r} is not supported "
                              "(gelu_pytorch_tanh, gelu_new or gelu)")
         self.approximate = "none" if hf_config.hidden_act == "gelu" else "tanh"
-        self.c_fc = nn.Linear(hf_config.hidden_size, hf_config.intermediate_size, bias=hf_config.use_bias)
-        self.c_proj = nn.Linear(hf_config.intermediate_size, hf_config.hidden_size, bias=hf_config.use_bias)
+        bias = getattr(hf_config, "use_bias", True)
+        self.c_fc = nn.Linear(hf_config.hidden_size, hf_config.intermediate_size, bias=bias)
+        self.c_proj = nn.Linear(hf_config.intermediate_size, hf_config.hidden_size, bias=bias)
 
     def forward(self, hidden, lora=None):
         up = self.c_fc(hidden)

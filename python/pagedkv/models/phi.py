@@ -1,0 +1,76 @@
+"""Phi-1, Phi-1.5 and Phi-2 (`phi`) over the paged cache.
+
+Parallel blocks: one LayerNorm (with bias) per layer feeds attention and a GELU MLP side by side,
+both adding to the residual stream; biases on every projection and on the LM head, rotary
+embedding on part of each head (40% in Phi-2). Checkpoint names map onto StarCoder2's MLP
+(fc1, fc2 -> c_fc, c_proj) and Llama's attention (dense -> o_proj).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedkv.attention.metadata import AttentionMetadata
+from pagedkv.models.llama import LlamaAttention, LlamaForCausalLM
+from pagedkv.models.starcoder2 import Starcoder2MLP
+
+_CHECKPOINT_NAMES = ((".self_attn.dense.", ".self_attn.o_proj."), (".mlp.fc1.", ".mlp.c_fc."),
+                     (".mlp.fc2.", ".mlp.c_proj."), ("model.final_layernorm.", "model.norm."))
+
+
+class PhiAttention(LlamaAttention):
+    def __init__(self, hf_config, layer_index: int):
+        if getattr(hf_config, "qk_layernorm", False):
+            raise ValueError("Phi with qk_layernorm=True is not supported")
+        super().__init__(hf_config, layer_index)
+        self.qkv_proj = nn.Linear(hf_config.hidden_size, self.q_size + 2 * self.kv_size, bias=True)
+        self.o_proj = nn.Linear(self.q_size, hf_config.hidden_size, bias=True)
+
+
+class PhiDecoderLayer(nn.Module):
+    is_moe = False
+
+    def __init__(self, hf_config, layer_index: int):
+        super().__init__()
+        self.input_layernorm = nn.LayerNorm(hf_config.hidden_size, hf_config.layer_norm_eps)
+        self.self_attn = PhiAttention(hf_config, layer_index)
+        self.mlp = Starcoder2MLP(hf_config, layer_index)
+
+    def forward(self, hidden, cos_sin, metadata, kv_cache, backend, lora=None):
+        normalized = self.input_layernorm(hidden)
+        attended = self.self_attn(normalized, cos_sin, metadata, kv_cache, backend, lora)
+        return hidden + attended + self.mlp(normalized, lora)
+
+
+class PhiForCausalLM(LlamaForCausalLM):
+    """Phi-1/1.5/2, with the interface of LlamaForCausalLM (forward, compute_logits,
+    load_hf_state_dict, layers with self_attn and mlp)."""
+
+    decoder_layer_class = PhiDecoderLayer
+    norm_class = nn.LayerNorm
+
+    def __init__(self, hf_config, max_positions: int, dtype: torch.dtype):
+        super().__init__(hf_config, max_positions, dtype)
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=True)
+
+    def forward(self, input_ids, positions, metadata: AttentionMetadata, kv_cache, backend, lora=None) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        for layer, cos_sin in zip(self.layers, self.layer_rotations(positions)):
+            hidden = layer(hidden, cos_sin, metadata, kv_cache, backend, lora)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.tie_word_embeddings:
+            return super().compute_logits(hidden)
+        return F.linear(hidden, self.lm_head.weight, self.lm_head.bias).float()
+
+    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        renamed = {}
+        for name, tensor in state.items():
+            for theirs, ours in _CHECKPOINT_NAMES:
+                name = name.replace(theirs, ours)
+            renamed[name] = tensor
+        super().load_hf_state_dict(renamed)
