@@ -442,6 +442,30 @@ def test_tiny_phi2_matches_hf(tmp_path):
     assert_greedy_generation_matches_hf(model, directory, (40, 9), 16, seed=7)
 
 
+@pytest.mark.parametrize("parallel", [True, False], ids=["pythia", "sequential"])
+def test_tiny_gpt_neox_matches_hf(tmp_path, parallel):
+    """GPT-NeoX: two biased LayerNorms per layer, attention and MLP in parallel (Pythia) or in
+    sequence, q/k/v interleaved per head in one checkpoint tensor, rotary embedding on a quarter
+    of each head (16 of 64 dims)."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    config = GPTNeoXConfig(vocab_size=256, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
+                           num_attention_heads=2, max_position_embeddings=512, use_parallel_residual=parallel,
+                           eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    torch.manual_seed(0)
+    model = GPTNeoXForCausalLM(config)
+    randomize_norms(model, 0.5, 1.5)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias"):
+                parameter.uniform_(-0.5, 0.5)
+        model.get_output_embeddings().weight.normal_(std=0.5)
+    directory = save_tiny_checkpoint(tmp_path, model.eval())
+    loaded = assert_prefill_matches_hf(directory, "gpt_neox")
+    assert loaded.model.layers[0].use_parallel_residual == parallel
+    assert_greedy_generation_matches_hf(model, directory, (40, 9), 16, seed=7)
+
+
 def tiny_olmo(model_type: str):
     """A random OLMo 2, or OLMo 3 with sliding (window 16, rope base 1e4) and full layers (rope
     base 5e5, linear scaling)."""

@@ -15,6 +15,7 @@ import torch
 from pagedkv.models.cohere import CohereForCausalLM
 from pagedkv.models.gemma import GemmaForCausalLM
 from pagedkv.models.glm4 import Glm4ForCausalLM
+from pagedkv.models.gpt_neox import GPTNeoXForCausalLM
 from pagedkv.models.llama import LlamaForCausalLM
 from pagedkv.models.olmo2 import Olmo2ForCausalLM
 from pagedkv.models.phi import PhiForCausalLM
@@ -34,6 +35,7 @@ ARCHITECTURES = {
     "glm4": Glm4ForCausalLM,
     "cohere": CohereForCausalLM,
     "phi": PhiForCausalLM,
+    "gpt_neox": GPTNeoXForCausalLM,
 }
 SUPPORTED = tuple(ARCHITECTURES)
 
