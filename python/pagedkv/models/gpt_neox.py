@@ -3,7 +3,7 @@
 Two LayerNorms (with bias) per layer, attention and a GELU MLP side by side off them (parallel
 residual, Pythia's) or one after the other, biased projections, rotary embedding on a quarter of
 each head. The checkpoint's fused query_key_value holds q, k and v interleaved per head; it is
-split at load into Llama's attention, and its MLP into StarCoder2's.
+split at load into Llama's attention; its MLP is the ungated one (layers/ungated_mlp.py).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from pagedkv.attention.metadata import AttentionMetadata
+from pagedkv.layers.ungated_mlp import UngatedMLP
 from pagedkv.models.llama import LlamaAttention, LlamaForCausalLM
-from pagedkv.models.starcoder2 import Starcoder2MLP
 
 _CHECKPOINT_NAMES = (("gpt_neox.embed_in.", "model.embed_tokens."), ("gpt_neox.final_layer_norm.", "model.norm."),
                      ("gpt_neox.", "model."), ("embed_out.", "lm_head."), (".attention.dense.", ".self_attn.o_proj."),
@@ -29,7 +29,7 @@ class GPTNeoXLayer(nn.Module):
         self.input_layernorm = nn.LayerNorm(hf_config.hidden_size, hf_config.layer_norm_eps)
         self.post_attention_layernorm = nn.LayerNorm(hf_config.hidden_size, hf_config.layer_norm_eps)
         self.self_attn = LlamaAttention(hf_config, layer_index)
-        self.mlp = Starcoder2MLP(hf_config, layer_index)
+        self.mlp = UngatedMLP(hf_config.hidden_size, hf_config.intermediate_size, hf_config.hidden_act, layer_index)
 
     def forward(self, hidden, cos_sin, metadata, kv_cache, backend, lora=None):
         attended = self.self_attn(self.input_layernorm(hidden), cos_sin, metadata, kv_cache, backend, lora)

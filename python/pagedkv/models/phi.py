@@ -2,7 +2,7 @@
 
 Parallel blocks: one LayerNorm (with bias) per layer feeds attention and a GELU MLP side by side,
 both adding to the residual stream; biases on every projection and on the LM head, rotary
-embedding on part of each head (40% in Phi-2). Checkpoint names map onto StarCoder2's MLP
+embedding on part of each head (40% in Phi-2). Checkpoint names map onto the ungated MLP
 (fc1, fc2 -> c_fc, c_proj) and Llama's attention (dense -> o_proj).
 """
 
@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedkv.attention.metadata import AttentionMetadata
+from pagedkv.layers.ungated_mlp import UngatedMLP
 from pagedkv.models.llama import LlamaAttention, LlamaForCausalLM
-from pagedkv.models.starcoder2 import Starcoder2MLP
 
 _CHECKPOINT_NAMES = ((".self_attn.dense.", ".self_attn.o_proj."), (".mlp.fc1.", ".mlp.c_fc."),
                      (".mlp.fc2.", ".mlp.c_proj."), ("model.final_layernorm.", "model.norm."))
@@ -36,7 +36,7 @@ class PhiDecoderLayer(nn.Module):
         super().__init__()
         self.input_layernorm = nn.LayerNorm(hf_config.hidden_size, hf_config.layer_norm_eps)
         self.self_attn = PhiAttention(hf_config, layer_index)
-        self.mlp = Starcoder2MLP(hf_config, layer_index)
+        self.mlp = UngatedMLP(hf_config.hidden_size, hf_config.intermediate_size, hf_config.hidden_act, layer_index)
 
     def forward(self, hidden, cos_sin, metadata, kv_cache, backend, lora=None):
         normalized = self.input_layernorm(hidden)

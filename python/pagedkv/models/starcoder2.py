@@ -9,37 +9,11 @@ sequence's blocks behind it.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedkv.attention.metadata import AttentionMetadata
+from pagedkv.layers.ungated_mlp import UngatedMLP
 from pagedkv.models.llama import LlamaAttention, LlamaForCausalLM
-
-
-class Starcoder2MLP(nn.Module):
-    """c_proj(gelu(c_fc(x))); GELU's tanh approximation for `gelu_pytorch_tanh` (the released
-    models') and `gelu_new`, exact for `gelu`. Phi-2's fc1/fc2 MLP is the same."""
-
-    def __init__(self, hf_config, layer_index: int):
-        super().__init__()
-        self.layer_index = layer_index
-        if hf_config.hidden_act not in ("gelu_pytorch_tanh", "gelu_new", "gelu"):
-            raise ValueError(f"StarCoder2 hidden_act {hf_config.hidden_act!r} is not supported "
-                             "(gelu_pytorch_tanh, gelu_new or gelu)")
-        self.approximate = "none" if hf_config.hidden_act == "gelu" else "tanh"
-        bias = getattr(hf_config, "use_bias", True)
-        self.c_fc = nn.Linear(hf_config.hidden_size, hf_config.intermediate_size, bias=bias)
-        self.c_proj = nn.Linear(hf_config.intermediate_size, hf_config.hidden_size, bias=bias)
-
-    def forward(self, hidden, lora=None):
-        up = self.c_fc(hidden)
-        if lora is not None:
-            lora.add(self.layer_index, "c_fc", hidden, up)
-        activated = F.gelu(up, approximate=self.approximate)
-        out = self.c_proj(activated)
-        if lora is not None:
-            lora.add(self.layer_index, "c_proj", activated, out)
-        return out
 
 
 class Starcoder2DecoderLayer(nn.Module):
@@ -50,7 +24,8 @@ class Starcoder2DecoderLayer(nn.Module):
         self.input_layernorm = nn.LayerNorm(hf_config.hidden_size, hf_config.norm_epsilon)
         self.self_attn = LlamaAttention(hf_config, layer_index)
         self.post_attention_layernorm = nn.LayerNorm(hf_config.hidden_size, hf_config.norm_epsilon)
-        self.mlp = Starcoder2MLP(hf_config, layer_index)
+        self.mlp = UngatedMLP(hf_config.hidden_size, hf_config.intermediate_size, hf_config.hidden_act, layer_index,
+                              bias=hf_config.use_bias)
 
     def forward(self, hidden, cos_sin, metadata, kv_cache, backend, lora=None):
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos_sin, metadata, kv_cache, backend, lora)
