@@ -15,9 +15,11 @@ import torch
 from pagedkv.models.cohere import CohereForCausalLM
 from pagedkv.models.gemma import GemmaForCausalLM
 from pagedkv.models.glm4 import Glm4ForCausalLM
+from pagedkv.models.gpt2 import GPT2ForCausalLM
 from pagedkv.models.gpt_neox import GPTNeoXForCausalLM
 from pagedkv.models.llama import LlamaForCausalLM
 from pagedkv.models.olmo2 import Olmo2ForCausalLM
+from pagedkv.models.opt import OPTForCausalLM
 from pagedkv.models.phi import PhiForCausalLM
 from pagedkv.models.starcoder2 import Starcoder2ForCausalLM
 
@@ -36,6 +38,8 @@ ARCHITECTURES = {
     "cohere": CohereForCausalLM,
     "phi": PhiForCausalLM,
     "gpt_neox": GPTNeoXForCausalLM,
+    "gpt2": GPT2ForCausalLM,
+    "opt": OPTForCausalLM,
 }
 SUPPORTED = tuple(ARCHITECTURES)
 

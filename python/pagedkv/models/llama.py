@@ -38,13 +38,13 @@ def layer_sliding_window(hf_config, layer_index: int) -> int | None:
 
 
 def norm_eps(hf_config) -> float:
-    """The epsilon of the model's norms: `rms_norm_eps`, StarCoder2's `norm_epsilon` or
-    Cohere's `layer_norm_eps`."""
-    for name in ("rms_norm_eps", "norm_epsilon", "layer_norm_eps"):
+    """The epsilon of the model's norms: `rms_norm_eps`, StarCoder2's `norm_epsilon`, Cohere's
+    `layer_norm_eps`, GPT-2's `layer_norm_epsilon`, else LayerNorm's default (OPT's)."""
+    for name in ("rms_norm_eps", "norm_epsilon", "layer_norm_eps", "layer_norm_epsilon"):
         eps = getattr(hf_config, name, None)
         if eps is not None:
             return eps
-    raise ValueError(f"{hf_config.model_type} config names no norm epsilon")
+    return 1e-5
 
 
 class LlamaAttention(nn.Module):
