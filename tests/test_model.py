@@ -494,6 +494,46 @@ def test_learned_position_models_match_hf(tmp_path, index):
     assert_greedy_generation_matches_hf(model, directory, (40, 9), 16, seed=7)
 
 
+def tiny_llama_variants():
+    """(model_type, HF model) of Llama's layout with other rope layouts and biases: Ministral
+    (every layer windowed), Helium (pairs rotated, biased q/k/v, unbiased o_proj, biased MLP),
+    Seed-OSS (its own attention_out_bias), ERNIE 4.5 (pairs rotated, biases everywhere) and GLM
+    (pairs rotated over half of each head, gate/up fused)."""
+    import transformers
+
+    common = dict(vocab_size=256, hidden_size=128, intermediate_size=192, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, max_position_embeddings=512, eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    variants = {
+        "ministral": ("MinistralConfig", "MinistralForCausalLM", dict(sliding_window=16, layer_types=["sliding_attention"] * 2)),
+        "helium": ("HeliumConfig", "HeliumForCausalLM", dict(attention_bias=True, mlp_bias=True)),
+        "seed_oss": ("SeedOssConfig", "SeedOssForCausalLM", dict(attention_bias=True, attention_out_bias=False,
+                                                                  mlp_bias=True)),
+        "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", dict(use_bias=True)),
+        "glm": ("GlmConfig", "GlmForCausalLM", dict(attention_bias=True)),
+    }
+    for model_type, (config_class, model_class, extra) in variants.items():
+        torch.manual_seed(0)
+        config = getattr(transformers, config_class)(**common, head_dim=64, **extra)
+        yield model_type, getattr(transformers, model_class)(config)
+
+
+@pytest.mark.parametrize("index", range(5), ids=["ministral", "helium", "seed_oss", "ernie4_5", "glm"])
+def test_llama_variants_match_hf(tmp_path, index):
+    model_type, model = list(tiny_llama_variants())[index]
+    randomize_norms(model, 0.5, 1.5)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias"):
+                parameter.uniform_(-0.5, 0.5)
+        model.get_output_embeddings().weight.normal_(std=0.5)
+    directory = save_tiny_checkpoint(tmp_path, model.eval())
+    loaded = assert_prefill_matches_hf(directory, model_type)
+    attention = loaded.model.layers[0].self_attn
+    assert attention.rope_interleaved == (model_type in ("helium", "ernie4_5", "glm"))
+    assert (attention.o_proj.bias is not None) == (model_type == "ernie4_5")
+    assert_greedy_generation_matches_hf(model, directory, (40, 9), 16, seed=7)
+
+
 def tiny_olmo(model_type: str):
     """A random OLMo 2, or OLMo 3 with sliding (window 16, rope base 1e4) and full layers (rope
     base 5e5, linear scaling)."""

@@ -29,7 +29,7 @@ EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # model_type -> our class
 ARCHITECTURES = {
     **dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "smollm3", "granite",
-                     "phi3", "granitemoe", "olmoe", "gpt_oss"),
+                     "phi3", "granitemoe", "olmoe", "gpt_oss", "ministral", "helium", "seed_oss", "ernie4_5", "glm"),
                     LlamaForCausalLM),
     **dict.fromkeys(("gemma", "gemma2", "gemma3_text"), GemmaForCausalLM),
     **dict.fromkeys(("olmo2", "olmo3"), Olmo2ForCausalLM),

@@ -33,8 +33,7 @@ class CohereLayerNorm(nn.Module):
 
 class CohereAttention(LlamaAttention):
     def __init__(self, hf_config, layer_index: int):
-        super().__init__(hf_config, layer_index)
-        self.rope_interleaved = True
+        super().__init__(hf_config, layer_index)  # (rotating pairs of dims: by model type)
         if hf_config.use_qk_norm:
             self.q_norm = CohereLayerNorm((self.num_heads, self.head_dim), hf_config.layer_norm_eps)
             self.k_norm = CohereLayerNorm((self.num_kv_heads, self.head_dim), hf_config.layer_norm_eps)

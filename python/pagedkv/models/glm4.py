@@ -16,19 +16,12 @@ from pagedkv.layers.rms_norm import RMSNorm
 from pagedkv.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 
 
-class Glm4Attention(LlamaAttention):
-    def __init__(self, hf_config, layer_index: int):
-        super().__init__(hf_config, layer_index)
-        self.rope_interleaved = True
-        self.o_proj = nn.Linear(self.q_size, hf_config.hidden_size, bias=False)  # (attention_bias: q/k/v only)
-
-
 class Glm4DecoderLayer(nn.Module):
     is_moe = False
 
     def __init__(self, hf_config, layer_index: int):
         super().__init__()
-        self.self_attn = Glm4Attention(hf_config, layer_index)
+        self.self_attn = LlamaAttention(hf_config, layer_index)  # (pairs rotated, o_proj unbiased: by model type)
         self.mlp = LlamaMLP(hf_config, layer_index)
         norm = lambda: RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)  # noqa: E731
         self.input_layernorm, self.post_self_attn_layernorm = norm(), norm()

@@ -22,6 +22,10 @@ from pagedkv.layers.rotary_embedding import RotaryEmbedding, split_and_rotate, s
 # Query/key RMSNorm before the rotation: per head (Qwen3's) or over whole projections (OLMo's)
 HEAD_QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
 PROJECTION_QK_NORM_MODEL_TYPES = ("olmo2", "olmo3", "olmoe")
+# Rotary embedding over adjacent pairs of dims (GPT-J's layout) instead of the two halves
+INTERLEAVED_ROPE_MODEL_TYPES = ("glm", "glm4", "helium", "ernie4_5", "cohere")
+# An output projection without bias where q/k/v have one (attention_bias)
+UNBIASED_OUTPUT_MODEL_TYPES = ("glm", "glm4", "helium")
 
 
 def layer_sliding_window(hf_config, layer_index: int) -> int | None:
@@ -63,9 +67,12 @@ class LlamaAttention(nn.Module):
         # SmolLM3 leaves rotary embedding out of the layers whose no_rope_layers entry is 0
         no_rope_layers = getattr(hf_config, "no_rope_layers", None)
         self.use_rope = no_rope_layers is None or bool(no_rope_layers[layer_index])
-        self.rope_interleaved = False  # (GLM-4's rotates adjacent pairs)
+        self.rope_interleaved = hf_config.model_type in INTERLEAVED_ROPE_MODEL_TYPES
+        bias = bool(getattr(hf_config, "attention_bias", False) or getattr(hf_config, "use_bias", False)
+                    or getattr(hf_config, "qkv_bias", False) or hf_config.model_type == "qwen2")
         output_bias = bool(getattr(hf_config, "attention_bias", False) or getattr(hf_config, "use_bias", False))
-        bias = output_bias or bool(getattr(hf_config, "qkv_bias", False)) or hf_config.model_type == "qwen2"
+        output_bias = bool(getattr(hf_config, "attention_out_bias", output_bias))  # (Seed-OSS names its own)
+        output_bias = output_bias and hf_config.model_type not in UNBIASED_OUTPUT_MODEL_TYPES
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(hf_config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
@@ -122,8 +129,9 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.layer_index = layer_index
         self.act_and_mul = act_and_mul
-        self.gate_up_proj = nn.Linear(hf_config.hidden_size, 2 * hf_config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(hf_config.intermediate_size, hf_config.hidden_size, bias=False)
+        bias = bool(getattr(hf_config, "mlp_bias", False) or getattr(hf_config, "use_bias", False))
+        self.gate_up_proj = nn.Linear(hf_config.hidden_size, 2 * hf_config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(hf_config.intermediate_size, hf_config.hidden_size, bias=bias)
 
     def forward(self, hidden, lora=None):
         if lora is None:
@@ -247,9 +255,10 @@ class LlamaForCausalLM(nn.Module):
             if layer.is_moe:
                 fused.update(_stacked_experts(own, p + "mlp.", layer.mlp.num_experts))
             elif p + "mlp.gate_proj.weight" in own:  # (StarCoder2's c_fc and c_proj load as they are)
-                fused[p + "mlp.gate_up_proj.weight"] = torch.cat(
-                    [own.pop(p + "mlp.gate_proj.weight"), own.pop(p + "mlp.up_proj.weight")], dim=0
-                )
+                for kind in ("weight", "bias") if p + "mlp.gate_proj.bias" in own else ("weight",):
+                    fused[p + f"mlp.gate_up_proj.{kind}"] = torch.cat(
+                        [own.pop(p + f"mlp.gate_proj.{kind}"), own.pop(p + f"mlp.up_proj.{kind}")], dim=0
+                    )
         own.update(fused)
         if self.tie_word_embeddings:
             own.pop("lm_head.weight", None)
