@@ -467,20 +467,26 @@ def test_tiny_gpt_neox_matches_hf(tmp_path, parallel):
 
 
 def tiny_absolute_position_models():
-    """(model_type, HF model) of the learned-position families: GPT-2 and OPT."""
-    from transformers import GPT2Config, GPT2LMHeadModel, OPTConfig, OPTForCausalLM
+    """(model_type, HF model) of the learned-position families: GPT-2, OPT, and GPTBigCode with
+    multi-query attention (StarCoder's) and without."""
+    from transformers import GPT2Config, GPT2LMHeadModel, GPTBigCodeConfig, GPTBigCodeForCausalLM, OPTConfig, OPTForCausalLM
 
     common = dict(vocab_size=256, eos_token_id=2, bos_token_id=1, pad_token_id=0)
     torch.manual_seed(0)
     yield "gpt2", GPT2LMHeadModel(GPT2Config(n_embd=128, n_layer=2, n_head=2, n_positions=512, **common))
     yield "opt", OPTForCausalLM(OPTConfig(hidden_size=128, ffn_dim=192, num_hidden_layers=2, num_attention_heads=2,
                                           word_embed_proj_dim=128, max_position_embeddings=512, **common))
+    for multi_query in (True, False):
+        torch.manual_seed(0)
+        yield "gpt_bigcode", GPTBigCodeForCausalLM(GPTBigCodeConfig(n_embd=128, n_layer=2, n_head=2, n_positions=512,
+                                                                    multi_query=multi_query, **common))
 
 
-@pytest.mark.parametrize("index", range(2), ids=["gpt2", "opt"])
+@pytest.mark.parametrize("index", range(4), ids=["gpt2", "opt", "starcoder-mqa", "gpt_bigcode-mha"])
 def test_learned_position_models_match_hf(tmp_path, index):
-    """GPT-2 (Conv1D weights, fused c_attn) and OPT (positions offset by 2, ReLU MLP): learned
-    absolute positions instead of rotary embedding, biased LayerNorms and projections."""
+    """GPT-2 (Conv1D weights, fused c_attn), OPT (positions offset by 2, ReLU MLP) and GPTBigCode
+    (multi-query or per-head fused c_attn): learned absolute positions instead of rotary
+    embedding, biased LayerNorms and projections."""
     model_type, model = list(tiny_absolute_position_models())[index]
     randomize_norms(model, 0.5, 1.5)
     with torch.no_grad():
@@ -491,6 +497,8 @@ def test_learned_position_models_match_hf(tmp_path, index):
     directory = save_tiny_checkpoint(tmp_path, model.eval())
     loaded = assert_prefill_matches_hf(directory, model_type)
     assert not loaded.model.layers[0].self_attn.use_rope
+    if model_type == "gpt_bigcode":
+        assert loaded.model.layers[0].self_attn.num_kv_heads == (1 if model.config.multi_query else 2)
     assert_greedy_generation_matches_hf(model, directory, (40, 9), 16, seed=7)
 
 

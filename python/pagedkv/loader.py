@@ -16,6 +16,7 @@ from pagedkv.models.cohere import CohereForCausalLM
 from pagedkv.models.gemma import GemmaForCausalLM
 from pagedkv.models.glm4 import Glm4ForCausalLM
 from pagedkv.models.gpt2 import GPT2ForCausalLM
+from pagedkv.models.gpt_bigcode import GPTBigCodeForCausalLM
 from pagedkv.models.gpt_neox import GPTNeoXForCausalLM
 from pagedkv.models.llama import LlamaForCausalLM
 from pagedkv.models.olmo2 import Olmo2ForCausalLM
@@ -40,6 +41,7 @@ ARCHITECTURES = {
     "gpt_neox": GPTNeoXForCausalLM,
     "gpt2": GPT2ForCausalLM,
     "opt": OPTForCausalLM,
+    "gpt_bigcode": GPTBigCodeForCausalLM,
 }
 SUPPORTED = tuple(ARCHITECTURES)
 

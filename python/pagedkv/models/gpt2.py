@@ -56,6 +56,7 @@ class GPT2ForCausalLM(LlamaForCausalLM):
 
     decoder_layer_class = GPT2Block
     norm_class = nn.LayerNorm
+    conv1d_weights = True  # projections stored [in, out] (GPT-2's Conv1D), transposed at load
 
     def __init__(self, hf_config, max_positions: int, dtype: torch.dtype):
         super().__init__(hf_config, max_positions, dtype)
@@ -74,5 +75,5 @@ class GPT2ForCausalLM(LlamaForCausalLM):
                 continue  # (old checkpoints' causal-mask buffers)
             for theirs, ours in _CHECKPOINT_NAMES:
                 name = name.replace(theirs, ours)
-            renamed[name] = tensor.t() if name.endswith(_CONV1D) else tensor
+            renamed[name] = tensor.t() if self.conv1d_weights and name.endswith(_CONV1D) else tensor
         super().load_hf_state_dict(renamed)
