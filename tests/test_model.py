@@ -542,6 +542,28 @@ def test_llama_variants_match_hf(tmp_path, index):
     assert_greedy_generation_matches_hf(model, directory, (40, 9), 16, seed=7)
 
 
+def test_tiny_gptj_matches_hf(tmp_path):
+    """GPT-J: parallel blocks, unbiased attention, rotary embedding over adjacent pairs of the first
+    16 of 64 dims of each head, biased MLP and LM head."""
+    from transformers import GPTJConfig, GPTJForCausalLM
+
+    config = GPTJConfig(vocab_size=256, n_embd=128, n_layer=2, n_head=2, rotary_dim=16, n_positions=512,
+                        eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    torch.manual_seed(0)
+    model = GPTJForCausalLM(config)
+    randomize_norms(model, 0.5, 1.5)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias"):
+                parameter.uniform_(-0.5, 0.5)
+        model.lm_head.weight.normal_(std=0.5)
+    directory = save_tiny_checkpoint(tmp_path, model.eval())
+    loaded = assert_prefill_matches_hf(directory, "gptj")
+    attention = loaded.model.layers[0].self_attn
+    assert attention.rope_interleaved and attention.qkv_proj.bias is None and loaded.model.lm_head.bias is not None
+    assert_greedy_generation_matches_hf(model, directory, (40, 9), 16, seed=7)
+
+
 def tiny_olmo(model_type: str):
     """A random OLMo 2, or OLMo 3 with sliding (window 16, rope base 1e4) and full layers (rope
     base 5e5, linear scaling)."""

@@ -18,6 +18,7 @@ from pagedkv.models.glm4 import Glm4ForCausalLM
 from pagedkv.models.gpt2 import GPT2ForCausalLM
 from pagedkv.models.gpt_bigcode import GPTBigCodeForCausalLM
 from pagedkv.models.gpt_neox import GPTNeoXForCausalLM
+from pagedkv.models.gptj import GPTJForCausalLM
 from pagedkv.models.llama import LlamaForCausalLM
 from pagedkv.models.olmo2 import Olmo2ForCausalLM
 from pagedkv.models.opt import OPTForCausalLM
@@ -42,6 +43,7 @@ ARCHITECTURES = {
     "gpt2": GPT2ForCausalLM,
     "opt": OPTForCausalLM,
     "gpt_bigcode": GPTBigCodeForCausalLM,
+    "gptj": GPTJForCausalLM,
 }
 SUPPORTED = tuple(ARCHITECTURES)
 

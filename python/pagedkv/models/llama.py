@@ -23,7 +23,7 @@ from pagedkv.layers.rotary_embedding import RotaryEmbedding, split_and_rotate, s
 HEAD_QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
 PROJECTION_QK_NORM_MODEL_TYPES = ("olmo2", "olmo3", "olmoe")
 # Rotary embedding over adjacent pairs of dims (GPT-J's layout) instead of the two halves
-INTERLEAVED_ROPE_MODEL_TYPES = ("glm", "glm4", "helium", "ernie4_5", "cohere")
+INTERLEAVED_ROPE_MODEL_TYPES = ("glm", "glm4", "helium", "ernie4_5", "cohere", "gptj")
 # An output projection without bias where q/k/v have one (attention_bias)
 UNBIASED_OUTPUT_MODEL_TYPES = ("glm", "glm4", "helium")
 

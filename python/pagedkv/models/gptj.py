@@ -1,0 +1,57 @@
+"""GPT-J (`gptj`: GPT-J-6B and its fine-tunes) over the paged cache.
+
+Parallel blocks as Phi-2's (one LayerNorm feeds attention and the GELU MLP side by side), but
+q/k/v and output projections without bias, and rotary embedding over adjacent pairs of the
+first `rotary_dim` dims of each head. The LM head has a bias.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedkv.layers.ungated_mlp import UngatedMLP
+from pagedkv.models.llama import LlamaAttention, LlamaForCausalLM
+from pagedkv.models.phi import PhiForCausalLM
+
+_CHECKPOINT_NAMES = (("transformer.wte.", "model.embed_tokens."), ("transformer.ln_f.", "model.norm."),
+                     ("transformer.h.", "model.layers."), (".ln_1.", ".input_layernorm."), (".attn.", ".self_attn."),
+                     (".self_attn.out_proj.", ".self_attn.o_proj."), (".mlp.fc_in.", ".mlp.c_fc."),
+                     (".mlp.fc_out.", ".mlp.c_proj."))
+
+
+class GPTJBlock(nn.Module):
+    is_moe = False
+
+    def __init__(self, hf_config, layer_index: int):
+        super().__init__()
+        hidden = hf_config.hidden_size
+        self.input_layernorm = nn.LayerNorm(hidden, hf_config.layer_norm_epsilon)
+        self.self_attn = LlamaAttention(hf_config, layer_index)  # (pairs rotated: by model type)
+        self.mlp = UngatedMLP(hidden, hf_config.n_inner or 4 * hidden, hf_config.activation_function, layer_index)
+
+    def forward(self, hidden, cos_sin, metadata, kv_cache, backend, lora=None):
+        normalized = self.input_layernorm(hidden)
+        attended = self.self_attn(normalized, cos_sin, metadata, kv_cache, backend, lora)
+        return hidden + attended + self.mlp(normalized, lora)
+
+
+class GPTJForCausalLM(PhiForCausalLM):
+    """GPT-J, with the interface of LlamaForCausalLM (Phi-2's parallel forward and biased LM head)."""
+
+    decoder_layer_class = GPTJBlock
+
+    def __init__(self, hf_config, max_positions: int, dtype: torch.dtype):
+        # (the rotary tables read the rotated share of a head as Phi's partial_rotary_factor)
+        hf_config.partial_rotary_factor = hf_config.rotary_dim / (hf_config.hidden_size // hf_config.num_attention_heads)
+        super().__init__(hf_config, max_positions, dtype)
+
+    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        renamed = {}
+        for name, tensor in state.items():
+            if name.endswith((".attn.bias", ".attn.masked_bias")):
+                continue  # (old checkpoints' causal-mask buffers)
+            for theirs, ours in _CHECKPOINT_NAMES:
+                name = name.replace(theirs, ours)
+            renamed[name] = tensor
+        LlamaForCausalLM.load_hf_state_dict(self, renamed)
