@@ -564,6 +564,25 @@ def test_tiny_gptj_matches_hf(tmp_path):
     assert_greedy_generation_matches_hf(model, directory, (40, 9), 16, seed=7)
 
 
+def test_tiny_olmo1_matches_hf(tmp_path):
+    """OLMo 1: Llama's blocks with LayerNorms that learn nothing, q/k/v clipped."""
+    from transformers import OlmoConfig, OlmoForCausalLM
+
+    config = OlmoConfig(vocab_size=256, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
+                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512, clip_qkv=0.5,
+                        eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    torch.manual_seed(0)
+    model = OlmoForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.normal_(std=0.5)
+        for layer in model.model.layers:  # q/k/v well past the clip
+            layer.self_attn.q_proj.weight.mul_(20)
+    directory = save_tiny_checkpoint(tmp_path, model.eval())
+    loaded = assert_prefill_matches_hf(directory, "olmo")
+    assert loaded.model.layers[0].self_attn.clip_qkv == 0.5
+    assert_greedy_generation_matches_hf(model, directory, (40, 9), 16, seed=7)
+
+
 def tiny_olmo(model_type: str):
     """A random OLMo 2, or OLMo 3 with sliding (window 16, rope base 1e4) and full layers (rope
     base 5e5, linear scaling)."""

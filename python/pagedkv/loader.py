@@ -20,6 +20,7 @@ from pagedkv.models.gpt_bigcode import GPTBigCodeForCausalLM
 from pagedkv.models.gpt_neox import GPTNeoXForCausalLM
 from pagedkv.models.gptj import GPTJForCausalLM
 from pagedkv.models.llama import LlamaForCausalLM
+from pagedkv.models.olmo import OlmoForCausalLM
 from pagedkv.models.olmo2 import Olmo2ForCausalLM
 from pagedkv.models.opt import OPTForCausalLM
 from pagedkv.models.phi import PhiForCausalLM
@@ -44,6 +45,7 @@ ARCHITECTURES = {
     "opt": OPTForCausalLM,
     "gpt_bigcode": GPTBigCodeForCausalLM,
     "gptj": GPTJForCausalLM,
+    "olmo": OlmoForCausalLM,
 }
 SUPPORTED = tuple(ARCHITECTURES)
 
