@@ -505,8 +505,8 @@ def test_learned_position_models_match_hf(tmp_path, index):
 def tiny_llama_variants():
     """(model_type, HF model) of Llama's layout with other rope layouts and biases: Ministral
     (every layer windowed), Helium (pairs rotated, biased q/k/v, unbiased o_proj, biased MLP),
-    Seed-OSS (its own attention_out_bias), ERNIE 4.5 (pairs rotated, biases everywhere) and GLM
-    (pairs rotated over half of each head, gate/up fused)."""
+    Seed-OSS (its own attention_out_bias), ERNIE 4.5 (pairs rotated, biases everywhere), GLM
+    (pairs rotated over half of each head, gate/up fused) and Arcee (an ungated squared-ReLU MLP)."""
     import transformers
 
     common = dict(vocab_size=256, hidden_size=128, intermediate_size=192, num_hidden_layers=2, num_attention_heads=2,
@@ -518,6 +518,7 @@ def tiny_llama_variants():
                                                                   mlp_bias=True)),
         "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", dict(use_bias=True)),
         "glm": ("GlmConfig", "GlmForCausalLM", dict(attention_bias=True)),
+        "arcee": ("ArceeConfig", "ArceeForCausalLM", dict(mlp_bias=True)),
     }
     for model_type, (config_class, model_class, extra) in variants.items():
         torch.manual_seed(0)
@@ -525,7 +526,7 @@ def tiny_llama_variants():
         yield model_type, getattr(transformers, model_class)(config)
 
 
-@pytest.mark.parametrize("index", range(5), ids=["ministral", "helium", "seed_oss", "ernie4_5", "glm"])
+@pytest.mark.parametrize("index", range(6), ids=["ministral", "helium", "seed_oss", "ernie4_5", "glm", "arcee"])
 def test_llama_variants_match_hf(tmp_path, index):
     model_type, model = list(tiny_llama_variants())[index]
     randomize_norms(model, 0.5, 1.5)
@@ -580,6 +581,27 @@ def test_tiny_olmo1_matches_hf(tmp_path):
     directory = save_tiny_checkpoint(tmp_path, model.eval())
     loaded = assert_prefill_matches_hf(directory, "olmo")
     assert loaded.model.layers[0].self_attn.clip_qkv == 0.5
+    assert_greedy_generation_matches_hf(model, directory, (40, 9), 16, seed=7)
+
+
+def test_tiny_nemotron_matches_hf(tmp_path):
+    """Nemotron: LayerNorms with (1 + w) weights and biases, a squared-ReLU MLP without gate,
+    rotary embedding on half of each head."""
+    from transformers import NemotronConfig, NemotronForCausalLM
+
+    config = NemotronConfig(vocab_size=256, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
+                            num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=512,
+                            eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    torch.manual_seed(0)
+    model = NemotronForCausalLM(config)
+    randomize_norms(model, -0.5, 0.5)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.bias"):
+                parameter.uniform_(-0.5, 0.5)
+        model.lm_head.weight.normal_(std=0.5)
+    directory = save_tiny_checkpoint(tmp_path, model.eval())
+    assert_prefill_matches_hf(directory, "nemotron")
     assert_greedy_generation_matches_hf(model, directory, (40, 9), 16, seed=7)
 
 

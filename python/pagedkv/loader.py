@@ -20,6 +20,7 @@ from pagedkv.models.gpt_bigcode import GPTBigCodeForCausalLM
 from pagedkv.models.gpt_neox import GPTNeoXForCausalLM
 from pagedkv.models.gptj import GPTJForCausalLM
 from pagedkv.models.llama import LlamaForCausalLM
+from pagedkv.models.nemotron import NemotronForCausalLM
 from pagedkv.models.olmo import OlmoForCausalLM
 from pagedkv.models.olmo2 import Olmo2ForCausalLM
 from pagedkv.models.opt import OPTForCausalLM
@@ -32,7 +33,8 @@ EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # model_type -> our class
 ARCHITECTURES = {
     **dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "smollm3", "granite",
-                     "phi3", "granitemoe", "olmoe", "gpt_oss", "ministral", "helium", "seed_oss", "ernie4_5", "glm"),
+                     "phi3", "granitemoe", "olmoe", "gpt_oss", "ministral", "helium", "seed_oss", "ernie4_5", "glm",
+                     "arcee"),
                     LlamaForCausalLM),
     **dict.fromkeys(("gemma", "gemma2", "gemma3_text"), GemmaForCausalLM),
     **dict.fromkeys(("olmo2", "olmo3"), Olmo2ForCausalLM),
@@ -46,6 +48,7 @@ ARCHITECTURES = {
     "gpt_bigcode": GPTBigCodeForCausalLM,
     "gptj": GPTJForCausalLM,
     "olmo": OlmoForCausalLM,
+    "nemotron": NemotronForCausalLM,
 }
 SUPPORTED = tuple(ARCHITECTURES)
 

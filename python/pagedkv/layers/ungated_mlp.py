@@ -1,5 +1,6 @@
-"""The two-matrix MLP of GPT-style blocks: c_proj(act(c_fc(x))), biased, no gate (StarCoder2,
-Phi-2, GPT-NeoX, GPT-2, OPT)."""
+"""The two-matrix MLP of GPT-style blocks: c_proj(act(c_fc(x))), no gate (StarCoder2, Phi-2,
+GPT-NeoX, GPT-J, GPT-2, OPT; Arcee's and Nemotron's squared-ReLU one, whose checkpoints name the
+matrices up_proj and down_proj)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ ACTIVATIONS = {
     "gelu_new": functools.partial(F.gelu, approximate="tanh"),
     "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
     "relu": F.relu,
+    "relu2": lambda x: F.relu(x).square(),
 }
 
 

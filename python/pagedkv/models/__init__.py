@@ -8,6 +8,7 @@ from pagedkv.models.gpt_bigcode import GPTBigCodeForCausalLM
 from pagedkv.models.gpt_neox import GPTNeoXForCausalLM
 from pagedkv.models.gptj import GPTJForCausalLM
 from pagedkv.models.llama import LlamaForCausalLM
+from pagedkv.models.nemotron import NemotronForCausalLM
 from pagedkv.models.olmo import OlmoForCausalLM
 from pagedkv.models.olmo2 import Olmo2ForCausalLM
 from pagedkv.models.opt import OPTForCausalLM
@@ -15,4 +16,4 @@ from pagedkv.models.phi import PhiForCausalLM
 from pagedkv.models.starcoder2 import Starcoder2ForCausalLM
 
 __all__ = ["CohereForCausalLM", "GemmaForCausalLM", "Glm4ForCausalLM", "GPT2ForCausalLM", "GPTBigCodeForCausalLM", "GPTNeoXForCausalLM", "GPTJForCausalLM",
-           "LlamaForCausalLM", "OlmoForCausalLM", "Olmo2ForCausalLM", "OPTForCausalLM", "PhiForCausalLM", "Starcoder2ForCausalLM"]
+           "LlamaForCausalLM", "NemotronForCausalLM", "OlmoForCausalLM", "Olmo2ForCausalLM", "OPTForCausalLM", "PhiForCausalLM", "Starcoder2ForCausalLM"]

@@ -18,12 +18,15 @@ from pagedkv.layers.activation import silu_and_mul
 from pagedkv.layers.fused_moe import is_moe_layer, sparse_moe
 from pagedkv.layers.rms_norm import RMSNorm
 from pagedkv.layers.rotary_embedding import RotaryEmbedding, split_and_rotate, split_heads
+from pagedkv.layers.ungated_mlp import UngatedMLP
 
 # Query/key RMSNorm before the rotation: per head (Qwen3's) or over whole projections (OLMo's)
 HEAD_QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
 PROJECTION_QK_NORM_MODEL_TYPES = ("olmo2", "olmo3", "olmoe")
 # Rotary embedding over adjacent pairs of dims (GPT-J's layout) instead of the two halves
 INTERLEAVED_ROPE_MODEL_TYPES = ("glm", "glm4", "helium", "ernie4_5", "cohere", "gptj")
+# A two-matrix MLP (up_proj, down_proj) with squared ReLU instead of the gated one
+UNGATED_MLP_MODEL_TYPES = ("arcee",)
 # An output projection without bias where q/k/v have one (attention_bias)
 UNBIASED_OUTPUT_MODEL_TYPES = ("glm", "glm4", "helium")
 
@@ -42,9 +45,10 @@ def layer_sliding_window(hf_config, layer_index: int) -> int | None:
 
 
 def norm_eps(hf_config) -> float:
-    """The epsilon of the model's norms: `rms_norm_eps`, StarCoder2's `norm_epsilon`, Cohere's
-    `layer_norm_eps`, GPT-2's `layer_norm_epsilon`, else LayerNorm's default (OPT's)."""
-    for name in ("rms_norm_eps", "norm_epsilon", "layer_norm_eps", "layer_norm_epsilon"):
+    """The epsilon of the model's norms: `rms_norm_eps`, StarCoder2's `norm_epsilon`, Nemotron's
+    `norm_eps`, Cohere's `layer_norm_eps`, GPT-2's `layer_norm_epsilon`, else LayerNorm's default
+    (OPT's)."""
+    for name in ("rms_norm_eps", "norm_epsilon", "norm_eps", "layer_norm_eps", "layer_norm_epsilon"):
         eps = getattr(hf_config, name, None)
         if eps is not None:
             return eps
@@ -154,6 +158,9 @@ class LlamaDecoderLayer(nn.Module):
         self.is_moe = is_moe_layer(hf_config, layer_index)
         if self.is_moe:
             self.mlp = sparse_moe(hf_config)
+        elif hf_config.model_type in UNGATED_MLP_MODEL_TYPES:
+            self.mlp = UngatedMLP(hf_config.hidden_size, hf_config.intermediate_size, hf_config.hidden_act, layer_index,
+                                  bias=bool(getattr(hf_config, "mlp_bias", False)))
         else:
             self.mlp = LlamaMLP(hf_config, layer_index)
 
@@ -254,6 +261,11 @@ class LlamaForCausalLM(nn.Module):
                 )
             if layer.is_moe:
                 fused.update(_stacked_experts(own, p + "mlp.", layer.mlp.num_experts))
+            elif isinstance(layer.mlp, UngatedMLP) and p + "mlp.up_proj.weight" in own:  # (Arcee's, Nemotron's)
+                for ours, theirs in (("c_fc", "up_proj"), ("c_proj", "down_proj")):
+                    for kind in ("weight", "bias"):
+                        if p + f"mlp.{theirs}.{kind}" in own:
+                            fused[p + f"mlp.{ours}.{kind}"] = own.pop(p + f"mlp.{theirs}.{kind}")
             elif p + "mlp.gate_proj.weight" in own:  # (StarCoder2's c_fc and c_proj load as they are)
                 for kind in ("weight", "bias") if p + "mlp.gate_proj.bias" in own else ("weight",):
                     fused[p + f"mlp.gate_up_proj.{kind}"] = torch.cat(
