@@ -605,6 +605,31 @@ def test_tiny_nemotron_matches_hf(tmp_path):
     assert_greedy_generation_matches_hf(model, directory, (40, 9), 16, seed=7)
 
 
+@pytest.mark.parametrize("twelve_b", [False, True], ids=["stablelm-2-1.6b", "stablelm-2-12b"])
+def test_tiny_stablelm_matches_hf(tmp_path, twelve_b):
+    """StableLM 2: biased LayerNorms, q/k/v biases, rotary embedding on a quarter of each head;
+    the 12B's parallel blocks and per-head query/key LayerNorms."""
+    from transformers import StableLmConfig, StableLmForCausalLM
+
+    config = StableLmConfig(vocab_size=256, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
+                            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                            use_qkv_bias=True, use_parallel_residual=twelve_b, qk_layernorm=twelve_b,
+                            eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    torch.manual_seed(0)
+    model = StableLmForCausalLM(config)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "layernorm" in name or "norm." in name:
+                parameter.uniform_(0.5, 1.5) if name.endswith("weight") else parameter.uniform_(-0.5, 0.5)
+            elif name.endswith("bias"):
+                parameter.uniform_(-0.5, 0.5)
+        model.lm_head.weight.normal_(std=0.5)
+    directory = save_tiny_checkpoint(tmp_path, model.eval())
+    loaded = assert_prefill_matches_hf(directory, "stablelm")
+    assert (loaded.model.layers[0].self_attn.q_norm is not None) == twelve_b
+    assert_greedy_generation_matches_hf(model, directory, (40, 9), 16, seed=7)
+
+
 def tiny_olmo(model_type: str):
     """A random OLMo 2, or OLMo 3 with sliding (window 16, rope base 1e4) and full layers (rope
     base 5e5, linear scaling)."""

@@ -25,6 +25,7 @@ from pagedkv.models.olmo import OlmoForCausalLM
 from pagedkv.models.olmo2 import Olmo2ForCausalLM
 from pagedkv.models.opt import OPTForCausalLM
 from pagedkv.models.phi import PhiForCausalLM
+from pagedkv.models.stablelm import StableLmForCausalLM
 from pagedkv.models.starcoder2 import Starcoder2ForCausalLM
 
 logger = logging.getLogger("pagedkv.loader")
@@ -49,6 +50,7 @@ ARCHITECTURES = {
     "gptj": GPTJForCausalLM,
     "olmo": OlmoForCausalLM,
     "nemotron": NemotronForCausalLM,
+    "stablelm": StableLmForCausalLM,
 }
 SUPPORTED = tuple(ARCHITECTURES)
 

@@ -13,7 +13,8 @@ from pagedkv.models.olmo import OlmoForCausalLM
 from pagedkv.models.olmo2 import Olmo2ForCausalLM
 from pagedkv.models.opt import OPTForCausalLM
 from pagedkv.models.phi import PhiForCausalLM
+from pagedkv.models.stablelm import StableLmForCausalLM
 from pagedkv.models.starcoder2 import Starcoder2ForCausalLM
 
 __all__ = ["CohereForCausalLM", "GemmaForCausalLM", "Glm4ForCausalLM", "GPT2ForCausalLM", "GPTBigCodeForCausalLM", "GPTNeoXForCausalLM", "GPTJForCausalLM",
-           "LlamaForCausalLM", "NemotronForCausalLM", "OlmoForCausalLM", "Olmo2ForCausalLM", "OPTForCausalLM", "PhiForCausalLM", "Starcoder2ForCausalLM"]
+           "LlamaForCausalLM", "NemotronForCausalLM", "OlmoForCausalLM", "Olmo2ForCausalLM", "OPTForCausalLM", "PhiForCausalLM", "StableLmForCausalLM", "Starcoder2ForCausalLM"]

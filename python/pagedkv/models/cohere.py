@@ -31,12 +31,15 @@ class CohereLayerNorm(nn.Module):
         return (self.weight.float() * normalized).to(hidden.dtype)
 
 
-class CohereAttention(LlamaAttention):
-    def __init__(self, hf_config, layer_index: int):
-        super().__init__(hf_config, layer_index)  # (rotating pairs of dims: by model type)
-        if hf_config.use_qk_norm:
-            self.q_norm = CohereLayerNorm((self.num_heads, self.head_dim), hf_config.layer_norm_eps)
-            self.k_norm = CohereLayerNorm((self.num_kv_heads, self.head_dim), hf_config.layer_norm_eps)
+class PerHeadNormAttention(LlamaAttention):
+    """Llama's attention with optional query/key LayerNorms (no bias) whose weights differ per head
+    (Cohere's, StableLM's)."""
+
+    def __init__(self, hf_config, layer_index: int, qk_norm: bool, eps: float):
+        super().__init__(hf_config, layer_index)
+        if qk_norm:
+            self.q_norm = CohereLayerNorm((self.num_heads, self.head_dim), eps)
+            self.k_norm = CohereLayerNorm((self.num_kv_heads, self.head_dim), eps)
 
     def _normalize_query_and_key_(self, qkv: torch.Tensor) -> None:
         """Each query and key head normalized with its own weights, before the rotation."""
@@ -53,7 +56,8 @@ class CohereDecoderLayer(nn.Module):
     def __init__(self, hf_config, layer_index: int):
         super().__init__()
         self.input_layernorm = CohereLayerNorm(hf_config.hidden_size, hf_config.layer_norm_eps)
-        self.self_attn = CohereAttention(hf_config, layer_index)
+        # (rotating pairs of dims: by model type)
+        self.self_attn = PerHeadNormAttention(hf_config, layer_index, hf_config.use_qk_norm, hf_config.layer_norm_eps)
         self.mlp = LlamaMLP(hf_config, layer_index)
 
     def forward(self, hidden, cos_sin, metadata, kv_cache, backend, lora=None):

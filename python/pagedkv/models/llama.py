@@ -73,7 +73,8 @@ class LlamaAttention(nn.Module):
         self.use_rope = no_rope_layers is None or bool(no_rope_layers[layer_index])
         self.rope_interleaved = hf_config.model_type in INTERLEAVED_ROPE_MODEL_TYPES
         bias = bool(getattr(hf_config, "attention_bias", False) or getattr(hf_config, "use_bias", False)
-                    or getattr(hf_config, "qkv_bias", False) or hf_config.model_type == "qwen2")
+                    or getattr(hf_config, "qkv_bias", False) or getattr(hf_config, "use_qkv_bias", False)
+                    or hf_config.model_type == "qwen2")
         output_bias = bool(getattr(hf_config, "attention_bias", False) or getattr(hf_config, "use_bias", False))
         output_bias = bool(getattr(hf_config, "attention_out_bias", output_bias))  # (Seed-OSS names its own)
         output_bias = output_bias and hf_config.model_type not in UNBIASED_OUTPUT_MODEL_TYPES
