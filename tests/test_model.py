@@ -630,6 +630,27 @@ def test_tiny_stablelm_matches_hf(tmp_path, twelve_b):
     assert_greedy_generation_matches_hf(model, directory, (40, 9), 16, seed=7)
 
 
+def test_tiny_exaone4_matches_hf(tmp_path):
+    """EXAONE 4: OLMo 2's post-norm blocks, per-head query/key norms, windowed layers (16
+    positions) and full layers without rotary embedding, past the window."""
+    from transformers import Exaone4Config, Exaone4ForCausalLM
+
+    config = Exaone4Config(vocab_size=256, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
+                           num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=512,
+                           sliding_window=16, sliding_window_pattern=2, eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    torch.manual_seed(0)
+    model = Exaone4ForCausalLM(config)
+    randomize_norms(model, 0.5, 1.5)
+    with torch.no_grad():
+        model.lm_head.weight.normal_(std=0.5)
+    directory = save_tiny_checkpoint(tmp_path, model.eval())
+    loaded = assert_prefill_matches_hf(directory, "exaone4")
+    attention = [layer.self_attn for layer in loaded.model.layers]
+    assert [a.sliding_window for a in attention] == [16, None] and [a.use_rope for a in attention] == [True, False]
+    assert attention[0].q_norm is not None
+    assert_greedy_generation_matches_hf(model, directory, (40, 9), 16, seed=7)
+
+
 def tiny_olmo(model_type: str):
     """A random OLMo 2, or OLMo 3 with sliding (window 16, rope base 1e4) and full layers (rope
     base 5e5, linear scaling)."""

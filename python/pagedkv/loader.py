@@ -38,7 +38,7 @@ ARCHITECTURES = {
                      "arcee"),
                     LlamaForCausalLM),
     **dict.fromkeys(("gemma", "gemma2", "gemma3_text"), GemmaForCausalLM),
-    **dict.fromkeys(("olmo2", "olmo3"), Olmo2ForCausalLM),
+    **dict.fromkeys(("olmo2", "olmo3", "exaone4"), Olmo2ForCausalLM),
     "starcoder2": Starcoder2ForCausalLM,
     "glm4": Glm4ForCausalLM,
     "cohere": CohereForCausalLM,

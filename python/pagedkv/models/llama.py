@@ -21,7 +21,7 @@ from pagedkv.layers.rotary_embedding import RotaryEmbedding, split_and_rotate, s
 from pagedkv.layers.ungated_mlp import UngatedMLP
 
 # Query/key RMSNorm before the rotation: per head (Qwen3's) or over whole projections (OLMo's)
-HEAD_QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
+HEAD_QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "exaone4")
 PROJECTION_QK_NORM_MODEL_TYPES = ("olmo2", "olmo3", "olmoe")
 # Rotary embedding over adjacent pairs of dims (GPT-J's layout) instead of the two halves
 INTERLEAVED_ROPE_MODEL_TYPES = ("glm", "glm4", "helium", "ernie4_5", "cohere", "gptj")
@@ -71,6 +71,8 @@ class LlamaAttention(nn.Module):
         # SmolLM3 leaves rotary embedding out of the layers whose no_rope_layers entry is 0
         no_rope_layers = getattr(hf_config, "no_rope_layers", None)
         self.use_rope = no_rope_layers is None or bool(no_rope_layers[layer_index])
+        if hf_config.model_type == "exaone4" and getattr(hf_config, "sliding_window", None) and not self.sliding_window:
+            self.use_rope = False  # EXAONE 4's full layers beside windowed ones: no positions (NoPE)
         self.rope_interleaved = hf_config.model_type in INTERLEAVED_ROPE_MODEL_TYPES
         bias = bool(getattr(hf_config, "attention_bias", False) or getattr(hf_config, "use_bias", False)
                     or getattr(hf_config, "qkv_bias", False) or getattr(hf_config, "use_qkv_bias", False)

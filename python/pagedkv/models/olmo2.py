@@ -1,9 +1,11 @@
-"""OLMo 2 (`olmo2`) and OLMo 3 (`olmo3`) over the paged cache.
+"""OLMo 2 (`olmo2`), OLMo 3 (`olmo3`) and EXAONE 4 (`exaone4`) over the paged cache.
 
 Llama's blocks with AllenAI's changes: the norms come after attention and after the MLP (on
 what each adds to the residual stream, none before), and queries and keys are RMS-normalized
 over the whole projection (all heads together) before the rotation. OLMo 3 adds sliding-window
-layers (`layer_types`), with rope settings of their own.
+layers (`layer_types`), with rope settings of their own. EXAONE 4 has the same post-norm blocks,
+with per-head query/key norms (Qwen3's) and full layers without rotary embedding beside its
+windowed ones.
 """
 
 from __future__ import annotations
