@@ -73,13 +73,14 @@ def test_tiny_qwen2_from_safetensors_matches_hf(tiny_qwen2_dir):
     assert torch.equal(ours.argmax(-1), reference.argmax(-1))
 
 
-def assert_prefill_matches_hf(directory: str, model_type: str, tolerance: float = 1e-4, **hf_options):
-    """Our loader's model and HF's on one 37-token prompt over a non-contiguous block table."""
+def assert_prefill_matches_hf(directory: str, model_type: str, tolerance: float = 1e-4, hf_class=None, **hf_options):
+    """Our loader's model and HF's (`hf_class`, AutoModelForCausalLM by default) on one 37-token
+    prompt over a non-contiguous block table."""
     from transformers import AutoModelForCausalLM
 
     loaded = load(directory, None, None, torch.float32, torch.device("cpu"), None)
     assert loaded.hf_config.model_type == model_type
-    hf_model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, **hf_options).eval()
+    hf_model = (hf_class or AutoModelForCausalLM).from_pretrained(directory, dtype=torch.float32, **hf_options).eval()
     generator = torch.Generator().manual_seed(1)
     tokens = torch.randint(3, 256, (37,), generator=generator).tolist()
     ours = prefill_all_positions(loaded.model, tokens, [3, 0, 6], block_size=16, num_blocks=8)
@@ -648,6 +649,54 @@ def test_tiny_exaone4_matches_hf(tmp_path):
     attention = [layer.self_attn for layer in loaded.model.layers]
     assert [a.sliding_window for a in attention] == [16, None] and [a.use_rope for a in attention] == [True, False]
     assert attention[0].q_norm is not None
+    assert_greedy_generation_matches_hf(model, directory, (40, 9), 16, seed=7)
+
+
+def tiny_image_text_models():
+    """(model_type, text model_type, HF model) of image-text checkpoints: Gemma 3 (4B and up) and
+    Mistral 3 (Mistral Small 3.1 and up), with tiny vision towers."""
+    import transformers
+    from transformers import MistralConfig, PixtralVisionConfig, SiglipVisionConfig
+
+    gemma_text = tiny_gemma3().config
+    gemma_text.final_logit_softcapping = None  # (as released: HF's image-text model never caps its logits)
+    mistral_text = MistralConfig(vocab_size=256, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
+                                 num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=512)
+    ids = dict(eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    configs = {
+        "gemma3": ("gemma3_text", transformers.Gemma3Config(
+            text_config=gemma_text, mm_tokens_per_image=4, image_token_index=255, boi_token_index=253,
+            eoi_token_index=254, vision_config=SiglipVisionConfig(hidden_size=32, intermediate_size=64,
+                                                                  num_hidden_layers=1, num_attention_heads=2,
+                                                                  image_size=28, patch_size=14), **ids)),
+        "mistral3": ("mistral", transformers.Mistral3Config(
+            text_config=mistral_text, image_token_index=255,  # (tied as a whole, though its text config is not)
+            vision_config=PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                              num_attention_heads=2, image_size=28, patch_size=14, head_dim=16),
+            **ids)),
+    }
+    for model_type, (text_type, config) in configs.items():
+        torch.manual_seed(0)
+        yield model_type, text_type, transformers.AutoModelForImageTextToText.from_config(config)
+
+
+@pytest.mark.parametrize("index", range(2), ids=["gemma3", "mistral3"])
+def test_the_language_model_of_image_text_checkpoints(tmp_path, index):
+    """Gemma 3 4B and up and Mistral Small 3.1 and up are image-text checkpoints: their language
+    model is served on text prompts, as HF's whole model computes them, and the vision weights
+    are left out."""
+    model_type, text_type, model = list(tiny_image_text_models())[index]
+    low, high = (-0.5, 0.5) if model_type == "gemma3" else (0.5, 1.5)  # (Gemma's norm weights are offsets from 1)
+    randomize_norms(model, low, high)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.normal_(std=1.0)  # (tied: decisive logits too)
+    directory = save_tiny_checkpoint(tmp_path, model.eval())
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    assert AutoConfig.from_pretrained(directory).model_type == model_type
+    loaded = assert_prefill_matches_hf(directory, text_type, hf_class=AutoModelForImageTextToText)
+    assert not any("vision" in name for name, _ in loaded.model.named_parameters())
+    assert loaded.model.tie_word_embeddings
     assert_greedy_generation_matches_hf(model, directory, (40, 9), 16, seed=7)
 
 

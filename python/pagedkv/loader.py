@@ -52,7 +52,9 @@ ARCHITECTURES = {
     "nemotron": NemotronForCausalLM,
     "stablelm": StableLmForCausalLM,
 }
-SUPPORTED = tuple(ARCHITECTURES)
+# Image-text models whose language model we serve alone (text prompts; the vision tower is not loaded)
+MULTIMODAL_MODEL_TYPES = ("gemma3", "mistral3")
+SUPPORTED = tuple(ARCHITECTURES) + MULTIMODAL_MODEL_TYPES
 
 
 def default_model_path() -> tuple[str, str]:
@@ -109,6 +111,13 @@ def load(model: str | None, gguf_file: str | None, tokenizer: str | None, dtype,
     hf_config = AutoConfig.from_pretrained(directory, gguf_file=gguf)
     if hf_config.model_type not in SUPPORTED:
         raise ValueError(f"model_type {hf_config.model_type!r} is not supported; supported: {SUPPORTED}")
+    multimodal = hf_config.model_type in MULTIMODAL_MODEL_TYPES
+    if multimodal:
+        logger.info("%s is an image-text model: serving its language model on text prompts", hf_config.model_type)
+        tied = getattr(hf_config, "tie_word_embeddings", None)
+        hf_config = hf_config.get_text_config()
+        if tied is not None:  # (the whole model's setting is the one HF follows)
+            hf_config.tie_word_embeddings = tied
 
     if gguf is not None:
         state = _dequantized_gguf(os.path.join(directory, gguf))
@@ -121,6 +130,8 @@ def load(model: str | None, gguf_file: str | None, tokenizer: str | None, dtype,
         state = {}
         for path in files:
             state.update(load_file(path))
+    if multimodal:
+        state = language_model_weights(state)
 
     positions = max_positions or hf_config.max_position_embeddings
     with torch.device("meta"):  # no time spent on random init: every weight is loaded below
@@ -136,6 +147,21 @@ def load(model: str | None, gguf_file: str | None, tokenizer: str | None, dtype,
     eos = _eos_token_ids(hf_config, generation_config, tok)
     name = os.path.basename(os.path.join(directory, gguf or "").rstrip("/")) or directory
     return LoadedModel(net, tok, hf_config, eos, name, generation_config)
+
+
+def language_model_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """An image-text checkpoint's language-model weights under a text model's names: hub files'
+    `language_model.model.*` / `language_model.lm_head.*` and transformers' own
+    `model.language_model.*` / `lm_head.*`; vision tower and projector weights are left out."""
+    renames = (("language_model.model.", "model."), ("model.language_model.", "model."),
+               ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head."))
+    text = {}
+    for name, tensor in state.items():
+        for theirs, ours in renames:
+            if name.startswith(theirs):
+                text[ours + name[len(theirs):]] = tensor
+                break
+    return text
 
 
 @functools.lru_cache(maxsize=1)
