@@ -11,6 +11,7 @@ from conftest import save_tiny_checkpoint
 from pagedkv.attention import AttentionMetadata, TorchRefBackend
 from pagedkv.kv_cache import KVCache
 from pagedkv.loader import default_model_path, load
+from pagedkv.models.blocks import ParallelBlock
 
 
 def prefill_all_positions(model, token_ids: list[int], block_table: list[int], block_size: int, num_blocks: int):
@@ -463,7 +464,7 @@ def test_tiny_gpt_neox_matches_hf(tmp_path, parallel):
         model.get_output_embeddings().weight.normal_(std=0.5)
     directory = save_tiny_checkpoint(tmp_path, model.eval())
     loaded = assert_prefill_matches_hf(directory, "gpt_neox")
-    assert loaded.model.layers[0].use_parallel_residual == parallel
+    assert isinstance(loaded.model.layers[0], ParallelBlock) == parallel
     assert_greedy_generation_matches_hf(model, directory, (40, 9), 16, seed=7)
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedkv.attention.metadata import AttentionMetadata
-from pagedkv.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from pagedkv.models.blocks import ParallelBlock
+from pagedkv.models.llama import LlamaAttention, LlamaMLP, PlainLayersForCausalLM
 
 
 class CohereLayerNorm(nn.Module):
@@ -50,34 +50,21 @@ class PerHeadNormAttention(LlamaAttention):
             key.reshape(num_tokens, self.num_kv_heads, self.head_dim)).flatten(1)
 
 
-class CohereDecoderLayer(nn.Module):
-    is_moe = False
-
-    def __init__(self, hf_config, layer_index: int):
-        super().__init__()
-        self.input_layernorm = CohereLayerNorm(hf_config.hidden_size, hf_config.layer_norm_eps)
+def cohere_layer(hf_config, layer_index: int) -> ParallelBlock:
+    return ParallelBlock(
+        CohereLayerNorm(hf_config.hidden_size, hf_config.layer_norm_eps),
         # (rotating pairs of dims: by model type)
-        self.self_attn = PerHeadNormAttention(hf_config, layer_index, hf_config.use_qk_norm, hf_config.layer_norm_eps)
-        self.mlp = LlamaMLP(hf_config, layer_index)
-
-    def forward(self, hidden, cos_sin, metadata, kv_cache, backend, lora=None):
-        normalized = self.input_layernorm(hidden)
-        attended = self.self_attn(normalized, cos_sin, metadata, kv_cache, backend, lora)
-        return hidden + attended + self.mlp(normalized, lora)
+        PerHeadNormAttention(hf_config, layer_index, hf_config.use_qk_norm, hf_config.layer_norm_eps),
+        LlamaMLP(hf_config, layer_index),
+    )
 
 
-class CohereForCausalLM(LlamaForCausalLM):
+class CohereForCausalLM(PlainLayersForCausalLM):
     """Cohere, with the interface of LlamaForCausalLM (forward, compute_logits,
     load_hf_state_dict, layers with self_attn and mlp)."""
 
-    decoder_layer_class = CohereDecoderLayer
+    decoder_layer_class = staticmethod(cohere_layer)
     norm_class = CohereLayerNorm
-
-    def forward(self, input_ids, positions, metadata: AttentionMetadata, kv_cache, backend, lora=None) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        for layer, cos_sin in zip(self.layers, self.layer_rotations(positions)):
-            hidden = layer(hidden, cos_sin, metadata, kv_cache, backend, lora)
-        return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return super().compute_logits(hidden) * self.hf_config.logit_scale

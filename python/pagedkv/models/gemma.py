@@ -14,9 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedkv.attention.metadata import AttentionMetadata
 from pagedkv.layers.activation import gated_activation
-from pagedkv.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from pagedkv.models.llama import LlamaAttention, LlamaMLP, PlainLayersForCausalLM
 
 
 class GemmaRMSNorm(nn.Module):
@@ -67,7 +66,7 @@ class GemmaDecoderLayer(nn.Module):
         return hidden + self.post_feedforward_layernorm(fed)
 
 
-class GemmaForCausalLM(LlamaForCausalLM):
+class GemmaForCausalLM(PlainLayersForCausalLM):
     """Gemma 1, 2 and 3, with the interface of LlamaForCausalLM (forward, compute_logits,
     load_hf_state_dict, layers with self_attn and mlp), so the runner, LoRA and the loader treat
     them alike."""
@@ -87,11 +86,8 @@ class GemmaForCausalLM(LlamaForCausalLM):
         super().compute_buffers(max_positions, dtype)
         self.register_buffer("embed_scale", torch.tensor(self.hf_config.hidden_size**0.5).to(dtype), persistent=False)
 
-    def forward(self, input_ids, positions, metadata: AttentionMetadata, kv_cache, backend, lora=None) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids) * self.embed_scale
-        for layer, cos_sin in zip(self.layers, self.layer_rotations(positions)):
-            hidden = layer(hidden, cos_sin, metadata, kv_cache, backend, lora)
-        return self.norm(hidden)
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids) * self.embed_scale
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)

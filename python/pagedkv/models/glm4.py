@@ -8,12 +8,10 @@ projection, and gate/up stored fused.
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
-from pagedkv.attention.metadata import AttentionMetadata
 from pagedkv.layers.rms_norm import RMSNorm
-from pagedkv.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from pagedkv.models.llama import LlamaAttention, LlamaMLP, PlainLayersForCausalLM
 
 
 class Glm4DecoderLayer(nn.Module):
@@ -33,14 +31,8 @@ class Glm4DecoderLayer(nn.Module):
         return hidden + self.post_mlp_layernorm(self.mlp(self.post_attention_layernorm(hidden), lora))
 
 
-class Glm4ForCausalLM(LlamaForCausalLM):
+class Glm4ForCausalLM(PlainLayersForCausalLM):
     """GLM-4, with the interface of LlamaForCausalLM (forward, compute_logits,
     load_hf_state_dict, layers with self_attn and mlp)."""
 
     decoder_layer_class = Glm4DecoderLayer
-
-    def forward(self, input_ids, positions, metadata: AttentionMetadata, kv_cache, backend, lora=None) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        for layer, cos_sin in zip(self.layers, self.layer_rotations(positions)):
-            hidden = layer(hidden, cos_sin, metadata, kv_cache, backend, lora)
-        return self.norm(hidden)

@@ -11,58 +11,39 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedkv.attention.metadata import AttentionMetadata
 from pagedkv.layers.ungated_mlp import UngatedMLP
-from pagedkv.models.llama import LlamaAttention, LlamaForCausalLM
-
-_CHECKPOINT_NAMES = (("gpt_neox.embed_in.", "model.embed_tokens."), ("gpt_neox.final_layer_norm.", "model.norm."),
-                     ("gpt_neox.", "model."), ("embed_out.", "lm_head."), (".attention.dense.", ".self_attn.o_proj."),
-                     (".mlp.dense_h_to_4h.", ".mlp.c_fc."), (".mlp.dense_4h_to_h.", ".mlp.c_proj."))
+from pagedkv.models.blocks import ParallelBlock, PreNormBlock
+from pagedkv.models.llama import LlamaAttention, PlainLayersForCausalLM
 
 
-class GPTNeoXLayer(nn.Module):
-    is_moe = False
-
-    def __init__(self, hf_config, layer_index: int):
-        super().__init__()
-        self.use_parallel_residual = hf_config.use_parallel_residual
-        self.input_layernorm = nn.LayerNorm(hf_config.hidden_size, hf_config.layer_norm_eps)
-        self.post_attention_layernorm = nn.LayerNorm(hf_config.hidden_size, hf_config.layer_norm_eps)
-        self.self_attn = LlamaAttention(hf_config, layer_index)
-        self.mlp = UngatedMLP(hf_config.hidden_size, hf_config.intermediate_size, hf_config.hidden_act, layer_index)
-
-    def forward(self, hidden, cos_sin, metadata, kv_cache, backend, lora=None):
-        attended = self.self_attn(self.input_layernorm(hidden), cos_sin, metadata, kv_cache, backend, lora)
-        if self.use_parallel_residual:
-            return hidden + attended + self.mlp(self.post_attention_layernorm(hidden), lora)
-        hidden = hidden + attended
-        return hidden + self.mlp(self.post_attention_layernorm(hidden), lora)
+def gpt_neox_layer(hf_config, layer_index: int) -> nn.Module:
+    hidden, eps = hf_config.hidden_size, hf_config.layer_norm_eps
+    attention = LlamaAttention(hf_config, layer_index)
+    mlp = UngatedMLP(hidden, hf_config.intermediate_size, hf_config.hidden_act, layer_index)
+    if hf_config.use_parallel_residual:
+        return ParallelBlock(nn.LayerNorm(hidden, eps), attention, mlp, post_attention_layernorm=nn.LayerNorm(hidden, eps))
+    return PreNormBlock(nn.LayerNorm(hidden, eps), attention, nn.LayerNorm(hidden, eps), mlp)
 
 
-class GPTNeoXForCausalLM(LlamaForCausalLM):
+class GPTNeoXForCausalLM(PlainLayersForCausalLM):
     """GPT-NeoX, with the interface of LlamaForCausalLM (forward, compute_logits,
     load_hf_state_dict, layers with self_attn and mlp)."""
 
-    decoder_layer_class = GPTNeoXLayer
+    decoder_layer_class = staticmethod(gpt_neox_layer)
     norm_class = nn.LayerNorm
-
-    def forward(self, input_ids, positions, metadata: AttentionMetadata, kv_cache, backend, lora=None) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        for layer, cos_sin in zip(self.layers, self.layer_rotations(positions)):
-            hidden = layer(hidden, cos_sin, metadata, kv_cache, backend, lora)
-        return self.norm(hidden)
+    checkpoint_names = (("gpt_neox.embed_in.", "model.embed_tokens."), ("gpt_neox.final_layer_norm.", "model.norm."),
+                        ("gpt_neox.", "model."), ("embed_out.", "lm_head."), (".attention.dense.", ".self_attn.o_proj."),
+                        (".mlp.dense_h_to_4h.", ".mlp.c_fc."), (".mlp.dense_4h_to_h.", ".mlp.c_proj."))
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         attention = self.layers[0].self_attn
-        renamed = {}
+        split = {}
         for name, tensor in state.items():
-            for theirs, ours in _CHECKPOINT_NAMES:
-                name = name.replace(theirs, ours)
             if ".attention.query_key_value." in name:  # [heads, (q, k, v), head_dim, ...] -> q, k, v
                 per_head = tensor.view(attention.num_heads, 3, attention.head_dim, *tensor.shape[1:])
                 for index, part in enumerate("qkv"):
-                    renamed[name.replace(".attention.query_key_value.", f".self_attn.{part}_proj.")] = (
+                    split[name.replace(".attention.query_key_value.", f".self_attn.{part}_proj.")] = (
                         per_head[:, index].reshape(-1, *tensor.shape[1:]))
-                continue
-            renamed[name] = tensor
-        super().load_hf_state_dict(renamed)
+            else:
+                split[name] = tensor
+        super().load_hf_state_dict(split)

@@ -11,35 +11,28 @@ import torch
 from torch import nn
 
 from pagedkv.layers.ungated_mlp import UngatedMLP
-from pagedkv.models.llama import LlamaAttention, LlamaForCausalLM
+from pagedkv.models.blocks import ParallelBlock
+from pagedkv.models.llama import LlamaAttention
 from pagedkv.models.phi import PhiForCausalLM
 
-_CHECKPOINT_NAMES = (("transformer.wte.", "model.embed_tokens."), ("transformer.ln_f.", "model.norm."),
-                     ("transformer.h.", "model.layers."), (".ln_1.", ".input_layernorm."), (".attn.", ".self_attn."),
-                     (".self_attn.out_proj.", ".self_attn.o_proj."), (".mlp.fc_in.", ".mlp.c_fc."),
-                     (".mlp.fc_out.", ".mlp.c_proj."))
 
-
-class GPTJBlock(nn.Module):
-    is_moe = False
-
-    def __init__(self, hf_config, layer_index: int):
-        super().__init__()
-        hidden = hf_config.hidden_size
-        self.input_layernorm = nn.LayerNorm(hidden, hf_config.layer_norm_epsilon)
-        self.self_attn = LlamaAttention(hf_config, layer_index)  # (pairs rotated: by model type)
-        self.mlp = UngatedMLP(hidden, hf_config.n_inner or 4 * hidden, hf_config.activation_function, layer_index)
-
-    def forward(self, hidden, cos_sin, metadata, kv_cache, backend, lora=None):
-        normalized = self.input_layernorm(hidden)
-        attended = self.self_attn(normalized, cos_sin, metadata, kv_cache, backend, lora)
-        return hidden + attended + self.mlp(normalized, lora)
+def gptj_layer(hf_config, layer_index: int) -> ParallelBlock:
+    hidden = hf_config.hidden_size
+    return ParallelBlock(
+        nn.LayerNorm(hidden, hf_config.layer_norm_epsilon),
+        LlamaAttention(hf_config, layer_index),  # (pairs rotated: by model type)
+        UngatedMLP(hidden, hf_config.n_inner or 4 * hidden, hf_config.activation_function, layer_index),
+    )
 
 
 class GPTJForCausalLM(PhiForCausalLM):
-    """GPT-J, with the interface of LlamaForCausalLM (Phi-2's parallel forward and biased LM head)."""
+    """GPT-J, with the interface of LlamaForCausalLM (Phi-2's biased LM head)."""
 
-    decoder_layer_class = GPTJBlock
+    decoder_layer_class = staticmethod(gptj_layer)
+    checkpoint_names = (("transformer.wte.", "model.embed_tokens."), ("transformer.ln_f.", "model.norm."),
+                        ("transformer.h.", "model.layers."), (".ln_1.", ".input_layernorm."), (".attn.", ".self_attn."),
+                        (".self_attn.out_proj.", ".self_attn.o_proj."), (".mlp.fc_in.", ".mlp.c_fc."),
+                        (".mlp.fc_out.", ".mlp.c_proj."))
 
     def __init__(self, hf_config, max_positions: int, dtype: torch.dtype):
         # (the rotary tables read the rotated share of a head as Phi's partial_rotary_factor)
@@ -47,11 +40,5 @@ class GPTJForCausalLM(PhiForCausalLM):
         super().__init__(hf_config, max_positions, dtype)
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        renamed = {}
-        for name, tensor in state.items():
-            if name.endswith((".attn.bias", ".attn.masked_bias")):
-                continue  # (old checkpoints' causal-mask buffers)
-            for theirs, ours in _CHECKPOINT_NAMES:
-                name = name.replace(theirs, ours)
-            renamed[name] = tensor
-        LlamaForCausalLM.load_hf_state_dict(self, renamed)
+        # (old checkpoints carry causal-mask buffers)
+        super().load_hf_state_dict({n: t for n, t in state.items() if not n.endswith((".attn.bias", ".attn.masked_bias"))})

@@ -189,7 +189,8 @@ class LlamaForCausalLM(nn.Module):
     """forward(input_ids [T], positions [T], metadata, kv_cache, backend, lora) -> hidden [T, H];
     `lora` (a pagedkv.lora.LoRABatch) adds the step's adapters' updates to the projections."""
 
-    # What a variant of the family swaps (Gemma's and OLMo's: their decoder layers and norm)
+    # What a variant of the family swaps (Gemma's and OLMo's: their decoder layers and norm); the
+    # decoder layer is a class or a function building one from (hf_config, layer_index)
     decoder_layer_class = LlamaDecoderLayer
     norm_class = RMSNorm
 
@@ -281,6 +282,36 @@ class LlamaForCausalLM(nn.Module):
         unexpected = [name for name in unexpected if "rotary" not in name]
         if missing or unexpected:
             raise ValueError(f"checkpoint does not fit the model: missing {missing}, unexpected {unexpected}")
+
+
+class PlainLayersForCausalLM(LlamaForCausalLM):
+    """LlamaForCausalLM for decoder layers that take and return the hidden states alone (no
+    residual stream beside them, unlike LlamaDecoderLayer's): Gemma's, OLMo's and the GPT-style
+    blocks of blocks.py. `embed` is where a model scales its embeddings or adds positions;
+    `checkpoint_names` are (theirs, ours) substrings of weight names, replaced in order at load."""
+
+    checkpoint_names: tuple[tuple[str, str], ...] = ()
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def renamed(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`state` under our names (`checkpoint_names`)."""
+        out = {}
+        for name, tensor in state.items():
+            for theirs, ours in self.checkpoint_names:
+                name = name.replace(theirs, ours)
+            out[name] = tensor
+        return out
+
+    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        super().load_hf_state_dict(self.renamed(state))
+
+    def forward(self, input_ids, positions, metadata: AttentionMetadata, kv_cache, backend, lora=None) -> torch.Tensor:
+        hidden = self.embed(input_ids, positions)
+        for layer, cos_sin in zip(self.layers, self.layer_rotations(positions)):
+            hidden = layer(hidden, cos_sin, metadata, kv_cache, backend, lora)
+        return self.norm(hidden)
 
 
 def _stacked_experts(own: dict[str, torch.Tensor], p: str, num_experts: int) -> dict[str, torch.Tensor]:

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedkv.attention.metadata import AttentionMetadata
 from pagedkv.layers.ungated_mlp import UngatedMLP
-from pagedkv.models.llama import LlamaAttention, LlamaForCausalLM
+from pagedkv.models.blocks import PreNormBlock
+from pagedkv.models.llama import LlamaAttention, PlainLayersForCausalLM
 
 
 class LayerNorm1P(nn.LayerNorm):
@@ -23,31 +23,19 @@ class LayerNorm1P(nn.LayerNorm):
                             self.eps).to(hidden.dtype)
 
 
-class NemotronDecoderLayer(nn.Module):
-    is_moe = False
-
-    def __init__(self, hf_config, layer_index: int):
-        super().__init__()
-        self.input_layernorm = LayerNorm1P(hf_config.hidden_size, hf_config.norm_eps)
-        self.self_attn = LlamaAttention(hf_config, layer_index)
-        self.post_attention_layernorm = LayerNorm1P(hf_config.hidden_size, hf_config.norm_eps)
-        self.mlp = UngatedMLP(hf_config.hidden_size, hf_config.intermediate_size, hf_config.hidden_act, layer_index,
-                              bias=hf_config.mlp_bias)
-
-    def forward(self, hidden, cos_sin, metadata, kv_cache, backend, lora=None):
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos_sin, metadata, kv_cache, backend, lora)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden), lora)
+def nemotron_layer(hf_config, layer_index: int) -> PreNormBlock:
+    return PreNormBlock(
+        LayerNorm1P(hf_config.hidden_size, hf_config.norm_eps),
+        LlamaAttention(hf_config, layer_index),
+        LayerNorm1P(hf_config.hidden_size, hf_config.norm_eps),
+        UngatedMLP(hf_config.hidden_size, hf_config.intermediate_size, hf_config.hidden_act, layer_index,
+                   bias=hf_config.mlp_bias),
+    )
 
 
-class NemotronForCausalLM(LlamaForCausalLM):
+class NemotronForCausalLM(PlainLayersForCausalLM):
     """Nemotron, with the interface of LlamaForCausalLM (forward, compute_logits,
     load_hf_state_dict, layers with self_attn and mlp)."""
 
-    decoder_layer_class = NemotronDecoderLayer
+    decoder_layer_class = staticmethod(nemotron_layer)
     norm_class = LayerNorm1P
-
-    def forward(self, input_ids, positions, metadata: AttentionMetadata, kv_cache, backend, lora=None) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        for layer, cos_sin in zip(self.layers, self.layer_rotations(positions)):
-            hidden = layer(hidden, cos_sin, metadata, kv_cache, backend, lora)
-        return self.norm(hidden)

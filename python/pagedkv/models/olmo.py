@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedkv.attention.metadata import AttentionMetadata
-from pagedkv.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from pagedkv.models.blocks import PreNormBlock
+from pagedkv.models.llama import LlamaAttention, LlamaMLP, PlainLayersForCausalLM
 
 
 class OlmoLayerNorm(nn.Module):
@@ -26,30 +26,14 @@ class OlmoLayerNorm(nn.Module):
         return F.layer_norm(hidden.float(), self.normalized_shape, None, None, self.eps).to(hidden.dtype)
 
 
-class OlmoDecoderLayer(nn.Module):
-    is_moe = False
-
-    def __init__(self, hf_config, layer_index: int):
-        super().__init__()
-        self.input_layernorm = OlmoLayerNorm(hf_config.hidden_size)
-        self.self_attn = LlamaAttention(hf_config, layer_index)  # (with clip_qkv)
-        self.post_attention_layernorm = OlmoLayerNorm(hf_config.hidden_size)
-        self.mlp = LlamaMLP(hf_config, layer_index)
-
-    def forward(self, hidden, cos_sin, metadata, kv_cache, backend, lora=None):
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos_sin, metadata, kv_cache, backend, lora)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden), lora)
+def olmo_layer(hf_config, layer_index: int) -> PreNormBlock:
+    return PreNormBlock(OlmoLayerNorm(hf_config.hidden_size), LlamaAttention(hf_config, layer_index),  # (with clip_qkv)
+                        OlmoLayerNorm(hf_config.hidden_size), LlamaMLP(hf_config, layer_index))
 
 
-class OlmoForCausalLM(LlamaForCausalLM):
+class OlmoForCausalLM(PlainLayersForCausalLM):
     """OLMo 1, with the interface of LlamaForCausalLM (forward, compute_logits,
     load_hf_state_dict, layers with self_attn and mlp)."""
 
-    decoder_layer_class = OlmoDecoderLayer
+    decoder_layer_class = staticmethod(olmo_layer)
     norm_class = OlmoLayerNorm
-
-    def forward(self, input_ids, positions, metadata: AttentionMetadata, kv_cache, backend, lora=None) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        for layer, cos_sin in zip(self.layers, self.layer_rotations(positions)):
-            hidden = layer(hidden, cos_sin, metadata, kv_cache, backend, lora)
-        return self.norm(hidden)

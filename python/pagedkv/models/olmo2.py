@@ -10,12 +10,10 @@ windowed ones.
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
-from pagedkv.attention.metadata import AttentionMetadata
 from pagedkv.layers.rms_norm import RMSNorm
-from pagedkv.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from pagedkv.models.llama import LlamaAttention, LlamaMLP, PlainLayersForCausalLM
 
 
 class Olmo2DecoderLayer(nn.Module):
@@ -34,14 +32,8 @@ class Olmo2DecoderLayer(nn.Module):
         return hidden + self.post_feedforward_layernorm(self.mlp(hidden, lora))
 
 
-class Olmo2ForCausalLM(LlamaForCausalLM):
+class Olmo2ForCausalLM(PlainLayersForCausalLM):
     """OLMo 2 and 3, with the interface of LlamaForCausalLM (forward, compute_logits,
     load_hf_state_dict, layers with self_attn and mlp)."""
 
     decoder_layer_class = Olmo2DecoderLayer
-
-    def forward(self, input_ids, positions, metadata: AttentionMetadata, kv_cache, backend, lora=None) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        for layer, cos_sin in zip(self.layers, self.layer_rotations(positions)):
-            hidden = layer(hidden, cos_sin, metadata, kv_cache, backend, lora)
-        return self.norm(hidden)

@@ -12,12 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedkv.attention.metadata import AttentionMetadata
 from pagedkv.layers.ungated_mlp import UngatedMLP
-from pagedkv.models.llama import LlamaAttention, LlamaForCausalLM
-
-_CHECKPOINT_NAMES = ((".self_attn.dense.", ".self_attn.o_proj."), (".mlp.fc1.", ".mlp.c_fc."),
-                     (".mlp.fc2.", ".mlp.c_proj."), ("model.final_layernorm.", "model.norm."))
+from pagedkv.models.blocks import ParallelBlock
+from pagedkv.models.llama import LlamaAttention, PlainLayersForCausalLM
 
 
 class PhiAttention(LlamaAttention):
@@ -29,48 +26,29 @@ class PhiAttention(LlamaAttention):
         self.o_proj = nn.Linear(self.q_size, hf_config.hidden_size, bias=True)
 
 
-class PhiDecoderLayer(nn.Module):
-    is_moe = False
-
-    def __init__(self, hf_config, layer_index: int):
-        super().__init__()
-        self.input_layernorm = nn.LayerNorm(hf_config.hidden_size, hf_config.layer_norm_eps)
-        self.self_attn = PhiAttention(hf_config, layer_index)
-        self.mlp = UngatedMLP(hf_config.hidden_size, hf_config.intermediate_size, hf_config.hidden_act, layer_index)
-
-    def forward(self, hidden, cos_sin, metadata, kv_cache, backend, lora=None):
-        normalized = self.input_layernorm(hidden)
-        attended = self.self_attn(normalized, cos_sin, metadata, kv_cache, backend, lora)
-        return hidden + attended + self.mlp(normalized, lora)
+def phi_layer(hf_config, layer_index: int) -> ParallelBlock:
+    return ParallelBlock(
+        nn.LayerNorm(hf_config.hidden_size, hf_config.layer_norm_eps),
+        PhiAttention(hf_config, layer_index),
+        UngatedMLP(hf_config.hidden_size, hf_config.intermediate_size, hf_config.hidden_act, layer_index),
+    )
 
 
-class PhiForCausalLM(LlamaForCausalLM):
+class PhiForCausalLM(PlainLayersForCausalLM):
     """Phi-1/1.5/2, with the interface of LlamaForCausalLM (forward, compute_logits,
-    load_hf_state_dict, layers with self_attn and mlp)."""
+    load_hf_state_dict, layers with self_attn and mlp); its LM head has a bias."""
 
-    decoder_layer_class = PhiDecoderLayer
+    decoder_layer_class = staticmethod(phi_layer)
     norm_class = nn.LayerNorm
+    checkpoint_names = ((".self_attn.dense.", ".self_attn.o_proj."), (".mlp.fc1.", ".mlp.c_fc."),
+                        (".mlp.fc2.", ".mlp.c_proj."), ("model.final_layernorm.", "model.norm."))
 
     def __init__(self, hf_config, max_positions: int, dtype: torch.dtype):
         super().__init__(hf_config, max_positions, dtype)
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=True)
 
-    def forward(self, input_ids, positions, metadata: AttentionMetadata, kv_cache, backend, lora=None) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        for layer, cos_sin in zip(self.layers, self.layer_rotations(positions)):
-            hidden = layer(hidden, cos_sin, metadata, kv_cache, backend, lora)
-        return self.norm(hidden)
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.tie_word_embeddings:
             return super().compute_logits(hidden)
         return F.linear(hidden, self.lm_head.weight, self.lm_head.bias).float()
-
-    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        renamed = {}
-        for name, tensor in state.items():
-            for theirs, ours in _CHECKPOINT_NAMES:
-                name = name.replace(theirs, ours)
-            renamed[name] = tensor
-        super().load_hf_state_dict(renamed)

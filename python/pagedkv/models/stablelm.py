@@ -11,44 +11,25 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedkv.attention.metadata import AttentionMetadata
+from pagedkv.models.blocks import ParallelBlock, PreNormBlock
 from pagedkv.models.cohere import PerHeadNormAttention
-from pagedkv.models.llama import LlamaForCausalLM, LlamaMLP
+from pagedkv.models.llama import LlamaMLP, PlainLayersForCausalLM
 
 
-class StableLmDecoderLayer(nn.Module):
-    is_moe = False
-
-    def __init__(self, hf_config, layer_index: int):
-        super().__init__()
-        self.use_parallel_residual = hf_config.use_parallel_residual
-        hidden, eps = hf_config.hidden_size, hf_config.layer_norm_eps
-        self.input_layernorm = nn.LayerNorm(hidden, eps)
-        self.self_attn = PerHeadNormAttention(hf_config, layer_index, hf_config.qk_layernorm, eps)
-        self.post_attention_layernorm = None if self.use_parallel_residual else nn.LayerNorm(hidden, eps)
-        self.mlp = LlamaMLP(hf_config, layer_index)
-
-    def forward(self, hidden, cos_sin, metadata, kv_cache, backend, lora=None):
-        normalized = self.input_layernorm(hidden)
-        attended = self.self_attn(normalized, cos_sin, metadata, kv_cache, backend, lora)
-        if self.use_parallel_residual:
-            return hidden + attended + self.mlp(normalized, lora)
-        hidden = hidden + attended
-        return hidden + self.mlp(self.post_attention_layernorm(hidden), lora)
+def stablelm_layer(hf_config, layer_index: int) -> nn.Module:
+    hidden, eps = hf_config.hidden_size, hf_config.layer_norm_eps
+    attention = PerHeadNormAttention(hf_config, layer_index, hf_config.qk_layernorm, eps)
+    if hf_config.use_parallel_residual:
+        return ParallelBlock(nn.LayerNorm(hidden, eps), attention, LlamaMLP(hf_config, layer_index))
+    return PreNormBlock(nn.LayerNorm(hidden, eps), attention, nn.LayerNorm(hidden, eps), LlamaMLP(hf_config, layer_index))
 
 
-class StableLmForCausalLM(LlamaForCausalLM):
+class StableLmForCausalLM(PlainLayersForCausalLM):
     """StableLM, with the interface of LlamaForCausalLM (forward, compute_logits,
     load_hf_state_dict, layers with self_attn and mlp)."""
 
-    decoder_layer_class = StableLmDecoderLayer
+    decoder_layer_class = staticmethod(stablelm_layer)
     norm_class = nn.LayerNorm
-
-    def forward(self, input_ids, positions, metadata: AttentionMetadata, kv_cache, backend, lora=None) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        for layer, cos_sin in zip(self.layers, self.layer_rotations(positions)):
-            hidden = layer(hidden, cos_sin, metadata, kv_cache, backend, lora)
-        return self.norm(hidden)
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """The checkpoint's per-head query/key LayerNorms (`q_layernorm.norms.{head}.weight`) are

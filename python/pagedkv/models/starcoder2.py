@@ -8,39 +8,26 @@ sequence's blocks behind it.
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
-from pagedkv.attention.metadata import AttentionMetadata
 from pagedkv.layers.ungated_mlp import UngatedMLP
-from pagedkv.models.llama import LlamaAttention, LlamaForCausalLM
+from pagedkv.models.blocks import PreNormBlock
+from pagedkv.models.llama import LlamaAttention, PlainLayersForCausalLM
 
 
-class Starcoder2DecoderLayer(nn.Module):
-    is_moe = False
-
-    def __init__(self, hf_config, layer_index: int):
-        super().__init__()
-        self.input_layernorm = nn.LayerNorm(hf_config.hidden_size, hf_config.norm_epsilon)
-        self.self_attn = LlamaAttention(hf_config, layer_index)
-        self.post_attention_layernorm = nn.LayerNorm(hf_config.hidden_size, hf_config.norm_epsilon)
-        self.mlp = UngatedMLP(hf_config.hidden_size, hf_config.intermediate_size, hf_config.hidden_act, layer_index,
-                              bias=hf_config.use_bias)
-
-    def forward(self, hidden, cos_sin, metadata, kv_cache, backend, lora=None):
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos_sin, metadata, kv_cache, backend, lora)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden), lora)
+def starcoder2_layer(hf_config, layer_index: int) -> PreNormBlock:
+    return PreNormBlock(
+        nn.LayerNorm(hf_config.hidden_size, hf_config.norm_epsilon),
+        LlamaAttention(hf_config, layer_index),
+        nn.LayerNorm(hf_config.hidden_size, hf_config.norm_epsilon),
+        UngatedMLP(hf_config.hidden_size, hf_config.intermediate_size, hf_config.hidden_act, layer_index,
+                   bias=hf_config.use_bias),
+    )
 
 
-class Starcoder2ForCausalLM(LlamaForCausalLM):
+class Starcoder2ForCausalLM(PlainLayersForCausalLM):
     """StarCoder2, with the interface of LlamaForCausalLM (forward, compute_logits,
     load_hf_state_dict, layers with self_attn and mlp)."""
 
-    decoder_layer_class = Starcoder2DecoderLayer
+    decoder_layer_class = staticmethod(starcoder2_layer)
     norm_class = nn.LayerNorm
-
-    def forward(self, input_ids, positions, metadata: AttentionMetadata, kv_cache, backend, lora=None) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        for layer, cos_sin in zip(self.layers, self.layer_rotations(positions)):
-            hidden = layer(hidden, cos_sin, metadata, kv_cache, backend, lora)
-        return self.norm(hidden)
