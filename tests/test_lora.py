@@ -258,22 +258,27 @@ def test_adapters_of_fused_projections_on_phi3(tmp_path):
 
     directory = tiny_phi3(tmp_path / "model")
     hf_model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    generator = torch.Generator().manual_seed(9)
     shapes = {"self_attn.qkv_proj": (64, 64 + 2 * 32), "self_attn.o_proj": (64, 64), "mlp.gate_up_proj": (64, 256)}
+    assert_adapter_gives_merged_hf_greedy(hf_model, directory, shapes, tmp_path / "adapter", seed=9)
+
+
+def assert_adapter_gives_merged_hf_greedy(hf_model, model_dir: str, shapes: dict, adapter_dir, seed: int) -> None:
+    """A rank-4 adapter of these modules ({PEFT module path: (in, out features)}) in each of 2
+    layers: our greedy tokens with it equal HF's with it merged, and without it HF's plain ones."""
+    generator = torch.Generator().manual_seed(seed)
     weights = {}
     for layer in range(2):
         for module, (in_features, out_features) in shapes.items():
             prefix = f"base_model.model.model.layers.{layer}.{module}"
             weights[f"{prefix}.lora_A.weight"] = torch.randn((4, in_features), generator=generator) * 0.3
             weights[f"{prefix}.lora_B.weight"] = torch.randn((out_features, 4), generator=generator) * 0.3
-    adapter_dir = tmp_path / "adapter"
     adapter_dir.mkdir()
     save_file(weights, str(adapter_dir / "adapter_model.safetensors"))
     (adapter_dir / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8}))
 
     prompt = torch.randint(3, 256, (20,), generator=generator).tolist()
-    llm = LLM(directory, dtype="float32", enable_lora=True, max_lora_rank=4, num_device_blocks=32)
-    lora = LoRARequest("fused", 1, str(adapter_dir))
+    llm = LLM(model_dir, dtype="float32", enable_lora=True, max_lora_rank=4, num_device_blocks=32)
+    lora = LoRARequest("adapter", 1, str(adapter_dir))
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
     with_adapter = llm.generate([prompt], params, use_tqdm=False, lora_request=lora)[0].outputs[0].token_ids
     without = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
@@ -299,26 +304,5 @@ def test_adapters_of_ungated_mlps(tmp_path, model_name):
     import test_model
 
     hf_model = getattr(test_model, f"tiny_{model_name}")(tmp_path / "model")
-    generator = torch.Generator().manual_seed(11)
-    shapes = UNGATED_MLP_ADAPTERS[model_name]
-    weights = {}
-    for layer in range(2):
-        for module, (in_features, out_features) in shapes.items():
-            prefix = f"base_model.model.model.layers.{layer}.{module}"
-            weights[f"{prefix}.lora_A.weight"] = torch.randn((4, in_features), generator=generator) * 0.3
-            weights[f"{prefix}.lora_B.weight"] = torch.randn((out_features, 4), generator=generator) * 0.3
-    adapter_dir = tmp_path / "adapter"
-    adapter_dir.mkdir()
-    save_file(weights, str(adapter_dir / "adapter_model.safetensors"))
-    (adapter_dir / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8}))
-
-    prompt = torch.randint(3, 256, (20,), generator=generator).tolist()
-    llm = LLM(str(tmp_path / "model"), dtype="float32", enable_lora=True, max_lora_rank=4, num_device_blocks=32)
-    lora = LoRARequest("code", 1, str(adapter_dir))
-    params = SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
-    with_adapter = llm.generate([prompt], params, use_tqdm=False, lora_request=lora)[0].outputs[0].token_ids
-    without = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
-    hf_model.generation_config.eos_token_id = None
-    assert with_adapter == hf_greedy(merged(hf_model, str(adapter_dir)), prompt)
-    assert without == hf_greedy(hf_model, prompt)
-    assert with_adapter != without
+    assert_adapter_gives_merged_hf_greedy(hf_model, str(tmp_path / "model"), UNGATED_MLP_ADAPTERS[model_name],
+                                          tmp_path / "adapter", seed=11)

@@ -109,6 +109,14 @@ def assert_greedy_generation_matches_hf(hf_model, directory: str, lengths, max_t
     return llm
 
 
+def randomize_biases(model, low: float = -0.5, high: float = 0.5) -> None:
+    """Biases drawn from [low, high) (random init leaves them at 0), so each shows in the logits."""
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias"):
+                parameter.uniform_(low, high)
+
+
 def randomize_norms(model, low: float, high: float) -> None:
     """Norm weights drawn from [low, high) (random init leaves them constant), so each norm's
     form and placement shows in the logits."""
@@ -341,10 +349,8 @@ def tiny_starcoder2(directory):
     torch.manual_seed(0)
     model = Starcoder2ForCausalLM(config)
     randomize_norms(model, 0.5, 1.5)
+    randomize_biases(model)
     with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith("bias"):  # random init leaves biases at 0
-                parameter.uniform_(-0.5, 0.5)
         model.model.embed_tokens.weight.normal_(std=0.5)  # (tied: decisive logits too)
     save_tiny_checkpoint(directory, model.eval())
     return model
@@ -376,10 +382,8 @@ def test_tiny_glm4_matches_hf(tmp_path):
     torch.manual_seed(0)
     model = Glm4ForCausalLM(config)
     randomize_norms(model, 0.5, 1.5)
+    randomize_biases(model)
     with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith("bias"):
-                parameter.uniform_(-0.5, 0.5)
         model.lm_head.weight.normal_(std=0.5)
     directory = save_tiny_checkpoint(tmp_path, model.eval())
     loaded = assert_prefill_matches_hf(directory, "glm4")
@@ -426,10 +430,8 @@ def tiny_phi2(directory):
     torch.manual_seed(0)
     model = PhiForCausalLM(config)
     randomize_norms(model, 0.5, 1.5)
+    randomize_biases(model)
     with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith("bias"):
-                parameter.uniform_(-0.5, 0.5)
         model.lm_head.weight.normal_(std=0.5)
     save_tiny_checkpoint(directory, model.eval())
     return model
@@ -457,10 +459,8 @@ def test_tiny_gpt_neox_matches_hf(tmp_path, parallel):
     torch.manual_seed(0)
     model = GPTNeoXForCausalLM(config)
     randomize_norms(model, 0.5, 1.5)
+    randomize_biases(model)
     with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith("bias"):
-                parameter.uniform_(-0.5, 0.5)
         model.get_output_embeddings().weight.normal_(std=0.5)
     directory = save_tiny_checkpoint(tmp_path, model.eval())
     loaded = assert_prefill_matches_hf(directory, "gpt_neox")
@@ -491,10 +491,8 @@ def test_learned_position_models_match_hf(tmp_path, index):
     embedding, biased LayerNorms and projections."""
     model_type, model = list(tiny_absolute_position_models())[index]
     randomize_norms(model, 0.5, 1.5)
+    randomize_biases(model)
     with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith("bias"):
-                parameter.uniform_(-0.5, 0.5)
         model.get_input_embeddings().weight.normal_(std=0.5)  # (tied: decisive logits too)
     directory = save_tiny_checkpoint(tmp_path, model.eval())
     loaded = assert_prefill_matches_hf(directory, model_type)
@@ -532,10 +530,8 @@ def tiny_llama_variants():
 def test_llama_variants_match_hf(tmp_path, index):
     model_type, model = list(tiny_llama_variants())[index]
     randomize_norms(model, 0.5, 1.5)
+    randomize_biases(model)
     with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith("bias"):
-                parameter.uniform_(-0.5, 0.5)
         model.get_output_embeddings().weight.normal_(std=0.5)
     directory = save_tiny_checkpoint(tmp_path, model.eval())
     loaded = assert_prefill_matches_hf(directory, model_type)
@@ -555,10 +551,8 @@ def test_tiny_gptj_matches_hf(tmp_path):
     torch.manual_seed(0)
     model = GPTJForCausalLM(config)
     randomize_norms(model, 0.5, 1.5)
+    randomize_biases(model)
     with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith("bias"):
-                parameter.uniform_(-0.5, 0.5)
         model.lm_head.weight.normal_(std=0.5)
     directory = save_tiny_checkpoint(tmp_path, model.eval())
     loaded = assert_prefill_matches_hf(directory, "gptj")
@@ -597,10 +591,8 @@ def test_tiny_nemotron_matches_hf(tmp_path):
     torch.manual_seed(0)
     model = NemotronForCausalLM(config)
     randomize_norms(model, -0.5, 0.5)
+    randomize_biases(model)
     with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith("norm.bias"):
-                parameter.uniform_(-0.5, 0.5)
         model.lm_head.weight.normal_(std=0.5)
     directory = save_tiny_checkpoint(tmp_path, model.eval())
     assert_prefill_matches_hf(directory, "nemotron")
@@ -619,12 +611,12 @@ def test_tiny_stablelm_matches_hf(tmp_path, twelve_b):
                             eos_token_id=2, bos_token_id=1, pad_token_id=0)
     torch.manual_seed(0)
     model = StableLmForCausalLM(config)
+    randomize_norms(model, 0.5, 1.5)
+    randomize_biases(model)  # (the LayerNorms' too)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
-            if "layernorm" in name or "norm." in name:
-                parameter.uniform_(0.5, 1.5) if name.endswith("weight") else parameter.uniform_(-0.5, 0.5)
-            elif name.endswith("bias"):
-                parameter.uniform_(-0.5, 0.5)
+            if "_layernorm.norms." in name and name.endswith("weight"):  # the 12B's per-head q/k LayerNorms
+                parameter.uniform_(0.5, 1.5)
         model.lm_head.weight.normal_(std=0.5)
     directory = save_tiny_checkpoint(tmp_path, model.eval())
     loaded = assert_prefill_matches_hf(directory, "stablelm")
