@@ -139,10 +139,6 @@ impl BlockManager {
         self.sliding_window = window;
     }
 
-    pub fn sliding_window(&self) -> usize {
-        self.sliding_window
-    }
-
     /// Roots the prefix cache's block names at `seed` (0 until set). A secret seed keeps names
     /// from being computed outside this manager (see prefix_cache.rs); engines that must agree
     /// on names share one. Only before any block is named: an error otherwise, changing nothing.
