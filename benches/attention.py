@@ -5,7 +5,8 @@ data, and vs the device-to-device copy bandwidth measured in the same run. Print
     python benches/attention.py --batches 1 64 --contexts 2048
     python benches/attention.py --kv-cache-dtype fp8_e4m3     # float8 cache (SDPA on its widened values)
 
-Bytes moved per call = the K and V rows read (each once for all GQA query heads) plus queries
+Times are GPU times: ten calls captured in one CUDA graph, replayed (the median of ten
+replays, divided by ten), for both kernels. Bytes moved per call = the K and V rows read (each once for all GQA query heads) plus queries
 and outputs; GB/s = bytes / time. The ceiling is a large device-to-device `copy_`, counted as
 bytes read + bytes written per second (how CUDA's bandwidthTest reports it).
 """
@@ -34,6 +35,18 @@ def time_cuda(fn, iterations: int = 20, warmup: int = 3) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
     return sorted(times)[len(times) // 2]
+
+
+def time_graph(fn, calls: int = 10, iterations: int = 10) -> float:
+    """Median seconds per call of `calls` calls captured in one CUDA graph and replayed: the
+    GPU's time, without the host's launch overhead (the engine replays decode steps as graphs)."""
+    fn()  # compiles and allocates outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return time_cuda(graph.replay, iterations=iterations) / calls
 
 
 def copy_ceiling_gbps(num_bytes: int = 2 << 30) -> float:
@@ -83,7 +96,7 @@ def bench_one(batch, context, num_heads, num_kv_heads, head_dim, block_size, dty
     paged()
     expected = F.scaled_dot_product_attention(sdpa_query, keys, values, scale=scale, enable_gqa=True)
     error = ((out.float() - expected.view_as(out).float()).norm() / expected.float().norm()).item()
-    paged_seconds, sdpa_seconds = time_cuda(paged), time_cuda(sdpa)
+    paged_seconds, sdpa_seconds = time_graph(paged), time_graph(sdpa)
     moved = 2 * batch * context * num_kv_heads * head_dim * key_cache.element_size() + 2 * query.numel() * query.element_size()
     gbps = moved / paged_seconds / 1e9
     del key_cache, value_cache, keys, values

@@ -52,12 +52,14 @@ def main(argv=None) -> int:
     print(f"{torch.cuda.get_device_name()}, {date.today()}, {args.dtype}, block = {args.layers} layers x K/V x "
           f"{args.kv_heads} heads x {args.block_size} tokens x {args.head_dim} = {block_bytes / 1024:.0f} KiB")
     print()
-    print("| blocks | MiB | plain copy_ out GB/s | swap_out GB/s | % | plain copy_ in GB/s | swap_in GB/s | % "
+    print("| method | blocks | MiB | plain copy_ out GB/s | swap_out GB/s | % | plain copy_ in GB/s | swap_in GB/s | % "
           "| compute ms | compute + swap_in ms | hidden |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    methods = ["kernel", "memcpy", "torch"] if cache.swap_method == "kernel" else [cache.swap_method]
     rng = random.Random(0)
     matrix = torch.randn(4096, 4096, device="cuda", dtype=dtype)
-    for count in args.blocks:
+    for method, count in ((method, count) for count in args.blocks for method in methods):
+        cache.swap_method = method
         num_bytes = count * block_bytes
         # Scattered blocks, as a preempted group's blocks are (no long runs to coalesce).
         device_blocks = rng.sample(range(2 * most), count)
@@ -97,11 +99,13 @@ def main(argv=None) -> int:
         def gbps(seconds):
             return num_bytes / seconds / 1e9
 
-        print(f"| {count} | {num_bytes / 2**20:.0f} | {gbps(plain_out):.1f} | {gbps(swap_out_seconds):.1f} | "
+        print(f"| {method} | {count} | {num_bytes / 2**20:.0f} | {gbps(plain_out):.1f} | {gbps(swap_out_seconds):.1f} | "
               f"{100 * plain_out / swap_out_seconds:.0f}% | {gbps(plain_in):.1f} | {gbps(swap_in_seconds):.1f} | "
               f"{100 * plain_in / swap_in_seconds:.0f}% | {compute_seconds * 1e3:.2f} | {both_seconds * 1e3:.2f} | "
               f"{100 * max(0.0, hidden):.0f}% |", flush=True)
     print()
+    print("method: kernel = one launch that reads/writes the pinned blocks directly (the default with CuPy); "
+          "memcpy = one cudaMemcpyAsync per run of blocks; torch = one copy_ per run.")
     print("hidden: how much of the shorter of (swap_in, compute) ran concurrently with the other; "
           "the overlap column measures swap_in issued on the swap stream while compute runs.")
     return 0

@@ -44,3 +44,26 @@ extern "C" __global__ void copy_blocks_kernel(pagedkv::Vec16* __restrict__ cache
   const long long target = pairs[2 * blockIdx.x + 1] * block_words;
   for (long long word = threadIdx.x; word < block_words; word += blockDim.x) cache[target + word] = cache[source + word];
 }
+
+// Swap: copies whole blocks (block_words 16-byte words each) from source[pairs[p][0]] to
+// target[pairs[p][1]], two block-major caches of which one is usually pinned host memory that
+// the GPU reads or writes directly (unified addressing). One launch moves any number of
+// scattered blocks, where one DMA copy per block would pay a launch's overhead each. Each
+// thread keeps SWAP_UNROLL loads in flight: reads over PCIe take microseconds to return.
+// Grid (num_pairs), 256 threads.
+constexpr int SWAP_UNROLL = 4;
+extern "C" __global__ void swap_blocks_kernel(pagedkv::Vec16* __restrict__ target,
+                                              const pagedkv::Vec16* __restrict__ source,
+                                              const long long* __restrict__ pairs, long long block_words) {
+  const long long from = pairs[2 * blockIdx.x] * block_words;
+  const long long to = pairs[2 * blockIdx.x + 1] * block_words;
+  for (long long base = threadIdx.x; base < block_words; base += (long long)blockDim.x * SWAP_UNROLL) {
+    pagedkv::Vec16 words[SWAP_UNROLL];
+#pragma unroll
+    for (int u = 0; u < SWAP_UNROLL; ++u)
+      if (base + u * blockDim.x < block_words) words[u] = source[from + base + u * blockDim.x];
+#pragma unroll
+    for (int u = 0; u < SWAP_UNROLL; ++u)
+      if (base + u * blockDim.x < block_words) target[to + base + u * blockDim.x] = words[u];
+  }
+}

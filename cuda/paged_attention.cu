@@ -23,7 +23,11 @@ namespace pagedkv {
 
 constexpr int NUM_THREADS = 128;
 constexpr int NUM_WARPS = NUM_THREADS / 32;
-constexpr int UNROLL = 4;  // K rows loaded before their dot products, to hide latency
+// K/V rows loaded before they are used, to hide latency: enough 16-byte loads in flight to
+// cover the memory's latency at full bandwidth (H100: 8 rows for 2-byte caches reached 87-92%
+// of the copy bandwidth at batch >= 64, 4 rows 78-91%). float8 and float32 rows keep 4: their
+// widened registers would cost occupancy.
+template <int CT> struct Unroll { static constexpr int value = sizeof(typename Element<CT>::type) == 2 ? 8 : 4; };
 
 template <int DT, int CT, int HEAD_DIM, int BLOCK_SIZE, int GROUP>
 __device__ __forceinline__ void attend_partition(
@@ -35,6 +39,7 @@ __device__ __forceinline__ void attend_partition(
     int num_heads, int first_head, int kv_head, int partition_size, int max_partitions, float scale,
     float logit_softcap, const float* __restrict__ sinks, float* shared) {
   using cache_t = typename Element<CT>::type;
+  constexpr int UNROLL = Unroll<CT>::value;
   constexpr int VEC = VecWidth<CT>::value;  // a thread's slices of a row are 16-byte cache loads
   constexpr int VECS_PER_ROW = HEAD_DIM / VEC;
   constexpr int THREADS_PER_TOKEN = VECS_PER_ROW < 32 ? VECS_PER_ROW : 32;
@@ -54,6 +59,13 @@ __device__ __forceinline__ void attend_partition(
   const int reduce_floats = max(GROUP * partition_size, NUM_WARPS * GROUP * HEAD_DIM);
   float* group_max = shared + reduce_floats;  // [GROUP]
   float* group_sum = group_max + GROUP;       // [GROUP]
+  // The partition's physical block numbers, read once: a row's address then costs a shared
+  // load instead of a global one that every K/V load would wait behind.
+  int* blocks = reinterpret_cast<int*>(group_sum + GROUP);  // [partition_size / BLOCK_SIZE + 2]
+  const int first_block = start / BLOCK_SIZE;
+  const int num_blocks = (start + length - 1) / BLOCK_SIZE - first_block + 1;
+  for (int b = tid; b < num_blocks; b += NUM_THREADS) blocks[b] = block_table[first_block + b];
+  __syncthreads();
 
   // This thread's slices of the GROUP query rows, pre-scaled.
   float q[GROUP][VECS_PER_THREAD][VEC];
@@ -70,22 +82,25 @@ __device__ __forceinline__ void attend_partition(
   // Phase 1: logits[g][i] = q_g . k_(start+i). The trip count is uniform across the CTA,
   // so every lane reaches the shuffles.
   for (int base = 0; base < length; base += TOKEN_LANES * UNROLL) {
-    float k[UNROLL][VECS_PER_THREAD][VEC];
+    Vec16 k_raw[UNROLL][VECS_PER_THREAD];
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       const int i = base + u * TOKEN_LANES + token_lane;
       if (i < length) {
         const int token = start + i;
-        const long long block = block_table[token / BLOCK_SIZE];
+        const long long block = blocks[token / BLOCK_SIZE - first_block];
         const cache_t* row = key_cache + block * cache_block_stride + head_offset + (token % BLOCK_SIZE) * HEAD_DIM;
 #pragma unroll
-        for (int j = 0; j < VECS_PER_THREAD; ++j) load_vec<CT>(row + (rank + j * THREADS_PER_TOKEN) * VEC, k[u][j]);
+        for (int j = 0; j < VECS_PER_THREAD; ++j) k_raw[u][j] = load_raw(row + (rank + j * THREADS_PER_TOKEN) * VEC);
       }
     }
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       const int i = base + u * TOKEN_LANES + token_lane;
       if (base + u * TOKEN_LANES >= length) break;  // uniform: no lane of this round is valid
+      float k[VECS_PER_THREAD][VEC];
+#pragma unroll
+      for (int j = 0; j < VECS_PER_THREAD; ++j) widen<CT>(k_raw[u][j], k[j]);
 #pragma unroll
       for (int g = 0; g < GROUP; ++g) {
         float dot = 0.f;
@@ -93,7 +108,7 @@ __device__ __forceinline__ void attend_partition(
 #pragma unroll
           for (int j = 0; j < VECS_PER_THREAD; ++j)
 #pragma unroll
-            for (int e = 0; e < VEC; ++e) dot += q[g][j][e] * k[u][j][e];
+            for (int e = 0; e < VEC; ++e) dot += q[g][j][e] * k[j][e];
         if (THREADS_PER_TOKEN > 1) dot = warp_xor_sum(dot, THREADS_PER_TOKEN / 2, 1);
         if (logit_softcap > 0.f) dot = logit_softcap * tanhf(dot / logit_softcap);
         if (i < length && rank == 0) logits[g * partition_size + i] = dot;
@@ -132,20 +147,34 @@ __device__ __forceinline__ void attend_partition(
     for (int j = 0; j < VECS_PER_THREAD; ++j)
 #pragma unroll
       for (int e = 0; e < VEC; ++e) acc[g][j][e] = 0.f;
-  for (int i = token_lane; i < length; i += TOKEN_LANES) {
-    const int token = start + i;
-    const long long block = block_table[token / BLOCK_SIZE];
-    const cache_t* row = value_cache + block * cache_block_stride + head_offset + (token % BLOCK_SIZE) * HEAD_DIM;
-    float v[VECS_PER_THREAD][VEC];
+  for (int base = 0; base < length; base += TOKEN_LANES * UNROLL) {
+    Vec16 v_raw[UNROLL][VECS_PER_THREAD];
 #pragma unroll
-    for (int j = 0; j < VECS_PER_THREAD; ++j) load_vec<CT>(row + (rank + j * THREADS_PER_TOKEN) * VEC, v[j]);
+    for (int u = 0; u < UNROLL; ++u) {
+      const int i = base + u * TOKEN_LANES + token_lane;
+      if (i < length) {
+        const int token = start + i;
+        const long long block = blocks[token / BLOCK_SIZE - first_block];
+        const cache_t* row = value_cache + block * cache_block_stride + head_offset + (token % BLOCK_SIZE) * HEAD_DIM;
 #pragma unroll
-    for (int g = 0; g < GROUP; ++g) {
-      const float p = logits[g * partition_size + i];
+        for (int j = 0; j < VECS_PER_THREAD; ++j) v_raw[u][j] = load_raw(row + (rank + j * THREADS_PER_TOKEN) * VEC);
+      }
+    }
 #pragma unroll
-      for (int j = 0; j < VECS_PER_THREAD; ++j)
+    for (int u = 0; u < UNROLL; ++u) {
+      const int i = base + u * TOKEN_LANES + token_lane;
+      if (i >= length) break;  // later rounds are out of range too
+      float v[VECS_PER_THREAD][VEC];
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) acc[g][j][e] += p * v[j][e];
+      for (int j = 0; j < VECS_PER_THREAD; ++j) widen<CT>(v_raw[u][j], v[j]);
+#pragma unroll
+      for (int g = 0; g < GROUP; ++g) {
+        const float p = logits[g * partition_size + i];
+#pragma unroll
+        for (int j = 0; j < VECS_PER_THREAD; ++j)
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) acc[g][j][e] += p * v[j][e];
+      }
     }
   }
   // Sum over the token lanes of a warp, then across warps through shared memory.
@@ -190,8 +219,8 @@ __device__ __forceinline__ void attend_partition(
 }
 
 // Launch with grid (num_tokens, num_kv_heads * head_tiles, max_partitions), NUM_THREADS
-// threads, and (max(GROUP * partition_size, NUM_WARPS * GROUP * HEAD_DIM) + 2 * GROUP) * 4
-// bytes of dynamic shared memory. Query heads of kv head h: h * group .. (h + 1) * group - 1,
+// threads, and (max(GROUP * partition_size, NUM_WARPS * GROUP * HEAD_DIM) + 2 * GROUP +
+// partition_size / BLOCK_SIZE + 2) * 4 bytes of dynamic shared memory. Query heads of kv head h: h * group .. (h + 1) * group - 1,
 // split into head_tiles tiles of GROUP heads.
 template <int DT, int CT, int HEAD_DIM, int BLOCK_SIZE, int GROUP>
 __global__ void paged_attention_kernel(

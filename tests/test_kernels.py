@@ -17,6 +17,7 @@ from pagedkv.kernels import (
     copy_blocks,
     paged_attention,
     reshape_and_cache,
+    swap_blocks,
 )
 from pagedkv.kernels import sources
 
@@ -65,7 +66,7 @@ def target(request, tmp_path_factory):
             kernels.append((sources.ATTENTION_SOURCE,
                             sources.attention_kernel(code, cache_code, head_dim, block_size, tile)))
         kernels.append((sources.CACHE_OPS_SOURCE, sources.cache_kernel(code, cache_code)))
-    kernels.append((sources.CACHE_OPS_SOURCE, sources.COPY_BLOCKS_KERNEL))
+    kernels += [(sources.CACHE_OPS_SOURCE, sources.COPY_BLOCKS_KERNEL), (sources.CACHE_OPS_SOURCE, sources.SWAP_BLOCKS_KERNEL)]
     launcher.prepare(kernels)  # one build for the whole module
     return launcher, torch.device("cpu")
 
@@ -320,6 +321,26 @@ def test_copy_blocks_copies_every_layer_of_each_pair(target, dtype):
     expected = before.clone()
     expected[pairs[:, 1]] = before[pairs[:, 0]]
     assert torch.equal(cache, expected)
+
+
+@pytest.mark.parametrize("direction", ["out", "in"])
+def test_swap_blocks_moves_scattered_blocks_between_the_gpu_and_pinned_memory(target, direction):
+    """Swap in one launch: the GPU writes (swap-out) or reads (swap-in) the pinned CPU cache
+    directly; the blocks named land bit-exactly, every other block keeps its bytes."""
+    launcher, device = target
+    generator = torch.Generator().manual_seed(6)
+    gpu_cache, _, _ = block_major_cache(12, 3, 2, 16, 64, torch.bfloat16, device, generator)
+    cpu_cache = torch.randn(gpu_cache.shape, generator=generator).to(torch.bfloat16)
+    if device.type == "cuda":
+        cpu_cache = cpu_cache.pin_memory()
+    source, target_cache = (gpu_cache, cpu_cache) if direction == "out" else (cpu_cache, gpu_cache)
+    expected = target_cache.clone()
+    pairs = torch.tensor([[11, 0], [3, 7], [4, 2], [0, 11]], dtype=torch.int64)
+    expected[pairs[:, 1]] = source.cpu()[pairs[:, 0]].to(expected.device)
+    swap_blocks(target_cache, source, pairs.to(device), launcher=launcher)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(target_cache, expected)
 
 
 def test_unsupported_dtype_and_head_dim_are_named(target):

@@ -148,7 +148,7 @@ TINY_MOE = dict(vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attenti
                 max_position_embeddings=512, eos_token_id=2, bos_token_id=1, num_experts_per_tok=2)
 
 
-def tiny_moe_models():
+def tiny_moe_models(qwen3_head_dim: int = 16):
     """(model_type, HF model): Mixtral (always renormalized), Qwen3-MoE (q/k norms, one dense
     layer, renormalized), Qwen2-MoE (shared expert, qkv bias, not renormalized) and Granite MoE
     (Granite's multipliers, softmax over the top-k logits) and OLMoE (q/k norms over whole
@@ -160,7 +160,7 @@ def tiny_moe_models():
     torch.manual_seed(0)
     yield "mixtral", MixtralForCausalLM(MixtralConfig(**TINY_MOE, intermediate_size=48, num_local_experts=8))
     yield "qwen3_moe", Qwen3MoeForCausalLM(Qwen3MoeConfig(
-        **TINY_MOE, head_dim=16, intermediate_size=96, moe_intermediate_size=32, num_experts=6, mlp_only_layers=[1],
+        **TINY_MOE, head_dim=qwen3_head_dim, intermediate_size=96, moe_intermediate_size=32, num_experts=6, mlp_only_layers=[1],
         norm_topk_prob=True))
     yield "qwen2_moe", Qwen2MoeForCausalLM(Qwen2MoeConfig(
         **TINY_MOE, intermediate_size=96, moe_intermediate_size=32, num_experts=6, shared_expert_intermediate_size=40,
@@ -693,13 +693,14 @@ def test_the_language_model_of_image_text_checkpoints(tmp_path, index):
     assert_greedy_generation_matches_hf(model, directory, (40, 9), 16, seed=7)
 
 
-def tiny_olmo(model_type: str):
+def tiny_olmo(model_type: str, head_dim: int = 32):
     """A random OLMo 2, or OLMo 3 with sliding (window 16, rope base 1e4) and full layers (rope
     base 5e5, linear scaling)."""
     from transformers import Olmo2Config, Olmo2ForCausalLM, Olmo3Config, Olmo3ForCausalLM
 
     shape = dict(vocab_size=256, hidden_size=128, intermediate_size=192, num_hidden_layers=3, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=512, eos_token_id=2, bos_token_id=1, pad_token_id=0)
+                 num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=512, eos_token_id=2, bos_token_id=1,
+                 pad_token_id=0)
     if model_type == "olmo2":
         config, model_class = Olmo2Config(**shape), Olmo2ForCausalLM
     else:
@@ -726,7 +727,7 @@ def test_tiny_olmo_with_post_norms_matches_hf(tmp_path, model_type):
     assert_greedy_generation_matches_hf(hf_model, directory, (40, 9, 70), 16, seed=8)
 
 
-def tiny_gpt_oss():
+def tiny_gpt_oss(head_dim: int = 16):
     """A random GPT-OSS: attention sinks, biases on every projection, sliding (window 16) and
     full layers, YaRN rope, 4 experts (top 2) with biases and the clamped SwiGLU."""
     from transformers import GptOssConfig, GptOssForCausalLM
@@ -734,7 +735,7 @@ def tiny_gpt_oss():
     rope = {"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
             "original_max_position_embeddings": 64, "rope_theta": 150000.0}
     config = GptOssConfig(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, num_local_experts=4,
                           num_experts_per_tok=2, max_position_embeddings=512, sliding_window=16, rope_parameters=rope,
                           eos_token_id=2, bos_token_id=1, pad_token_id=0)
     torch.manual_seed(0)

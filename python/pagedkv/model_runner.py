@@ -76,6 +76,8 @@ class ModelRunner:
         if config.is_cuda and not config.enforce_eager:
             if any(layer.is_moe for layer in self.model.layers):
                 logger.info("CUDA graphs off: a mixture-of-experts step sizes its expert matmuls on the host")
+            elif not getattr(self.backend, "supports_cuda_graphs", False):
+                logger.info("CUDA graphs off: the %r attention backend reads host-side metadata", self.backend.name)
             else:
                 self.capture_decode_graphs()
 

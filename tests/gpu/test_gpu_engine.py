@@ -150,8 +150,10 @@ def test_other_architectures_on_the_gpu_equal_the_cpu_engine(tmp_path, architect
 
     from pagedkv import LLM, SamplingParams
 
-    builders = {"gemma2": tiny_gemma2, "gemma3": tiny_gemma3, "olmo3": lambda: tiny_olmo("olmo3"),
-                "qwen3_moe": lambda: dict(tiny_moe_models())["qwen3_moe"], "gpt_oss": tiny_gpt_oss}
+    # Head dim 64: the CUDA kernels' smallest (the CPU tests' tiny OLMo, Qwen3-MoE and GPT-OSS use 32 and 16).
+    builders = {"gemma2": tiny_gemma2, "gemma3": tiny_gemma3, "olmo3": lambda: tiny_olmo("olmo3", head_dim=64),
+                "qwen3_moe": lambda: dict(tiny_moe_models(qwen3_head_dim=64))["qwen3_moe"],
+                "gpt_oss": lambda: tiny_gpt_oss(head_dim=64)}
     hf_model = builders[architecture]().eval()
     directory = save_tiny_checkpoint(tmp_path, hf_model)
     generator = torch.Generator().manual_seed(2)

@@ -4,7 +4,7 @@ Compiled by NVRTC through CuPy and launched on torch's current stream; see docs/
 """
 
 from pagedkv.kernels.launchers import CupyLauncher, EmulatorLauncher
-from pagedkv.kernels.ops import UnsupportedKernelError, copy_blocks, paged_attention, reshape_and_cache
+from pagedkv.kernels.ops import UnsupportedKernelError, copy_blocks, paged_attention, reshape_and_cache, swap_blocks
 
 __all__ = [
     "CupyLauncher",
@@ -13,4 +13,5 @@ __all__ = [
     "copy_blocks",
     "paged_attention",
     "reshape_and_cache",
+    "swap_blocks",
 ]

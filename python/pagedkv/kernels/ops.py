@@ -187,6 +187,7 @@ def paged_attention(
     if num_partitions == 1:
         partition_size = max(partition_size, visible_len)
     shared_floats = max(tile * partition_size, sources.NUM_WARPS * tile * head_dim) + 2 * tile
+    shared_floats += partition_size // block_size + 2  # the partition's block numbers
     if shared_floats * 4 > 48 * 1024:
         raise ValueError(f"partition_size={partition_size} needs more than 48 KiB of shared memory")
 
@@ -287,4 +288,40 @@ def copy_blocks(kv_cache: torch.Tensor, pairs: torch.Tensor, *, launcher=None) -
         (256, 1, 1),
         0,
         (pointer(kv_cache), pointer(pairs), np.int64(block_bytes // 16)),
+    )
+
+
+def swap_blocks(target: torch.Tensor, source: torch.Tensor, pairs: torch.Tensor, *, launcher=None) -> None:
+    """Swap in one launch on the current stream: whole blocks source[pairs[p, 0]] ->
+    target[pairs[p, 1]] of two contiguous block-major caches of one shape and dtype, a CUDA one
+    and a pinned CPU one (the GPU reads or writes the pinned memory directly), or two CUDA ones.
+    pairs: int64 [P, 2] on the GPU."""
+    if target.shape[1:] != source.shape[1:] or target.dtype != source.dtype:
+        raise ValueError("target and source must be caches of one block shape and dtype")
+    if not (target.is_contiguous() and source.is_contiguous()):
+        raise ValueError("target and source must be contiguous")
+    cuda = [tensor for tensor in (target, source) if tensor.is_cuda]
+    if launcher is None:
+        if not cuda:
+            raise ValueError("swap_blocks needs a CUDA cache (or launcher=EmulatorLauncher())")
+        host = [tensor for tensor in (target, source) if not tensor.is_cuda]
+        if host and not host[0].is_pinned():
+            raise ValueError("the CPU cache must be pinned: the GPU reads and writes it directly")
+    device = cuda[0].device if cuda else pairs.device
+    _check_int(pairs, "pairs", torch.int64, device)
+    if pairs.dim() != 2 or pairs.shape[1] != 2 or not pairs.is_contiguous():
+        raise ValueError(f"pairs must be contiguous [num_pairs, 2], got {tuple(pairs.shape)}")
+    block_bytes = target[0].numel() * target.element_size()
+    if block_bytes % 16 or target.data_ptr() % 16 or source.data_ptr() % 16:
+        raise ValueError("cache blocks must be whole, aligned 16-byte words")
+    if pairs.shape[0] == 0:
+        return
+    launcher = launcher or default_launcher(device)
+    launcher.launch(
+        sources.CACHE_OPS_SOURCE,
+        sources.SWAP_BLOCKS_KERNEL,
+        (pairs.shape[0], 1, 1),
+        (256, 1, 1),
+        0,
+        (pointer(target), pointer(source), pointer(pairs), np.int64(block_bytes // 16)),
     )

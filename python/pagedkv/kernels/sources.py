@@ -78,6 +78,7 @@ def cache_kernel(dtype_code: int, cache_code: int) -> str:
 
 
 COPY_BLOCKS_KERNEL = "copy_blocks_kernel"
+SWAP_BLOCKS_KERNEL = "swap_blocks_kernel"
 
 
 def all_instantiations() -> dict[str, list[str]]:
@@ -92,5 +93,5 @@ def all_instantiations() -> dict[str, list[str]]:
     ]
     attention += [reduce_kernel(code, head_dim) for code in DTYPE_CODES.values() for head_dim in HEAD_DIMS]
     cache = [cache_kernel(code, cache_code) for code in DTYPE_CODES.values() for cache_code in cache_codes(code)]
-    cache.append(COPY_BLOCKS_KERNEL)
+    cache += [COPY_BLOCKS_KERNEL, SWAP_BLOCKS_KERNEL]
     return {ATTENTION_SOURCE: attention, CACHE_OPS_SOURCE: cache}

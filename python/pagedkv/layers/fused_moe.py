@@ -46,7 +46,9 @@ def sparse_moe(hf_config) -> "SparseMoE":
     shared = getattr(hf_config, "shared_expert_intermediate_size", 0) if hf_config.model_type == "qwen2_moe" else 0
     if hf_config.model_type != "gpt_oss":
         return SparseMoE(hf_config.hidden_size, intermediate_size, num_experts, top_k, renormalize, shared)
-    activation = functools.partial(clamped_swiglu_and_mul, alpha=hf_config.swiglu_alpha, limit=hf_config.swiglu_limit)
+    # Older transformers releases fix alpha at 1.702 and have no swiglu_alpha in the config.
+    activation = functools.partial(clamped_swiglu_and_mul, alpha=getattr(hf_config, "swiglu_alpha", 1.702),
+                                   limit=getattr(hf_config, "swiglu_limit", 7.0))
     return SparseMoE(hf_config.hidden_size, intermediate_size, num_experts, top_k, renormalize, bias=True,
                      act_and_mul=activation)
 
