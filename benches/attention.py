@@ -56,7 +56,8 @@ def copy_ceiling_gbps(num_bytes: int = 2 << 30) -> float:
     return 2 * num_bytes / seconds / 1e9
 
 
-def bench_one(batch, context, num_heads, num_kv_heads, head_dim, block_size, dtype, ceiling, cache_dtype=None):
+def bench_one(batch, context, num_heads, num_kv_heads, head_dim, block_size, dtype, ceiling, cache_dtype=None,
+              partition_size=None):
     from pagedkv.attention.torch_ref import to_cache_dtype
     from pagedkv.kernels import paged_attention
 
@@ -78,7 +79,8 @@ def bench_one(batch, context, num_heads, num_kv_heads, head_dim, block_size, dty
     scale = head_dim**-0.5
 
     def paged():
-        paged_attention(query, key_cache, value_cache, block_tables, seq_index, context_lens, context, scale, out=out)
+        paged_attention(query, key_cache, value_cache, block_tables, seq_index, context_lens, context, scale, out=out,
+                        partition_size=partition_size)
 
     # The same K/V, contiguous per sequence, for SDPA: [B, Hkv, context, D].
     def contiguous(cache):
@@ -123,6 +125,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16", "float32"])
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3", "fp8_e5m2"],
                         help="the paged cache's element type (auto: --dtype)")
+    parser.add_argument("--partition-size", type=int, default=None,
+                        help="force the split-K partition (tokens; default: the kernel's automatic choice)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("benches/attention.py needs a CUDA GPU", file=sys.stderr)
@@ -132,14 +136,15 @@ def main(argv=None) -> int:
     ceiling = copy_ceiling_gbps()
     device = torch.cuda.get_device_name()
     print(f"{device}, {date.today()}, {args.dtype}, KV cache {args.kv_cache_dtype}, {args.num_heads}q/{args.num_kv_heads}kv heads, "
-          f"head dim {args.head_dim}, block size {args.block_size}; copy ceiling {ceiling:.0f} GB/s")
+          f"head dim {args.head_dim}, block size {args.block_size}, partition {args.partition_size or 'auto'}; "
+          f"copy ceiling {ceiling:.0f} GB/s")
     print()
     print("| batch | context | paged µs | SDPA (contiguous) µs | paged / SDPA time | paged GB/s | % of copy | rel. error |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for batch in args.batches:
         for context in args.contexts:
             row = bench_one(batch, context, args.num_heads, args.num_kv_heads, args.head_dim, args.block_size,
-                            dtype, ceiling, cache_dtype)
+                            dtype, ceiling, cache_dtype, args.partition_size)
             print(f"| {row['batch']} | {row['context']} | {row['paged_us']:.1f} | {row['sdpa_us']:.1f} | "
                   f"{row['vs_sdpa']:.2f} | {row['gbps']:.0f} | {row['ceiling_pct']:.0f}% | {row['error']:.1e} |",
                   flush=True)

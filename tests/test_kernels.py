@@ -164,6 +164,37 @@ def test_paged_decode_matches_reference(target, dtype, shape, partition_size):
     assert relative_error(out, expected) < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("partition_size", [1024, 2048])
+def test_long_partitions_match_reference(target, partition_size):
+    """The largest split-K partitions (chosen at large batch x long context) over contexts that
+    span one, two and three of them."""
+    launcher, device = target
+    shape = SHAPES[0]
+    generator = torch.Generator().manual_seed(partition_size)
+    batch = make_batch(shape, torch.bfloat16, device, generator, [1, 1500, partition_size * 2 + 5])
+    out = torch.full(batch["query"].shape, float("nan"), dtype=torch.bfloat16, device=device)
+    paged_attention(**batch, scale=0.125, out=out, partition_size=partition_size, launcher=launcher)
+    expected = reference_attention(
+        batch["query"], batch["key_cache"], batch["value_cache"], batch["block_tables"],
+        batch["seq_index"], batch["context_lens"], 0.125,
+    )
+    assert not torch.isnan(out).any()
+    assert relative_error(out, expected) < TOLERANCE[torch.bfloat16]
+
+
+def test_automatic_partitions_fit_shared_memory_and_fill_the_gpu():
+    from pagedkv.kernels.ops import MAX_SHARED_BYTES, PARTITION_SIZES, choose_partition_size, shared_floats
+
+    # Batch 256 x 8192 tokens, 8 kv heads, 132 SMs: the largest partition; batch 1: small ones.
+    assert choose_partition_size(256 * 8, 8192, 132) == PARTITION_SIZES[0]
+    assert choose_partition_size(8, 8192, 132) == 128
+    assert choose_partition_size(256 * 8, 8192, 132, largest=1024) == 1024
+    for tile in range(1, sources.MAX_HEAD_TILE + 1):
+        for head_dim in sources.HEAD_DIMS:
+            fitting = [size for size in PARTITION_SIZES if shared_floats(tile, size, head_dim, 8) * 4 <= MAX_SHARED_BYTES]
+            assert PARTITION_SIZES[-1] in fitting
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("partition_size", [None, 64], ids=["auto", "splitk64"])
 def test_paged_prefill_and_extend_are_causal(target, dtype, partition_size):
