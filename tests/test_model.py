@@ -468,6 +468,41 @@ def test_tiny_gpt_neox_matches_hf(tmp_path, parallel):
     assert_greedy_generation_matches_hf(model, directory, (40, 9), 16, seed=7)
 
 
+@pytest.mark.parametrize("variant", ["7b", "40b", "falcon2", "sequential"])
+def test_tiny_falcon_matches_hf(tmp_path, variant):
+    """Falcon: Falcon-7B's multi-query attention beside the MLP off one norm; Falcon-40B's new
+    decoder architecture (grouped KV heads, a norm each for attention and MLP); Falcon 2's (one
+    shared norm); multi-head attention and MLP in sequence with biases."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    shape = dict(vocab_size=256, hidden_size=128, ffn_hidden_size=192, num_hidden_layers=2, num_attention_heads=4,
+                 max_position_embeddings=512, eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    options = {"7b": dict(multi_query=True, parallel_attn=True),
+               "40b": dict(new_decoder_architecture=True, num_kv_heads=2),
+               "falcon2": dict(new_decoder_architecture=True, num_kv_heads=2, num_ln_in_parallel_attn=1),
+               "sequential": dict(multi_query=False, parallel_attn=False, bias=True, tie_word_embeddings=False)}
+    torch.manual_seed(0)
+    model = FalconForCausalLM(FalconConfig(**shape, **options[variant]))
+    randomize_norms(model, 0.5, 1.5)
+    randomize_biases(model)
+    directory = save_tiny_checkpoint(tmp_path, model.eval())
+    loaded = assert_prefill_matches_hf(directory, "falcon")
+    attention = loaded.model.layers[0].self_attn
+    assert attention.num_kv_heads == {"7b": 1, "40b": 2, "falcon2": 2, "sequential": 4}[variant]
+    assert isinstance(loaded.model.layers[0], ParallelBlock) == (variant != "sequential")
+    assert_greedy_generation_matches_hf(model, directory, (40, 9), 16, seed=7)
+
+
+def test_falcon_with_alibi_is_refused(tmp_path):
+    from transformers import FalconConfig, FalconForCausalLM
+
+    model = FalconForCausalLM(FalconConfig(vocab_size=256, hidden_size=64, ffn_hidden_size=96, num_hidden_layers=1,
+                                           num_attention_heads=2, alibi=True, multi_query=False))
+    directory = save_tiny_checkpoint(tmp_path, model.eval())
+    with pytest.raises(ValueError, match="ALiBi"):
+        load(directory, None, None, torch.float32, torch.device("cpu"), None)
+
+
 def tiny_absolute_position_models():
     """(model_type, HF model) of the learned-position families: GPT-2, OPT, and GPTBigCode with
     multi-query attention (StarCoder's) and without."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedkv.models.cohere import CohereForCausalLM
+from pagedkv.models.falcon import FalconForCausalLM
 from pagedkv.models.gemma import GemmaForCausalLM
 from pagedkv.models.glm4 import Glm4ForCausalLM
 from pagedkv.models.gpt2 import GPT2ForCausalLM
@@ -51,6 +52,7 @@ ARCHITECTURES = {
     "olmo": OlmoForCausalLM,
     "nemotron": NemotronForCausalLM,
     "stablelm": StableLmForCausalLM,
+    "falcon": FalconForCausalLM,
 }
 # Image-text models whose language model we serve alone (text prompts; the vision tower is not loaded)
 MULTIMODAL_MODEL_TYPES = ("gemma3", "mistral3")

@@ -1,6 +1,7 @@
 """Model architectures, one file each."""
 
 from pagedkv.models.cohere import CohereForCausalLM
+from pagedkv.models.falcon import FalconForCausalLM
 from pagedkv.models.gemma import GemmaForCausalLM
 from pagedkv.models.glm4 import Glm4ForCausalLM
 from pagedkv.models.gpt2 import GPT2ForCausalLM
@@ -16,5 +17,5 @@ from pagedkv.models.phi import PhiForCausalLM
 from pagedkv.models.stablelm import StableLmForCausalLM
 from pagedkv.models.starcoder2 import Starcoder2ForCausalLM
 
-__all__ = ["CohereForCausalLM", "GemmaForCausalLM", "Glm4ForCausalLM", "GPT2ForCausalLM", "GPTBigCodeForCausalLM", "GPTNeoXForCausalLM", "GPTJForCausalLM",
+__all__ = ["CohereForCausalLM", "FalconForCausalLM", "GemmaForCausalLM", "Glm4ForCausalLM", "GPT2ForCausalLM", "GPTBigCodeForCausalLM", "GPTNeoXForCausalLM", "GPTJForCausalLM",
            "LlamaForCausalLM", "NemotronForCausalLM", "OlmoForCausalLM", "Olmo2ForCausalLM", "OPTForCausalLM", "PhiForCausalLM", "StableLmForCausalLM", "Starcoder2ForCausalLM"]
