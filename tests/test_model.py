@@ -728,6 +728,57 @@ def test_the_language_model_of_image_text_checkpoints(tmp_path, index):
     assert_greedy_generation_matches_hf(model, directory, (40, 9), 16, seed=7)
 
 
+def tiny_qwen_vl(model_type: str):
+    """A random Qwen2-VL, Qwen2.5-VL or Qwen3-VL with a one-block vision tower; vocabulary 300 with
+    the vision tokens at 297-299, whose logits are zero: text prompts (ids 3-255) stay text, as
+    they do for the real models."""
+    import transformers
+
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]}
+    text = dict(vocab_size=300, hidden_size=128, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512, rope_parameters=rope, tie_word_embeddings=False)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14, spatial_merge_size=2,
+                  temporal_patch_size=2)
+    ids = dict(image_token_id=297, video_token_id=298, vision_start_token_id=299, eos_token_id=2, bos_token_id=1,
+               pad_token_id=0, tie_word_embeddings=False)
+    if model_type == "qwen2_vl":
+        config = transformers.Qwen2VLConfig(text_config=text, vision_config={**vision, "embed_dim": 32,
+                                                                             "hidden_size": 128}, **ids)
+    elif model_type == "qwen2_5_vl":
+        config = transformers.Qwen2_5_VLConfig(text_config=text, vision_config={
+            **vision, "out_hidden_size": 128, "window_size": 56, "fullatt_block_indexes": [0]}, **ids)
+    else:
+        text = {**text, "head_dim": 32, "rope_parameters": {**rope, "mrope_interleaved": True}}
+        config = transformers.Qwen3VLConfig(text_config=text, vision_config={
+            **vision, "out_hidden_size": 128, "patch_size": 16, "num_position_embeddings": 16,
+            "deepstack_visual_indexes": [0]}, **ids)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForImageTextToText.from_config(config)
+    randomize_norms(model, 0.5, 1.5)
+    randomize_biases(model)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.normal_(std=0.5)
+        model.get_output_embeddings().weight[256:] = 0.0
+    return model.eval()
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_the_language_model_of_qwen_vl_checkpoints(tmp_path, model_type):
+    """Qwen2-VL, Qwen2.5-VL and Qwen3-VL served on text prompts: their multimodal rotary
+    embedding (sections of the rotary dims for time, height and width) is plain rotary when
+    every position is a text one; Qwen2's q/k/v biases, Qwen3's per-head q/k norms."""
+    from transformers import AutoModelForImageTextToText
+
+    model = tiny_qwen_vl(model_type)
+    directory = save_tiny_checkpoint(tmp_path, model)
+    loaded = assert_prefill_matches_hf(directory, f"{model_type}_text", hf_class=AutoModelForImageTextToText)
+    assert not any("visual" in name for name, _ in loaded.model.named_parameters())
+    attention = loaded.model.layers[0].self_attn
+    assert (attention.qkv_proj.bias is not None) == (model_type != "qwen3_vl")
+    assert (attention.q_norm is not None) == (model_type == "qwen3_vl")
+    assert_greedy_generation_matches_hf(model, directory, (40, 9), 16, seed=7)
+
+
 def tiny_olmo(model_type: str, head_dim: int = 32):
     """A random OLMo 2, or OLMo 3 with sliding (window 16, rope base 1e4) and full layers (rope
     base 5e5, linear scaling)."""

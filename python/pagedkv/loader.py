@@ -36,7 +36,7 @@ EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ARCHITECTURES = {
     **dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "smollm3", "granite",
                      "phi3", "granitemoe", "olmoe", "gpt_oss", "ministral", "helium", "seed_oss", "ernie4_5", "glm",
-                     "arcee"),
+                     "arcee", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text"),
                     LlamaForCausalLM),
     **dict.fromkeys(("gemma", "gemma2", "gemma3_text"), GemmaForCausalLM),
     **dict.fromkeys(("olmo2", "olmo3", "exaone4"), Olmo2ForCausalLM),
@@ -55,7 +55,9 @@ ARCHITECTURES = {
     "falcon": FalconForCausalLM,
 }
 # Image-text models whose language model we serve alone (text prompts; the vision tower is not loaded)
-MULTIMODAL_MODEL_TYPES = ("gemma3", "mistral3")
+MULTIMODAL_MODEL_TYPES = ("gemma3", "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+# Their non-language parts, as the first or second component of a weight's name
+_VISION_PARTS = ("visual", "vision_tower", "multi_modal_projector")
 SUPPORTED = tuple(ARCHITECTURES) + MULTIMODAL_MODEL_TYPES
 
 
@@ -153,12 +155,15 @@ def load(model: str | None, gguf_file: str | None, tokenizer: str | None, dtype,
 
 def language_model_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """An image-text checkpoint's language-model weights under a text model's names: hub files'
-    `language_model.model.*` / `language_model.lm_head.*` and transformers' own
-    `model.language_model.*` / `lm_head.*`; vision tower and projector weights are left out."""
+    `language_model.model.*` / `language_model.lm_head.*` (Gemma 3's, Mistral 3's) or `model.*`
+    (Qwen-VL's, beside `visual.*`), and transformers' own `model.language_model.*` / `lm_head.*`;
+    vision tower and projector weights are left out."""
     renames = (("language_model.model.", "model."), ("model.language_model.", "model."),
-               ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head."))
+               ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head."), ("model.", "model."))
     text = {}
     for name, tensor in state.items():
+        if any(part in _VISION_PARTS for part in name.split(".")[:2]):
+            continue
         for theirs, ours in renames:
             if name.startswith(theirs):
                 text[ours + name[len(theirs):]] = tensor

@@ -21,8 +21,10 @@ from pagedkv.layers.rotary_embedding import RotaryEmbedding, split_and_rotate, s
 from pagedkv.layers.ungated_mlp import UngatedMLP
 
 # Query/key RMSNorm before the rotation: per head (Qwen3's) or over whole projections (OLMo's)
-HEAD_QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "exaone4")
+HEAD_QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "exaone4", "qwen3_vl_text")
 PROJECTION_QK_NORM_MODEL_TYPES = ("olmo2", "olmo3", "olmoe")
+# Biased q/k/v projections with no attention_bias in their configs
+QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_vl_text", "qwen2_5_vl_text")
 # Rotary embedding over adjacent pairs of dims (GPT-J's layout) instead of the two halves
 INTERLEAVED_ROPE_MODEL_TYPES = ("glm", "glm4", "helium", "ernie4_5", "cohere", "gptj")
 # A two-matrix MLP (up_proj, down_proj) with squared ReLU instead of the gated one
@@ -76,7 +78,7 @@ class LlamaAttention(nn.Module):
         self.rope_interleaved = hf_config.model_type in INTERLEAVED_ROPE_MODEL_TYPES
         bias = bool(getattr(hf_config, "attention_bias", False) or getattr(hf_config, "use_bias", False)
                     or getattr(hf_config, "qkv_bias", False) or getattr(hf_config, "use_qkv_bias", False)
-                    or hf_config.model_type == "qwen2")
+                    or hf_config.model_type in QKV_BIAS_MODEL_TYPES)
         output_bias = bool(getattr(hf_config, "attention_bias", False) or getattr(hf_config, "use_bias", False))
         output_bias = bool(getattr(hf_config, "attention_out_bias", output_bias))  # (Seed-OSS names its own)
         output_bias = output_bias and hf_config.model_type not in UNBIASED_OUTPUT_MODEL_TYPES
