@@ -779,6 +779,45 @@ def test_the_language_model_of_qwen_vl_checkpoints(tmp_path, model_type):
     assert_greedy_generation_matches_hf(model, directory, (40, 9), 16, seed=7)
 
 
+def tiny_deepseek_v2(variant: str):
+    """A random DeepSeek-V2: multi-head latent attention (queries through a low-rank projection
+    in "v2", straight in "lite"), YaRN rope with mscale, one dense layer then DeepSeekMoE layers
+    (8 routed experts, top 2, scaled weights, a shared expert; group-limited routing in "v2")."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+            "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}
+    config = DeepseekV2Config(
+        vocab_size=256, hidden_size=128, intermediate_size=192, moe_intermediate_size=48, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48 if variant == "v2" else None,
+        qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=24, n_routed_experts=8, num_experts_per_tok=2,
+        n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.0, norm_topk_prob=False,
+        topk_method="group_limited_greedy" if variant == "v2" else "greedy", n_group=4, topk_group=2,
+        max_position_embeddings=512, rope_parameters=rope, eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    torch.manual_seed(0)
+    model = DeepseekV2ForCausalLM(config)
+    randomize_norms(model, 0.5, 1.5)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "experts" in name or name.endswith("gate.weight"):
+                parameter.normal_(std=0.3)  # away from init's near-uniform router
+        model.get_output_embeddings().weight.normal_(std=0.5)
+    return model.eval()
+
+
+@pytest.mark.parametrize("variant", ["v2", "lite"])
+def test_tiny_deepseek_v2_matches_hf(tmp_path, variant):
+    """DeepSeek-V2 with latent attention computed on the cached latents (the key projection
+    absorbed into the query), as HF's expanded keys and values compute it."""
+    hf_model = tiny_deepseek_v2(variant)
+    directory = save_tiny_checkpoint(tmp_path, hf_model)
+    loaded = assert_prefill_matches_hf(directory, "deepseek_v2")
+    attention = loaded.model.layers[0].self_attn
+    assert (attention.num_kv_heads, attention.head_dim) == (1, 32 + 16)  # the cache: one latent + rope key
+    assert [layer.is_moe for layer in loaded.model.layers] == [False, True, True]
+    assert_greedy_generation_matches_hf(hf_model, directory, (40, 9), 16, seed=7)
+
+
 def tiny_olmo(model_type: str, head_dim: int = 32):
     """A random OLMo 2, or OLMo 3 with sliding (window 16, rope base 1e4) and full layers (rope
     base 5e5, linear scaling)."""

@@ -145,3 +145,13 @@ def test_get_backend():
         get_backend("cpu", "cuda")
     with pytest.raises(ValueError, match="attention_backend"):
         get_backend("flash", "cpu")
+
+
+def test_cuda_backend_without_the_head_dim_is_refused_up_front():
+    """Phi-2's 80, Phi-3's 96 or DeepSeek-V2's latent 576: the CUDA kernels have none of them;
+    "auto" then takes the torch reference, an explicit "cuda" fails at start-up, naming it."""
+    from pagedkv.kernels import UnsupportedKernelError
+
+    with pytest.raises(UnsupportedKernelError, match="head_dim=96"):
+        get_backend("cuda", "cuda", head_dim=96)
+    assert get_backend("auto", "cuda", head_dim=576).name == "torch"

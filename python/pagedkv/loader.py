@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedkv.models.cohere import CohereForCausalLM
+from pagedkv.models.deepseek_v2 import DeepseekV2ForCausalLM
 from pagedkv.models.falcon import FalconForCausalLM
 from pagedkv.models.gemma import GemmaForCausalLM
 from pagedkv.models.glm4 import Glm4ForCausalLM
@@ -53,6 +54,7 @@ ARCHITECTURES = {
     "nemotron": NemotronForCausalLM,
     "stablelm": StableLmForCausalLM,
     "falcon": FalconForCausalLM,
+    "deepseek_v2": DeepseekV2ForCausalLM,
 }
 # Image-text models whose language model we serve alone (text prompts; the vision tower is not loaded)
 MULTIMODAL_MODEL_TYPES = ("gemma3", "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl")

@@ -39,9 +39,8 @@ class ModelRunner:
         self.max_model_len = self._max_model_len()
         self.vocab_size = self.hf_config.vocab_size
         self.num_parameters = sum(p.numel() for p in self.model.parameters())
-        self.backend = get_backend(config.attention_backend, config.device)
-
         attention = self.model.layers[0].self_attn
+        self.backend = get_backend(config.attention_backend, config.device, attention.head_dim)
         num_layers = len(self.model.layers)
         self.sliding_window = _common_sliding_window(self.model)
         self.block_bytes = KVCache.bytes_per_block(

@@ -18,12 +18,17 @@ from pagedkv.attention.torch_ref import TorchRefBackend
 logger = logging.getLogger("pagedkv.attention")
 
 
-def get_backend(name: str, device: str):
-    """'torch', 'cpu', 'cuda', or 'auto': cuda kernels on a CUDA device when CuPy is there (else
-    torch), the cpu backend (Rust decode attention) on the CPU."""
+def get_backend(name: str, device: str, head_dim: int | None = None):
+    """'torch', 'cpu', 'cuda', or 'auto': cuda kernels on a CUDA device when CuPy is there and
+    they have this head dim (else torch), the cpu backend (Rust decode attention) on the CPU."""
+    from pagedkv.kernels.sources import HEAD_DIMS
+
     if name == "auto":
         name = "cpu" if not device.startswith("cuda") else "torch"
-        if device.startswith("cuda"):
+        if device.startswith("cuda") and head_dim is not None and head_dim not in HEAD_DIMS:
+            logger.info("the CUDA attention kernels have no head dim %d (they have %s): using the torch reference",
+                        head_dim, HEAD_DIMS)
+        elif device.startswith("cuda"):
             try:
                 import cupy  # noqa: F401
 
@@ -41,6 +46,11 @@ def get_backend(name: str, device: str):
 
         return CpuAttentionBackend()
     if name == "cuda":
+        if head_dim is not None and head_dim not in HEAD_DIMS:
+            from pagedkv.kernels import UnsupportedKernelError
+
+            raise UnsupportedKernelError(f"the CUDA attention kernels have no head_dim={head_dim} (they have {HEAD_DIMS}); "
+                                         "use attention_backend='torch'")
         from pagedkv.attention.cuda import CudaAttentionBackend
 
         return CudaAttentionBackend()

@@ -1,6 +1,7 @@
 """Model architectures, one file each."""
 
 from pagedkv.models.cohere import CohereForCausalLM
+from pagedkv.models.deepseek_v2 import DeepseekV2ForCausalLM
 from pagedkv.models.falcon import FalconForCausalLM
 from pagedkv.models.gemma import GemmaForCausalLM
 from pagedkv.models.glm4 import Glm4ForCausalLM
@@ -17,5 +18,5 @@ from pagedkv.models.phi import PhiForCausalLM
 from pagedkv.models.stablelm import StableLmForCausalLM
 from pagedkv.models.starcoder2 import Starcoder2ForCausalLM
 
-__all__ = ["CohereForCausalLM", "FalconForCausalLM", "GemmaForCausalLM", "Glm4ForCausalLM", "GPT2ForCausalLM", "GPTBigCodeForCausalLM", "GPTNeoXForCausalLM", "GPTJForCausalLM",
+__all__ = ["CohereForCausalLM", "DeepseekV2ForCausalLM", "FalconForCausalLM", "GemmaForCausalLM", "Glm4ForCausalLM", "GPT2ForCausalLM", "GPTBigCodeForCausalLM", "GPTNeoXForCausalLM", "GPTJForCausalLM",
            "LlamaForCausalLM", "NemotronForCausalLM", "OlmoForCausalLM", "Olmo2ForCausalLM", "OPTForCausalLM", "PhiForCausalLM", "StableLmForCausalLM", "Starcoder2ForCausalLM"]

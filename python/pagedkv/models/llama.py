@@ -256,15 +256,14 @@ class LlamaForCausalLM(nn.Module):
         fused = {}
         for i, layer in enumerate(self.layers):
             p = f"layers.{i}."
-            if p + "self_attn.qkv_proj.weight" in own:  # Phi-3 stores them fused already
-                continue
-            fused[p + "self_attn.qkv_proj.weight"] = torch.cat(
-                [own.pop(p + f"self_attn.{x}_proj.weight") for x in "qkv"], dim=0
-            )
-            if p + "self_attn.q_proj.bias" in own:
-                fused[p + "self_attn.qkv_proj.bias"] = torch.cat(
-                    [own.pop(p + f"self_attn.{x}_proj.bias") for x in "qkv"], dim=0
+            if p + "self_attn.k_proj.weight" in own:  # (Phi-3 stores them fused already; MLA has no k/v)
+                fused[p + "self_attn.qkv_proj.weight"] = torch.cat(
+                    [own.pop(p + f"self_attn.{x}_proj.weight") for x in "qkv"], dim=0
                 )
+                if p + "self_attn.q_proj.bias" in own:
+                    fused[p + "self_attn.qkv_proj.bias"] = torch.cat(
+                        [own.pop(p + f"self_attn.{x}_proj.bias") for x in "qkv"], dim=0
+                    )
             if layer.is_moe:
                 fused.update(_stacked_experts(own, p + "mlp.", layer.mlp.num_experts))
             elif isinstance(layer.mlp, UngatedMLP) and p + "mlp.up_proj.weight" in own:  # (Arcee's, Nemotron's)

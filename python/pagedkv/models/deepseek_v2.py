@@ -1,0 +1,153 @@
+"""DeepSeek-V2 (`deepseek_v2`: DeepSeek-V2, V2-Lite, V2.5) over the paged cache.
+
+Multi-head latent attention (MLA): keys and values of every head are projections of one small
+latent per token, `c = norm(W_DKV x)` (kv_lora_rank wide), plus one rotary key `k_pe` shared by
+the heads. The cache holds `[c, k_pe]` per token, as one KV head: with the per-head key
+projection absorbed into the query (`q_latent = W_UK^T q_nope`), each head's logits are
+`q_latent . c + q_pe . k_pe`, and its output is `W_UV` applied to the weighted sum of the
+latents, so attention is multi-query over `kv_lora_rank + qk_rope_head_dim` dims and the cache
+is 2 x 576 numbers per token and layer for DeepSeek-V2 instead of 128 heads x (192 + 128).
+(The value rows repeat the keys: the attention backends keep K and V of one width; the output's
+rotary part is dropped.) Rotary embedding turns adjacent pairs of dims; YaRN's mscale also
+scales the softmax.
+
+Mixture of experts (DeepSeekMoE): after `first_k_dense_replace` dense layers, a softmax router
+picks the top k of the routed experts (`group_limited_greedy`: within the best `topk_group` of
+`n_group` expert groups), weights scaled by `routed_scaling_factor`, plus always-on shared
+experts.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedkv.layers.activation import silu_and_mul
+from pagedkv.layers.fused_moe import SparseMoE
+from pagedkv.layers.rms_norm import RMSNorm
+from pagedkv.layers.rotary_embedding import apply_rotary
+from pagedkv.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+def softmax_scale(hf_config) -> float:
+    """qk_head_dim^-0.5, times YaRN's mscale(factor, mscale_all_dim) squared (as transformers)."""
+    scale = (hf_config.qk_nope_head_dim + hf_config.qk_rope_head_dim) ** -0.5
+    parameters = getattr(hf_config, "rope_parameters", None) or {}
+    if parameters.get("rope_type", "default") != "default" and parameters.get("mscale_all_dim"):
+        scale *= _yarn_mscale(parameters["factor"], parameters["mscale_all_dim"]) ** 2
+    return scale
+
+
+class MLAAttention(nn.Module):
+    """Multi-head latent attention; weights under the checkpoint's names."""
+
+    sliding_window = None
+
+    def __init__(self, hf_config, layer_index: int):
+        super().__init__()
+        self.layer_index = layer_index
+        hidden = hf_config.hidden_size
+        self.num_heads = hf_config.num_attention_heads
+        self.nope_dim, self.rope_dim = hf_config.qk_nope_head_dim, hf_config.qk_rope_head_dim
+        self.v_dim, self.latent_dim = hf_config.v_head_dim, hf_config.kv_lora_rank
+        self.num_kv_heads, self.head_dim = 1, self.latent_dim + self.rope_dim  # what the cache holds
+        self.scale = softmax_scale(hf_config)
+        bias = bool(getattr(hf_config, "attention_bias", False))
+        query_width = self.num_heads * (self.nope_dim + self.rope_dim)
+        self.q_lora_rank = hf_config.q_lora_rank
+        if self.q_lora_rank is None:
+            self.q_proj = nn.Linear(hidden, query_width, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(hidden, self.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, hf_config.rms_norm_eps)
+            self.q_b_proj = nn.Linear(self.q_lora_rank, query_width, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.latent_dim + self.rope_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.latent_dim, hf_config.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(self.latent_dim, self.num_heads * (self.nope_dim + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.v_dim, hidden, bias=bias)
+
+    def forward(self, hidden, cos_sin, metadata, kv_cache, backend, lora=None):
+        num_tokens = hidden.shape[0]
+        if self.q_lora_rank is None:
+            query = self.q_proj(hidden)
+        else:
+            query = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+        q_nope, q_pe = query.view(num_tokens, self.num_heads, -1).split([self.nope_dim, self.rope_dim], -1)
+        latent, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.latent_dim, self.rope_dim], -1)
+        latent = self.kv_a_layernorm(latent.contiguous())
+        q_pe, k_pe = apply_rotary(cos_sin, q_pe, k_pe.unsqueeze(1), interleaved=True)
+
+        up = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.latent_dim)
+        w_uk, w_uv = up[:, : self.nope_dim], up[:, self.nope_dim :]
+        q_latent = torch.einsum("thn,hnl->thl", q_nope, w_uk)
+        query = torch.cat([q_latent, q_pe], -1)
+        key = torch.cat([latent.unsqueeze(1), k_pe], -1)
+        key_cache, value_cache = kv_cache.layer(self.layer_index)
+        backend.write_kv(key_cache, value_cache, key, key, metadata.slot_mapping)
+        out = backend.forward(query, key_cache, value_cache, metadata, self.scale, None, None, None)
+        latent_out = out.reshape(num_tokens, self.num_heads, self.head_dim)[..., : self.latent_dim]
+        values = torch.einsum("thl,hvl->thv", latent_out, w_uv)
+        return self.o_proj(values.reshape(num_tokens, self.num_heads * self.v_dim))
+
+
+class DeepseekMoE(SparseMoE):
+    """SparseMoE with DeepSeek's router (softmax in float32, greedy or group-limited top k,
+    scaled weights) and ungated shared experts."""
+
+    def __init__(self, hf_config):
+        num_shared = getattr(hf_config, "n_shared_experts", None) or 0
+        super().__init__(hf_config.hidden_size, hf_config.moe_intermediate_size, hf_config.n_routed_experts,
+                         hf_config.num_experts_per_tok, bool(getattr(hf_config, "norm_topk_prob", False)),
+                         shared_intermediate_size=hf_config.moe_intermediate_size * num_shared)
+        if self.has_shared_expert:
+            del self.shared_expert_gate
+        self.topk_method = getattr(hf_config, "topk_method", "greedy") or "greedy"
+        if self.topk_method not in ("greedy", "group_limited_greedy"):
+            raise ValueError(f"DeepSeek-V2 router topk_method={self.topk_method!r} is not supported")
+        self.num_groups, self.topk_groups = hf_config.n_group, hf_config.topk_group
+        self.routed_scaling_factor = hf_config.routed_scaling_factor
+
+    def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = torch.softmax(F.linear(hidden.float(), self.gate.weight.float()), dim=-1)
+        if self.topk_method == "group_limited_greedy":
+            grouped = scores.view(scores.shape[0], self.num_groups, -1)
+            best_groups = grouped.max(dim=-1).values.topk(self.topk_groups, dim=-1).indices
+            keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best_groups, True)
+            scores = grouped.masked_fill(~keep.unsqueeze(-1), 0.0).view_as(scores)
+        weights, experts = torch.topk(scores, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return (weights * self.routed_scaling_factor).to(hidden.dtype), experts
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        weights, experts = self.route(hidden)
+        out = self._experts(hidden, weights, experts)
+        if self.has_shared_expert:
+            out = out + self.shared_down(silu_and_mul(self.shared_gate_up(hidden)))
+        return out
+
+
+class DeepseekV2DecoderLayer(LlamaDecoderLayer):
+    def __init__(self, hf_config, layer_index: int):
+        nn.Module.__init__(self)
+        self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        self.self_attn = MLAAttention(hf_config, layer_index)
+        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        self.residual_multiplier = 1.0
+        self.is_moe = layer_index >= hf_config.first_k_dense_replace
+        self.mlp = DeepseekMoE(hf_config) if self.is_moe else LlamaMLP(hf_config, layer_index)
+
+
+class DeepseekV2ForCausalLM(LlamaForCausalLM):
+    decoder_layer_class = DeepseekV2DecoderLayer
+
+    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        super().load_hf_state_dict({name.replace(".mlp.shared_experts.", ".mlp.shared_expert."): tensor
+                                    for name, tensor in state.items()})
