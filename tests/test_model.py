@@ -3,6 +3,7 @@ checkpoints of the other architectures (Qwen2 with qkv bias, Qwen3 with q/k norm
 safetensors by our loader."""
 
 import glob
+import os
 
 import pytest
 import torch
@@ -468,6 +469,52 @@ def test_tiny_gpt_neox_matches_hf(tmp_path, parallel):
     assert_greedy_generation_matches_hf(model, directory, (40, 9), 16, seed=7)
 
 
+def test_fp8_block_quantized_checkpoints_load_dequantized(tmp_path):
+    """A checkpoint quantized to float8 in blocks (DeepSeek-V3's format: e4m3 weights and one
+    float32 `weight_scale_inv` per block; blocks of 48 x 40 here, so edges are partial) loads as
+    the float checkpoint of its dequantized weights; embeddings and norms stay as they are."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=200, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                         eos_token_id=2, bos_token_id=1, pad_token_id=0)).eval()
+    float_dir = save_tiny_checkpoint(tmp_path / "float", model)
+    quantized, dequantized = {}, {}
+    for name, weight in load_file(os.path.join(float_dir, "model.safetensors")).items():
+        if weight.dim() != 2 or "embed" in name or "lm_head" in name:
+            quantized[name] = dequantized[name] = weight
+            continue
+        rows, columns = -(-weight.shape[0] // 48), -(-weight.shape[1] // 40)
+        padded = torch.zeros(rows * 48, columns * 40)
+        padded[: weight.shape[0], : weight.shape[1]] = weight
+        blocks = padded.view(rows, 48, columns, 40)
+        scale = blocks.abs().amax(dim=(1, 3)) / 448.0
+        codes = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn)
+        quantized[name] = codes.view_as(padded)[: weight.shape[0], : weight.shape[1]].contiguous()
+        quantized[name + "_scale_inv"] = scale
+        dequantized[name] = (codes.float() * scale[:, None, :, None]).view_as(padded)[: weight.shape[0], : weight.shape[1]]
+    original = model.model.layers[0].mlp.down_proj.weight.detach().clone()
+    model.load_state_dict(dequantized)
+    dequantized_dir = save_tiny_checkpoint(tmp_path / "dequantized", model)
+    quantized_dir = save_tiny_checkpoint(tmp_path / "quantized", model)
+    save_file(quantized, os.path.join(quantized_dir, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(quantized_dir, "config.json")) as file:
+        config = json.load(file)
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [48, 40], "activation_scheme": "dynamic"}
+    with open(os.path.join(quantized_dir, "config.json"), "w") as file:
+        json.dump(config, file)
+
+    ours = load(quantized_dir, None, None, torch.float32, torch.device("cpu"), None).model.state_dict()
+    reference = assert_prefill_matches_hf(dequantized_dir, "llama").model.state_dict()
+    assert ours.keys() == reference.keys()
+    assert all(torch.equal(ours[name], reference[name]) for name in ours)
+    assert not torch.equal(ours["layers.0.mlp.down_proj.weight"], original)  # (float8 rounding is in them)
+
+
 @pytest.mark.parametrize("variant", ["7b", "40b", "falcon2", "sequential"])
 def test_tiny_falcon_matches_hf(tmp_path, variant):
     """Falcon: Falcon-7B's multi-query attention beside the MLP off one norm; Falcon-40B's new
@@ -779,39 +826,57 @@ def test_the_language_model_of_qwen_vl_checkpoints(tmp_path, model_type):
     assert_greedy_generation_matches_hf(model, directory, (40, 9), 16, seed=7)
 
 
-def tiny_deepseek_v2(variant: str):
-    """A random DeepSeek-V2: multi-head latent attention (queries through a low-rank projection
-    in "v2", straight in "lite"), YaRN rope with mscale, one dense layer then DeepSeekMoE layers
-    (8 routed experts, top 2, scaled weights, a shared expert; group-limited routing in "v2")."""
-    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+def tiny_deepseek(variant: str):
+    """A random DeepSeek: multi-head latent attention (queries through a low-rank projection in
+    "v2" and "v3", straight in "lite"), YaRN rope with mscale, one dense layer then DeepSeekMoE
+    layers (8 routed experts in 4 groups, top 2, scaled weights, a shared expert): V2's softmax
+    router (group-limited in "v2"), V3's biased sigmoid one with renormalized weights."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
 
     rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
             "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}
-    config = DeepseekV2Config(
-        vocab_size=256, hidden_size=128, intermediate_size=192, moe_intermediate_size=48, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48 if variant == "v2" else None,
-        qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=24, n_routed_experts=8, num_experts_per_tok=2,
-        n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.0, norm_topk_prob=False,
-        topk_method="group_limited_greedy" if variant == "v2" else "greedy", n_group=4, topk_group=2,
-        max_position_embeddings=512, rope_parameters=rope, eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    shape = dict(vocab_size=256, hidden_size=128, intermediate_size=192, moe_intermediate_size=48, num_hidden_layers=3,
+                 num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32,
+                 q_lora_rank=None if variant == "lite" else 48, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=24,
+                 n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=4,
+                 topk_group=2, max_position_embeddings=512, rope_parameters=rope, eos_token_id=2, bos_token_id=1,
+                 pad_token_id=0)
+    if variant == "v3":
+        config, model_class = DeepseekV3Config(**shape, routed_scaling_factor=2.5, norm_topk_prob=True), DeepseekV3ForCausalLM
+    else:
+        config = DeepseekV2Config(**shape, routed_scaling_factor=2.0, norm_topk_prob=False,
+                                  topk_method="group_limited_greedy" if variant == "v2" else "greedy")
+        model_class = DeepseekV2ForCausalLM
     torch.manual_seed(0)
-    model = DeepseekV2ForCausalLM(config)
+    model = model_class(config)
     randomize_norms(model, 0.5, 1.5)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if "experts" in name or name.endswith("gate.weight"):
                 parameter.normal_(std=0.3)  # away from init's near-uniform router
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(std=0.2)
         model.get_output_embeddings().weight.normal_(std=0.5)
     return model.eval()
 
 
-@pytest.mark.parametrize("variant", ["v2", "lite"])
-def test_tiny_deepseek_v2_matches_hf(tmp_path, variant):
-    """DeepSeek-V2 with latent attention computed on the cached latents (the key projection
-    absorbed into the query), as HF's expanded keys and values compute it."""
-    hf_model = tiny_deepseek_v2(variant)
+@pytest.mark.parametrize("variant", ["v2", "lite", "v3"])
+def test_tiny_deepseek_matches_hf(tmp_path, variant):
+    """DeepSeek-V2 and V3 with latent attention computed on the cached latents (the key
+    projection absorbed into the query), as HF's expanded keys and values compute it; V3's
+    multi-token-prediction layer in the checkpoint is left out."""
+    from safetensors.torch import load_file, save_file
+
+    hf_model = tiny_deepseek(variant)
     directory = save_tiny_checkpoint(tmp_path, hf_model)
-    loaded = assert_prefill_matches_hf(directory, "deepseek_v2")
+    if variant == "v3":  # as released: one more layer, for multi-token prediction
+        path = os.path.join(directory, "model.safetensors")
+        state = load_file(path)
+        state.update({name.replace("model.layers.2.", "model.layers.3."): tensor.clone()
+                      for name, tensor in state.items() if name.startswith("model.layers.2.")})
+        save_file(state, path, metadata={"format": "pt"})
+    loaded = assert_prefill_matches_hf(directory, "deepseek_v2" if variant != "v3" else "deepseek_v3")
     attention = loaded.model.layers[0].self_attn
     assert (attention.num_kv_heads, attention.head_dim) == (1, 32 + 16)  # the cache: one latent + rope key
     assert [layer.is_moe for layer in loaded.model.layers] == [False, True, True]

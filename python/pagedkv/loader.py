@@ -54,7 +54,7 @@ ARCHITECTURES = {
     "nemotron": NemotronForCausalLM,
     "stablelm": StableLmForCausalLM,
     "falcon": FalconForCausalLM,
-    "deepseek_v2": DeepseekV2ForCausalLM,
+    **dict.fromkeys(("deepseek_v2", "deepseek_v3"), DeepseekV2ForCausalLM),
 }
 # Image-text models whose language model we serve alone (text prompts; the vision tower is not loaded)
 MULTIMODAL_MODEL_TYPES = ("gemma3", "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl")
@@ -138,6 +138,7 @@ def load(model: str | None, gguf_file: str | None, tokenizer: str | None, dtype,
             state.update(load_file(path))
     if multimodal:
         state = language_model_weights(state)
+    state = dequantized_fp8_blocks(state, getattr(hf_config, "quantization_config", None))
 
     positions = max_positions or hf_config.max_position_embeddings
     with torch.device("meta"):  # no time spent on random init: every weight is loaded below
@@ -153,6 +154,33 @@ def load(model: str | None, gguf_file: str | None, tokenizer: str | None, dtype,
     eos = _eos_token_ids(hf_config, generation_config, tok)
     name = os.path.basename(os.path.join(directory, gguf or "").rstrip("/")) or directory
     return LoadedModel(net, tok, hf_config, eos, name, generation_config)
+
+
+def dequantized_fp8_blocks(state: dict[str, torch.Tensor], quantization_config) -> dict[str, torch.Tensor]:
+    """Weights of a checkpoint quantized to float8 in blocks (`quant_method: fp8`, DeepSeek-V3's
+    and the -FP8 releases of Qwen3 and others): each float8 `*.weight` times its
+    `*.weight_scale_inv`, one scale per `weight_block_size` block, widened to float32 (the
+    model is then cast to the engine's dtype)."""
+    if not any(name.endswith(".weight_scale_inv") for name in state):
+        return state
+    config = quantization_config if isinstance(quantization_config, dict) else (
+        quantization_config.to_dict() if quantization_config is not None else {})
+    if config.get("quant_method") != "fp8":
+        raise ValueError(f"checkpoint has *.weight_scale_inv tensors but quantization_config {config!r} is not "
+                         "fine-grained fp8 (quant_method 'fp8', weight_block_size)")
+    rows, columns = config.get("weight_block_size") or (128, 128)
+    out = {}
+    for name, tensor in state.items():
+        if name.endswith(".weight_scale_inv"):
+            continue
+        scale = state.get(name + "_scale_inv")
+        if scale is not None:
+            out_features, in_features = tensor.shape
+            scale = scale.float().repeat_interleave(rows, 0)[:out_features].repeat_interleave(columns, 1)[:, :in_features]
+            tensor = tensor.float() * scale
+        out[name] = tensor
+    logger.info("dequantized float8 block-quantized weights (blocks of %dx%d) to float32", rows, columns)
+    return out
 
 
 def language_model_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -1,4 +1,5 @@
-"""DeepSeek-V2 (`deepseek_v2`: DeepSeek-V2, V2-Lite, V2.5) over the paged cache.
+"""DeepSeek-V2 (`deepseek_v2`: DeepSeek-V2, V2-Lite, V2.5) and DeepSeek-V3 (`deepseek_v3`: V3, R1,
+and checkpoints of that architecture such as Kimi K2) over the paged cache.
 
 Multi-head latent attention (MLA): keys and values of every head are projections of one small
 latent per token, `c = norm(W_DKV x)` (kv_lora_rank wide), plus one rotary key `k_pe` shared by
@@ -11,10 +12,12 @@ is 2 x 576 numbers per token and layer for DeepSeek-V2 instead of 128 heads x (1
 rotary part is dropped.) Rotary embedding turns adjacent pairs of dims; YaRN's mscale also
 scales the softmax.
 
-Mixture of experts (DeepSeekMoE): after `first_k_dense_replace` dense layers, a softmax router
-picks the top k of the routed experts (`group_limited_greedy`: within the best `topk_group` of
-`n_group` expert groups), weights scaled by `routed_scaling_factor`, plus always-on shared
-experts.
+Mixture of experts (DeepSeekMoE): after `first_k_dense_replace` dense layers, a router picks
+the top k of the routed experts, weights scaled by `routed_scaling_factor`, plus always-on
+shared experts. V2's router is a softmax (`group_limited_greedy`: within the best `topk_group`
+of `n_group` expert groups); V3's is a sigmoid whose choice (not weights) adds a per-expert
+bias, within the groups of best two-expert sums. V3's multi-token-prediction layers (past
+`num_hidden_layers`) are not loaded.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ class MLAAttention(nn.Module):
         self.v_dim, self.latent_dim = hf_config.v_head_dim, hf_config.kv_lora_rank
         self.num_kv_heads, self.head_dim = 1, self.latent_dim + self.rope_dim  # what the cache holds
         self.scale = softmax_scale(hf_config)
+        self.rope_interleaved = bool(getattr(hf_config, "rope_interleave", True))  # (V2 always interleaves)
         bias = bool(getattr(hf_config, "attention_bias", False))
         query_width = self.num_heads * (self.nope_dim + self.rope_dim)
         self.q_lora_rank = hf_config.q_lora_rank
@@ -82,7 +86,7 @@ class MLAAttention(nn.Module):
         q_nope, q_pe = query.view(num_tokens, self.num_heads, -1).split([self.nope_dim, self.rope_dim], -1)
         latent, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.latent_dim, self.rope_dim], -1)
         latent = self.kv_a_layernorm(latent.contiguous())
-        q_pe, k_pe = apply_rotary(cos_sin, q_pe, k_pe.unsqueeze(1), interleaved=True)
+        q_pe, k_pe = apply_rotary(cos_sin, q_pe, k_pe.unsqueeze(1), interleaved=self.rope_interleaved)
 
         up = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.latent_dim)
         w_uk, w_uv = up[:, : self.nope_dim], up[:, self.nope_dim :]
@@ -98,8 +102,8 @@ class MLAAttention(nn.Module):
 
 
 class DeepseekMoE(SparseMoE):
-    """SparseMoE with DeepSeek's router (softmax in float32, greedy or group-limited top k,
-    scaled weights) and ungated shared experts."""
+    """SparseMoE with DeepSeek's routers (float32 scores: V2's softmax, greedy or group-limited;
+    V3's biased sigmoid; scaled weights) and ungated shared experts."""
 
     def __init__(self, hf_config):
         num_shared = getattr(hf_config, "n_shared_experts", None) or 0
@@ -108,14 +112,21 @@ class DeepseekMoE(SparseMoE):
                          shared_intermediate_size=hf_config.moe_intermediate_size * num_shared)
         if self.has_shared_expert:
             del self.shared_expert_gate
-        self.topk_method = getattr(hf_config, "topk_method", "greedy") or "greedy"
-        if self.topk_method not in ("greedy", "group_limited_greedy"):
-            raise ValueError(f"DeepSeek-V2 router topk_method={self.topk_method!r} is not supported")
+        if hf_config.model_type == "deepseek_v3":
+            self.topk_method = "noaux_tc"
+            self.gate.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts))
+        else:
+            self.topk_method = getattr(hf_config, "topk_method", "greedy") or "greedy"
+        if self.topk_method not in ("greedy", "group_limited_greedy", "noaux_tc"):
+            raise ValueError(f"DeepSeek router topk_method={self.topk_method!r} is not supported")
         self.num_groups, self.topk_groups = hf_config.n_group, hf_config.topk_group
         self.routed_scaling_factor = hf_config.routed_scaling_factor
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = torch.softmax(F.linear(hidden.float(), self.gate.weight.float()), dim=-1)
+        logits = F.linear(hidden.float(), self.gate.weight.float())
+        if self.topk_method == "noaux_tc":
+            return self._route_v3(logits.sigmoid(), hidden.dtype)
+        scores = torch.softmax(logits, dim=-1)
         if self.topk_method == "group_limited_greedy":
             grouped = scores.view(scores.shape[0], self.num_groups, -1)
             best_groups = grouped.max(dim=-1).values.topk(self.topk_groups, dim=-1).indices
@@ -125,6 +136,18 @@ class DeepseekMoE(SparseMoE):
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return (weights * self.routed_scaling_factor).to(hidden.dtype), experts
+
+    def _route_v3(self, scores: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        for_choice = (scores + self.gate.e_score_correction_bias.float()).view(scores.shape[0], self.num_groups, -1)
+        group_scores = for_choice.topk(2, dim=-1).values.sum(dim=-1)
+        best_groups = group_scores.topk(self.topk_groups, dim=-1).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
+        for_choice = for_choice.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(scores)
+        experts = for_choice.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, experts)
+        if self.renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return (weights * self.routed_scaling_factor).to(dtype), experts
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         weights, experts = self.route(hidden)
@@ -149,5 +172,11 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
     decoder_layer_class = DeepseekV2DecoderLayer
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        super().load_hf_state_dict({name.replace(".mlp.shared_experts.", ".mlp.shared_expert."): tensor
-                                    for name, tensor in state.items()})
+        num_layers = len(self.layers)
+        own = {}
+        for name, tensor in state.items():
+            parts = name.split(".")
+            if parts[:2] == ["model", "layers"] and int(parts[2]) >= num_layers:
+                continue  # V3's multi-token-prediction layers
+            own[name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")] = tensor
+        super().load_hf_state_dict(own)
