@@ -42,6 +42,34 @@ def test_streamed_parts_add_up_to_the_whole_split(name, reply):
     assert previous == CASES[reply][name]
 
 
+HARMONY = "<|channel|>analysis<|message|>We need 2+2.<|end|><|start|>assistant<|channel|>final<|message|>It is 4."
+HARMONY_CASES = {  # GPT-OSS reply -> (reasoning, content)
+    HARMONY: ("We need 2+2.", "It is 4."),
+    "<|channel|>analysis<|message|>Cut off by max_tok": ("Cut off by max_tok", ""),
+    "Not in harmony form.": ("", "Not in harmony form."),
+    "<|channel|>analysis<|message|>First.<|end|><|start|>assistant<|channel|>analysis<|message|>Second.<|end|>"
+    "<|start|>assistant<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant<|channel|>final"
+    "<|message|>Done.": ("First.\nSecond.", "Checking.\nDone."),
+    "<|channel|>analysis<|message|>Use the tool.<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather"
+    ' <|constrain|>json<|message|>{"city": "Oslo"}': ("Use the tool.", ""),
+}
+
+
+@pytest.mark.parametrize("reply", list(HARMONY_CASES))
+def test_harmony_replies_split_whole_and_streamed(reply):
+    """GPT-OSS (openai_gptoss): analysis messages are reasoning, final messages and preambles
+    content, messages to tools neither; streamed parts only grow and never show a marker."""
+    parser = ReasoningParser("openai_gptoss")
+    assert parser.keeps_special_tokens and not ReasoningParser("qwen3").keeps_special_tokens
+    previous = ("", "")
+    for end in range(len(reply) + 1):
+        reasoning, content = parser.split(reply[:end], finished=end == len(reply))
+        assert reasoning.startswith(previous[0]) and content.startswith(previous[1]), (reply[:end], reasoning, content)
+        assert "<|" not in reasoning + content
+        previous = (reasoning, content)
+    assert previous == HARMONY_CASES[reply]
+
+
 def test_unknown_parsers_are_refused():
     with pytest.raises(ValueError, match="reasoning parser must be one of"):
         ReasoningParser("nope")
@@ -95,6 +123,22 @@ def test_the_server_splits_replies_whole_and_streamed():
                     for key in streamed:
                         streamed[key] += delta.get(key) or ""
         assert streamed == {"reasoning_content": message["reasoning_content"], "content": message["content"]}
+    finally:
+        live.stop()
+
+
+def test_the_server_splits_harmony_replies():
+    """--reasoning-parser openai_gptoss on the server, the harmony form forced by a grammar."""
+    from test_server import LiveServer
+
+    live = LiveServer(reasoning_parser="openai_gptoss", num_device_blocks=64, max_model_len=256)
+    try:
+        body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 120, "temperature": 0,
+                "guided_regex": r"<\|channel\|>analysis<\|message\|>[a-z]{2,8}<\|end\|><\|start\|>assistant"
+                                r"<\|channel\|>final<\|message\|>[A-Z][a-z]{2,10}"}
+        message = httpx.post(live.url + "/v1/chat/completions", json=body, timeout=120).json()["choices"][0]["message"]
+        assert message["reasoning_content"].isalpha() and message["reasoning_content"].islower()
+        assert message["content"][0].isupper() and "<|" not in message["content"]
     finally:
         live.stop()
 

@@ -74,7 +74,7 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
     `lora_modules` ({name: PEFT directory}, engine with enable_lora): each adapter is served as a
     model of its own name, loaded now. `allow_runtime_lora_updating` adds vLLM's
     /v1/load_lora_adapter and /v1/unload_lora_adapter (adapters from the server's disk).
-    `reasoning_parser` ("deepseek_r1", "qwen3"): chat replies' think blocks become
+    `reasoning_parser` ("deepseek_r1", "qwen3", "openai_gptoss"): chat replies' think blocks become
     `reasoning_content` (server/reasoning.py). `tool_call_parser` ("hermes", "llama3_json",
     "mistral"): how tool calls are found in replies with tool_choice "auto" (server/tools.py)."""
     if tool_call_parser not in TOOL_CALL_PARSERS:
@@ -169,7 +169,7 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
         params = make_params(lambda: body.sampling_params(body.chat_logprobs(), default_max,
                                                           state["engine"].generation_defaults))
         tools = make_params(lambda: ToolCalling.from_request(body.tools, body.tool_choice, tool_call_parser))
-        params = with_tools(params, tools, "structured outputs (response_format, guided_*)")
+        params = with_reasoning(with_tools(params, tools, "structured outputs (response_format, guided_*)"))
         prompt = chat_prompt(body.messages, True, body.tools if tools is not None else None, body.chat_template_kwargs)
         return await run(request, [prompt], params, body, served, chat=True, tools=tools)
 
@@ -182,7 +182,7 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
         messages = make_params(body.messages)
         chat_tools, tool_choice = make_params(body.chat_tools)
         tools = make_params(lambda: ToolCalling.from_request(chat_tools, tool_choice, tool_call_parser))
-        params = with_tools(params, tools, "text.format")
+        params = with_reasoning(with_tools(params, tools, "text.format"))
         prompt = chat_prompt(messages, True, chat_tools if tools is not None else None, body.chat_template_kwargs)
         response = ResponseState(served, body, reasoning, tools)
         if not body.stream:
@@ -325,6 +325,12 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
                                f"{structured_fields}", "invalid_request_error", "tool_choice")
             return dataclasses.replace(params, structured_outputs=tools.constraint())
         if tools.parser != "hermes":
+            return dataclasses.replace(params, skip_special_tokens=False)
+        return params
+
+    def with_reasoning(params):
+        """GPT-OSS's harmony markers are special tokens: its parser reads replies with them."""
+        if reasoning is not None and reasoning.keeps_special_tokens:
             return dataclasses.replace(params, skip_special_tokens=False)
         return params
 

@@ -9,14 +9,21 @@ its `content`.
   they write none, and the whole reply is content. A whole reply that only closes a block is
   split at `</think>` too, but streamed as content (nothing tells it apart until the close):
   templates that open the block in the prompt (QwQ, Qwen3-Thinking-2507) want `deepseek_r1`.
+- `openai_gptoss` (GPT-OSS's harmony format): the reply is messages
+  `<|channel|>NAME<|message|>TEXT<|end|>` (the next one after `<|start|>assistant`); the
+  `analysis` channel's are reasoning, the `final` channel's and `commentary` preambles content.
+  Harmony's markers are special tokens, so these replies are detokenized with them. Messages to
+  a recipient (`to=functions.NAME`: tool calls) are left out of both.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-PARSERS = ("deepseek_r1", "qwen3")
+PARSERS = ("deepseek_r1", "qwen3", "openai_gptoss")
 START, END = "<think>", "</think>"
+# Harmony's markers (GPT-OSS)
+CHANNEL, MESSAGE, HARMONY_ENDS = "<|channel|>", "<|message|>", ("<|end|>", "<|return|>", "<|call|>")
 
 
 def _partial_suffix(text: str, tag: str) -> int:
@@ -35,9 +42,16 @@ class ReasoningParser:
         if self.name not in PARSERS:
             raise ValueError(f"reasoning parser must be one of {PARSERS}, got {self.name!r}")
 
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """Whether replies must be detokenized with special tokens (harmony's markers are)."""
+        return self.name == "openai_gptoss"
+
     def split(self, text: str, finished: bool = True) -> tuple[str, str]:
         """(reasoning, content) of a reply; of a growing one (`finished=False`), the parts that
         can be streamed so far: text that may still become a tag is held back."""
+        if self.name == "openai_gptoss":
+            return _split_harmony(text, finished)
         end = text.find(END)
         if end >= 0:
             return _without_start(text[:end]), text[end + len(END):]
@@ -56,3 +70,40 @@ class ReasoningParser:
 
 def _without_start(text: str) -> str:
     return text[len(START):] if text.startswith(START) else text
+
+
+def _split_harmony(text: str, finished: bool) -> tuple[str, str]:
+    """GPT-OSS's reply as (analysis messages, final messages and preambles), each joined by a
+    newline. A reply not in harmony form at all is content."""
+    if MESSAGE not in text and not text.startswith("<|"):
+        if not finished and text and "<|channel|>".startswith(text):
+            return "", ""  # "<" may open a message
+        return "", text
+    reasoning, content = [], []
+    position = 0
+    while True:
+        body_start = text.find(MESSAGE, position)
+        if body_start < 0:
+            break  # (a header still being written)
+        header = text[position:body_start]
+        body_start += len(MESSAGE)
+        ends = [(index, marker) for marker in HARMONY_ENDS if (index := text.find(marker, body_start)) >= 0]
+        if ends:
+            body_end, marker = min(ends)
+            body, position = text[body_start:body_end], body_end + len(marker)
+        else:
+            body = text[body_start:]
+            if not finished:
+                body = body[: len(body) - max(_partial_suffix(body, marker) for marker in HARMONY_ENDS)]
+            position = len(text)
+        channel_start = header.find(CHANNEL)
+        channel = header[channel_start + len(CHANNEL):].strip() if channel_start >= 0 else ""
+        if " to=" in header:
+            pass  # a message to a tool: neither reasoning nor content
+        elif channel.startswith("analysis"):
+            reasoning.append(body)
+        else:
+            content.append(body)
+        if position >= len(text):
+            break
+    return "\n".join(reasoning), "\n".join(content)
