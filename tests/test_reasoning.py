@@ -51,21 +51,23 @@ HARMONY_CASES = {  # GPT-OSS reply -> (reasoning, content)
     "<|start|>assistant<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant<|channel|>final"
     "<|message|>Done.": ("First.\nSecond.", "Checking.\nDone."),
     "<|channel|>analysis<|message|>Use the tool.<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather"
-    ' <|constrain|>json<|message|>{"city": "Oslo"}': ("Use the tool.", ""),
+    ' <|constrain|>json<|message|>{"city": "Oslo"}': (
+        "Use the tool.", '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
+        '{"city": "Oslo"}'),  # (a tool call stays content as written, for --tool-call-parser openai)
 }
 
 
 @pytest.mark.parametrize("reply", list(HARMONY_CASES))
 def test_harmony_replies_split_whole_and_streamed(reply):
     """GPT-OSS (openai_gptoss): analysis messages are reasoning, final messages and preambles
-    content, messages to tools neither; streamed parts only grow and never show a marker."""
+    content; streamed parts only grow and show no marker outside a tool call."""
     parser = ReasoningParser("openai_gptoss")
     assert parser.keeps_special_tokens and not ReasoningParser("qwen3").keeps_special_tokens
     previous = ("", "")
     for end in range(len(reply) + 1):
         reasoning, content = parser.split(reply[:end], finished=end == len(reply))
         assert reasoning.startswith(previous[0]) and content.startswith(previous[1]), (reply[:end], reasoning, content)
-        assert "<|" not in reasoning + content
+        assert "<|" not in reasoning and ("<|" not in content or " to=" in reply)
         previous = (reasoning, content)
     assert previous == HARMONY_CASES[reply]
 
@@ -101,6 +103,39 @@ def test_streamed_reasoning_then_content_then_a_tool_call():
     assert "".join(delta.get("content", "") for delta in deltas) == "Checking. "
     [call] = deltas[-1]["tool_calls"]
     assert json.loads(call["function"]["arguments"]) == {"city": "Oslo"}
+
+
+def test_streamed_harmony_reasoning_preamble_then_a_tool_call():
+    """GPT-OSS: analysis streams as reasoning, a preamble as content, then the harmony tool
+    message becomes a tool call (--reasoning-parser openai_gptoss, --tool-call-parser openai)."""
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    reply = ("<|channel|>analysis<|message|>The user wants weather.<|end|><|start|>assistant<|channel|>commentary"
+             "<|message|>Checking.<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather "
+             '<|constrain|>json<|message|>{"city": "Oslo"}')
+    cuts = list(range(0, len(reply), 7)) + [len(reply)]
+
+    async def outputs():
+        for step, cut in enumerate(cuts):
+            last = cut == len(reply)
+            completion = CompletionOutput(index=0, text=reply[:cut], token_ids=list(range(step + 1)),
+                                          finish_reason="stop" if last else None)
+            yield 0, RequestOutput("r", "p", [1, 2], [completion], finished=last)
+
+    async def collect():
+        builder = ResponseBuilder(tokenizer=None, model_name="m", reasoning=ReasoningParser("openai_gptoss"))
+        tools = ToolCalling.from_request([weather], "auto", "openai")
+        return [json.loads(chunk[6:]) async for chunk in builder.stream_chunks(
+            "r", outputs(), 1, 0, chat=True, include_usage=False, n=1, echo=False, tools=tools)
+            if chunk.startswith("data: {")]
+
+    chunks = asyncio.run(collect())
+    deltas = [chunk["choices"][0]["delta"] for chunk in chunks[1:]]
+    assert "".join(delta.get("reasoning_content", "") for delta in deltas) == "The user wants weather."
+    assert "".join(delta.get("content", "") for delta in deltas) == "Checking.\n"
+    [call] = deltas[-1]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Oslo"}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
 def test_the_server_splits_replies_whole_and_streamed():

@@ -204,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "machine's disk while serving (default: $VLLM_ALLOW_RUNTIME_LORA_UPDATING)")
     serve.add_argument("--reasoning-parser", choices=["deepseek_r1", "qwen3", "openai_gptoss"], default=None,
                        help="move chat replies' <think> blocks (GPT-OSS: analysis messages) to reasoning_content (default: none)")
-    serve.add_argument("--tool-call-parser", choices=["hermes", "llama3_json", "mistral"], default="hermes",
+    serve.add_argument("--tool-call-parser", choices=["hermes", "llama3_json", "mistral", "openai"], default="hermes",
                        help="how tool calls are found in replies with tool_choice auto (default: hermes)")
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="accepted for vLLM compatibility: tool_choice auto is always on")

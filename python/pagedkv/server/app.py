@@ -76,7 +76,7 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
     /v1/load_lora_adapter and /v1/unload_lora_adapter (adapters from the server's disk).
     `reasoning_parser` ("deepseek_r1", "qwen3", "openai_gptoss"): chat replies' think blocks become
     `reasoning_content` (server/reasoning.py). `tool_call_parser` ("hermes", "llama3_json",
-    "mistral"): how tool calls are found in replies with tool_choice "auto" (server/tools.py)."""
+    "mistral", "openai"): how tool calls are found in replies with tool_choice "auto" (server/tools.py)."""
     if tool_call_parser not in TOOL_CALL_PARSERS:
         raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {tool_call_parser!r}")
     model_name = served_model_name or engine.model_name

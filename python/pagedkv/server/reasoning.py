@@ -12,8 +12,9 @@ its `content`.
 - `openai_gptoss` (GPT-OSS's harmony format): the reply is messages
   `<|channel|>NAME<|message|>TEXT<|end|>` (the next one after `<|start|>assistant`); the
   `analysis` channel's are reasoning, the `final` channel's and `commentary` preambles content.
-  Harmony's markers are special tokens, so these replies are detokenized with them. Messages to
-  a recipient (`to=functions.NAME`: tool calls) are left out of both.
+  Harmony's markers are special tokens, so these replies are detokenized with them. A message to
+  a recipient (`to=functions.NAME`: a tool call) stays in the content in its harmony form, header
+  and all, where `--tool-call-parser openai` finds it.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def _without_start(text: str) -> str:
 
 def _split_harmony(text: str, finished: bool) -> tuple[str, str]:
     """GPT-OSS's reply as (analysis messages, final messages and preambles), each joined by a
-    newline. A reply not in harmony form at all is content."""
+    newline; tool calls are content as written. A reply not in harmony form at all is content."""
     if MESSAGE not in text and not text.startswith("<|"):
         if not finished and text and "<|channel|>".startswith(text):
             return "", ""  # "<" may open a message
@@ -99,7 +100,7 @@ def _split_harmony(text: str, finished: bool) -> tuple[str, str]:
         channel_start = header.find(CHANNEL)
         channel = header[channel_start + len(CHANNEL):].strip() if channel_start >= 0 else ""
         if " to=" in header:
-            pass  # a message to a tool: neither reasoning nor content
+            content.append(header + MESSAGE + body)
         elif channel.startswith("analysis"):
             reasoning.append(body)
         else:

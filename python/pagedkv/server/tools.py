@@ -10,7 +10,9 @@ text, and the server's tool-call parser (vLLM's `--tool-call-parser`) finds the 
 - `llama3_json` (Llama 3.1+): the reply is one JSON call `{"name": ..., "parameters": {...}}` (or
   several separated by `;`), optionally after `<|python_tag|>`;
 - `mistral`: `[TOOL_CALLS]` then a JSON list of `{"name", "arguments"}` calls, or (newer
-  tokenizers) `[TOOL_CALLS]name[ARGS]{...}` per call.
+  tokenizers) `[TOOL_CALLS]name[ARGS]{...}` per call;
+- `openai` (GPT-OSS, with `--reasoning-parser openai_gptoss`): harmony messages to a tool,
+  `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}`.
 
 The tools reach the model through its chat template.
 """
@@ -25,11 +27,13 @@ from typing import Optional, Union
 
 from pagedkv.structured_output import StructuredOutputsParams
 
-PARSERS = ("hermes", "llama3_json", "mistral")
+PARSERS = ("hermes", "llama3_json", "mistral", "openai")
 _HERMES_TAG = "<tool_call>"
 _HERMES_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
 _PYTHON_TAG = "<|python_tag|>"
 _MISTRAL_TAG = "[TOOL_CALLS]"
+_HARMONY_TAG = "<|"  # what starts a harmony tool message left in the content
+_HARMONY_CALL = re.compile(r"to=functions\.([^\s<]+)[^<]*(?:<\|constrain\|>[^<]*)?<\|message\|>(.*?)(?=<\||$)", re.S)
 
 
 @dataclass
@@ -93,7 +97,7 @@ class ToolCalling:
             if start.startswith(("{", _PYTHON_TAG)) or (start and _PYTHON_TAG.startswith(start)):
                 return 0
             return len(text)
-        tag = _HERMES_TAG if self.parser == "hermes" else _MISTRAL_TAG
+        tag = {"hermes": _HERMES_TAG, "mistral": _MISTRAL_TAG, "openai": _HARMONY_TAG}[self.parser]
         found = text.find(tag)
         if found >= 0:
             return found
@@ -125,7 +129,8 @@ class ToolCalling:
             except (ValueError, KeyError, TypeError):
                 return text, [], finish_reason
             return None, calls, "tool_calls"
-        content, found = {"hermes": _hermes, "llama3_json": _llama3_json, "mistral": _mistral}[self.parser](text)
+        parsers = {"hermes": _hermes, "llama3_json": _llama3_json, "mistral": _mistral, "openai": _harmony}
+        content, found = parsers[self.parser](text)
         calls = []
         for name, arguments in found:
             if name in self.functions:
@@ -186,6 +191,18 @@ def _mistral(text: str) -> tuple[str, list[tuple]]:
     except (ValueError, KeyError, TypeError):
         return text, []
     return text[:tag], found
+
+
+def _harmony(text: str) -> tuple[str, list[tuple]]:
+    """Harmony tool messages (the content before the first is the text)."""
+    found = []
+    for match in _HARMONY_CALL.finditer(text):
+        try:
+            found.append((match.group(1), json.loads(match.group(2))))
+        except ValueError:
+            continue
+    start = text.find(_HARMONY_TAG)
+    return (text if start < 0 else text[:start]), found
 
 
 def _call(name: str, arguments: str) -> dict:
