@@ -469,10 +469,31 @@ def test_tiny_gpt_neox_matches_hf(tmp_path, parallel):
     assert_greedy_generation_matches_hf(model, directory, (40, 9), 16, seed=7)
 
 
-def test_fp8_block_quantized_checkpoints_load_dequantized(tmp_path):
-    """A checkpoint quantized to float8 in blocks (DeepSeek-V3's format: e4m3 weights and one
-    float32 `weight_scale_inv` per block; blocks of 48 x 40 here, so edges are partial) loads as
-    the float checkpoint of its dequantized weights; embeddings and norms stay as they are."""
+def _quantized_fp8(weight: torch.Tensor, scheme: str) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    """(float8 codes, scale tensors by suffix, the dequantized weight) of one weight: in blocks
+    of 48 x 40 (edges partial: DeepSeek-V3's format with `weight_scale_inv`), per output
+    channel or per tensor (compressed-tensors' `weight_scale`)."""
+    if scheme == "blocks":
+        rows, columns = -(-weight.shape[0] // 48), -(-weight.shape[1] // 40)
+        padded = torch.zeros(rows * 48, columns * 40)
+        padded[: weight.shape[0], : weight.shape[1]] = weight
+        blocks = padded.view(rows, 48, columns, 40)
+        scale = blocks.abs().amax(dim=(1, 3)) / 448.0
+        codes = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn)
+        crop = (slice(0, weight.shape[0]), slice(0, weight.shape[1]))
+        dequantized = (codes.float() * scale[:, None, :, None]).view_as(padded)[crop]
+        return codes.view_as(padded)[crop].contiguous(), {"_scale_inv": scale}, dequantized
+    scale = weight.abs().amax(dim=1, keepdim=True) / 448.0 if scheme == "channels" else weight.abs().amax() / 448.0
+    codes = (weight / scale).to(torch.float8_e4m3fn)
+    return codes, {"_scale": scale}, codes.float() * scale
+
+
+@pytest.mark.parametrize("scheme", ["blocks", "channels", "tensor"])
+def test_fp8_quantized_checkpoints_load_dequantized(tmp_path, scheme):
+    """A checkpoint quantized to float8 (e4m3 weights and float32 scales: per block, as
+    DeepSeek-V3's; per output channel or per tensor, as compressed-tensors' FP8 releases, whose
+    activation scales are not used) loads as the float checkpoint of its dequantized weights;
+    embeddings and norms stay as they are."""
     import json
 
     from safetensors.torch import load_file, save_file
@@ -488,15 +509,11 @@ def test_fp8_block_quantized_checkpoints_load_dequantized(tmp_path):
         if weight.dim() != 2 or "embed" in name or "lm_head" in name:
             quantized[name] = dequantized[name] = weight
             continue
-        rows, columns = -(-weight.shape[0] // 48), -(-weight.shape[1] // 40)
-        padded = torch.zeros(rows * 48, columns * 40)
-        padded[: weight.shape[0], : weight.shape[1]] = weight
-        blocks = padded.view(rows, 48, columns, 40)
-        scale = blocks.abs().amax(dim=(1, 3)) / 448.0
-        codes = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn)
-        quantized[name] = codes.view_as(padded)[: weight.shape[0], : weight.shape[1]].contiguous()
-        quantized[name + "_scale_inv"] = scale
-        dequantized[name] = (codes.float() * scale[:, None, :, None]).view_as(padded)[: weight.shape[0], : weight.shape[1]]
+        codes, scales, dequantized[name] = _quantized_fp8(weight, scheme)
+        quantized[name] = codes
+        quantized.update({name + suffix: scale for suffix, scale in scales.items()})
+        if scheme != "blocks":
+            quantized[name.replace(".weight", ".input_scale")] = torch.tensor(0.5)
     original = model.model.layers[0].mlp.down_proj.weight.detach().clone()
     model.load_state_dict(dequantized)
     dequantized_dir = save_tiny_checkpoint(tmp_path / "dequantized", model)
@@ -504,7 +521,9 @@ def test_fp8_block_quantized_checkpoints_load_dequantized(tmp_path):
     save_file(quantized, os.path.join(quantized_dir, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(quantized_dir, "config.json")) as file:
         config = json.load(file)
-    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [48, 40], "activation_scheme": "dynamic"}
+    config["quantization_config"] = (
+        {"quant_method": "fp8", "weight_block_size": [48, 40], "activation_scheme": "dynamic"} if scheme == "blocks"
+        else {"quant_method": "compressed-tensors", "format": "float-quantized"})
     with open(os.path.join(quantized_dir, "config.json"), "w") as file:
         json.dump(config, file)
 
