@@ -902,6 +902,46 @@ def test_tiny_deepseek_matches_hf(tmp_path, variant):
     assert_greedy_generation_matches_hf(hf_model, directory, (40, 9), 16, seed=7)
 
 
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["glm4.5", "qk-norm"])
+def test_tiny_glm4_moe_matches_hf(tmp_path, qk_norm):
+    """GLM-4.5: q/k/v biases and an unbiased output, rotary embedding on half of each head,
+    optional per-head q/k norms, one dense layer then DeepSeek-V3's biased sigmoid routing over
+    expert groups with a shared expert; its multi-token-prediction layer is left out."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+    config = Glm4MoeConfig(vocab_size=256, hidden_size=128, intermediate_size=192, moe_intermediate_size=48,
+                           num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                           attention_bias=True, use_qk_norm=qk_norm, n_routed_experts=8, num_experts_per_tok=2,
+                           n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1,
+                           routed_scaling_factor=2.5, norm_topk_prob=True, max_position_embeddings=512,
+                           eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    torch.manual_seed(0)
+    model = Glm4MoeForCausalLM(config)
+    randomize_norms(model, 0.5, 1.5)
+    randomize_biases(model)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "experts" in name or name.endswith("gate.weight"):
+                parameter.normal_(std=0.3)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(std=0.2)
+        model.get_output_embeddings().weight.normal_(std=0.5)
+    directory = save_tiny_checkpoint(tmp_path, model.eval())
+    path = os.path.join(directory, "model.safetensors")
+    state = load_file(path)  # as released: one more layer, for multi-token prediction
+    state.update({name.replace("model.layers.2.", "model.layers.3."): tensor.clone()
+                  for name, tensor in state.items() if name.startswith("model.layers.2.")})
+    save_file(state, path, metadata={"format": "pt"})
+    loaded = assert_prefill_matches_hf(directory, "glm4_moe")
+    attention = loaded.model.layers[0].self_attn
+    assert attention.qkv_proj.bias is not None and attention.o_proj.bias is None
+    assert (attention.q_norm is not None) == qk_norm
+    assert [layer.is_moe for layer in loaded.model.layers] == [False, True, True]
+    assert_greedy_generation_matches_hf(model, directory, (40, 9), 16, seed=7)
+
+
 def tiny_olmo(model_type: str, head_dim: int = 32):
     """A random OLMo 2, or OLMo 3 with sliding (window 16, rope base 1e4) and full layers (rope
     base 5e5, linear scaling)."""

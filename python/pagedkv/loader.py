@@ -16,6 +16,7 @@ from pagedkv.models.cohere import CohereForCausalLM
 from pagedkv.models.deepseek_v2 import DeepseekV2ForCausalLM
 from pagedkv.models.falcon import FalconForCausalLM
 from pagedkv.models.gemma import GemmaForCausalLM
+from pagedkv.models.glm4_moe import Glm4MoeForCausalLM
 from pagedkv.models.glm4 import Glm4ForCausalLM
 from pagedkv.models.gpt2 import GPT2ForCausalLM
 from pagedkv.models.gpt_bigcode import GPTBigCodeForCausalLM
@@ -55,6 +56,7 @@ ARCHITECTURES = {
     "stablelm": StableLmForCausalLM,
     "falcon": FalconForCausalLM,
     **dict.fromkeys(("deepseek_v2", "deepseek_v3"), DeepseekV2ForCausalLM),
+    "glm4_moe": Glm4MoeForCausalLM,
 }
 # Image-text models whose language model we serve alone (text prompts; the vision tower is not loaded)
 MULTIMODAL_MODEL_TYPES = ("gemma3", "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl")

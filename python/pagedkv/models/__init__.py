@@ -5,6 +5,7 @@ from pagedkv.models.deepseek_v2 import DeepseekV2ForCausalLM
 from pagedkv.models.falcon import FalconForCausalLM
 from pagedkv.models.gemma import GemmaForCausalLM
 from pagedkv.models.glm4 import Glm4ForCausalLM
+from pagedkv.models.glm4_moe import Glm4MoeForCausalLM
 from pagedkv.models.gpt2 import GPT2ForCausalLM
 from pagedkv.models.gpt_bigcode import GPTBigCodeForCausalLM
 from pagedkv.models.gpt_neox import GPTNeoXForCausalLM
@@ -18,5 +19,5 @@ from pagedkv.models.phi import PhiForCausalLM
 from pagedkv.models.stablelm import StableLmForCausalLM
 from pagedkv.models.starcoder2 import Starcoder2ForCausalLM
 
-__all__ = ["CohereForCausalLM", "DeepseekV2ForCausalLM", "FalconForCausalLM", "GemmaForCausalLM", "Glm4ForCausalLM", "GPT2ForCausalLM", "GPTBigCodeForCausalLM", "GPTNeoXForCausalLM", "GPTJForCausalLM",
+__all__ = ["CohereForCausalLM", "DeepseekV2ForCausalLM", "FalconForCausalLM", "GemmaForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM", "GPT2ForCausalLM", "GPTBigCodeForCausalLM", "GPTNeoXForCausalLM", "GPTJForCausalLM",
            "LlamaForCausalLM", "NemotronForCausalLM", "OlmoForCausalLM", "Olmo2ForCausalLM", "OPTForCausalLM", "PhiForCausalLM", "StableLmForCausalLM", "Starcoder2ForCausalLM"]

@@ -35,6 +35,10 @@ from pagedkv.layers.rotary_embedding import apply_rotary
 from pagedkv.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 
 
+# V3's router (a biased sigmoid over expert groups), also GLM-4.5's
+SIGMOID_ROUTER_MODEL_TYPES = ("deepseek_v3", "glm4_moe")
+
+
 def _yarn_mscale(factor: float, mscale: float) -> float:
     return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
 
@@ -112,7 +116,7 @@ class DeepseekMoE(SparseMoE):
                          shared_intermediate_size=hf_config.moe_intermediate_size * num_shared)
         if self.has_shared_expert:
             del self.shared_expert_gate
-        if hf_config.model_type == "deepseek_v3":
+        if hf_config.model_type in SIGMOID_ROUTER_MODEL_TYPES:
             self.topk_method = "noaux_tc"
             self.gate.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts))
         else:

@@ -30,7 +30,7 @@ INTERLEAVED_ROPE_MODEL_TYPES = ("glm", "glm4", "helium", "ernie4_5", "cohere", "
 # A two-matrix MLP (up_proj, down_proj) with squared ReLU instead of the gated one
 UNGATED_MLP_MODEL_TYPES = ("arcee",)
 # An output projection without bias where q/k/v have one (attention_bias)
-UNBIASED_OUTPUT_MODEL_TYPES = ("glm", "glm4", "helium")
+UNBIASED_OUTPUT_MODEL_TYPES = ("glm", "glm4", "helium", "glm4_moe")
 
 
 def layer_sliding_window(hf_config, layer_index: int) -> int | None:
@@ -86,7 +86,8 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(hf_config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(self.q_size, hf_config.hidden_size, bias=output_bias)
-        self.qk_norm_per_head = hf_config.model_type in HEAD_QK_NORM_MODEL_TYPES
+        self.qk_norm_per_head = hf_config.model_type in HEAD_QK_NORM_MODEL_TYPES or (
+            hf_config.model_type == "glm4_moe" and hf_config.use_qk_norm)  # (GLM-4.5's switch)
         if self.qk_norm_per_head:
             self.q_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
