@@ -942,6 +942,36 @@ def test_tiny_glm4_moe_matches_hf(tmp_path, qk_norm):
     assert_greedy_generation_matches_hf(model, directory, (40, 9), 16, seed=7)
 
 
+def test_tiny_ernie4_5_moe_matches_hf(tmp_path):
+    """ERNIE 4.5 MoE: ERNIE's attention (adjacent-pair rotary), a dense first layer, then
+    experts chosen on biased softmax scores and weighted by the unbiased ones renormalized, with
+    shared experts; the last layer dense again (moe_layer_end_index)."""
+    from transformers import Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM
+
+    config = Ernie4_5_MoeConfig(vocab_size=256, hidden_size=128, intermediate_size=192, moe_intermediate_size=48,
+                                num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                num_experts=8, moe_k=2, num_experts_per_tok=2, moe_num_shared_experts=1,
+                                moe_layer_start_index=1, moe_layer_end_index=2, moe_layer_interval=1,
+                                max_position_embeddings=512, tie_word_embeddings=False, eos_token_id=2, bos_token_id=1,
+                                pad_token_id=0)
+    torch.manual_seed(0)
+    model = Ernie4_5_MoeForCausalLM(config)
+    randomize_norms(model, 0.5, 1.5)
+    randomize_biases(model)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "experts" in name or name.endswith("gate.weight"):
+                parameter.normal_(std=0.3)
+            elif name.endswith("e_score_correction_bias"):
+                parameter.normal_(std=0.1)
+        model.get_output_embeddings().weight.normal_(std=0.5)
+    directory = save_tiny_checkpoint(tmp_path, model.eval())
+    loaded = assert_prefill_matches_hf(directory, "ernie4_5_moe")
+    assert [layer.is_moe for layer in loaded.model.layers] == [False, True, True, False]
+    assert loaded.model.layers[1].mlp.gate.e_score_correction_bias.abs().sum() > 0
+    assert_greedy_generation_matches_hf(model, directory, (40, 9), 16, seed=7)
+
+
 def tiny_olmo(model_type: str, head_dim: int = 32):
     """A random OLMo 2, or OLMo 3 with sliding (window 16, rope base 1e4) and full layers (rope
     base 5e5, linear scaling)."""

@@ -14,6 +14,7 @@ import torch
 
 from pagedkv.models.cohere import CohereForCausalLM
 from pagedkv.models.deepseek_v2 import DeepseekV2ForCausalLM
+from pagedkv.models.ernie4_5_moe import Ernie45MoeForCausalLM
 from pagedkv.models.falcon import FalconForCausalLM
 from pagedkv.models.gemma import GemmaForCausalLM
 from pagedkv.models.glm4_moe import Glm4MoeForCausalLM
@@ -57,6 +58,7 @@ ARCHITECTURES = {
     "falcon": FalconForCausalLM,
     **dict.fromkeys(("deepseek_v2", "deepseek_v3"), DeepseekV2ForCausalLM),
     "glm4_moe": Glm4MoeForCausalLM,
+    "ernie4_5_moe": Ernie45MoeForCausalLM,
 }
 # Image-text models whose language model we serve alone (text prompts; the vision tower is not loaded)
 MULTIMODAL_MODEL_TYPES = ("gemma3", "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl")

@@ -2,6 +2,7 @@
 
 from pagedkv.models.cohere import CohereForCausalLM
 from pagedkv.models.deepseek_v2 import DeepseekV2ForCausalLM
+from pagedkv.models.ernie4_5_moe import Ernie45MoeForCausalLM
 from pagedkv.models.falcon import FalconForCausalLM
 from pagedkv.models.gemma import GemmaForCausalLM
 from pagedkv.models.glm4 import Glm4ForCausalLM
@@ -19,5 +20,5 @@ from pagedkv.models.phi import PhiForCausalLM
 from pagedkv.models.stablelm import StableLmForCausalLM
 from pagedkv.models.starcoder2 import Starcoder2ForCausalLM
 
-__all__ = ["CohereForCausalLM", "DeepseekV2ForCausalLM", "FalconForCausalLM", "GemmaForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM", "GPT2ForCausalLM", "GPTBigCodeForCausalLM", "GPTNeoXForCausalLM", "GPTJForCausalLM",
+__all__ = ["CohereForCausalLM", "DeepseekV2ForCausalLM", "Ernie45MoeForCausalLM", "FalconForCausalLM", "GemmaForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM", "GPT2ForCausalLM", "GPTBigCodeForCausalLM", "GPTNeoXForCausalLM", "GPTJForCausalLM",
            "LlamaForCausalLM", "NemotronForCausalLM", "OlmoForCausalLM", "Olmo2ForCausalLM", "OPTForCausalLM", "PhiForCausalLM", "StableLmForCausalLM", "Starcoder2ForCausalLM"]

@@ -37,6 +37,8 @@ from pagedkv.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 
 # V3's router (a biased sigmoid over expert groups), also GLM-4.5's
 SIGMOID_ROUTER_MODEL_TYPES = ("deepseek_v3", "glm4_moe")
+# The same choice (biased, weights unbiased and renormalized) over softmax scores
+BIASED_SOFTMAX_MODEL_TYPES = ("ernie4_5_moe",)
 
 
 def _yarn_mscale(factor: float, mscale: float) -> float:
@@ -107,29 +109,36 @@ class MLAAttention(nn.Module):
 
 class DeepseekMoE(SparseMoE):
     """SparseMoE with DeepSeek's routers (float32 scores: V2's softmax, greedy or group-limited;
-    V3's biased sigmoid; scaled weights) and ungated shared experts."""
+    V3's biased sigmoid, also GLM-4.5's, and ERNIE 4.5's biased softmax; scaled weights) and
+    ungated shared experts."""
 
     def __init__(self, hf_config):
-        num_shared = getattr(hf_config, "n_shared_experts", None) or 0
-        super().__init__(hf_config.hidden_size, hf_config.moe_intermediate_size, hf_config.n_routed_experts,
-                         hf_config.num_experts_per_tok, bool(getattr(hf_config, "norm_topk_prob", False)),
-                         shared_intermediate_size=hf_config.moe_intermediate_size * num_shared)
+        num_shared = getattr(hf_config, "n_shared_experts", None) or getattr(hf_config, "moe_num_shared_experts", 0)
+        num_experts = getattr(hf_config, "n_routed_experts", None) or hf_config.num_experts
+        renormalize = bool(getattr(hf_config, "norm_topk_prob", hf_config.model_type in BIASED_SOFTMAX_MODEL_TYPES))
+        super().__init__(hf_config.hidden_size, hf_config.moe_intermediate_size, num_experts,
+                         hf_config.num_experts_per_tok, renormalize,
+                         shared_intermediate_size=hf_config.moe_intermediate_size * (num_shared or 0))
         if self.has_shared_expert:
             del self.shared_expert_gate
-        if hf_config.model_type in SIGMOID_ROUTER_MODEL_TYPES:
+        self.scoring = "softmax"
+        if hf_config.model_type in SIGMOID_ROUTER_MODEL_TYPES + BIASED_SOFTMAX_MODEL_TYPES:
             self.topk_method = "noaux_tc"
+            self.scoring = "sigmoid" if hf_config.model_type in SIGMOID_ROUTER_MODEL_TYPES else "softmax"
             self.gate.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts))
         else:
             self.topk_method = getattr(hf_config, "topk_method", "greedy") or "greedy"
         if self.topk_method not in ("greedy", "group_limited_greedy", "noaux_tc"):
             raise ValueError(f"DeepSeek router topk_method={self.topk_method!r} is not supported")
-        self.num_groups, self.topk_groups = hf_config.n_group, hf_config.topk_group
-        self.routed_scaling_factor = hf_config.routed_scaling_factor
+        self.num_groups = getattr(hf_config, "n_group", None) or 1
+        self.topk_groups = getattr(hf_config, "topk_group", None) or 1
+        self.routed_scaling_factor = getattr(hf_config, "routed_scaling_factor", 1.0)
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(hidden.float(), self.gate.weight.float())
         if self.topk_method == "noaux_tc":
-            return self._route_v3(logits.sigmoid(), hidden.dtype)
+            scores = logits.sigmoid() if self.scoring == "sigmoid" else torch.softmax(logits, dim=-1)
+            return self._route_v3(scores, hidden.dtype)
         scores = torch.softmax(logits, dim=-1)
         if self.topk_method == "group_limited_greedy":
             grouped = scores.view(scores.shape[0], self.num_groups, -1)
@@ -143,7 +152,7 @@ class DeepseekMoE(SparseMoE):
 
     def _route_v3(self, scores: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         for_choice = (scores + self.gate.e_score_correction_bias.float()).view(scores.shape[0], self.num_groups, -1)
-        group_scores = for_choice.topk(2, dim=-1).values.sum(dim=-1)
+        group_scores = for_choice.topk(min(2, for_choice.shape[-1]), dim=-1).values.sum(dim=-1)
         best_groups = group_scores.topk(self.topk_groups, dim=-1).indices
         keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
         for_choice = for_choice.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(scores)

@@ -26,7 +26,7 @@ PROJECTION_QK_NORM_MODEL_TYPES = ("olmo2", "olmo3", "olmoe")
 # Biased q/k/v projections with no attention_bias in their configs
 QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_vl_text", "qwen2_5_vl_text")
 # Rotary embedding over adjacent pairs of dims (GPT-J's layout) instead of the two halves
-INTERLEAVED_ROPE_MODEL_TYPES = ("glm", "glm4", "helium", "ernie4_5", "cohere", "gptj")
+INTERLEAVED_ROPE_MODEL_TYPES = ("glm", "glm4", "helium", "ernie4_5", "ernie4_5_moe", "cohere", "gptj")
 # A two-matrix MLP (up_proj, down_proj) with squared ReLU instead of the gated one
 UNGATED_MLP_MODEL_TYPES = ("arcee",)
 # An output projection without bias where q/k/v have one (attention_bias)
