@@ -845,6 +845,29 @@ def test_the_language_model_of_qwen_vl_checkpoints(tmp_path, model_type):
     assert_greedy_generation_matches_hf(model, directory, (40, 9), 16, seed=7)
 
 
+def randomize_routers_and_experts(model, bias_std: float = 0.2) -> None:
+    """Experts and routers away from init's near-uniform routing, and the routers' choice biases
+    (DeepSeek-V3's, GLM-4.5's, ERNIE 4.5's e_score_correction_bias) away from zero."""
+    with torch.no_grad():
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if name.endswith("e_score_correction_bias"):
+                tensor.normal_(std=bias_std)
+            elif "experts" in name or name.endswith("gate.weight"):
+                tensor.normal_(std=0.3)
+
+
+def add_multi_token_prediction_layer(directory: str, last_layer: int) -> None:
+    """As DeepSeek-V3 and GLM-4.5 are released: one more layer (a copy of the last) past
+    num_hidden_layers in the checkpoint, for multi-token prediction."""
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(directory, "model.safetensors")
+    state = load_file(path)
+    state.update({name.replace(f"model.layers.{last_layer}.", f"model.layers.{last_layer + 1}."): tensor.clone()
+                  for name, tensor in state.items() if name.startswith(f"model.layers.{last_layer}.")})
+    save_file(state, path, metadata={"format": "pt"})
+
+
 def tiny_deepseek(variant: str):
     """A random DeepSeek: multi-head latent attention (queries through a low-rank projection in
     "v2" and "v3", straight in "lite"), YaRN rope with mscale, one dense layer then DeepSeekMoE
@@ -869,13 +892,8 @@ def tiny_deepseek(variant: str):
     torch.manual_seed(0)
     model = model_class(config)
     randomize_norms(model, 0.5, 1.5)
+    randomize_routers_and_experts(model)
     with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "experts" in name or name.endswith("gate.weight"):
-                parameter.normal_(std=0.3)  # away from init's near-uniform router
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.normal_(std=0.2)
         model.get_output_embeddings().weight.normal_(std=0.5)
     return model.eval()
 
@@ -885,16 +903,10 @@ def test_tiny_deepseek_matches_hf(tmp_path, variant):
     """DeepSeek-V2 and V3 with latent attention computed on the cached latents (the key
     projection absorbed into the query), as HF's expanded keys and values compute it; V3's
     multi-token-prediction layer in the checkpoint is left out."""
-    from safetensors.torch import load_file, save_file
-
     hf_model = tiny_deepseek(variant)
     directory = save_tiny_checkpoint(tmp_path, hf_model)
-    if variant == "v3":  # as released: one more layer, for multi-token prediction
-        path = os.path.join(directory, "model.safetensors")
-        state = load_file(path)
-        state.update({name.replace("model.layers.2.", "model.layers.3."): tensor.clone()
-                      for name, tensor in state.items() if name.startswith("model.layers.2.")})
-        save_file(state, path, metadata={"format": "pt"})
+    if variant == "v3":
+        add_multi_token_prediction_layer(directory, last_layer=2)
     loaded = assert_prefill_matches_hf(directory, "deepseek_v2" if variant != "v3" else "deepseek_v3")
     attention = loaded.model.layers[0].self_attn
     assert (attention.num_kv_heads, attention.head_dim) == (1, 32 + 16)  # the cache: one latent + rope key
@@ -907,7 +919,6 @@ def test_tiny_glm4_moe_matches_hf(tmp_path, qk_norm):
     """GLM-4.5: q/k/v biases and an unbiased output, rotary embedding on half of each head,
     optional per-head q/k norms, one dense layer then DeepSeek-V3's biased sigmoid routing over
     expert groups with a shared expert; its multi-token-prediction layer is left out."""
-    from safetensors.torch import load_file, save_file
     from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
 
     config = Glm4MoeConfig(vocab_size=256, hidden_size=128, intermediate_size=192, moe_intermediate_size=48,
@@ -920,20 +931,11 @@ def test_tiny_glm4_moe_matches_hf(tmp_path, qk_norm):
     model = Glm4MoeForCausalLM(config)
     randomize_norms(model, 0.5, 1.5)
     randomize_biases(model)
+    randomize_routers_and_experts(model)
     with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "experts" in name or name.endswith("gate.weight"):
-                parameter.normal_(std=0.3)
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.normal_(std=0.2)
         model.get_output_embeddings().weight.normal_(std=0.5)
     directory = save_tiny_checkpoint(tmp_path, model.eval())
-    path = os.path.join(directory, "model.safetensors")
-    state = load_file(path)  # as released: one more layer, for multi-token prediction
-    state.update({name.replace("model.layers.2.", "model.layers.3."): tensor.clone()
-                  for name, tensor in state.items() if name.startswith("model.layers.2.")})
-    save_file(state, path, metadata={"format": "pt"})
+    add_multi_token_prediction_layer(directory, last_layer=2)
     loaded = assert_prefill_matches_hf(directory, "glm4_moe")
     attention = loaded.model.layers[0].self_attn
     assert attention.qkv_proj.bias is not None and attention.o_proj.bias is None
@@ -957,13 +959,8 @@ def test_tiny_ernie4_5_moe_matches_hf(tmp_path):
     torch.manual_seed(0)
     model = Ernie4_5_MoeForCausalLM(config)
     randomize_norms(model, 0.5, 1.5)
-    randomize_biases(model)
+    randomize_routers_and_experts(model, bias_std=0.1)
     with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "experts" in name or name.endswith("gate.weight"):
-                parameter.normal_(std=0.3)
-            elif name.endswith("e_score_correction_bias"):
-                parameter.normal_(std=0.1)
         model.get_output_embeddings().weight.normal_(std=0.5)
     directory = save_tiny_checkpoint(tmp_path, model.eval())
     loaded = assert_prefill_matches_hf(directory, "ernie4_5_moe")

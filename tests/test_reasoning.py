@@ -77,12 +77,12 @@ def test_unknown_parsers_are_refused():
         ReasoningParser("nope")
 
 
-def test_streamed_reasoning_then_content_then_a_tool_call():
-    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
-    reply = ('<think>The user wants weather.</think>Checking. '
-             '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>')
-    cuts = [3, 12, 30, 40, 52, 60, len(reply)]
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 
+
+def streamed_chat_chunks(reply: str, cuts: list[int], reasoning_parser: str, tool_call_parser: str) -> list[dict]:
+    """The chat chunks the server streams for a reply that grows to each cut in turn, with the
+    get_weather tool offered ("auto")."""
     async def outputs():
         for step, cut in enumerate(cuts):
             last = cut == len(reply)
@@ -91,13 +91,20 @@ def test_streamed_reasoning_then_content_then_a_tool_call():
             yield 0, RequestOutput("r", "p", [1, 2], [completion], finished=last)
 
     async def collect():
-        builder = ResponseBuilder(tokenizer=None, model_name="m", reasoning=ReasoningParser("qwen3"))
-        tools = ToolCalling.from_request([weather], "auto")
+        builder = ResponseBuilder(tokenizer=None, model_name="m", reasoning=ReasoningParser(reasoning_parser))
+        tools = ToolCalling.from_request([WEATHER], "auto", tool_call_parser)
         return [json.loads(chunk[6:]) async for chunk in builder.stream_chunks(
             "r", outputs(), 1, 0, chat=True, include_usage=False, n=1, echo=False, tools=tools)
             if chunk.startswith("data: {")]
 
-    deltas = [chunk["choices"][0]["delta"] for chunk in asyncio.run(collect())[1:]]
+    return asyncio.run(collect())
+
+
+def test_streamed_reasoning_then_content_then_a_tool_call():
+    reply = ('<think>The user wants weather.</think>Checking. '
+             '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>')
+    chunks = streamed_chat_chunks(reply, [3, 12, 30, 40, 52, 60, len(reply)], "qwen3", "hermes")
+    deltas = [chunk["choices"][0]["delta"] for chunk in chunks[1:]]
     assert "".join(delta.get("reasoning_content", "") for delta in deltas) == "The user wants weather."
     assert all(delta.get("reasoning") == delta.get("reasoning_content") for delta in deltas)
     assert "".join(delta.get("content", "") for delta in deltas) == "Checking. "
@@ -108,27 +115,10 @@ def test_streamed_reasoning_then_content_then_a_tool_call():
 def test_streamed_harmony_reasoning_preamble_then_a_tool_call():
     """GPT-OSS: analysis streams as reasoning, a preamble as content, then the harmony tool
     message becomes a tool call (--reasoning-parser openai_gptoss, --tool-call-parser openai)."""
-    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
     reply = ("<|channel|>analysis<|message|>The user wants weather.<|end|><|start|>assistant<|channel|>commentary"
              "<|message|>Checking.<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather "
              '<|constrain|>json<|message|>{"city": "Oslo"}')
-    cuts = list(range(0, len(reply), 7)) + [len(reply)]
-
-    async def outputs():
-        for step, cut in enumerate(cuts):
-            last = cut == len(reply)
-            completion = CompletionOutput(index=0, text=reply[:cut], token_ids=list(range(step + 1)),
-                                          finish_reason="stop" if last else None)
-            yield 0, RequestOutput("r", "p", [1, 2], [completion], finished=last)
-
-    async def collect():
-        builder = ResponseBuilder(tokenizer=None, model_name="m", reasoning=ReasoningParser("openai_gptoss"))
-        tools = ToolCalling.from_request([weather], "auto", "openai")
-        return [json.loads(chunk[6:]) async for chunk in builder.stream_chunks(
-            "r", outputs(), 1, 0, chat=True, include_usage=False, n=1, echo=False, tools=tools)
-            if chunk.startswith("data: {")]
-
-    chunks = asyncio.run(collect())
+    chunks = streamed_chat_chunks(reply, list(range(0, len(reply), 7)) + [len(reply)], "openai_gptoss", "openai")
     deltas = [chunk["choices"][0]["delta"] for chunk in chunks[1:]]
     assert "".join(delta.get("reasoning_content", "") for delta in deltas) == "The user wants weather."
     assert "".join(delta.get("content", "") for delta in deltas) == "Checking.\n"
