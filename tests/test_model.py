@@ -815,33 +815,48 @@ def tiny_qwen_vl(model_type: str):
             **vision, "out_hidden_size": 128, "window_size": 56, "fullatt_block_indexes": [0]}, **ids)
     else:
         text = {**text, "head_dim": 32, "rope_parameters": {**rope, "mrope_interleaved": True}}
-        config = transformers.Qwen3VLConfig(text_config=text, vision_config={
-            **vision, "out_hidden_size": 128, "patch_size": 16, "num_position_embeddings": 16,
-            "deepstack_visual_indexes": [0]}, **ids)
+        vision = {**vision, "out_hidden_size": 128, "patch_size": 16, "num_position_embeddings": 16,
+                  "deepstack_visual_indexes": [0]}
+        if model_type == "qwen3_vl":
+            config = transformers.Qwen3VLConfig(text_config=text, vision_config=vision, **ids)
+        else:  # Qwen3-VL-30B-A3B's kind: Qwen3-MoE's language model
+            text = {**text, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                    "decoder_sparse_step": 1, "norm_topk_prob": True}
+            config = transformers.Qwen3VLMoeConfig(text_config=text, vision_config=vision, **ids)
     torch.manual_seed(0)
     model = transformers.AutoModelForImageTextToText.from_config(config)
     randomize_norms(model, 0.5, 1.5)
     randomize_biases(model)
+    randomize_routers_and_experts(model)
     with torch.no_grad():
         model.get_output_embeddings().weight.normal_(std=0.5)
         model.get_output_embeddings().weight[256:] = 0.0
     return model.eval()
 
 
-@pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
 def test_the_language_model_of_qwen_vl_checkpoints(tmp_path, model_type):
-    """Qwen2-VL, Qwen2.5-VL and Qwen3-VL served on text prompts: their multimodal rotary
-    embedding (sections of the rotary dims for time, height and width) is plain rotary when
-    every position is a text one; Qwen2's q/k/v biases, Qwen3's per-head q/k norms."""
+    """Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE served on text prompts: their multimodal
+    rotary embedding (sections of the rotary dims for time, height and width) is plain rotary
+    when every position is a text one; Qwen2's q/k/v biases, Qwen3's per-head q/k norms,
+    Qwen3-MoE's experts."""
     from transformers import AutoModelForImageTextToText
 
     model = tiny_qwen_vl(model_type)
     directory = save_tiny_checkpoint(tmp_path, model)
+    if model_type == "qwen3_vl_moe":  # as released, experts transposed: [E, H, 2I] and [E, I, H]
+        from safetensors.torch import load_file, save_file
+
+        path = os.path.join(directory, "model.safetensors")
+        state = {name: tensor.transpose(1, 2).contiguous() if ".mlp.experts." in name else tensor
+                 for name, tensor in load_file(path).items()}
+        save_file(state, path, metadata={"format": "pt"})
     loaded = assert_prefill_matches_hf(directory, f"{model_type}_text", hf_class=AutoModelForImageTextToText)
     assert not any("visual" in name for name, _ in loaded.model.named_parameters())
     attention = loaded.model.layers[0].self_attn
-    assert (attention.qkv_proj.bias is not None) == (model_type != "qwen3_vl")
-    assert (attention.q_norm is not None) == (model_type == "qwen3_vl")
+    assert (attention.qkv_proj.bias is not None) == model_type.startswith("qwen2")
+    assert (attention.q_norm is not None) == model_type.startswith("qwen3")
+    assert loaded.model.layers[0].is_moe == (model_type == "qwen3_vl_moe")
     assert_greedy_generation_matches_hf(model, directory, (40, 9), 16, seed=7)
 
 

@@ -39,7 +39,8 @@ EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ARCHITECTURES = {
     **dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "smollm3", "granite",
                      "phi3", "granitemoe", "olmoe", "gpt_oss", "ministral", "helium", "seed_oss", "ernie4_5", "glm",
-                     "arcee", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text"),
+                     "arcee", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text",
+                     "qwen3_vl_moe_text"),
                     LlamaForCausalLM),
     **dict.fromkeys(("gemma", "gemma2", "gemma3_text"), GemmaForCausalLM),
     **dict.fromkeys(("olmo2", "olmo3", "exaone4"), Olmo2ForCausalLM),
@@ -61,7 +62,7 @@ ARCHITECTURES = {
     "ernie4_5_moe": Ernie45MoeForCausalLM,
 }
 # Image-text models whose language model we serve alone (text prompts; the vision tower is not loaded)
-MULTIMODAL_MODEL_TYPES = ("gemma3", "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+MULTIMODAL_MODEL_TYPES = ("gemma3", "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 # Their non-language parts, as the first or second component of a weight's name
 _VISION_PARTS = ("visual", "vision_tower", "multi_modal_projector")
 SUPPORTED = tuple(ARCHITECTURES) + MULTIMODAL_MODEL_TYPES

@@ -25,7 +25,7 @@ def moe_config(hf_config) -> tuple[int, int, int, bool] | None:
     if hf_config.model_type in ("mixtral", "granitemoe", "gpt_oss"):
         return hf_config.num_local_experts, hf_config.num_experts_per_tok, hf_config.intermediate_size, True
     num_experts = getattr(hf_config, "num_experts", 0) or 0
-    if hf_config.model_type in ("qwen2_moe", "qwen3_moe", "olmoe") and num_experts > 0:
+    if hf_config.model_type in ("qwen2_moe", "qwen3_moe", "qwen3_vl_moe_text", "olmoe") and num_experts > 0:
         # (OLMoE's experts are intermediate_size wide: it has no dense MLP)
         expert_size = hf_config.intermediate_size if hf_config.model_type == "olmoe" else hf_config.moe_intermediate_size
         return num_experts, hf_config.num_experts_per_tok, expert_size, bool(hf_config.norm_topk_prob)

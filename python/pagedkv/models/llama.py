@@ -21,7 +21,7 @@ from pagedkv.layers.rotary_embedding import RotaryEmbedding, split_and_rotate, s
 from pagedkv.layers.ungated_mlp import UngatedMLP
 
 # Query/key RMSNorm before the rotation: per head (Qwen3's) or over whole projections (OLMo's)
-HEAD_QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "exaone4", "qwen3_vl_text")
+HEAD_QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "exaone4", "qwen3_vl_text", "qwen3_vl_moe_text")
 PROJECTION_QK_NORM_MODEL_TYPES = ("olmo2", "olmo3", "olmoe")
 # Biased q/k/v projections with no attention_bias in their configs
 QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_vl_text", "qwen2_5_vl_text")
@@ -339,8 +339,10 @@ def _stacked_experts(own: dict[str, torch.Tensor], p: str, num_experts: int) -> 
         out[p + "expert_gate_up"] = own.pop(p + "input_linear.weight")
         out[p + "expert_down"] = own.pop(p + "output_linear.weight")
     elif p + "experts.gate_up_proj" in own:
-        out[p + "expert_gate_up"] = own.pop(p + "experts.gate_up_proj")
-        out[p + "expert_down"] = own.pop(p + "experts.down_proj")
+        gate_up, down = own.pop(p + "experts.gate_up_proj"), own.pop(p + "experts.down_proj")
+        if gate_up.shape[2] != down.shape[1]:  # stored transposed ([E, H, 2I], [E, I, H]: Qwen3-VL-MoE's files)
+            gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+        out[p + "expert_gate_up"], out[p + "expert_down"] = gate_up, down
     else:
         gate, up, down = ("w1", "w3", "w2") if p + "experts.0.w1.weight" in own else ("gate_proj", "up_proj", "down_proj")
         expert = [f"{p}experts.{e}." for e in range(num_experts)]
