@@ -984,6 +984,29 @@ def test_tiny_ernie4_5_moe_matches_hf(tmp_path):
     assert_greedy_generation_matches_hf(model, directory, (40, 9), 16, seed=7)
 
 
+def test_tiny_minimax_m2_matches_hf(tmp_path):
+    """MiniMax-M2: q/k RMSNorm over whole projections, rotary embedding on half of each head
+    (`rotary_dim`), and in every layer experts chosen on biased sigmoid scores, weighted by the
+    unbiased ones renormalized."""
+    from transformers import MiniMaxM2Config, MiniMaxM2ForCausalLM
+
+    config = MiniMaxM2Config(vocab_size=256, hidden_size=128, intermediate_size=48, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=32, rotary_dim=16,
+                             num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=512,
+                             eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    torch.manual_seed(0)
+    model = MiniMaxM2ForCausalLM(config)
+    randomize_norms(model, 0.5, 1.5)
+    randomize_routers_and_experts(model)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.normal_(std=0.5)
+    directory = save_tiny_checkpoint(tmp_path, model.eval())
+    loaded = assert_prefill_matches_hf(directory, "minimax_m2")
+    assert loaded.model.layers[0].self_attn.q_norm.weight.shape == (4 * 32,)
+    assert loaded.model.layers[1].mlp.gate.e_score_correction_bias.abs().sum() > 0
+    assert_greedy_generation_matches_hf(model, directory, (40, 9), 16, seed=7)
+
+
 def tiny_olmo(model_type: str, head_dim: int = 32):
     """A random OLMo 2, or OLMo 3 with sliding (window 16, rope base 1e4) and full layers (rope
     base 5e5, linear scaling)."""

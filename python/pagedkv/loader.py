@@ -24,6 +24,7 @@ from pagedkv.models.gpt_bigcode import GPTBigCodeForCausalLM
 from pagedkv.models.gpt_neox import GPTNeoXForCausalLM
 from pagedkv.models.gptj import GPTJForCausalLM
 from pagedkv.models.llama import LlamaForCausalLM
+from pagedkv.models.minimax_m2 import MiniMaxM2ForCausalLM
 from pagedkv.models.nemotron import NemotronForCausalLM
 from pagedkv.models.olmo import OlmoForCausalLM
 from pagedkv.models.olmo2 import Olmo2ForCausalLM
@@ -60,6 +61,7 @@ ARCHITECTURES = {
     **dict.fromkeys(("deepseek_v2", "deepseek_v3"), DeepseekV2ForCausalLM),
     "glm4_moe": Glm4MoeForCausalLM,
     "ernie4_5_moe": Ernie45MoeForCausalLM,
+    "minimax_m2": MiniMaxM2ForCausalLM,
 }
 # Image-text models whose language model we serve alone (text prompts; the vision tower is not loaded)
 MULTIMODAL_MODEL_TYPES = ("gemma3", "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")

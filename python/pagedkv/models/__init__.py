@@ -12,6 +12,7 @@ from pagedkv.models.gpt_bigcode import GPTBigCodeForCausalLM
 from pagedkv.models.gpt_neox import GPTNeoXForCausalLM
 from pagedkv.models.gptj import GPTJForCausalLM
 from pagedkv.models.llama import LlamaForCausalLM
+from pagedkv.models.minimax_m2 import MiniMaxM2ForCausalLM
 from pagedkv.models.nemotron import NemotronForCausalLM
 from pagedkv.models.olmo import OlmoForCausalLM
 from pagedkv.models.olmo2 import Olmo2ForCausalLM
@@ -21,4 +22,4 @@ from pagedkv.models.stablelm import StableLmForCausalLM
 from pagedkv.models.starcoder2 import Starcoder2ForCausalLM
 
 __all__ = ["CohereForCausalLM", "DeepseekV2ForCausalLM", "Ernie45MoeForCausalLM", "FalconForCausalLM", "GemmaForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM", "GPT2ForCausalLM", "GPTBigCodeForCausalLM", "GPTNeoXForCausalLM", "GPTJForCausalLM",
-           "LlamaForCausalLM", "NemotronForCausalLM", "OlmoForCausalLM", "Olmo2ForCausalLM", "OPTForCausalLM", "PhiForCausalLM", "StableLmForCausalLM", "Starcoder2ForCausalLM"]
+           "LlamaForCausalLM", "MiniMaxM2ForCausalLM", "NemotronForCausalLM", "OlmoForCausalLM", "Olmo2ForCausalLM", "OPTForCausalLM", "PhiForCausalLM", "StableLmForCausalLM", "Starcoder2ForCausalLM"]

@@ -36,9 +36,11 @@ from pagedkv.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 
 
 # V3's router (a biased sigmoid over expert groups), also GLM-4.5's
-SIGMOID_ROUTER_MODEL_TYPES = ("deepseek_v3", "glm4_moe")
+SIGMOID_ROUTER_MODEL_TYPES = ("deepseek_v3", "glm4_moe", "minimax_m2")
 # The same choice (biased, weights unbiased and renormalized) over softmax scores
 BIASED_SOFTMAX_MODEL_TYPES = ("ernie4_5_moe",)
+# Routers that always renormalize the chosen experts' weights (no norm_topk_prob in their configs)
+RENORMALIZING_MODEL_TYPES = ("ernie4_5_moe", "minimax_m2")
 
 
 def _yarn_mscale(factor: float, mscale: float) -> float:
@@ -114,11 +116,12 @@ class DeepseekMoE(SparseMoE):
 
     def __init__(self, hf_config):
         num_shared = getattr(hf_config, "n_shared_experts", None) or getattr(hf_config, "moe_num_shared_experts", 0)
-        num_experts = getattr(hf_config, "n_routed_experts", None) or hf_config.num_experts
-        renormalize = bool(getattr(hf_config, "norm_topk_prob", hf_config.model_type in BIASED_SOFTMAX_MODEL_TYPES))
-        super().__init__(hf_config.hidden_size, hf_config.moe_intermediate_size, num_experts,
-                         hf_config.num_experts_per_tok, renormalize,
-                         shared_intermediate_size=hf_config.moe_intermediate_size * (num_shared or 0))
+        num_experts = (getattr(hf_config, "n_routed_experts", None) or getattr(hf_config, "num_local_experts", None)
+                       or hf_config.num_experts)
+        renormalize = bool(getattr(hf_config, "norm_topk_prob", hf_config.model_type in RENORMALIZING_MODEL_TYPES))
+        expert_size = getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size  # (MiniMax's)
+        super().__init__(hf_config.hidden_size, expert_size, num_experts, hf_config.num_experts_per_tok, renormalize,
+                         shared_intermediate_size=expert_size * (num_shared or 0))
         if self.has_shared_expert:
             del self.shared_expert_gate
         self.scoring = "softmax"

@@ -1,0 +1,28 @@
+"""MiniMax-M2 (`minimax_m2`) over the paged cache: Llama's attention with RMSNorm over the whole
+query and key projections (as OLMo 2's) and partial rotary embedding (`rotary_dim`), and in
+every layer experts chosen on sigmoid scores plus a per-expert bias, weighted by the unbiased
+scores renormalized (DeepSeek-V3's choice with one group: models/deepseek_v2.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from pagedkv.models.deepseek_v2 import DeepseekMoE, DeepseekV2ForCausalLM
+from pagedkv.models.llama import LlamaDecoderLayer
+
+
+class MiniMaxM2DecoderLayer(LlamaDecoderLayer):
+    def __init__(self, hf_config, layer_index: int):
+        super().__init__(hf_config, layer_index)  # (a dense MLP: replaced)
+        self.is_moe = True
+        self.mlp = DeepseekMoE(hf_config)
+
+
+class MiniMaxM2ForCausalLM(DeepseekV2ForCausalLM):
+    decoder_layer_class = MiniMaxM2DecoderLayer
+
+    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        bias = ".e_score_correction_bias"  # beside the router, not in it
+        super().load_hf_state_dict({
+            name.replace(".mlp" + bias, ".mlp.gate" + bias).replace(".block_sparse_moe" + bias, ".mlp.gate" + bias): tensor
+            for name, tensor in state.items()})
