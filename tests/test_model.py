@@ -984,6 +984,29 @@ def test_tiny_ernie4_5_moe_matches_hf(tmp_path):
     assert_greedy_generation_matches_hf(model, directory, (40, 9), 16, seed=7)
 
 
+def test_tiny_dots1_matches_hf(tmp_path):
+    """dots.llm1: Qwen3's per-head q/k norms, one dense layer, then DeepSeek-V3's biased sigmoid
+    routing over expert groups (scaled, not renormalized) with shared experts."""
+    from transformers import Dots1Config, Dots1ForCausalLM
+
+    config = Dots1Config(vocab_size=256, hidden_size=128, intermediate_size=192, moe_intermediate_size=48,
+                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                         n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=2, n_group=2, topk_group=1,
+                         first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=False,
+                         max_position_embeddings=512, eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    torch.manual_seed(0)
+    model = Dots1ForCausalLM(config)
+    randomize_norms(model, 0.5, 1.5)
+    randomize_routers_and_experts(model)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.normal_(std=0.5)
+    directory = save_tiny_checkpoint(tmp_path, model.eval())
+    loaded = assert_prefill_matches_hf(directory, "dots1")
+    assert loaded.model.layers[0].self_attn.q_norm.weight.shape == (32,)
+    assert [layer.is_moe for layer in loaded.model.layers] == [False, True, True]
+    assert_greedy_generation_matches_hf(model, directory, (40, 9), 16, seed=7)
+
+
 def test_tiny_minimax_m2_matches_hf(tmp_path):
     """MiniMax-M2: q/k RMSNorm over whole projections, rotary embedding on half of each head
     (`rotary_dim`), and in every layer experts chosen on biased sigmoid scores, weighted by the

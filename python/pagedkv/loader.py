@@ -59,7 +59,7 @@ ARCHITECTURES = {
     "stablelm": StableLmForCausalLM,
     "falcon": FalconForCausalLM,
     **dict.fromkeys(("deepseek_v2", "deepseek_v3"), DeepseekV2ForCausalLM),
-    "glm4_moe": Glm4MoeForCausalLM,
+    **dict.fromkeys(("glm4_moe", "dots1"), Glm4MoeForCausalLM),
     "ernie4_5_moe": Ernie45MoeForCausalLM,
     "minimax_m2": MiniMaxM2ForCausalLM,
 }

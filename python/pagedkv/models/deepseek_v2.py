@@ -36,7 +36,7 @@ from pagedkv.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 
 
 # V3's router (a biased sigmoid over expert groups), also GLM-4.5's
-SIGMOID_ROUTER_MODEL_TYPES = ("deepseek_v3", "glm4_moe", "minimax_m2")
+SIGMOID_ROUTER_MODEL_TYPES = ("deepseek_v3", "glm4_moe", "minimax_m2", "dots1")
 # The same choice (biased, weights unbiased and renormalized) over softmax scores
 BIASED_SOFTMAX_MODEL_TYPES = ("ernie4_5_moe",)
 # Routers that always renormalize the chosen experts' weights (no norm_topk_prob in their configs)

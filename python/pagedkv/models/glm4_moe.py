@@ -1,8 +1,9 @@
-"""GLM-4.5 and GLM-4.6 (`glm4_moe`) over the paged cache: Llama's attention (q/k/v biases, an
-unbiased output, optional per-head q/k norms, rotary embedding on half of each head) and, after
-`first_k_dense_replace` dense layers, DeepSeek-V3's mixture of experts (a biased sigmoid router
-over expert groups, renormalized and scaled weights, shared experts; models/deepseek_v2.py).
-Multi-token-prediction layers past `num_hidden_layers` are not loaded."""
+"""GLM-4.5 and GLM-4.6 (`glm4_moe`) and dots.llm1 (`dots1`) over the paged cache: Llama's
+attention (GLM's: q/k/v biases, an unbiased output, optional per-head q/k norms, rotary embedding
+on half of each head; dots.llm1's: Qwen3's per-head q/k norms) and, after `first_k_dense_replace`
+dense layers, DeepSeek-V3's mixture of experts (a biased sigmoid router over expert groups,
+renormalized and scaled weights, shared experts; models/deepseek_v2.py). Multi-token-prediction
+layers past `num_hidden_layers` are not loaded."""
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ from pagedkv.layers.rotary_embedding import RotaryEmbedding, split_and_rotate, s
 from pagedkv.layers.ungated_mlp import UngatedMLP
 
 # Query/key RMSNorm before the rotation: per head (Qwen3's) or over whole projections (OLMo's)
-HEAD_QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "exaone4", "qwen3_vl_text", "qwen3_vl_moe_text")
+HEAD_QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "exaone4", "qwen3_vl_text", "qwen3_vl_moe_text", "dots1")
 PROJECTION_QK_NORM_MODEL_TYPES = ("olmo2", "olmo3", "olmoe", "minimax_m2")
 # Biased q/k/v projections with no attention_bias in their configs
 QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_vl_text", "qwen2_5_vl_text")
