@@ -19,6 +19,7 @@ from torch import nn
 
 from pagedkv.layers.ungated_mlp import UngatedMLP
 from pagedkv.models.blocks import ParallelBlock, PreNormBlock
+from pagedkv.models.gpt_neox import split_per_head_qkv
 from pagedkv.models.llama import LlamaAttention, PlainLayersForCausalLM
 
 
@@ -73,9 +74,8 @@ class FalconForCausalLM(PlainLayersForCausalLM):
             elif self.hf_config.multi_query:  # [queries, key, value] heads
                 rows = tensor.view(heads + 2, head_dim, *rest)
                 parts = rows[:-2], rows[-2], rows[-1]
-            else:  # [head, (q, k, v), head_dim]
-                per_head = tensor.view(heads, 3, head_dim, *rest)
-                parts = per_head[:, 0], per_head[:, 1], per_head[:, 2]
+            else:
+                parts = split_per_head_qkv(tensor, heads, head_dim)
             for part, values in zip("qkv", parts):
                 split[name.replace(".self_attention.query_key_value.", f".self_attn.{part}_proj.")] = (
                     values.reshape(-1, *rest))

@@ -39,11 +39,16 @@ class GPTNeoXForCausalLM(PlainLayersForCausalLM):
         attention = self.layers[0].self_attn
         split = {}
         for name, tensor in state.items():
-            if ".attention.query_key_value." in name:  # [heads, (q, k, v), head_dim, ...] -> q, k, v
-                per_head = tensor.view(attention.num_heads, 3, attention.head_dim, *tensor.shape[1:])
-                for index, part in enumerate("qkv"):
-                    split[name.replace(".attention.query_key_value.", f".self_attn.{part}_proj.")] = (
-                        per_head[:, index].reshape(-1, *tensor.shape[1:]))
+            if ".attention.query_key_value." in name:
+                for part, values in zip("qkv", split_per_head_qkv(tensor, attention.num_heads, attention.head_dim)):
+                    split[name.replace(".attention.query_key_value.", f".self_attn.{part}_proj.")] = values
             else:
                 split[name] = tensor
         super().load_hf_state_dict(split)
+
+
+def split_per_head_qkv(tensor: torch.Tensor, num_heads: int, head_dim: int) -> tuple[torch.Tensor, ...]:
+    """q, k, v weights (or biases) of a fused projection stored [heads, (q, k, v), head_dim, ...]
+    (GPT-NeoX's and multi-head Falcon's layout)."""
+    per_head = tensor.view(num_heads, 3, head_dim, *tensor.shape[1:])
+    return tuple(per_head[:, index].reshape(-1, *tensor.shape[1:]) for index in range(3))
