@@ -1,5 +1,6 @@
 """Loads a Llama-family checkpoint into our model: a local HF directory (config.json +
-safetensors) or a GGUF file (dequantized by transformers' GGUF reader). Nothing is fetched."""
+safetensors, quantized ones dequantized by quantized_checkpoints) or a GGUF file (dequantized by
+transformers' GGUF reader). Nothing is fetched."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedkv import quantized_checkpoints
 from pagedkv.models.cohere import CohereForCausalLM
 from pagedkv.models.deepseek_v2 import DeepseekV2ForCausalLM
 from pagedkv.models.ernie4_5_moe import Ernie45MoeForCausalLM
@@ -145,7 +147,7 @@ def load(model: str | None, gguf_file: str | None, tokenizer: str | None, dtype,
             state.update(load_file(path))
     if multimodal:
         state = language_model_weights(state)
-    state = dequantized_fp8(state, getattr(hf_config, "quantization_config", None))
+    state = quantized_checkpoints.dequantized(state, getattr(hf_config, "quantization_config", None))
 
     positions = max_positions or hf_config.max_position_embeddings
     with torch.device("meta"):  # no time spent on random init: every weight is loaded below
@@ -161,48 +163,6 @@ def load(model: str | None, gguf_file: str | None, tokenizer: str | None, dtype,
     eos = _eos_token_ids(hf_config, generation_config, tok)
     name = os.path.basename(os.path.join(directory, gguf or "").rstrip("/")) or directory
     return LoadedModel(net, tok, hf_config, eos, name, generation_config)
-
-
-def dequantized_fp8(state: dict[str, torch.Tensor], quantization_config) -> dict[str, torch.Tensor]:
-    """Weights of a checkpoint quantized to float8, widened to float32 (the model is then cast to
-    the engine's dtype): in blocks (`quant_method: fp8`, DeepSeek-V3's and the -FP8 releases of
-    Qwen3 and others: each float8 `*.weight` times its `*.weight_scale_inv`, one scale per
-    `weight_block_size` block), or per tensor or per output channel (`compressed-tensors` and
-    `fbgemm_fp8`, e.g. the FP8 releases of Llama: `*.weight_scale` of one value or one per row;
-    their activation scales, `*.input_scale`, and KV-cache scales are not used)."""
-    blockwise = any(name.endswith(".weight_scale_inv") for name in state)
-    channelwise = any(name.endswith(".weight_scale") for name in state)
-    if not (blockwise or channelwise):
-        return state
-    config = quantization_config if isinstance(quantization_config, dict) else (
-        quantization_config.to_dict() if quantization_config is not None else {})
-    method = config.get("quant_method")
-    if blockwise and method != "fp8":
-        raise ValueError(f"checkpoint has *.weight_scale_inv tensors but quantization_config {config!r} is not "
-                         "fine-grained fp8 (quant_method 'fp8', weight_block_size)")
-    if channelwise and method not in ("compressed-tensors", "fbgemm_fp8", "fp8"):
-        raise ValueError(f"checkpoint has *.weight_scale tensors but quantization_config {config!r} is not float8 "
-                         "(compressed-tensors, fbgemm_fp8)")
-    rows, columns = config.get("weight_block_size") or (128, 128)
-    out = {}
-    for name, tensor in state.items():
-        if name.endswith((".weight_scale_inv", ".weight_scale", ".input_scale", ".k_scale", ".v_scale")):
-            continue
-        if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            if name + "_scale_inv" in state:
-                out_features, in_features = tensor.shape
-                scale = state[name + "_scale_inv"].float()
-                scale = scale.repeat_interleave(rows, 0)[:out_features].repeat_interleave(columns, 1)[:, :in_features]
-            elif name + "_scale" in state:
-                scale = state[name + "_scale"].float()
-                scale = scale.reshape(-1, *([1] * (tensor.dim() - 1))) if scale.numel() > 1 else scale.reshape(())
-            else:
-                raise ValueError(f"{name} is float8 with no scale ({name}_scale or {name}_scale_inv)")
-            tensor = tensor.float() * scale
-        out[name] = tensor
-    logger.info("dequantized float8 weights (%s) to float32", "blocks of %dx%d" % (rows, columns) if blockwise
-                else "per-tensor or per-channel scales")
-    return out
 
 
 def language_model_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
