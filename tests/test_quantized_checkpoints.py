@@ -1,7 +1,7 @@
-"""GPTQ and AWQ checkpoints load as the float checkpoint of their dequantized weights. The test
-quantizes a tiny random Llama itself and packs the integers as AutoGPTQ's and AutoAWQ's `pack`
-do (loops over the packed positions), so the loader's unpacking is checked against an
-independent writer of each format."""
+"""GPTQ, AWQ and compressed-tensors integer checkpoints load as the float checkpoint of their
+dequantized weights. The test quantizes a tiny random Llama itself and packs the integers as
+AutoGPTQ's, AutoAWQ's and compressed-tensors' packers do (loops over the packed positions), so
+the loader's unpacking is checked against an independent writer of each format."""
 
 import json
 import os
@@ -69,6 +69,9 @@ VARIANTS = {
     "gptq_v2-8bit": ("gptq", 8, False, False, "gptq_v2"),
     "gptq_v2-2bit": ("gptq", 2, True, False, "gptq_v2"),
     "awq": ("awq", 4, False, False, None),
+    "compressed-w4a16": ("compressed-tensors", 4, False, True, "pack-quantized"),
+    "compressed-w4a16-asym-act-order": ("compressed-tensors", 4, True, False, "pack-quantized"),
+    "compressed-w8a8-channel": ("compressed-tensors", 8, False, True, "int-quantized"),
 }
 
 
@@ -91,7 +94,7 @@ def quantized_checkpoint(tmp_path, variant: str):
             quantized[name] = dequantized[name] = weight
             continue
         in_features = weight.shape[1]
-        groups = torch.arange(in_features) // GROUP_SIZE
+        groups = torch.arange(in_features) // (in_features if checkpoint_format == "int-quantized" else GROUP_SIZE)
         if act_order:  # groups follow a permutation of the input channels (GPTQ's desc_act)
             groups = groups[torch.argsort(torch.randperm(in_features, generator=generator))]
         integers, zeros, scales, dequantized[name] = quantize(weight, bits, groups, symmetric)
@@ -101,10 +104,24 @@ def quantized_checkpoint(tmp_path, variant: str):
             quantized[layer + ".qweight"] = pack_rows(integers, bits)
             quantized[layer + ".qzeros"] = pack_columns(stored_zeros, bits)
             quantized[layer + ".g_idx"] = groups.to(torch.int32)
-        else:
+        elif method == "awq":
             quantized[layer + ".qweight"] = pack_columns(integers, bits, AWQ_PACK_ORDER)
             quantized[layer + ".qzeros"] = pack_columns(zeros, bits, AWQ_PACK_ORDER)
-        quantized[layer + ".scales"] = scales
+        if method != "compressed-tensors":
+            quantized[layer + ".scales"] = scales
+            continue
+        offset = 2 ** (bits - 1)  # compressed-tensors stores signed integers, packed as value + offset
+        if checkpoint_format == "pack-quantized":
+            quantized[layer + ".weight_packed"] = pack_columns(integers.t(), bits)
+            quantized[layer + ".weight_shape"] = torch.tensor(list(weight.shape))
+        else:
+            quantized[name] = (integers.t() - offset).to(torch.int8)
+            quantized[layer + ".input_scale"] = torch.tensor([0.02])  # W8A8's activation scale: not used
+        quantized[layer + ".weight_scale"] = scales.t().contiguous()
+        if not symmetric:
+            quantized[layer + ".weight_zero_point"] = pack_rows(zeros.t(), bits)
+        if act_order:
+            quantized[layer + ".weight_g_idx"] = groups.to(torch.int32)
     model.load_state_dict(dequantized)
     dequantized_dir = save_tiny_checkpoint(tmp_path / "dequantized", model)
     quantized_dir = save_tiny_checkpoint(tmp_path / "quantized", model)
@@ -113,10 +130,18 @@ def quantized_checkpoint(tmp_path, variant: str):
     config_path = os.path.join(quantized_dir, "config.json")
     with open(config_path) as file:
         config = json.load(file)
-    config["quantization_config"] = (
-        {"quant_method": "gptq", "bits": bits, "group_size": GROUP_SIZE, "desc_act": act_order, "sym": symmetric,
-         "checkpoint_format": checkpoint_format} if method == "gptq"
-        else {"quant_method": "awq", "bits": 4, "group_size": GROUP_SIZE, "zero_point": True, "version": "gemm"})
+    config["quantization_config"] = {
+        "gptq": {"quant_method": "gptq", "bits": bits, "group_size": GROUP_SIZE, "desc_act": act_order,
+                 "sym": symmetric, "checkpoint_format": checkpoint_format},
+        "awq": {"quant_method": "awq", "bits": 4, "group_size": GROUP_SIZE, "zero_point": True, "version": "gemm"},
+        "compressed-tensors": {
+            "quant_method": "compressed-tensors", "format": checkpoint_format, "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                "num_bits": bits, "type": "int", "symmetric": symmetric,
+                "strategy": "channel" if checkpoint_format == "int-quantized" else "group",
+                "group_size": None if checkpoint_format == "int-quantized" else GROUP_SIZE,
+                "actorder": "group" if act_order else None}}}},
+    }[method]
     with open(config_path, "w") as file:
         json.dump(config, file)
     return model, dequantized_dir, quantized_dir

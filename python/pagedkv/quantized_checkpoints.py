@@ -8,7 +8,12 @@ engine's dtype, so it serves what a float checkpoint of the same numbers would):
   `g_idx` (act-order checkpoints permute it);
 - AWQ (`quant_method` awq, AutoAWQ's GEMM files): 4-bit integers packed along the output dim in
   AWQ's interleaved order (`qweight` [in, out / 8], `qzeros` [groups, out / 8]), `scales`
-  [groups, out].
+  [groups, out];
+- compressed-tensors integers (llm-compressor's W4A16 / W8A16 / W8A8 releases): `pack-quantized`
+  (`weight_packed` [out, in / pack] int32 of signed values offset by 2^(bits-1), `weight_shape`,
+  asymmetric zero points packed along the output dim) or `int-quantized` (int8 `weight`), with
+  `weight_scale` per tensor, channel or group and act-order `weight_g_idx`; activation scales
+  are not used.
 
 A weight is `scale * (q - zero)` of its group. Embeddings, norms and layers a checkpoint left
 unquantized load as they are."""
@@ -25,6 +30,8 @@ logger = logging.getLogger("pagedkv.loader")
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 _FLOAT8_SCALES = (".weight_scale_inv", ".weight_scale", ".input_scale", ".k_scale", ".v_scale")
 _INT_PARTS = (".qweight", ".qzeros", ".scales", ".g_idx")
+_COMPRESSED_INT_PARTS = (".weight_packed", ".weight_shape", ".weight_scale", ".weight_zero_point", ".weight_g_idx",
+                         ".input_scale", ".input_zero_point")
 
 
 def dequantized(state: dict[str, torch.Tensor], quantization_config) -> dict[str, torch.Tensor]:
@@ -41,6 +48,12 @@ def dequantized(state: dict[str, torch.Tensor], quantization_config) -> dict[str
             return _dequantized_awq(state, config)
         raise ValueError(f"checkpoint has *.qweight tensors but quantization_config {config!r} is not GPTQ or AWQ "
                          "(quant_method 'gptq' or 'awq')")
+    if any(name.endswith(".weight_packed") or (tensor.dtype == torch.int8 and name.endswith(".weight"))
+           for name, tensor in state.items()):
+        if config.get("quant_method") != "compressed-tensors":
+            raise ValueError(f"checkpoint has integer *.weight_packed or int8 *.weight tensors but quantization_config "
+                             f"{config!r} is not compressed-tensors")
+        return _dequantized_compressed_int(state, config)
     return _dequantized_fp8(state, config)
 
 
@@ -95,8 +108,17 @@ def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     return values.reshape(packed.shape[0], -1)
 
 
-def _quantized_layers(state: dict[str, torch.Tensor]) -> list[str]:
-    return [name[: -len(".qweight")] for name in state if name.endswith(".qweight")]
+def grouped_dequantized(integers: torch.Tensor, zeros, scales: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """float32 weight [out, in] = scales[:, g] * (integers - zeros[:, g]) with g = groups[in]: the
+    integers [out, in], zero points (None = 0) and scales [out, num_groups], each input channel's group."""
+    groups = groups.long()
+    if zeros is not None:
+        integers = integers - zeros[:, groups]
+    return (integers.float() * scales.float()[:, groups]).contiguous()
+
+
+def _quantized_layers(state: dict[str, torch.Tensor], suffix: str = ".qweight") -> list[str]:
+    return [name[: -len(suffix)] for name in state if name.endswith(suffix)]
 
 
 def _without_int_parts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -121,9 +143,7 @@ def _dequantized_gptq(state: dict[str, torch.Tensor], config: dict) -> dict[str,
         groups = state.get(layer + ".g_idx")
         if groups is None:
             groups = torch.arange(in_features) // (group_size if group_size > 0 else in_features)
-        groups = groups.long()
-        scales = state[layer + ".scales"].float()
-        out[layer + ".weight"] = ((weights - zeros[groups]).float() * scales[groups]).t().contiguous()
+        out[layer + ".weight"] = grouped_dequantized(weights.t(), zeros.t(), state[layer + ".scales"].t(), groups)
     logger.info("dequantized GPTQ weights (%d bits, groups of %s) to float32", bits, group_size)
     return out
 
@@ -141,8 +161,7 @@ def _dequantized_awq(state: dict[str, torch.Tensor], config: dict) -> dict[str, 
         weights = _awq_unpacked(state[layer + ".qweight"])  # [in, out]
         zeros = _awq_unpacked(state[layer + ".qzeros"])  # [groups, out]
         groups = torch.arange(weights.shape[0]) // (group_size if group_size > 0 else weights.shape[0])
-        scales = state[layer + ".scales"].float()
-        out[layer + ".weight"] = ((weights - zeros[groups]).float() * scales[groups]).t().contiguous()
+        out[layer + ".weight"] = grouped_dequantized(weights.t(), zeros.t(), state[layer + ".scales"].t(), groups)
     logger.info("dequantized AWQ weights (groups of %s) to float32", group_size)
     return out
 
@@ -154,3 +173,38 @@ def _awq_unpacked(packed: torch.Tensor) -> torch.Tensor:
     packed_position = torch.tensor([AWQ_PACK_ORDER.index(column) for column in range(8)])
     columns = (torch.arange(0, values.shape[1], 8)[:, None] + packed_position).flatten()
     return values[:, columns]
+
+
+def _dequantized_compressed_int(state: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+    widths = {group["weights"]["num_bits"] for group in config.get("config_groups", {}).values()
+              if (group.get("weights") or {}).get("type") == "int"}
+    if len(widths) != 1:
+        raise ValueError(f"compressed-tensors integer weights need one num_bits in config_groups, got {sorted(widths)}")
+    bits = widths.pop()
+    if bits not in (2, 4, 8):
+        raise ValueError(f"compressed-tensors integer weights of {bits} bits are not supported (2, 4 or 8)")
+    offset = 1 << (bits - 1)  # packed values are the signed integers + offset
+    out = {name: tensor for name, tensor in state.items() if not name.endswith(_COMPRESSED_INT_PARTS)}
+    packed_layers = _quantized_layers(state, ".weight_packed")
+    int8_layers = [name[: -len(".weight")] for name, tensor in state.items()
+                   if name.endswith(".weight") and tensor.dtype == torch.int8]
+    for layer in packed_layers + int8_layers:
+        if layer in packed_layers:
+            out_features, in_features = state[layer + ".weight_shape"].tolist()
+            integers = unpack_int32(state[layer + ".weight_packed"], bits, dim=1)[:, :in_features] - offset
+        else:
+            integers = state[layer + ".weight"].int()
+            out_features, in_features = integers.shape
+        scales = state[layer + ".weight_scale"]
+        scales = scales.reshape(out_features if scales.numel() > 1 else 1, -1).expand(out_features, -1)
+        zeros = state.get(layer + ".weight_zero_point")
+        if zeros is not None:
+            if layer in packed_layers and zeros.shape[0] != out_features:  # packed along the output dim
+                zeros = unpack_int32(zeros, bits, dim=0)[:out_features] - offset
+            zeros = zeros.int().reshape(out_features if zeros.numel() > 1 else 1, -1).expand(out_features, -1)
+        groups = state.get(layer + ".weight_g_idx")
+        if groups is None:
+            groups = torch.arange(in_features) // -(-in_features // scales.shape[1])
+        out[layer + ".weight"] = grouped_dequantized(integers, zeros, scales, groups)
+    logger.info("dequantized compressed-tensors %d-bit integer weights to float32", bits)
+    return out
