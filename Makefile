@@ -34,6 +34,7 @@ bench: setup
 	$(PYTHON) benches/window_blocks.py
 	$(PYTHON) benches/long_prefill.py
 	$(PYTHON) benches/attention_variants.py
+	$(PYTHON) benches/load_memory.py
 	$(PYTHON) benches/serving.py
 
 serve: setup

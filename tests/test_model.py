@@ -127,6 +127,17 @@ def randomize_norms(model, low: float, high: float) -> None:
                 parameter.uniform_(low, high)
 
 
+def test_a_bfloat16_load_holds_the_float32_weights_rounded_once(tiny_qwen2_dir):
+    """The loader allocates parameters in the engine's dtype and copies the checkpoint into them:
+    the same numbers as a float32 model cast afterwards, with no float32 copy on the host."""
+    as_float32 = load(tiny_qwen2_dir, None, None, torch.float32, torch.device("cpu"), None).model.state_dict()
+    as_bfloat16 = load(tiny_qwen2_dir, None, None, torch.bfloat16, torch.device("cpu"), None).model.state_dict()
+    assert as_float32.keys() == as_bfloat16.keys()
+    for name, tensor in as_bfloat16.items():
+        assert tensor.dtype == torch.bfloat16, name
+        assert torch.equal(tensor, as_float32[name].to(torch.bfloat16)), name
+
+
 def test_tiny_qwen3_with_query_and_key_norms_matches_hf(tmp_path):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -467,71 +478,6 @@ def test_tiny_gpt_neox_matches_hf(tmp_path, parallel):
     loaded = assert_prefill_matches_hf(directory, "gpt_neox")
     assert isinstance(loaded.model.layers[0], ParallelBlock) == parallel
     assert_greedy_generation_matches_hf(model, directory, (40, 9), 16, seed=7)
-
-
-def _quantized_fp8(weight: torch.Tensor, scheme: str) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
-    """(float8 codes, scale tensors by suffix, the dequantized weight) of one weight: in blocks
-    of 48 x 40 (edges partial: DeepSeek-V3's format with `weight_scale_inv`), per output
-    channel or per tensor (compressed-tensors' `weight_scale`)."""
-    if scheme == "blocks":
-        rows, columns = -(-weight.shape[0] // 48), -(-weight.shape[1] // 40)
-        padded = torch.zeros(rows * 48, columns * 40)
-        padded[: weight.shape[0], : weight.shape[1]] = weight
-        blocks = padded.view(rows, 48, columns, 40)
-        scale = blocks.abs().amax(dim=(1, 3)) / 448.0
-        codes = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn)
-        crop = (slice(0, weight.shape[0]), slice(0, weight.shape[1]))
-        dequantized = (codes.float() * scale[:, None, :, None]).view_as(padded)[crop]
-        return codes.view_as(padded)[crop].contiguous(), {"_scale_inv": scale}, dequantized
-    scale = weight.abs().amax(dim=1, keepdim=True) / 448.0 if scheme == "channels" else weight.abs().amax() / 448.0
-    codes = (weight / scale).to(torch.float8_e4m3fn)
-    return codes, {"_scale": scale}, codes.float() * scale
-
-
-@pytest.mark.parametrize("scheme", ["blocks", "channels", "tensor"])
-def test_fp8_quantized_checkpoints_load_dequantized(tmp_path, scheme):
-    """A checkpoint quantized to float8 (e4m3 weights and float32 scales: per block, as
-    DeepSeek-V3's; per output channel or per tensor, as compressed-tensors' FP8 releases, whose
-    activation scales are not used) loads as the float checkpoint of its dequantized weights;
-    embeddings and norms stay as they are."""
-    import json
-
-    from safetensors.torch import load_file, save_file
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=200, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                         eos_token_id=2, bos_token_id=1, pad_token_id=0)).eval()
-    float_dir = save_tiny_checkpoint(tmp_path / "float", model)
-    quantized, dequantized = {}, {}
-    for name, weight in load_file(os.path.join(float_dir, "model.safetensors")).items():
-        if weight.dim() != 2 or "embed" in name or "lm_head" in name:
-            quantized[name] = dequantized[name] = weight
-            continue
-        codes, scales, dequantized[name] = _quantized_fp8(weight, scheme)
-        quantized[name] = codes
-        quantized.update({name + suffix: scale for suffix, scale in scales.items()})
-        if scheme != "blocks":
-            quantized[name.replace(".weight", ".input_scale")] = torch.tensor(0.5)
-    original = model.model.layers[0].mlp.down_proj.weight.detach().clone()
-    model.load_state_dict(dequantized)
-    dequantized_dir = save_tiny_checkpoint(tmp_path / "dequantized", model)
-    quantized_dir = save_tiny_checkpoint(tmp_path / "quantized", model)
-    save_file(quantized, os.path.join(quantized_dir, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(quantized_dir, "config.json")) as file:
-        config = json.load(file)
-    config["quantization_config"] = (
-        {"quant_method": "fp8", "weight_block_size": [48, 40], "activation_scheme": "dynamic"} if scheme == "blocks"
-        else {"quant_method": "compressed-tensors", "format": "float-quantized"})
-    with open(os.path.join(quantized_dir, "config.json"), "w") as file:
-        json.dump(config, file)
-
-    ours = load(quantized_dir, None, None, torch.float32, torch.device("cpu"), None).model.state_dict()
-    reference = assert_prefill_matches_hf(dequantized_dir, "llama").model.state_dict()
-    assert ours.keys() == reference.keys()
-    assert all(torch.equal(ours[name], reference[name]) for name in ours)
-    assert not torch.equal(ours["layers.0.mlp.down_proj.weight"], original)  # (float8 rounding is in them)
 
 
 @pytest.mark.parametrize("variant", ["7b", "40b", "falcon2", "sequential"])

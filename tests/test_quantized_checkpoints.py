@@ -1,5 +1,5 @@
-"""GPTQ, AWQ and compressed-tensors integer checkpoints load as the float checkpoint of their
-dequantized weights. The test quantizes a tiny random Llama itself and packs the integers as
+"""Quantized checkpoints (float8; GPTQ, AWQ and compressed-tensors integers) load as the float
+checkpoint of their dequantized weights. The test quantizes a tiny random Llama itself and packs the integers as
 AutoGPTQ's, AutoAWQ's and compressed-tensors' packers do (loops over the packed positions), so
 the loader's unpacking is checked against an independent writer of each format."""
 
@@ -176,3 +176,66 @@ def test_unsupported_int_quantization_is_refused_by_name(tmp_path, change, messa
         json.dump(config, file)
     with pytest.raises(ValueError, match=message):
         load(quantized_dir, None, None, torch.float32, torch.device("cpu"), None)
+
+
+def _quantized_fp8(weight: torch.Tensor, scheme: str) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    """(float8 codes, scale tensors by suffix, the dequantized weight) of one weight: in blocks
+    of 48 x 40 (edges partial: DeepSeek-V3's format with `weight_scale_inv`), per output
+    channel or per tensor (compressed-tensors' `weight_scale`)."""
+    if scheme == "blocks":
+        rows, columns = -(-weight.shape[0] // 48), -(-weight.shape[1] // 40)
+        padded = torch.zeros(rows * 48, columns * 40)
+        padded[: weight.shape[0], : weight.shape[1]] = weight
+        blocks = padded.view(rows, 48, columns, 40)
+        scale = blocks.abs().amax(dim=(1, 3)) / 448.0
+        codes = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn)
+        crop = (slice(0, weight.shape[0]), slice(0, weight.shape[1]))
+        dequantized = (codes.float() * scale[:, None, :, None]).view_as(padded)[crop]
+        return codes.view_as(padded)[crop].contiguous(), {"_scale_inv": scale}, dequantized
+    scale = weight.abs().amax(dim=1, keepdim=True) / 448.0 if scheme == "channels" else weight.abs().amax() / 448.0
+    codes = (weight / scale).to(torch.float8_e4m3fn)
+    return codes, {"_scale": scale}, codes.float() * scale
+
+
+@pytest.mark.parametrize("scheme", ["blocks", "channels", "tensor"])
+def test_fp8_quantized_checkpoints_load_dequantized(tmp_path, scheme):
+    """A checkpoint quantized to float8 (e4m3 weights and float32 scales: per block, as
+    DeepSeek-V3's; per output channel or per tensor, as compressed-tensors' FP8 releases, whose
+    activation scales are not used) loads as the float checkpoint of its dequantized weights;
+    embeddings and norms stay as they are."""
+    from safetensors.torch import load_file, save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=200, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                         eos_token_id=2, bos_token_id=1, pad_token_id=0)).eval()
+    float_dir = save_tiny_checkpoint(tmp_path / "float", model)
+    quantized, dequantized = {}, {}
+    for name, weight in load_file(os.path.join(float_dir, "model.safetensors")).items():
+        if weight.dim() != 2 or "embed" in name or "lm_head" in name:
+            quantized[name] = dequantized[name] = weight
+            continue
+        codes, scales, dequantized[name] = _quantized_fp8(weight, scheme)
+        quantized[name] = codes
+        quantized.update({name + suffix: scale for suffix, scale in scales.items()})
+        if scheme != "blocks":
+            quantized[name.replace(".weight", ".input_scale")] = torch.tensor(0.5)
+    original = model.model.layers[0].mlp.down_proj.weight.detach().clone()
+    model.load_state_dict(dequantized)
+    dequantized_dir = save_tiny_checkpoint(tmp_path / "dequantized", model)
+    quantized_dir = save_tiny_checkpoint(tmp_path / "quantized", model)
+    save_file(quantized, os.path.join(quantized_dir, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(quantized_dir, "config.json")) as file:
+        config = json.load(file)
+    config["quantization_config"] = (
+        {"quant_method": "fp8", "weight_block_size": [48, 40], "activation_scheme": "dynamic"} if scheme == "blocks"
+        else {"quant_method": "compressed-tensors", "format": "float-quantized"})
+    with open(os.path.join(quantized_dir, "config.json"), "w") as file:
+        json.dump(config, file)
+
+    ours = load(quantized_dir, None, None, torch.float32, torch.device("cpu"), None).model.state_dict()
+    reference = assert_prefill_matches_hf(dequantized_dir, "llama").model.state_dict()
+    assert ours.keys() == reference.keys()
+    assert all(torch.equal(ours[name], reference[name]) for name in ours)
+    assert not torch.equal(ours["layers.0.mlp.down_proj.weight"], original)  # (float8 rounding is in them)
