@@ -152,9 +152,9 @@ def load(model: str | None, gguf_file: str | None, tokenizer: str | None, dtype,
     positions = max_positions or hf_config.max_position_embeddings
     with torch.device("meta"):  # no time spent on random init: every weight is loaded below
         net = ARCHITECTURES[hf_config.model_type](hf_config, positions, dtype)
-    # Parameters are allocated once, in the engine's dtype on its device, and loading copies (and
-    # rounds) each checkpoint tensor into place: the host never holds a float32 copy of the model.
-    net = net.to(dtype=dtype).to_empty(device=device)
+    # Parameters are allocated in the engine's dtype and loading copies (and rounds) each checkpoint
+    # tensor into place: the host never holds a float32 copy of the model.
+    net = net.to(dtype=dtype).to_empty(device="cpu")
     net.compute_buffers(positions, dtype)
     net.load_hf_state_dict(state)
     net = net.to(device=device, dtype=dtype).eval()
