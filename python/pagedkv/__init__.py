@@ -38,6 +38,8 @@ _LAZY = {
     "RequestOutput": "pagedkv.outputs",
     "CompletionOutput": "pagedkv.outputs",
     "EmbeddingRequestOutput": "pagedkv.outputs",
+    "ClassificationRequestOutput": "pagedkv.outputs",
+    "PoolingRequestOutput": "pagedkv.outputs",
     "LoRARequest": "pagedkv.lora",
     "BeamSearchParams": "pagedkv.beam_search",
     "BeamSearchOutput": "pagedkv.beam_search",

@@ -10,7 +10,7 @@ from pagedkv.engine import LLMEngine
 from pagedkv.engine_loop import EngineLoop
 from pagedkv.errors import EngineStoppedError
 from pagedkv.lora import LoRARequest
-from pagedkv.outputs import EmbeddingRequestOutput, RequestOutput
+from pagedkv.outputs import ClassificationRequestOutput, EmbeddingRequestOutput, RequestOutput
 from pagedkv.pooling_params import PoolingParams
 from pagedkv.sampling_params import SamplingParams
 
@@ -74,8 +74,10 @@ class AsyncLLM:
         request_id: Optional[str] = None,
         priority: int = 0,
         lora_request: Optional[LoRARequest] = None,
-    ) -> EmbeddingRequestOutput:
-        """The prompt's embedding (`output.outputs.embedding`), batched with everything else."""
+    ) -> Union[EmbeddingRequestOutput, ClassificationRequestOutput]:
+        """The prompt's embedding (`output.outputs.embedding`), or with
+        `PoolingParams(task="classify")` its class probabilities (`output.outputs.probs`), batched
+        with everything else."""
         request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
         [outputs] = await self._loop.submit_all([(request_id, prompt)], pooling_params or PoolingParams(), priority,
                                                 lora_request)

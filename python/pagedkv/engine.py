@@ -19,7 +19,7 @@ from pagedkv.layers.sampler import Sampler, SamplingRow, changes_logits
 from pagedkv.lora import LoRARequest
 from pagedkv.model_runner import ModelRunner
 from pagedkv.ngram_proposer import propose_ngram_drafts
-from pagedkv.outputs import EmbeddingRequestOutput, RequestMetrics, RequestOutput
+from pagedkv.outputs import PoolingRequestOutput, RequestMetrics, RequestOutput
 from pagedkv.pooling_params import PoolingParams
 from pagedkv.request_state import RequestState, SequenceState
 from pagedkv.sampling_params import SamplingParams
@@ -42,6 +42,8 @@ class LLMEngine:
         self.tokenizer = self.runner.tokenizer
         self.model_name = self.runner.model_name
         self.eos_token_ids = frozenset(self.runner.eos_token_ids)
+        # The score head of a sequence-classification checkpoint (which then only pools), else None
+        self.classifier = getattr(self.runner.model, "classifier", None)
         # Sampling parameters a request leaves unset take these (the model's generation config)
         self.generation_defaults = self.runner.generation_defaults
         self.sampler = Sampler()
@@ -113,12 +115,18 @@ class LLMEngine:
     ) -> None:
         """Queues a request for a prompt (text, token ids, or vLLM's {"prompt": ...} /
         {"prompt_token_ids": ...} dicts): generation with `SamplingParams`, or the prompt's embedding with
-        `PoolingParams` (one `EmbeddingRequestOutput` when done). `priority`
+        `PoolingParams` (one `EmbeddingRequestOutput` or `ClassificationRequestOutput` when done). `priority`
         (scheduling_policy="priority" only): smaller is served first and preempted last.
         `lora_request` (enable_lora=True): the adapter to run with, loaded on first use. Raises
         PromptTooLongError (naming the limit), OverloadedError (waiting queue full: retry later),
         DuplicateRequestError, InvalidConfigError (an adapter this model cannot run) or ValueError."""
         pooling = params if isinstance(params, PoolingParams) else None
+        if pooling is not None and pooling.task == "classify" and self.classifier is None:
+            raise ValueError("task='classify' needs a sequence-classification checkpoint (*ForSequenceClassification, "
+                             "with a score head); this model generates text")
+        if pooling is None and self.classifier is not None:
+            raise ValueError("this model is a sequence classifier (*ForSequenceClassification): it does not generate "
+                             "text; classify prompts with LLM.classify or the server's /classify")
         if pooling is not None:  # computed like a one-token greedy request, reported only at the end
             params = SamplingParams(temperature=0.0, max_tokens=1, output_kind="final_only")
         params = params or self.get_default_sampling_params()
@@ -265,7 +273,7 @@ class LLMEngine:
         return len(self.requests)
 
     # -- the step --------------------------------------------------------------------------
-    def step(self) -> list[Union[RequestOutput, EmbeddingRequestOutput]]:
+    def step(self) -> list[Union[RequestOutput, PoolingRequestOutput]]:
         """Runs one scheduling step and model forward. Returns the (cumulative) output of every
         request that produced tokens or finished in this step."""
         plan = self.scheduler.schedule()
@@ -302,7 +310,7 @@ class LLMEngine:
                 if item.seq_id in prompt_hidden:
                     request = self.seq_owner[item.seq_id][0]
                     if request.pooling is not None:
-                        request.record_embedding(prompt_hidden[item.seq_id][-1])
+                        request.record_pooled(prompt_hidden[item.seq_id][-1], self.classifier)
                     elif request.prompt_logprobs is not None:
                         request.record_prompt_logprobs(item.start, prompt_hidden[item.seq_id], self.runner.model.compute_logits)
             sampled = [item for item in scheduled if item.sample]
@@ -467,7 +475,7 @@ class LLMEngine:
             self.scheduler.abort(request.request_id)
         except UnknownRequestError:
             pass
-        if isinstance(output, EmbeddingRequestOutput):
+        if isinstance(output, PoolingRequestOutput):
             self._count_finish("stop")
             return
         for completion in output.outputs:

@@ -16,7 +16,7 @@ from typing import Optional, Union
 from pagedkv.engine import LLMEngine
 from pagedkv.errors import EngineStoppedError
 from pagedkv.lora import LoRARequest
-from pagedkv.outputs import EmbeddingRequestOutput, RequestOutput
+from pagedkv.outputs import PoolingRequestOutput, RequestOutput
 from pagedkv.pooling_params import PoolingParams
 from pagedkv.sampling_params import SamplingParams
 
@@ -180,7 +180,7 @@ class EngineLoop:
         stream = self._streams.get(output.request_id)
         if stream is None:
             return
-        if self.metrics is not None and isinstance(output, EmbeddingRequestOutput):
+        if self.metrics is not None and isinstance(output, PoolingRequestOutput):
             self.metrics.observe_finished(output)
         elif self.metrics is not None:
             now = time.monotonic()

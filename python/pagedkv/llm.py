@@ -13,7 +13,7 @@ from pagedkv.config import engine_config
 from pagedkv.engine import LLMEngine, prompt_of
 from pagedkv.errors import OverloadedError
 from pagedkv.lora import LoRARequest
-from pagedkv.outputs import EmbeddingRequestOutput, RequestOutput
+from pagedkv.outputs import ClassificationRequestOutput, EmbeddingRequestOutput, RequestOutput
 from pagedkv.pooling_params import PoolingParams
 from pagedkv.sampling_params import SamplingParams
 
@@ -84,7 +84,28 @@ class LLM:
         prefix-cached like generation requests."""
         prompts = _as_prompt_list(prompts)
         params = pooling_params or PoolingParams()
+        if params.task != "embed":
+            raise ValueError(f"LLM.embed takes PoolingParams(task='embed'), got task={params.task!r}")
         return self._run_to_completion(prompts, [params] * len(prompts), priority, use_tqdm, "embedding", lora_request)
+
+    def classify(
+        self,
+        prompts: Union[Prompt, Sequence[Prompt]],
+        pooling_params: Optional[PoolingParams] = None,
+        use_tqdm: bool = True,
+        priority: Optional[Sequence[int]] = None,
+        lora_request: Optional[Union[LoRARequest, Sequence[Optional[LoRARequest]]]] = None,
+    ) -> list[ClassificationRequestOutput]:
+        """Every prompt's class probabilities (`output.outputs.probs`, as in vLLM) from a
+        sequence-classification checkpoint (`*ForSequenceClassification`: classifiers and reward
+        models): its score head over the last token's final hidden state, through softmax (sigmoid
+        for one label); `PoolingParams(task="classify", use_activation=False)` gives the raw scores."""
+        prompts = _as_prompt_list(prompts)
+        params = pooling_params or PoolingParams(task="classify")
+        if params.task != "classify":
+            raise ValueError(f"LLM.classify takes PoolingParams(task='classify'), got task={params.task!r}")
+        return self._run_to_completion(prompts, [params] * len(prompts), priority, use_tqdm, "classifying",
+                                       lora_request)
 
     def _run_to_completion(self, prompts, params_list, priority, use_tqdm: bool, description: str,
                            lora_request=None) -> list:

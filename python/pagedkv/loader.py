@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedkv import quantized_checkpoints
+from pagedkv.layers.classifier import SequenceClassifier
 from pagedkv.models.cohere import CohereForCausalLM
 from pagedkv.models.deepseek_v2 import DeepseekV2ForCausalLM
 from pagedkv.models.ernie4_5_moe import Ernie45MoeForCausalLM
@@ -148,6 +149,7 @@ def load(model: str | None, gguf_file: str | None, tokenizer: str | None, dtype,
     if multimodal:
         state = language_model_weights(state)
     state = quantized_checkpoints.dequantized(state, getattr(hf_config, "quantization_config", None))
+    classifier = sequence_classifier(hf_config, state)
 
     positions = max_positions or hf_config.max_position_embeddings
     with torch.device("meta"):  # no time spent on random init: every weight is loaded below
@@ -157,6 +159,7 @@ def load(model: str | None, gguf_file: str | None, tokenizer: str | None, dtype,
     net = net.to(dtype=dtype).to_empty(device="cpu")
     net.compute_buffers(positions, dtype)
     net.load_hf_state_dict(state)
+    net.classifier = classifier
     net = net.to(device=device, dtype=dtype).eval()
 
     tokenizer_source, tokenizer_gguf = _split_gguf(tokenizer, None) if tokenizer else (directory, gguf)
@@ -165,6 +168,25 @@ def load(model: str | None, gguf_file: str | None, tokenizer: str | None, dtype,
     eos = _eos_token_ids(hf_config, generation_config, tok)
     name = os.path.basename(os.path.join(directory, gguf or "").rstrip("/")) or directory
     return LoadedModel(net, tok, hf_config, eos, name, generation_config)
+
+
+def sequence_classifier(hf_config, state: dict[str, torch.Tensor]) -> SequenceClassifier | None:
+    """The score head of a `*ForSequenceClassification` checkpoint, its `score.*` weights popped
+    from `state`; None for a generative one. Such a checkpoint has no LM head: the model is built
+    with tied embeddings, and the engine refuses to generate with it."""
+    architectures = getattr(hf_config, "architectures", None) or []
+    if not any(name.endswith("ForSequenceClassification") for name in architectures):
+        return None
+    weights = {name: state.pop(name) for name in list(state) if name.startswith("score.")}
+    if "score.weight" not in weights:
+        raise ValueError(f"{architectures[0]} checkpoint has no score.weight (its classification head)")
+    num_labels, hidden_size = weights["score.weight"].shape
+    problem_type = getattr(hf_config, "problem_type", None)
+    classifier = SequenceClassifier(hidden_size, num_labels, "score.bias" in weights, problem_type)
+    classifier.load_state_dict(weights)
+    hf_config.tie_word_embeddings = True
+    logger.info("%s: a sequence classifier over %d labels", architectures[0], num_labels)
+    return classifier
 
 
 def language_model_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

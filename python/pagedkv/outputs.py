@@ -4,7 +4,7 @@ the prompt's embedding for a pooling request."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 
 @dataclass
@@ -68,12 +68,38 @@ class EmbeddingOutput:
 
 
 @dataclass
-class EmbeddingRequestOutput:
-    """The result of a pooling request (`PoolingParams`); `outputs.embedding` as in vLLM."""
+class ClassificationOutput:
+    """A prompt's class probabilities (or raw scores with `use_activation=False`), one per label."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class PoolingRequestOutput:
+    """The result of a pooling request (`PoolingParams`): no tokens, one vector of its prompt."""
 
     request_id: str
     prompt: Optional[str]
     prompt_token_ids: list[int]
-    outputs: EmbeddingOutput
+    outputs: Union[EmbeddingOutput, ClassificationOutput]
     finished: bool = True
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=0.0))
+
+
+@dataclass
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    """The result of an embedding request; `outputs.embedding` as in vLLM."""
+
+    outputs: EmbeddingOutput
+
+
+@dataclass
+class ClassificationRequestOutput(PoolingRequestOutput):
+    """The result of a classification request (`PoolingParams(task="classify")`); `outputs.probs`
+    as in vLLM."""
+
+    outputs: ClassificationOutput

@@ -9,7 +9,15 @@ from typing import Optional, Union
 import torch
 
 from pagedkv.detokenizer import DetokenizerState, detokenize_final, detokenize_incrementally
-from pagedkv.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestMetrics, RequestOutput
+from pagedkv.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestMetrics,
+    RequestOutput,
+)
 from pagedkv.pooling_params import PoolingParams
 from pagedkv.sampling_params import SamplingParams
 
@@ -56,8 +64,8 @@ class RequestState:
     beam_search: object = None  # BeamSearch of a beam-search request
     final_outputs: Optional[list[CompletionOutput]] = None
     prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None  # filled chunk by chunk
-    pooling: Optional[PoolingParams] = None  # a pooling request: its prompt's embedding, no tokens
-    embedding: Optional[list[float]] = None
+    pooling: Optional[PoolingParams] = None  # a pooling request: its prompt's embedding or class scores, no tokens
+    pooled: Optional[list[float]] = None
     lora: object = None  # the LoRAAdapter the request runs with, else None
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # params.bad_words, tokenized
 
@@ -95,12 +103,16 @@ class RequestState:
                 entry[target] = value
                 self.prompt_logprobs.append(entry)
 
-    def record_embedding(self, last_hidden: torch.Tensor) -> None:
-        """The final hidden state of the prompt's last token becomes the embedding."""
-        vector = last_hidden.float()
-        if self.pooling.normalize:
-            vector = torch.nn.functional.normalize(vector, dim=-1)
-        self.embedding = vector.tolist()
+    def record_pooled(self, last_hidden: torch.Tensor, classifier) -> None:
+        """The final hidden state of the prompt's last token becomes the embedding, or the
+        classifier's scores of it."""
+        if self.pooling.task == "classify":
+            vector = classifier(last_hidden, self.pooling.use_activation)
+        else:
+            vector = last_hidden.float()
+            if self.pooling.normalize:
+                vector = torch.nn.functional.normalize(vector, dim=-1)
+        self.pooled = vector.tolist()
         self.seqs[0].finish_reason = "stop"
         if self.metrics.first_token_time is None:
             self.metrics.first_token_time = time.monotonic()
@@ -186,10 +198,13 @@ class RequestState:
             logprobs=seq.logprobs,
         )
 
-    def to_output(self, tokenizer) -> Union[RequestOutput, EmbeddingRequestOutput]:
+    def to_output(self, tokenizer) -> Union[RequestOutput, EmbeddingRequestOutput, ClassificationRequestOutput]:
+        if self.pooling is not None and self.pooling.task == "classify":
+            return ClassificationRequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
+                                               ClassificationOutput(self.pooled or []), self.finished, self.metrics)
         if self.pooling is not None:
             return EmbeddingRequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
-                                          EmbeddingOutput(self.embedding or []), self.finished, self.metrics)
+                                          EmbeddingOutput(self.pooled or []), self.finished, self.metrics)
         if self.final_outputs is not None:
             outputs = self.final_outputs
         else:

@@ -1,5 +1,5 @@
 """The FastAPI application: /v1/completions, /v1/chat/completions (with SSE streaming),
-/v1/embeddings, /v1/models, /health, /metrics, vLLM's /tokenize, /detokenize and /version, and OpenAI-shaped
+/v1/embeddings, vLLM's /classify, /v1/models, /health, /metrics, vLLM's /tokenize, /detokenize and /version, and OpenAI-shaped
 errors. With an API key, every /v1 route asks for `Authorization: Bearer <key>` (as vLLM's
 --api-key does)."""
 
@@ -31,6 +31,7 @@ from pagedkv.server.metrics import ServerMetrics
 from pagedkv.pooling_params import PoolingParams
 from pagedkv.server.protocol import (
     ChatCompletionRequest,
+    ClassificationRequest,
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
@@ -50,7 +51,7 @@ logger = logging.getLogger("pagedkv.server")
 # Engine ValueErrors that start with one of these name a sampling field; others are about the prompt.
 SAMPLING_FIELDS = frozenset({"logit_bias", "stop_token_ids", "n", "structured_outputs", "priority", "allowed_token_ids"})
 # Routes outside /v1 that --api-key guards too.
-ADMIN_ROUTES = frozenset({"/reset_prefix_cache"})
+ADMIN_ROUTES = frozenset({"/reset_prefix_cache", "/classify"})
 
 
 class APIError(Exception):
@@ -223,10 +224,29 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
         if body.dimensions is not None and body.dimensions != hidden_size:
             raise APIError(400, f"dimensions={body.dimensions} is not supported: this model's embeddings have "
                            f"{hidden_size}", "invalid_request_error", "dimensions")
-        request_id = "embd-" + uuid.uuid4().hex
+        outputs = await pool("embd-", inputs, PoolingParams(), body.priority, served)
+        return builders[served].embeddings(outputs, body.encoding_format)
+
+    @app.post("/classify")
+    @app.post("/v1/classify")
+    async def classify(body: ClassificationRequest):
+        """vLLM's /classify: each input's class probabilities and most likely label, from a
+        sequence-classification checkpoint."""
+        served = check_model(body.model)
+        inputs = make_params(body.inputs)
+        if state["engine"].classifier is None:
+            raise APIError(400, f"model {served!r} is not a sequence classifier (*ForSequenceClassification)",
+                           "invalid_request_error", "model")
+        params = PoolingParams(task="classify", use_activation=body.use_activation)
+        outputs = await pool("classify-", inputs, params, body.priority, served)
+        return builders[served].classifications(outputs, state["engine"].runner.hf_config)
+
+    async def pool(prefix: str, inputs: list, params: PoolingParams, priority: int, served: str) -> list:
+        """Queues one pooling request per input (all or none) and waits for their outputs."""
+        request_id = prefix + uuid.uuid4().hex
         request_ids = [f"{request_id}-{i}" for i in range(len(inputs))]
         try:
-            queues = await state["loop"].submit_all(list(zip(request_ids, inputs)), PoolingParams(), body.priority,
+            queues = await state["loop"].submit_all(list(zip(request_ids, inputs)), params, priority,
                                                     adapters.get(served))
         except Exception as error:
             raise submit_error(error, chat=False, prompt_field="input") from error
@@ -237,7 +257,7 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
         finally:
             for sub_id in request_ids[len(outputs):]:
                 state["loop"].abort(sub_id)
-        return builders[served].embeddings(outputs, body.encoding_format)
+        return outputs
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):

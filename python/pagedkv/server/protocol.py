@@ -162,6 +162,21 @@ class EmbeddingRequest(BaseModel):
         return _prompt_list(self.input, "input")
 
 
+class ClassificationRequest(BaseModel):
+    """vLLM's /classify: one input (text or token ids) or a batch of them."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Optional[str] = None
+    input: Union[str, list[str], list[int], list[list[int]]]
+    use_activation: bool = True  # False: the raw scores (a reward model's reward)
+    user: Optional[str] = None
+    priority: int = 0
+
+    def inputs(self) -> list[Union[str, list[int]]]:
+        return _prompt_list(self.input, "input")
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 import base64
 import json
 import struct
+import time
+import uuid
 from typing import AsyncIterator, Optional
 
-from pagedkv.outputs import EmbeddingRequestOutput, RequestOutput
+from pagedkv.outputs import ClassificationRequestOutput, EmbeddingRequestOutput, RequestOutput
 from pagedkv.server.reasoning import ReasoningParser
 from pagedkv.server.tools import ToolCalling
 
@@ -131,6 +133,21 @@ class ResponseBuilder:
         num_tokens = sum(len(output.prompt_token_ids) for output in outputs)
         usage = {"prompt_tokens": num_tokens, "total_tokens": num_tokens}
         return {"object": "list", "data": data, "model": self.model_name, "usage": usage}
+
+    def classifications(self, outputs: list[ClassificationRequestOutput], hf_config) -> dict:
+        """vLLM's /classify answer: per input its probabilities, their count and the label of the
+        largest (the config's id2label)."""
+        labels = getattr(hf_config, "id2label", None) or {}
+        data = []
+        for index, output in enumerate(outputs):
+            probs = output.outputs.probs
+            best = max(range(len(probs)), key=probs.__getitem__)
+            data.append({"index": index, "label": labels.get(best, f"LABEL_{best}"), "probs": probs,
+                         "num_classes": len(probs)})
+        num_tokens = sum(len(output.prompt_token_ids) for output in outputs)
+        usage = {"prompt_tokens": num_tokens, "total_tokens": num_tokens, "completion_tokens": 0}
+        return {"id": "classify-" + uuid.uuid4().hex, "object": "list", "created": int(time.time()),
+                "model": self.model_name, "data": data, "usage": usage}
 
     def full_response(self, request_id: str, outputs: list, created: int, chat: bool, n: int, echo: bool,
                       tools: Optional[ToolCalling] = None) -> dict:
