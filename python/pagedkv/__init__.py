@@ -40,6 +40,7 @@ _LAZY = {
     "EmbeddingRequestOutput": "pagedkv.outputs",
     "ClassificationRequestOutput": "pagedkv.outputs",
     "PoolingRequestOutput": "pagedkv.outputs",
+    "ScoringRequestOutput": "pagedkv.outputs",
     "LoRARequest": "pagedkv.lora",
     "BeamSearchParams": "pagedkv.beam_search",
     "BeamSearchOutput": "pagedkv.beam_search",

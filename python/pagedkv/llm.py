@@ -13,8 +13,15 @@ from pagedkv.config import engine_config
 from pagedkv.engine import LLMEngine, prompt_of
 from pagedkv.errors import OverloadedError
 from pagedkv.lora import LoRARequest
-from pagedkv.outputs import ClassificationRequestOutput, EmbeddingRequestOutput, RequestOutput
+from pagedkv.outputs import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 from pagedkv.pooling_params import PoolingParams
+from pagedkv.scoring import score_pairs, scores_of, scoring_requests
 from pagedkv.sampling_params import SamplingParams
 
 Prompt = Union[str, list[int]]
@@ -106,6 +113,23 @@ class LLM:
             raise ValueError(f"LLM.classify takes PoolingParams(task='classify'), got task={params.task!r}")
         return self._run_to_completion(prompts, [params] * len(prompts), priority, use_tqdm, "classifying",
                                        lora_request)
+
+    def score(
+        self,
+        text_1: Union[str, Sequence[str]],
+        text_2: Union[str, Sequence[str]],
+        use_tqdm: bool = True,
+        lora_request: Optional[LoRARequest] = None,
+    ) -> list[ScoringRequestOutput]:
+        """vLLM's pair scores (`output.outputs.score`): `text_1` against each of `text_2`, or two
+        lists of one length pair by pair. A cross-encoder (a sequence classifier of one label)
+        scores each pair encoded together (its sigmoid); any other model scores the cosine
+        similarity of the two texts' embeddings."""
+        pairs = score_pairs(text_1, text_2)
+        prompts, params = scoring_requests(pairs, self.tokenizer, self.engine.classifier)
+        outputs = self._run_to_completion(prompts, [params] * len(prompts), None, use_tqdm, "scoring", lora_request)
+        return [ScoringRequestOutput(f"score-{next(self._ids)}", ScoringOutput(score), token_ids)
+                for score, token_ids in scores_of(pairs, prompts, outputs, params)]
 
     def _run_to_completion(self, prompts, params_list, priority, use_tqdm: bool, description: str,
                            lora_request=None) -> list:

@@ -103,3 +103,21 @@ class ClassificationRequestOutput(PoolingRequestOutput):
     as in vLLM."""
 
     outputs: ClassificationOutput
+
+
+@dataclass
+class ScoringOutput:
+    """A pair's relevance score."""
+
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """The score of one (text_1, text_2) pair; `outputs.score` as in vLLM. `prompt_token_ids`: the
+    pair's tokens with a cross-encoder, else the two texts' tokens one after the other."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

@@ -1,5 +1,5 @@
 """The FastAPI application: /v1/completions, /v1/chat/completions (with SSE streaming),
-/v1/embeddings, vLLM's /classify, /v1/models, /health, /metrics, vLLM's /tokenize, /detokenize and /version, and OpenAI-shaped
+/v1/embeddings, vLLM's /classify, /score and /rerank, /v1/models, /health, /metrics, vLLM's /tokenize, /detokenize and /version, and OpenAI-shaped
 errors. With an API key, every /v1 route asks for `Authorization: Bearer <key>` (as vLLM's
 --api-key does)."""
 
@@ -29,6 +29,7 @@ from pagedkv.lora import LoRARequest
 from pagedkv.outputs import RequestOutput
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.pooling_params import PoolingParams
+from pagedkv.scoring import score_pairs, scores_of, scoring_requests
 from pagedkv.server.protocol import (
     ChatCompletionRequest,
     ClassificationRequest,
@@ -36,7 +37,9 @@ from pagedkv.server.protocol import (
     DetokenizeRequest,
     EmbeddingRequest,
     LoadLoRAAdapterRequest,
+    RerankRequest,
     ResponsesRequest,
+    ScoreRequest,
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
 )
@@ -51,7 +54,7 @@ logger = logging.getLogger("pagedkv.server")
 # Engine ValueErrors that start with one of these name a sampling field; others are about the prompt.
 SAMPLING_FIELDS = frozenset({"logit_bias", "stop_token_ids", "n", "structured_outputs", "priority", "allowed_token_ids"})
 # Routes outside /v1 that --api-key guards too.
-ADMIN_ROUTES = frozenset({"/reset_prefix_cache", "/classify"})
+ADMIN_ROUTES = frozenset({"/reset_prefix_cache", "/classify", "/score", "/rerank", "/v2/rerank"})
 
 
 class APIError(Exception):
@@ -240,6 +243,36 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
         params = PoolingParams(task="classify", use_activation=body.use_activation)
         outputs = await pool("classify-", inputs, params, body.priority, served)
         return builders[served].classifications(outputs, state["engine"].runner.hf_config)
+
+    async def scored(pairs_of, prefix: str, priority: int, served: str) -> tuple[list[float], int]:
+        """(a score per pair (pagedkv.scoring), prompt tokens computed), or a 400 naming what is wrong."""
+        try:
+            pairs = pairs_of()
+            prompts, params = scoring_requests(pairs, state["engine"].tokenizer, state["engine"].classifier)
+        except ValueError as error:
+            raise APIError(400, str(error), "invalid_request_error")
+        outputs = await pool(prefix, prompts, params, priority, served)
+        scores = [score for score, _ in scores_of(pairs, prompts, outputs, params)]
+        return scores, sum(len(output.prompt_token_ids) for output in outputs)
+
+    @app.post("/score")
+    @app.post("/v1/score")
+    async def score(body: ScoreRequest):
+        """vLLM's /score: a relevance score per (text_1, text_2) pair."""
+        served = check_model(body.model)
+        scores, num_tokens = await scored(lambda: score_pairs(body.text_1, body.text_2), "score-", body.priority,
+                                          served)
+        return builders[served].scores(scores, num_tokens)
+
+    @app.post("/rerank")
+    @app.post("/v1/rerank")
+    @app.post("/v2/rerank")
+    async def rerank(body: RerankRequest):
+        """vLLM's /rerank: the documents, most relevant to the query first (the best `top_n`)."""
+        served = check_model(body.model)
+        scores, num_tokens = await scored(lambda: score_pairs(body.query, body.documents), "rerank-", body.priority,
+                                          served)
+        return builders[served].reranked(body.documents, scores, body.top_n, num_tokens)
 
     async def pool(prefix: str, inputs: list, params: PoolingParams, priority: int, served: str) -> list:
         """Queues one pooling request per input (all or none) and waits for their outputs."""

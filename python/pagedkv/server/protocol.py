@@ -177,6 +177,29 @@ class ClassificationRequest(BaseModel):
         return _prompt_list(self.input, "input")
 
 
+class ScoreRequest(BaseModel):
+    """vLLM's /score: `text_1` against each of `text_2`, or two lists pair by pair."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Optional[str] = None
+    text_1: Union[str, list[str]]
+    text_2: Union[str, list[str]]
+    priority: int = 0
+
+
+class RerankRequest(BaseModel):
+    """vLLM's (Jina's, Cohere's) /rerank: the documents by their score against the query."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Optional[str] = None
+    query: str
+    documents: list[str]
+    top_n: Optional[int] = Field(default=None, ge=0)  # None or 0: all of them
+    priority: int = 0
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 

@@ -144,10 +144,23 @@ class ResponseBuilder:
             best = max(range(len(probs)), key=probs.__getitem__)
             data.append({"index": index, "label": labels.get(best, f"LABEL_{best}"), "probs": probs,
                          "num_classes": len(probs)})
-        num_tokens = sum(len(output.prompt_token_ids) for output in outputs)
-        usage = {"prompt_tokens": num_tokens, "total_tokens": num_tokens, "completion_tokens": 0}
+        usage = pooling_usage(sum(len(output.prompt_token_ids) for output in outputs))
         return {"id": "classify-" + uuid.uuid4().hex, "object": "list", "created": int(time.time()),
                 "model": self.model_name, "data": data, "usage": usage}
+
+    def scores(self, scores: list[float], num_tokens: int) -> dict:
+        """vLLM's /score answer: one score per pair, in order."""
+        data = [{"index": index, "object": "score", "score": score} for index, score in enumerate(scores)]
+        return {"id": "score-" + uuid.uuid4().hex, "object": "list", "created": int(time.time()),
+                "model": self.model_name, "data": data, "usage": pooling_usage(num_tokens)}
+
+    def reranked(self, documents: list[str], scores: list[float], top_n: Optional[int], num_tokens: int) -> dict:
+        """vLLM's /rerank answer: the documents by descending score, the first `top_n` (all if unset)."""
+        order = sorted(range(len(documents)), key=lambda index: -scores[index])[: top_n or None]
+        ranked = [{"index": index, "document": {"text": documents[index]}, "relevance_score": scores[index]}
+                  for index in order]
+        return {"id": "rerank-" + uuid.uuid4().hex, "model": self.model_name, "results": ranked,
+                "usage": pooling_usage(num_tokens)}
 
     def full_response(self, request_id: str, outputs: list, created: int, chat: bool, n: int, echo: bool,
                       tools: Optional[ToolCalling] = None) -> dict:
@@ -221,3 +234,7 @@ class ResponseBuilder:
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens}
 
+
+def pooling_usage(num_tokens: int) -> dict:
+    """Usage of requests that compute their prompts only."""
+    return {"prompt_tokens": num_tokens, "total_tokens": num_tokens, "completion_tokens": 0}
