@@ -89,11 +89,7 @@ class LLM:
         """The embedding of every prompt (`output.outputs.embedding`, as in vLLM): the final
         hidden state of its last token, L2-normalized by default. Prompts are batched and
         prefix-cached like generation requests."""
-        prompts = _as_prompt_list(prompts)
-        params = pooling_params or PoolingParams()
-        if params.task != "embed":
-            raise ValueError(f"LLM.embed takes PoolingParams(task='embed'), got task={params.task!r}")
-        return self._run_to_completion(prompts, [params] * len(prompts), priority, use_tqdm, "embedding", lora_request)
+        return self._pool(prompts, pooling_params or PoolingParams(), "embed", use_tqdm, priority, lora_request)
 
     def classify(
         self,
@@ -107,12 +103,14 @@ class LLM:
         sequence-classification checkpoint (`*ForSequenceClassification`: classifiers and reward
         models): its score head over the last token's final hidden state, through softmax (sigmoid
         for one label); `PoolingParams(task="classify", use_activation=False)` gives the raw scores."""
-        prompts = _as_prompt_list(prompts)
         params = pooling_params or PoolingParams(task="classify")
-        if params.task != "classify":
-            raise ValueError(f"LLM.classify takes PoolingParams(task='classify'), got task={params.task!r}")
-        return self._run_to_completion(prompts, [params] * len(prompts), priority, use_tqdm, "classifying",
-                                       lora_request)
+        return self._pool(prompts, params, "classify", use_tqdm, priority, lora_request)
+
+    def _pool(self, prompts, params: PoolingParams, task: str, use_tqdm: bool, priority, lora_request) -> list:
+        if params.task != task:
+            raise ValueError(f"LLM.{task} takes PoolingParams(task={task!r}), got task={params.task!r}")
+        prompts = _as_prompt_list(prompts)
+        return self._run_to_completion(prompts, [params] * len(prompts), priority, use_tqdm, task, lora_request)
 
     def score(
         self,
