@@ -3,6 +3,7 @@
 //! the pools, and the watermark.
 
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
+use smallvec::SmallVec;
 
 use crate::block_pool::{BlockId, BlockPool, Device};
 use crate::block_table::{block_index, block_offset, BlockTable};
@@ -250,19 +251,79 @@ impl BlockManager {
         self.gpu.num_free() >= num_blocks + self.watermark_blocks
     }
 
-    /// Device blocks that appending `num_tokens` tokens to `seq` takes, copy-on-write included,
-    /// less those the sliding window lets it free first.
+    /// Device blocks that appending `num_tokens` tokens to `seq` takes (see
+    /// `blocks_needed_to_append_group`).
     pub fn blocks_needed_to_append(&self, seq: SeqId, num_tokens: usize) -> Result<usize> {
-        let table = self.table(seq)?;
-        if table.device != Device::Gpu {
-            return Err(Error::InvalidState(format!("sequence {seq} is swapped out; swap it in before appending")));
+        self.blocks_needed_to_append_group(&[(seq, num_tokens)])
+    }
+
+    /// Device blocks that appending `appends` (sequence, tokens) to running sequences of one group
+    /// takes from the free pool, in that order: the one exact count used for decode growth,
+    /// chunked prefills and preemption. A partially filled last block shared by `r` tables costs a
+    /// copy-on-write for each of the first `r - 1` appenders only (the last writes in place); a
+    /// partial block with room needs nothing. Blocks the sliding window releases count as soon as
+    /// their sequence's turn comes (a block another table shares is not counted as freed), so the
+    /// result is the fewest free blocks that let every append succeed in turn.
+    pub fn blocks_needed_to_append_group(&self, appends: &[(SeqId, usize)]) -> Result<usize> {
+        let mut copies_of: SmallVec<[(BlockId, u32); 4]> = SmallVec::new();
+        let (mut balance, mut needed) = (0isize, 0isize);
+        for &(seq, num_tokens) in appends {
+            let table = self.table(seq)?;
+            if table.device != Device::Gpu {
+                return Err(Error::InvalidState(format!("sequence {seq} is swapped out; swap it in before appending")));
+            }
+            if num_tokens == 0 {
+                continue;
+            }
+            let release_to = self.first_needed_block(table.num_tokens).clamp(table.num_released, table.blocks.len());
+            balance -= blocks_freed_by_release(table, &self.gpu, release_to) as isize;
+            balance += table.new_blocks_for(num_tokens, self.block_size) as isize;
+            if table.last_block_partial(self.block_size) {
+                let last = *table.blocks.last().unwrap();
+                balance += copy_on_write(&mut copies_of, last, self.gpu.refcount(last)) as isize;
+            }
+            needed = needed.max(balance);
         }
-        let cow = num_tokens > 0
-            && table.last_block_partial(self.block_size)
-            && self.gpu.refcount(*table.blocks.last().unwrap()) > 1;
-        let release_to = self.first_needed_block(table.num_tokens).clamp(table.num_released, table.blocks.len());
-        let freed = blocks_freed_by_release(table, &self.gpu, release_to);
-        Ok((table.new_blocks_for(num_tokens, self.block_size) + cow as usize).saturating_sub(freed))
+        Ok(needed as usize)
+    }
+
+    /// Device blocks that swapping `appends`' sequences (one swapped group) back in and then
+    /// appending their tokens takes: one per distinct CPU block (none for a full block whose
+    /// content is held on the device by another table, which is shared in place), then the
+    /// growth, with copy-on-write counted as in `blocks_needed_to_append_group`.
+    pub fn blocks_needed_to_swap_in_group(&self, appends: &[(SeqId, usize)]) -> Result<usize> {
+        let mut seen = HashSet::default();
+        let mut copies_of: SmallVec<[(BlockId, u32); 4]> = SmallVec::new();
+        let mut needed = 0;
+        for &(seq, num_tokens) in appends {
+            let table = self.table(seq)?;
+            if table.device != Device::Cpu {
+                return Err(Error::InvalidState(format!("sequence {seq} is not in the cpu pool")));
+            }
+            for (index, &block) in table.blocks.iter().enumerate().skip(table.num_released) {
+                if seen.insert(block) {
+                    let cached = table.hashes.get(index).and_then(|&hash| self.cache.lookup(hash));
+                    needed += cached.is_none_or(|device_block| self.gpu.refcount(device_block) == 0) as usize;
+                }
+            }
+            if num_tokens == 0 {
+                continue;
+            }
+            needed += table.new_blocks_for(num_tokens, self.block_size);
+            if table.last_block_partial(self.block_size) {
+                let last = *table.blocks.last().unwrap();
+                needed += copy_on_write(&mut copies_of, last, self.cpu.refcount(last)) as usize;
+            }
+        }
+        Ok(needed)
+    }
+
+    /// Device blocks that rebuilding sequences by recompute holds once done: for each, its blocks
+    /// less the full blocks it shares with the sibling it forks from (`(num_tokens, shared_len)`
+    /// in sibling order, `shared_len` 0 for a sequence that forks from none). A partial shared
+    /// block is counted again: the forking sequence writes into a copy of it.
+    pub fn blocks_to_rebuild(&self, seqs: &[(usize, usize)]) -> usize {
+        seqs.iter().map(|&(num_tokens, shared_len)| self.blocks_for_tokens(num_tokens) - shared_len / self.block_size).sum()
     }
 
     /// Device blocks that a new sequence with these tokens would take from the free pool:
@@ -626,17 +687,18 @@ impl BlockManager {
         Ok(copies)
     }
 
-    /// Device blocks a swap-in of `seqs` needs at most (cached copies on the device may lower it).
+    /// Device blocks a swap-in of `seqs` takes (see `blocks_needed_to_swap_in_group`).
     pub fn blocks_needed_to_swap_in(&self, seqs: &[SeqId]) -> Result<usize> {
-        Ok(self.unique_blocks(seqs, Device::Cpu)?.len())
+        self.blocks_needed_to_swap_in_group(&seqs.iter().map(|&seq| (seq, 0)).collect::<Vec<_>>())
     }
 
     /// Moves every block of `seqs` back to the device pool. A full block whose content is still
     /// in the device prefix cache is taken from there without a copy. Returns (cpu, device) copies.
     pub fn swap_in(&mut self, seqs: &[SeqId]) -> Result<Vec<BlockCopy>> {
         let unique = self.unique_blocks(seqs, Device::Cpu)?;
-        if unique.len() > self.gpu.num_free() {
-            return Err(Error::OutOfBlocks { device: Device::Gpu, needed: unique.len(), free: self.gpu.num_free() });
+        let needed = self.blocks_needed_to_swap_in(seqs)?;
+        if needed > self.gpu.num_free() {
+            return Err(Error::OutOfBlocks { device: Device::Gpu, needed, free: self.gpu.num_free() });
         }
         let mut mapping: HashMap<BlockId, BlockId> = HashMap::with_capacity_and_hasher(unique.len(), Default::default());
         let mut copies = Vec::with_capacity(unique.len());
@@ -748,6 +810,26 @@ fn release_blocks_before(table: &mut BlockTable, gpu: &mut BlockPool, release_to
 #[inline]
 fn blocks_freed_by_release(table: &BlockTable, gpu: &BlockPool, release_to: usize) -> usize {
     table.blocks[table.num_released..release_to].iter().filter(|&&block| gpu.refcount(block) == 1).count()
+}
+
+/// Whether the next append into partial block `block`, held by `refcount` tables, copies it: the
+/// appenders before it in this count (`copies_of`) each copied it and dropped a reference, and
+/// once one reference is left the appender writes in place.
+#[inline]
+fn copy_on_write(copies_of: &mut SmallVec<[(BlockId, u32); 4]>, block: BlockId, refcount: u32) -> bool {
+    if refcount <= 1 {
+        return false;
+    }
+    let copies = match copies_of.iter_mut().find(|(shared, _)| *shared == block) {
+        Some((_, copies)) => copies,
+        None => {
+            copies_of.push((block, 0));
+            &mut copies_of.last_mut().unwrap().1
+        }
+    };
+    let copies_now = refcount - *copies > 1;
+    *copies += copies_now as u32;
+    copies_now
 }
 
 /// The first block that a sequence whose next computed position is `next_position` still reads,

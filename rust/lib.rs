@@ -20,6 +20,8 @@ pub mod scheduler;
 pub mod sequence;
 
 #[cfg(test)]
+mod scheduler_liveness_tests;
+#[cfg(test)]
 mod scheduler_tests;
 
 #[cfg(feature = "python")]

@@ -284,6 +284,8 @@ pub struct SchedulerOutput {
     blocks_to_copy: Vec<(u32, u32)>,
     preempted: Vec<String>,
     aborted: Vec<String>,
+    /// Why each of `aborted` was dropped (the limit it cannot fit).
+    abort_reasons: Vec<String>,
     num_batched_tokens: usize,
     num_prefix_hit_tokens: usize,
 }
@@ -323,6 +325,7 @@ impl SchedulerOutput {
             blocks_to_copy: out.blocks_to_copy,
             preempted: out.preempted.iter().map(|id| id.to_string()).collect(),
             aborted: out.aborted.iter().map(|id| id.to_string()).collect(),
+            abort_reasons: out.abort_reasons,
             num_batched_tokens: out.num_batched_tokens,
             num_prefix_hit_tokens: out.num_prefix_hit_tokens,
         })

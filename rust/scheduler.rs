@@ -16,7 +16,7 @@ use crate::block_table::block_index;
 use crate::config::{SchedulerConfig, SchedulingPolicy};
 use crate::errors::{Error, Result};
 use crate::preemption::Preemption;
-use crate::sequence::{GroupState, SeqStatus, Sequence, SequenceGroup};
+use crate::sequence::{GroupState, PendingTable, SeqStatus, Sequence, SequenceGroup};
 
 /// A group's key in the scheduler's slab (reused after the group ends; never exposed).
 type GroupId = usize;
@@ -87,8 +87,10 @@ pub struct SchedulerOutput {
     pub blocks_to_copy: Vec<BlockCopy>,
     /// Requests preempted in this step (their sequences are not in `scheduled`).
     pub preempted: Vec<Arc<str>>,
-    /// Requests dropped because they can never fit the device pool (e.g. n beams too long).
+    /// Requests dropped because they cannot run even alone on the empty device pool (e.g. n
+    /// beams grown too long), with the reason for each in `abort_reasons`.
     pub aborted: Vec<Arc<str>>,
+    pub abort_reasons: Vec<String>,
     pub num_batched_tokens: usize,
     pub num_prefix_hit_tokens: usize,
 }
@@ -327,6 +329,7 @@ impl Scheduler {
             state: GroupState::Waiting,
             num_prefix_hit_tokens: 0,
             num_preemptions: 0,
+            rebuilding: false,
         };
         let group_id = self.groups.insert(group);
         self.group_by_request.insert(request_id, group_id);
@@ -426,6 +429,19 @@ impl Scheduler {
         if !parent_seq.is_active() {
             return Err(Error::InvalidState(format!("sequence {parent} is finished")));
         }
+        if parent_seq.in_prefill() || group.rebuilding {
+            return Err(Error::InvalidState(format!("sequence {parent} has not sampled since its prefill; fork after it does")));
+        }
+        // A group's sequences decode together: more than a step holds would never run again.
+        let limit = self.config.max_num_seqs.min(self.config.max_num_batched_tokens);
+        if group.num_active() >= limit {
+            return Err(Error::InvalidState(format!(
+                "a group of {} sequences exceeds max_num_seqs={} or max_num_batched_tokens={}",
+                group.num_active() + 1,
+                self.config.max_num_seqs,
+                self.config.max_num_batched_tokens
+            )));
+        }
         let mut seq = parent_seq.clone();
         seq.id = child;
         self.blocks.fork(parent, child)?;
@@ -443,10 +459,11 @@ impl Scheduler {
             return Ok(());
         }
         seq.status = SeqStatus::Finished;
+        self.hand_over_pending(group_id, seq_id);
         if self.blocks.contains(seq_id) {
             self.blocks.free(seq_id)?;
         }
-        if group.num_active() == 0 {
+        if self.groups[group_id].num_active() == 0 {
             self.remove_group(group_id);
         }
         Ok(())
@@ -531,12 +548,16 @@ impl Scheduler {
                 index += 1;
                 continue;
             }
+            if self.groups[group_id].rebuilding {
+                self.advance_rebuild(group_id);
+            }
             self.plan_group(group_id, budget, &mut plan);
             if plan.is_empty() {
                 index += 1;
                 continue;
             }
-            if self.blocks_needed(&plan) > self.blocks.num_free_device_blocks() {
+            let needed = self.blocks_needed(&plan);
+            if needed > self.blocks.num_free_device_blocks() {
                 if index + 1 < self.running.len() {
                     let victim = self.running.pop_back().unwrap();
                     self.preempt(victim, &mut out);
@@ -547,7 +568,13 @@ impl Scheduler {
                 // device and still does not fit, in which case it never will.
                 self.running.remove(index);
                 if index == 0 {
-                    self.drop_group(group_id, &mut out);
+                    let reason = format!(
+                        "its next step needs {needed} more KV blocks, but alone on the device it has only {} free of \
+                         num_device_blocks={}",
+                        self.blocks.num_free_device_blocks(),
+                        self.config.num_device_blocks
+                    );
+                    self.drop_group(group_id, reason, &mut out);
                 } else {
                     self.preempt(group_id, &mut out);
                     preempted_any = true;
@@ -610,7 +637,9 @@ impl Scheduler {
     }
 
     /// Swaps a group back in and schedules what fits of it. Returns false, changing nothing, when
-    /// the budget, max_num_seqs or the device pool (above the watermark) has no room for it.
+    /// the budget, max_num_seqs or the device pool (above the watermark, unless nothing runs) has
+    /// no room for it. A group that cannot come back even alone on the empty pool is not left
+    /// at the head of the queue: it is rebuilt by recompute instead (returns true).
     fn try_swap_in(
         &mut self,
         group_id: GroupId,
@@ -620,9 +649,15 @@ impl Scheduler {
         plan: &mut Plan,
     ) -> bool {
         if !self.swapped_group_fits(group_id, *budget, 0) {
-            return false;
+            if !self.alone(*budget) {
+                return false;
+            }
+            self.swapped.pop_front();
+            self.free_group_blocks(group_id);
+            self.requeue_for_recompute(group_id);
+            return true;
         }
-        let seq_ids = self.groups[group_id].active_seq_ids();
+        let seq_ids = self.groups[group_id].scheduled_seq_ids();
         self.swapped.pop_front();
         let copies = self.blocks.swap_in(&seq_ids).expect("room was checked");
         self.counters.blocks_swapped_in += copies.len() as u64;
@@ -636,15 +671,38 @@ impl Scheduler {
         true
     }
 
-    /// Whether a swapped group can come back within `budget`, with `reserved_blocks` of the free
-    /// device blocks spoken for.
+    /// Whether nothing else can take this step: no running group and the whole budget left. A
+    /// queued group that cannot start then can never start as it is.
+    fn alone(&self, budget: usize) -> bool {
+        self.running.is_empty() && budget == self.config.max_num_batched_tokens
+    }
+
+    /// Whether a swapped group can come back and take its next step within `budget`, with
+    /// `reserved_blocks` of the free device blocks spoken for.
     fn swapped_group_fits(&self, group_id: GroupId, budget: usize, reserved_blocks: usize) -> bool {
-        let seq_ids = self.groups[group_id].active_seq_ids();
-        let num_seqs = seq_ids.len();
-        let needed = self.blocks.blocks_needed_to_swap_in(&seq_ids).expect("swapped tables") + num_seqs;
-        budget >= num_seqs
-            && self.num_running_seqs() + num_seqs <= self.config.max_num_seqs
-            && self.blocks.can_admit(needed + reserved_blocks)
+        let group = &self.groups[group_id];
+        let mut plan = Plan::new();
+        self.plan_group(group_id, budget, &mut plan);
+        // (A group being rebuilt may have nothing to compute until its next sequences fork.)
+        if (plan.is_empty() && !group.rebuilding) || self.num_running_seqs() + group.num_active() > self.config.max_num_seqs {
+            return false;
+        }
+        let mut appends: Vec<(SeqId, usize)> = group.scheduled_seqs().map(|seq| (seq.id, 0)).collect();
+        for planned in plan.iter() {
+            appends.iter_mut().find(|(seq, _)| *seq == planned.seq).unwrap().1 = planned.take;
+        }
+        let needed = self.blocks.blocks_needed_to_swap_in_group(&appends).expect("swapped tables") + reserved_blocks;
+        self.fits_device(needed)
+    }
+
+    /// Whether `num_blocks` can be taken from the free device pool for a group that starts: the
+    /// watermark stays free for the running groups' growth, unless none runs.
+    fn fits_device(&self, num_blocks: usize) -> bool {
+        if self.running.is_empty() {
+            num_blocks <= self.blocks.num_free_device_blocks()
+        } else {
+            self.blocks.can_admit(num_blocks)
+        }
     }
 
     /// Admits the first waiting group with its prefix-cache hits and schedules its first chunk.
@@ -657,22 +715,36 @@ impl Scheduler {
         decodes: &mut Vec<ScheduledSequence>,
         plan: &mut Plan,
     ) -> bool {
-        if *budget == 0 || self.num_running_seqs() + self.groups[group_id].num_active() > self.config.max_num_seqs {
-            return false;
+        if let Some(reason) = self.never_fits(group_id) {
+            self.waiting.pop_front();
+            self.drop_group(group_id, reason, out);
+            return true;
         }
-        let Some(admitted_tokens) = self.plan_admission(group_id, *budget, 0) else {
-            let hopeless = self.running.is_empty() && *budget == self.config.max_num_batched_tokens;
-            if hopeless {
-                self.waiting.pop_front();
-                self.drop_group(group_id, out);
+        let admitted_tokens = if *budget == 0 || self.num_running_seqs() + self.groups[group_id].num_active() > self.config.max_num_seqs {
+            None
+        } else {
+            self.plan_admission(group_id, *budget, 0)
+        };
+        let Some(admitted_tokens) = admitted_tokens else {
+            if !self.alone(*budget) {
+                return false;
             }
-            return hopeless;
+            let reason = format!(
+                "it cannot start even alone: {} sequences (max_num_seqs={}), {} free of num_device_blocks={}",
+                self.groups[group_id].num_active(),
+                self.config.max_num_seqs,
+                self.blocks.num_free_device_blocks(),
+                self.config.num_device_blocks
+            );
+            self.waiting.pop_front();
+            self.drop_group(group_id, reason, out);
+            return true;
         };
         self.waiting.pop_front();
         let mut hit_tokens = 0;
         let group = &mut self.groups[group_id];
         group.state = GroupState::Running;
-        for seq in group.seqs.iter_mut().filter(|seq| seq.is_active()) {
+        for seq in group.seqs.iter_mut().filter(|seq| seq.is_scheduled()) {
             let hits = self.blocks.allocate_prefix(seq.id, &seq.tokens, group.extra_key).expect("a waiting sequence has no table");
             seq.num_computed = hits;
             hit_tokens += hits;
@@ -729,13 +801,16 @@ impl Scheduler {
     /// The tokens a running group has left to compute (at most a step's budget per sequence) and
     /// the device blocks appending them takes.
     fn step_demand(&self, group_id: GroupId) -> (usize, usize) {
-        let (mut tokens, mut blocks) = (0, 0);
-        for seq in self.groups[group_id].active_seqs() {
-            let take = seq.num_uncomputed().min(self.config.max_num_batched_tokens).min(self.step_cap(seq.in_prefill()));
-            tokens += take;
-            blocks += self.blocks.blocks_needed_to_append(seq.id, take).expect("running table");
-        }
-        (tokens, blocks)
+        let group = &self.groups[group_id];
+        let appends: Vec<(SeqId, usize)> = group
+            .scheduled_seqs()
+            .map(|seq| {
+                let target = self.tokens_to_compute(group, seq);
+                (seq.id, target.min(self.config.max_num_batched_tokens).min(self.step_cap(seq.in_prefill())))
+            })
+            .collect();
+        let tokens = appends.iter().map(|(_, take)| take).sum();
+        (tokens, self.blocks.blocks_needed_to_append_group(&appends).expect("running tables"))
     }
 
     /// Most tokens a sequence computes in one step besides the budget: a chunked prefill stops at
@@ -755,15 +830,19 @@ impl Scheduler {
         plan.clear();
         let group = &self.groups[group_id];
         let mut left = budget;
-        for (index, seq) in group.seqs.iter().enumerate().filter(|(_, seq)| seq.is_active()) {
-            let uncomputed = seq.num_uncomputed();
-            if uncomputed == 0 {
+        for (index, seq) in group.seqs.iter().enumerate().filter(|(_, seq)| seq.is_scheduled()) {
+            let target = self.tokens_to_compute(group, seq);
+            if target == 0 {
                 continue;
             }
-            let take = uncomputed.min(left).min(self.step_cap(seq.in_prefill()));
-            // Only prefills are chunked: a decode with drafts is verified in one forward pass.
-            let whole = !self.config.enable_chunked_prefill || !seq.in_prefill();
-            if take == 0 || (whole && take < uncomputed) {
+            let take = target.min(left).min(self.step_cap(seq.in_prefill()));
+            // Only prefills are chunked: a decode with drafts is verified in one forward pass, and
+            // the sequences of a group (rebuilt, about to sample again) sample in one step.
+            let whole = !self.config.enable_chunked_prefill || !seq.in_prefill() || (group.num_active() > 1 && !group.rebuilding);
+            if take == 0 || (whole && take < target) {
+                if group.rebuilding {
+                    continue; // nothing samples while rebuilding: this sequence's chunk can wait
+                }
                 plan.clear();
                 return;
             }
@@ -772,16 +851,25 @@ impl Scheduler {
         }
     }
 
+    /// Tokens a sequence of a running or swapped group computes next if the budget allows: all it
+    /// has not computed, but while its group is rebuilt, not its last token (see `rebuilding`).
+    fn tokens_to_compute(&self, group: &SequenceGroup, seq: &Sequence) -> usize {
+        if group.rebuilding {
+            (seq.len() - 1).saturating_sub(seq.num_computed)
+        } else {
+            seq.num_uncomputed()
+        }
+    }
+
+    /// The device blocks the plan takes, or a cheap upper bound of them (a new block per
+    /// block_size tokens, one partial, one copy) when the pool is far from full.
     fn blocks_needed(&self, plan: &[Planned]) -> usize {
-        // Cheap upper bound first (a new block per block_size tokens, one partial, one copy):
-        // when the pool is far from full, the exact count is not needed.
         let bound: usize = plan.iter().map(|planned| block_index(planned.take, self.config.block_size) + 2).sum();
         if bound <= self.blocks.num_free_device_blocks() {
             return bound;
         }
-        plan.iter()
-            .map(|planned| self.blocks.blocks_needed_to_append(planned.seq, planned.take).expect("running table"))
-            .sum()
+        let appends: Vec<(SeqId, usize)> = plan.iter().map(|planned| (planned.seq, planned.take)).collect();
+        self.blocks.blocks_needed_to_append_group(&appends).expect("running tables")
     }
 
     /// Token budget a waiting group would use now, or None when it does not fit (budget,
@@ -791,12 +879,13 @@ impl Scheduler {
         let group = &self.groups[group_id];
         let mut left = budget;
         let mut blocks = 0;
-        for seq in group.active_seqs() {
+        for seq in group.scheduled_seqs() {
             let hits = self.blocks.peek_prefix_hits(&seq.tokens, group.extra_key);
             let hit_tokens = hits.blocks() * self.config.block_size;
             let uncomputed = seq.len() - hit_tokens;
-            let take = uncomputed.min(left).min(self.step_cap(true));
-            if take == 0 || (!self.config.enable_chunked_prefill && take < uncomputed) {
+            let target = if group.rebuilding { uncomputed - 1 } else { uncomputed };
+            let take = target.min(left).min(self.step_cap(true));
+            if (take == 0 && target > 0) || (!self.config.enable_chunked_prefill && take < target) {
                 return None;
             }
             // Fresh blocks for the chunk and the CPU-tier hits, plus device hits that must be taken
@@ -804,14 +893,7 @@ impl Scheduler {
             blocks += hits.blocks_taken(self.blocks.blocks_for_tokens(hit_tokens + take));
             left -= take;
         }
-        // With nothing running there is nobody to protect: ignore the watermark.
-        let blocks = blocks + reserved_blocks;
-        let fits = if self.running.is_empty() {
-            blocks <= self.blocks.num_free_device_blocks()
-        } else {
-            self.blocks.can_admit(blocks)
-        };
-        fits.then_some(budget - left)
+        self.fits_device(blocks + reserved_blocks).then_some(budget - left)
     }
 
     /// The common case on its own short path: a group of one sequence decoding one token.
@@ -866,7 +948,7 @@ impl Scheduler {
     /// Takes a running group off the device: swap or recompute by the configured policy and cost.
     fn preempt(&mut self, group_id: GroupId, out: &mut SchedulerOutput) {
         let group = &self.groups[group_id];
-        let seq_ids = group.active_seq_ids();
+        let seq_ids = group.scheduled_seq_ids();
         let num_blocks = self.blocks.num_unique_blocks(&seq_ids).expect("running tables");
         let num_tokens: usize = group.active_seqs().map(Sequence::len).sum();
         let cpu_has_room = num_blocks <= self.blocks.num_free_cpu_blocks();
@@ -886,20 +968,119 @@ impl Scheduler {
             Preemption::Recompute => {
                 self.free_group_blocks(group_id);
                 self.counters.preemptions_recompute += 1;
-                let group = &mut self.groups[group_id];
-                for seq in group.seqs.iter_mut() {
-                    seq.reset_for_recompute();
-                }
-                group.state = GroupState::Waiting;
-                group.num_preemptions += 1;
-                enqueue(&mut self.waiting, &self.groups, group_id);
+                self.groups[group_id].num_preemptions += 1;
+                self.requeue_for_recompute(group_id);
             }
         }
     }
 
-    /// Gives up on a group that needs more blocks than the whole device pool.
-    fn drop_group(&mut self, group_id: GroupId, out: &mut SchedulerOutput) {
+    /// Queues a group whose blocks are freed to be computed again from its tokens, rebuilt with
+    /// the sharing it had (`SequenceGroup::plan_rebuild`).
+    fn requeue_for_recompute(&mut self, group_id: GroupId) {
+        let windowed = self.config.sliding_window > 0;
+        let group = &mut self.groups[group_id];
+        for seq in group.seqs.iter_mut() {
+            seq.reset_for_recompute();
+        }
+        group.plan_rebuild();
+        if windowed {
+            // A parent's window may have released blocks its fork would read: under a window every
+            // sequence takes a table of its own (prefix-cache hits still share full blocks).
+            for seq in group.seqs.iter_mut().filter(|seq| seq.pending.is_some()) {
+                seq.pending = None;
+            }
+        }
+        group.state = GroupState::Waiting;
+        enqueue(&mut self.waiting, &self.groups, group_id);
+    }
+
+    /// Why a waiting group can never run, even alone on the empty device pool, if it cannot: its
+    /// sequences, rebuilt with their sharing, hold more blocks than the pool has. (Under a sliding
+    /// window sequences hold only their windows, so length alone does not rule a group out.)
+    fn never_fits(&self, group_id: GroupId) -> Option<String> {
+        let group = &self.groups[group_id];
+        if self.config.sliding_window > 0 || group.seqs.len() == 1 {
+            return None; // (a single prompt was checked against the pool when it was added)
+        }
+        let needed = self.blocks.blocks_to_rebuild(&group.rebuild_shape());
+        (needed > self.config.num_device_blocks).then(|| {
+            format!(
+                "its {} sequences hold {needed} KV blocks, more than num_device_blocks={}",
+                group.num_active(),
+                self.config.num_device_blocks
+            )
+        })
+    }
+
+    /// Gives tables to the sequences of a rebuilt group whose turn has come: a sequence forks its
+    /// parent once the parent's KV (computed in earlier steps) covers their shared prefix, and one
+    /// without a parent takes its own table. Once every sequence holds a table and has computed
+    /// all but its last token, the group samples again as one.
+    fn advance_rebuild(&mut self, group_id: GroupId) {
+        let group = &mut self.groups[group_id];
+        let mut progressed = true;
+        while progressed {
+            progressed = false;
+            for index in 0..group.seqs.len() {
+                let seq = &group.seqs[index];
+                let Some(pending) = seq.pending.filter(|_| seq.is_active()) else { continue };
+                let ready = match pending.parent {
+                    None => true,
+                    Some(parent) => {
+                        group.seq(parent).is_some_and(|parent| parent.is_scheduled() && parent.num_computed >= pending.shared_len)
+                    }
+                };
+                if !ready {
+                    continue;
+                }
+                let seq = &mut group.seqs[index];
+                seq.num_computed = match pending.parent {
+                    None => self.blocks.allocate_prefix(seq.id, &seq.tokens, group.extra_key).expect("a pending sequence has no table"),
+                    Some(parent) => {
+                        self.blocks.fork(parent, seq.id).expect("the parent holds a table");
+                        self.blocks.truncate(seq.id, &seq.tokens[..pending.shared_len]).expect("a prefix of the parent");
+                        pending.shared_len
+                    }
+                };
+                seq.pending = None;
+                progressed = true;
+            }
+        }
+        let unfinished = group.active_seqs().any(|seq| seq.pending.is_some() || seq.num_computed + 1 < seq.len());
+        group.rebuilding = unfinished;
+    }
+
+    /// Before sequence `seq_id` of a group ends: siblings waiting to fork it fork it now if its KV
+    /// covers their shared prefix, else wait for its own parent (or take a table of their own).
+    fn hand_over_pending(&mut self, group_id: GroupId, seq_id: SeqId) {
+        let group = &self.groups[group_id];
+        if !group.seqs.iter().any(|seq| seq.is_active() && seq.pending.is_some_and(|pending| pending.parent == Some(seq_id))) {
+            return;
+        }
+        let ending = group.seq(seq_id).unwrap();
+        let (ending_pending, ending_computed) = (ending.pending, ending.num_computed);
+        let running = group.state == GroupState::Running;
+        let group = &mut self.groups[group_id];
+        for seq in group.seqs.iter_mut().filter(|seq| seq.is_active()) {
+            let Some(pending) = seq.pending.filter(|pending| pending.parent == Some(seq_id)) else { continue };
+            if running && ending_pending.is_none() && ending_computed >= pending.shared_len {
+                self.blocks.fork(seq_id, seq.id).expect("the parent holds a table");
+                self.blocks.truncate(seq.id, &seq.tokens[..pending.shared_len]).expect("a prefix of the parent");
+                seq.num_computed = pending.shared_len;
+                seq.pending = None;
+            } else {
+                seq.pending = Some(match ending_pending {
+                    Some(grand) => PendingTable { parent: grand.parent, shared_len: grand.shared_len.min(pending.shared_len) },
+                    None => PendingTable { parent: None, shared_len: 0 },
+                });
+            }
+        }
+    }
+
+    /// Gives up on a group that cannot run even alone on the empty device pool.
+    fn drop_group(&mut self, group_id: GroupId, reason: String, out: &mut SchedulerOutput) {
         out.aborted.push(self.groups[group_id].request_id.clone());
+        out.abort_reasons.push(reason);
         // The caller took it off its queue already; `remove_group` finds nothing to remove there.
         self.free_group_blocks(group_id);
         self.remove_group(group_id);
@@ -937,4 +1118,28 @@ fn enqueue(queue: &mut VecDeque<GroupId>, groups: &Slab<SequenceGroup>, group_id
     let order = groups[group_id].order();
     let position = queue.partition_point(|id| groups[*id].order() < order);
     queue.insert(position, group_id);
+}
+
+#[cfg(test)]
+impl Scheduler {
+    /// Every group's state, for test failure messages.
+    pub(crate) fn describe_groups(&self) -> String {
+        let mut text = String::new();
+        for (_, group) in &self.groups {
+            text += &format!("{} {:?} rebuilding={}:", group.request_id, group.state, group.rebuilding);
+            for seq in &group.seqs {
+                text += &format!(
+                    " [seq {} {:?} len={} computed={} prefill_len={} pending={:?}]",
+                    seq.id,
+                    seq.status,
+                    seq.len(),
+                    seq.num_computed,
+                    seq.prefill_len,
+                    seq.pending
+                );
+            }
+            text += "\n";
+        }
+        text
+    }
 }

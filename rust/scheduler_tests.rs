@@ -316,6 +316,108 @@ fn a_group_that_can_never_fit_is_dropped_not_looped() {
     assert_eq!(s.stats().num_free_device_blocks, 4);
 }
 
+/// Issue reproduction: a swapped group whose next token fits its partial last block needs no new
+/// block, and with nothing running the watermark does not hold it back: it resumes at once.
+#[test]
+fn a_swapped_group_resumes_on_an_empty_pool_and_later_requests_start() {
+    let mut cfg = config(100, 200);
+    (cfg.block_size, cfg.max_model_len, cfg.max_num_batched_tokens, cfg.watermark) = (16, 2048, 2048, 0.01);
+    let mut s = Scheduler::new(cfg).unwrap();
+    s.add_request("A", vec![1], None).unwrap();
+    s.add_request("B", vec![2; 98 * 16], None).unwrap();
+    let mut swapped_in_at_once = false;
+    for _ in 0..60 {
+        let swapped_before = s.stats().num_swapped;
+        let out = s.schedule();
+        swapped_in_at_once |= swapped_before == 1 && !out.blocks_to_swap_in.is_empty();
+        for seq in out.scheduled.iter().filter(|seq| seq.sample) {
+            let finished = (s.request_id(seq.seq_id).unwrap() == "A" && seq.end >= 20) || seq.end >= s.max_model_len();
+            if finished {
+                s.finish_sequence(seq.seq_id).unwrap();
+            } else {
+                s.append_token(seq.seq_id, 7).unwrap();
+            }
+        }
+    }
+    assert!(s.stats().num_preemptions_swap > 0 && swapped_in_at_once, "{:?}", s.stats());
+    s.add_request("C", vec![3, 3, 3], None).unwrap();
+    let out = s.schedule();
+    assert_eq!(scheduled_requests(&s, &out), ["C"]);
+    check(&s);
+}
+
+/// Issue reproduction: n sharers of a partial last block need n - 1 copies, not n.
+#[test]
+fn sharers_of_a_partial_block_copy_it_once_each_but_the_last() {
+    let mut cfg = config(8, 0);
+    (cfg.max_model_len, cfg.enable_prefix_caching) = (32, false);
+    let mut s = Scheduler::new(cfg).unwrap();
+    let g = s.add_request("g", (0..25).collect(), None).unwrap(); // 7 blocks, 1 free
+    s.schedule();
+    s.append_token(g, 1).unwrap();
+    s.fork(g).unwrap();
+    let out = s.schedule();
+    assert!(out.aborted.is_empty());
+    assert_eq!((out.scheduled.len(), out.blocks_to_copy.len()), (2, 1));
+    assert_eq!(s.stats().num_free_device_blocks, 0);
+    check(&s);
+}
+
+/// Plays the engine: appends to every sampled sequence its own id, so siblings diverge.
+fn sample_all_apart(scheduler: &mut Scheduler, out: &SchedulerOutput) {
+    for seq in out.scheduled.iter().filter(|seq| seq.sample) {
+        scheduler.append_token(seq.seq_id, 100 + seq.seq_id as u32).unwrap();
+    }
+}
+
+/// Runs "old" (2 blocks) and a forked "pair" (5 shared blocks and one each) in a 10-block pool
+/// until "old" grows and "pair" is preempted by recompute.
+fn preempt_a_forked_group(enable_prefix_caching: bool) -> Scheduler {
+    let mut cfg = config(10, 0);
+    (cfg.preemption_mode, cfg.enable_prefix_caching) = (PreemptionMode::Recompute, enable_prefix_caching);
+    let mut s = Scheduler::new(cfg).unwrap();
+    s.add_request("old", prompt(7, 1), None).unwrap();
+    let pair = s.add_request("pair", prompt(20, 2), None).unwrap();
+    let out = s.schedule();
+    sample_all_apart(&mut s, &out);
+    s.fork(pair).unwrap();
+    for _ in 0..8 {
+        let out = s.schedule();
+        sample_all_apart(&mut s, &out);
+        if !out.preempted.is_empty() {
+            assert_eq!(out.preempted, vec![std::sync::Arc::from("pair")]);
+            return s;
+        }
+    }
+    panic!("no preemption: {:?}", s.stats());
+}
+
+/// Issue reproduction: a forked group preempted by recompute comes back with its sharing (7
+/// blocks for both sequences, not 7 each) and samples both sequences in one step, as before.
+#[test]
+fn a_forked_group_recomputed_keeps_its_sharing_and_samples_as_one() {
+    for enable_prefix_caching in [false, true] {
+        let mut s = preempt_a_forked_group(enable_prefix_caching);
+        let old = s.block_manager().tables().map(|(seq, _)| *seq).next().unwrap();
+        s.finish_sequence(old).unwrap();
+        let mut sampled_steps = Vec::new();
+        for _ in 0..4 {
+            let out = s.schedule();
+            assert!(out.aborted.is_empty(), "{enable_prefix_caching}: {:?}", out.abort_reasons);
+            check(&s);
+            let sampled: Vec<_> = out.scheduled.iter().filter(|seq| seq.sample).map(|seq| seq.seq_id).collect();
+            if !sampled.is_empty() {
+                sampled_steps.push(sampled.len());
+            }
+            sample_all_apart(&mut s, &out);
+        }
+        assert_eq!(sampled_steps.first(), Some(&2), "{enable_prefix_caching}: both sequences sample in one step");
+        let blocks: std::collections::HashSet<u32> = s.block_manager().tables().flat_map(|(_, table)| table.blocks.clone()).collect();
+        let longest = s.block_manager().tables().map(|(_, table)| table.num_tokens).max().unwrap();
+        assert_eq!(blocks.len(), 2 * longest.div_ceil(4) - 5, "{enable_prefix_caching}: the 5 prompt blocks are shared");
+    }
+}
+
 /// A seeded random workload with preemptions: invariants after every step, nothing leaked.
 #[test]
 fn random_workload_keeps_invariants_and_frees_everything() {
@@ -514,7 +616,7 @@ fn a_newcomer_of_higher_priority_goes_before_a_swapped_group() {
 
 /// The KV cache as the engine keeps it, one token id per slot, moved by the step's copies in the
 /// engine's order (swap-outs, swap-ins, copy-on-write), then written at the slot mapping.
-struct SimulatedCache {
+pub(crate) struct SimulatedCache {
     block_size: usize,
     sliding_window: usize,
     device: Vec<Vec<Option<u32>>>,
@@ -522,7 +624,7 @@ struct SimulatedCache {
 }
 
 impl SimulatedCache {
-    fn new(cfg: &SchedulerConfig) -> Self {
+    pub(crate) fn new(cfg: &SchedulerConfig) -> Self {
         let blocks = |n| vec![vec![None; cfg.block_size]; n];
         SimulatedCache {
             block_size: cfg.block_size,
@@ -534,7 +636,7 @@ impl SimulatedCache {
 
     /// Runs one step and checks that every scheduled sequence reads its own tokens back (those
     /// its new tokens attend to, under a sliding window).
-    fn run(&mut self, s: &Scheduler, out: &SchedulerOutput, tokens: &std::collections::HashMap<u64, Vec<u32>>) {
+    pub(crate) fn run(&mut self, s: &Scheduler, out: &SchedulerOutput, tokens: &std::collections::HashMap<u64, Vec<u32>>) {
         for &(device, cpu) in &out.blocks_to_swap_out {
             self.cpu[cpu as usize] = self.device[device as usize].clone();
         }

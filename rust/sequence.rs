@@ -25,12 +25,26 @@ pub struct Sequence {
     /// Trailing tokens that are speculative drafts, not yet verified (see `Scheduler::accept_drafts`).
     pub num_draft: usize,
     pub status: SeqStatus,
+    /// Set while a group preempted by recompute is rebuilt: this sequence has no block table yet.
+    pub pending: Option<PendingTable>,
+}
+
+/// How a sequence of a group being rebuilt gets its block table back, keeping the sharing the
+/// group had: by forking a sibling once that sibling's KV covers their common prefix (vLLM V0
+/// kept this sharing by swapping such groups; pagedkv rebuilds it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PendingTable {
+    /// The sibling to fork; None: a table of its own (prefix-cache hits, then a prefill).
+    pub parent: Option<SeqId>,
+    /// Leading tokens taken from the parent's table (less than this sequence's length, so its
+    /// last token is computed again and yields the next one).
+    pub shared_len: usize,
 }
 
 impl Sequence {
     pub fn new(id: SeqId, tokens: Vec<u32>) -> Self {
         let prefill_len = tokens.len();
-        Sequence { id, tokens, num_computed: 0, prefill_len, num_draft: 0, status: SeqStatus::Active }
+        Sequence { id, tokens, num_computed: 0, prefill_len, num_draft: 0, status: SeqStatus::Active, pending: None }
     }
 
     pub fn len(&self) -> usize {
@@ -47,6 +61,11 @@ impl Sequence {
 
     pub fn in_prefill(&self) -> bool {
         self.num_computed < self.prefill_len
+    }
+
+    /// Active and holding a block table (unless its group is waiting).
+    pub fn is_scheduled(&self) -> bool {
+        self.is_active() && self.pending.is_none()
     }
 
     /// Tokens that still need their KV computed.
@@ -87,6 +106,10 @@ pub struct SequenceGroup {
     pub num_prompt_tokens: usize,
     pub num_prefix_hit_tokens: usize,
     pub num_preemptions: u32,
+    /// Preempted by recompute with several sequences and not yet rebuilt (see `PendingTable`):
+    /// no sequence computes its last token, the one that samples, until every one can, so the
+    /// group samples in one step as it did before.
+    pub rebuilding: bool,
 }
 
 impl SequenceGroup {
@@ -99,8 +122,39 @@ impl SequenceGroup {
         self.seqs.iter().filter(|seq| seq.is_active())
     }
 
-    pub fn active_seq_ids(&self) -> Vec<SeqId> {
-        self.active_seqs().map(|seq| seq.id).collect()
+    /// Active sequences that hold (or, waiting, are admitted with) a block table.
+    pub fn scheduled_seqs(&self) -> impl Iterator<Item = &Sequence> {
+        self.seqs.iter().filter(|seq| seq.is_scheduled())
+    }
+
+    pub fn scheduled_seq_ids(&self) -> Vec<SeqId> {
+        self.scheduled_seqs().map(|seq| seq.id).collect()
+    }
+
+    /// Plans the rebuild of a group preempted by recompute: every active sequence but the first
+    /// forks the earlier sibling it shares the longest prefix with, at that prefix.
+    pub fn plan_rebuild(&mut self) {
+        let active: Vec<usize> = (0..self.seqs.len()).filter(|&index| self.seqs[index].is_active()).collect();
+        self.rebuilding = active.len() > 1;
+        for (rank, &index) in active.iter().enumerate() {
+            let seq = &self.seqs[index];
+            // Both recompute their last token (it yields the next one): the shared prefix ends before.
+            let best = active[..rank]
+                .iter()
+                .map(|&earlier| {
+                    let parent = &self.seqs[earlier];
+                    let shared_len = common_prefix_len(&parent.tokens, &seq.tokens).min(parent.len() - 1).min(seq.len() - 1);
+                    (shared_len, parent.id)
+                })
+                .max_by_key(|&(shared_len, _)| shared_len);
+            self.seqs[index].pending = best.map(|(shared_len, parent)| PendingTable { parent: Some(parent), shared_len });
+        }
+    }
+
+    /// (tokens, tokens shared with the parent) of each active sequence, in order: what
+    /// `BlockManager::blocks_to_rebuild` counts.
+    pub fn rebuild_shape(&self) -> Vec<(usize, usize)> {
+        self.active_seqs().map(|seq| (seq.len(), seq.pending.map_or(0, |pending| pending.shared_len))).collect()
     }
 
     pub fn num_active(&self) -> usize {
@@ -119,4 +173,8 @@ impl SequenceGroup {
     pub fn max_len(&self) -> usize {
         self.active_seqs().map(Sequence::len).max().unwrap_or(0)
     }
+}
+
+fn common_prefix_len(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }

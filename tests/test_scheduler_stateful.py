@@ -106,7 +106,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.tokens[seq_id] += [token, *drafts]
             if drafts:
                 self.drafts[seq_id] = len(drafts)
-            elif action == "fork":
+            elif action == "fork" and self.group_size(seq_id) < 6:  # (a group fits max_num_seqs)
                 child = self.scheduler.fork(seq_id)
                 self.tokens[child] = list(self.tokens[seq_id])
                 self.request_of[child] = self.request_of[seq_id]
@@ -118,6 +118,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         request_id = data.draw(st.sampled_from(sorted(set(self.request_of[seq] for seq in self.tokens))))
         self.scheduler.abort(request_id)
         self.forget(request_id)
+
+    def group_size(self, seq_id):
+        return sum(self.request_of[other] == self.request_of[seq_id] for other in self.tokens)
 
     def forget(self, request_id):
         for seq_id in [seq for seq, owner in self.request_of.items() if owner == request_id]:

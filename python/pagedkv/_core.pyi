@@ -111,7 +111,9 @@ class SchedulerOutput:
     preempted: list[str]
     """Request ids preempted this step."""
     aborted: list[str]
-    """Request ids dropped because they can never fit the device pool."""
+    """Request ids dropped because they cannot run even alone on the empty device pool."""
+    abort_reasons: list[str]
+    """Why each of `aborted` was dropped, naming the limit."""
     num_batched_tokens: int
     num_prefix_hit_tokens: int
     def is_empty(self) -> bool: ...

@@ -278,12 +278,12 @@ class LLMEngine:
         request that produced tokens or finished in this step."""
         plan = self.scheduler.schedule()
         touched: dict[str, RequestState] = {}
-        for request_id in plan.aborted:
+        for request_id, reason in zip(plan.aborted, plan.abort_reasons):
             request = self.requests.get(request_id)
             if request is not None:
-                logger.warning("request %s dropped: it needs more KV blocks than the device pool has", request_id)
+                logger.warning("request %s aborted: %s", request_id, reason)
                 for seq in request.seqs:
-                    seq.finish_reason = seq.finish_reason or "length"
+                    seq.finish_reason = seq.finish_reason or "abort"
                 if request.beam_search is not None:
                     request.final_outputs = request.beam_search.outputs(self.tokenizer, request.params.skip_special_tokens)
                 request.forked = True
