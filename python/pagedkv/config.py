@@ -109,6 +109,9 @@ class EngineConfig:
     max_cpu_loras: Optional[int] = None
     """Adapters kept loaded; beyond it the least recently used one is dropped (requests running
     with it keep it) and loaded again when next named. None = every adapter stays."""
+    max_cached_grammars: int = 64
+    """Compiled structured-output grammars kept for reuse (least recently used dropped first); each
+    holds token masks, about 1 MiB for a small JSON schema."""
     enforce_eager: bool = False
     """True launches every decode kernel from Python. False (the default) captures CUDA graphs
     of decode steps at start-up where they apply (cuda device and attention backend, no
@@ -132,7 +135,7 @@ class EngineConfig:
             value = getattr(self, field)
             if value is not None and (not isinstance(value, int) or value <= 0):
                 fail(field, value, "a positive integer or None")
-        for field in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests"):
+        for field in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests", "max_cached_grammars"):
             value = getattr(self, field)
             if not isinstance(value, int) or value <= 0:
                 fail(field, value, "a positive integer")

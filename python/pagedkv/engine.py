@@ -4,9 +4,12 @@ Pooling requests (`PoolingParams`) ride the same batches and end with their prom
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
+import threading
 import time
+from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
@@ -14,15 +17,15 @@ import torch
 from pagedkv._core import Scheduler, SchedulerConfig
 from pagedkv.beam_search import BeamSearch
 from pagedkv.config import EngineConfig
-from pagedkv.errors import DuplicateRequestError, UnknownRequestError
+from pagedkv.errors import DuplicateRequestError, PromptTooLongError, UnknownRequestError
 from pagedkv.layers.sampler import Sampler, SamplingRow, changes_logits
 from pagedkv.lora import LoRARequest
 from pagedkv.model_runner import ModelRunner
 from pagedkv.ngram_proposer import propose_ngram_drafts
-from pagedkv.outputs import PoolingRequestOutput, RequestMetrics, RequestOutput
+from pagedkv.outputs import CompletionOutput, PoolingRequestOutput, RequestMetrics, RequestOutput
 from pagedkv.pooling_params import PoolingParams
 from pagedkv.request_state import RequestState, SequenceState
-from pagedkv.sampling_params import SamplingParams
+from pagedkv.sampling_params import SamplingParams, check_unicode
 from pagedkv.structured_output import GrammarCompiler
 
 logger = logging.getLogger("pagedkv.engine")
@@ -30,6 +33,17 @@ logger = logging.getLogger("pagedkv.engine")
 # Rough device speeds for the swap-vs-recompute cost model (see rust/preemption.rs).
 _FLOPS = {"cpu": 50e9, "cuda": 200e12}
 _SWAP_BANDWIDTH = {"cpu": 5e9, "cuda": 20e9}
+
+
+@dataclass
+class PreparedRequest:
+    """A request `LLMEngine.prepare_request` checked and built, not yet queued: what could fail
+    (tokenizing, grammar compiling, seeded generators) is done."""
+
+    state: RequestState
+    priority: int
+    lora_request: Optional[LoRARequest]
+    extra_key: Optional[int]  # prefix-cache key of its cache salt and adapter, else None
 
 
 class LLMEngine:
@@ -56,6 +70,9 @@ class LLMEngine:
         self.num_draft_tokens = 0  # speculative decoding: drafts verified, and how many were right
         self.num_accepted_draft_tokens = 0
         self._grammar_compiler: Optional[GrammarCompiler] = None  # built at the first structured-output request
+        self._grammar_compiler_lock = threading.Lock()
+        # Longer prompt texts are refused before tokenizing: they cannot fit in max_model_len.
+        self._max_prompt_chars = 2 * self.max_model_len * longest_token_chars(self.tokenizer)
         logger.info(
             "engine ready: model=%s device=%s blocks device=%d cpu=%d block_size=%d max_model_len=%d",
             self.model_name,
@@ -119,7 +136,23 @@ class LLMEngine:
         (scheduling_policy="priority" only): smaller is served first and preempted last.
         `lora_request` (enable_lora=True): the adapter to run with, loaded on first use. Raises
         PromptTooLongError (naming the limit), OverloadedError (waiting queue full: retry later),
-        DuplicateRequestError, InvalidConfigError (an adapter this model cannot run) or ValueError."""
+        DuplicateRequestError, InvalidConfigError (an adapter this model cannot run) or ValueError;
+        a request that raises leaves the engine as it was."""
+        self.add_prepared(self.prepare_request(request_id, prompt, params, arrival_time, priority, lora_request))
+
+    def prepare_request(
+        self,
+        request_id: str,
+        prompt: Union[str, list[int], dict],
+        params: Optional[Union[SamplingParams, PoolingParams]] = None,
+        arrival_time: Optional[float] = None,
+        priority: int = 0,
+        lora_request: Optional[LoRARequest] = None,
+    ) -> PreparedRequest:
+        """The checking and building half of `add_request` (tokenizing, grammar compiling, seeded
+        generators), which raises as it does; `add_prepared` queues the result. It touches neither
+        the scheduler nor the engine's books, so any thread may call it while the engine steps
+        (servers run it on a worker pool, off the event loop and the step thread)."""
         pooling = params if isinstance(params, PoolingParams) else None
         if pooling is not None and pooling.task == "classify" and self.classifier is None:
             raise ValueError("task='classify' needs a sequence-classification checkpoint (*ForSequenceClassification, "
@@ -133,12 +166,14 @@ class LLMEngine:
         if priority != 0 and self.config.scheduling_policy != "priority":
             raise ValueError(f"priority must be 0 unless scheduling_policy is 'priority' (got {priority}; "
                              f"this engine runs {self.config.scheduling_policy!r})")
-        if request_id in self.requests:
-            raise DuplicateRequestError(f"request id {request_id!r} is already in use")
         vocab_size = self.runner.vocab_size
         prompt = prompt_of(prompt)
         if isinstance(prompt, str):
-            prompt_text, prompt_token_ids = prompt, self.tokenizer.encode(prompt)
+            if params.truncate_prompt_tokens is None and len(prompt) > self._max_prompt_chars:
+                raise PromptTooLongError(
+                    f"prompt of {len(prompt)} characters exceeds max_model_len={self.max_model_len} tokens: no "
+                    f"{self.max_model_len} tokens of this tokenizer span more than {self._max_prompt_chars} characters")
+            prompt_text, prompt_token_ids = prompt, self._tokenize(prompt, "prompt")
         else:
             prompt_text, prompt_token_ids = None, list(prompt)
             if not prompt_token_ids or any(not 0 <= int(t) < vocab_size for t in prompt_token_ids):
@@ -157,26 +192,12 @@ class LLMEngine:
                 raise ValueError(f"{name} names token ids outside the vocabulary [0, {vocab_size})")
         if params.num_sequences > self.config.max_num_seqs:
             raise ValueError(f"n / beam_width={params.num_sequences} exceeds max_num_seqs={self.config.max_num_seqs}")
-        matcher = self._matcher(params)  # (an invalid schema or grammar raises here, before queueing)
-        lora = self._lora_adapter(lora_request)
-        extra_key = None
-        if params.cache_salt is not None or lora is not None:
-            # An adapter changes every layer's K/V: its prompts get prefix-cache keys of their own.
-            # (Top bit clear: never one of the unique keys below.)
-            adapter = f"\0lora:{lora_request.lora_int_id}:{lora_request.lora_path}" if lora else ""
-            salt = (params.cache_salt or "") + adapter
-            digest = hashlib.blake2b(salt.encode(), digest_size=8).digest()
-            extra_key = int.from_bytes(digest, "little") & ((1 << 63) - 1)
-        if params.prompt_logprobs is not None:
-            # Every prompt token must be computed to be scored: a key of its own keeps the prefix
-            # cache from serving this prompt (a recompute after preemption still reuses its blocks).
-            self._num_uncached_prompts += 1
-            extra_key = (1 << 63) | self._num_uncached_prompts
-        seq_id = self.scheduler.add_request(request_id, prompt_token_ids, extra_key, priority)
+        grammar = self._compiled_grammar(params)  # (an invalid schema or grammar raises here, before queueing)
+        first = SequenceState(seq_id=-1, index=0, generator=self._generator(params, 0),
+                              matcher=self._grammar_compiler.matcher(grammar) if grammar is not None else None)
         metrics = RequestMetrics(arrival_time=arrival_time or time.monotonic(), num_prompt_tokens=len(prompt_token_ids))
-        first = SequenceState(seq_id=seq_id, index=0, generator=self._generator(params, 0), matcher=matcher)
         request = RequestState(request_id, prompt_text, prompt_token_ids, params, metrics, [first], pooling=pooling,
-                               lora=lora, bad_words_token_ids=self._bad_words_token_ids(params.bad_words))
+                               bad_words_token_ids=self._bad_words_token_ids(params.bad_words), grammar=grammar)
         if params.use_beam_search:
             request.beam_search = BeamSearch(
                 beam_width=params.beam_width,
@@ -186,9 +207,50 @@ class LLMEngine:
                 eos_token_ids=self.eos_token_ids,
                 ignore_eos=params.ignore_eos,
             )
-            request.beam_search.running[seq_id] = ([], 0.0)
-        self.requests[request_id] = request
-        self.seq_owner[seq_id] = (request, first)
+        extra_key = None
+        if params.cache_salt is not None or lora_request is not None:
+            # An adapter changes every layer's K/V: its prompts get prefix-cache keys of their own.
+            # (Top bit clear: never one of the unique keys of add_prepared.)
+            adapter = f"\0lora:{lora_request.lora_int_id}:{lora_request.lora_path}" if lora_request else ""
+            salt = (params.cache_salt or "") + adapter
+            digest = hashlib.blake2b(salt.encode(), digest_size=8).digest()
+            extra_key = int.from_bytes(digest, "little") & ((1 << 63) - 1)
+        return PreparedRequest(request, priority, lora_request, extra_key)
+
+    def add_prepared(self, prepared: PreparedRequest) -> None:
+        """Queues a request `prepare_request` built (the engine's thread only). Raises
+        DuplicateRequestError, OverloadedError, PromptTooLongError or an adapter's error, and then
+        leaves the engine as it was."""
+        request = prepared.state
+        request_id = request.request_id
+        if request_id in self.requests:
+            raise DuplicateRequestError(f"request id {request_id!r} is already in use")
+        request.lora = self._lora_adapter(prepared.lora_request)
+        extra_key = prepared.extra_key
+        if request.params.prompt_logprobs is not None:
+            # Every prompt token must be computed to be scored: a key of its own keeps the prefix
+            # cache from serving this prompt (a recompute after preemption still reuses its blocks).
+            self._num_uncached_prompts += 1
+            extra_key = (1 << 63) | self._num_uncached_prompts
+        seq_id = self.scheduler.add_request(request_id, request.prompt_token_ids, extra_key, prepared.priority)
+        try:
+            first = request.seqs[0]
+            first.seq_id = seq_id
+            if request.beam_search is not None:
+                request.beam_search.running[seq_id] = ([], 0.0)
+            self.requests[request_id] = request
+            self.seq_owner[seq_id] = (request, first)
+        except BaseException:  # (nothing above should fail; if it does, no half-registered request stays)
+            self.requests.pop(request_id, None)
+            self.seq_owner.pop(seq_id, None)
+            self.scheduler.abort(request_id)
+            raise
+
+    def _tokenize(self, text: str, field: str) -> list[int]:
+        """The token ids of request text; ValueError naming `field` for text that is not valid
+        Unicode (a lone surrogate, which JSON allows): the tokenizer would raise a TypeError."""
+        check_unicode(text, field)
+        return self.tokenizer.encode(text)
 
     def _bad_words_token_ids(self, bad_words: Optional[list[str]]) -> tuple[tuple[int, ...], ...]:
         """Each bad word as the model writes it: alone and after a space (vLLM's two spellings)."""
@@ -222,19 +284,22 @@ class LLMEngine:
             raise ValueError("lora_request needs an engine built with enable_lora=True")
         return self.runner.lora_registry.get(lora_request)
 
-    def _matcher(self, params: SamplingParams):
-        """A fresh grammar matcher for a structured-output request, else None."""
+    def _compiled_grammar(self, params: SamplingParams):
+        """The compiled constraint of a structured-output request, else None (any thread)."""
         if params.structured_outputs is None:
             return None
-        if self._grammar_compiler is None:
-            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.runner.vocab_size, self.eos_token_ids)
-        return self._grammar_compiler.matcher(params.structured_outputs)
+        with self._grammar_compiler_lock:
+            if self._grammar_compiler is None:
+                self._grammar_compiler = GrammarCompiler(self.tokenizer, self.runner.vocab_size, self.eos_token_ids,
+                                                         self.config.max_cached_grammars)
+        return self._grammar_compiler.compile(params.structured_outputs)
 
     def _generator(self, params: SamplingParams, index: int) -> Optional[torch.Generator]:
         if params.seed is None:
             return None
         generator = torch.Generator(device=self.runner.device)
-        generator.manual_seed(params.seed * 1_000_003 + index)
+        # Each sample's stream from one 64-bit seed (torch takes seeds in [0, 2**64)).
+        generator.manual_seed((params.seed * 1_000_003 + index) % (1 << 64))
         return generator
 
     def abort(self, request_id: str) -> Optional[RequestOutput]:
@@ -307,8 +372,10 @@ class LLMEngine:
                      if self.seq_owner[item.seq_id][0].lora is not None}
             logits, prompt_hidden = self.runner.execute(plan, scored, loras)
             for item in scheduled:
-                if item.seq_id in prompt_hidden:
-                    request = self.seq_owner[item.seq_id][0]
+                request = self.seq_owner[item.seq_id][0]
+                if item.seq_id not in prompt_hidden or request.failed:
+                    continue
+                with self._isolated(request, touched):
                     if request.pooling is not None:
                         request.record_pooled(prompt_hidden[item.seq_id][-1], self.classifier)
                     elif request.prompt_logprobs is not None:
@@ -317,16 +384,51 @@ class LLMEngine:
             self._process_samples(sampled, logits, prompt_hidden, touched)
 
         outputs = []
-        for request in touched.values():
-            if request.finished:
-                output = request.to_output(self.tokenizer)
-                self._finish_request(request, output)
-            elif request.params.output_kind == "cumulative":
-                output = request.to_output(self.tokenizer)  # detokenizes: skipped for final_only
-            else:
-                continue
-            outputs.append(output)
+        for request in list(touched.values()):
+            try:
+                output = self._output(request)
+            except Exception:
+                self._fail(request, touched)
+                output = self._output(request)  # (a failed request's output needs no detokenizing)
+            if output is not None:
+                outputs.append(output)
         return outputs
+
+    def _output(self, request: RequestState) -> Optional[Union[RequestOutput, PoolingRequestOutput]]:
+        """What the step reports for a request it advanced (None: nothing, for final_only); a
+        finished request leaves the engine."""
+        if request.finished:
+            output = request.to_output(self.tokenizer)
+            self._finish_request(request, output)
+            return output
+        if request.params.output_kind == "cumulative":
+            return request.to_output(self.tokenizer)  # detokenizes: skipped for final_only
+        return None
+
+    @contextlib.contextmanager
+    def _isolated(self, request: RequestState, touched: dict[str, RequestState]):
+        """One request's share of the step: an exception in it aborts that request alone."""
+        try:
+            yield
+        except Exception:
+            self._fail(request, touched)
+
+    def _fail(self, request: RequestState, touched: dict[str, RequestState]) -> None:
+        """Ends a request whose step raised (a bug, or a logits processor that raised): its
+        sequences end with finish_reason "abort" and the text they had, its blocks are freed, and
+        the rest of the batch goes on."""
+        logger.exception("request %s failed in a step; aborting it", request.request_id)
+        request.failed = True
+        touched[request.request_id] = request
+        try:
+            self.scheduler.abort(request.request_id)
+        except UnknownRequestError:
+            pass
+        request.final_outputs = [
+            CompletionOutput(seq.index, seq.text, list(seq.output_token_ids), seq.finish_reason or "abort",
+                             seq.stop_reason)
+            for seq in request.seqs
+        ]
 
     def _needs_hidden_states(self, item) -> bool:
         request, seq = self.seq_owner[item.seq_id]
@@ -340,30 +442,35 @@ class LLMEngine:
         for row_index, item in enumerate(sampled):
             request, seq = self.seq_owner[item.seq_id]
             touched[request.request_id] = request
-            if request.pooling is not None:  # its embedding is recorded: nothing to sample
-                self.scheduler.finish_sequence(seq.seq_id)
+            if request.failed:
                 continue
-            if seq.draft_token_ids:
-                if not item.is_prefill:
-                    self._verify_drafts(request, seq, hidden[item.seq_id])
+            with self._isolated(request, touched):
+                if request.pooling is not None:  # its embedding is recorded: nothing to sample
+                    self.scheduler.finish_sequence(seq.seq_id)
                     continue
-                seq.draft_token_ids = []  # a recompute dropped them: sample after the last real token
-            if request.beam_search is not None:
-                entry = beams.setdefault(request.request_id, (request, [], []))
-                entry[1].append(item.seq_id)
-                entry[2].append(row_index)
-                continue
-            targets = [seq]
-            if not request.forked:
-                request.forked = True
-                targets += self._fork_samples(request, seq)
-            for target in targets:
-                rows.append(self._sampling_row(request, target, row_index))
-                row_targets.append((request, target))
+                if seq.draft_token_ids:
+                    if not item.is_prefill:
+                        self._verify_drafts(request, seq, hidden[item.seq_id])
+                        continue
+                    seq.draft_token_ids = []  # a recompute dropped them: sample after the last real token
+                if request.beam_search is not None:
+                    entry = beams.setdefault(request.request_id, (request, [], []))
+                    entry[1].append(item.seq_id)
+                    entry[2].append(row_index)
+                    continue
+                targets = [seq]
+                if not request.forked:
+                    request.forked = True
+                    targets += self._fork_samples(request, seq)
+                for target in targets:
+                    rows.append(self._sampling_row(request, target, row_index))
+                    row_targets.append((request, target))
 
-        if rows:
-            results = self.sampler(logits, rows)
-            for (request, seq), result in zip(row_targets, results):
+        results = self._sample(logits, rows, row_targets, touched) if rows else []
+        for (request, seq), result in zip(row_targets, results):
+            if result is None or request.failed:
+                continue
+            with self._isolated(request, touched):
                 request.record_token(
                     seq,
                     result.token_id,
@@ -379,14 +486,33 @@ class LLMEngine:
                     self._append_token(request, seq, result.token_id)
 
         for request, seq_ids, row_indices in beams.values():
-            search = request.beam_search
-            search.step(seq_ids, logits[row_indices], self.scheduler)
-            if request.metrics.first_token_time is None:
-                request.metrics.first_token_time = time.monotonic()
-            request.metrics.num_generated_tokens += len(seq_ids)
-            self._sync_beam_sequences(request)
-            if search.done:
-                request.final_outputs = search.outputs(self.tokenizer, request.params.skip_special_tokens)
+            if request.failed:
+                continue
+            with self._isolated(request, touched):
+                search = request.beam_search
+                search.step(seq_ids, logits[row_indices], self.scheduler)
+                if request.metrics.first_token_time is None:
+                    request.metrics.first_token_time = time.monotonic()
+                request.metrics.num_generated_tokens += len(seq_ids)
+                self._sync_beam_sequences(request)
+                if search.done:
+                    request.final_outputs = search.outputs(self.tokenizer, request.params.skip_special_tokens)
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], row_targets: list, touched: dict) -> list:
+        """The sampler's result for every row, all rows at once; if that raises, row by row, so a
+        bad row (a logits processor that raises, ...) aborts its own request only (None there)."""
+        try:
+            return self.sampler(logits, rows)
+        except Exception:
+            logger.warning("sampling the batch failed; sampling its rows one by one")
+        results = []
+        for row, (request, _) in zip(rows, row_targets):
+            result = None
+            if not request.failed:
+                with self._isolated(request, touched):
+                    [result] = self.sampler(logits, [row])
+            results.append(result)
+        return results
 
     def _append_token(self, request: RequestState, seq: SequenceState, token_id: int) -> None:
         """Reports the next token to the scheduler, with prompt-lookup drafts after it when the
@@ -436,8 +562,9 @@ class LLMEngine:
         children = []
         for index in range(1, request.params.n):
             child_id = self.scheduler.fork(parent.seq_id)
+            matcher = self._grammar_compiler.matcher(request.grammar) if request.grammar is not None else None
             child = SequenceState(seq_id=child_id, index=index, generator=self._generator(request.params, index),
-                                  matcher=self._matcher(request.params))
+                                  matcher=matcher)
             request.seqs.append(child)
             self.seq_owner[child_id] = (request, child)
             children.append(child)
@@ -514,3 +641,9 @@ def prompt_of(prompt) -> Union[str, list[int]]:
             return prompt["prompt"]
         raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
     return prompt
+
+
+def longest_token_chars(tokenizer) -> int:
+    """Characters of the tokenizer's longest token (as its vocabulary spells it, which is never
+    shorter than the text it stands for): a text of c characters has at least c / this tokens."""
+    return max((len(token) for token in tokenizer.get_vocab()), default=1)

@@ -68,6 +68,8 @@ class RequestState:
     pooled: Optional[list[float]] = None
     lora: object = None  # the LoRAAdapter the request runs with, else None
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # params.bad_words, tokenized
+    grammar: object = None  # xgrammar CompiledGrammar of a structured-output request (samples' matchers start from it)
+    failed: bool = False  # an error while stepping it aborted it (alone)
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None:

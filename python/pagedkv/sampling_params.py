@@ -108,6 +108,8 @@ class SamplingParams:
             fail("allowed_token_ids", self.allowed_token_ids, "None or a non-empty list of token ids (integers >= 0)")
         if any(not isinstance(word, str) or not word.strip() for word in self.bad_words or ()):
             fail("bad_words", self.bad_words, "a list of non-empty strings")
+        for word in self.bad_words or ():
+            check_unicode(word, "bad_words")
         if any(not callable(processor) for processor in self.logits_processors or ()):
             fail("logits_processors", self.logits_processors, "a list of callables")
         if self.truncate_prompt_tokens is not None and (
@@ -115,10 +117,12 @@ class SamplingParams:
                                                                  and self.truncate_prompt_tokens != -1)
         ):
             fail("truncate_prompt_tokens", self.truncate_prompt_tokens, "None, -1 (the model's limit) or >= 1")
-        if self.seed is not None and not isinstance(self.seed, int):
-            fail("seed", self.seed, "an integer")
+        if self.seed is not None and (not isinstance(self.seed, int) or not -(1 << 63) <= self.seed < (1 << 64)):
+            fail("seed", self.seed, "a 64-bit integer, in [-2**63, 2**64)")
         if any(not isinstance(s, str) or not s for s in self.stop):
             fail("stop", self.stop, "a non-empty string or a list of them")
+        for stop in self.stop:
+            check_unicode(stop, "stop")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             fail("cache_salt", self.cache_salt, "a non-empty string")
         if self.output_kind not in ("cumulative", "final_only"):
@@ -139,3 +143,12 @@ class SamplingParams:
     def num_sequences(self) -> int:
         """How many sequences the request keeps at once (samples or beams)."""
         return self.beam_width if self.use_beam_search else self.n
+
+
+def check_unicode(text: str, field: str) -> None:
+    """Raises ValueError naming `field` if `text` is not valid Unicode: JSON lets a request carry
+    a lone surrogate, which no tokenizer (or UTF-8 response) can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"{field} must be valid Unicode text; found {error.reason} at index {error.start}") from None

@@ -9,11 +9,12 @@ grammar is complete only the end-of-sequence tokens are allowed, so the sequence
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
-
 
 @dataclass
 class StructuredOutputsParams:
@@ -59,9 +60,10 @@ class StructuredOutputsParams:
 
 class GrammarCompiler:
     """Compiles constraints for one tokenizer and hands out matchers. xgrammar is imported on
-    first use, so unconstrained serving does not need it."""
+    first use, so unconstrained serving does not need it. Safe to call from several threads:
+    requests are compiled on a worker pool, off the engine's step thread."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int]):
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int], max_cached_grammars: int = 64):
         try:
             import xgrammar
         except ImportError as error:
@@ -70,20 +72,37 @@ class GrammarCompiler:
         info = xgrammar.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(eos_token_ids) or None
         )
-        self._compiler = xgrammar.GrammarCompiler(info, max_threads=2)
-        self._compiled: dict[tuple, object] = {}
+        # (xgrammar's own cache has no bound: ours, an LRU of max_cached_grammars, is the only one)
+        self._compiler = xgrammar.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+        self.max_cached_grammars = max_cached_grammars
+        self._compiled: OrderedDict[tuple, object] = OrderedDict()  # least recently used first
+        self._lock = threading.Lock()
 
-    def matcher(self, params: StructuredOutputsParams):
-        """A fresh matcher at the start of the constraint. Raises ValueError naming
-        structured_outputs when the schema, regex or grammar is invalid."""
+    def compile(self, params: StructuredOutputsParams):
+        """The compiled constraint (cached, least recently used evicted first). Raises ValueError
+        naming structured_outputs when the schema, regex or grammar is invalid."""
         key = params.key()
-        compiled = self._compiled.get(key)
-        if compiled is None:
-            try:
-                compiled = self._compile(params)
-            except Exception as error:  # xgrammar raises RuntimeError / its own errors on bad input
-                raise ValueError(f"structured_outputs {key[0]} is invalid: {error}") from None
+        with self._lock:
+            compiled = self._compiled.get(key)
+            if compiled is not None:
+                self._compiled.move_to_end(key)
+                return compiled
+        try:  # (outside the lock: other threads' cache hits need not wait for a compile)
+            compiled = self._compile(params)
+        except Exception as error:  # xgrammar raises RuntimeError / its own errors on bad input
+            raise ValueError(f"structured_outputs {key[0]} is invalid: {error}") from None
+        with self._lock:
             self._compiled[key] = compiled
+            while len(self._compiled) > self.max_cached_grammars:
+                self._compiled.popitem(last=False)
+        return compiled
+
+    @property
+    def num_cached_grammars(self) -> int:
+        return len(self._compiled)
+
+    def matcher(self, compiled):
+        """A fresh matcher at the start of a compiled constraint (cheap: no compiling)."""
         return self._xgr.GrammarMatcher(compiled)
 
     def _compile(self, params: StructuredOutputsParams):
@@ -98,7 +117,6 @@ class GrammarCompiler:
         if params.choice is not None:
             return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(option) for option in params.choice))
         return compiler.compile_grammar(params.grammar)
-
 
 
 def mask_disallowed_tokens(logits: torch.Tensor, matchers: dict[int, object]) -> None:
