@@ -1,5 +1,6 @@
 """The command line: --help documents every engine option; serve shuts down cleanly on SIGTERM."""
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -7,11 +8,14 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
+from typing import Optional
 
 import httpx
 
-from pagedkv.cli import build_parser
+from pagedkv.cli import build_parser, main
 from pagedkv.config import EngineConfig
 
 
@@ -44,30 +48,79 @@ def test_generate_with_a_json_schema_file(capsys, tmp_path):
     assert list(json.loads(line)) == ["color"]
 
 
-def test_serve_answers_and_exits_zero_on_sigterm():
+@contextlib.contextmanager
+def served(*flags: str, env: Optional[dict] = None):
+    """`pagedkv serve` (the embedded SmolLM2) in a subprocess on a free port: yields (its URL, the
+    process, its output file) once /health answers; kills it if it is still running after."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    process = subprocess.Popen(
-        [sys.executable, "-m", "pagedkv.cli", "serve", "--port", str(port), "--num-device-blocks", "64",
-         "--max-model-len", "256"],
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None, "server exited early"
-            assert time.monotonic() < deadline, "server did not come up"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.5)
-        response = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
-                              json={"prompt": "Hi", "max_tokens": 3}, timeout=60)
+    with tempfile.TemporaryFile("w+") as output:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "pagedkv.cli", "serve", "--port", str(port), "--num-device-blocks", "64",
+             "--max-model-len", "512", *flags],
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, stdout=output, stderr=subprocess.STDOUT,
+        )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 120
+            while True:
+                assert process.poll() is None, "server exited early"
+                assert time.monotonic() < deadline, "server did not come up"
+                try:
+                    if httpx.get(url + "/health", timeout=1).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    time.sleep(0.5)
+            yield url, process, output
+        finally:
+            if process.poll() is None:
+                process.kill()
+
+
+def test_serve_answers_and_exits_zero_on_sigterm():
+    with served() as (url, process, _):
+        response = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 3}, timeout=60)
         assert response.status_code == 200
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()
+
+
+def test_sigterm_drains_then_ends_streams_with_abort_and_answers_the_rest_503():
+    """Requests that finish within --shutdown-grace-seconds are answered; after it, a stream ends
+    with finish_reason "abort" and [DONE], a non-streamed request gets an error; no tracebacks."""
+    headers = {"Authorization": "Bearer k"}
+    with served("--shutdown-grace-seconds", "2", env={"PAGEDKV_API_KEY": "k"}) as (url, process, output):
+        body = {"prompt": "Count to a thousand:", "max_tokens": 400, "ignore_eos": True}
+        answers = {}
+
+        def post(name: str, request_body: dict) -> None:
+            answers[name] = httpx.post(url + "/v1/completions", json=request_body, headers=headers, timeout=60)
+
+        whole = threading.Thread(target=post, args=("whole", body))
+        short = threading.Thread(target=post, args=("short", {**body, "max_tokens": 4}))
+        whole.start()
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, headers=headers,
+                          timeout=60) as stream:
+            lines = stream.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            short.start()
+            time.sleep(0.2)
+            process.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data: ")]
+        whole.join(60)
+        short.join(60)
+        assert process.wait(timeout=60) == 0
+        output.seek(0)
+        log = output.read()
+    assert rest[-1] == "data: [DONE]"
+    assert json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "abort"
+    assert answers["short"].status_code == 200
+    assert answers["whole"].status_code == 503 and answers["whole"].json()["error"]["code"] == "shutting_down"
+    assert "Traceback" not in log, log
+
+
+def test_an_empty_api_key_is_a_configuration_error(capsys, monkeypatch):
+    monkeypatch.setenv("PAGEDKV_API_KEY", "")
+    assert main(["serve", "--num-device-blocks", "16"]) == 2
+    assert "api_key must be a non-empty string" in capsys.readouterr().err

@@ -14,19 +14,22 @@ from openai import OpenAI
 
 from pagedkv.config import EngineConfig
 from pagedkv.engine import LLMEngine
+from pagedkv.errors import InvalidConfigError
 from pagedkv.server import create_app
 
 
 class LiveServer:
     def __init__(self, chat_template=None, api_key=None, lora_modules=None, allow_runtime_lora_updating=False,
-                 reasoning_parser=None, tool_call_parser="hermes", **engine_options):
+                 reasoning_parser=None, tool_call_parser="hermes", app_options=None, **engine_options):
         self.engine = LLMEngine(EngineConfig(dtype="float32", **engine_options))
+        self.api_key = api_key
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
         config = uvicorn.Config(create_app(self.engine, chat_template=chat_template, api_key=api_key, lora_modules=lora_modules,
                                            allow_runtime_lora_updating=allow_runtime_lora_updating,
-                                           reasoning_parser=reasoning_parser, tool_call_parser=tool_call_parser),
+                                           reasoning_parser=reasoning_parser, tool_call_parser=tool_call_parser,
+                                           **(app_options or {})),
                                 host="127.0.0.1", port=self.port, log_level="warning")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -43,7 +46,8 @@ class LiveServer:
         assert not self.thread.is_alive()
 
     def metric(self, name: str) -> float:
-        text = httpx.get(self.url + "/metrics", timeout=10).text
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        text = httpx.get(self.url + "/metrics", headers=headers, timeout=10).text
         return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
 
 
@@ -501,6 +505,14 @@ def test_an_api_key_guards_the_v1_routes():
             assert response.json()["error"]["code"] == "invalid_api_key"
         assert httpx.get(live.url + "/v1/models", timeout=10).status_code == 401
         assert httpx.get(live.url + "/health", timeout=10).status_code == 200  # probes need no key
+        for path, json_body in (("/tokenize", {"prompt": "Hello"}), ("/detokenize", {"tokens": [1, 2]}),
+                                ("/classify", {"input": "Hello"})):  # every other route asks for the key
+            assert httpx.post(live.url + path, json=json_body, timeout=10).status_code == 401, path
+            response = httpx.post(live.url + path, json=json_body, headers={"Authorization": "Bearer s3cret"}, timeout=30)
+            assert response.status_code != 401, path
+        assert httpx.get(live.url + "/metrics", timeout=10).status_code == 401
+        with pytest.raises(InvalidConfigError, match="api_key must be a non-empty string"):
+            create_app(live.engine, api_key="")  # (PAGEDKV_API_KEY="" once served with no authentication)
         assert httpx.post(live.url + "/reset_prefix_cache", timeout=10).status_code == 401
         response = httpx.post(live.url + "/reset_prefix_cache", headers={"Authorization": "Bearer s3cret"}, timeout=30)
         assert response.status_code == 200 and response.json() == {"status": "ok"}

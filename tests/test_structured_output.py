@@ -71,6 +71,22 @@ def test_any_json_object_keeps_every_token_in_the_grammar(llm):
         assert isinstance(json.loads(completion.text), dict)
 
 
+def test_the_grammar_cache_is_bounded_and_keeps_the_most_recently_used(llm):
+    """Each compiled grammar holds token masks (~1 MiB): a stream of distinct schemas must not
+    grow the server without bound (issue #28)."""
+    compiler = GrammarCompiler(llm.tokenizer, llm.engine.runner.vocab_size, llm.engine.eos_token_ids,
+                               max_cached_grammars=3)
+    constraints = [StructuredOutputsParams(regex=f"a{{{length}}}") for length in range(1, 6)]
+    first = compiler.compile(constraints[0])
+    for constraint in constraints[1:3]:
+        compiler.compile(constraint)
+    assert compiler.compile(constraints[0]) is first  # a hit, and now the most recently used
+    for constraint in constraints[3:]:
+        compiler.compile(constraint)
+    assert compiler.num_cached_grammars == 3
+    assert compiler.compile(constraints[0]) is first
+
+
 def test_the_grammar_ends_the_output_despite_min_tokens_and_ignore_eos(llm):
     prompt = chat(llm, "Is Paris in France?")
     for extra in (dict(min_tokens=5), dict(ignore_eos=True)):

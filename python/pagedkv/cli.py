@@ -121,7 +121,7 @@ def _print_summary(engine, outputs, elapsed: float) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from pagedkv.server.app import serve
+    from pagedkv.server.app import DEFAULT_MAX_REQUEST_BODY_BYTES, serve
 
     chat_template = args.chat_template
     if chat_template is not None and os.path.isfile(chat_template):
@@ -136,7 +136,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(engine_config(args), host=args.host, port=args.port, served_model_name=args.served_model_name,
                  chat_template=chat_template, api_key=args.api_key, lora_modules=lora_modules,
                  allow_runtime_lora_updating=args.allow_runtime_lora_updating, reasoning_parser=args.reasoning_parser,
-                 tool_call_parser=args.tool_call_parser)
+                 tool_call_parser=args.tool_call_parser, max_request_body_bytes=(DEFAULT_MAX_REQUEST_BODY_BYTES if args.max_request_body_bytes is None
+                                         else args.max_request_body_bytes),
+                 shutdown_grace_seconds=args.shutdown_grace_seconds)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -209,7 +211,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="accepted for vLLM compatibility: tool_choice auto is always on")
     serve.add_argument("--api-key", default=os.environ.get("PAGEDKV_API_KEY"),
-                       help="require 'Authorization: Bearer KEY' on /v1 routes (default: $PAGEDKV_API_KEY, else none)")
+                       help="require 'Authorization: Bearer KEY' on every route but /health (default: "
+                            "$PAGEDKV_API_KEY, else none; an empty key is an error)")
+    serve.add_argument("--max-request-body-bytes", type=int, default=None,
+                       help="larger request bodies get HTTP 413 (default: 33554432, 32 MiB)")
+    serve.add_argument("--shutdown-grace-seconds", type=float, default=10.0,
+                       help="at SIGTERM, in-flight requests may finish for this long; the rest are aborted "
+                            "(streams end with finish_reason abort and [DONE]) (default: %(default)s)")
     add_engine_arguments(serve)
     serve.set_defaults(func=cmd_serve)
 
@@ -224,9 +232,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    from pagedkv.errors import InvalidConfigError
+
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return args.func(args)
+    try:
+        return args.func(args)
+    except InvalidConfigError as error:  # (a configuration mistake: one line, not a traceback)
+        print(f"error: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

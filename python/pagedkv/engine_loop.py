@@ -1,7 +1,8 @@
 """One background thread owns the engine and steps it; asyncio code (AsyncLLM, the HTTP
 handlers) talks to it through a thread-safe command queue and receives outputs on its own
 asyncio queues. Requests from all callers are batched together by the scheduler (continuous
-batching)."""
+batching). The heavy half of admitting a request (tokenizing, grammar compiling) runs on a small
+worker pool, so neither the event loop nor the stepping thread waits for a megabyte prompt."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -34,9 +36,10 @@ class _Stream:
 class EngineLoop:
     """Drives `engine.step()` in a thread. `submit_all` and `abort` may be called from any thread."""
 
-    def __init__(self, engine: LLMEngine, metrics=None):
+    def __init__(self, engine: LLMEngine, metrics=None, num_workers: int = 2):
         self.engine = engine
         self.metrics = metrics
+        self._workers = ThreadPoolExecutor(num_workers, thread_name_prefix="pagedkv-worker")
         self.stats: dict = engine.stats()  # snapshot for /metrics, refreshed by the loop thread
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, _Stream] = {}
@@ -53,6 +56,12 @@ class EngineLoop:
         self._stopping.set()
         self._commands.put(("wake",))
         self._thread.join(timeout)
+        self._workers.shutdown(wait=False, cancel_futures=True)
+
+    async def run_in_worker(self, function, *args):
+        """`function(*args)` on the worker pool (CPU-heavy request work: tokenizing, chat
+        templates), so the event loop keeps answering meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self._workers, function, *args)
 
     async def submit_all(
         self, requests: list[tuple[str, object]], params: Union[SamplingParams, PoolingParams], priority: int = 0,
@@ -62,27 +71,38 @@ class EngineLoop:
         error (what `engine.add_request` raises: PromptTooLongError, ...) is raised. One output
         queue per request."""
         loop = asyncio.get_running_loop()
+        self._check_open()
+        prepared = await self.run_in_worker(
+            lambda: [self.engine.prepare_request(request_id, prompt, params, priority=priority, lora_request=lora_request)
+                     for request_id, prompt in requests])
         accepted = loop.create_future()
-        streams = [(request_id, prompt, _Stream(loop, asyncio.Queue())) for request_id, prompt in requests]
+        streams = [(request, _Stream(loop, asyncio.Queue())) for request in prepared]
         with self._lock:
-            if self._closed or self._stopping.is_set():
-                raise EngineStoppedError("the engine loop has stopped")
-            self._commands.put(("add", streams, params, priority, lora_request, accepted))
+            self._check_open()
+            self._commands.put(("add", streams, accepted))
         await accepted
-        return [stream.outputs for _, _, stream in streams]
+        return [stream.outputs for _, stream in streams]
+
+    def _check_open(self) -> None:
+        if self._closed or self._stopping.is_set():
+            raise EngineStoppedError("the engine loop has stopped")
 
     async def call(self, function):
         """`function(engine)` run on the loop thread between steps (the engine is not
         thread-safe); returns its result or raises its exception."""
         done = asyncio.get_running_loop().create_future()
         with self._lock:
-            if self._closed or self._stopping.is_set():
-                raise EngineStoppedError("the engine loop has stopped")
+            self._check_open()
             self._commands.put(("call", function, done))
         return await done
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
+
+    def abort_all(self) -> None:
+        """Aborts every request in flight (from any thread): each stream ends with an output
+        whose unfinished sequences have finish_reason "abort"."""
+        self._commands.put(("abort_all",))
 
     @property
     def alive(self) -> bool:
@@ -112,7 +132,11 @@ class EngineLoop:
                     self._finish_stream(request_id, error="internal engine error")
                 continue
             for output in outputs:
-                self._deliver(output)
+                try:
+                    self._deliver(output)
+                except Exception:  # (a bug in one request's delivery ends that request only)
+                    logger.exception("delivering request %s failed; aborting it", output.request_id)
+                    self._finish_stream(output.request_id, error="internal error delivering the output")
             self.stats = engine.stats()
 
     def _close(self) -> None:
@@ -146,19 +170,19 @@ class EngineLoop:
     def _execute(self, command) -> None:
         kind = command[0]
         if kind == "add":
-            _, streams, params, priority, lora_request, accepted = command
+            _, streams, accepted = command
             added: list[str] = []
             try:
-                for request_id, prompt, _ in streams:
-                    self.engine.add_request(request_id, prompt, params, priority=priority, lora_request=lora_request)
-                    added.append(request_id)
+                for prepared, _ in streams:
+                    self.engine.add_prepared(prepared)
+                    added.append(prepared.state.request_id)
             except Exception as error:  # handed back to the HTTP handler, which maps it to a status
                 for request_id in added:  # (no step ran in between: they never started)
                     self.engine.abort(request_id)
                 accepted.get_loop().call_soon_threadsafe(_set_exception, accepted, error)
                 return
-            for request_id, _, stream in streams:
-                self._streams[request_id] = stream
+            for prepared, stream in streams:
+                self._streams[prepared.state.request_id] = stream
             accepted.get_loop().call_soon_threadsafe(_set_result, accepted)
         elif kind == "call":
             _, function, done = command
@@ -169,11 +193,12 @@ class EngineLoop:
             else:
                 done.get_loop().call_soon_threadsafe(_set_value, done, result)
             self.stats = self.engine.stats()
-        elif kind == "abort":
-            output = self.engine.abort(command[1])
-            if output is not None:
-                self._deliver(output)  # the stream ends with finish_reason "abort"
-            self._streams.pop(command[1], None)
+        elif kind in ("abort", "abort_all"):
+            for request_id in command[1:] if kind == "abort" else list(self._streams):
+                output = self.engine.abort(request_id)
+                if output is not None:
+                    self._deliver(output)  # the stream ends with finish_reason "abort"
+                self._streams.pop(request_id, None)
             self.stats = self.engine.stats()
 
     def _deliver(self, output: RequestOutput) -> None:

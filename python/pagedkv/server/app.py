@@ -1,7 +1,8 @@
 """The FastAPI application: /v1/completions, /v1/chat/completions (with SSE streaming),
 /v1/embeddings, vLLM's /classify, /score and /rerank, /v1/models, /health, /metrics, vLLM's /tokenize, /detokenize and /version, and OpenAI-shaped
-errors. With an API key, every /v1 route asks for `Authorization: Bearer <key>` (as vLLM's
---api-key does)."""
+errors. With an API key, every route but /health asks for `Authorization: Bearer <key>`.
+Request bodies are bounded (413 beyond max_request_body_bytes), prompts are rendered and
+tokenized on the engine loop's worker pool, and a client that leaves aborts its requests."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import dataclasses
 import hmac
 import logging
 import signal
+import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -23,12 +25,20 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pagedkv import __version__
 from pagedkv.config import EngineConfig
 from pagedkv.engine import LLMEngine
-from pagedkv.errors import DuplicateRequestError, EngineStoppedError, OverloadedError, PromptTooLongError
+from pagedkv.errors import (
+    DuplicateRequestError,
+    EngineStoppedError,
+    InvalidConfigError,
+    OverloadedError,
+    PromptTooLongError,
+)
 from pagedkv.engine_loop import EngineLoop
 from pagedkv.lora import LoRARequest
 from pagedkv.outputs import RequestOutput
+from pagedkv.server.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES, BodySizeLimit, BodyTooLargeError
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.pooling_params import PoolingParams
+from pagedkv.sampling_params import check_unicode
 from pagedkv.scoring import score_pairs, scores_of, scoring_requests
 from pagedkv.server.protocol import (
     ChatCompletionRequest,
@@ -53,8 +63,8 @@ logger = logging.getLogger("pagedkv.server")
 
 # Engine ValueErrors that start with one of these name a sampling field; others are about the prompt.
 SAMPLING_FIELDS = frozenset({"logit_bias", "stop_token_ids", "n", "structured_outputs", "priority", "allowed_token_ids"})
-# Routes outside /v1 that --api-key guards too.
-ADMIN_ROUTES = frozenset({"/reset_prefix_cache", "/classify", "/score", "/rerank", "/v2/rerank"})
+# The one route --api-key leaves open: load balancers and orchestrators probe it.
+UNGUARDED_ROUTES = frozenset({"/health"})
 
 
 class APIError(Exception):
@@ -71,16 +81,21 @@ def error_response(status: int, message: str, type_: str, param=None, code=None,
 def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_template: Optional[str] = None,
                api_key: Optional[str] = None, lora_modules: Optional[dict[str, str]] = None,
                allow_runtime_lora_updating: bool = False, reasoning_parser: Optional[str] = None,
-               tool_call_parser: str = "hermes") -> FastAPI:
+               tool_call_parser: str = "hermes",
+               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
     """The app around an engine; the engine loop runs for the app's lifetime. `chat_template`
     (Jinja) replaces the tokenizer's own, e.g. for a base model that has none. `api_key`: /v1
-    routes answer 401 unless the request carries `Authorization: Bearer <api_key>`.
+    routes (all but /health) answer 401 unless the request carries `Authorization: Bearer <api_key>`; an
+    empty key is an InvalidConfigError. Bodies longer than `max_request_body_bytes` get 413.
     `lora_modules` ({name: PEFT directory}, engine with enable_lora): each adapter is served as a
     model of its own name, loaded now. `allow_runtime_lora_updating` adds vLLM's
     /v1/load_lora_adapter and /v1/unload_lora_adapter (adapters from the server's disk).
     `reasoning_parser` ("deepseek_r1", "qwen3", "openai_gptoss"): chat replies' think blocks become
     `reasoning_content` (server/reasoning.py). `tool_call_parser` ("hermes", "llama3_json",
     "mistral", "openai"): how tool calls are found in replies with tool_choice "auto" (server/tools.py)."""
+    check_api_key(api_key)
+    if not isinstance(max_request_body_bytes, int) or max_request_body_bytes <= 0:
+        raise InvalidConfigError(f"max_request_body_bytes must be a positive integer, got {max_request_body_bytes!r}")
     if tool_call_parser not in TOOL_CALL_PARSERS:
         raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {tool_call_parser!r}")
     model_name = served_model_name or engine.model_name
@@ -93,7 +108,7 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
     builders = {name: ResponseBuilder(engine.tokenizer, name, reasoning) for name in (model_name, *adapters)}
     # Routes reach the engine through `state`, emptied at shutdown: an app that is done must not
     # keep its engine alive (FastAPI caches route functions, and with them their closures).
-    state: dict = {"engine": engine}
+    state: dict = {"engine": engine, "draining": False}
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -113,13 +128,24 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
     app = FastAPI(title="pagedkv", lifespan=lifespan)
     app.state.pagedkv = state
 
-    if api_key:
+    def drain(grace_seconds: float) -> None:
+        """Starts a graceful shutdown (serve calls it at SIGTERM): the requests still running
+        after `grace_seconds` are aborted; their streams end with finish_reason "abort" and
+        [DONE], their non-streamed answers are a 503 error."""
+        state["draining"] = True
+        timer = threading.Timer(grace_seconds, lambda: "loop" in state and state["loop"].abort_all())
+        timer.daemon = True
+        timer.start()
+
+    app.state.drain = drain
+    app.add_middleware(BodySizeLimit, max_bytes=max_request_body_bytes)
+
+    if api_key is not None:
         expected = f"Bearer {api_key}".encode()
 
         @app.middleware("http")
         async def authenticate(request: Request, call_next):
-            path = request.url.path
-            if request.method != "OPTIONS" and (path.startswith("/v1") or path in ADMIN_ROUTES):
+            if request.method != "OPTIONS" and request.url.path not in UNGUARDED_ROUTES:
                 given = request.headers.get("authorization", "").encode()
                 if not hmac.compare_digest(given, expected):  # (constant time: no key guessing by timing)
                     return error_response(401, "invalid or missing API key (Authorization: Bearer <key>)",
@@ -129,6 +155,10 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
     @app.exception_handler(APIError)
     async def api_error(_: Request, error: APIError):
         return error_response(error.status, error.message, error.type, error.param, error.code, error.headers)
+
+    @app.exception_handler(BodyTooLargeError)
+    async def body_too_large(_: Request, error: BodyTooLargeError):
+        return error.response()
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, error: RequestValidationError):
@@ -174,11 +204,11 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
                                                           state["engine"].generation_defaults))
         tools = make_params(lambda: ToolCalling.from_request(body.tools, body.tool_choice, tool_call_parser))
         params = with_reasoning(with_tools(params, tools, "structured outputs (response_format, guided_*)"))
-        prompt = chat_prompt(body.messages, True, body.tools if tools is not None else None, body.chat_template_kwargs)
+        prompt = await chat_prompt(body.messages, True, body.tools if tools is not None else None, body.chat_template_kwargs)
         return await run(request, [prompt], params, body, served, chat=True, tools=tools)
 
     @app.post("/v1/responses")
-    async def responses(body: ResponsesRequest):
+    async def responses(body: ResponsesRequest, request: Request):
         """OpenAI's Responses API, stateless (store is always false), whole or streamed as events."""
         served = check_model(body.model)
         params = make_params(lambda: body.responses_params(max(1, state["engine"].max_model_len // 2),
@@ -187,7 +217,7 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
         chat_tools, tool_choice = make_params(body.chat_tools)
         tools = make_params(lambda: ToolCalling.from_request(chat_tools, tool_choice, tool_call_parser))
         params = with_reasoning(with_tools(params, tools, "text.format"))
-        prompt = chat_prompt(messages, True, chat_tools if tools is not None else None, body.chat_template_kwargs)
+        prompt = await chat_prompt(messages, True, chat_tools if tools is not None else None, body.chat_template_kwargs)
         response = ResponseState(served, body, reasoning, tools)
         if not body.stream:
             params = dataclasses.replace(params, output_kind="final_only")
@@ -209,13 +239,7 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
 
         if body.stream:
             return StreamingResponse(guarded([response.id], events()), media_type="text/event-stream")
-        output = None
-        try:
-            while output is None or not output.finished:
-                output = await next_output(queue)
-        finally:
-            if output is None or not output.finished:
-                state["loop"].abort(response.id)
+        [output] = await final_outputs(request, [response.id], [queue])
         completion = output.outputs[0]
         return response.complete(completion.text, completion.finish_reason, responses_usage(output))
 
@@ -298,10 +322,15 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", "invalid_request_error", "prompt")
         if body.messages is not None:
-            text = chat_prompt(body.messages, body.add_generation_prompt, None, body.chat_template_kwargs)
+            text = await chat_prompt(body.messages, body.add_generation_prompt, None, body.chat_template_kwargs)
         else:
             text = body.prompt
-        tokens = state["engine"].tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+        try:
+            check_unicode(text, "prompt")
+        except ValueError as error:
+            raise APIError(400, str(error), "invalid_request_error", "prompt")
+        tokens = await state["loop"].run_in_worker(
+            lambda: state["engine"].tokenizer.encode(text, add_special_tokens=body.add_special_tokens))
         return {"count": len(tokens), "max_model_len": state["engine"].max_model_len, "tokens": tokens}
 
     @app.post("/detokenize")
@@ -310,7 +339,7 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
         vocab_size = state["engine"].runner.vocab_size
         if any(not 0 <= token < vocab_size for token in body.tokens):
             raise APIError(400, f"tokens must be token ids in [0, {vocab_size})", "invalid_request_error", "tokens")
-        return {"prompt": state["engine"].tokenizer.decode(body.tokens)}
+        return {"prompt": await state["loop"].run_in_worker(state["engine"].tokenizer.decode, body.tokens)}
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache():
@@ -354,14 +383,15 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
     async def version():
         return {"version": __version__}
 
-    def chat_prompt(messages, add_generation_prompt: bool, tools=None, template_kwargs=None) -> str:
-        """The prompt text; `template_kwargs` reach the template as variables (e.g. Qwen3's
+    async def chat_prompt(messages, add_generation_prompt: bool, tools=None, template_kwargs=None) -> str:
+        """The prompt text, rendered on the worker pool (megabytes of messages or thousands of
+        tools take seconds); `template_kwargs` reach the template as variables (e.g. Qwen3's
         enable_thinking)."""
         turns = [message.template_fields() for message in messages]
         try:
-            return state["engine"].tokenizer.apply_chat_template(
+            return await state["loop"].run_in_worker(lambda: state["engine"].tokenizer.apply_chat_template(
                 turns, tools=tools, chat_template=chat_template, tokenize=False,
-                add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
+                add_generation_prompt=add_generation_prompt, **(template_kwargs or {})))
         except Exception as error:
             raise APIError(400, f"messages: cannot apply the chat template: {error}", "invalid_request_error", "messages")
 
@@ -425,16 +455,43 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
             chunks = responses.stream_chunks(request_id, merged(queues), len(queues), created, chat, include_usage,
                                              params.n, echo, tools)
             return StreamingResponse(guarded(request_ids, chunks), media_type="text/event-stream")
+        finals = await final_outputs(request, request_ids, queues)
+        return responses.full_response(request_id, finals, created, chat, params.n, echo, tools)
+
+    async def final_outputs(request: Request, request_ids: list[str], queues: list) -> list[RequestOutput]:
+        """Each request's final output, for a non-streamed answer. A client that disconnects
+        first (or a cancelled handler) aborts the unfinished ones, freeing their blocks; so does
+        a shutdown, which answers 503."""
         finals: list[Optional[RequestOutput]] = [None] * len(queues)
-        try:
+
+        async def collect() -> None:
             for i, queue in enumerate(queues):
                 while finals[i] is None or not finals[i].finished:
                     finals[i] = await next_output(queue)
+
+        collecting = asyncio.ensure_future(collect())
+        leaving = asyncio.ensure_future(client_disconnected(request))
+        try:
+            await asyncio.wait({collecting, leaving}, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            leaving.cancel()
+            collecting.cancel()
             for sub_id, final in zip(request_ids, finals):
                 if final is None or not final.finished:
                     state["loop"].abort(sub_id)
-        return responses.full_response(request_id, finals, created, chat, params.n, echo, tools)
+        if collecting.cancelled():
+            raise APIError(499, "the client closed the connection", "client_closed_request")
+        collecting.result()  # (raises what collecting raised)
+        if state["draining"] and any(completion.finish_reason == "abort" for final in finals
+                                     for completion in final.outputs):
+            raise APIError(503, "the server is shutting down", "server_overloaded", None, "shutting_down",
+                           {"Retry-After": "1"})
+        return finals
+
+    async def client_disconnected(request: Request) -> None:
+        """Returns once the client has gone (its body is read: the next message says so)."""
+        while (await request.receive())["type"] != "http.disconnect":
+            await asyncio.sleep(0.1)  # (a body chunk after the end: not expected, but never spin)
 
     def submit_error(error: Exception, chat: bool, prompt_field: str = "prompt") -> Exception:
         prompt_field = "messages" if chat else prompt_field
@@ -499,10 +556,16 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
 def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, served_model_name=None,
           chat_template: Optional[str] = None, api_key: Optional[str] = None,
           lora_modules: Optional[dict[str, str]] = None, allow_runtime_lora_updating: bool = False,
-          reasoning_parser: Optional[str] = None, tool_call_parser: str = "hermes") -> int:
+          reasoning_parser: Optional[str] = None, tool_call_parser: str = "hermes",
+          max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, shutdown_grace_seconds: float = 10.0) -> int:
     """Builds the engine and runs uvicorn until SIGINT/SIGTERM: stops accepting, lets in-flight
-    requests finish (10 s), aborts the rest, and returns 0. `lora_modules` and `allow_runtime_lora_updating` turn enable_lora on."""
+    requests finish for `shutdown_grace_seconds`, aborts the rest (see `drain` in create_app), and
+    returns 0. `lora_modules` and `allow_runtime_lora_updating` turn enable_lora on."""
     import uvicorn
+
+    check_api_key(api_key)  # (before the model loads)
+    if shutdown_grace_seconds < 0:
+        raise InvalidConfigError(f"shutdown_grace_seconds must be >= 0, got {shutdown_grace_seconds!r}")
 
     class Server(uvicorn.Server):
         @contextlib.contextmanager
@@ -513,9 +576,24 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, serve
                 signal.signal(sig, self.handle_exit)
             yield
 
+        def handle_exit(self, sig, frame) -> None:
+            if not self.should_exit:
+                app.state.drain(shutdown_grace_seconds)
+            super().handle_exit(sig, frame)
+
     if (lora_modules or allow_runtime_lora_updating) and not config.enable_lora:
         config = dataclasses.replace(config, enable_lora=True)
     app = create_app(LLMEngine(config), served_model_name, chat_template, api_key, lora_modules,
-                     allow_runtime_lora_updating, reasoning_parser, tool_call_parser)
-    Server(uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=10, log_level="info")).run()
+                     allow_runtime_lora_updating, reasoning_parser, tool_call_parser, max_request_body_bytes)
+    # uvicorn's own bound on the drain comes after ours: by then every request has ended.
+    Server(uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=shutdown_grace_seconds + 5,
+                          log_level="info")).run()
     return 0
+
+
+def check_api_key(api_key: Optional[str]) -> None:
+    """None serves without authentication; an empty key is a mistake (an unset variable), not a
+    wish for none: InvalidConfigError."""
+    if api_key is not None and not api_key.strip():
+        raise InvalidConfigError("api_key must be a non-empty string (unset it, and PAGEDKV_API_KEY, to serve "
+                                 "without authentication)")
