@@ -275,6 +275,18 @@ impl ScheduledSequence {
     }
 }
 
+/// How many block tables hold `block` (device or CPU pool), range-checked.
+fn refcount(blocks: &RustBlockManager, block: u32, on_device: bool) -> PyResult<u32> {
+    let device = if on_device { Device::Gpu } else { Device::Cpu };
+    let num_blocks = if on_device { blocks.num_device_blocks() } else { blocks.num_cpu_blocks() };
+    if block as usize >= num_blocks {
+        return Err(exceptions::InvalidStateError::new_err(format!(
+            "block {block} out of range: the {device} pool has {num_blocks} blocks"
+        )));
+    }
+    Ok(blocks.refcount(block, device))
+}
+
 /// The plan of one step.
 #[pyclass(module = "pagedkv._core", frozen, get_all)]
 pub struct SchedulerOutput {
@@ -394,6 +406,15 @@ impl Scheduler {
 
     fn block_table(&self, seq_id: u64) -> PyResult<Vec<u32>> {
         call(|| Ok(self.inner.block_manager().table(seq_id)?.blocks.clone()))
+    }
+
+    fn is_swapped(&self, seq_id: u64) -> PyResult<bool> {
+        call(|| Ok(self.inner.block_manager().table(seq_id)?.device == Device::Cpu))
+    }
+
+    #[pyo3(signature = (block, on_device=true))]
+    fn refcount(&self, block: u32, on_device: bool) -> PyResult<u32> {
+        refcount(self.inner.block_manager(), block, on_device)
     }
 
     fn has_unfinished_requests(&self) -> bool {
@@ -533,14 +554,7 @@ impl BlockManager {
 
     #[pyo3(signature = (block, on_device=true))]
     fn refcount(&self, block: u32, on_device: bool) -> PyResult<u32> {
-        let device = if on_device { Device::Gpu } else { Device::Cpu };
-        let num_blocks = if on_device { self.inner.num_device_blocks() } else { self.inner.num_cpu_blocks() };
-        if block as usize >= num_blocks {
-            return Err(exceptions::InvalidStateError::new_err(format!(
-                "block {block} out of range: the {device} pool has {num_blocks} blocks"
-            )));
-        }
-        Ok(self.inner.refcount(block, device))
+        refcount(&self.inner, block, on_device)
     }
 
     fn blocks_needed_to_append(&self, seq_id: u64, num_tokens: usize) -> PyResult<usize> {

@@ -145,7 +145,12 @@ class Scheduler:
     def abort(self, request_id: str) -> None:
         """Drop a request in any state and free all its blocks."""
     def sequence_len(self, seq_id: int) -> int: ...
-    def block_table(self, seq_id: int) -> list[int]: ...
+    def block_table(self, seq_id: int) -> list[int]:
+        """The sequence's physical blocks (CPU blocks while swapped out); UnknownSequenceError
+        while it holds none (waiting, or about to be rebuilt after a recompute)."""
+    def is_swapped(self, seq_id: int) -> bool: ...
+    def refcount(self, block: int, on_device: bool = True) -> int:
+        """Block tables holding `block` of the device (or CPU) pool."""
     def has_unfinished_requests(self) -> bool: ...
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached prefix (device and CPU tier); False, changing nothing, while any
