@@ -439,6 +439,29 @@ def test_every_feature_together_under_preemption(mode, prompts):
     assert re.fullmatch("[a-z ]{10,30}", tight["r3"].outputs[0].text)
 
 
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_samples_and_beams_complete_under_preemption_as_in_a_roomy_pool(mode, llm, prompts):
+    """n = 3 samples and beam width 3 in a pool of 6 blocks, so small that whole groups are
+    preempted and brought back (by swap, or rebuilt by recompute with their sharing): every
+    request completes, with the outputs the roomy `llm` gives."""
+    texts = [prompts[0], prompts[1], prompts[2], prompts[6]]
+    params = [
+        SamplingParams(temperature=0.8, seed=3, n=3, max_tokens=16),
+        greedy(12, use_beam_search=True, n=3, beam_width=3),
+        SamplingParams(temperature=1.0, seed=7, n=3, max_tokens=16, top_k=20),
+        greedy(12, use_beam_search=True, n=3, beam_width=3),
+    ]
+    tight = LLM(dtype="float32", max_model_len=128, num_device_blocks=6, swap_space_bytes=64 << 20,
+                preemption_mode=mode, watermark=0.0)
+    got = tight.generate(texts, params, use_tqdm=False)
+    assert tight.engine.stats()[f"num_preemptions_{mode}"] > 0
+    assert_all_blocks_free(tight.engine)
+    expected = llm.generate(texts, params, use_tqdm=False)
+    for want, have in zip(expected, got):
+        assert all(c.finish_reason in ("stop", "length") for c in have.outputs)
+        assert [c.token_ids for c in have.outputs] == [c.token_ids for c in want.outputs]
+
+
 def test_cache_salt_isolates_prefix_cache_sharing(prompts):
     llm = LLM(dtype="float32", num_device_blocks=256, max_model_len=1024)
     long_prompt = prompts[5]
