@@ -12,7 +12,6 @@ use rustc_hash::FxHashMap as HashMap;
 use slab::Slab;
 
 use crate::block_manager::{BlockCopy, BlockManager, SeqId, StepSlots};
-use crate::block_table::block_index;
 use crate::config::{SchedulerConfig, SchedulingPolicy};
 use crate::errors::{Error, Result};
 use crate::preemption::Preemption;
@@ -861,13 +860,9 @@ impl Scheduler {
         }
     }
 
-    /// The device blocks the plan takes, or a cheap upper bound of them (a new block per
-    /// block_size tokens, one partial, one copy) when the pool is far from full.
+    /// The device blocks the plan takes (single-token decodes of one-sequence groups, the bulk
+    /// of a step, take `schedule_single_decode` and never come here).
     fn blocks_needed(&self, plan: &[Planned]) -> usize {
-        let bound: usize = plan.iter().map(|planned| block_index(planned.take, self.config.block_size) + 2).sum();
-        if bound <= self.blocks.num_free_device_blocks() {
-            return bound;
-        }
         let appends: Vec<(SeqId, usize)> = plan.iter().map(|planned| (planned.seq, planned.take)).collect();
         self.blocks.blocks_needed_to_append_group(&appends).expect("running tables")
     }
