@@ -132,11 +132,7 @@ class EngineLoop:
                     self._finish_stream(request_id, error="internal engine error")
                 continue
             for output in outputs:
-                try:
-                    self._deliver(output)
-                except Exception:  # (a bug in one request's delivery ends that request only)
-                    logger.exception("delivering request %s failed; aborting it", output.request_id)
-                    self._finish_stream(output.request_id, error="internal error delivering the output")
+                self._deliver(output)
             self.stats = engine.stats()
 
     def _close(self) -> None:
