@@ -8,8 +8,8 @@
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use pagedkv::cpu_attention::{paged_decode_attention_with, DecodeShape};
-use pagedkv::cpu_simd::{Bf16, Element, Isa};
+use pagedkv::cpu_kernels::decode_attention::{paged_decode_attention_with, DecodeShape};
+use pagedkv::cpu_kernels::simd::{Bf16, Element, Isa};
 
 const BATCH: usize = 64;
 const NUM_HEADS: usize = 9;

@@ -1,4 +1,4 @@
-"""The CPU's fused layers (rust/cpu_layer_ops.rs) against the same layers' torch ops, same run, on
+"""The CPU's fused layers (rust/cpu_kernels/layer_ops.rs) against the same layers' torch ops, same run, on
 SmolLM2-135M's shapes (hidden 576, MLP 1536, 9 query + 3 KV heads of 64) for a decode batch and
 a prefill chunk. Prints one table: median microseconds per call and the speed-up.
 

@@ -7,9 +7,9 @@
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
-use pagedkv::cpu_attention::DecodeShape;
-use pagedkv::cpu_prefill_attention::paged_prefill_attention;
-use pagedkv::cpu_simd::{Bf16, Element, Isa};
+use pagedkv::cpu_kernels::decode_attention::DecodeShape;
+use pagedkv::cpu_kernels::prefill_attention::paged_prefill_attention;
+use pagedkv::cpu_kernels::simd::{Bf16, Element, Isa};
 
 const NUM_HEADS: usize = 9;
 const NUM_KV_HEADS: usize = 3;

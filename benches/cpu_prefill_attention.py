@@ -1,4 +1,4 @@
-"""The CPU's paged prefill attention (rust/cpu_prefill_attention.rs) against the path it
+"""The CPU's paged prefill attention (rust/cpu_kernels/prefill_attention.rs) against the path it
 replaced, same run: the torch reference's gather of the sequence's K/V through the block table
 plus torch's causal `scaled_dot_product_attention`. SmolLM2-135M's attention shape (9 query
 heads, 3 KV heads of 64, 16-token blocks scattered over a block-major cache). Prints one table:

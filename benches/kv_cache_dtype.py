@@ -1,6 +1,6 @@
 """float8 KV cache (`kv_cache_dtype="fp8"`) against the model-dtype cache, same run. Two tables:
 
-1. decode attention per layer call (rust/cpu_attention.rs) on SmolLM2-135M's attention shape,
+1. decode attention per layer call (rust/cpu_kernels/decode_attention.rs) on SmolLM2-135M's attention shape,
    bfloat16 queries, K/V caches in bfloat16 / float8 e4m3 / float8 e5m2: median µs, GB/s of
    K/V read, speed-up over the bfloat16 cache;
 2. the engine under one fixed KV memory budget that is tight for the bfloat16 cache: blocks,

@@ -4,7 +4,8 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
-use pagedkv::block_pool::{BlockPool, Device};
+use pagedkv::kv::block_pool::BlockPool;
+use pagedkv::Device;
 use pagedkv::{Scheduler, SchedulerConfig};
 
 const CONTEXT: u32 = 512;

@@ -83,7 +83,7 @@ __device__ __forceinline__ float e4m3_to_float(unsigned char code) {
 }
 
 // The float8 code nearest f (ties to even) of a format with MANTISSA mantissa bits and exponent
-// bias BIAS, saturating at max_code (infinities too); NaN becomes nan_code. As rust/fp8.rs.
+// bias BIAS, saturating at max_code (infinities too); NaN becomes nan_code. As rust/cpu_kernels/fp8.rs.
 template <int MANTISSA, int BIAS>
 __device__ __forceinline__ unsigned char float_to_fp8(float f, unsigned int max_code, unsigned int nan_code) {
   const unsigned int bits = __float_as_uint(f), sign = (bits >> 24) & 0x80u;

@@ -2,7 +2,7 @@
 
 use std::fmt;
 
-use crate::block_pool::Device;
+use crate::device::Device;
 
 /// Everything that can go wrong in the block manager and the scheduler. Messages name the
 /// limit or field that was violated and its value.

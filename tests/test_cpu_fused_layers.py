@@ -1,4 +1,4 @@
-"""The CPU's fused layers (rust/cpu_layer_ops.rs) against the layers' own torch code, which the
+"""The CPU's fused layers (rust/cpu_kernels/layer_ops.rs) against the layers' own torch code, which the
 GPU runs: float32 to rounding error, bfloat16 to at most one bfloat16 step where the float32
 math differs in its last bits (summation order, exp's polynomial)."""
 

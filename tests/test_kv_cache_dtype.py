@@ -1,6 +1,6 @@
 """Float8 KV caches (`kv_cache_dtype="fp8"` / "fp8_e4m3" / "fp8_e5m2", vLLM's option).
 
-The Rust CPU kernels read float8 codes themselves (rust/fp8.rs); torch's own float8 conversion in
+The Rust CPU kernels read float8 codes themselves (rust/cpu_kernels/fp8.rs); torch's own float8 conversion in
 the reference backend is their oracle. Against the exact float32 model a float8 cache is lossy,
 so quality is checked as in test_cpu_bfloat16.py: every token the engine chose must be nearly the
 float32 model's best at its position.

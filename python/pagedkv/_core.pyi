@@ -1,4 +1,4 @@
-"""Type stubs for the Rust core (`rust/python.rs`). Errors are raised as `pagedkv.errors` classes."""
+"""Type stubs for the Rust core (`rust/python/`). Errors are raised as `pagedkv.errors` classes."""
 
 from typing import Literal, Optional
 

@@ -30,7 +30,7 @@ from pagedkv.structured_output import GrammarCompiler
 
 logger = logging.getLogger("pagedkv.engine")
 
-# Rough device speeds for the swap-vs-recompute cost model (see rust/preemption.rs).
+# Rough device speeds for the swap-vs-recompute cost model (see rust/sched/preemption.rs).
 _FLOPS = {"cpu": 50e9, "cuda": 200e12}
 _SWAP_BANDWIDTH = {"cpu": 5e9, "cuda": 20e9}
 

@@ -7,9 +7,9 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
-use crate::cpu_simd::{exp_nonpositive, Element, ElementKind, Isa};
+use crate::cpu_kernels::openmp_team::run_on_team;
+use crate::cpu_kernels::simd::{exp_nonpositive, Element, ElementKind, Isa};
 use crate::errors::{Error, Result};
-use crate::openmp_team::run_on_team;
 
 /// Shapes and strides of one call. Caches are per-layer views `[num_blocks, num_kv_heads,
 /// block_size, head_dim]` whose blocks are `block_stride` elements apart (the block-major cache
@@ -539,7 +539,8 @@ fn exp_normalize(logits: &mut [f32], sink: f32) -> f32 {
             sums[lane] += chunk[lane];
         }
     }
-    let mut sum: f32 = sums.iter().sum::<f32>() + if sink > f32::NEG_INFINITY { exp_nonpositive(sink - max) } else { 0.0 };
+    let mut sum: f32 =
+        sums.iter().sum::<f32>() + if sink > f32::NEG_INFINITY { exp_nonpositive(sink - max) } else { 0.0 };
     for logit in chunks.into_remainder() {
         *logit = exp_nonpositive(*logit - max);
         sum += *logit;
@@ -595,7 +596,7 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::Element;
-    use crate::cpu_simd::ElementKind;
+    use crate::cpu_kernels::simd::ElementKind;
 
     /// 16 cache elements at `p`, widened to f32 exactly (bf16: zero-extend, shift into the
     /// high half; float8: through an IEEE half, see `e5m2x16` and `e4m3x16`).
@@ -603,9 +604,9 @@ mod x86 {
     unsafe fn load16<T: Element>(p: *const T) -> __m512 {
         match T::KIND {
             ElementKind::F32 => _mm512_loadu_ps(p as *const f32),
-            ElementKind::Bf16 => {
-                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p as *const __m256i))))
-            }
+            ElementKind::Bf16 => _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(
+                _mm256_loadu_si256(p as *const __m256i),
+            ))),
             ElementKind::Fp8E4m3 => e4m3x16(p as *const u8),
             ElementKind::Fp8E5m2 => e5m2x16(p as *const u8),
         }
@@ -627,7 +628,10 @@ mod x86 {
     unsafe fn e4m3x16(p: *const u8) -> __m512 {
         let codes = _mm256_cvtepu8_epi16(_mm_loadu_si128(p as *const __m128i));
         // The arithmetic shift also copies the sign into bit 14, which the mask clears.
-        let halves = _mm256_and_si256(_mm256_srai_epi16::<1>(_mm256_slli_epi16::<8>(codes)), _mm256_set1_epi16(0xbfffu16 as i16));
+        let halves = _mm256_and_si256(
+            _mm256_srai_epi16::<1>(_mm256_slli_epi16::<8>(codes)),
+            _mm256_set1_epi16(0xbfffu16 as i16),
+        );
         let value = _mm512_mul_ps(_mm512_cvtph_ps(halves), _mm512_set1_ps(256.0));
         let nan = _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(_mm512_abs_ps(value), _mm512_set1_ps(480.0));
         _mm512_mask_mov_ps(value, nan, _mm512_set1_ps(f32::NAN))
@@ -637,9 +641,9 @@ mod x86 {
     unsafe fn load8<T: Element>(p: *const T) -> __m256 {
         match T::KIND {
             ElementKind::F32 => _mm256_loadu_ps(p as *const f32),
-            ElementKind::Bf16 => {
-                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i))))
-            }
+            ElementKind::Bf16 => _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(
+                p as *const __m128i,
+            )))),
             ElementKind::Fp8E4m3 => e4m3x8(p as *const u8),
             ElementKind::Fp8E5m2 => e5m2x8(p as *const u8),
         }
@@ -735,8 +739,8 @@ mod x86 {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::cpu_simd::Bf16;
-    use crate::fp8::{Fp8E4m3, Fp8E5m2};
+    use crate::cpu_kernels::fp8::{Fp8E4m3, Fp8E5m2};
+    use crate::cpu_kernels::simd::Bf16;
 
     /// Straightforward reference: gather the context, softmax in f64.
     #[allow(clippy::too_many_arguments)]
@@ -765,8 +769,8 @@ pub(crate) mod tests {
                 let logits: Vec<f64> = visible
                     .clone()
                     .map(|pos| {
-                        let logit = (0..dim).map(|d| q[d] as f64 * cache_k[offset(pos) + d] as f64).sum::<f64>()
-                            * scale as f64;
+                        let logit =
+                            (0..dim).map(|d| q[d] as f64 * cache_k[offset(pos) + d] as f64).sum::<f64>() * scale as f64;
                         soft_cap_f64(logit, shape.logit_softcap)
                     })
                     .collect();
@@ -775,8 +779,11 @@ pub(crate) mod tests {
                 let weights: Vec<f64> = logits.iter().map(|l| (l - max).exp()).collect();
                 let total: f64 = weights.iter().sum::<f64>() + (sink - max).exp();
                 for d in 0..dim {
-                    let value: f64 =
-                        visible.clone().zip(&weights).map(|(pos, weight)| weight * cache_v[offset(pos) + d] as f64).sum();
+                    let value: f64 = visible
+                        .clone()
+                        .zip(&weights)
+                        .map(|(pos, weight)| weight * cache_v[offset(pos) + d] as f64)
+                        .sum();
                     out[(b * shape.num_heads + head) * dim + d] = (value / total) as f32;
                 }
             }
@@ -931,7 +938,8 @@ pub(crate) mod tests {
             logit_softcap: 0.0,
         };
         let finite: Vec<C> = (0..=255u8).filter_map(codes).collect();
-        let cache: Vec<C> = (0..shape.num_blocks * shape.block_stride).map(|i| finite[(i * 37) % finite.len()]).collect();
+        let cache: Vec<C> =
+            (0..shape.num_blocks * shape.block_stride).map(|i| finite[(i * 37) % finite.len()]).collect();
         let widened: Vec<f32> = cache.iter().map(|x| x.to_f32()).collect();
         let value_offset = 2 * 16 * dim;
         let query = pseudo_random(shape.batch * 8 * dim, 5);
@@ -941,12 +949,15 @@ pub(crate) mod tests {
         let scale = 1e-4;
         // Soft-capped too (the widened kernels cap their logits on their own path)
         for shape in [shape, DecodeShape { logit_softcap: 0.5, ..shape }] {
-            let expected = reference(&query, &widened, &widened[value_offset..], &tables, &contexts, &shape, scale, None);
+            let expected =
+                reference(&query, &widened, &widened[value_offset..], &tables, &contexts, &shape, scale, None);
             for isa in [Isa::Portable, Isa::Avx2Fma, Isa::Avx512].into_iter().filter(|isa| isa.is_supported()) {
                 let mut out = vec![f32::NAN; query.len()];
                 let (keys, values) = (&cache[..], &cache[value_offset..]);
-                paged_decode_attention_with(isa, &mut out, &query, keys, values, &tables, &contexts, &shape, scale, None, 2)
-                    .unwrap();
+                paged_decode_attention_with(
+                    isa, &mut out, &query, keys, values, &tables, &contexts, &shape, scale, None, 2,
+                )
+                .unwrap();
                 // Outputs average values up to the largest code: f32 rounding is relative to those.
                 let largest = widened.iter().fold(0.0f32, |m, x| m.max(x.abs()));
                 for (got, want) in out.iter().zip(&expected) {
@@ -970,7 +981,10 @@ pub(crate) mod tests {
                 _ => return,
             };
             for (code, (got, want)) in widened.iter().zip(codes.iter().map(|c| c.to_f32())).enumerate() {
-                assert!(got.to_bits() == want.to_bits() || got.is_nan() && want.is_nan(), "{isa:?} code {code:#x}: {got} vs {want}");
+                assert!(
+                    got.to_bits() == want.to_bits() || got.is_nan() && want.is_nan(),
+                    "{isa:?} code {code:#x}: {got} vs {want}"
+                );
             }
         }
         for isa in [Isa::Avx2Fma, Isa::Avx512].into_iter().filter(|isa| isa.is_supported()) {
@@ -1011,9 +1025,23 @@ pub(crate) mod tests {
         assert!(run(&[0, 1], &[8], &mut out[..8]).is_err()); // wrong output size
         assert!(run(&[0, 1], &[8], &mut out).is_ok());
         let no_heads = DecodeShape { num_heads: 0, ..shape };
-        assert!(paged_decode_attention::<f32, f32>(&mut [], &[], &cache, &cache, &[0, 1], &[8], &no_heads, 1.0, None, 1).is_err());
+        assert!(paged_decode_attention::<f32, f32>(
+            &mut [],
+            &[],
+            &cache,
+            &cache,
+            &[0, 1],
+            &[8],
+            &no_heads,
+            1.0,
+            None,
+            1
+        )
+        .is_err());
         let empty = DecodeShape { batch: 0, ..shape };
-        assert!(paged_decode_attention::<f32, f32>(&mut [], &[], &cache, &cache, &[], &[], &empty, 1.0, None, 2).is_ok());
+        assert!(
+            paged_decode_attention::<f32, f32>(&mut [], &[], &cache, &cache, &[], &[], &empty, 1.0, None, 2).is_ok()
+        );
     }
 
     #[test]

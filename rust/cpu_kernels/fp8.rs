@@ -2,7 +2,7 @@
 //! per element, half a bfloat16 cache's bytes. The CPU kernels widen them to f32 as they read
 //! them; `from_f32` rounds to nearest even and saturates, as the cache writes do.
 
-use crate::cpu_simd::{Element, ElementKind};
+use crate::cpu_kernels::simd::{Element, ElementKind};
 
 /// float8_e4m3fn: 4 exponent bits (bias 7), 3 mantissa bits, no infinities; codes 0x7F and 0xFF
 /// are NaN, the largest finite value is 448.
@@ -28,7 +28,13 @@ pub fn e4m3_to_f32(code: u8) -> f32 {
     let subnormal = (magnitude as f32 * (1.0 / 512.0)).to_bits();
     // Magnitude 0x7f is NaN: the f32 exponent 255 (rebias 255 - 15) over a non-zero mantissa.
     let nan = (magnitude << 20) + (240 << 23);
-    let bits = if magnitude < 8 { subnormal } else if magnitude == 0x7f { nan } else { normal };
+    let bits = if magnitude < 8 {
+        subnormal
+    } else if magnitude == 0x7f {
+        nan
+    } else {
+        normal
+    };
     f32::from_bits(sign | bits)
 }
 
@@ -42,7 +48,13 @@ pub fn e5m2_to_f32(code: u8) -> f32 {
     let subnormal = (magnitude as f32 * (1.0 / 65536.0)).to_bits();
     // Exponent 31: infinity (mantissa 0) or NaN, as in a half.
     let special = (magnitude << 21) + (224 << 23);
-    let bits = if magnitude < 4 { subnormal } else if magnitude >= 0x7c { special } else { normal };
+    let bits = if magnitude < 4 {
+        subnormal
+    } else if magnitude >= 0x7c {
+        special
+    } else {
+        normal
+    };
     f32::from_bits(sign | bits)
 }
 
@@ -54,7 +66,7 @@ fn narrow<const MANTISSA: u32, const BIAS: i32>(value: f32, max_code: u8, nan_co
         return sign | nan_code;
     }
     let magnitude = value.abs().min(f32::MAX); // infinity saturates like any large value
-    // Below the smallest normal exponent the spacing stays that of the subnormals.
+                                               // Below the smallest normal exponent the spacing stays that of the subnormals.
     let exponent = (((magnitude.to_bits() >> 23) & 0xff) as i32 - 127).max(1 - BIAS);
     let quantum = 2f64.powi(exponent - MANTISSA as i32);
     let steps = (magnitude as f64 / quantum).round_ties_even() as i64;

@@ -6,9 +6,9 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
-use crate::cpu_simd::{exp_nonpositive, with_isa, Element, Isa};
+use crate::cpu_kernels::openmp_team::run_on_team;
+use crate::cpu_kernels::simd::{exp_nonpositive, with_isa, Element, Isa};
 use crate::errors::{Error, Result};
-use crate::openmp_team::run_on_team;
 
 /// hidden[t] = weight * normalize(hidden[t]), where normalize(x) = x / sqrt(mean(x^2) + eps) in
 /// float32, rounded to the element type before the weight multiplies it (HF's RMSNorm). With a
@@ -231,7 +231,7 @@ fn invalid(message: String) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cpu_simd::Bf16;
+    use crate::cpu_kernels::simd::Bf16;
 
     fn pseudo_random(len: usize, seed: u64) -> Vec<f32> {
         let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;

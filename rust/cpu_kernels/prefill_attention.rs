@@ -10,10 +10,10 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
-use crate::cpu_attention::{check_paged_inputs, check_sinks, DecodeShape};
-use crate::cpu_simd::{exp_nonpositive, with_isa, Element, Isa};
+use crate::cpu_kernels::decode_attention::{check_paged_inputs, check_sinks, DecodeShape};
+use crate::cpu_kernels::openmp_team::run_on_team;
+use crate::cpu_kernels::simd::{exp_nonpositive, with_isa, Element, Isa};
 use crate::errors::{Error, Result};
-use crate::openmp_team::run_on_team;
 
 /// Keys per step of the context walk: two AVX-512 vectors of scores per query row, which
 /// spreads each step's softmax bookkeeping (maxima, sums, rescaling) over enough keys.
@@ -513,9 +513,9 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cpu_attention::tests::{pseudo_random, soft_cap_f64};
-    use crate::cpu_simd::Bf16;
-    use crate::fp8::{Fp8E4m3, Fp8E5m2};
+    use crate::cpu_kernels::decode_attention::tests::{pseudo_random, soft_cap_f64};
+    use crate::cpu_kernels::fp8::{Fp8E4m3, Fp8E5m2};
+    use crate::cpu_kernels::simd::Bf16;
 
     /// float64 attention of every new token over its sequence's visible context.
     #[allow(clippy::too_many_arguments)]
@@ -555,7 +555,8 @@ mod tests {
                     let weights: Vec<f64> = logits.iter().map(|l| (l - max).exp()).collect();
                     let total: f64 = weights.iter().sum::<f64>() + (sink - max).exp();
                     for d in 0..dim {
-                        let v: f64 = (first..visible).zip(&weights).map(|(p, w)| w * at(values, b, h / group, p, d)).sum();
+                        let v: f64 =
+                            (first..visible).zip(&weights).map(|(p, w)| w * at(values, b, h / group, p, d)).sum();
                         out[(t * shape.num_heads + h) * dim + d] = (v / total) as f32;
                     }
                 }
@@ -670,7 +671,20 @@ mod tests {
         let query = vec![0.0f32; 3 * 2 * 64];
         let mut out = vec![0.0f32; query.len()];
         let run = |out: &mut [f32], starts: &[i32], contexts: &[i32], tables: &[i32], shape: &DecodeShape| {
-            paged_prefill_attention(Isa::Portable, out, &query, &cache, &cache, tables, starts, contexts, shape, 1.0, None, 1)
+            paged_prefill_attention(
+                Isa::Portable,
+                out,
+                &query,
+                &cache,
+                &cache,
+                tables,
+                starts,
+                contexts,
+                shape,
+                1.0,
+                None,
+                1,
+            )
         };
         assert!(run(&mut out, &[0, 3], &[2], &[0, 1], &shape).is_err()); // more new tokens than context
         assert!(run(&mut out, &[0, 3], &[40], &[0, 1], &shape).is_err()); // past the table

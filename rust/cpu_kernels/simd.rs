@@ -74,7 +74,11 @@ impl Isa {
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2Fma => fma && std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("f16c"),
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => fma && std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("f16c"),
+            Isa::Avx512 => {
+                fma && std::is_x86_feature_detected!("avx2")
+                    && std::is_x86_feature_detected!("avx512f")
+                    && std::is_x86_feature_detected!("f16c")
+            }
             #[cfg(not(target_arch = "x86_64"))]
             _ => false,
         }

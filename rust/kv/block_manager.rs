@@ -5,11 +5,12 @@
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use smallvec::SmallVec;
 
-use crate::block_pool::{BlockId, BlockPool, Device};
-use crate::block_table::{block_index, block_offset, BlockTable};
-use crate::cpu_prefix_tier::CpuPrefixTier;
+use crate::device::Device;
 use crate::errors::{Error, Result};
-use crate::prefix_cache::{block_hash, block_hashes, PrefixCache};
+use crate::kv::block_pool::{BlockId, BlockPool};
+use crate::kv::block_table::{block_index, block_offset, BlockTable};
+use crate::kv::offload_tier::OffloadTier;
+use crate::kv::prefix_cache::{block_hash, block_hashes, PrefixCache};
 
 pub type SeqId = u64;
 
@@ -70,7 +71,7 @@ pub struct BlockManager {
     gpu: BlockPool,
     cpu: BlockPool,
     cache: PrefixCache,
-    cpu_tier: CpuPrefixTier,
+    cpu_tier: OffloadTier,
     enable_prefix_caching: bool,
     watermark_blocks: usize,
     /// Positions every layer attends back to, counting its own (0: all); see `set_sliding_window`.
@@ -110,7 +111,7 @@ impl BlockManager {
             gpu: BlockPool::new(Device::Gpu, num_device_blocks),
             cpu: BlockPool::new(Device::Cpu, num_cpu_blocks),
             cache: PrefixCache::default(),
-            cpu_tier: CpuPrefixTier::default(),
+            cpu_tier: OffloadTier::default(),
             enable_prefix_caching,
             watermark_blocks: (watermark * num_device_blocks as f64).ceil() as usize,
             sliding_window: 0,
@@ -145,7 +146,9 @@ impl BlockManager {
     /// on names share one. Only before any block is named: an error otherwise, changing nothing.
     pub fn set_hash_seed(&mut self, seed: u64) -> Result<()> {
         if !self.tables.is_empty() || !self.cache.is_empty() || !self.cpu_tier.cache().is_empty() {
-            return Err(Error::InvalidState("the prefix cache's hash seed can only be set before any block is cached".into()));
+            return Err(Error::InvalidState(
+                "the prefix cache's hash seed can only be set before any block is cached".into(),
+            ));
         }
         self.hash_seed = seed;
         Ok(())
@@ -156,7 +159,7 @@ impl BlockManager {
         first_needed_block(next_position, self.sliding_window, self.block_size)
     }
 
-    pub fn cpu_tier(&self) -> &CpuPrefixTier {
+    pub fn cpu_tier(&self) -> &OffloadTier {
         &self.cpu_tier
     }
 
@@ -323,7 +326,9 @@ impl BlockManager {
     /// in sibling order, `shared_len` 0 for a sequence that forks from none). A partial shared
     /// block is counted again: the forking sequence writes into a copy of it.
     pub fn blocks_to_rebuild(&self, seqs: &[(usize, usize)]) -> usize {
-        seqs.iter().map(|&(num_tokens, shared_len)| self.blocks_for_tokens(num_tokens) - shared_len / self.block_size).sum()
+        seqs.iter()
+            .map(|&(num_tokens, shared_len)| self.blocks_for_tokens(num_tokens) - shared_len / self.block_size)
+            .sum()
     }
 
     /// Device blocks that a new sequence with these tokens would take from the free pool:
@@ -354,8 +359,12 @@ impl BlockManager {
             return Default::default();
         }
         let block_size = self.block_size;
-        let mut hashes =
-            block_hashes(self.hash_seed, &tokens[..self.max_hit_blocks(tokens.len()) * block_size], block_size, extra_key);
+        let mut hashes = block_hashes(
+            self.hash_seed,
+            &tokens[..self.max_hit_blocks(tokens.len()) * block_size],
+            block_size,
+            extra_key,
+        );
         let mut found = Vec::with_capacity(hashes.len());
         for &hash in &hashes {
             let at = match self.cache.lookup(hash) {
@@ -388,7 +397,9 @@ impl BlockManager {
         while length > 0 {
             first_needed = self.first_needed_block(length * block_size).min(length);
             // Each tier hit takes a device block besides the free device hits it revives.
-            if within(first_needed, length, 0) == 0 && within(first_needed, length, 2) + within(first_needed, length, 3) <= num_free {
+            if within(first_needed, length, 0) == 0
+                && within(first_needed, length, 2) + within(first_needed, length, 3) <= num_free
+            {
                 break;
             }
             length -= 1;
@@ -660,7 +671,8 @@ impl BlockManager {
         if unique.len() > self.cpu.num_free() {
             return Err(Error::OutOfBlocks { device: Device::Cpu, needed: unique.len(), free: self.cpu.num_free() });
         }
-        let mut mapping: HashMap<BlockId, BlockId> = HashMap::with_capacity_and_hasher(unique.len(), Default::default());
+        let mut mapping: HashMap<BlockId, BlockId> =
+            HashMap::with_capacity_and_hasher(unique.len(), Default::default());
         let mut copies = Vec::with_capacity(unique.len());
         for &seq in seqs {
             let table = self.tables.get_mut(&seq).unwrap();
@@ -700,7 +712,8 @@ impl BlockManager {
         if needed > self.gpu.num_free() {
             return Err(Error::OutOfBlocks { device: Device::Gpu, needed, free: self.gpu.num_free() });
         }
-        let mut mapping: HashMap<BlockId, BlockId> = HashMap::with_capacity_and_hasher(unique.len(), Default::default());
+        let mut mapping: HashMap<BlockId, BlockId> =
+            HashMap::with_capacity_and_hasher(unique.len(), Default::default());
         let mut copies = Vec::with_capacity(unique.len());
         for &seq in seqs {
             let table = self.tables.get_mut(&seq).unwrap();
@@ -720,7 +733,12 @@ impl BlockManager {
                                 device_block
                             }
                             None => {
-                                let device_block = allocate_evicting(&mut self.gpu, &mut self.cache, &mut self.cpu, &mut self.cpu_tier)?;
+                                let device_block = allocate_evicting(
+                                    &mut self.gpu,
+                                    &mut self.cache,
+                                    &mut self.cpu,
+                                    &mut self.cpu_tier,
+                                )?;
                                 copies.push((*block, device_block));
                                 if let Some(hash) = hash {
                                     if self.cache.insert(hash, device_block) {
@@ -763,7 +781,9 @@ impl BlockManager {
             for (block, &count) in holders.iter().enumerate() {
                 let refcount = pool.refcount(block as BlockId);
                 if refcount != count {
-                    return Err(format!("{device} block {block}: refcount {refcount}, held by {count} tables and pins"));
+                    return Err(format!(
+                        "{device} block {block}: refcount {refcount}, held by {count} tables and pins"
+                    ));
                 }
                 zero += (count == 0) as usize;
             }
@@ -790,7 +810,9 @@ impl BlockManager {
                 }
             }
         }
-        if self.cpu_tier.cache().len() != (0..self.cpu.num_blocks() as BlockId).filter(|b| self.cpu.hash(*b).is_some()).count() {
+        if self.cpu_tier.cache().len()
+            != (0..self.cpu.num_blocks() as BlockId).filter(|b| self.cpu.hash(*b).is_some()).count()
+        {
             return Err("the CPU tier names a block that holds no hash".into());
         }
         Ok(())
@@ -844,7 +866,12 @@ fn first_needed_block(next_position: usize, window: usize, block_size: usize) ->
 
 /// Takes a device block, dropping the prefix-cache name of a cached block it had to evict (whose
 /// KV moves to the CPU tier when that is on).
-fn allocate_evicting(gpu: &mut BlockPool, cache: &mut PrefixCache, cpu: &mut BlockPool, tier: &mut CpuPrefixTier) -> Result<BlockId> {
+fn allocate_evicting(
+    gpu: &mut BlockPool,
+    cache: &mut PrefixCache,
+    cpu: &mut BlockPool,
+    tier: &mut OffloadTier,
+) -> Result<BlockId> {
     let allocation = gpu.allocate()?;
     if let Some(hash) = allocation.evicted_hash {
         cache.remove(hash, allocation.block);
@@ -1100,7 +1127,10 @@ mod tests {
 
     #[test]
     fn invalid_config_is_an_error() {
-        assert!(matches!(BlockManager::new(0, 0, 4, false, 0.0), Err(Error::InvalidConfig { field: "num_device_blocks", .. })));
+        assert!(matches!(
+            BlockManager::new(0, 0, 4, false, 0.0),
+            Err(Error::InvalidConfig { field: "num_device_blocks", .. })
+        ));
         assert!(matches!(BlockManager::new(1, 0, 4, false, 1.0), Err(Error::InvalidConfig { field: "watermark", .. })));
         for block_size in [0, 3, 24] {
             let error = BlockManager::new(1, 0, block_size, false, 0.0).unwrap_err();
@@ -1222,8 +1252,12 @@ mod tests {
             bm.set_hash_seed(seed).unwrap();
             bm.allocate(1, &tokens(9), None).unwrap();
             let names = bm.table(1).unwrap().hashes.clone();
-            assert_eq!(bm.set_hash_seed(seed + 1), Err(Error::InvalidState(
-                "the prefix cache's hash seed can only be set before any block is cached".into())));
+            assert_eq!(
+                bm.set_hash_seed(seed + 1),
+                Err(Error::InvalidState(
+                    "the prefix cache's hash seed can only be set before any block is cached".into()
+                ))
+            );
             bm.free(1).unwrap();
             assert!(bm.set_hash_seed(seed + 1).is_err(), "freed blocks stay cached under their names");
             assert_eq!(bm.allocate(2, &tokens(9), None).unwrap(), 8, "the seed did not change");

@@ -1,29 +1,12 @@
 //! Physical KV blocks of one device: a free list, per-block refcounts and an LRU of blocks that
 //! are free but still hold a cached prefix (reusable until evicted).
 
-use std::fmt;
-
+use crate::device::Device;
 use crate::errors::{Error, Result};
 
 pub type BlockId = u32;
 
 const NIL: u32 = u32::MAX;
-
-/// Which memory tier a pool lives in.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Device {
-    Gpu,
-    Cpu,
-}
-
-impl fmt::Display for Device {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Device::Gpu => "device",
-            Device::Cpu => "CPU swap",
-        })
-    }
-}
 
 /// A fixed set of blocks. All operations are O(1).
 ///

@@ -1,6 +1,7 @@
 //! One sequence's logical -> physical block map, with the hash chain of its full blocks.
 
-use crate::block_pool::{BlockId, Device};
+use crate::device::Device;
+use crate::kv::block_pool::BlockId;
 
 /// Logical block `i` of a sequence lives in physical block `blocks[i]` of the pool named by
 /// `device`. `num_tokens` slots are in use; only the last block can be partially filled.

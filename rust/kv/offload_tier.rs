@@ -1,4 +1,4 @@
-//! The prefix cache's second tier: a cached block evicted from the device keeps its KV in a free
+//! The offload tier, the prefix cache's second tier: a cached block evicted from the device keeps its KV in a free
 //! CPU swap block (named by the same content hash), and a later prompt with that prefix copies it
 //! back instead of recomputing it. Swapped-out sequences always come first: tier blocks are free
 //! CPU blocks (refcount 0, on the CPU pool's LRU) that any swap-out may take.
@@ -8,15 +8,15 @@
 //! step writes (an offload) or reads (a reload, a swap-in) is pinned until the next step begins:
 //! nothing else can take it in between.
 
-use crate::block_pool::{BlockId, BlockPool};
 use crate::errors::Result;
-use crate::prefix_cache::PrefixCache;
+use crate::kv::block_pool::{BlockId, BlockPool};
+use crate::kv::prefix_cache::PrefixCache;
 
 /// (source block, destination block), as in `BlockCopy`.
 type Copy = (BlockId, BlockId);
 
 #[derive(Debug, Clone, Default)]
-pub struct CpuPrefixTier {
+pub struct OffloadTier {
     enabled: bool,
     /// Content hash -> CPU block holding that block's KV.
     cache: PrefixCache,
@@ -29,7 +29,7 @@ pub struct CpuPrefixTier {
     pub num_reloaded: u64,
 }
 
-impl CpuPrefixTier {
+impl OffloadTier {
     pub fn enable(&mut self) {
         self.enabled = true;
     }

@@ -8,7 +8,7 @@ use std::hash::{Hash, Hasher};
 
 use rustc_hash::FxHashMap as HashMap;
 
-use crate::block_pool::BlockId;
+use crate::kv::block_pool::BlockId;
 
 /// Hash of one full block given its parent's hash (the root seed for a first block). SipHash
 /// with fixed keys: engines with the same root agree on names.

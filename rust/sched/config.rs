@@ -3,7 +3,7 @@
 use std::str::FromStr;
 
 use crate::errors::{Error, Result};
-use crate::preemption::{CostModel, PreemptionMode};
+use crate::sched::preemption::{CostModel, PreemptionMode};
 
 /// The order in which queued and running groups are served (vLLM's `--scheduling-policy`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -127,7 +127,11 @@ impl SchedulerConfig {
             });
         }
         let cost = &self.cost_model;
-        if !(cost.recompute_cost_per_token >= 0.0 && cost.swap_bandwidth > 0.0 && cost.block_bytes >= 0.0 && cost.swap_latency >= 0.0) {
+        if !(cost.recompute_cost_per_token >= 0.0
+            && cost.swap_bandwidth > 0.0
+            && cost.block_bytes >= 0.0
+            && cost.swap_latency >= 0.0)
+        {
             return Err(Error::InvalidConfig {
                 field: "cost_model",
                 message: format!("costs must be >= 0 and swap_bandwidth > 0, got {cost:?}"),
@@ -140,7 +144,10 @@ impl SchedulerConfig {
     /// cannot hold that many tokens. Under a sliding window with chunked prefill a sequence only
     /// ever holds its window and one step's chunk, so a pool that holds those serves any length.
     pub fn effective_max_model_len(&self) -> usize {
-        if self.sliding_window > 0 && self.enable_chunked_prefill && self.num_device_blocks >= self.max_windowed_blocks() {
+        if self.sliding_window > 0
+            && self.enable_chunked_prefill
+            && self.num_device_blocks >= self.max_windowed_blocks()
+        {
             return self.max_model_len;
         }
         self.max_model_len.min(self.num_device_blocks * self.block_size)

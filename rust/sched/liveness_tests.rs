@@ -7,10 +7,10 @@
 
 use std::collections::HashMap;
 
-use crate::config::{SchedulerConfig, SchedulingPolicy};
-use crate::preemption::{CostModel, PreemptionMode};
-use crate::scheduler::Scheduler;
-use crate::scheduler_tests::SimulatedCache;
+use crate::sched::config::{SchedulerConfig, SchedulingPolicy};
+use crate::sched::preemption::{CostModel, PreemptionMode};
+use crate::sched::scheduler::Scheduler;
+use crate::sched::scheduler_tests::SimulatedCache;
 
 /// Steps without any scheduled token that a scheduler with unfinished work may take (a step
 /// that preempts admits nothing; the next one must run something).
@@ -100,8 +100,11 @@ fn run_workload(seed: u64, coverage: &mut Coverage) {
         while added < num_requests && (s.num_unfinished() < 2 || rng.below(4) == 0) {
             let request_id = format!("r{added}");
             added += 1;
-            let prompt: Vec<u32> = (0..1 + rng.below(pool_tokens as u64) as u32).map(|i| rng.pick(&[0, 1]) * 1000 + i).collect();
-            let Ok(seq) = s.add_request(&request_id, prompt.clone(), None) else { continue }; // (too long: rejected)
+            let prompt: Vec<u32> =
+                (0..1 + rng.below(pool_tokens as u64) as u32).map(|i| rng.pick(&[0, 1]) * 1000 + i).collect();
+            let Ok(seq) = s.add_request(&request_id, prompt.clone(), None) else {
+                continue;
+            }; // (too long: rejected)
             targets.insert(request_id.clone(), prompt.len() + 1 + rng.below(2 * pool_tokens as u64) as usize);
             requests.insert(request_id, Request { prompt_len: prompt.len(), seqs: vec![seq] });
             tokens.insert(seq, prompt);
@@ -127,11 +130,18 @@ fn run_workload(seed: u64, coverage: &mut Coverage) {
         }
         cache.run(&s, &out, &tokens);
         idle_steps = if out.scheduled.is_empty() && s.has_unfinished() { idle_steps + 1 } else { 0 };
-        assert!(idle_steps <= MAX_IDLE_STEPS, "seed {seed}: stalled with {:?}: {cfg:?}\n{}", s.stats(), s.describe_groups());
+        assert!(
+            idle_steps <= MAX_IDLE_STEPS,
+            "seed {seed}: stalled with {:?}: {cfg:?}\n{}",
+            s.stats(),
+            s.describe_groups()
+        );
 
         for seq in out.scheduled.iter().filter(|seq| seq.sample) {
             let request_id = s.request_id(seq.seq_id).unwrap().to_string();
-            let Some(request) = requests.get_mut(&request_id) else { continue };
+            let Some(request) = requests.get_mut(&request_id) else {
+                continue;
+            };
             let len = tokens[&seq.seq_id].len();
             if len >= targets[&request_id].min(s.max_model_len()) || rng.below(16) == 0 {
                 s.finish_sequence(seq.seq_id).unwrap();
@@ -163,7 +173,11 @@ fn run_workload(seed: u64, coverage: &mut Coverage) {
     }
     s.schedule();
     let stats = s.stats();
-    assert_eq!((stats.num_free_device_blocks, stats.num_free_cpu_blocks), (cfg.num_device_blocks, cfg.num_cpu_blocks), "seed {seed}");
+    assert_eq!(
+        (stats.num_free_device_blocks, stats.num_free_cpu_blocks),
+        (cfg.num_device_blocks, cfg.num_cpu_blocks),
+        "seed {seed}"
+    );
     coverage.steps += steps;
     coverage.swaps += stats.num_preemptions_swap;
     coverage.recomputes += stats.num_preemptions_recompute;
@@ -176,6 +190,8 @@ fn random_workloads_never_stall_and_drop_only_what_cannot_fit_alone() {
         run_workload(seed, &mut coverage);
     }
     let Coverage { steps, swaps, recomputes, group_preemptions, drops } = coverage;
-    eprintln!("{steps} steps, {swaps} swaps, {recomputes} recomputes, {group_preemptions} group preemptions, {drops} drops");
+    eprintln!(
+        "{steps} steps, {swaps} swaps, {recomputes} recomputes, {group_preemptions} group preemptions, {drops} drops"
+    );
     assert!(steps >= 20_000 && swaps > 100 && recomputes > 100 && group_preemptions > 100 && drops > 0);
 }

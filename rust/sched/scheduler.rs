@@ -11,11 +11,11 @@ use std::sync::Arc;
 use rustc_hash::FxHashMap as HashMap;
 use slab::Slab;
 
-use crate::block_manager::{BlockCopy, BlockManager, SeqId, StepSlots};
-use crate::config::{SchedulerConfig, SchedulingPolicy};
 use crate::errors::{Error, Result};
-use crate::preemption::Preemption;
-use crate::sequence::{GroupState, PendingTable, SeqStatus, Sequence, SequenceGroup};
+use crate::kv::block_manager::{BlockCopy, BlockManager, SeqId, StepSlots};
+use crate::sched::config::{SchedulerConfig, SchedulingPolicy};
+use crate::sched::preemption::Preemption;
+use crate::sched::sequence::{GroupState, PendingTable, SeqStatus, Sequence, SequenceGroup};
 
 /// A group's key in the scheduler's slab (reused after the group ends; never exposed).
 type GroupId = usize;
@@ -288,7 +288,9 @@ impl Scheduler {
         if priority != 0 && self.config.scheduling_policy != SchedulingPolicy::Priority {
             return Err(Error::InvalidConfig {
                 field: "priority",
-                message: format!("got {priority}, but priorities need scheduling_policy='priority' (this scheduler is 'fcfs')"),
+                message: format!(
+                    "got {priority}, but priorities need scheduling_policy='priority' (this scheduler is 'fcfs')"
+                ),
             });
         }
         if self.group_by_request.contains_key(request_id) {
@@ -429,7 +431,9 @@ impl Scheduler {
             return Err(Error::InvalidState(format!("sequence {parent} is finished")));
         }
         if parent_seq.in_prefill() || group.rebuilding {
-            return Err(Error::InvalidState(format!("sequence {parent} has not sampled since its prefill; fork after it does")));
+            return Err(Error::InvalidState(format!(
+                "sequence {parent} has not sampled since its prefill; fork after it does"
+            )));
         }
         // A group's sequences decode together: more than a step holds would never run again.
         let limit = self.config.max_num_seqs.min(self.config.max_num_batched_tokens);
@@ -470,10 +474,8 @@ impl Scheduler {
 
     /// Drops a request at once, whatever its state, and frees all its blocks.
     pub fn abort(&mut self, request_id: &str) -> Result<()> {
-        let group_id = *self
-            .group_by_request
-            .get(request_id)
-            .ok_or_else(|| Error::UnknownRequest(request_id.to_string()))?;
+        let group_id =
+            *self.group_by_request.get(request_id).ok_or_else(|| Error::UnknownRequest(request_id.to_string()))?;
         self.free_group_blocks(group_id);
         self.remove_group(group_id);
         Ok(())
@@ -683,7 +685,9 @@ impl Scheduler {
         let mut plan = Plan::new();
         self.plan_group(group_id, budget, &mut plan);
         // (A group being rebuilt may have nothing to compute until its next sequences fork.)
-        if (plan.is_empty() && !group.rebuilding) || self.num_running_seqs() + group.num_active() > self.config.max_num_seqs {
+        if (plan.is_empty() && !group.rebuilding)
+            || self.num_running_seqs() + group.num_active() > self.config.max_num_seqs
+        {
             return false;
         }
         let mut appends: Vec<(SeqId, usize)> = group.scheduled_seqs().map(|seq| (seq.id, 0)).collect();
@@ -719,7 +723,9 @@ impl Scheduler {
             self.drop_group(group_id, reason, out);
             return true;
         }
-        let admitted_tokens = if *budget == 0 || self.num_running_seqs() + self.groups[group_id].num_active() > self.config.max_num_seqs {
+        let admitted_tokens = if *budget == 0
+            || self.num_running_seqs() + self.groups[group_id].num_active() > self.config.max_num_seqs
+        {
             None
         } else {
             self.plan_admission(group_id, *budget, 0)
@@ -744,7 +750,10 @@ impl Scheduler {
         let group = &mut self.groups[group_id];
         group.state = GroupState::Running;
         for seq in group.seqs.iter_mut().filter(|seq| seq.is_scheduled()) {
-            let hits = self.blocks.allocate_prefix(seq.id, &seq.tokens, group.extra_key).expect("a waiting sequence has no table");
+            let hits = self
+                .blocks
+                .allocate_prefix(seq.id, &seq.tokens, group.extra_key)
+                .expect("a waiting sequence has no table");
             seq.num_computed = hits;
             hit_tokens += hits;
         }
@@ -763,7 +772,9 @@ impl Scheduler {
     /// outstanding tokens come off the budget and the blocks they will append off the free pool.
     /// A group never displaces one of equal or higher priority, so nothing ping-pongs.
     fn preempt_for_priority(&mut self, out: &mut SchedulerOutput) {
-        let Some((candidate, swapped)) = self.first_queued() else { return };
+        let Some((candidate, swapped)) = self.first_queued() else {
+            return;
+        };
         let order = self.groups[candidate].order();
         if self.running.back().is_none_or(|&last| self.groups[last].order() <= order) {
             return; // nobody of lower priority: the common case costs no pass over the running groups
@@ -837,7 +848,9 @@ impl Scheduler {
             let take = target.min(left).min(self.step_cap(seq.in_prefill()));
             // Only prefills are chunked: a decode with drafts is verified in one forward pass, and
             // the sequences of a group (rebuilt, about to sample again) sample in one step.
-            let whole = !self.config.enable_chunked_prefill || !seq.in_prefill() || (group.num_active() > 1 && !group.rebuilding);
+            let whole = !self.config.enable_chunked_prefill
+                || !seq.in_prefill()
+                || (group.num_active() > 1 && !group.rebuilding);
             if take == 0 || (whole && take < target) {
                 if group.rebuilding {
                     continue; // nothing samples while rebuilding: this sequence's chunk can wait
@@ -894,15 +907,24 @@ impl Scheduler {
     /// The common case on its own short path: a group of one sequence decoding one token.
     /// Returns false, changing nothing, for anything else (including a full device pool, which
     /// the general path answers with preemption).
-    fn schedule_single_decode(&mut self, group_id: GroupId, out: &mut SchedulerOutput, decodes: &mut Vec<ScheduledSequence>) -> bool {
+    fn schedule_single_decode(
+        &mut self,
+        group_id: GroupId,
+        out: &mut SchedulerOutput,
+        decodes: &mut Vec<ScheduledSequence>,
+    ) -> bool {
         let group = &mut self.groups[group_id];
-        let [seq] = group.seqs.as_mut_slice() else { return false };
+        let [seq] = group.seqs.as_mut_slice() else {
+            return false;
+        };
         if !seq.is_active() || seq.num_uncomputed() != 1 || seq.in_prefill() {
             return false;
         }
         let position = seq.num_computed;
         let token = &seq.tokens[position..position + 1];
-        let Ok(slots) = self.blocks.append_slots_for_step(seq.id, token) else { return false };
+        let Ok(slots) = self.blocks.append_slots_for_step(seq.id, token) else {
+            return false;
+        };
         self.counters.blocks_copied += slots.copy.is_some() as u64;
         decodes.push(out.record(seq.id, false, position, token, &slots, self.config.block_size, true));
         seq.num_computed = position + 1;
@@ -1018,22 +1040,29 @@ impl Scheduler {
             progressed = false;
             for index in 0..group.seqs.len() {
                 let seq = &group.seqs[index];
-                let Some(pending) = seq.pending.filter(|_| seq.is_active()) else { continue };
+                let Some(pending) = seq.pending.filter(|_| seq.is_active()) else {
+                    continue;
+                };
                 let ready = match pending.parent {
                     None => true,
-                    Some(parent) => {
-                        group.seq(parent).is_some_and(|parent| parent.is_scheduled() && parent.num_computed >= pending.shared_len)
-                    }
+                    Some(parent) => group
+                        .seq(parent)
+                        .is_some_and(|parent| parent.is_scheduled() && parent.num_computed >= pending.shared_len),
                 };
                 if !ready {
                     continue;
                 }
                 let seq = &mut group.seqs[index];
                 seq.num_computed = match pending.parent {
-                    None => self.blocks.allocate_prefix(seq.id, &seq.tokens, group.extra_key).expect("a pending sequence has no table"),
+                    None => self
+                        .blocks
+                        .allocate_prefix(seq.id, &seq.tokens, group.extra_key)
+                        .expect("a pending sequence has no table"),
                     Some(parent) => {
                         self.blocks.fork(parent, seq.id).expect("the parent holds a table");
-                        self.blocks.truncate(seq.id, &seq.tokens[..pending.shared_len]).expect("a prefix of the parent");
+                        self.blocks
+                            .truncate(seq.id, &seq.tokens[..pending.shared_len])
+                            .expect("a prefix of the parent");
                         pending.shared_len
                     }
                 };
@@ -1049,7 +1078,11 @@ impl Scheduler {
     /// covers their shared prefix, else wait for its own parent (or take a table of their own).
     fn hand_over_pending(&mut self, group_id: GroupId, seq_id: SeqId) {
         let group = &self.groups[group_id];
-        if !group.seqs.iter().any(|seq| seq.is_active() && seq.pending.is_some_and(|pending| pending.parent == Some(seq_id))) {
+        if !group
+            .seqs
+            .iter()
+            .any(|seq| seq.is_active() && seq.pending.is_some_and(|pending| pending.parent == Some(seq_id)))
+        {
             return;
         }
         let ending = group.seq(seq_id).unwrap();
@@ -1057,7 +1090,9 @@ impl Scheduler {
         let running = group.state == GroupState::Running;
         let group = &mut self.groups[group_id];
         for seq in group.seqs.iter_mut().filter(|seq| seq.is_active()) {
-            let Some(pending) = seq.pending.filter(|pending| pending.parent == Some(seq_id)) else { continue };
+            let Some(pending) = seq.pending.filter(|pending| pending.parent == Some(seq_id)) else {
+                continue;
+            };
             if running && ending_pending.is_none() && ending_computed >= pending.shared_len {
                 self.blocks.fork(seq_id, seq.id).expect("the parent holds a table");
                 self.blocks.truncate(seq.id, &seq.tokens[..pending.shared_len]).expect("a prefix of the parent");
@@ -1065,7 +1100,9 @@ impl Scheduler {
                 seq.pending = None;
             } else {
                 seq.pending = Some(match ending_pending {
-                    Some(grand) => PendingTable { parent: grand.parent, shared_len: grand.shared_len.min(pending.shared_len) },
+                    Some(grand) => {
+                        PendingTable { parent: grand.parent, shared_len: grand.shared_len.min(pending.shared_len) }
+                    }
                     None => PendingTable { parent: None, shared_len: 0 },
                 });
             }

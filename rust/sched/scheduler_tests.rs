@@ -1,9 +1,9 @@
 //! Scheduler behaviour: batching, chunking, preemption, admission errors, sharing.
 
-use crate::config::{SchedulerConfig, SchedulingPolicy};
 use crate::errors::Error;
-use crate::preemption::{CostModel, PreemptionMode};
-use crate::scheduler::{Scheduler, SchedulerOutput};
+use crate::sched::config::{SchedulerConfig, SchedulingPolicy};
+use crate::sched::preemption::{CostModel, PreemptionMode};
+use crate::sched::scheduler::{Scheduler, SchedulerOutput};
 
 fn config(num_device_blocks: usize, num_cpu_blocks: usize) -> SchedulerConfig {
     SchedulerConfig {
@@ -168,7 +168,10 @@ fn admission_errors_name_the_limit_and_change_nothing() {
     assert_eq!(err, Error::PromptExceedsPool { blocks_needed: 5, num_device_blocks: 4, block_size: 4 });
     assert!(err.to_string().contains("num_device_blocks=4"));
     s.add_request("a", prompt(3, 1), None).unwrap();
-    assert!(matches!(s.add_request("b", prompt(3, 1), None), Err(Error::Overloaded { num_waiting: 1, max_waiting_requests: 1 })));
+    assert!(matches!(
+        s.add_request("b", prompt(3, 1), None),
+        Err(Error::Overloaded { num_waiting: 1, max_waiting_requests: 1 })
+    ));
     assert!(matches!(s.add_request("a", prompt(3, 1), None), Err(Error::DuplicateRequest(_))));
     assert_eq!(s.num_unfinished(), 1);
 }
@@ -412,9 +415,14 @@ fn a_forked_group_recomputed_keeps_its_sharing_and_samples_as_one() {
             sample_all_apart(&mut s, &out);
         }
         assert_eq!(sampled_steps.first(), Some(&2), "{enable_prefix_caching}: both sequences sample in one step");
-        let blocks: std::collections::HashSet<u32> = s.block_manager().tables().flat_map(|(_, table)| table.blocks.clone()).collect();
+        let blocks: std::collections::HashSet<u32> =
+            s.block_manager().tables().flat_map(|(_, table)| table.blocks.clone()).collect();
         let longest = s.block_manager().tables().map(|(_, table)| table.num_tokens).max().unwrap();
-        assert_eq!(blocks.len(), 2 * longest.div_ceil(4) - 5, "{enable_prefix_caching}: the 5 prompt blocks are shared");
+        assert_eq!(
+            blocks.len(),
+            2 * longest.div_ceil(4) - 5,
+            "{enable_prefix_caching}: the 5 prompt blocks are shared"
+        );
     }
 }
 
@@ -448,7 +456,8 @@ fn random_workload_keeps_invariants_and_frees_everything() {
         for i in 0..40u32 {
             let len = 1 + next(20) as u32;
             let priority = if policy == SchedulingPolicy::Priority { next(4) as i64 - 1 } else { 0 };
-            let seq = s.add_request_with_priority(&format!("r{i}"), prompt(len, next(3) as u32), None, priority).unwrap();
+            let seq =
+                s.add_request_with_priority(&format!("r{i}"), prompt(len, next(3) as u32), None, priority).unwrap();
             targets.insert(seq, len as usize + 1 + next(20) as usize);
         }
         let mut steps = 0;
@@ -479,7 +488,10 @@ fn random_workload_keeps_invariants_and_frees_everything() {
         let stats = s.stats();
         assert_eq!(stats.num_free_device_blocks, 24, "{mode:?} {policy:?}");
         assert_eq!(stats.num_free_cpu_blocks, 12, "{mode:?} {policy:?}");
-        assert!(stats.num_preemptions_swap + stats.num_preemptions_recompute > 0, "{mode:?}: the workload must preempt");
+        assert!(
+            stats.num_preemptions_swap + stats.num_preemptions_recompute > 0,
+            "{mode:?}: the workload must preempt"
+        );
         assert!(stats.num_blocks_copied > 0, "{mode:?}: forks must copy on write");
     }
 }
@@ -636,7 +648,12 @@ impl SimulatedCache {
 
     /// Runs one step and checks that every scheduled sequence reads its own tokens back (those
     /// its new tokens attend to, under a sliding window).
-    pub(crate) fn run(&mut self, s: &Scheduler, out: &SchedulerOutput, tokens: &std::collections::HashMap<u64, Vec<u32>>) {
+    pub(crate) fn run(
+        &mut self,
+        s: &Scheduler,
+        out: &SchedulerOutput,
+        tokens: &std::collections::HashMap<u64, Vec<u32>>,
+    ) {
         for &(device, cpu) in &out.blocks_to_swap_out {
             self.cpu[cpu as usize] = self.device[device as usize].clone();
         }
@@ -654,7 +671,8 @@ impl SimulatedCache {
         }
         for seq in &out.scheduled {
             let table = s.block_table(seq.seq_id).unwrap();
-            let first_read = if self.sliding_window > 0 { (seq.start + 1).saturating_sub(self.sliding_window) } else { 0 };
+            let first_read =
+                if self.sliding_window > 0 { (seq.start + 1).saturating_sub(self.sliding_window) } else { 0 };
             for position in first_read..seq.end {
                 let read = self.device[table[position / self.block_size] as usize][position % self.block_size];
                 assert_eq!(read, Some(tokens[&seq.seq_id][position]), "seq {} position {position}", seq.seq_id);
@@ -725,7 +743,8 @@ fn random_workload_reads_back_every_token_through_all_the_copies() {
                 }
             }
             cache.run(&s, &out, &tokens);
-            released_any |= out.scheduled.iter().any(|seq| s.block_manager().table(seq.seq_id).unwrap().num_released > 0);
+            released_any |=
+                out.scheduled.iter().any(|seq| s.block_manager().table(seq.seq_id).unwrap().num_released > 0);
             for seq in out.scheduled.iter().filter(|seq| seq.sample) {
                 let pending = drafts.remove(&seq.seq_id).unwrap_or(0);
                 if pending > 0 {

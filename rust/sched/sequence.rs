@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use smallvec::SmallVec;
 
-use crate::block_manager::SeqId;
+use crate::kv::block_manager::SeqId;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SeqStatus {
@@ -143,11 +143,13 @@ impl SequenceGroup {
                 .iter()
                 .map(|&earlier| {
                     let parent = &self.seqs[earlier];
-                    let shared_len = common_prefix_len(&parent.tokens, &seq.tokens).min(parent.len() - 1).min(seq.len() - 1);
+                    let shared_len =
+                        common_prefix_len(&parent.tokens, &seq.tokens).min(parent.len() - 1).min(seq.len() - 1);
                     (shared_len, parent.id)
                 })
                 .max_by_key(|&(shared_len, _)| shared_len);
-            self.seqs[index].pending = best.map(|(shared_len, parent)| PendingTable { parent: Some(parent), shared_len });
+            self.seqs[index].pending =
+                best.map(|(shared_len, parent)| PendingTable { parent: Some(parent), shared_len });
         }
     }
 

@@ -1,5 +1,5 @@
-"""The CPU backend: the torch reference, with decode attention (`rust/cpu_attention.rs`) and
-prefill/extend attention (`rust/cpu_prefill_attention.rs`) in Rust.
+"""The CPU backend: the torch reference, with decode attention (`rust/cpu_kernels/decode_attention.rs`) and
+prefill/extend attention (`rust/cpu_kernels/prefill_attention.rs`) in Rust.
 
 Both read K/V in place through the block table (the torch reference gathers them into new
 tensors first) and split their work over torch's CPU threads. Caches of float32, bfloat16

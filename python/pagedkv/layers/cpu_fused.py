@@ -1,4 +1,4 @@
-"""The CPU's fused elementwise layers (`rust/cpu_layer_ops.rs`): residual add + RMSNorm,
+"""The CPU's fused elementwise layers (`rust/cpu_kernels/layer_ops.rs`): residual add + RMSNorm,
 SiLU-and-mul and rotary embedding, one pass over memory each on torch's OpenMP threads, where
 torch runs 3 to 7 ops with float32 temporaries. Rounding follows the unfused ops.
 

@@ -1,0 +1,10 @@
+//! The CPU engine's kernels: paged decode and prefill attention read K/V in place through the
+//! block table; the elementwise layers are fused; `simd` and `fp8` are their element types, and
+//! `openmp_team` runs them on torch's thread team.
+
+pub mod decode_attention;
+pub mod fp8;
+pub mod layer_ops;
+pub mod openmp_team;
+pub mod prefill_attention;
+pub mod simd;

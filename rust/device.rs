@@ -1,0 +1,19 @@
+//! The two memory tiers a block pool can live in.
+
+use std::fmt;
+
+/// Which memory tier a pool lives in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Device {
+    Gpu,
+    Cpu,
+}
+
+impl fmt::Display for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Device::Gpu => "device",
+            Device::Cpu => "CPU swap",
+        })
+    }
+}

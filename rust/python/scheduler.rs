@@ -1,0 +1,424 @@
+//! The scheduler's classes: `SchedulerConfig`, `Scheduler` and the step it plans.
+
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use super::block_manager::refcount;
+use super::errors::{call, exceptions, to_py_err};
+use crate::device::Device;
+use crate::sched::config::{SchedulerConfig as RustSchedulerConfig, SchedulingPolicy};
+use crate::sched::preemption::{CostModel, PreemptionMode};
+use crate::sched::scheduler::{
+    ScheduledSequence as RustScheduledSequence, Scheduler as RustScheduler, SchedulerOutput as RustSchedulerOutput,
+};
+
+/// Scheduler settings; see `pagedkv._core.pyi` for each field.
+#[pyclass(module = "pagedkv._core", from_py_object)]
+#[derive(Clone)]
+pub struct SchedulerConfig {
+    #[pyo3(get, set)]
+    block_size: usize,
+    #[pyo3(get, set)]
+    num_device_blocks: usize,
+    #[pyo3(get, set)]
+    num_cpu_blocks: usize,
+    #[pyo3(get, set)]
+    max_num_seqs: usize,
+    #[pyo3(get, set)]
+    max_num_batched_tokens: usize,
+    #[pyo3(get, set)]
+    max_model_len: usize,
+    #[pyo3(get, set)]
+    max_waiting_requests: usize,
+    #[pyo3(get, set)]
+    enable_prefix_caching: bool,
+    #[pyo3(get, set)]
+    enable_cpu_prefix_cache: bool,
+    #[pyo3(get, set)]
+    enable_chunked_prefill: bool,
+    #[pyo3(get, set)]
+    long_prefill_token_threshold: usize,
+    #[pyo3(get, set)]
+    sliding_window: usize,
+    #[pyo3(get, set)]
+    prefix_caching_hash_seed: u64,
+    #[pyo3(get, set)]
+    preemption_mode: String,
+    #[pyo3(get, set)]
+    scheduling_policy: String,
+    #[pyo3(get, set)]
+    watermark: f64,
+    #[pyo3(get, set)]
+    recompute_cost_per_token: f64,
+    #[pyo3(get, set)]
+    block_bytes: f64,
+    #[pyo3(get, set)]
+    swap_bandwidth: f64,
+    #[pyo3(get, set)]
+    swap_latency: f64,
+}
+
+#[pymethods]
+impl SchedulerConfig {
+    #[new]
+    #[pyo3(signature = (
+        block_size=16, num_device_blocks=1024, num_cpu_blocks=1024, max_num_seqs=256,
+        max_num_batched_tokens=2048, max_model_len=2048, max_waiting_requests=1024,
+        enable_prefix_caching=true, enable_chunked_prefill=true, preemption_mode="auto".to_string(),
+        scheduling_policy="fcfs".to_string(), watermark=0.01, recompute_cost_per_token=None, block_bytes=None,
+        swap_bandwidth=None, swap_latency=None, enable_cpu_prefix_cache=false, long_prefill_token_threshold=0,
+        sliding_window=0, prefix_caching_hash_seed=0,
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        block_size: usize,
+        num_device_blocks: usize,
+        num_cpu_blocks: usize,
+        max_num_seqs: usize,
+        max_num_batched_tokens: usize,
+        max_model_len: usize,
+        max_waiting_requests: usize,
+        enable_prefix_caching: bool,
+        enable_chunked_prefill: bool,
+        preemption_mode: String,
+        scheduling_policy: String,
+        watermark: f64,
+        recompute_cost_per_token: Option<f64>,
+        block_bytes: Option<f64>,
+        swap_bandwidth: Option<f64>,
+        swap_latency: Option<f64>,
+        enable_cpu_prefix_cache: bool,
+        long_prefill_token_threshold: usize,
+        sliding_window: usize,
+        prefix_caching_hash_seed: u64,
+    ) -> PyResult<Self> {
+        let cost = CostModel::default();
+        let config = SchedulerConfig {
+            block_size,
+            num_device_blocks,
+            num_cpu_blocks,
+            max_num_seqs,
+            max_num_batched_tokens,
+            max_model_len,
+            max_waiting_requests,
+            enable_prefix_caching,
+            enable_cpu_prefix_cache,
+            enable_chunked_prefill,
+            long_prefill_token_threshold,
+            sliding_window,
+            prefix_caching_hash_seed,
+            preemption_mode,
+            scheduling_policy,
+            watermark,
+            recompute_cost_per_token: recompute_cost_per_token.unwrap_or(cost.recompute_cost_per_token),
+            block_bytes: block_bytes.unwrap_or(cost.block_bytes),
+            swap_bandwidth: swap_bandwidth.unwrap_or(cost.swap_bandwidth),
+            swap_latency: swap_latency.unwrap_or(cost.swap_latency),
+        };
+        config.to_rust()?;
+        Ok(config)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "SchedulerConfig(block_size={}, num_device_blocks={}, num_cpu_blocks={}, max_num_seqs={}, \
+             max_num_batched_tokens={}, max_model_len={}, max_waiting_requests={}, enable_prefix_caching={}, \
+             enable_chunked_prefill={}, preemption_mode={:?}, scheduling_policy={:?}, watermark={})",
+            self.block_size,
+            self.num_device_blocks,
+            self.num_cpu_blocks,
+            self.max_num_seqs,
+            self.max_num_batched_tokens,
+            self.max_model_len,
+            self.max_waiting_requests,
+            self.enable_prefix_caching,
+            self.enable_chunked_prefill,
+            self.preemption_mode,
+            self.scheduling_policy,
+            self.watermark
+        )
+    }
+}
+
+impl SchedulerConfig {
+    fn to_rust(&self) -> PyResult<RustSchedulerConfig> {
+        let config = RustSchedulerConfig {
+            block_size: self.block_size,
+            num_device_blocks: self.num_device_blocks,
+            num_cpu_blocks: self.num_cpu_blocks,
+            max_num_seqs: self.max_num_seqs,
+            max_num_batched_tokens: self.max_num_batched_tokens,
+            max_model_len: self.max_model_len,
+            max_waiting_requests: self.max_waiting_requests,
+            enable_prefix_caching: self.enable_prefix_caching,
+            enable_cpu_prefix_cache: self.enable_cpu_prefix_cache,
+            enable_chunked_prefill: self.enable_chunked_prefill,
+            long_prefill_token_threshold: self.long_prefill_token_threshold,
+            sliding_window: self.sliding_window,
+            prefix_caching_hash_seed: self.prefix_caching_hash_seed,
+            preemption_mode: self.preemption_mode.parse::<PreemptionMode>().map_err(to_py_err)?,
+            scheduling_policy: self.scheduling_policy.parse::<SchedulingPolicy>().map_err(to_py_err)?,
+            watermark: self.watermark,
+            cost_model: CostModel {
+                recompute_cost_per_token: self.recompute_cost_per_token,
+                block_bytes: self.block_bytes,
+                swap_bandwidth: self.swap_bandwidth,
+                swap_latency: self.swap_latency,
+            },
+        };
+        config.validate().map_err(to_py_err)?;
+        Ok(config)
+    }
+}
+
+/// One sequence's work in a step (see the stub for field meanings).
+#[pyclass(module = "pagedkv._core", frozen, get_all)]
+pub struct ScheduledSequence {
+    request_id: String,
+    seq_id: u64,
+    is_prefill: bool,
+    start: usize,
+    end: usize,
+    token_ids: Vec<u32>,
+    block_table: Vec<u32>,
+    block_table_from: usize,
+    slot_mapping: Vec<i64>,
+    sample: bool,
+}
+
+#[pymethods]
+impl ScheduledSequence {
+    #[getter]
+    fn context_len(&self) -> usize {
+        self.end
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "ScheduledSequence(request_id={:?}, seq_id={}, is_prefill={}, start={}, end={}, sample={}, blocks={})",
+            self.request_id,
+            self.seq_id,
+            self.is_prefill,
+            self.start,
+            self.end,
+            self.sample,
+            self.block_table.len()
+        )
+    }
+}
+
+impl ScheduledSequence {
+    fn from_rust(out: &RustSchedulerOutput, seq: &RustScheduledSequence, scheduler: &RustScheduler) -> PyResult<Self> {
+        let request_id = scheduler.request_id(seq.seq_id).map_err(to_py_err)?.to_string();
+        let block_table = scheduler.block_table(seq.seq_id).map_err(to_py_err)?;
+        Ok(ScheduledSequence {
+            request_id,
+            seq_id: seq.seq_id,
+            is_prefill: seq.is_prefill,
+            start: seq.start,
+            end: seq.end,
+            token_ids: out.token_ids(seq).to_vec(),
+            block_table: block_table.to_vec(),
+            block_table_from: seq.block_table_from,
+            slot_mapping: out.slot_mapping(seq).to_vec(),
+            sample: seq.sample,
+        })
+    }
+}
+
+/// The plan of one step.
+#[pyclass(module = "pagedkv._core", frozen, get_all)]
+pub struct SchedulerOutput {
+    scheduled: Vec<Py<ScheduledSequence>>,
+    blocks_to_swap_in: Vec<(u32, u32)>,
+    blocks_to_swap_out: Vec<(u32, u32)>,
+    blocks_to_copy: Vec<(u32, u32)>,
+    preempted: Vec<String>,
+    aborted: Vec<String>,
+    /// Why each of `aborted` was dropped (the limit it cannot fit).
+    abort_reasons: Vec<String>,
+    num_batched_tokens: usize,
+    num_prefix_hit_tokens: usize,
+}
+
+#[pymethods]
+impl SchedulerOutput {
+    fn is_empty(&self) -> bool {
+        self.scheduled.is_empty() && self.blocks_to_swap_out.is_empty()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "SchedulerOutput(scheduled={}, tokens={}, swap_in={}, swap_out={}, copy={}, preempted={:?}, aborted={:?})",
+            self.scheduled.len(),
+            self.num_batched_tokens,
+            self.blocks_to_swap_in.len(),
+            self.blocks_to_swap_out.len(),
+            self.blocks_to_copy.len(),
+            self.preempted,
+            self.aborted
+        )
+    }
+}
+
+impl SchedulerOutput {
+    /// `scheduler` is the one that just produced `out`: Python gets each sequence's whole table.
+    fn from_rust(py: Python<'_>, out: RustSchedulerOutput, scheduler: &RustScheduler) -> PyResult<Self> {
+        let scheduled = out
+            .scheduled
+            .iter()
+            .map(|seq| Py::new(py, ScheduledSequence::from_rust(&out, seq, scheduler)?))
+            .collect::<PyResult<_>>()?;
+        Ok(SchedulerOutput {
+            scheduled,
+            blocks_to_swap_in: out.blocks_to_swap_in,
+            blocks_to_swap_out: out.blocks_to_swap_out,
+            blocks_to_copy: out.blocks_to_copy,
+            preempted: out.preempted.iter().map(|id| id.to_string()).collect(),
+            aborted: out.aborted.iter().map(|id| id.to_string()).collect(),
+            abort_reasons: out.abort_reasons,
+            num_batched_tokens: out.num_batched_tokens,
+            num_prefix_hit_tokens: out.num_prefix_hit_tokens,
+        })
+    }
+}
+
+/// The scheduler: continuous batching over a paged KV cache.
+#[pyclass(module = "pagedkv._core")]
+pub struct Scheduler {
+    inner: RustScheduler,
+}
+
+#[pymethods]
+impl Scheduler {
+    #[new]
+    #[pyo3(signature = (config=None))]
+    fn new(config: Option<SchedulerConfig>) -> PyResult<Self> {
+        let config = match config {
+            Some(config) => config.to_rust()?,
+            None => RustSchedulerConfig::default(),
+        };
+        Ok(Scheduler { inner: call(|| RustScheduler::new(config))? })
+    }
+
+    #[pyo3(signature = (request_id, prompt_token_ids, extra_key=None, priority=0))]
+    fn add_request(
+        &mut self,
+        request_id: &str,
+        prompt_token_ids: Vec<u32>,
+        extra_key: Option<u64>,
+        priority: i64,
+    ) -> PyResult<u64> {
+        call(|| self.inner.add_request_with_priority(request_id, prompt_token_ids, extra_key, priority))
+    }
+
+    fn schedule(&mut self, py: Python<'_>) -> PyResult<SchedulerOutput> {
+        let inner = &mut self.inner;
+        let out = py.detach(|| call(|| Ok(inner.schedule())))?;
+        SchedulerOutput::from_rust(py, out, &self.inner)
+    }
+
+    #[pyo3(signature = (seq_id, token_id, draft_token_ids=Vec::new()))]
+    fn append_token(&mut self, seq_id: u64, token_id: u32, draft_token_ids: Vec<u32>) -> PyResult<()> {
+        call(|| self.inner.append_token_with_drafts(seq_id, token_id, &draft_token_ids))
+    }
+
+    fn accept_drafts(&mut self, seq_id: u64, num_accepted: usize) -> PyResult<()> {
+        call(|| self.inner.accept_drafts(seq_id, num_accepted))
+    }
+
+    fn fork(&mut self, parent_seq_id: u64) -> PyResult<u64> {
+        call(|| self.inner.fork(parent_seq_id))
+    }
+
+    fn finish_sequence(&mut self, seq_id: u64) -> PyResult<()> {
+        call(|| self.inner.finish_sequence(seq_id))
+    }
+
+    fn abort(&mut self, request_id: &str) -> PyResult<()> {
+        call(|| self.inner.abort(request_id))
+    }
+
+    fn sequence_len(&self, seq_id: u64) -> PyResult<usize> {
+        call(|| self.inner.sequence_len(seq_id))
+    }
+
+    fn block_table(&self, seq_id: u64) -> PyResult<Vec<u32>> {
+        call(|| Ok(self.inner.block_manager().table(seq_id)?.blocks.clone()))
+    }
+
+    fn is_swapped(&self, seq_id: u64) -> PyResult<bool> {
+        call(|| Ok(self.inner.block_manager().table(seq_id)?.device == Device::Cpu))
+    }
+
+    #[pyo3(signature = (block, on_device=true))]
+    fn refcount(&self, block: u32, on_device: bool) -> PyResult<u32> {
+        refcount(self.inner.block_manager(), block, on_device)
+    }
+
+    fn has_unfinished_requests(&self) -> bool {
+        self.inner.has_unfinished()
+    }
+
+    fn reset_prefix_cache(&mut self) -> bool {
+        self.inner.reset_prefix_cache()
+    }
+
+    #[getter]
+    fn num_unfinished_requests(&self) -> usize {
+        self.inner.num_unfinished()
+    }
+
+    #[getter]
+    fn max_model_len(&self) -> usize {
+        self.inner.max_model_len()
+    }
+
+    #[getter]
+    fn block_size(&self) -> usize {
+        self.inner.config().block_size
+    }
+
+    fn check_invariants(&self) -> PyResult<()> {
+        self.inner.block_manager().check_invariants().map_err(exceptions::InvalidStateError::new_err)
+    }
+
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let stats = self.inner.stats();
+        let dict = PyDict::new(py);
+        dict.set_item("num_device_blocks", stats.num_device_blocks)?;
+        dict.set_item("num_free_device_blocks", stats.num_free_device_blocks)?;
+        dict.set_item("num_cached_device_blocks", stats.num_cached_device_blocks)?;
+        dict.set_item("num_cpu_blocks", stats.num_cpu_blocks)?;
+        dict.set_item("num_free_cpu_blocks", stats.num_free_cpu_blocks)?;
+        dict.set_item("num_cached_cpu_blocks", stats.num_cached_cpu_blocks)?;
+        dict.set_item("num_running", stats.num_running)?;
+        dict.set_item("num_waiting", stats.num_waiting)?;
+        dict.set_item("num_swapped", stats.num_swapped)?;
+        dict.set_item("num_running_seqs", stats.num_running_seqs)?;
+        dict.set_item("num_preemptions_swap", stats.num_preemptions_swap)?;
+        dict.set_item("num_preemptions_recompute", stats.num_preemptions_recompute)?;
+        dict.set_item("num_blocks_swapped_in", stats.num_blocks_swapped_in)?;
+        dict.set_item("num_blocks_swapped_out", stats.num_blocks_swapped_out)?;
+        dict.set_item("num_blocks_copied", stats.num_blocks_copied)?;
+        dict.set_item("prefix_cache_queries", stats.prefix_cache_queries)?;
+        dict.set_item("prefix_cache_hits", stats.prefix_cache_hits)?;
+        let hit_rate = if stats.prefix_cache_queries == 0 {
+            0.0
+        } else {
+            stats.prefix_cache_hits as f64 / stats.prefix_cache_queries as f64
+        };
+        dict.set_item("prefix_cache_hit_rate", hit_rate)?;
+        dict.set_item("num_blocks_offloaded", stats.num_blocks_offloaded)?;
+        dict.set_item("cpu_prefix_cache_hits", stats.cpu_prefix_cache_hits)?;
+        dict.set_item("num_steps", stats.num_steps)?;
+        Ok(dict)
+    }
+}
+
+pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<SchedulerConfig>()?;
+    m.add_class::<ScheduledSequence>()?;
+    m.add_class::<SchedulerOutput>()?;
+    m.add_class::<Scheduler>()
+}
