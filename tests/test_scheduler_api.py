@@ -153,3 +153,64 @@ def test_drafts_are_computed_in_one_piece_and_the_rejected_ones_dropped():
         scheduler.append_token(seq_id, 11, list(range(40)))
     scheduler.finish_sequence(seq_id)
     assert scheduler.stats()["num_free_device_blocks"] == 8
+
+
+def test_the_columns_say_what_the_per_sequence_view_says_and_update_closes_the_step():
+    """A workload with prefix hits, chunked prefills, forks, swaps and finishes: every step's
+    numpy columns equal the per-sequence objects, and a persistent table per sequence patched by
+    the reported changes alone equals its whole table; update() appends and finishes in one call."""
+    import numpy as np
+
+    scheduler = Scheduler(small_config(num_device_blocks=12, max_num_batched_tokens=8, preemption_mode="swap"))
+    for i in range(6):
+        scheduler.add_request(f"r{i}", [i % 2] * 4 + list(range(3 + i)))
+    tables: dict[int, list[int]] = {}
+    forked = False
+    for step in range(60):
+        out = scheduler.schedule()
+        scheduled = out.scheduled
+        assert out.num_scheduled == len(scheduled)
+        assert out.seq_ids.tolist() == [x.seq_id for x in scheduled]
+        assert out.starts.tolist() == [x.start for x in scheduled] and out.ends.tolist() == [x.end for x in scheduled]
+        assert out.samples.tolist() == [x.sample for x in scheduled]
+        assert out.is_prefill.tolist() == [x.is_prefill for x in scheduled]
+        loc, update_loc = out.query_start_loc, out.block_table_update_loc
+        for i, x in enumerate(scheduled):
+            assert out.token_ids[loc[i] : loc[i + 1]].tolist() == x.token_ids
+            assert out.slot_mapping[loc[i] : loc[i + 1]].tolist() == x.slot_mapping
+            table = tables.setdefault(x.seq_id, [])
+            del table[out.block_table_from[i] :]
+            table += out.block_table_updates[update_loc[i] : update_loc[i + 1]].tolist()
+            assert table == x.block_table
+        sampled = out.seq_ids[out.samples]
+        finished = sampled[out.ends[out.samples] >= 16]
+        appended = sampled[out.ends[out.samples] < 16]
+        scheduler.update(appended, np.full(len(appended), 5, dtype=np.int64), finished)
+        if len(appended) and not forked:
+            scheduler.fork(int(appended[0]))
+            forked = True
+        if not scheduler.has_unfinished_requests():
+            break
+    assert not scheduler.has_unfinished_requests() and forked
+    assert scheduler.stats()["num_preemptions_swap"] > 0
+
+
+def test_update_rejects_bad_input_and_changes_nothing():
+    scheduler = Scheduler(small_config())
+    a = scheduler.add_request("a", [1, 2, 3])
+    b = scheduler.add_request("b", [4, 5])
+    scheduler.schedule()
+    before = (scheduler.sequence_len(a), scheduler.sequence_len(b), scheduler.stats())
+    with pytest.raises(pagedkv.InvalidStateError, match="2 seq_ids but 1 token_ids"):
+        scheduler.update([a, b], [7])
+    with pytest.raises(pagedkv.UnknownSequenceError):
+        scheduler.update([a, 99], [7, 8])
+    with pytest.raises(pagedkv.InvalidStateError, match="not sampled"):
+        scheduler.update([a, a], [7, 8])
+    with pytest.raises(pagedkv.InvalidStateError, match="both appended to and finished"):
+        scheduler.update([a], [7], [a])
+    with pytest.raises(pagedkv.InvalidStateError, match="invalid token id -1"):
+        scheduler.update([a], [-1])
+    assert (scheduler.sequence_len(a), scheduler.sequence_len(b), scheduler.stats()) == before
+    scheduler.update([a], [7], [b])
+    assert scheduler.sequence_len(a) == 4 and scheduler.num_unfinished_requests == 1

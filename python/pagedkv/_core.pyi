@@ -1,6 +1,9 @@
 """Type stubs for the Rust core (`rust/python/`). Errors are raised as `pagedkv.errors` classes."""
 
-from typing import Literal, Optional
+from typing import Literal, Optional, Sequence
+
+import numpy as np
+import numpy.typing as npt
 
 class SchedulerConfig:
     """Scheduler and pool settings. Invalid values raise InvalidConfigError naming the field."""
@@ -98,10 +101,29 @@ class ScheduledSequence:
     def context_len(self) -> int: ...
 
 class SchedulerOutput:
-    """The plan of one step. Execute swap-out, swap-in, then copies, before the forward pass."""
+    """The plan of one step. Execute swap-out, swap-in, then copies, before the forward pass.
+
+    Columns (numpy arrays, one row per scheduled sequence, prefills first, then decodes; each
+    built once, on first read): `seq_ids`, `starts`, `ends`, `samples`, `is_prefill`,
+    `block_table_from`; flat over all scheduled tokens: `token_ids`, `slot_mapping` (sequence i's
+    are `[query_start_loc[i]:query_start_loc[i + 1]]`); block tables as changes:
+    `block_table_updates[block_table_update_loc[i]:block_table_update_loc[i + 1]]` replaces sequence
+    i's blocks from `block_table_from[i]` on."""
 
     scheduled: list[ScheduledSequence]
-    """Prefill chunks first, then decodes."""
+    """The same step, one object per sequence (built on first read: read it before reporting)."""
+    num_scheduled: int
+    seq_ids: npt.NDArray[np.int64]
+    starts: npt.NDArray[np.int64]
+    ends: npt.NDArray[np.int64]
+    samples: npt.NDArray[np.bool_]
+    is_prefill: npt.NDArray[np.bool_]
+    block_table_from: npt.NDArray[np.int64]
+    query_start_loc: npt.NDArray[np.int64]
+    block_table_update_loc: npt.NDArray[np.int64]
+    token_ids: npt.NDArray[np.int64]
+    slot_mapping: npt.NDArray[np.int64]
+    block_table_updates: npt.NDArray[np.int32]
     blocks_to_swap_in: list[tuple[int, int]]
     """(cpu block, device block) copies."""
     blocks_to_swap_out: list[tuple[int, int]]
@@ -132,6 +154,10 @@ class Scheduler:
         prompt can never fit, OverloadedError when the waiting queue is full."""
     def schedule(self) -> SchedulerOutput:
         """Plan one step (releases the GIL)."""
+    def update(self, seq_ids: Sequence[int], token_ids: Sequence[int], finished: Sequence[int] = ...) -> None:
+        """Closes a step in one call: appends token_ids[i] to seq_ids[i] (each sampled in the last
+        step), then ends the `finished` sequences. Checks everything first: an error
+        (InvalidStateError, UnknownSequenceError) changes nothing."""
     def append_token(self, seq_id: int, token_id: int, draft_token_ids: list[int] = []) -> None:
         """Report the token sampled for a sequence that had sample=True, optionally followed by
         speculative draft tokens: the next step computes them all in one multi-token decode."""

@@ -1,7 +1,8 @@
 //! The scheduler's classes: `SchedulerConfig`, `Scheduler` and the step it plans.
 
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList};
 
 use super::block_manager::refcount;
 use super::errors::{call, exceptions, to_py_err};
@@ -226,35 +227,146 @@ impl ScheduledSequence {
     }
 }
 
-/// The plan of one step.
-#[pyclass(module = "pagedkv._core", frozen, get_all)]
+/// The plan of one step, as columns: built once in Rust and handed to numpy with one copy each,
+/// on first read. `scheduled` is the per-sequence view, built on first read too (read it before
+/// reporting the step: it takes each sequence's whole table from the scheduler then).
+#[pyclass(module = "pagedkv._core", frozen)]
 pub struct SchedulerOutput {
-    scheduled: Vec<Py<ScheduledSequence>>,
-    blocks_to_swap_in: Vec<(u32, u32)>,
-    blocks_to_swap_out: Vec<(u32, u32)>,
-    blocks_to_copy: Vec<(u32, u32)>,
+    inner: RustSchedulerOutput,
+    scheduler: Py<Scheduler>,
+    scheduled: PyOnceLock<Py<PyList>>,
+    #[pyo3(get)]
     preempted: Vec<String>,
+    #[pyo3(get)]
     aborted: Vec<String>,
     /// Why each of `aborted` was dropped (the limit it cannot fit).
+    #[pyo3(get)]
     abort_reasons: Vec<String>,
-    num_batched_tokens: usize,
-    num_prefix_hit_tokens: usize,
 }
 
 #[pymethods]
 impl SchedulerOutput {
+    #[getter]
+    fn scheduled(&self, py: Python<'_>) -> PyResult<Py<PyList>> {
+        let list = self.scheduled.get_or_try_init(py, || {
+            let scheduler = self.scheduler.bind(py).borrow();
+            let items = self
+                .inner
+                .scheduled
+                .iter()
+                .map(|seq| Py::new(py, ScheduledSequence::from_rust(&self.inner, seq, &scheduler.inner)?))
+                .collect::<PyResult<Vec<_>>>()?;
+            Ok::<_, PyErr>(PyList::new(py, items)?.unbind())
+        })?;
+        Ok(list.clone_ref(py))
+    }
+
+    #[getter]
+    fn num_scheduled(&self) -> usize {
+        self.inner.scheduled.len()
+    }
+
+    #[getter]
+    fn seq_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        self.column(py, |seq| seq.seq_id as i64)
+    }
+
+    #[getter]
+    fn starts<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        self.column(py, |seq| seq.start as i64)
+    }
+
+    #[getter]
+    fn ends<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        self.column(py, |seq| seq.end as i64)
+    }
+
+    #[getter]
+    fn samples<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let column: Vec<bool> = self.inner.scheduled.iter().map(|seq| seq.sample).collect();
+        numpy_array(py, &column, "bool")
+    }
+
+    #[getter]
+    fn is_prefill<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let column: Vec<bool> = self.inner.scheduled.iter().map(|seq| seq.is_prefill).collect();
+        numpy_array(py, &column, "bool")
+    }
+
+    #[getter]
+    fn block_table_from<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        self.column(py, |seq| seq.block_table_from as i64)
+    }
+
+    /// [n + 1] offsets of each sequence's tokens in `token_ids` / `slot_mapping`.
+    #[getter]
+    fn query_start_loc<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let offsets: Vec<i64> =
+            std::iter::once(0).chain(self.inner.scheduled.iter().map(|seq| seq.token_range.end as i64)).collect();
+        numpy_array(py, &offsets, "int64")
+    }
+
+    /// [n + 1] offsets of each sequence's block-table update in `block_table_updates`.
+    #[getter]
+    fn block_table_update_loc<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let offsets: Vec<i64> =
+            std::iter::once(0).chain(self.inner.scheduled.iter().map(|seq| seq.block_range.end as i64)).collect();
+        numpy_array(py, &offsets, "int64")
+    }
+
+    #[getter]
+    fn token_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let tokens: Vec<i64> = self.inner.token_ids.iter().map(|&token| token as i64).collect();
+        numpy_array(py, &tokens, "int64")
+    }
+
+    #[getter]
+    fn slot_mapping<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        numpy_array(py, &self.inner.slot_mapping, "int64")
+    }
+
+    #[getter]
+    fn block_table_updates<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        numpy_array(py, &self.inner.block_table_updates, "int32")
+    }
+
+    #[getter]
+    fn blocks_to_swap_in(&self) -> Vec<(u32, u32)> {
+        self.inner.blocks_to_swap_in.clone()
+    }
+
+    #[getter]
+    fn blocks_to_swap_out(&self) -> Vec<(u32, u32)> {
+        self.inner.blocks_to_swap_out.clone()
+    }
+
+    #[getter]
+    fn blocks_to_copy(&self) -> Vec<(u32, u32)> {
+        self.inner.blocks_to_copy.clone()
+    }
+
+    #[getter]
+    fn num_batched_tokens(&self) -> usize {
+        self.inner.num_batched_tokens
+    }
+
+    #[getter]
+    fn num_prefix_hit_tokens(&self) -> usize {
+        self.inner.num_prefix_hit_tokens
+    }
+
     fn is_empty(&self) -> bool {
-        self.scheduled.is_empty() && self.blocks_to_swap_out.is_empty()
+        self.inner.is_empty()
     }
 
     fn __repr__(&self) -> String {
         format!(
             "SchedulerOutput(scheduled={}, tokens={}, swap_in={}, swap_out={}, copy={}, preempted={:?}, aborted={:?})",
-            self.scheduled.len(),
-            self.num_batched_tokens,
-            self.blocks_to_swap_in.len(),
-            self.blocks_to_swap_out.len(),
-            self.blocks_to_copy.len(),
+            self.inner.scheduled.len(),
+            self.inner.num_batched_tokens,
+            self.inner.blocks_to_swap_in.len(),
+            self.inner.blocks_to_swap_out.len(),
+            self.inner.blocks_to_copy.len(),
             self.preempted,
             self.aborted
         )
@@ -262,25 +374,51 @@ impl SchedulerOutput {
 }
 
 impl SchedulerOutput {
-    /// `scheduler` is the one that just produced `out`: Python gets each sequence's whole table.
-    fn from_rust(py: Python<'_>, out: RustSchedulerOutput, scheduler: &RustScheduler) -> PyResult<Self> {
-        let scheduled = out
-            .scheduled
-            .iter()
-            .map(|seq| Py::new(py, ScheduledSequence::from_rust(&out, seq, scheduler)?))
-            .collect::<PyResult<_>>()?;
-        Ok(SchedulerOutput {
-            scheduled,
-            blocks_to_swap_in: out.blocks_to_swap_in,
-            blocks_to_swap_out: out.blocks_to_swap_out,
-            blocks_to_copy: out.blocks_to_copy,
+    fn from_rust(out: RustSchedulerOutput, scheduler: Py<Scheduler>) -> Self {
+        SchedulerOutput {
             preempted: out.preempted.iter().map(|id| id.to_string()).collect(),
             aborted: out.aborted.iter().map(|id| id.to_string()).collect(),
-            abort_reasons: out.abort_reasons,
-            num_batched_tokens: out.num_batched_tokens,
-            num_prefix_hit_tokens: out.num_prefix_hit_tokens,
-        })
+            abort_reasons: out.abort_reasons.clone(),
+            inner: out,
+            scheduler,
+            scheduled: PyOnceLock::new(),
+        }
     }
+
+    fn column<'py>(
+        &self,
+        py: Python<'py>,
+        value: impl Fn(&RustScheduledSequence) -> i64,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let column: Vec<i64> = self.inner.scheduled.iter().map(value).collect();
+        numpy_array(py, &column, "int64")
+    }
+}
+
+/// Integers from a numpy int64 array (its bytes, read at once) or any sequence of ints.
+fn int_column(values: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
+    // (dtype's kind and itemsize, not its name: str(dtype) costs more than the rest together)
+    let is_int64_array = values.getattr("dtype").is_ok_and(|dtype| {
+        let kind = dtype.getattr("kind").and_then(|kind| kind.extract::<String>());
+        let itemsize = dtype.getattr("itemsize").and_then(|size| size.extract::<usize>());
+        kind.is_ok_and(|kind| kind == "i") && itemsize.is_ok_and(|size| size == 8)
+    });
+    if !is_int64_array {
+        return values.extract();
+    }
+    let bytes = values.call_method0("tobytes")?;
+    let bytes = bytes.cast::<PyBytes>()?.as_bytes();
+    Ok(bytes.chunks_exact(8).map(|chunk| i64::from_ne_bytes(chunk.try_into().unwrap())).collect())
+}
+
+/// A numpy array of `dtype` holding a copy of `data` (a bytearray, so it is writable).
+fn numpy_array<'py, T: Copy>(py: Python<'py>, data: &[T], dtype: &str) -> PyResult<Bound<'py, PyAny>> {
+    static FROMBUFFER: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    let frombuffer =
+        FROMBUFFER.get_or_try_init(py, || Ok::<_, PyErr>(py.import("numpy")?.getattr("frombuffer")?.unbind()))?;
+    // SAFETY: plain integers and bools, read as the bytes they are.
+    let bytes = unsafe { std::slice::from_raw_parts(data.as_ptr() as *const u8, std::mem::size_of_val(data)) };
+    frombuffer.bind(py).call1((PyByteArray::new(py, bytes), dtype))
 }
 
 /// The scheduler: continuous batching over a paged KV cache.
@@ -312,10 +450,49 @@ impl Scheduler {
         call(|| self.inner.add_request_with_priority(request_id, prompt_token_ids, extra_key, priority))
     }
 
-    fn schedule(&mut self, py: Python<'_>) -> PyResult<SchedulerOutput> {
-        let inner = &mut self.inner;
-        let out = py.detach(|| call(|| Ok(inner.schedule())))?;
-        SchedulerOutput::from_rust(py, out, &self.inner)
+    fn schedule(mut slf: PyRefMut<'_, Self>) -> PyResult<SchedulerOutput> {
+        let out = call(|| Ok(slf.inner.schedule()))?;
+        let scheduler: Py<Scheduler> = slf.into();
+        Ok(SchedulerOutput::from_rust(out, scheduler))
+    }
+
+    /// Closes a step in one call: appends `token_ids[i]` to `seq_ids[i]`, then ends `finished`.
+    /// Checks everything first: an error changes nothing.
+    #[pyo3(signature = (seq_ids, token_ids, finished=None))]
+    fn update(
+        &mut self,
+        seq_ids: &Bound<'_, PyAny>,
+        token_ids: &Bound<'_, PyAny>,
+        finished: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let (seq_ids, token_ids) = (int_column(seq_ids)?, int_column(token_ids)?);
+        if seq_ids.len() != token_ids.len() {
+            return Err(exceptions::InvalidStateError::new_err(format!(
+                "{} seq_ids but {} token_ids",
+                seq_ids.len(),
+                token_ids.len()
+            )));
+        }
+        let invalid =
+            |what: &str, value: i64| exceptions::InvalidStateError::new_err(format!("invalid {what} {value}"));
+        let appends = seq_ids
+            .iter()
+            .zip(&token_ids)
+            .map(|(&seq, &token)| {
+                Ok((
+                    u64::try_from(seq).map_err(|_| invalid("seq_id", seq))?,
+                    u32::try_from(token).map_err(|_| invalid("token id", token))?,
+                ))
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        let finished = match finished {
+            Some(finished) => int_column(finished)?
+                .into_iter()
+                .map(|seq| u64::try_from(seq).map_err(|_| invalid("seq_id", seq)))
+                .collect::<PyResult<Vec<_>>>()?,
+            None => Vec::new(),
+        };
+        call(|| self.inner.update(&appends, &finished))
     }
 
     #[pyo3(signature = (seq_id, token_id, draft_token_ids=Vec::new()))]

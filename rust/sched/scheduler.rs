@@ -75,7 +75,7 @@ impl ScheduledSequence {
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct SchedulerOutput {
     pub scheduled: Vec<ScheduledSequence>,
-    /// All scheduled token ids, back to back (`token_range` of each sequence).
+    /// All scheduled token ids, back to back in `scheduled` order (`token_range` of each sequence).
     pub token_ids: Vec<u32>,
     /// Destination slot (block * block_size + offset) of each token in `token_ids`.
     pub slot_mapping: Vec<i64>,
@@ -110,6 +110,23 @@ impl SchedulerOutput {
 
     pub fn is_empty(&self) -> bool {
         self.scheduled.is_empty() && self.blocks_to_swap_out.is_empty()
+    }
+
+    /// Sequences are recorded as they are planned, decodes among prefills; the flat arrays then
+    /// follow `scheduled` (prefills first), so each sequence's tokens come after the previous one's.
+    fn put_flat_arrays_in_scheduled_order(&mut self) {
+        let (mut token_ids, mut slot_mapping, mut updates) =
+            (Vec::with_capacity(self.token_ids.len()), Vec::with_capacity(self.slot_mapping.len()), Vec::new());
+        for seq in self.scheduled.iter_mut() {
+            let tokens = token_ids.len()..token_ids.len() + seq.token_range.len();
+            token_ids.extend_from_slice(&self.token_ids[seq.token_range.clone()]);
+            slot_mapping.extend_from_slice(&self.slot_mapping[seq.token_range.clone()]);
+            seq.token_range = tokens;
+            let blocks = updates.len()..updates.len() + seq.block_range.len();
+            updates.extend_from_slice(&self.block_table_updates[seq.block_range.clone()]);
+            seq.block_range = blocks;
+        }
+        (self.token_ids, self.slot_mapping, self.block_table_updates) = (token_ids, slot_mapping, updates);
     }
 
     /// Appends one sequence's new tokens, their slots, its copy-on-write copy and its block-table
@@ -393,6 +410,55 @@ impl Scheduler {
         Ok(())
     }
 
+    /// Closes a step in one call: appends `appends` (sequence, sampled token), then ends the
+    /// `finished` sequences. Everything is checked first (known, running, sampled in the last
+    /// step, so each at most once), and an error changes nothing. Speculative drafts and forks
+    /// keep their own calls (`append_token_with_drafts`, `fork`).
+    pub fn update(&mut self, appends: &[(SeqId, u32)], finished: &[SeqId]) -> Result<()> {
+        for &seq_id in finished {
+            self.group_of_seq(seq_id)?;
+            if appends.iter().any(|&(appended, _)| appended == seq_id) {
+                return Err(Error::InvalidState(format!("sequence {seq_id} is both appended to and finished")));
+            }
+        }
+        // Each append checks its sequence (a second token for one fails: the first has no KV
+        // yet); on an error the tokens appended so far are taken back.
+        for (index, &(seq_id, token)) in appends.iter().enumerate() {
+            if let Err(error) = self.append_sampled(seq_id, token) {
+                for &(appended, _) in &appends[..index] {
+                    let group_id = self.group_by_seq[&appended];
+                    self.groups[group_id].seq_mut(appended).unwrap().tokens.pop();
+                }
+                return Err(error);
+            }
+        }
+        for &seq_id in finished {
+            self.finish_sequence(seq_id)?;
+        }
+        Ok(())
+    }
+
+    /// `append_token` without drafts, for `update`.
+    fn append_sampled(&mut self, seq_id: SeqId, token: u32) -> Result<()> {
+        let group_id = self.group_of_seq(seq_id)?;
+        let max_model_len = self.max_model_len;
+        let group = &mut self.groups[group_id];
+        let running = group.state == GroupState::Running;
+        let seq = group.seq_mut(seq_id).unwrap();
+        if !running || !seq.is_active() || seq.num_computed != seq.len() {
+            return Err(Error::InvalidState(format!("sequence {seq_id} was not sampled in the last step")));
+        }
+        if seq.len() + 1 > max_model_len {
+            return Err(Error::InvalidState(format!(
+                "sequence {seq_id} has {} tokens: one more exceeds max_model_len={max_model_len}",
+                seq.len()
+            )));
+        }
+        seq.tokens.push(token);
+        seq.num_draft = 0;
+        Ok(())
+    }
+
     /// After the step that computed a sequence's drafts: keeps the first `num_accepted` of them and
     /// drops the rest, with their KV slots (`BlockManager::truncate`). The next token then comes
     /// from `append_token` as usual.
@@ -612,6 +678,7 @@ impl Scheduler {
             out.scheduled = decodes; // steady decode: no prefill to put first, nothing to move
         } else {
             out.scheduled.append(&mut decodes);
+            out.put_flat_arrays_in_scheduled_order();
         }
         out
     }

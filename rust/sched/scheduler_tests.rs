@@ -824,3 +824,29 @@ fn a_windowed_model_serves_sequences_longer_than_the_pool() {
     cfg.max_num_batched_tokens = 64;
     assert_eq!(Scheduler::new(cfg).unwrap().max_model_len(), 24);
 }
+
+/// The closing call appends and finishes in one go, or, given anything it cannot do, nothing.
+#[test]
+fn update_closes_a_step_in_one_call_or_changes_nothing() {
+    let mut s = Scheduler::new(config(16, 0)).unwrap();
+    let a = s.add_request("a", prompt(3, 1), None).unwrap();
+    let b = s.add_request("b", prompt(3, 2), None).unwrap();
+    let c = s.add_request("c", prompt(3, 3), None).unwrap();
+    s.schedule();
+    let before = s.stats();
+    for bad in [
+        (vec![(a, 1), (a, 2)], vec![]),  // twice
+        (vec![(a, 1), (99, 2)], vec![]), // unknown
+        (vec![(a, 1)], vec![a]),         // appended and finished
+        (vec![(a, 1)], vec![77]),        // unknown finish
+    ] {
+        assert!(s.update(&bad.0, &bad.1).is_err(), "{bad:?}");
+        assert_eq!((s.sequence_len(a).unwrap(), s.stats()), (3, before.clone()), "{bad:?} changed something");
+    }
+    s.update(&[(a, 7), (b, 8)], &[c]).unwrap();
+    assert_eq!((s.sequence_len(a).unwrap(), s.sequence_len(b).unwrap(), s.num_unfinished()), (4, 4, 2));
+    assert!(s.update(&[(a, 9)], &[]).is_err(), "a's token 7 has no KV yet: it was not sampled again");
+    let out = s.schedule();
+    assert_eq!(out.scheduled.iter().map(|seq| (seq.start, seq.end)).collect::<Vec<_>>(), [(3, 4), (3, 4)]);
+    check(&s);
+}
