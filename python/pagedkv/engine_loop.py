@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from pagedkv.engine import LLMEngine
-from pagedkv.errors import EngineStoppedError
+from pagedkv.errors import EngineStoppedError, OverloadedError
 from pagedkv.lora import LoRARequest
 from pagedkv.outputs import PoolingRequestOutput, RequestOutput
 from pagedkv.pooling_params import PoolingParams
@@ -40,12 +40,15 @@ class EngineLoop:
         self.engine = engine
         self.metrics = metrics
         self._workers = ThreadPoolExecutor(num_workers, thread_name_prefix="pagedkv-worker")
+        # Jobs on the worker pool, queued or running, bounded as the scheduler's waiting queue is.
+        self._num_worker_jobs = 0
+        self._max_worker_jobs = engine.config.max_waiting_requests
         self.stats: dict = engine.stats()  # snapshot for /metrics, refreshed by the loop thread
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._stopping = threading.Event()
         self._closed = False  # set (under _lock) once the thread takes no more commands
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # (guards _closed and _num_worker_jobs)
         self._thread = threading.Thread(target=self._run, name="pagedkv-engine", daemon=True)
 
     def start(self) -> None:
@@ -60,21 +63,41 @@ class EngineLoop:
 
     async def run_in_worker(self, function, *args):
         """`function(*args)` on the worker pool (CPU-heavy request work: tokenizing, chat
-        templates), so the event loop keeps answering meanwhile."""
-        return await asyncio.get_running_loop().run_in_executor(self._workers, function, *args)
+        templates), so the event loop keeps answering meanwhile. Raises OverloadedError, as a
+        full waiting queue does, when max_waiting_requests jobs are already queued or running."""
+        with self._lock:
+            self._check_open()
+            if self._num_worker_jobs >= self._max_worker_jobs:
+                raise OverloadedError(f"the request-preparation queue is full (max_waiting_requests="
+                                      f"{self._max_worker_jobs} jobs); retry later")
+            self._num_worker_jobs += 1
+        job = self._workers.submit(function, *args)
+        job.add_done_callback(self._release_worker_slot)  # (also when cancelled before it ran)
+        return await asyncio.wrap_future(job)
+
+    def _release_worker_slot(self, _job) -> None:
+        with self._lock:
+            self._num_worker_jobs -= 1
 
     async def submit_all(
         self, requests: list[tuple[str, object]], params: Union[SamplingParams, PoolingParams], priority: int = 0,
-        lora_request: Optional[LoRARequest] = None,
+        lora_request: Optional[LoRARequest] = None, check_context_room: bool = False,
     ) -> list[asyncio.Queue]:
         """Queues (request_id, prompt) pairs all or none: if one is refused, none runs and its
         error (what `engine.add_request` raises: PromptTooLongError, ...) is raised. One output
-        queue per request."""
+        queue per request. `check_context_room`: a prompt that leaves less room than max_tokens
+        is refused too (SamplingParams.check_context_room)."""
         loop = asyncio.get_running_loop()
         self._check_open()
-        prepared = await self.run_in_worker(
-            lambda: [self.engine.prepare_request(request_id, prompt, params, priority=priority, lora_request=lora_request)
-                     for request_id, prompt in requests])
+
+        def prepare(request_id: str, prompt):
+            request = self.engine.prepare_request(request_id, prompt, params, priority=priority,
+                                                  lora_request=lora_request)
+            if check_context_room:
+                params.check_context_room(len(request.state.prompt_token_ids), self.engine.max_model_len)
+            return request
+
+        prepared = await self.run_in_worker(lambda: [prepare(request_id, prompt) for request_id, prompt in requests])
         accepted = loop.create_future()
         streams = [(request, _Stream(loop, asyncio.Queue())) for request in prepared]
         with self._lock:

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
 from pagedkv.structured_output import StructuredOutputsParams
+
+# Bounds on the lists a client sends, checked here and declared in the server's request models.
+MAX_STOP_STRINGS = 64  # stop strings, and stop token ids
+MAX_LOGIT_BIAS_ENTRIES = 1024
 
 
 @dataclass
@@ -71,6 +76,10 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             fail("n", self.n, "an integer >= 1")
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                     "length_penalty"):
+            if not isinstance(getattr(self, name), (int, float)) or not math.isfinite(getattr(self, name)):
+                fail(name, getattr(self, name), "a finite number")
         if self.temperature < 0:
             fail("temperature", self.temperature, ">= 0")
         if not 0 < self.top_p <= 1:
@@ -95,6 +104,12 @@ class SamplingParams:
             fail("frequency_penalty", self.frequency_penalty, "in [-2, 2]")
         if self.repetition_penalty <= 0:
             fail("repetition_penalty", self.repetition_penalty, "> 0")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            fail("stop", f"{len(self.stop)} strings", f"at most {MAX_STOP_STRINGS} strings")
+        if len(self.stop_token_ids) > MAX_STOP_STRINGS:
+            fail("stop_token_ids", f"{len(self.stop_token_ids)} ids", f"at most {MAX_STOP_STRINGS} token ids")
+        if len(self.logit_bias or ()) > MAX_LOGIT_BIAS_ENTRIES:
+            fail("logit_bias", f"{len(self.logit_bias)} entries", f"at most {MAX_LOGIT_BIAS_ENTRIES} entries")
         if any(not isinstance(token_id, int) or token_id < 0 for token_id in self.stop_token_ids):
             fail("stop_token_ids", self.stop_token_ids, "a list of token ids (integers >= 0)")
         for token_id, bias in (self.logit_bias or {}).items():
@@ -134,6 +149,15 @@ class SamplingParams:
                 fail("temperature", self.temperature, "0 with use_beam_search (beams are greedy)")
             if self.structured_outputs is not None:
                 fail("structured_outputs", self.structured_outputs, "None with use_beam_search")
+
+    def check_context_room(self, num_prompt_tokens: int, max_model_len: int) -> None:
+        """Raises ValueError naming max_tokens if the prompt leaves less room in the context than
+        max_tokens asks for (the server's rule, as vLLM's: a client that names max_tokens gets
+        them or a 400; the engine itself stops such a request at max_model_len)."""
+        room = max_model_len - num_prompt_tokens
+        if 0 < room < self.max_tokens:  # (a prompt that leaves no room is the engine's PromptTooLongError)
+            raise ValueError(f"max_tokens must be at most {room}, the context left after the prompt (max_model_len="
+                             f"{max_model_len} - {num_prompt_tokens} prompt tokens), got {self.max_tokens}")
 
     @property
     def greedy(self) -> bool:

@@ -43,6 +43,8 @@ class StructuredOutputsParams:
             not self.choice or any(not isinstance(option, str) or not option for option in self.choice)
         ):
             raise ValueError(f"structured_outputs choice must be a non-empty list of non-empty strings, got {self.choice!r}")
+        if self.json is not None:
+            check_local_refs(self.json)
 
     def key(self) -> tuple:
         """A hashable description of the constraint (compiled grammars are cached by it)."""
@@ -56,6 +58,26 @@ class StructuredOutputsParams:
         if self.choice is not None:
             return ("choice", tuple(self.choice))
         return ("grammar", self.grammar)
+
+
+def check_local_refs(schema: Union[str, dict]) -> None:
+    """Raises ValueError naming structured_outputs unless every `$ref` in a JSON schema points
+    into the schema itself ("#..."): a server must never read files or URLs a request names."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as error:
+            raise ValueError(f"structured_outputs json is not valid JSON: {error}") from None
+    pending = [schema]
+    while pending:  # (iterative: any depth of nesting)
+        value = pending.pop()
+        if isinstance(value, dict):
+            ref = value.get("$ref")
+            if ref is not None and not (isinstance(ref, str) and ref.startswith("#")):
+                raise ValueError(f"structured_outputs json may only $ref its own definitions (#/...), got {ref!r}")
+            pending.extend(value.values())
+        elif isinstance(value, list):
+            pending.extend(value)
 
 
 class GrammarCompiler:

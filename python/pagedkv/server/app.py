@@ -16,11 +16,12 @@ import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from pagedkv import __version__
 from pagedkv.config import EngineConfig
@@ -34,7 +35,7 @@ from pagedkv.errors import (
 )
 from pagedkv.engine_loop import EngineLoop
 from pagedkv.lora import LoRARequest
-from pagedkv.outputs import RequestOutput
+from pagedkv.outputs import PoolingRequestOutput, RequestOutput
 from pagedkv.server.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES, BodySizeLimit, BodyTooLargeError
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.pooling_params import PoolingParams
@@ -44,9 +45,12 @@ from pagedkv.server.protocol import (
     ChatCompletionRequest,
     ClassificationRequest,
     CompletionRequest,
+    ERROR_RESPONSES,
+    STREAMED_RESPONSE,
     DetokenizeRequest,
     EmbeddingRequest,
     LoadLoRAAdapterRequest,
+    RequestFieldError,
     RerankRequest,
     ResponsesRequest,
     ScoreRequest,
@@ -62,7 +66,10 @@ from pagedkv.server.tools import ToolCalling
 logger = logging.getLogger("pagedkv.server")
 
 # Engine ValueErrors that start with one of these name a sampling field; others are about the prompt.
-SAMPLING_FIELDS = frozenset({"logit_bias", "stop_token_ids", "n", "structured_outputs", "priority", "allowed_token_ids"})
+SAMPLING_FIELDS = frozenset({"logit_bias", "stop_token_ids", "n", "structured_outputs", "priority", "allowed_token_ids",
+                             "max_tokens"})
+# Parts of a validation error's location that name a union's branch, not a field of the request.
+_TYPE_LABELS = frozenset({"str", "int", "float", "bool", "dict", "list"})
 # The one route --api-key leaves open: load balancers and orchestrators probe it.
 UNGUARDED_ROUTES = frozenset({"/health"})
 
@@ -125,7 +132,7 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
             state.clear()
             builders.clear()  # (they hold the tokenizer)
 
-    app = FastAPI(title="pagedkv", lifespan=lifespan)
+    app = FastAPI(title="pagedkv", version=__version__, lifespan=lifespan, responses=ERROR_RESPONSES)
     app.state.pagedkv = state
 
     def drain(grace_seconds: float) -> None:
@@ -162,11 +169,38 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, error: RequestValidationError):
-        first = error.errors()[0] if error.errors() else {}
-        location = [str(part) for part in first.get("loc", ()) if part != "body"]
-        param = location[0] if location else None
+        # Of a union's failed branches, the deepest error is the one that names the actual mistake.
+        first = max(error.errors(), key=lambda detail: len(detail.get("loc", ())), default={})
+        where = first.get("loc", ())
+        location = [str(part) for part in where[1:] if "[" not in str(part) and part not in _TYPE_LABELS]
+        param = where[1] if len(where) > 1 and isinstance(where[1], str) else None  # (not a JSON error's offset)
         message = f"{'.'.join(location) or 'body'}: {first.get('msg', 'invalid request')}"
         return error_response(400, message, "invalid_request_error", param)
+
+    @app.exception_handler(RequestFieldError)
+    async def request_field_error(_: Request, error: RequestFieldError):
+        return error_response(400, str(error), "invalid_request_error", error.field or None)
+
+    @app.exception_handler(OverloadedError)
+    @app.exception_handler(EngineStoppedError)
+    async def overloaded(_: Request, error: Exception):
+        return error_response(503, str(error), "server_overloaded", None, "overloaded", {"Retry-After": "1"})
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, error: HTTPException):
+        """Starlette's own errors (unknown route, wrong method, unreadable body) in the OpenAI shape."""
+        kind = "server_error" if error.status_code >= 500 else "invalid_request_error"
+        return error_response(error.status_code, str(error.detail), kind, headers=error.headers)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, error: Exception):
+        """A fault of the server's own (never of the request: those are 4xx), logged with the request
+        id the answer carries, so a client's report can be matched to the traceback."""
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        logger.error("internal error in %s %s (request id %s)", request.method, request.url.path, request_id,
+                     exc_info=error)
+        return error_response(500, f"internal server error (request id {request_id})", "server_error",
+                              headers={"x-request-id": request_id})
 
     @app.get("/health")
     async def health():
@@ -183,18 +217,18 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
                       for name, adapter in adapters.items()]
         return {"object": "list", "data": [card, *lora_cards]}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
         return Response(state["metrics"].render(), media_type="text/plain; version=0.0.4")
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=STREAMED_RESPONSE)
     async def completions(body: CompletionRequest, request: Request):
         served = check_model(body.model)
         params = make_params(lambda: body.completion_params(state["engine"].generation_defaults))
         prompts = make_params(body.prompts)
         return await run(request, prompts, params, body, served, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=STREAMED_RESPONSE)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         served = check_model(body.model)
         if body.max_completion_tokens is not None and body.max_tokens is None:
@@ -202,12 +236,13 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
         default_max = max(1, state["engine"].max_model_len // 2)
         params = make_params(lambda: body.sampling_params(body.chat_logprobs(), default_max,
                                                           state["engine"].generation_defaults))
-        tools = make_params(lambda: ToolCalling.from_request(body.tools, body.tool_choice, tool_call_parser))
+        chat_tools, tool_choice = body.chat_tools()
+        tools = make_params(lambda: ToolCalling.from_request(chat_tools, tool_choice, tool_call_parser))
         params = with_reasoning(with_tools(params, tools, "structured outputs (response_format, guided_*)"))
-        prompt = await chat_prompt(body.messages, True, body.tools if tools is not None else None, body.chat_template_kwargs)
+        prompt = await chat_prompt(body.messages, True, chat_tools if tools is not None else None, body.chat_template_kwargs)
         return await run(request, [prompt], params, body, served, chat=True, tools=tools)
 
-    @app.post("/v1/responses")
+    @app.post("/v1/responses", responses=STREAMED_RESPONSE)
     async def responses(body: ResponsesRequest, request: Request):
         """OpenAI's Responses API, stateless (store is always false), whole or streamed as events."""
         served = check_model(body.model)
@@ -222,7 +257,8 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
         if not body.stream:
             params = dataclasses.replace(params, output_kind="final_only")
         try:
-            [queue] = await state["loop"].submit_all([(response.id, prompt)], params, body.priority, adapters.get(served))
+            [queue] = await state["loop"].submit_all([(response.id, prompt)], params, body.priority, adapters.get(served),
+                                                     check_context_room=body.max_output_tokens is not None)
         except Exception as error:
             raise submit_error(error, chat=False, prompt_field="input") from error
 
@@ -244,19 +280,19 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
         return response.complete(completion.text, completion.finish_reason, responses_usage(output))
 
     @app.post("/v1/embeddings")
-    async def embeddings(body: EmbeddingRequest):
+    async def embeddings(body: EmbeddingRequest, request: Request):
         served = check_model(body.model)
         inputs = make_params(body.inputs)
         hidden_size = state["engine"].runner.hf_config.hidden_size
         if body.dimensions is not None and body.dimensions != hidden_size:
             raise APIError(400, f"dimensions={body.dimensions} is not supported: this model's embeddings have "
                            f"{hidden_size}", "invalid_request_error", "dimensions")
-        outputs = await pool("embd-", inputs, PoolingParams(), body.priority, served)
+        outputs = await pool(request, "embd-", inputs, PoolingParams(), body.priority, served)
         return builders[served].embeddings(outputs, body.encoding_format)
 
     @app.post("/classify")
     @app.post("/v1/classify")
-    async def classify(body: ClassificationRequest):
+    async def classify(body: ClassificationRequest, request: Request):
         """vLLM's /classify: each input's class probabilities and most likely label, from a
         sequence-classification checkpoint."""
         served = check_model(body.model)
@@ -265,41 +301,43 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
             raise APIError(400, f"model {served!r} is not a sequence classifier (*ForSequenceClassification)",
                            "invalid_request_error", "model")
         params = PoolingParams(task="classify", use_activation=body.use_activation)
-        outputs = await pool("classify-", inputs, params, body.priority, served)
+        outputs = await pool(request, "classify-", inputs, params, body.priority, served)
         return builders[served].classifications(outputs, state["engine"].runner.hf_config)
 
-    async def scored(pairs_of, prefix: str, priority: int, served: str) -> tuple[list[float], int]:
+    async def scored(request: Request, pairs_of, prefix: str, priority: int, served: str) -> tuple[list[float], int]:
         """(a score per pair (pagedkv.scoring), prompt tokens computed), or a 400 naming what is wrong."""
         try:
             pairs = pairs_of()
             prompts, params = scoring_requests(pairs, state["engine"].tokenizer, state["engine"].classifier)
         except ValueError as error:
             raise APIError(400, str(error), "invalid_request_error")
-        outputs = await pool(prefix, prompts, params, priority, served)
+        outputs = await pool(request, prefix, prompts, params, priority, served)
         scores = [score for score, _ in scores_of(pairs, prompts, outputs, params)]
         return scores, sum(len(output.prompt_token_ids) for output in outputs)
 
     @app.post("/score")
     @app.post("/v1/score")
-    async def score(body: ScoreRequest):
+    async def score(body: ScoreRequest, request: Request):
         """vLLM's /score: a relevance score per (text_1, text_2) pair."""
         served = check_model(body.model)
-        scores, num_tokens = await scored(lambda: score_pairs(body.text_1, body.text_2), "score-", body.priority,
-                                          served)
+        scores, num_tokens = await scored(request, lambda: score_pairs(body.text_1, body.text_2), "score-",
+                                          body.priority, served)
         return builders[served].scores(scores, num_tokens)
 
     @app.post("/rerank")
     @app.post("/v1/rerank")
     @app.post("/v2/rerank")
-    async def rerank(body: RerankRequest):
+    async def rerank(body: RerankRequest, request: Request):
         """vLLM's /rerank: the documents, most relevant to the query first (the best `top_n`)."""
         served = check_model(body.model)
-        scores, num_tokens = await scored(lambda: score_pairs(body.query, body.documents), "rerank-", body.priority,
-                                          served)
+        scores, num_tokens = await scored(request, lambda: score_pairs(body.query, body.documents), "rerank-",
+                                          body.priority, served)
         return builders[served].reranked(body.documents, scores, body.top_n, num_tokens)
 
-    async def pool(prefix: str, inputs: list, params: PoolingParams, priority: int, served: str) -> list:
-        """Queues one pooling request per input (all or none) and waits for their outputs."""
+    async def pool(request: Request, prefix: str, inputs: list, params: PoolingParams, priority: int,
+                   served: str) -> list:
+        """Queues one pooling request per input (all or none) and waits for their outputs (see
+        final_outputs: a client that leaves aborts them)."""
         request_id = prefix + uuid.uuid4().hex
         request_ids = [f"{request_id}-{i}" for i in range(len(inputs))]
         try:
@@ -307,14 +345,7 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
                                                     adapters.get(served))
         except Exception as error:
             raise submit_error(error, chat=False, prompt_field="input") from error
-        outputs = []
-        try:
-            for queue in queues:
-                outputs.append(await next_output(queue))
-        finally:
-            for sub_id in request_ids[len(outputs):]:
-                state["loop"].abort(sub_id)
-        return outputs
+        return await final_outputs(request, request_ids, queues)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
@@ -392,6 +423,8 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
             return await state["loop"].run_in_worker(lambda: state["engine"].tokenizer.apply_chat_template(
                 turns, tools=tools, chat_template=chat_template, tokenize=False,
                 add_generation_prompt=add_generation_prompt, **(template_kwargs or {})))
+        except OverloadedError:
+            raise
         except Exception as error:
             raise APIError(400, f"messages: cannot apply the chat template: {error}", "invalid_request_error", "messages")
 
@@ -445,13 +478,13 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
             params = dataclasses.replace(params, output_kind="final_only")
         try:
             queues = await state["loop"].submit_all(list(zip(request_ids, prompts)), params, body.priority,
-                                                    adapters.get(served))
+                                                    adapters.get(served), check_context_room=body.max_tokens is not None)
         except Exception as error:
             raise submit_error(error, chat) from error
         created = int(time.time())
         echo = bool(getattr(body, "echo", False))
         if body.stream:
-            include_usage = bool((body.stream_options or {}).get("include_usage"))
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
             chunks = responses.stream_chunks(request_id, merged(queues), len(queues), created, chat, include_usage,
                                              params.n, echo, tools)
             return StreamingResponse(guarded(request_ids, chunks), media_type="text/event-stream")
@@ -482,11 +515,15 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
         if collecting.cancelled():
             raise APIError(499, "the client closed the connection", "client_closed_request")
         collecting.result()  # (raises what collecting raised)
-        if state["draining"] and any(completion.finish_reason == "abort" for final in finals
-                                     for completion in final.outputs):
+        if state["draining"] and any(was_aborted(final) for final in finals):
             raise APIError(503, "the server is shutting down", "server_overloaded", None, "shutting_down",
                            {"Retry-After": "1"})
         return finals
+
+    def was_aborted(final: Union[RequestOutput, PoolingRequestOutput]) -> bool:
+        if isinstance(final, PoolingRequestOutput):
+            return not any(dataclasses.astuple(final.outputs))  # (an aborted prompt pooled nothing)
+        return any(completion.finish_reason == "abort" for completion in final.outputs)
 
     async def client_disconnected(request: Request) -> None:
         """Returns once the client has gone (its body is read: the next message says so)."""
@@ -497,8 +534,6 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
         prompt_field = "messages" if chat else prompt_field
         if isinstance(error, PromptTooLongError):
             return APIError(400, str(error), "invalid_request_error", prompt_field, "context_length_exceeded")
-        if isinstance(error, (OverloadedError, EngineStoppedError)):
-            return APIError(503, str(error), "server_overloaded", None, "overloaded", {"Retry-After": "1"})
         if isinstance(error, DuplicateRequestError):
             return APIError(409, str(error), "invalid_request_error")
         if isinstance(error, ValueError):

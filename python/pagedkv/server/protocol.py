@@ -1,36 +1,219 @@
-"""Request bodies of the OpenAI API (the fields pagedkv honours) and their mapping to SamplingParams."""
+"""Request bodies of the OpenAI API (the fields pagedkv honours) and their mapping to SamplingParams.
+
+Every nested part is described (messages and their content parts, tools, tool_choice,
+response_format, structured outputs, Responses API input items), with OpenAI's types and no
+coercion ("yes" is no boolean, 2.0 no integer, NaN no number), so malformed input is refused
+with a 400 naming its field before any handler runs; the same models are the OpenAPI document.
+"""
 
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+import math
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator, with_config
+from typing_extensions import TypedDict
 
-from pagedkv.sampling_params import SamplingParams
+from pagedkv.sampling_params import MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_STRINGS, SamplingParams, check_unicode
 from pagedkv.structured_output import StructuredOutputsParams
 
 
-class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class RequestFieldError(Exception):
+    """A request body holds a value no field may carry: text that is not valid Unicode (a lone
+    surrogate) or a number that is not finite. `field` is the top-level field it is in; the
+    message gives its whole path."""
 
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+def check_json_values(body: Any) -> None:
+    """Raises RequestFieldError for the first string in a parsed JSON body that is not valid
+    Unicode, or number that is not finite (JSON's NaN, Infinity, 1e999), wherever it is,
+    free-form JSON (schemas, tool parameters) included. (Iterative: any depth of nesting.)"""
+    pending = [(body, "", "")]  # (value, its path, the top-level field it is in)
+    while pending:
+        value, path, field = pending.pop()
+        if isinstance(value, str):
+            try:
+                check_unicode(value, path or "body")
+            except ValueError as error:
+                raise RequestFieldError(field, str(error)) from None
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise RequestFieldError(field, f"{path or 'body'} must be a finite number, got {value!r}")
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                try:
+                    check_unicode(str(key), "key")
+                except ValueError:
+                    raise RequestFieldError(field or "body", f"{path or 'body'} has a key that is not valid Unicode") from None
+                pending.append((item, f"{path}.{key}" if path else str(key), field or str(key)))
+        elif isinstance(value, list):
+            pending.extend((item, f"{path}.{index}", field) for index, item in enumerate(value))
+
+
+class _Part(BaseModel):
+    """A part of a request body: OpenAI's types, strictly (no "yes" for true, no 2.0 for 2),
+    finite numbers only; unknown fields are ignored."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+
+class _Request(_Part):
+    """A whole request body; see `check_json_values` for what is refused before its fields are read."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unencodable_values(cls, body: Any) -> Any:
+        check_json_values(body)
+        return body
+
+
+# -- chat messages -----------------------------------------------------------------------------
+class TextPart(_Part):
+    type: Literal["text"]
+    text: str
+
+
+class ImageURL(_Part):
+    url: str
+    detail: Optional[Literal["auto", "low", "high"]] = None
+
+
+class ImagePart(_Part):
+    """Accepted for compatibility; pagedkv serves text models, which do not see it."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+class RefusalPart(_Part):
+    type: Literal["refusal"]
+    refusal: str
+
+
+ContentPart = Annotated[Union[TextPart, ImagePart, RefusalPart], Field(discriminator="type")]
+
+
+class FunctionCall(_Part):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Part):
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Part):
+    """One chat turn; fields beyond these reach the chat template unchanged."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: Optional[Union[str, list[ContentPart]]] = None
+    name: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None
+    tool_call_id: Optional[str] = None
+
+    def template_fields(self) -> dict:
+        """The message as chat templates read it: text content plus tool_calls, tool_call_id, ..."""
+        return {**self.model_dump(exclude_none=True), "content": self.text()}
+
+    def text(self) -> str:
+        if isinstance(self.content, list):  # OpenAI content parts: keep the text ones
+            return "".join(part.text for part in self.content if isinstance(part, TextPart))
+        return self.content or ""
+
+
+# -- tools -------------------------------------------------------------------------------------
+class FunctionDefinition(_Part):
+    name: str = Field(min_length=1)
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None  # a JSON schema of the arguments
+    strict: Optional[bool] = None
+
+
+class ChatTool(_Part):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class FunctionName(_Part):
+    name: str
+
+
+class NamedToolChoice(_Part):
+    type: Literal["function"]
+    function: FunctionName
+
+
+# -- structured outputs ------------------------------------------------------------------------
+class ResponseFormatText(_Part):
+    type: Literal["text"]
+
+
+class ResponseFormatJSONObject(_Part):
+    type: Literal["json_object"]
+
+
+class JSONSchemaFormat(_Part):
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: Optional[str] = None
+    description: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormatJSONSchema(_Part):
+    type: Literal["json_schema"]
+    json_schema: JSONSchemaFormat
+
+
+ResponseFormat = Annotated[Union[ResponseFormatText, ResponseFormatJSONObject, ResponseFormatJSONSchema],
+                           Field(discriminator="type")]
+
+
+@with_config(ConfigDict(extra="forbid", strict=True, allow_inf_nan=False))
+class StructuredOutputsBody(TypedDict, total=False):
+    """vLLM's `structured_outputs`: exactly one of these (see StructuredOutputsParams)."""
+
+    json: Union[str, dict[str, Any]]
+    json_object: bool
+    regex: str
+    choice: list[str]
+    grammar: str
+
+
+class StreamOptions(_Part):
+    include_usage: bool = False
+
+
+# -- completions and chat ----------------------------------------------------------------------
+class _Sampling(_Request):
     model: Optional[str] = None
-    max_tokens: Optional[int] = None
+    max_tokens: Optional[int] = Field(default=None, ge=1)
     temperature: float = 1.0
     top_p: float = 1.0
-    n: int = 1
-    stop: Optional[Union[str, list[str]]] = None
-    seed: Optional[int] = None
+    n: int = Field(default=1, ge=1)
+    best_of: Optional[int] = Field(default=None, ge=1)  # only n (every sample is returned)
+    stop: Optional[Union[str, Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)]]] = None
+    seed: Optional[int] = Field(default=None, ge=0, lt=2**64)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: Optional[dict[str, float]] = None  # token id (as a string) -> bias in [-100, 100]
+    # token id (as a string) -> bias in [-100, 100]
+    logit_bias: Optional[Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS_ENTRIES)]] = None
     stream: bool = False
-    stream_options: Optional[dict] = None
+    stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
     # vLLM's extra sampling parameters (the openai client sends them through `extra_body`).
     top_k: int = -1
     min_p: float = 0.0
     repetition_penalty: float = 1.0
-    stop_token_ids: Optional[list[int]] = None
+    stop_token_ids: Optional[Annotated[list[int], Field(max_length=MAX_STOP_STRINGS)]] = None
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
@@ -43,9 +226,9 @@ class _Sampling(BaseModel):
     truncate_prompt_tokens: Optional[int] = None
     priority: int = 0  # with --scheduling-policy priority: smaller is served first
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_* fields.
-    response_format: Optional[dict] = None
-    structured_outputs: Optional[dict] = None
-    guided_json: Optional[Union[str, dict]] = None
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[StructuredOutputsBody] = None
+    guided_json: Optional[Union[str, dict[str, Any]]] = None
     guided_regex: Optional[str] = None
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
@@ -55,6 +238,8 @@ class _Sampling(BaseModel):
         """Fields the request leaves unset take `defaults` (the model's generation config: see
         LLMEngine.generation_defaults) where it has them. Raises ValueError naming the field
         (first word of the message) for invalid values."""
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of must equal n={self.n} (every sample is returned), got {self.best_of}")
         defaults = defaults or {}
         chosen = {name: value for name, value in defaults.items() if name not in self.model_fields_set}
         value = lambda name: chosen.get(name, getattr(self, name))  # noqa: E731
@@ -93,22 +278,13 @@ class _Sampling(BaseModel):
             value = getattr(self, f"guided_{name}")
             if value is not None:
                 given[name] = value
-        kind = (self.response_format or {}).get("type", "text")
-        if kind == "json_object":
+        if isinstance(self.response_format, ResponseFormatJSONObject):
             given["json_object"] = True
-        elif kind == "json_schema":
-            schema = (self.response_format.get("json_schema") or {}).get("schema")
-            if schema is None:
+        elif isinstance(self.response_format, ResponseFormatJSONSchema):
+            if self.response_format.json_schema.schema_ is None:
                 raise ValueError("response_format of type json_schema needs json_schema.schema")
-            given["json"] = schema
-        elif kind != "text":
-            raise ValueError(f"response_format type must be text, json_object or json_schema, got {kind!r}")
-        if not given:
-            return None
-        try:
-            return StructuredOutputsParams(**given)
-        except TypeError:
-            raise ValueError(f"structured_outputs has unknown fields: {sorted(given)}") from None
+            given["json"] = self.response_format.json_schema.schema_
+        return StructuredOutputsParams(**given) if given else None
 
     def token_logit_bias(self) -> Optional[dict[int, float]]:
         if not self.logit_bias:
@@ -146,10 +322,28 @@ def _prompt_list(prompt, field: str) -> list[Union[str, list[int]]]:
     return list(prompt)
 
 
-class EmbeddingRequest(BaseModel):
-    """OpenAI's /v1/embeddings: one input (text or token ids) or a batch of them."""
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    max_completion_tokens: Optional[int] = Field(default=None, ge=1)
+    tools: Optional[list[ChatTool]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None  # template variables, e.g. {"enable_thinking": false}
 
-    model_config = ConfigDict(extra="ignore")
+    def chat_logprobs(self) -> Optional[int]:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def chat_tools(self) -> tuple[Optional[list[dict]], Optional[Union[str, dict]]]:
+        """(tools, tool_choice) as the chat template and ToolCalling read them."""
+        tools = [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
+        choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
+        return tools, choice
+
+
+# -- pooling -----------------------------------------------------------------------------------
+class EmbeddingRequest(_Request):
+    """OpenAI's /v1/embeddings: one input (text or token ids) or a batch of them."""
 
     model: Optional[str] = None
     input: Union[str, list[str], list[int], list[list[int]]]
@@ -162,10 +356,8 @@ class EmbeddingRequest(BaseModel):
         return _prompt_list(self.input, "input")
 
 
-class ClassificationRequest(BaseModel):
+class ClassificationRequest(_Request):
     """vLLM's /classify: one input (text or token ids) or a batch of them."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: Optional[str] = None
     input: Union[str, list[str], list[int], list[list[int]]]
@@ -177,10 +369,8 @@ class ClassificationRequest(BaseModel):
         return _prompt_list(self.input, "input")
 
 
-class ScoreRequest(BaseModel):
+class ScoreRequest(_Request):
     """vLLM's /score: `text_1` against each of `text_2`, or two lists pair by pair."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: Optional[str] = None
     text_1: Union[str, list[str]]
@@ -188,10 +378,8 @@ class ScoreRequest(BaseModel):
     priority: int = 0
 
 
-class RerankRequest(BaseModel):
+class RerankRequest(_Request):
     """vLLM's (Jina's, Cohere's) /rerank: the documents by their score against the query."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: Optional[str] = None
     query: str
@@ -200,77 +388,127 @@ class RerankRequest(BaseModel):
     priority: int = 0
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: Optional[Union[str, list[dict]]] = None
-
-    def template_fields(self) -> dict:
-        """The message as chat templates read it: text content plus tool_calls, tool_call_id, ..."""
-        return {**(self.model_extra or {}), "role": self.role, "content": self.text()}
-
-    def text(self) -> str:
-        if isinstance(self.content, list):  # OpenAI content parts: keep the text ones
-            return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
-        return self.content or ""
-
-
-class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
-    logprobs: bool = False
-    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
-    max_completion_tokens: Optional[int] = None
-    tools: Optional[list[dict]] = None
-    tool_choice: Optional[Union[str, dict]] = None
-    chat_template_kwargs: Optional[dict] = None  # template variables, e.g. {"enable_thinking": false}
-
-    def chat_logprobs(self) -> Optional[int]:
-        return (self.top_logprobs or 0) if self.logprobs else None
-
-
-class TokenizeRequest(BaseModel):
+# -- tokenizer and adapters --------------------------------------------------------------------
+class TokenizeRequest(_Request):
     """vLLM's /tokenize: a completion prompt, or chat messages rendered by the chat template."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[list[ChatMessage]] = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
-    chat_template_kwargs: Optional[dict] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
 
 
-class LoadLoRAAdapterRequest(BaseModel):
+class DetokenizeRequest(_Request):
+    model: Optional[str] = None
+    tokens: list[int]
+
+
+class LoadLoRAAdapterRequest(_Request):
     lora_name: str
     lora_path: str
 
 
-class UnloadLoRAAdapterRequest(BaseModel):
+class UnloadLoRAAdapterRequest(_Request):
     lora_name: str
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+# -- Responses API -----------------------------------------------------------------------------
+class ResponseTextPart(_Part):
+    type: Literal["input_text", "output_text"]
+    text: str
 
-    model: Optional[str] = None
-    tokens: list[int]
+
+class ResponseImagePart(_Part):
+    """Accepted for compatibility; text models do not see it."""
+
+    type: Literal["input_image"]
+    image_url: Optional[str] = None
+
+
+ResponseContentPart = Annotated[Union[ResponseTextPart, ResponseImagePart, RefusalPart],
+                                Field(discriminator="type")]
+
+
+class MessageItem(_Part):
+    type: Literal["message"] = "message"
+    role: Literal["system", "developer", "user", "assistant"] = "user"
+    content: Union[str, list[ResponseContentPart]]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content if isinstance(part, ResponseTextPart))
+
+
+class FunctionCallItem(_Part):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str = "{}"
+
+
+class FunctionCallOutputItem(_Part):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+
+
+class ReasoningItem(_Part):
+    """Earlier reasoning, which is not shown to the model again."""
+
+    type: Literal["reasoning"]
+
+
+def _item_type(item: Any) -> Optional[str]:
+    """An input item's type; a message may leave it out (OpenAI's "easy input message")."""
+    kind = item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", "message")
+    return kind if isinstance(kind, str) else None
+
+
+InputItem = Annotated[
+    Union[Annotated[MessageItem, Tag("message")], Annotated[FunctionCallItem, Tag("function_call")],
+          Annotated[FunctionCallOutputItem, Tag("function_call_output")], Annotated[ReasoningItem, Tag("reasoning")]],
+    Discriminator(_item_type),
+]
+
+
+class FunctionTool(_Part):
+    type: Literal["function"]
+    name: str = Field(min_length=1)
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class ResponsesNamedToolChoice(_Part):
+    type: Literal["function"]
+    name: str
+
+
+class ResponsesJSONSchemaFormat(JSONSchemaFormat):
+    type: Literal["json_schema"]
+
+
+class TextConfig(_Part):
+    format: Annotated[Union[ResponseFormatText, ResponseFormatJSONObject, ResponsesJSONSchemaFormat],
+                      Field(discriminator="type")] = Field(default_factory=lambda: ResponseFormatText(type="text"))
 
 
 class ResponsesRequest(_Sampling):
     """OpenAI's Responses API (/v1/responses), stateless: `instructions` and the `input` items
     become chat messages; flat function tools and `text.format` map to their chat equivalents."""
 
-    input: Union[str, list[dict]]
+    input: Union[str, list[InputItem]]
     instructions: Optional[str] = None
     max_output_tokens: Optional[int] = Field(default=None, ge=1)
-    tools: Optional[list[dict]] = None
-    tool_choice: Optional[Union[str, dict]] = None
-    text: Optional[dict] = None  # {"format": {"type": "text" | "json_object" | "json_schema", "schema": ...}}
+    tools: Optional[list[FunctionTool]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], ResponsesNamedToolChoice]] = None
+    text: Optional[TextConfig] = None
     previous_response_id: Optional[str] = None
-    metadata: Optional[dict] = None
-    chat_template_kwargs: Optional[dict] = None
+    metadata: Optional[Annotated[dict[str, str], Field(max_length=16)]] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
 
     def messages(self) -> list[ChatMessage]:
         """The conversation as chat messages. Raises ValueError naming the field."""
@@ -278,41 +516,24 @@ class ResponsesRequest(_Sampling):
         if isinstance(self.input, str):
             return turns + [ChatMessage(role="user", content=self.input)]
         for item in self.input:
-            kind = item.get("type", "message")
-            if kind == "message":
-                content = item.get("content")
-                if isinstance(content, list):  # input_text / output_text parts
-                    content = "".join(part.get("text", "") for part in content if "text" in part)
-                try:
-                    turns.append(ChatMessage(role=item.get("role", "user"), content=content))
-                except ValueError:
-                    raise ValueError(f"input message role must be system, developer, user or assistant, got "
-                                     f"{item.get('role')!r}") from None
-            elif kind == "function_call":
-                call = {"id": item.get("call_id"), "type": "function",
-                        "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
+            if isinstance(item, MessageItem):
+                turns.append(ChatMessage(role=item.role, content=item.text()))
+            elif isinstance(item, FunctionCallItem):
+                call = ToolCall(id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments))
                 turns.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
-            elif kind == "function_call_output":
-                turns.append(ChatMessage(role="tool", content=str(item.get("output", "")),
-                                         tool_call_id=item.get("call_id")))
-            elif kind != "reasoning":  # earlier reasoning is not shown to the model again
-                raise ValueError(f"input item type {kind!r} is not supported (message, function_call, "
-                                 "function_call_output, reasoning)")
+            elif isinstance(item, FunctionCallOutputItem):
+                turns.append(ChatMessage(role="tool", content=item.output, tool_call_id=item.call_id))
         if not turns:
             raise ValueError("input must hold at least one message")
         return turns
 
     def chat_tools(self) -> tuple[Optional[list[dict]], Optional[Union[str, dict]]]:
         """(tools, tool_choice) in the chat API's nested shape."""
-        tools = []
-        for tool in self.tools or []:
-            if tool.get("type") != "function" or not tool.get("name"):
-                raise ValueError(f"tools must be function tools (the only kind supported), got {tool!r}")
-            function = {key: tool[key] for key in ("name", "description", "parameters") if tool.get(key) is not None}
-            tools.append({"type": "function", "function": function})
+        tools = [{"type": "function", "function": tool.model_dump(exclude_none=True, exclude={"type", "strict"})}
+                 for tool in self.tools or []]
         choice = self.tool_choice
-        if isinstance(choice, dict) and choice.get("type") == "function":
-            choice = {"type": "function", "function": {"name": choice.get("name")}}
+        if isinstance(choice, ResponsesNamedToolChoice):
+            choice = {"type": "function", "function": {"name": choice.name}}
         return tools or None, choice
 
     def responses_params(self, default_max_tokens: int, defaults: Optional[dict] = None) -> SamplingParams:
@@ -321,8 +542,41 @@ class ResponsesRequest(_Sampling):
                              "conversation in input")
         if self.n != 1:
             raise ValueError(f"n must be 1 for responses, got {self.n}")
-        fmt = dict((self.text or {}).get("format") or {"type": "text"})
-        if fmt.get("type") == "json_schema":
-            fmt = {"type": "json_schema", "json_schema": {"schema": fmt.get("schema"), "name": fmt.get("name")}}
+        fmt = self.text.format if self.text is not None else None
+        if isinstance(fmt, ResponsesJSONSchemaFormat):
+            fmt = ResponseFormatJSONSchema(type="json_schema", json_schema=fmt)
         update = {"max_tokens": self.max_output_tokens, "response_format": fmt}
         return self.model_copy(update=update).sampling_params(None, default_max_tokens, defaults)
+
+    def echoed_fields(self) -> dict:
+        """tools, tool_choice and text as a response repeats them (JSON-ready)."""
+        given = self.model_dump(include={"tools", "tool_choice", "text"}, exclude_none=True, by_alias=True)
+        return {"tools": given.get("tools", []), "tool_choice": given.get("tool_choice", "auto"),
+                "text": given.get("text", {"format": {"type": "text"}})}
+
+
+# -- answers (for the OpenAPI document) --------------------------------------------------------
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[Union[str, int]] = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error answer: OpenAI's shape, `param` naming the field at fault where one is."""
+
+    error: ErrorDetail
+
+
+ERROR_RESPONSES: dict = {status: {"model": ErrorResponse, "description": description} for status, description in (
+    (400, "The request is malformed or asks for more than the server allows; `param` names the field"),
+    (401, "Missing or wrong API key"),
+    (404, "Unknown model or route"),
+    (409, "Conflicts with the server's state"),
+    (413, "The body exceeds max_request_body_bytes"),
+    (503, "Overloaded or shutting down: retry after Retry-After seconds"),
+)}
+# Routes that stream with "stream": true document the event stream beside their JSON answer.
+STREAMED_RESPONSE: dict = {200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
+                                 "description": "The answer, or with stream: true its server-sent events"}}

@@ -42,8 +42,7 @@ class ResponseState:
             "incomplete_details": incomplete, "error": None, "output": self.items,
             "instructions": request.instructions, "max_output_tokens": request.max_output_tokens,
             "temperature": request.temperature, "top_p": request.top_p, "metadata": request.metadata or {},
-            "parallel_tool_calls": True, "tool_choice": request.tool_choice or "auto", "tools": request.tools or [],
-            "text": request.text or {"format": {"type": "text"}}, "store": False, "usage": usage,
+            "parallel_tool_calls": True, **request.echoed_fields(), "store": False, "usage": usage,
         }
 
     def complete(self, text: str, finish_reason: Optional[str], usage: dict) -> dict:

@@ -1,0 +1,258 @@
+"""Every malformed request is a 4xx naming its field, never a 500 (issue #27): the hand-made
+list an outside tester sent, the limits a client can hit, and the pooling routes' disconnects,
+on one live server. (SmolLM2, not a tiny random checkpoint: their word-level tokenizer reads no
+text, and the chat and Responses routes only take text.)"""
+
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from test_server import LiveServer
+
+MAX_MODEL_LEN = 128
+MAX_NUM_SEQS = 4
+
+
+@pytest.fixture(scope="module")
+def server():
+    live = LiveServer(num_device_blocks=64, max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS)
+    yield live
+    live.stop()
+
+
+def post(server, route: str, body: str) -> httpx.Response:
+    """`body` is JSON text, so it can hold what json.dumps would not write (NaN, lone surrogates)."""
+    return httpx.post(server.url + route, content=body.encode("utf-8", "surrogatepass"), timeout=60,
+                      headers={"content-type": "application/json"})
+
+
+def assert_idle_and_serving(server) -> None:
+    deadline = time.monotonic() + 20
+    while server.metric("pagedkv_kv_blocks_used_device") > 0 or server.metric("pagedkv_requests_running") > 0:
+        assert time.monotonic() < deadline, "requests or blocks were not released"
+        time.sleep(0.05)
+    assert httpx.get(server.url + "/health", timeout=10).json() == {"status": "ok"}
+    response = httpx.post(server.url + "/v1/completions", json={"prompt": "w5 w6", "max_tokens": 2}, timeout=60)
+    assert response.status_code == 200, response.text
+
+
+MESSAGES = '[{"role": "user", "content": "w5"}]'
+TOOL = '{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}'
+SURROGATE = '"\\ud800"'  # (JSON's escape of a lone surrogate: valid JSON, no valid text)
+
+BAD_REQUESTS = [
+    # Lone surrogates, wherever they are.
+    ("/v1/completions", f'{{"prompt": {SURROGATE}}}', "prompt"),
+    ("/v1/chat/completions", f'{{"messages": [{{"role": "user", "content": {SURROGATE}}}]}}', "messages"),
+    ("/v1/chat/completions", f'{{"messages": {MESSAGES}, "tools": [{{"type": "function", "function": '
+                             f'{{"name": "f", "parameters": {{"description": {SURROGATE}}}}}}}]}}', "tools"),
+    ("/v1/embeddings", f'{{"input": {SURROGATE}}}', "input"),
+    ("/tokenize", f'{{"prompt": {SURROGATE}}}', "prompt"),
+    ("/v1/responses", f'{{"input": {SURROGATE}}}', "input"),
+    # Nested parts of the wrong type.
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}', "messages"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": [{"type": "text", "text": null}]}]}',
+     "messages"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": [{"type": [1]}]}]}', "messages"),
+    ("/v1/chat/completions", f'{{"messages": {MESSAGES}, "tools": [{{"type": "function", "function": '
+                             '{"name": ["f"]}}]}', "tools"),
+    ("/v1/chat/completions", f'{{"messages": {MESSAGES}, "tools": [{TOOL}], "tool_choice": '
+                             '{"type": "function", "function": "f"}}', "tool_choice"),
+    ("/v1/chat/completions", f'{{"messages": {MESSAGES}, "tools": [{TOOL}], "tool_choice": '
+                             '{"type": "function", "function": {"name": ["f"]}}}', "tool_choice"),
+    ("/v1/chat/completions", f'{{"messages": {MESSAGES}, "response_format": {{"type": "json_schema", '
+                             '"json_schema": "{}"}}', "response_format"),
+    ("/v1/completions", '{"prompt": "w5", "structured_outputs": {"grammar": [1]}}', "structured_outputs"),
+    ("/v1/completions", '{"prompt": "w5", "structured_outputs": {"regex": "a", "color": "red"}}', "structured_outputs"),
+    ("/v1/responses", '{"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]}', "input"),
+    ("/v1/responses", '{"input": [{"role": "user", "content": ["w5"]}]}', "input"),
+    ("/v1/responses", '{"input": [{"type": ["message"]}]}', "input"),
+    ("/v1/responses", '{"input": "w5", "text": {"format": []}}', "text"),
+    ("/v1/responses", '{"input": "w5", "temperature": 1e999}', "temperature"),
+    ("/v1/responses", '{"input": "w5", "metadata": NaN}', "metadata"),
+    ("/v1/responses", '{"input": "w5", "metadata": {"a": 1}}', "metadata"),
+    ("/v1/responses", '{"input": "w5", "tools": [{"type": "function", "name": "f", "parameters": {"x": NaN}}]}',
+     "tools"),
+    # Non-finite numbers, coerced types, values beyond what a client may ask for.
+    ("/v1/completions", '{"prompt": "w5", "temperature": NaN}', "temperature"),
+    ("/v1/completions", '{"prompt": "w5", "temperature": Infinity}', "temperature"),
+    ("/v1/completions", '{"prompt": "w5", "repetition_penalty": NaN}', "repetition_penalty"),
+    ("/v1/completions", '{"prompt": "w5", "length_penalty": -Infinity}', "length_penalty"),
+    ("/v1/completions", '{"prompt": "w5", "logit_bias": {"5": NaN}}', "logit_bias"),
+    ("/v1/completions", '{"prompt": "w5", "seed": -1}', "seed"),
+    ("/v1/completions", '{"prompt": "w5", "best_of": 10000}', "best_of"),
+    ("/v1/completions", '{"prompt": "w5", "stream": "yes"}', "stream"),
+    ("/v1/completions", '{"prompt": "w5", "max_tokens": 2.0}', "max_tokens"),
+    ("/v1/completions", '{"prompt": "w5", "n": "2"}', "n"),
+    ("/v1/completions", f'{{"prompt": "w5", "max_tokens": {10**30}}}', "max_tokens"),
+    ("/v1/chat/completions", f'{{"messages": {MESSAGES}, "max_completion_tokens": {MAX_MODEL_LEN}}}', "max_tokens"),
+    ("/v1/responses", f'{{"input": "w5", "max_output_tokens": {MAX_MODEL_LEN}}}', "max_tokens"),
+    ("/v1/completions", f'{{"prompt": "w5", "n": {MAX_NUM_SEQS + 1}}}', "n"),
+    ("/v1/completions", '{"prompt": "w5", "logprobs": 21}', "logprobs"),
+    ("/v1/completions", json.dumps({"prompt": "w5", "stop": [f"s{i}" for i in range(65)]}), "stop"),
+    ("/v1/completions", json.dumps({"prompt": "w5", "logit_bias": {str(i): 1 for i in range(1025)}}), "logit_bias"),
+    # Structured outputs that would read files or URLs, or do not compile.
+    ("/v1/completions", '{"prompt": "w5", "guided_json": {"$ref": "http://127.0.0.1:1/schema.json"}}',
+     "structured_outputs"),
+    ("/v1/chat/completions", f'{{"messages": {MESSAGES}, "response_format": {{"type": "json_schema", "json_schema": '
+                             '{"schema": {"properties": {"a": {"$ref": "file:///etc/passwd"}}}}}}', "structured_outputs"),
+    ("/v1/completions", '{"prompt": "w5", "guided_grammar": "root ::= ("}', "structured_outputs"),
+    ("/v1/completions", '{"prompt": "w5", "guided_json": "{not json"}', "structured_outputs"),
+]
+
+
+@pytest.mark.parametrize("route, body, param", BAD_REQUESTS, ids=[f"{r}-{p}-{i}" for i, (r, _, p) in
+                                                                    enumerate(BAD_REQUESTS)])
+def test_a_malformed_request_is_a_400_naming_its_field(server, route, body, param):
+    response = post(server, route, body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error", error
+    assert error["message"]
+
+
+def test_the_server_serves_after_every_malformed_request(server):
+    for route, body, _ in BAD_REQUESTS:
+        assert post(server, route, body).status_code == 400
+    assert_idle_and_serving(server)
+
+
+def test_unparsable_and_unrouted_requests_get_the_error_json(server):
+    deep = '{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}"  # (too deep for the JSON parser)
+    for route, body, status in (("/v1/completions", deep, 400), ("/v1/completions", "{not json", 400),
+                                ("/v1/nothing", "{}", 404)):
+        response = post(server, route, body)
+        assert response.status_code == status and response.json()["error"]["message"], response.text
+    response = httpx.get(server.url + "/v1/completions", timeout=10)
+    assert response.status_code == 405 and response.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_max_tokens_within_the_context_left_is_served(server):
+    prompt = [5] * (MAX_MODEL_LEN - 4)
+    fits = {"prompt": prompt, "max_tokens": 4, "ignore_eos": True}
+    response = httpx.post(server.url + "/v1/completions", json=fits, timeout=60)
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4
+    response = httpx.post(server.url + "/v1/completions", json={**fits, "max_tokens": 5}, timeout=60)
+    assert response.status_code == 400 and "context left" in response.json()["error"]["message"]
+
+
+def hold_the_engine(loop, seconds: float) -> threading.Thread:
+    """Keeps the engine loop thread busy (no step runs) for `seconds`, from another thread."""
+    holder = threading.Thread(target=lambda: asyncio.run(loop.call(lambda _: time.sleep(seconds))))
+    holder.start()
+    return holder
+
+
+def wait_until(condition, what: str, seconds: float = 10) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("route, body, num_requests", [
+    ("/v1/embeddings", {"input": ["w5 w6", "w7 w8", "w9"]}, 3),
+    ("/score", {"text_1": "w5", "text_2": ["w6", "w7", "w8"]}, 4),  # (an embedding model: each text embedded once)
+])
+def test_a_pooling_client_that_leaves_aborts_its_requests(server, route, body, num_requests):
+    loop = server.server.config.app.state.pagedkv["loop"]
+    aborted_before = server.engine.num_finished_by_reason.get("abort", 0)
+    # The engine is held while the requests are queued, and again right after they are added, so
+    # that the client has left (and the server has aborted them) before any step could finish them.
+    first_hold = hold_the_engine(loop, 1.0)
+    wait_until(lambda: loop._commands.empty(), "the first hold did not start")
+    client = threading.Thread(target=lambda: pytest.raises(httpx.ReadTimeout, httpx.post, server.url + route,
+                                                           json=body, timeout=httpx.Timeout(30, read=0.3)))
+    client.start()
+    wait_until(lambda: not loop._commands.empty(), "the requests were not queued")
+    second_hold = hold_the_engine(loop, 0.5)
+    for thread in (client, first_hold, second_hold):
+        thread.join()
+    wait_until(lambda: server.engine.num_finished_by_reason.get("abort", 0) == aborted_before + num_requests,
+               "the pooling requests were not aborted")
+    assert_idle_and_serving(server)
+
+
+def test_a_full_preparation_queue_is_a_503(server):
+    loop = server.server.config.app.state.pagedkv["loop"]
+    limit, loop._max_worker_jobs = loop._max_worker_jobs, 1
+    release = threading.Event()
+    try:
+        occupier = threading.Thread(target=lambda: asyncio.run(loop.run_in_worker(release.wait, 30)))
+        occupier.start()
+        deadline = time.monotonic() + 10
+        while loop._num_worker_jobs < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        response = httpx.post(server.url + "/v1/completions", json={"prompt": "w5", "max_tokens": 2}, timeout=30)
+        assert response.status_code == 503 and response.headers["retry-after"] == "1"
+        assert response.json()["error"]["code"] == "overloaded"
+    finally:
+        release.set()
+        occupier.join()
+        loop._max_worker_jobs = limit
+    assert_idle_and_serving(server)
+
+
+# -- property-based fuzzing of every operation in /openapi.json (schemathesis) -----------------
+schemathesis = pytest.importorskip("schemathesis")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from schemathesis.checks import not_a_server_error  # noqa: E402
+from schemathesis.specs.openapi.checks import (  # noqa: E402
+    content_type_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
+
+FUZZ_MAX_TOKENS = 2  # (generation is not what is tested: keep each request short)
+FUZZ_CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
+
+
+def fuzz(case) -> None:
+    """One generated request, its answer checked: no 5xx, a declared status, content type and body."""
+    if isinstance(case.body, dict):
+        for field in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
+            case.body[field] = FUZZ_MAX_TOKENS
+    checks = FUZZ_CHECKS
+    if isinstance(case.body, dict) and case.body.get("stream") is True:
+        # A streamed answer is server-sent events, which the declared JSON schema does not describe.
+        checks = [check for check in checks if check is not response_schema_conformance]
+    case.call_and_validate(checks=checks, timeout=60)
+
+
+def test_no_generated_request_is_a_server_error(server):
+    """Every operation of /openapi.json, 25 generated requests each. (schemathesis's pytest
+    plugin cannot take a live server from a fixture under this pytest, so its Python API runs
+    each operation's strategy under hypothesis here.)"""
+    schema = schemathesis.openapi.from_url(server.url + "/openapi.json")
+    operations = [result.ok() for result in schema.get_all_operations()]
+    assert len(operations) > 15
+    for operation in operations:
+        run = settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck),
+                       database=None)(given(case=operation.as_strategy())(fuzz))
+        try:
+            run()
+        except BaseException as error:
+            error.add_note(f"operation: {operation.method.upper()} {operation.path}")
+            raise
+
+
+def test_after_fuzzing_the_server_is_healthy_and_every_block_free(server):
+    assert_idle_and_serving(server)
+    assert server.metric("pagedkv_kv_blocks_used_device") == 0
+
+
+def test_an_internal_fault_is_a_500_with_the_error_json_and_a_logged_request_id(server, monkeypatch, caplog):
+    def broken(*_):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr("pagedkv.server.app.score_pairs", broken)
+    response = httpx.post(server.url + "/score", json={"text_1": "a", "text_2": "b"}, timeout=30,
+                          headers={"x-request-id": "fault-1"})
+    assert response.status_code == 500 and response.headers["x-request-id"] == "fault-1"
+    assert response.json()["error"]["type"] == "server_error" and "fault-1" in response.json()["error"]["message"]
+    assert any("fault-1" in record.getMessage() and record.exc_info for record in caplog.records)
