@@ -18,7 +18,7 @@ test-rust:
 	cargo test --quiet
 
 test-python:
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q --durations=15
 
 bench: setup
 	cargo bench --bench scheduler --bench cpu_attention --bench cpu_prefill

@@ -1,7 +1,11 @@
-"""The scheduler's decode step through PyO3: schedule() + append_token per sequence, as an engine
-drives it. Prints one table; the Rust-only figure comes from `cargo bench --bench scheduler`."""
+"""The scheduler's decode step through PyO3, two ways, in one run: the columnar step an engine
+drives (schedule() + the seq_ids column + one update() call) and the per-sequence view (the
+`scheduled` objects + append_token per sequence, as engines drove it before the columns). Prints
+one table; the Rust-only figure comes from `cargo bench --bench scheduler`."""
 
 import time
+
+import numpy as np
 
 from pagedkv import Scheduler, SchedulerConfig
 
@@ -28,26 +32,31 @@ def decoding_scheduler(num_seqs: int) -> Scheduler:
     return scheduler
 
 
+def columnar_step(scheduler: Scheduler, ones: np.ndarray) -> None:
+    out = scheduler.schedule()
+    scheduler.update(out.seq_ids, ones)
+
+
+def per_sequence_step(scheduler: Scheduler, ones: np.ndarray) -> None:
+    for seq in scheduler.schedule().scheduled:
+        scheduler.append_token(seq.seq_id, 1)
+
+
+def step_us(num_seqs: int, step) -> float:
+    scheduler = decoding_scheduler(num_seqs)
+    ones = np.ones(num_seqs, dtype=np.int64)
+    started = time.perf_counter()
+    for _ in range(STEPS):
+        step(scheduler, ones)
+    return (time.perf_counter() - started) / STEPS * 1e6
+
+
 def main() -> None:
-    rows = []
+    print(f"{'running seqs':>12} | {'columnar step us':>16} | {'per-sequence step us':>20} | {'ratio':>6}")
+    print(f"{'-' * 12}-+-{'-' * 16}-+-{'-' * 20}-+-{'-' * 6}")
     for num_seqs in (64, 256, 1024):
-        scheduler = decoding_scheduler(num_seqs)
-        schedule_only = step_total = 0.0
-        for _ in range(STEPS):
-            started = time.perf_counter()
-            out = scheduler.schedule()
-            scheduled = out.scheduled
-            middle = time.perf_counter()
-            for seq in scheduled:
-                scheduler.append_token(seq.seq_id, 1)
-            ended = time.perf_counter()
-            schedule_only += middle - started
-            step_total += ended - started
-        rows.append((num_seqs, schedule_only / STEPS * 1e6, step_total / STEPS * 1e6))
-    print(f"{'running seqs':>12} | {'schedule() us':>14} | {'step incl. append_token us':>27} | {'us/seq':>7}")
-    print(f"{'-' * 12}-+-{'-' * 14}-+-{'-' * 27}-+-{'-' * 7}")
-    for num_seqs, schedule_us, step_us in rows:
-        print(f"{num_seqs:>12} | {schedule_us:>14.1f} | {step_us:>27.1f} | {step_us / num_seqs:>7.2f}")
+        columnar, per_sequence = step_us(num_seqs, columnar_step), step_us(num_seqs, per_sequence_step)
+        print(f"{num_seqs:>12} | {columnar:>16.1f} | {per_sequence:>20.1f} | {per_sequence / columnar:>5.1f}x")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,9 @@
 #   attention   benches/attention.py      swap   benches/swap.py
 #   attention-fp8  benches/attention.py --kv-cache-dtype fp8_e4m3 (the float8 cache path)
 #   throughput  benches/throughput.py --device cuda --dtype bfloat16 (eager, CUDA graphs, HF)
+#   step        benches/step_overhead.py --device cuda against the baseline build (a wheel in
+#               /tmp/bundle/baseline/, installed apart)
+#   throughput256  benches/throughput.py, 256 prompts x 256 tokens, this build and the baseline (after step)
 # One call may run for at most 10 minutes: name one or two stages per call if need be.
 # Logs go to $OUT (or ./gpu-results) so they come back.
 set -uo pipefail
@@ -52,6 +55,22 @@ for stage in "${stages[@]}"; do
         swap) python3 "$repo/benches/swap.py" 2>&1 | tee "$results/swap.txt" ;;
         throughput) python3 "$repo/benches/throughput.py" --device cuda --dtype bfloat16 2>&1 | grep -v "it/s" \
                         | tee "$results/throughput.txt" ;;
-        *) echo "unknown stage $stage (kernels, engine, tests, attention, attention-fp8, swap, throughput)"; exit 2 ;;
+        step)
+            for wheel in "$bundle"/baseline/*.whl; do
+                python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+                    --target /tmp/site-baseline "$wheel" || exit 1
+            done
+            cp -r /tmp/site/. /tmp/site-baseline-deps 2>/dev/null; rm -rf /tmp/site-baseline-deps/pagedkv*
+            printf '#!/bin/sh\nPYTHONPATH=/tmp/site-baseline:/tmp/site-baseline-deps exec python3 "$@"\n' > /tmp/python-baseline
+            chmod +x /tmp/python-baseline
+            python3 "$repo/benches/step_overhead.py" --device cuda --baseline-python /tmp/python-baseline \
+                --cases tiny:64,tiny:256,tiny:1024,smollm2:64,smollm2:256 2>&1 | tee "$results/step.txt" ;;
+        throughput256)
+            for python in python3 /tmp/python-baseline; do
+                echo "== $python" | tee -a "$results/step-throughput.txt"
+                $python "$repo/benches/throughput.py" --device cuda --dtype bfloat16 --skip-hf --num-prompts 256 \
+                    --max-tokens 256 2>&1 | grep -v "it/s" | tee -a "$results/step-throughput.txt"
+            done ;;
+        *) echo "unknown stage $stage (kernels, engine, tests, attention, attention-fp8, swap, throughput, step, throughput256)"; exit 2 ;;
     esac
 done

@@ -116,7 +116,7 @@ class LivenessMachine(RuleBasedStateMachine):
         self.report_samples(data)
 
     def step(self):
-        out = self.scheduler.schedule()
+        out = self.last_plan = self.scheduler.schedule()
         for request_id, reason in zip(out.aborted, out.abort_reasons):
             needed = self.blocks_alone(request_id)
             assert needed > self.config.num_device_blocks, f"{request_id} dropped ({reason}) but needs {needed} blocks"

@@ -97,6 +97,9 @@ class ScheduledSequence:
     """Destination slot (block * block_size + offset) of each new token's K/V."""
     sample: bool
     """True when this step yields the sequence's next token (decode or last prefill chunk)."""
+    row: int
+    """Its persistent-batch row: kept while the sequence stays on the device, then reused by
+    another, which reports its whole table (block_table_from 0) when it takes the row."""
     @property
     def context_len(self) -> int: ...
 
@@ -104,7 +107,7 @@ class SchedulerOutput:
     """The plan of one step. Execute swap-out, swap-in, then copies, before the forward pass.
 
     Columns (numpy arrays, one row per scheduled sequence, prefills first, then decodes; each
-    built once, on first read): `seq_ids`, `starts`, `ends`, `samples`, `is_prefill`,
+    built once, on first read): `seq_ids`, `rows`, `starts`, `ends`, `samples`, `is_prefill`,
     `block_table_from`; flat over all scheduled tokens: `token_ids`, `slot_mapping` (sequence i's
     are `[query_start_loc[i]:query_start_loc[i + 1]]`); block tables as changes:
     `block_table_updates[block_table_update_loc[i]:block_table_update_loc[i + 1]]` replaces sequence
@@ -114,6 +117,7 @@ class SchedulerOutput:
     """The same step, one object per sequence (built on first read: read it before reporting)."""
     num_scheduled: int
     seq_ids: npt.NDArray[np.int64]
+    rows: npt.NDArray[np.int64]
     starts: npt.NDArray[np.int64]
     ends: npt.NDArray[np.int64]
     samples: npt.NDArray[np.bool_]

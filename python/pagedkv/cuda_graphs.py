@@ -104,19 +104,19 @@ class DecodeGraphs:
         )
         self.hidden[:size] = self.model(self.input_ids[:size], self.positions[:size], metadata, self.kv_cache, self.backend)
 
-    def run(self, input_ids: list[int], positions: list[int], slot_mapping: list[int], block_tables: list[list[int]]) -> torch.Tensor:
-        """One decode step of len(input_ids) sequences; returns their hidden states [B, H]
-        (a view of the static output, valid until the next run)."""
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+            block_tables: torch.Tensor) -> torch.Tensor:
+        """One decode step of len(input_ids) sequences (int64 ids, positions and slots, int32
+        tables [B, width], on any device); returns their hidden states [B, H] (a view of the static
+        output, valid until the next run)."""
         size = len(input_ids)
         graph_size = next(s for s in self.batch_sizes if s >= size)
-        width = max(len(table) for table in block_tables)
-        tables = torch.tensor([table + [0] * (width - len(table)) for table in block_tables], dtype=torch.int32)
-        rows = torch.tensor([input_ids, positions, slot_mapping], dtype=torch.long)
-        self.input_ids[:size].copy_(rows[0])
-        self.positions[:size].copy_(rows[1])
-        self.slot_mapping[:size].copy_(rows[2])
-        self.context_lens[:size].copy_(rows[1] + 1)
-        self.block_tables[:size, :width].copy_(tables)
+        width = block_tables.shape[1]
+        self.input_ids[:size].copy_(input_ids, non_blocking=True)
+        self.positions[:size].copy_(positions, non_blocking=True)
+        self.slot_mapping[:size].copy_(slot_mapping, non_blocking=True)
+        self.context_lens[:size].copy_(self.positions[:size] + 1)
+        self.block_tables[:size, :width].copy_(block_tables, non_blocking=True)
         self.slot_mapping[size:graph_size].fill_(-1)
         self.context_lens[size:graph_size].fill_(1)
         self.replays[graph_size]()

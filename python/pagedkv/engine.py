@@ -360,27 +360,29 @@ class LLMEngine:
             logger.debug("prefix cache hit %d tokens", plan.num_prefix_hit_tokens)
 
         if not plan.is_empty():
-            scheduled = plan.scheduled
+            step = _Step(plan)
             now = time.monotonic()
-            for item in scheduled:
-                request = self.seq_owner[item.seq_id][0]
+            for seq_id, start in zip(step.seq_ids, step.starts):
+                request = self.seq_owner[seq_id][0]
                 if request.metrics.first_scheduled_time is None:
                     request.metrics.first_scheduled_time = now
-                    request.metrics.num_prefix_hit_tokens = item.start
-            scored = frozenset(item.seq_id for item in scheduled if self._needs_hidden_states(item))
-            loras = {item.seq_id: self.seq_owner[item.seq_id][0].lora for item in scheduled
-                     if self.seq_owner[item.seq_id][0].lora is not None}
+                    request.metrics.num_prefix_hit_tokens = start
+            scored = frozenset(seq_id for seq_id, sample, prefill in zip(step.seq_ids, step.samples, step.is_prefill)
+                               if self._needs_hidden_states(seq_id, sample, prefill))
+            loras = {seq_id: self.seq_owner[seq_id][0].lora for seq_id in step.seq_ids
+                     if self.seq_owner[seq_id][0].lora is not None} if self.config.enable_lora else None
             logits, prompt_hidden = self.runner.execute(plan, scored, loras)
-            for item in scheduled:
-                request = self.seq_owner[item.seq_id][0]
-                if item.seq_id not in prompt_hidden or request.failed:
+            for seq_id, start in zip(step.seq_ids, step.starts):
+                request = self.seq_owner[seq_id][0]
+                if seq_id not in prompt_hidden or request.failed:
                     continue
                 with self._isolated(request, touched):
                     if request.pooling is not None:
-                        request.record_pooled(prompt_hidden[item.seq_id][-1], self.classifier)
+                        request.record_pooled(prompt_hidden[seq_id][-1], self.classifier)
                     elif request.prompt_logprobs is not None:
-                        request.record_prompt_logprobs(item.start, prompt_hidden[item.seq_id], self.runner.model.compute_logits)
-            sampled = [item for item in scheduled if item.sample]
+                        request.record_prompt_logprobs(start, prompt_hidden[seq_id], self.runner.model.compute_logits)
+            sampled = [(seq_id, prefill) for seq_id, sample, prefill in zip(step.seq_ids, step.samples, step.is_prefill)
+                       if sample]
             self._process_samples(sampled, logits, prompt_hidden, touched)
 
         outputs = []
@@ -430,17 +432,19 @@ class LLMEngine:
             for seq in request.seqs
         ]
 
-    def _needs_hidden_states(self, item) -> bool:
-        request, seq = self.seq_owner[item.seq_id]
-        verifies_drafts = bool(seq.draft_token_ids) and not item.is_prefill
-        return request.needs_prompt_logprobs or (item.sample and (request.pooling is not None or verifies_drafts))
+    def _needs_hidden_states(self, seq_id: int, sample: bool, is_prefill: bool) -> bool:
+        request, seq = self.seq_owner[seq_id]
+        verifies_drafts = bool(seq.draft_token_ids) and not is_prefill
+        return request.needs_prompt_logprobs or (sample and (request.pooling is not None or verifies_drafts))
 
-    def _process_samples(self, sampled, logits: torch.Tensor, hidden: dict, touched: dict[str, RequestState]) -> None:
+    def _process_samples(self, sampled: list[tuple[int, bool]], logits: torch.Tensor, hidden: dict,
+                         touched: dict[str, RequestState]) -> None:
+        """`sampled`: (seq_id, is_prefill) of the step's sampling sequences, in logits order."""
         rows: list[SamplingRow] = []
         row_targets: list[tuple[RequestState, SequenceState]] = []
         beams: dict[str, tuple[RequestState, list[int], list[int]]] = {}
-        for row_index, item in enumerate(sampled):
-            request, seq = self.seq_owner[item.seq_id]
+        for row_index, (seq_id, is_prefill) in enumerate(sampled):
+            request, seq = self.seq_owner[seq_id]
             touched[request.request_id] = request
             if request.failed:
                 continue
@@ -449,13 +453,13 @@ class LLMEngine:
                     self.scheduler.finish_sequence(seq.seq_id)
                     continue
                 if seq.draft_token_ids:
-                    if not item.is_prefill:
-                        self._verify_drafts(request, seq, hidden[item.seq_id])
+                    if not is_prefill:
+                        self._verify_drafts(request, seq, hidden[seq_id])
                         continue
                     seq.draft_token_ids = []  # a recompute dropped them: sample after the last real token
                 if request.beam_search is not None:
                     entry = beams.setdefault(request.request_id, (request, [], []))
-                    entry[1].append(item.seq_id)
+                    entry[1].append(seq_id)
                     entry[2].append(row_index)
                     continue
                 targets = [seq]
@@ -467,6 +471,7 @@ class LLMEngine:
                     row_targets.append((request, target))
 
         results = self._sample(logits, rows, row_targets, touched) if rows else []
+        closing = _ClosingCall()
         for (request, seq), result in zip(row_targets, results):
             if result is None or request.failed:
                 continue
@@ -481,9 +486,12 @@ class LLMEngine:
                     self.max_model_len,
                 )
                 if seq.finished:
-                    self.scheduler.finish_sequence(seq.seq_id)
-                else:
+                    closing.finish(request, seq.seq_id)
+                elif self._speculates(request, seq):
                     self._append_token(request, seq, result.token_id)
+                else:
+                    closing.append(request, seq.seq_id, result.token_id)
+        self._close_step(closing, touched)
 
         for request, seq_ids, row_indices in beams.values():
             if request.failed:
@@ -497,6 +505,23 @@ class LLMEngine:
                 self._sync_beam_sequences(request)
                 if search.done:
                     request.final_outputs = search.outputs(self.tokenizer, request.params.skip_special_tokens)
+
+    def _close_step(self, closing: _ClosingCall, touched: dict[str, RequestState]) -> None:
+        """Reports the step's plain appends and finishes to the scheduler in one call; if that
+        raises (it then changes nothing), one by one, so only the failing request is aborted."""
+        try:
+            self.scheduler.update(closing.seq_ids, closing.token_ids, closing.finished)
+            return
+        except Exception:
+            logger.warning("closing the step in one call failed; reporting its sequences one by one")
+        for request, seq_id, token_id in closing.each():
+            if request.failed:
+                continue
+            with self._isolated(request, touched):
+                if token_id is None:
+                    self.scheduler.finish_sequence(seq_id)
+                else:
+                    self.scheduler.append_token(seq_id, token_id)
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], row_targets: list, touched: dict) -> list:
         """The sampler's result for every row, all rows at once; if that raises, row by row, so a
@@ -647,3 +672,37 @@ def longest_token_chars(tokenizer) -> int:
     """Characters of the tokenizer's longest token (as its vocabulary spells it, which is never
     shorter than the text it stands for): a text of c characters has at least c / this tokens."""
     return max((len(token) for token in tokenizer.get_vocab()), default=1)
+
+
+class _Step:
+    """The columns of a plan the engine's books need, as Python lists (read once per step)."""
+
+    def __init__(self, plan):
+        self.seq_ids = plan.seq_ids.tolist()
+        self.starts = plan.starts.tolist()
+        self.samples = plan.samples.tolist()
+        self.is_prefill = plan.is_prefill.tolist()
+
+
+class _ClosingCall:
+    """A step's plain appends (sampled token, no drafts) and finished sequences, reported to the
+    scheduler together (`Scheduler.update`)."""
+
+    def __init__(self):
+        self.seq_ids: list[int] = []
+        self.token_ids: list[int] = []
+        self.finished: list[int] = []
+        self._requests: list[tuple[RequestState, int, Optional[int]]] = []
+
+    def append(self, request: RequestState, seq_id: int, token_id: int) -> None:
+        self.seq_ids.append(seq_id)
+        self.token_ids.append(token_id)
+        self._requests.append((request, seq_id, token_id))
+
+    def finish(self, request: RequestState, seq_id: int) -> None:
+        self.finished.append(seq_id)
+        self._requests.append((request, seq_id, None))
+
+    def each(self):
+        """(request, seq_id, token_id or None for a finish), in the order they were added."""
+        return iter(self._requests)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
+import numpy as np
 import torch
 
 from pagedkv.attention import AttentionMetadata, get_backend
@@ -14,6 +15,7 @@ from pagedkv.errors import InvalidConfigError
 from pagedkv.kv_cache import KVCache
 from pagedkv.loader import generation_defaults, load, load_generation_config
 from pagedkv.lora import LoRARegistry, lora_batch
+from pagedkv.persistent_batch import PersistentBatch
 
 logger = logging.getLogger("pagedkv.model_runner")
 
@@ -67,6 +69,8 @@ class ModelRunner:
             self.kv_dtype,
             self.backend.name,
         )
+        self.batch = PersistentBatch(-(-self.max_model_len // config.block_size), self.device,
+                                     initial_rows=config.max_num_seqs)
         self.lora_registry = None
         if config.enable_lora:
             self.lora_registry = LoRARegistry(self.model, config.max_lora_rank, self.dtype, self.device,
@@ -124,77 +128,83 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan, all_hidden_for: frozenset[int] = frozenset(), loras: Optional[dict] = None
                 ) -> tuple[torch.Tensor, dict]:
-        """Runs the copies of `plan`, then the forward over its scheduled tokens. Returns float32
-        logits [num sampled sequences, vocab] in the order of the sequences with `sample`, and
-        {seq_id: final hidden states of every scheduled token} for the sequences in `all_hidden_for`
-        (`model.compute_logits` turns them into logits). `loras`: {seq_id: LoRAAdapter} of the
-        sequences that run one."""
+        """Runs the copies of `plan`, then the forward over its scheduled tokens, built from the
+        plan's columns and the persistent batch. Returns float32 logits [num sampled sequences,
+        vocab] in the order of the sequences with `sample`, and {seq_id: final hidden states of
+        every scheduled token} for the sequences in `all_hidden_for` (`model.compute_logits` turns
+        them into logits). `loras`: {seq_id: LoRAAdapter} of the sequences that run one."""
         self.kv_cache.swap_out(plan.blocks_to_swap_out)
         self.kv_cache.swap_in(plan.blocks_to_swap_in)
         self.kv_cache.copy_blocks(plan.blocks_to_copy, self.backend)
-        scheduled = plan.scheduled
-        if not scheduled:
+        if plan.num_scheduled == 0:
             return torch.empty(0, self.vocab_size), {}
+        self.batch.apply(plan)
         self.kv_cache.wait_for_swap_in()
+        step = _StepColumns(plan, self.config.block_size)
+        adapters = [loras.get(seq_id) for seq_id in step.seq_ids] if loras else []
         graphs = self.decode_graphs
-        adapters = [loras.get(item.seq_id) for item in scheduled] if loras else []
-        if (graphs is not None and not all_hidden_for and not any(adapters) and len(scheduled) <= graphs.max_batch_size
-                and _trailing_decodes(scheduled) == len(scheduled)):
-            hidden = graphs.run(
-                [item.token_ids[0] for item in scheduled],
-                [item.start for item in scheduled],
-                [item.slot_mapping[0] for item in scheduled],
-                [item.block_table for item in scheduled],
-            )
-            sample_index = [i for i, item in enumerate(scheduled) if item.sample]
-            if len(sample_index) < len(scheduled):
-                hidden = hidden[sample_index]
-            return self.model.compute_logits(hidden), {}  # (decode steps have no prompt tokens to score)
-        input_ids, positions, metadata, sample_index = self._prepare(scheduled)
-        starts = metadata.query_start_loc_host
+        if (graphs is not None and not all_hidden_for and not any(adapters) and step.num_seqs <= graphs.max_batch_size
+                and step.num_decodes == step.num_seqs):
+            hidden = graphs.run(step.token_ids, step.positions, step.slot_mapping, self._block_tables(step))
+            return self.model.compute_logits(hidden[step.sample_rows.to(self.device)]), {}  # (decode steps score no prompt)
+        input_ids, positions, metadata = self._prepare(step)
         lora = None
         if adapters:
-            lora = lora_batch(self.lora_registry, adapters, [b - a for a, b in zip(starts, starts[1:])], self.device)
+            lora = lora_batch(self.lora_registry, adapters, step.query_lens.tolist(), self.device)
         hidden = self.model(input_ids, positions, metadata, self.kv_cache, self.backend, lora)
+        starts = metadata.query_start_loc_host
         all_hidden = {
-            item.seq_id: hidden[starts[i] : starts[i + 1]] for i, item in enumerate(scheduled) if item.seq_id in all_hidden_for
+            seq_id: hidden[starts[i] : starts[i + 1]] for i, seq_id in enumerate(step.seq_ids) if seq_id in all_hidden_for
         }
-        return self.model.compute_logits(hidden[sample_index]), all_hidden
+        return self.model.compute_logits(hidden[step.sample_index.to(self.device)]), all_hidden
 
-    def _prepare(self, scheduled):
+    def _block_tables(self, step: _StepColumns) -> torch.Tensor:
+        return self.batch.tables(step.rows.to(self.device), step.num_blocks)
+
+    def _prepare(self, step: _StepColumns):
         """Flat inputs and attention metadata; prefills come first, then decodes (scheduler order)."""
-        tokens, positions, slots, starts, context_lens, tables, sample_index = [], [], [], [0], [], [], []
-        num_decodes = 0
-        for item in scheduled:
-            tokens += item.token_ids
-            positions += range(item.start, item.end)
-            slots += item.slot_mapping
-            starts.append(len(tokens))
-            context_lens.append(item.end)
-            tables.append(item.block_table)
-            num_decodes += not item.is_prefill and item.end - item.start == 1
-            if item.sample:
-                sample_index.append(len(tokens) - 1)
-        width = max(len(table) for table in tables)
-        padded = [table + [0] * (width - len(table)) for table in tables]
         device = self.device
         metadata = AttentionMetadata(
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
-            block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            max_query_len=max(b - a for a, b in zip(starts, starts[1:])),
-            max_context_len=max(context_lens),
-            num_decode_tokens=_trailing_decodes(scheduled),
-            query_start_loc_host=starts,
-            context_lens_host=context_lens,
+            query_start_loc=step.query_start_loc.to(device=device, dtype=torch.int32),
+            context_lens=step.context_lens.to(device=device, dtype=torch.int32),
+            block_tables=self._block_tables(step),
+            slot_mapping=step.slot_mapping.to(device),
+            max_query_len=step.max_query_len,
+            max_context_len=step.max_context_len,
+            num_decode_tokens=step.num_decodes,
+            query_start_loc_host=step.query_start_loc.tolist(),
+            context_lens_host=step.context_lens.tolist(),
         )
-        return (
-            torch.tensor(tokens, dtype=torch.long, device=device),
-            torch.tensor(positions, dtype=torch.long, device=device),
-            metadata,
-            torch.tensor(sample_index, dtype=torch.long, device=device),
-        )
+        return step.token_ids.to(device), step.positions.to(device), metadata
+
+
+class _StepColumns:
+    """One step's inputs as host tensors, computed from the plan's columns with vectorised ops."""
+
+    def __init__(self, plan, block_size: int):
+        self.seq_ids = plan.seq_ids.tolist()
+        self.num_seqs = len(self.seq_ids)
+        query_start_loc = plan.query_start_loc
+        starts, ends = plan.starts, plan.ends
+        query_lens = np.diff(query_start_loc)
+        self.query_lens = query_lens
+        self.query_start_loc = torch.from_numpy(query_start_loc)
+        self.context_lens = torch.from_numpy(ends)
+        self.token_ids = torch.from_numpy(plan.token_ids)
+        self.slot_mapping = torch.from_numpy(plan.slot_mapping)
+        num_tokens = int(query_start_loc[-1])
+        # Token t of sequence i sits at position starts[i] + (t - query_start_loc[i]).
+        self.positions = torch.from_numpy(np.repeat(starts - query_start_loc[:-1], query_lens) + np.arange(num_tokens))
+        self.rows = torch.from_numpy(plan.rows)
+        samples = plan.samples
+        self.sample_index = torch.from_numpy(query_start_loc[1:][samples] - 1)
+        self.sample_rows = torch.from_numpy(np.flatnonzero(samples))
+        self.max_query_len = int(query_lens.max())
+        self.max_context_len = int(ends.max())
+        self.num_blocks = -(-self.max_context_len // block_size)
+        # Decodes (one new token) trail the prefills: count them from the end.
+        multi = np.flatnonzero(query_lens[::-1] != 1)
+        self.num_decodes = int(multi[0]) if multi.size else self.num_seqs
 
 
 def _common_sliding_window(model) -> int:
@@ -202,13 +212,3 @@ def _common_sliding_window(model) -> int:
     some layer attends to the whole context: the scheduler releases blocks before it."""
     windows = [getattr(layer.self_attn, "sliding_window", None) for layer in model.layers]
     return 0 if None in windows else max(windows)
-
-
-def _trailing_decodes(scheduled) -> int:
-    """How many sequences at the end of the batch have exactly one new token."""
-    count = 0
-    for item in reversed(scheduled):
-        if item.end - item.start != 1:
-            break
-        count += 1
-    return count

@@ -185,6 +185,7 @@ pub struct ScheduledSequence {
     block_table_from: usize,
     slot_mapping: Vec<i64>,
     sample: bool,
+    row: u32,
 }
 
 #[pymethods]
@@ -223,6 +224,7 @@ impl ScheduledSequence {
             block_table_from: seq.block_table_from,
             slot_mapping: out.slot_mapping(seq).to_vec(),
             sample: seq.sample,
+            row: seq.row,
         })
     }
 }
@@ -269,6 +271,12 @@ impl SchedulerOutput {
     #[getter]
     fn seq_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         self.column(py, |seq| seq.seq_id as i64)
+    }
+
+    /// Each sequence's persistent-batch row (see the stub).
+    #[getter]
+    fn rows<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        self.column(py, |seq| seq.row as i64)
     }
 
     #[getter]

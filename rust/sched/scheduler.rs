@@ -57,6 +57,10 @@ pub struct ScheduledSequence {
     pub block_table_from: usize,
     /// Range of this sequence's update in `SchedulerOutput::block_table_updates`.
     pub block_range: Range<usize>,
+    /// The sequence's persistent-batch row: kept from its first step on the device until it
+    /// leaves the device (finished, preempted, aborted), then reused. A sequence that takes a
+    /// row reports its whole table (`block_table_from` 0), so a row's previous content never leaks.
+    pub row: u32,
 }
 
 impl ScheduledSequence {
@@ -142,6 +146,7 @@ impl SchedulerOutput {
         slots: &StepSlots<'_>,
         block_size: usize,
         sample: bool,
+        row: u32,
     ) -> ScheduledSequence {
         if let Some(copy) = slots.copy {
             self.blocks_to_copy.push(copy);
@@ -168,6 +173,30 @@ impl SchedulerOutput {
             token_range,
             block_table_from: slots.table_from,
             block_range,
+            row,
+        }
+    }
+}
+
+/// Persistent-batch rows (`ScheduledSequence::row`): the lowest numbers in use, a freed one is
+/// taken again first.
+#[derive(Debug, Default)]
+struct Rows {
+    free: Vec<u32>,
+    num_rows: u32,
+}
+
+impl Rows {
+    fn take(&mut self) -> u32 {
+        self.free.pop().unwrap_or_else(|| {
+            self.num_rows += 1;
+            self.num_rows - 1
+        })
+    }
+
+    fn give_back(&mut self, row: &mut Option<u32>) {
+        if let Some(row) = row.take() {
+            self.free.push(row);
         }
     }
 }
@@ -225,6 +254,7 @@ pub struct Scheduler {
     swapped: VecDeque<GroupId>,
     next_arrival: u64,
     next_seq: SeqId,
+    rows: Rows,
     counters: Counters,
 }
 
@@ -255,6 +285,7 @@ impl Scheduler {
             swapped: VecDeque::new(),
             next_arrival: 0,
             next_seq: 0,
+            rows: Rows::default(),
             counters: Counters::default(),
         })
     }
@@ -513,6 +544,7 @@ impl Scheduler {
         }
         let mut seq = parent_seq.clone();
         seq.id = child;
+        seq.row = None; // its own row, with its whole table, at its first step
         self.blocks.fork(parent, child)?;
         group.seqs.push(seq);
         self.group_by_seq.insert(child, group_id);
@@ -528,6 +560,7 @@ impl Scheduler {
             return Ok(());
         }
         seq.status = SeqStatus::Finished;
+        self.rows.give_back(&mut seq.row);
         self.hand_over_pending(group_id, seq_id);
         if self.blocks.contains(seq_id) {
             self.blocks.free(seq_id)?;
@@ -548,7 +581,8 @@ impl Scheduler {
     }
 
     fn free_group_blocks(&mut self, group_id: GroupId) {
-        for seq in &self.groups[group_id].seqs {
+        for seq in self.groups[group_id].seqs.iter_mut() {
+            self.rows.give_back(&mut seq.row);
             if self.blocks.contains(seq.id) {
                 self.blocks.free(seq.id).expect("table exists");
             }
@@ -993,7 +1027,8 @@ impl Scheduler {
             return false;
         };
         self.counters.blocks_copied += slots.copy.is_some() as u64;
-        decodes.push(out.record(seq.id, false, position, token, &slots, self.config.block_size, true));
+        let row = *seq.row.get_or_insert_with(|| self.rows.take());
+        decodes.push(out.record(seq.id, false, position, token, &slots, self.config.block_size, true, row));
         seq.num_computed = position + 1;
         true
     }
@@ -1016,7 +1051,9 @@ impl Scheduler {
             let new_tokens = &seq.tokens[start..end];
             let slots = self.blocks.append_slots_for_step(seq_id, new_tokens).expect("blocks were checked");
             self.counters.blocks_copied += slots.copy.is_some() as u64;
-            let scheduled = out.record(seq_id, is_prefill, start, new_tokens, &slots, block_size, end == seq.len());
+            let row = *seq.row.get_or_insert_with(|| self.rows.take());
+            let scheduled =
+                out.record(seq_id, is_prefill, start, new_tokens, &slots, block_size, end == seq.len(), row);
             seq.num_computed = end;
             if is_prefill || take > 1 {
                 // Multi-token decodes (drafts) go with the prefills: decodes are one token each.
@@ -1041,6 +1078,9 @@ impl Scheduler {
         match how {
             Preemption::Swap => {
                 let copies = self.blocks.swap_out(&seq_ids).expect("room was checked");
+                for seq in self.groups[group_id].seqs.iter_mut() {
+                    self.rows.give_back(&mut seq.row);
+                }
                 self.counters.preemptions_swap += 1;
                 self.counters.blocks_swapped_out += copies.len() as u64;
                 out.blocks_to_swap_out.extend(copies);

@@ -452,7 +452,7 @@ fn random_workload_keeps_invariants_and_frees_everything() {
             rng % bound
         };
         let mut targets = std::collections::HashMap::new();
-        let mut consumer_tables = std::collections::HashMap::<u64, Vec<u32>>::new();
+        let mut consumer_tables = std::collections::HashMap::<u32, Vec<u32>>::new();
         for i in 0..40u32 {
             let len = 1 + next(20) as u32;
             let priority = if policy == SchedulingPolicy::Priority { next(4) as i64 - 1 } else { 0 };
@@ -466,9 +466,12 @@ fn random_workload_keeps_invariants_and_frees_everything() {
             assert!(steps < 5000, "no progress");
             let out = s.schedule();
             check(&s);
-            // A persistent-batch consumer applying only the reported changes sees every table.
+            // A persistent-batch consumer keeping one table per row and applying only the reported
+            // changes sees every table; no two sequences of a step share a row.
+            let rows: std::collections::HashSet<u32> = out.scheduled.iter().map(|seq| seq.row).collect();
+            assert_eq!(rows.len(), out.scheduled.len(), "{mode:?} {policy:?} step {steps}: rows shared");
             for seq in &out.scheduled {
-                let table = consumer_tables.entry(seq.seq_id).or_default();
+                let table = consumer_tables.entry(seq.row).or_default();
                 table.truncate(seq.block_table_from);
                 table.extend_from_slice(out.block_table_update(seq));
                 assert_eq!(table.as_slice(), s.block_table(seq.seq_id).unwrap(), "{mode:?} {policy:?} step {steps}");

@@ -27,6 +27,8 @@ pub struct Sequence {
     pub status: SeqStatus,
     /// Set while a group preempted by recompute is rebuilt: this sequence has no block table yet.
     pub pending: Option<PendingTable>,
+    /// Its persistent-batch row while on the device (see `ScheduledSequence::row`).
+    pub row: Option<u32>,
 }
 
 /// How a sequence of a group being rebuilt gets its block table back, keeping the sharing the
@@ -44,7 +46,16 @@ pub struct PendingTable {
 impl Sequence {
     pub fn new(id: SeqId, tokens: Vec<u32>) -> Self {
         let prefill_len = tokens.len();
-        Sequence { id, tokens, num_computed: 0, prefill_len, num_draft: 0, status: SeqStatus::Active, pending: None }
+        Sequence {
+            id,
+            tokens,
+            num_computed: 0,
+            prefill_len,
+            num_draft: 0,
+            status: SeqStatus::Active,
+            pending: None,
+            row: None,
+        }
     }
 
     pub fn len(&self) -> usize {

