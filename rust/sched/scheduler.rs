@@ -455,7 +455,7 @@ impl Scheduler {
         // Each append checks its sequence (a second token for one fails: the first has no KV
         // yet); on an error the tokens appended so far are taken back.
         for (index, &(seq_id, token)) in appends.iter().enumerate() {
-            if let Err(error) = self.append_sampled(seq_id, token) {
+            if let Err(error) = self.append_token(seq_id, token) {
                 for &(appended, _) in &appends[..index] {
                     let group_id = self.group_by_seq[&appended];
                     self.groups[group_id].seq_mut(appended).unwrap().tokens.pop();
@@ -466,27 +466,6 @@ impl Scheduler {
         for &seq_id in finished {
             self.finish_sequence(seq_id)?;
         }
-        Ok(())
-    }
-
-    /// `append_token` without drafts, for `update`.
-    fn append_sampled(&mut self, seq_id: SeqId, token: u32) -> Result<()> {
-        let group_id = self.group_of_seq(seq_id)?;
-        let max_model_len = self.max_model_len;
-        let group = &mut self.groups[group_id];
-        let running = group.state == GroupState::Running;
-        let seq = group.seq_mut(seq_id).unwrap();
-        if !running || !seq.is_active() || seq.num_computed != seq.len() {
-            return Err(Error::InvalidState(format!("sequence {seq_id} was not sampled in the last step")));
-        }
-        if seq.len() + 1 > max_model_len {
-            return Err(Error::InvalidState(format!(
-                "sequence {seq_id} has {} tokens: one more exceeds max_model_len={max_model_len}",
-                seq.len()
-            )));
-        }
-        seq.tokens.push(token);
-        seq.num_draft = 0;
         Ok(())
     }
 
