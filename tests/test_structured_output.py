@@ -99,7 +99,7 @@ def test_the_grammar_ends_the_output_despite_min_tokens_and_ignore_eos(llm):
     [
         (dict(regex="(unclosed"), "structured_outputs regex is invalid"),
         (dict(grammar="root ::= missing_rule"), "structured_outputs grammar is invalid"),
-        (dict(json="{not json"), "structured_outputs json is invalid"),
+        (dict(json="{not json"), "structured_outputs json is not valid JSON"),
     ],
 )
 def test_invalid_constraints_are_refused_before_queueing(llm, constraint, message):
