@@ -609,6 +609,13 @@ impl BlockManager {
         self.append_slots(seq, &[token])
     }
 
+    /// `child` holds `tokens`, a prefix of `parent`'s, sharing the blocks that hold them (a
+    /// partial last one is copied on the child's first write).
+    pub fn fork_prefix(&mut self, parent: SeqId, child: SeqId, tokens: &[u32]) -> Result<()> {
+        self.fork(parent, child)?;
+        self.truncate(child, tokens)
+    }
+
     /// `child` shares every block of `parent` (refcount + 1 each).
     pub fn fork(&mut self, parent: SeqId, child: SeqId) -> Result<()> {
         if self.tables.contains_key(&child) {

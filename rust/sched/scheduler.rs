@@ -1145,10 +1145,8 @@ impl Scheduler {
                         .allocate_prefix(seq.id, &seq.tokens, group.extra_key)
                         .expect("a pending sequence has no table"),
                     Some(parent) => {
-                        self.blocks.fork(parent, seq.id).expect("the parent holds a table");
-                        self.blocks
-                            .truncate(seq.id, &seq.tokens[..pending.shared_len])
-                            .expect("a prefix of the parent");
+                        let shared = &seq.tokens[..pending.shared_len];
+                        self.blocks.fork_prefix(parent, seq.id, shared).expect("the parent holds the prefix");
                         pending.shared_len
                     }
                 };
@@ -1180,8 +1178,8 @@ impl Scheduler {
                 continue;
             };
             if running && ending_pending.is_none() && ending_computed >= pending.shared_len {
-                self.blocks.fork(seq_id, seq.id).expect("the parent holds a table");
-                self.blocks.truncate(seq.id, &seq.tokens[..pending.shared_len]).expect("a prefix of the parent");
+                let shared = &seq.tokens[..pending.shared_len];
+                self.blocks.fork_prefix(seq_id, seq.id, shared).expect("the parent holds the prefix");
                 seq.num_computed = pending.shared_len;
                 seq.pending = None;
             } else {
