@@ -5,6 +5,7 @@ text, and the chat and Responses routes only take text.)"""
 
 import asyncio
 import json
+import logging
 import threading
 import time
 
@@ -140,9 +141,10 @@ def test_max_tokens_within_the_context_left_is_served(server):
     assert response.status_code == 400 and "context left" in response.json()["error"]["message"]
 
 
-def hold_the_engine(loop, seconds: float) -> threading.Thread:
-    """Keeps the engine loop thread busy (no step runs) for `seconds`, from another thread."""
-    holder = threading.Thread(target=lambda: asyncio.run(loop.call(lambda _: time.sleep(seconds))))
+def hold_the_engine(loop, until) -> threading.Thread:
+    """Keeps the engine loop thread busy (no step runs) until `until()` holds, from another thread."""
+    holder = threading.Thread(target=lambda: asyncio.run(loop.call(
+        lambda _: wait_until(until, "the engine was held too long", seconds=30))))
     holder.start()
     return holder
 
@@ -158,22 +160,31 @@ def wait_until(condition, what: str, seconds: float = 10) -> None:
     ("/v1/embeddings", {"input": ["w5 w6", "w7 w8", "w9"]}, 3),
     ("/score", {"text_1": "w5", "text_2": ["w6", "w7", "w8"]}, 4),  # (an embedding model: each text embedded once)
 ])
-def test_a_pooling_client_that_leaves_aborts_its_requests(server, route, body, num_requests):
+def test_a_pooling_client_that_leaves_aborts_its_requests(server, route, body, num_requests, caplog):
     loop = server.server.config.app.state.pagedkv["loop"]
     aborted_before = server.engine.num_finished_by_reason.get("abort", 0)
-    # The engine is held while the requests are queued, and again right after they are added, so
-    # that the client has left (and the server has aborted them) before any step could finish them.
-    first_hold = hold_the_engine(loop, 1.0)
-    wait_until(lambda: loop._commands.empty(), "the first hold did not start")
-    client = threading.Thread(target=lambda: pytest.raises(httpx.ReadTimeout, httpx.post, server.url + route,
-                                                           json=body, timeout=httpx.Timeout(30, read=0.3)))
-    client.start()
-    wait_until(lambda: not loop._commands.empty(), "the requests were not queued")
-    second_hold = hold_the_engine(loop, 0.5)
-    for thread in (client, first_hold, second_hold):
-        thread.join()
+    # The engine is held until the requests are queued, then (a second hold queued behind them)
+    # until the server has asked to abort them all, so that no step can finish them first.
+    queued = threading.Event()
+    abort, aborted_ids = loop.abort, []
+    loop.abort = lambda request_id: (aborted_ids.append(request_id), abort(request_id))
+    try:
+        first_hold = hold_the_engine(loop, queued.is_set)
+        wait_until(lambda: loop._commands.empty(), "the first hold did not start")
+        client = threading.Thread(target=lambda: pytest.raises(httpx.ReadTimeout, httpx.post, server.url + route,
+                                                               json=body, timeout=httpx.Timeout(30, read=0.3)))
+        client.start()
+        wait_until(lambda: not loop._commands.empty(), "the requests were not queued")
+        second_hold = hold_the_engine(loop, lambda: len(aborted_ids) >= num_requests)
+        wait_until(lambda: loop._commands.qsize() == 2, "the second hold was not queued")
+        queued.set()
+        for thread in (client, first_hold, second_hold):
+            thread.join()
+    finally:
+        del loop.abort
     wait_until(lambda: server.engine.num_finished_by_reason.get("abort", 0) == aborted_before + num_requests,
                "the pooling requests were not aborted")
+    assert not [record for record in caplog.records if record.levelno >= logging.ERROR]
     assert_idle_and_serving(server)
 
 

@@ -512,7 +512,7 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
             for sub_id, final in zip(request_ids, finals):
                 if final is None or not final.finished:
                     state["loop"].abort(sub_id)
-        if collecting.cancelled():
+        if not collecting.done() or collecting.cancelled():  # (cancel() only asks: it may still be pending)
             raise APIError(499, "the client closed the connection", "client_closed_request")
         collecting.result()  # (raises what collecting raised)
         if state["draining"] and any(was_aborted(final) for final in finals):
