@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pagedkv import OverloadedError, SamplingParams
+from pagedkv import InvalidConfigError, OverloadedError, SamplingParams
 from pagedkv.config import EngineConfig
 from pagedkv.engine import LLMEngine
 from pagedkv.request_state import RequestState
@@ -85,6 +85,7 @@ def refusals():
         ([3, 999], SamplingParams(), "prompt"),
         (PROMPT, SamplingParams(stop_token_ids=[300]), "stop_token_ids"),
         (PROMPT, SamplingParams(n=9), "n"),
+        (PROMPT, SamplingParams(logprobs=21), "logprobs"),  # (beyond the default max_logprobs=20)
         (PROMPT, SamplingParams(structured_outputs={"regex": "(unclosed"}), "structured_outputs"),
         ("w3 " * 10_000, SamplingParams(), "prompt"),  # (refused before it is tokenized)
         (PROMPT * 30, SamplingParams(), "prompt"),
@@ -109,6 +110,31 @@ def test_a_refused_request_leaves_the_engine_unchanged_and_the_next_one_complete
     finals = run_until_idle(engine)
     assert finals["running"].outputs[0].finish_reason == "length"
     assert completes(engine) == reference
+
+
+def test_logprobs_beyond_max_logprobs_are_refused_by_name_and_at_it_served(engine, monkeypatch):
+    monkeypatch.setattr(engine.config, "max_logprobs", 3)
+    for name in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(ValueError, match=rf"^{name} must be at most 3 \(max_logprobs\), got 4$"):
+            engine.add_request("refused", PROMPT, SamplingParams(**{name: 4}))
+        assert_books_agree(engine)
+    engine.add_request("at-max", PROMPT, SamplingParams(logprobs=3, prompt_logprobs=3, max_tokens=2))
+    [output] = run_until_idle(engine).values()
+    # (top 3 candidates, and the chosen token beside them where it is not one of them)
+    assert all(3 <= len(entry) <= 4 for entry in output.outputs[0].logprobs + output.prompt_logprobs[1:])
+    vocab_size = engine.runner.vocab_size
+    monkeypatch.setattr(engine.config, "max_logprobs", -1)  # (-1: as many as the vocabulary has)
+    with pytest.raises(ValueError, match=rf"^logprobs must be at most {vocab_size} \(the vocabulary size\)"):
+        engine.add_request("refused", PROMPT, SamplingParams(logprobs=vocab_size + 1))
+    engine.add_request("whole-vocabulary", PROMPT, SamplingParams(logprobs=vocab_size, max_tokens=1))
+    [output] = run_until_idle(engine).values()
+    assert len(output.outputs[0].logprobs[0]) == vocab_size
+
+
+@pytest.mark.parametrize("max_logprobs", [-2, 1.5, None])
+def test_max_logprobs_is_an_integer_from_minus_one(max_logprobs):
+    with pytest.raises(InvalidConfigError, match="^max_logprobs must be an integer >= 0, or -1"):
+        EngineConfig(max_logprobs=max_logprobs)
 
 
 def test_a_request_whose_building_raises_anything_is_never_registered(engine, monkeypatch):

@@ -29,6 +29,14 @@ def test_help_documents_every_engine_option_with_its_default():
         assert "(default: 16)" in text and "(default: auto)" in text
 
 
+def test_max_logprobs_flag_reaches_the_engine_config():
+    from pagedkv.cli import engine_config
+
+    for given, expected in ((None, 20), ("5", 5), ("-1", -1)):  # (vLLM's default; -1: the vocabulary size)
+        flags = ["serve"] + (["--max-logprobs", given] if given is not None else [])
+        assert engine_config(build_parser().parse_args(flags)).max_logprobs == expected
+
+
 def test_generate_prints_generations(capsys):
     from pagedkv.cli import main
 

@@ -16,11 +16,13 @@ from test_server import LiveServer
 
 MAX_MODEL_LEN = 128
 MAX_NUM_SEQS = 4
+MAX_LOGPROBS = 3
 
 
 @pytest.fixture(scope="module")
 def server():
-    live = LiveServer(num_device_blocks=64, max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS)
+    live = LiveServer(num_device_blocks=64, max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,
+                      max_logprobs=MAX_LOGPROBS)
     yield live
     live.stop()
 
@@ -93,7 +95,10 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", f'{{"messages": {MESSAGES}, "max_completion_tokens": {MAX_MODEL_LEN}}}', "max_tokens"),
     ("/v1/responses", f'{{"input": "w5", "max_output_tokens": {MAX_MODEL_LEN}}}', "max_tokens"),
     ("/v1/completions", f'{{"prompt": "w5", "n": {MAX_NUM_SEQS + 1}}}', "n"),
-    ("/v1/completions", '{"prompt": "w5", "logprobs": 21}', "logprobs"),
+    ("/v1/completions", f'{{"prompt": "w5", "logprobs": {MAX_LOGPROBS + 1}}}', "logprobs"),
+    ("/v1/completions", f'{{"prompt": "w5", "echo": true, "logprobs": {MAX_LOGPROBS + 1}}}', "logprobs"),
+    ("/v1/chat/completions", f'{{"messages": {MESSAGES}, "logprobs": true, "top_logprobs": {MAX_LOGPROBS + 1}}}',
+     "top_logprobs"),
     ("/v1/completions", json.dumps({"prompt": "w5", "stop": [f"s{i}" for i in range(65)]}), "stop"),
     ("/v1/completions", json.dumps({"prompt": "w5", "logit_bias": {str(i): 1 for i in range(1025)}}), "logit_bias"),
     # Structured outputs that would read files or URLs, or do not compile.
@@ -139,6 +144,22 @@ def test_max_tokens_within_the_context_left_is_served(server):
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4
     response = httpx.post(server.url + "/v1/completions", json={**fits, "max_tokens": 5}, timeout=60)
     assert response.status_code == 400 and "context left" in response.json()["error"]["message"]
+
+
+def test_logprobs_at_the_servers_maximum_are_served(server):
+    completion = httpx.post(server.url + "/v1/completions", timeout=60, json={
+        "prompt": "w5 w6", "max_tokens": 2, "logprobs": MAX_LOGPROBS, "echo": True}).json()
+    top = completion["choices"][0]["logprobs"]["top_logprobs"]
+    assert top[0] is None and all(MAX_LOGPROBS <= len(entry) <= MAX_LOGPROBS + 1 for entry in top[1:])
+    chat = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": "w5"}], "max_tokens": 2, "logprobs": True,
+        "top_logprobs": MAX_LOGPROBS}).json()
+    assert all(len(token["top_logprobs"]) in (MAX_LOGPROBS - 1, MAX_LOGPROBS)
+               for token in chat["choices"][0]["logprobs"]["content"])
+    response = httpx.post(server.url + "/v1/completions", json={"prompt": "w5", "logprobs": MAX_LOGPROBS + 1},
+                          timeout=60)
+    message = f"logprobs must be at most {MAX_LOGPROBS} (max_logprobs), got {MAX_LOGPROBS + 1}"
+    assert response.json()["error"]["message"] == message
 
 
 def hold_the_engine(loop, until) -> threading.Thread:

@@ -59,6 +59,10 @@ class EngineConfig:
     """Longest prompt + output; None = min(model limit, 8192)."""
     max_waiting_requests: int = 1024
     """Waiting-queue bound; beyond it requests get OverloadedError (HTTP 503)."""
+    max_logprobs: int = 20
+    """Most candidates per token a request may ask logprobs of (logprobs, prompt_logprobs; the
+    server's logprobs / top_logprobs), vLLM's option and default; -1 = the vocabulary size.
+    Beyond it a request is refused with a ValueError (HTTP 400) naming the field."""
     enable_prefix_caching: bool = True
     """Reuse KV blocks of identical prompt prefixes."""
     prefix_caching_hash_seed: Optional[int] = None
@@ -139,6 +143,8 @@ class EngineConfig:
             value = getattr(self, field)
             if not isinstance(value, int) or value <= 0:
                 fail(field, value, "a positive integer")
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            fail("max_logprobs", self.max_logprobs, "an integer >= 0, or -1 (the vocabulary size)")
         if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
             fail("long_prefill_token_threshold", self.long_prefill_token_threshold, "an integer >= 0")
         seed = self.prefix_caching_hash_seed

@@ -192,6 +192,7 @@ class LLMEngine:
                 raise ValueError(f"{name} names token ids outside the vocabulary [0, {vocab_size})")
         if params.num_sequences > self.config.max_num_seqs:
             raise ValueError(f"n / beam_width={params.num_sequences} exceeds max_num_seqs={self.config.max_num_seqs}")
+        params.check_logprobs(self.config.max_logprobs, vocab_size)
         grammar = self._compiled_grammar(params)  # (an invalid schema or grammar raises here, before queueing)
         first = SequenceState(seq_id=-1, index=0, generator=self._generator(params, 0),
                               matcher=self._grammar_compiler.matcher(grammar) if grammar is not None else None)

@@ -92,12 +92,10 @@ class SamplingParams:
             fail("max_tokens", self.max_tokens, "an integer >= 1")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             fail("min_tokens", self.min_tokens, f"an integer in [0, max_tokens={self.max_tokens}]")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            fail("logprobs", self.logprobs, "an integer in [0, 20]")
-        if self.prompt_logprobs is not None and (
-            not isinstance(self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= 20
-        ):
-            fail("prompt_logprobs", self.prompt_logprobs, "an integer in [0, 20]")
+        for name in ("logprobs", "prompt_logprobs"):  # (their limit is the engine's: see check_logprobs)
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                fail(name, value, "None or an integer >= 0")
         if not -2 <= self.presence_penalty <= 2:
             fail("presence_penalty", self.presence_penalty, "in [-2, 2]")
         if not -2 <= self.frequency_penalty <= 2:
@@ -158,6 +156,19 @@ class SamplingParams:
         if 0 < room < self.max_tokens:  # (a prompt that leaves no room is the engine's PromptTooLongError)
             raise ValueError(f"max_tokens must be at most {room}, the context left after the prompt (max_model_len="
                              f"{max_model_len} - {num_prompt_tokens} prompt tokens), got {self.max_tokens}")
+
+    def check_logprobs(self, max_logprobs: int, vocab_size: int) -> None:
+        """Raises ValueError naming logprobs or prompt_logprobs if it asks for more candidates
+        per token than the engine allows: `max_logprobs` (EngineConfig.max_logprobs; -1 = the
+        vocabulary size) and never more than `vocab_size`."""
+        if max_logprobs == -1 or max_logprobs > vocab_size:
+            limit, source = vocab_size, "the vocabulary size"
+        else:
+            limit, source = max_logprobs, "max_logprobs"
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value > limit:
+                raise ValueError(f"{name} must be at most {limit} ({source}), got {value}")
 
     @property
     def greedy(self) -> bool:

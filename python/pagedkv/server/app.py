@@ -67,7 +67,9 @@ logger = logging.getLogger("pagedkv.server")
 
 # Engine ValueErrors that start with one of these name a sampling field; others are about the prompt.
 SAMPLING_FIELDS = frozenset({"logit_bias", "stop_token_ids", "n", "structured_outputs", "priority", "allowed_token_ids",
-                             "max_tokens"})
+                             "max_tokens", "logprobs"})
+# Sampling fields a chat request calls by another name.
+CHAT_FIELDS = {"logprobs": "top_logprobs"}
 # Parts of a validation error's location that name a union's branch, not a field of the request.
 _TYPE_LABELS = frozenset({"str", "int", "float", "bool", "dict", "list"})
 # The one route --api-key leaves open: load balancers and orchestrators probe it.
@@ -538,8 +540,11 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
             return APIError(409, str(error), "invalid_request_error")
         if isinstance(error, ValueError):
             message = str(error)
-            field = message.split(" ", 1)[0]
-            return APIError(400, message, "invalid_request_error", field if field in SAMPLING_FIELDS else prompt_field)
+            field, _, rest = message.partition(" ")
+            if field not in SAMPLING_FIELDS:
+                return APIError(400, message, "invalid_request_error", prompt_field)
+            field = CHAT_FIELDS.get(field, field) if chat else field
+            return APIError(400, f"{field} {rest}", "invalid_request_error", field)
         return error
 
     async def merged(queues: list) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -298,7 +298,7 @@ class _Sampling(_Request):
 class CompletionRequest(_Sampling):
     # One prompt (text or token ids) or a batch of them: choice i * n + j is sample j of prompt i.
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    logprobs: Optional[int] = Field(default=None, ge=0)  # (at most the engine's max_logprobs)
     echo: bool = False  # prepend the prompt (and with logprobs, its tokens' logprobs) to each choice
 
     def completion_params(self, defaults: Optional[dict] = None) -> SamplingParams:
@@ -325,7 +325,7 @@ def _prompt_list(prompt, field: str) -> list[Union[str, list[int]]]:
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
-    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    top_logprobs: Optional[int] = Field(default=None, ge=0)  # (at most the engine's max_logprobs)
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
     tools: Optional[list[ChatTool]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
