@@ -9,6 +9,7 @@ from conftest import save_tiny_checkpoint
 from test_server import LiveServer
 
 from pagedkv import LLM, PoolingParams, SamplingParams
+from pagedkv.server.openapi import ClassificationList
 
 
 def tiny_classifier(directory, model_type: str = "llama", num_labels: int = 3, **config_options) -> tuple:
@@ -89,6 +90,7 @@ def test_classify_endpoint(tmp_path):
         batch = prompts((12, 30))
         for route in ("/classify", "/v1/classify"):
             answer = httpx.post(server.url + route, json={"input": batch}, timeout=60).json()
+            ClassificationList.model_validate(answer, strict=True)  # (its declared schema: see server/openapi.py)
             assert [item["index"] for item in answer["data"]] == [0, 1]
             assert answer["usage"]["prompt_tokens"] == 42
             for prompt, item in zip(batch, answer["data"]):

@@ -244,25 +244,101 @@ FUZZ_MAX_TOKENS = 2  # (generation is not what is tested: keep each request shor
 FUZZ_CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 
 
-def fuzz(case) -> None:
-    """One generated request, its answer checked: no 5xx, a declared status, content type and body."""
-    if isinstance(case.body, dict):
-        for field in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
-            case.body[field] = FUZZ_MAX_TOKENS
+def checked(case):
+    """Calls a request and checks its answer: no 5xx, a declared status, content type and body."""
     checks = FUZZ_CHECKS
     if isinstance(case.body, dict) and case.body.get("stream") is True:
         # A streamed answer is server-sent events, which the declared JSON schema does not describe.
         checks = [check for check in checks if check is not response_schema_conformance]
-    case.call_and_validate(checks=checks, timeout=60)
+    return case.call_and_validate(checks=checks, timeout=60)
 
 
-def test_no_generated_request_is_a_server_error(server):
+def fuzz(case) -> None:
+    """One generated request, checked."""
+    if isinstance(case.body, dict):
+        for field in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
+            case.body[field] = FUZZ_MAX_TOKENS
+    checked(case)
+
+
+@pytest.fixture(scope="module")
+def operations(server) -> list:
+    schema = schemathesis.openapi.from_url(server.url + "/openapi.json")
+    found = [result.ok() for result in schema.get_all_operations()]
+    assert len(found) > 15
+    return found
+
+
+CHAT = [{"role": "user", "content": "w5"}]
+RERANK = {"query": "w5", "documents": ["w6 w7", "w8"], "top_n": 1}
+# Requests each operation answers with 200 (the fuzzer's mostly get 400s): every field the
+# answers can hold, logprobs, echo, several choices and prompts, base64 embeddings, a tool call.
+SERVED_REQUESTS = {
+    ("GET", "/health"): [None], ("GET", "/v1/models"): [None], ("GET", "/metrics"): [None],
+    ("GET", "/version"): [None], ("POST", "/reset_prefix_cache"): [None],
+    ("POST", "/v1/completions"): [
+        {"prompt": "w5 w6", "max_tokens": 2, "n": 2, "logprobs": MAX_LOGPROBS, "echo": True},
+        {"prompt": [[5, 6], [7]], "max_tokens": 2, "stop": ["x"]},
+        {"prompt": "w5", "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True}},
+    ],
+    ("POST", "/v1/chat/completions"): [
+        {"messages": CHAT, "max_tokens": 2, "logprobs": True, "top_logprobs": 2},
+        {"messages": CHAT, "max_tokens": 20, "temperature": 0, "tools": [{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "object"}}}],
+         "tool_choice": {"type": "function", "function": {"name": "f"}}},
+        {"messages": CHAT, "max_tokens": 2, "stream": True},
+    ],
+    ("POST", "/v1/responses"): [
+        {"input": "w5", "instructions": "be brief", "max_output_tokens": 2, "metadata": {"k": "v"}},
+        {"input": [{"role": "user", "content": "w5"}], "max_output_tokens": 20, "temperature": 0,
+         "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
+         "tool_choice": {"type": "function", "name": "f"}},
+        {"input": "w5", "max_output_tokens": 2, "stream": True},
+    ],
+    ("POST", "/v1/embeddings"): [{"input": ["w5", "w6 w7"]}, {"input": "w5", "encoding_format": "base64"}],
+    ("POST", "/score"): [{"text_1": "w5", "text_2": ["w6", "w7"]}],
+    ("POST", "/v1/score"): [{"text_1": ["w5", "w6"], "text_2": ["w7", "w8"]}],
+    ("POST", "/rerank"): [RERANK], ("POST", "/v1/rerank"): [RERANK], ("POST", "/v2/rerank"): [RERANK],
+    ("POST", "/tokenize"): [{"prompt": "w5 w6"}, {"messages": CHAT}],
+    ("POST", "/detokenize"): [{"tokens": [5, 6]}],
+}
+# Operations this server refuses whatever the body: its model is no sequence classifier.
+UNSERVED = {("POST", "/classify"), ("POST", "/v1/classify")}
+
+
+def test_the_document_declares_every_answer(server):
+    """Each JSON 200 names its model, every error status the error JSON, and no route declares
+    the 422 FastAPI adds for bodies (validation errors are 400s)."""
+    document = httpx.get(server.url + "/openapi.json", timeout=10).json()
+    for path, operations_of_path in document["paths"].items():
+        for method, operation in operations_of_path.items():
+            responses = operation["responses"]
+            assert "422" not in responses, (method, path)
+            content = responses["200"]["content"]
+            assert "$ref" in content.get("application/json", {}).get("schema", {}) or "text/plain" in content, path
+            for status, response in responses.items():
+                error_schema = response["content"]["application/json"]["schema"] if int(status) >= 400 else None
+                assert error_schema in (None, {"$ref": "#/components/schemas/ErrorResponse"}) or path == "/health"
+
+
+def test_every_operation_answers_as_its_schema_declares(operations):
+    """A 200 of each operation, its body checked against the declared schema (the fuzzer's
+    requests are mostly refused, and a 400 checks the error schema only)."""
+    served = {(operation.method.upper(), operation.path): operation for operation in operations}
+    assert set(served) == set(SERVED_REQUESTS) | UNSERVED, "an operation without a request to serve"
+    for (method, path), bodies in SERVED_REQUESTS.items():
+        for body in bodies:
+            case = served[method, path].Case(**({} if body is None else {"body": body}))
+            response = checked(case)
+            assert response.status_code == 200, (method, path, body, response.text)
+            if body is not None and "tool_choice" in body:  # (the tool call's part of the schema was checked)
+                assert "call_" in response.text, response.text
+
+
+def test_no_generated_request_is_a_server_error(operations):
     """Every operation of /openapi.json, 25 generated requests each. (schemathesis's pytest
     plugin cannot take a live server from a fixture under this pytest, so its Python API runs
     each operation's strategy under hypothesis here.)"""
-    schema = schemathesis.openapi.from_url(server.url + "/openapi.json")
-    operations = [result.ok() for result in schema.get_all_operations()]
-    assert len(operations) > 15
     for operation in operations:
         run = settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck),
                        database=None)(given(case=operation.as_strategy())(fuzz))

@@ -45,8 +45,6 @@ from pagedkv.server.protocol import (
     ChatCompletionRequest,
     ClassificationRequest,
     CompletionRequest,
-    ERROR_RESPONSES,
-    STREAMED_RESPONSE,
     DetokenizeRequest,
     EmbeddingRequest,
     LoadLoRAAdapterRequest,
@@ -56,6 +54,24 @@ from pagedkv.server.protocol import (
     ScoreRequest,
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
+)
+from pagedkv.server.openapi import (
+    ERROR_RESPONSES,
+    ChatCompletion,
+    ClassificationList,
+    Completion,
+    DetokenizeResponse,
+    EmbeddingList,
+    ModelList,
+    RerankList,
+    ResponseBody,
+    ScoreList,
+    StatusResponse,
+    TokenizeResponse,
+    VersionResponse,
+    answer,
+    install_openapi,
+    streamed_answer,
 )
 from pagedkv.server.reasoning import ReasoningParser
 from pagedkv.server.responses import ResponseBuilder
@@ -136,6 +152,7 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
 
     app = FastAPI(title="pagedkv", version=__version__, lifespan=lifespan, responses=ERROR_RESPONSES)
     app.state.pagedkv = state
+    install_openapi(app)
 
     def drain(grace_seconds: float) -> None:
         """Starts a graceful shutdown (serve calls it at SIGTERM): the requests still running
@@ -204,13 +221,14 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
         return error_response(500, f"internal server error (request id {request_id})", "server_error",
                               headers={"x-request-id": request_id})
 
-    @app.get("/health")
+    @app.get("/health", responses={**answer(StatusResponse),
+                                   503: {"model": StatusResponse, "description": "The engine loop has stopped"}})
     async def health():
         if not state["loop"].alive:
             return JSONResponse({"status": "engine loop stopped"}, status_code=503)
         return {"status": "ok"}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=answer(ModelList))
     async def models():
         card = {"id": model_name, "object": "model", "created": 0, "owned_by": "pagedkv",
                 "max_model_len": state["engine"].max_model_len}
@@ -223,14 +241,14 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
     async def metrics():
         return Response(state["metrics"].render(), media_type="text/plain; version=0.0.4")
 
-    @app.post("/v1/completions", responses=STREAMED_RESPONSE)
+    @app.post("/v1/completions", responses=streamed_answer(Completion))
     async def completions(body: CompletionRequest, request: Request):
         served = check_model(body.model)
         params = make_params(lambda: body.completion_params(state["engine"].generation_defaults))
         prompts = make_params(body.prompts)
         return await run(request, prompts, params, body, served, chat=False)
 
-    @app.post("/v1/chat/completions", responses=STREAMED_RESPONSE)
+    @app.post("/v1/chat/completions", responses=streamed_answer(ChatCompletion))
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         served = check_model(body.model)
         if body.max_completion_tokens is not None and body.max_tokens is None:
@@ -244,7 +262,7 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
         prompt = await chat_prompt(body.messages, True, chat_tools if tools is not None else None, body.chat_template_kwargs)
         return await run(request, [prompt], params, body, served, chat=True, tools=tools)
 
-    @app.post("/v1/responses", responses=STREAMED_RESPONSE)
+    @app.post("/v1/responses", responses=streamed_answer(ResponseBody))
     async def responses(body: ResponsesRequest, request: Request):
         """OpenAI's Responses API, stateless (store is always false), whole or streamed as events."""
         served = check_model(body.model)
@@ -281,7 +299,7 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
         completion = output.outputs[0]
         return response.complete(completion.text, completion.finish_reason, responses_usage(output))
 
-    @app.post("/v1/embeddings")
+    @app.post("/v1/embeddings", responses=answer(EmbeddingList))
     async def embeddings(body: EmbeddingRequest, request: Request):
         served = check_model(body.model)
         inputs = make_params(body.inputs)
@@ -292,8 +310,8 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
         outputs = await pool(request, "embd-", inputs, PoolingParams(), body.priority, served)
         return builders[served].embeddings(outputs, body.encoding_format)
 
-    @app.post("/classify")
-    @app.post("/v1/classify")
+    @app.post("/classify", responses=answer(ClassificationList))
+    @app.post("/v1/classify", responses=answer(ClassificationList))
     async def classify(body: ClassificationRequest, request: Request):
         """vLLM's /classify: each input's class probabilities and most likely label, from a
         sequence-classification checkpoint."""
@@ -317,8 +335,8 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
         scores = [score for score, _ in scores_of(pairs, prompts, outputs, params)]
         return scores, sum(len(output.prompt_token_ids) for output in outputs)
 
-    @app.post("/score")
-    @app.post("/v1/score")
+    @app.post("/score", responses=answer(ScoreList))
+    @app.post("/v1/score", responses=answer(ScoreList))
     async def score(body: ScoreRequest, request: Request):
         """vLLM's /score: a relevance score per (text_1, text_2) pair."""
         served = check_model(body.model)
@@ -326,9 +344,9 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
                                           body.priority, served)
         return builders[served].scores(scores, num_tokens)
 
-    @app.post("/rerank")
-    @app.post("/v1/rerank")
-    @app.post("/v2/rerank")
+    @app.post("/rerank", responses=answer(RerankList))
+    @app.post("/v1/rerank", responses=answer(RerankList))
+    @app.post("/v2/rerank", responses=answer(RerankList))
     async def rerank(body: RerankRequest, request: Request):
         """vLLM's /rerank: the documents, most relevant to the query first (the best `top_n`)."""
         served = check_model(body.model)
@@ -349,7 +367,7 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
             raise submit_error(error, chat=False, prompt_field="input") from error
         return await final_outputs(request, request_ids, queues)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=answer(TokenizeResponse))
     async def tokenize(body: TokenizeRequest):
         check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
@@ -366,7 +384,7 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
             lambda: state["engine"].tokenizer.encode(text, add_special_tokens=body.add_special_tokens))
         return {"count": len(tokens), "max_model_len": state["engine"].max_model_len, "tokens": tokens}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=answer(DetokenizeResponse))
     async def detokenize(body: DetokenizeRequest):
         check_model(body.model)
         vocab_size = state["engine"].runner.vocab_size
@@ -374,7 +392,7 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
             raise APIError(400, f"tokens must be token ids in [0, {vocab_size})", "invalid_request_error", "tokens")
         return {"prompt": await state["loop"].run_in_worker(state["engine"].tokenizer.decode, body.tokens)}
 
-    @app.post("/reset_prefix_cache")
+    @app.post("/reset_prefix_cache", responses=answer(StatusResponse))
     async def reset_prefix_cache():
         """vLLM's: forgets every cached prefix (after a weight update); 409 while requests run."""
         if not await state["loop"].call(lambda running: running.reset_prefix_cache()):
@@ -385,7 +403,7 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
         if state["engine"].runner.lora_registry is None:
             raise ValueError("allow_runtime_lora_updating needs an engine built with enable_lora=True")
 
-        @app.post("/v1/load_lora_adapter")
+        @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
         async def load_lora_adapter(body: LoadLoRAAdapterRequest):
             name = body.lora_name
             if name == model_name or name in adapters:
@@ -402,7 +420,7 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
             logger.info("LoRA adapter %r loaded from %s", name, body.lora_path)
             return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
 
-        @app.post("/v1/unload_lora_adapter")
+        @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)
         async def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
             adapter = adapters.pop(body.lora_name, None)
             if adapter is None:
@@ -412,7 +430,7 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
             await state["loop"].call(lambda running: running.remove_lora(adapter.lora_int_id))
             return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
 
-    @app.get("/version")
+    @app.get("/version", responses=answer(VersionResponse))
     async def version():
         return {"version": __version__}
 
@@ -565,6 +583,8 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
         try:
             while True:
                 index, item = await combined.get()
+                if isinstance(item, EngineStoppedError):  # (503: shutting down, or the engine failed)
+                    raise item
                 if isinstance(item, Exception):
                     raise APIError(500, str(item), "server_error")
                 yield index, item
@@ -586,6 +606,8 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
 
     async def next_output(outputs) -> RequestOutput:
         item = await outputs.get()
+        if isinstance(item, EngineStoppedError):  # (503: shutting down, or the engine failed)
+            raise item
         if isinstance(item, Exception):
             raise APIError(500, str(item), "server_error")
         return item
@@ -621,6 +643,12 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, serve
                 app.state.drain(shutdown_grace_seconds)
             super().handle_exit(sig, frame)
 
+        async def on_tick(self, counter: int) -> bool:
+            # An engine that cannot go on (a tensor-parallel rank lost) ends the server, non-zero.
+            if app.state.pagedkv["loop"].failure is not None:
+                return True
+            return await super().on_tick(counter)
+
     if (lora_modules or allow_runtime_lora_updating) and not config.enable_lora:
         config = dataclasses.replace(config, enable_lora=True)
     app = create_app(LLMEngine(config), served_model_name, chat_template, api_key, lora_modules,
@@ -628,6 +656,10 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, serve
     # uvicorn's own bound on the drain comes after ours: by then every request has ended.
     Server(uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=shutdown_grace_seconds + 5,
                           log_level="info")).run()
+    failure = app.state.pagedkv["loop"].failure
+    if failure is not None:
+        logger.error("the server stopped because the engine failed: %s", failure)
+        return 1
     return 0
 
 

@@ -553,30 +553,3 @@ class ResponsesRequest(_Sampling):
         given = self.model_dump(include={"tools", "tool_choice", "text"}, exclude_none=True, by_alias=True)
         return {"tools": given.get("tools", []), "tool_choice": given.get("tool_choice", "auto"),
                 "text": given.get("text", {"format": {"type": "text"}})}
-
-
-# -- answers (for the OpenAPI document) --------------------------------------------------------
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: Optional[str] = None
-    code: Optional[Union[str, int]] = None
-
-
-class ErrorResponse(BaseModel):
-    """Every error answer: OpenAI's shape, `param` naming the field at fault where one is."""
-
-    error: ErrorDetail
-
-
-ERROR_RESPONSES: dict = {status: {"model": ErrorResponse, "description": description} for status, description in (
-    (400, "The request is malformed or asks for more than the server allows; `param` names the field"),
-    (401, "Missing or wrong API key"),
-    (404, "Unknown model or route"),
-    (409, "Conflicts with the server's state"),
-    (413, "The body exceeds max_request_body_bytes"),
-    (503, "Overloaded or shutting down: retry after Retry-After seconds"),
-)}
-# Routes that stream with "stream": true document the event stream beside their JSON answer.
-STREAMED_RESPONSE: dict = {200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
-                                 "description": "The answer, or with stream: true its server-sent events"}}
