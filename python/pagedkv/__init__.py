@@ -20,6 +20,7 @@ from pagedkv.errors import (
     OverloadedError,
     PagedKVError,
     PromptTooLongError,
+    TensorParallelError,
     UnknownRequestError,
     UnknownSequenceError,
 )
@@ -71,5 +72,6 @@ __all__ = [
     "EngineStoppedError",
     "InvalidConfigError",
     "InvalidStateError",
+    "TensorParallelError",
     *_LAZY,
 ]

@@ -116,6 +116,14 @@ class EngineConfig:
     max_cached_grammars: int = 64
     """Compiled structured-output grammars kept for reuse (least recently used dropped first); each
     holds token masks, about 1 MiB for a small JSON schema."""
+    tensor_parallel_size: int = 1
+    """Processes (one GPU each on CUDA) the model is sharded over, Megatron style: attention
+    heads, the KV cache's heads and MLP columns split, one all-reduce after each attention and
+    MLP. pagedkv starts the other ranks itself, or joins a torchrun launch (multi-node); rank 0
+    schedules and samples. The Llama family (Llama, Mistral, Qwen2/3, SmolLM, Granite, ...)."""
+    distributed_timeout_seconds: float = 120.0
+    """How long a collective may wait for a tensor-parallel rank before the engine fails with an
+    error (a dead or hung worker)."""
     enforce_eager: bool = False
     """True launches every decode kernel from Python. False (the default) captures CUDA graphs
     of decode steps at start-up where they apply (cuda device and attention backend, no
@@ -168,6 +176,10 @@ class EngineConfig:
             fail("max_lora_rank", self.max_lora_rank, "a positive integer")
         if self.max_cpu_loras is not None and (not isinstance(self.max_cpu_loras, int) or self.max_cpu_loras < 1):
             fail("max_cpu_loras", self.max_cpu_loras, "None or a positive integer")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            fail("tensor_parallel_size", self.tensor_parallel_size, "a positive integer")
+        if not self.distributed_timeout_seconds > 0:
+            fail("distributed_timeout_seconds", self.distributed_timeout_seconds, "a positive number of seconds")
         if self.attention_backend not in ("auto", "torch", "cpu", "cuda"):
             fail("attention_backend", self.attention_backend, "auto, torch, cpu or cuda")
 

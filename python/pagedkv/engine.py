@@ -115,6 +115,11 @@ class LLMEngine:
             swap_bandwidth=_SWAP_BANDWIDTH[device],
         )
 
+    def shutdown(self) -> None:
+        """Stops the other tensor-parallel ranks (nothing to do with tensor_parallel_size=1). The
+        engine steps no more after it."""
+        self.runner.shutdown()
+
     # -- requests --------------------------------------------------------------------------
     def get_default_sampling_params(self) -> SamplingParams:
         """What a request without SamplingParams samples with: pagedkv's defaults, overridden by the
@@ -342,6 +347,8 @@ class LLMEngine:
     def step(self) -> list[Union[RequestOutput, PoolingRequestOutput]]:
         """Runs one scheduling step and model forward. Returns the (cumulative) output of every
         request that produced tokens or finished in this step."""
+        if self.runner.failure is not None:  # (tensor-parallel ranks out of step: no step can run)
+            raise self.runner.failure
         plan = self.scheduler.schedule()
         touched: dict[str, RequestState] = {}
         for request_id, reason in zip(plan.aborted, plan.abort_reasons):

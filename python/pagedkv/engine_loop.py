@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from pagedkv.engine import LLMEngine
-from pagedkv.errors import EngineStoppedError, OverloadedError
+from pagedkv.errors import EngineStoppedError, OverloadedError, TensorParallelError
 from pagedkv.lora import LoRARequest
 from pagedkv.outputs import PoolingRequestOutput, RequestOutput
 from pagedkv.pooling_params import PoolingParams
@@ -50,6 +50,8 @@ class EngineLoop:
         self._closed = False  # set (under _lock) once the thread takes no more commands
         self._lock = threading.Lock()  # (guards _closed and _num_worker_jobs)
         self._thread = threading.Thread(target=self._run, name="pagedkv-engine", daemon=True)
+        # What ended the loop for good (a tensor-parallel rank lost, a bug outside a step), else None
+        self.failure: Optional[BaseException] = None
 
     def start(self) -> None:
         self._thread.start()
@@ -135,8 +137,12 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             self._step_until_stopped()
-        except Exception:  # a bug outside a step: fail every caller rather than leave them waiting
-            logger.exception("the engine loop crashed")
+        except Exception as error:  # fail every caller rather than leave them waiting
+            self.failure = error
+            if isinstance(error, TensorParallelError):
+                logger.error("the engine cannot go on: %s", error)
+            else:  # (a bug outside a step)
+                logger.exception("the engine loop crashed")
         finally:
             self._close()
 
@@ -149,10 +155,12 @@ class EngineLoop:
                 continue
             try:
                 outputs = engine.step()
+            except TensorParallelError:  # the ranks are out of step: no step can run again
+                raise
             except Exception:  # never let one bad step kill the server
                 logger.exception("engine step failed; aborting in-flight requests")
                 for request_id in list(self._streams):
-                    self._finish_stream(request_id, error="internal engine error")
+                    self._finish_stream(request_id, RuntimeError("internal engine error"))
                 continue
             for output in outputs:
                 self._deliver(output)
@@ -171,8 +179,10 @@ class EngineLoop:
                 accepted.get_loop().call_soon_threadsafe(
                     _set_exception, accepted, EngineStoppedError("the engine loop has stopped"))
         for request_id in list(self._streams):
-            self._finish_stream(request_id, error="server shutting down")
+            self._finish_stream(request_id, EngineStoppedError("server shutting down" if self.failure is None
+                                                               else f"the engine stopped: {self.failure}"))
         self.stats = self.engine.stats()
+        self.engine.shutdown()
 
     def _drain_commands(self, block: bool) -> None:
         try:
@@ -240,11 +250,11 @@ class EngineLoop:
         if output.finished:
             self._streams.pop(output.request_id, None)
 
-    def _finish_stream(self, request_id: str, error: str) -> None:
+    def _finish_stream(self, request_id: str, error: Exception) -> None:
         self.engine.abort(request_id)
         stream = self._streams.pop(request_id, None)
         if stream is not None:
-            stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, RuntimeError(error))
+            stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, error)
 
 
 def _set_result(future: asyncio.Future) -> None:

@@ -47,3 +47,8 @@ class InvalidStateError(PagedKVError):
 class EngineStoppedError(PagedKVError):
     """The engine loop ended a request it could not finish: it was shut down, or a step failed
     (Python-side only: AsyncLLM)."""
+
+
+class TensorParallelError(PagedKVError, RuntimeError):
+    """A tensor-parallel rank died, hung past distributed_timeout_seconds, or failed a step: the
+    ranks are out of step and the engine cannot go on."""

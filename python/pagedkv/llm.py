@@ -41,6 +41,10 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
+    def shutdown(self) -> None:
+        """Stops the engine's other tensor-parallel ranks (they also stop when this process exits)."""
+        self.engine.shutdown()
+
     @property
     def llm_engine(self) -> LLMEngine:
         """The engine underneath (vLLM's name for it)."""

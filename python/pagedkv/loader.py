@@ -10,6 +10,7 @@ import importlib.util
 import logging
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -116,10 +117,16 @@ def _split_gguf(model: str | None, gguf_file: str | None) -> tuple[str, str | No
     return model, gguf_file
 
 
-def load(model: str | None, gguf_file: str | None, tokenizer: str | None, dtype, device, max_positions: int | None):
-    """Builds our model from the checkpoint's config and weights; returns a LoadedModel."""
+class ModelSpec(NamedTuple):
+    hf_config: object  # of the language model, for an image-text checkpoint
+    model_class: type
+    multimodal: bool
+
+
+def model_spec(model: str | None, gguf_file: str | None) -> ModelSpec:
+    """What a checkpoint is, from its config alone (no weights read)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     directory, gguf = _split_gguf(model, gguf_file)
     if not os.path.isdir(directory):
@@ -129,11 +136,22 @@ def load(model: str | None, gguf_file: str | None, tokenizer: str | None, dtype,
         raise ValueError(f"model_type {hf_config.model_type!r} is not supported; supported: {SUPPORTED}")
     multimodal = hf_config.model_type in MULTIMODAL_MODEL_TYPES
     if multimodal:
-        logger.info("%s is an image-text model: serving its language model on text prompts", hf_config.model_type)
         tied = getattr(hf_config, "tie_word_embeddings", None)
         hf_config = hf_config.get_text_config()
         if tied is not None:  # (the whole model's setting is the one HF follows)
             hf_config.tie_word_embeddings = tied
+    return ModelSpec(hf_config, ARCHITECTURES[hf_config.model_type], multimodal)
+
+
+def load(model: str | None, gguf_file: str | None, tokenizer: str | None, dtype, device, max_positions: int | None):
+    """Builds our model from the checkpoint's config and weights; returns a LoadedModel. Under
+    tensor parallelism (parallel.using_group) the model is this rank's shard."""
+    from transformers import AutoTokenizer
+
+    directory, gguf = _split_gguf(model, gguf_file)
+    hf_config, model_class, multimodal = model_spec(model, gguf_file)
+    if multimodal:
+        logger.info("%s is an image-text model: serving its language model on text prompts", hf_config.model_type)
 
     if gguf is not None:
         state = _dequantized_gguf(os.path.join(directory, gguf))
@@ -153,7 +171,7 @@ def load(model: str | None, gguf_file: str | None, tokenizer: str | None, dtype,
 
     positions = max_positions or hf_config.max_position_embeddings
     with torch.device("meta"):  # no time spent on random init: every weight is loaded below
-        net = ARCHITECTURES[hf_config.model_type](hf_config, positions, dtype)
+        net = model_class(hf_config, positions, dtype)
     # Parameters are allocated in the engine's dtype and loading copies (and rounds) each checkpoint
     # tensor into place: the host never holds a float32 copy of the model.
     net = net.to(dtype=dtype).to_empty(device="cpu")

@@ -11,10 +11,13 @@ import torch
 from pagedkv.attention import AttentionMetadata, get_backend
 from pagedkv.config import EngineConfig
 from pagedkv.cuda_graphs import DecodeGraphs
-from pagedkv.errors import InvalidConfigError
+from pagedkv.errors import InvalidConfigError, TensorParallelError
 from pagedkv.kv_cache import KVCache
-from pagedkv.loader import generation_defaults, load, load_generation_config
+from pagedkv.loader import generation_defaults, load, load_generation_config, model_spec
 from pagedkv.lora import LoRARegistry, lora_batch
+from pagedkv.parallel import SINGLE_PROCESS, TensorParallelGroup, using_group
+from pagedkv.parallel.sharding import check_shardable
+from pagedkv.parallel.workers import TensorParallelWorkers
 from pagedkv.persistent_batch import PersistentBatch
 
 logger = logging.getLogger("pagedkv.model_runner")
@@ -23,9 +26,14 @@ _DEFAULT_CPU_KV_BYTES = 512 << 20
 
 
 class ModelRunner:
-    """Loads the model, sizes and allocates the KV cache, executes steps."""
+    """Loads the model, sizes and allocates the KV cache, executes steps.
 
-    def __init__(self, config: EngineConfig):
+    With tensor_parallel_size > 1 the runner built by the engine is rank 0: it starts the other
+    ranks (parallel/workers.py), whose runners are built with their `group`, and sends each step
+    to them before executing it itself; every rank holds a shard of the model and of the KV
+    cache (its KV heads of the same blocks)."""
+
+    def __init__(self, config: EngineConfig, group: Optional[TensorParallelGroup] = None):
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -33,7 +41,28 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype()
         self.kv_dtype = config.kv_cache_torch_dtype()
-        loaded = load(config.model, config.gguf_file, config.tokenizer, self.dtype, self.device, config.max_model_len)
+        self.workers: Optional[TensorParallelWorkers] = None
+        self.failure: Optional[TensorParallelError] = None
+        if group is None and config.tensor_parallel_size > 1:
+            if config.enable_lora:
+                raise InvalidConfigError(f"tensor_parallel_size={config.tensor_parallel_size}: LoRA adapters do "
+                                         "not shard yet; serve them with tensor_parallel_size=1")
+            spec = model_spec(config.model, config.gguf_file)
+            check_shardable(spec.hf_config, spec.model_class, config.tensor_parallel_size)
+            self.workers = TensorParallelWorkers.start(config)
+            group = self.workers.group
+        self.group = group or SINGLE_PROCESS
+        try:
+            self._build()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _build(self) -> None:
+        config = self.config
+        with using_group(self.group):
+            loaded = load(config.model, config.gguf_file, config.tokenizer, self.dtype, self.device,
+                          config.max_model_len)
         self.model, self.tokenizer, self.hf_config = loaded.model, loaded.tokenizer, loaded.hf_config
         self.eos_token_ids, self.model_name = loaded.eos_token_ids, loaded.name
         self.generation_defaults = self._generation_defaults(loaded.generation_config)
@@ -48,7 +77,8 @@ class ModelRunner:
         self.block_bytes = KVCache.bytes_per_block(
             num_layers, attention.num_kv_heads, attention.head_dim, config.block_size, self.kv_dtype
         )
-        self.num_device_blocks = config.num_device_blocks or max(1, self._kv_budget() // self.block_bytes)
+        # Every rank holds the same block numbers: they agree on the smallest pool.
+        self.num_device_blocks = self.group.min(config.num_device_blocks or max(1, self._kv_budget() // self.block_bytes))
         self.num_cpu_blocks = config.swap_space_bytes // self.block_bytes
         self.kv_cache = KVCache(
             num_layers,
@@ -77,7 +107,9 @@ class ModelRunner:
                                               config.max_cpu_loras)
         self.decode_graphs = None
         if config.is_cuda and not config.enforce_eager:
-            if any(layer.is_moe for layer in self.model.layers):
+            if self.group.size > 1:
+                logger.info("CUDA graphs off: tensor-parallel steps run eagerly (their all-reduces are not captured)")
+            elif any(layer.is_moe for layer in self.model.layers):
                 logger.info("CUDA graphs off: a mixture-of-experts step sizes its expert matmuls on the host")
             elif not getattr(self.backend, "supports_cuda_graphs", False):
                 logger.info("CUDA graphs off: the %r attention backend reads host-side metadata", self.backend.name)
@@ -125,14 +157,35 @@ class ModelRunner:
             return int(free * 0.9)
         return _DEFAULT_CPU_KV_BYTES
 
-    @torch.inference_mode()
-    def execute(self, plan, all_hidden_for: frozenset[int] = frozenset(), loras: Optional[dict] = None
-                ) -> tuple[torch.Tensor, dict]:
+    def shutdown(self) -> None:
+        """Stops the other tensor-parallel ranks (nothing to do otherwise)."""
+        if self.workers is not None:
+            self.workers.shutdown()
+
+    def execute(self, plan, all_hidden_for: frozenset[int] = frozenset(), loras: Optional[dict] = None,
+                compute_logits: bool = True) -> tuple[torch.Tensor, dict]:
         """Runs the copies of `plan`, then the forward over its scheduled tokens, built from the
         plan's columns and the persistent batch. Returns float32 logits [num sampled sequences,
-        vocab] in the order of the sequences with `sample`, and {seq_id: final hidden states of
-        every scheduled token} for the sequences in `all_hidden_for` (`model.compute_logits` turns
-        them into logits). `loras`: {seq_id: LoRAAdapter} of the sequences that run one."""
+        vocab] in the order of the sequences with `sample` (none without `compute_logits`), and
+        {seq_id: final hidden states of every scheduled token} for the sequences in
+        `all_hidden_for` (`model.compute_logits` turns them into logits). `loras`: {seq_id:
+        LoRAAdapter} of the sequences that run one. Rank 0 of a tensor-parallel group sends the
+        step to the other ranks first; any failure then is a TensorParallelError, for good."""
+        if self.workers is None:
+            return self._execute(plan, all_hidden_for, loras, compute_logits)
+        if self.failure is not None:
+            raise self.failure
+        try:
+            self.workers.send_step(plan)
+            return self._execute(plan, all_hidden_for, loras, compute_logits)
+        except Exception as error:  # the ranks are out of step: no later step can run
+            self.failure = TensorParallelError(f"tensor-parallel step failed: {error}")
+            self.failure.__cause__ = error
+            logger.error("%s; the engine cannot go on", self.failure)
+            raise self.failure from error
+
+    @torch.inference_mode()
+    def _execute(self, plan, all_hidden_for, loras, compute_logits) -> tuple[torch.Tensor, dict]:
         self.kv_cache.swap_out(plan.blocks_to_swap_out)
         self.kv_cache.swap_in(plan.blocks_to_swap_in)
         self.kv_cache.copy_blocks(plan.blocks_to_copy, self.backend)
@@ -156,6 +209,8 @@ class ModelRunner:
         all_hidden = {
             seq_id: hidden[starts[i] : starts[i + 1]] for i, seq_id in enumerate(step.seq_ids) if seq_id in all_hidden_for
         }
+        if not compute_logits:
+            return torch.empty(0, self.vocab_size), all_hidden
         return self.model.compute_logits(hidden[step.sample_index.to(self.device)]), all_hidden
 
     def _block_tables(self, step: _StepColumns) -> torch.Tensor:

@@ -19,6 +19,7 @@ from pagedkv.layers.fused_moe import is_moe_layer, sparse_moe
 from pagedkv.layers.rms_norm import RMSNorm
 from pagedkv.layers.rotary_embedding import RotaryEmbedding, split_and_rotate, split_heads
 from pagedkv.layers.ungated_mlp import UngatedMLP
+from pagedkv.parallel.group import current_group
 
 # Query/key RMSNorm before the rotation: per head (Qwen3's) or over whole projections (OLMo's)
 HEAD_QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "exaone4", "qwen3_vl_text", "qwen3_vl_moe_text", "dots1")
@@ -61,9 +62,15 @@ class LlamaAttention(nn.Module):
     def __init__(self, hf_config, layer_index: int):
         super().__init__()
         self.layer_index = layer_index
-        self.num_heads = hf_config.num_attention_heads
-        self.num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // self.num_heads
+        # Under tensor parallelism this rank holds num_heads of the total_num_heads query heads and
+        # num_kv_heads KV heads (parallel/sharding.py); o_proj's partial outputs are summed.
+        self.tp = current_group()
+        self.total_num_heads = hf_config.num_attention_heads
+        self.total_num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or self.total_num_heads
+        self.num_heads = self.total_num_heads // self.tp.size
+        self.num_kv_heads = max(1, self.total_num_kv_heads // self.tp.size)
+        self.head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // self.total_num_heads
+        self.total_q_size = self.total_num_heads * self.head_dim
         # Granite scales attention by its own multiplier
         self.scale = getattr(hf_config, "attention_multiplier", None) or self.head_dim**-0.5
         self.sliding_window = layer_sliding_window(hf_config, layer_index)
@@ -120,7 +127,7 @@ class LlamaAttention(nn.Module):
         projected = self.o_proj(out)
         if lora is not None:
             lora.add(self.layer_index, "o_proj", out, projected)
-        return projected
+        return self.tp.all_reduce(projected)
 
     def _normalize_query_and_key_(self, qkv: torch.Tensor) -> None:
         """RMSNorm over each query and key head (Qwen3's) or over the query and key projections
@@ -139,19 +146,22 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.layer_index = layer_index
         self.act_and_mul = act_and_mul
+        self.tp = current_group()  # (each rank holds a slice of the intermediate columns)
+        self.total_intermediate_size = hf_config.intermediate_size
+        intermediate_size = hf_config.intermediate_size // self.tp.size
         bias = bool(getattr(hf_config, "mlp_bias", False) or getattr(hf_config, "use_bias", False))
-        self.gate_up_proj = nn.Linear(hf_config.hidden_size, 2 * hf_config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(hf_config.intermediate_size, hf_config.hidden_size, bias=bias)
+        self.gate_up_proj = nn.Linear(hf_config.hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hf_config.hidden_size, bias=bias)
 
     def forward(self, hidden, lora=None):
         if lora is None:
-            return self.down_proj(self.act_and_mul(self.gate_up_proj(hidden)))
+            return self.tp.all_reduce(self.down_proj(self.act_and_mul(self.gate_up_proj(hidden))))
         gate_up = self.gate_up_proj(hidden)
         lora.add(self.layer_index, "gate_up_proj", hidden, gate_up)
         activated = self.act_and_mul(gate_up)
         out = self.down_proj(activated)
         lora.add(self.layer_index, "down_proj", activated, out)
-        return out
+        return self.tp.all_reduce(out)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -280,6 +290,11 @@ class LlamaForCausalLM(nn.Module):
         own.update(fused)
         if self.tie_word_embeddings:
             own.pop("lm_head.weight", None)
+        tp = current_group()
+        if tp.size > 1:
+            from pagedkv.parallel.sharding import shard_state
+
+            own = shard_state(own, self, tp)
         missing, unexpected = self.load_state_dict(own, strict=False)
         unexpected = [name for name in unexpected if "rotary" not in name]
         if missing or unexpected:

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import dataclasses
 import hmac
+import json
 import logging
 import signal
 import threading
@@ -148,6 +149,7 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
         finally:
             loop.stop()
             state.clear()
+            state["engine_failure"] = loop.failure  # (what `serve` exits non-zero for)
             builders.clear()  # (they hold the tokenizer)
 
     app = FastAPI(title="pagedkv", version=__version__, lifespan=lifespan, responses=ERROR_RESPONSES)
@@ -593,11 +595,20 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
                 task.cancel()
 
     async def guarded(request_ids: list[str], chunks: AsyncIterator[str]):
-        """Aborts the requests (freeing their blocks) if the client goes away mid-stream."""
+        """Aborts the requests (freeing their blocks) if the client goes away mid-stream. A
+        failure after the stream began (the engine stopped) ends it with an error event and
+        [DONE], as vLLM's server does: the status line was sent already."""
         finished = False
         try:
-            async for chunk in chunks:
-                yield chunk
+            try:
+                async for chunk in chunks:
+                    yield chunk
+            except (APIError, EngineStoppedError) as error:
+                message = error.message if isinstance(error, APIError) else str(error)
+                kind = error.type if isinstance(error, APIError) else "server_overloaded"
+                logger.warning("stream ended by an error: %s", message)
+                body = {"error": {"message": message, "type": kind, "param": None, "code": None}}
+                yield f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n"
             finished = True
         finally:
             if not finished:
@@ -645,7 +656,8 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, serve
 
         async def on_tick(self, counter: int) -> bool:
             # An engine that cannot go on (a tensor-parallel rank lost) ends the server, non-zero.
-            if app.state.pagedkv["loop"].failure is not None:
+            loop = app.state.pagedkv.get("loop")
+            if loop is not None and loop.failure is not None:
                 return True
             return await super().on_tick(counter)
 
@@ -656,7 +668,7 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, serve
     # uvicorn's own bound on the drain comes after ours: by then every request has ended.
     Server(uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=shutdown_grace_seconds + 5,
                           log_level="info")).run()
-    failure = app.state.pagedkv["loop"].failure
+    failure = app.state.pagedkv.get("engine_failure")
     if failure is not None:
         logger.error("the server stopped because the engine failed: %s", failure)
         return 1

@@ -1,0 +1,254 @@
+"""Ranks 1..N-1 of a tensor-parallel engine: started here (one interpreter each, a process
+group over loopback), or joined from a torchrun launch (its RANK, WORLD_SIZE,
+MASTER_ADDR and MASTER_PORT; multi-node). Each builds its own ModelRunner over its shard and
+executes every step rank 0 broadcasts, until rank 0 says stop or goes away."""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import torch
+
+from pagedkv.errors import InvalidConfigError, TensorParallelError
+from pagedkv.parallel.group import TensorParallelGroup
+from pagedkv.parallel.step_plan import StepPlan
+
+logger = logging.getLogger("pagedkv.parallel")
+
+# How long a worker waits on the store for the next step before waiting again (an idle engine
+# sends none; a lost rank 0 ends the wait at once, with a network error).
+_IDLE_WAIT = timedelta(days=1)
+
+
+def under_torchrun() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
+
+
+class TensorParallelWorkers:
+    """Rank 0's handle on the other ranks: sends each step, stops them."""
+
+    def __init__(self, group: TensorParallelGroup, channel: StepChannel, processes: list[subprocess.Popen]):
+        self.group = group
+        self._channel = channel
+        self._processes = processes
+        self._closed = False
+        atexit.register(self.shutdown)
+
+    @classmethod
+    def start(cls, config) -> TensorParallelWorkers:
+        """Starts ranks 1..N-1 and joins them as rank 0. Under torchrun, ranks other than 0 serve
+        rank 0's steps here and then exit the process (code after the engine runs on rank 0 only)."""
+        size = config.tensor_parallel_size
+        if under_torchrun():
+            world_size, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+            if world_size != size:
+                raise InvalidConfigError(f"tensor_parallel_size={size} but torchrun started {world_size} processes")
+            if rank != 0:
+                serve_steps(config, rank, size, None)
+                sys.exit(0)
+            return cls(*join_group(config, 0, size, None), [])
+        if config.is_cuda and torch.cuda.device_count() < size:
+            raise InvalidConfigError(f"tensor_parallel_size={size} needs {size} GPUs; {torch.cuda.device_count()} "
+                                     "are visible")
+        from torch.distributed import TCPStore
+
+        timeout = timedelta(seconds=config.distributed_timeout_seconds)
+        store = TCPStore("127.0.0.1", 0, size, True, timeout, wait_for_workers=False)
+        # A fresh interpreter per rank (not multiprocessing's spawn, which re-runs the user's
+        # script: one without a __main__ guard would start engines recursively).
+        processes = [subprocess.Popen([sys.executable, "-m", "pagedkv.parallel.workers"], stdin=subprocess.PIPE)
+                     for _ in range(1, size)]
+        for rank, process in enumerate(processes, start=1):
+            process.stdin.write(pickle.dumps((config, rank, size, store.port, os.getpid())))
+            process.stdin.close()
+        logger.info("tensor parallel: started ranks 1-%d (pids %s)", size - 1, ", ".join(str(p.pid) for p in processes))
+        try:
+            _wait_for_ranks(store, processes, config.distributed_timeout_seconds)
+            group, channel = join_group(config, 0, size, store)
+        except BaseException:
+            _stop(processes, grace_seconds=0)
+            raise
+        return cls(group, channel, processes)
+
+    def send_step(self, plan) -> None:
+        """Broadcasts the step to the other ranks (they execute it as rank 0 does)."""
+        self._broadcast(("step", StepPlan.of(plan)))
+
+    def check_alive(self) -> None:
+        """Raises TensorParallelError if a rank this process started has exited."""
+        exited = [(rank, p) for rank, p in enumerate(self._processes, start=1) if p.poll() is not None]
+        if exited:
+            raise TensorParallelError(", ".join(f"rank {rank} (pid {p.pid}) exited with status {p.returncode}"
+                                                for rank, p in exited))
+
+    def _broadcast(self, message) -> None:
+        self.check_alive()
+        self._channel.send(message)
+
+    def shutdown(self) -> None:
+        """Stops the other ranks and leaves the process group (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.shutdown)
+        try:
+            self._broadcast(("stop", None))
+        except Exception as error:  # (a dead rank: the others are stopped below)
+            logger.warning("tensor parallel: could not tell every rank to stop (%s)", error)
+        _stop(self._processes)
+        _leave_group()
+
+
+def _wait_for_ranks(store, processes: list[subprocess.Popen], timeout_seconds: float) -> None:
+    """Waits until every started rank has reached the store, failing as soon as one exits."""
+    deadline = time.monotonic() + timeout_seconds
+    while store.add("ranks_ready", 0) < len(processes):
+        for rank, process in enumerate(processes, start=1):
+            if process.poll() is not None:
+                raise TensorParallelError(f"tensor-parallel rank {rank} exited with status {process.returncode} "
+                                          "while starting (its error is above)")
+        if time.monotonic() > deadline:
+            raise TensorParallelError(f"tensor-parallel ranks did not start within {timeout_seconds:g} s "
+                                      "(distributed_timeout_seconds)")
+        time.sleep(0.05)
+
+
+class StepChannel:
+    """Rank 0 to the other ranks, a message per step. A store key announces each one, so idle
+    workers wait on the store (as long as the engine idles) and not in a collective; the message
+    itself is a gloo broadcast, bounded by distributed_timeout_seconds like every collective, so
+    a hung rank fails rank 0's step instead of hanging it."""
+
+    def __init__(self, store, control):
+        import torch.distributed as dist
+
+        self._store = dist.PrefixStore("pagedkv/steps/", store)
+        self._control = control
+        self._count = 0
+
+    def send(self, message) -> None:
+        import torch.distributed as dist
+
+        self._store.set(str(self._count), b"")
+        if self._count:  # (every rank has passed it: they all took part in the last broadcast)
+            self._store.delete_key(str(self._count - 1))
+        self._count += 1
+        dist.broadcast_object_list([message], src=0, group=self._control)
+
+    def receive(self):
+        import torch.distributed as dist
+
+        while True:
+            try:
+                self._store.wait([str(self._count)], _IDLE_WAIT)
+                break
+            except dist.DistStoreError:  # (a timeout: still idle)
+                continue
+        self._count += 1
+        message = [None]
+        dist.broadcast_object_list(message, src=0, group=self._control)
+        return message[0]
+
+
+def join_group(config, rank: int, size: int, store) -> tuple[TensorParallelGroup, StepChannel]:
+    """Joins the process group (NCCL on CUDA, gloo on the CPU) and a gloo group for the steps;
+    over `store`, or torchrun's environment (its rendezvous store) when it is None."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        raise InvalidConfigError("this process already belongs to a torch.distributed group (one tensor-parallel "
+                                 "engine per process: shut the other down first with engine.shutdown())")
+    backend = "nccl" if config.is_cuda else "gloo"
+    if config.is_cuda:
+        torch.cuda.set_device(_local_device(rank))
+    timeout = timedelta(seconds=config.distributed_timeout_seconds)
+    if store is None:
+        store, _, _ = next(dist.rendezvous("env://", rank, size, timeout=timeout))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
+    control = dist.new_group(backend="gloo", timeout=timeout)
+    logger.info("tensor parallel: rank %d of %d joined (%s)", rank, size, backend)
+    group = TensorParallelGroup(rank=rank, size=size, group=dist.group.WORLD, control=control)
+    return group, StepChannel(store, control)
+
+
+def rank_config(config, rank: int):
+    """The engine config a rank runs with: its own GPU on CUDA."""
+    if config.is_cuda:
+        return dataclasses.replace(config, device=f"cuda:{_local_device(rank)}")
+    return config
+
+
+def serve_steps(config, rank: int, size: int, store) -> None:
+    """A worker rank: builds its shard of the model and KV cache, then executes each step rank 0
+    broadcasts until told to stop."""
+    from pagedkv.model_runner import ModelRunner
+
+    group, channel = join_group(config, rank, size, store)
+    runner = ModelRunner(rank_config(config, rank), group=group)
+    try:
+        while True:
+            kind, plan = channel.receive()
+            if kind == "stop":
+                break
+            runner.execute(plan, compute_logits=False)
+    finally:
+        _leave_group()
+
+
+def _worker_main() -> None:
+    """Entry of a rank started by TensorParallelWorkers.start: its arguments come on stdin."""
+    config, rank, size, port, parent_pid = pickle.loads(sys.stdin.buffer.read())
+    logging.basicConfig(level=logging.WARNING, format=f"%(levelname)s tp-rank{rank} %(name)s: %(message)s")
+    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+    from torch.distributed import TCPStore
+
+    try:
+        store = TCPStore("127.0.0.1", port, size, False, timedelta(seconds=config.distributed_timeout_seconds))
+        store.add("ranks_ready", 1)
+        serve_steps(config, rank, size, store)
+    except Exception as error:
+        logger.error("tensor parallel: rank %d stopped: %s", rank, error, exc_info=True)
+        os._exit(1)
+    os._exit(0)
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """Ends this worker when rank 0's process is gone (killed before it could say stop)."""
+    while os.getppid() == parent_pid:
+        time.sleep(0.5)
+    os._exit(1)
+
+
+def _stop(processes: list[subprocess.Popen], grace_seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + grace_seconds
+    for process in processes:
+        try:
+            process.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            logger.warning("tensor parallel: pid %d did not stop; killing it", process.pid)
+            process.kill()
+            process.wait(5)
+
+
+def _leave_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _local_device(rank: int) -> int:
+    return int(os.environ.get("LOCAL_RANK", rank))
+
+
+if __name__ == "__main__":
+    _worker_main()
