@@ -239,3 +239,68 @@ def test_torchrun_launches_the_same_engine(tiny_llama_dir, tmp_path):
     llm = LLM(tiny_llama_dir, dtype="float32", num_device_blocks=32)
     expected = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(max_tokens=8, temperature=0))
     assert lines == [f"TOKENS {list(expected[0].outputs[0].token_ids)}"]
+
+
+def test_workers_exit_when_rank_0_is_killed(tiny_llama_dir, tmp_path):
+    """SIGKILL leaves rank 0 no time to stop its workers: they notice its exit themselves."""
+    script = tmp_path / "hold.py"
+    script.write_text(
+        "import time\n"
+        "from pagedkv import LLM\n"
+        f"llm = LLM({tiny_llama_dir!r}, dtype='float32', tensor_parallel_size=2, num_device_blocks=32)\n"
+        "print('READY', flush=True)\n"
+        "time.sleep(600)\n")
+    process = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout.readline().strip() == "READY"
+        [worker] = worker_pids(process.pid)
+        process.kill()
+        process.wait(10)
+        deadline = time.monotonic() + 15
+        while os.path.exists(f"/proc/{worker}") and not _is_zombie(worker):
+            assert time.monotonic() < deadline, "the worker outlived a killed rank 0"
+            time.sleep(0.1)
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_each_rank_reads_its_slices_of_a_safetensors_file(tiny_llama_dir):
+    """The slices a rank reads from the file (without loading the rest) are its shard of the
+    tensors, and the ranks' shards together are the whole tensors."""
+    import glob
+
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    from pagedkv.parallel.group import TensorParallelGroup
+    from pagedkv.parallel.sharding import CheckpointShard
+
+    hf_config = AutoConfig.from_pretrained(tiny_llama_dir)
+    shards = [CheckpointShard(hf_config, TensorParallelGroup(rank=rank, size=2)) for rank in range(2)]
+    [path] = glob.glob(os.path.join(tiny_llama_dir, "*.safetensors"))
+    with safe_open(path, framework="pt") as checkpoint:
+        for name in checkpoint.keys():
+            whole = checkpoint.get_tensor(name)
+            parts = [shard.take(name, checkpoint.get_slice(name)) for shard in shards]
+            for shard, part in zip(shards, parts):
+                assert torch.equal(part, shard.take(name, whole)), name
+            kind = name.rsplit(".", 2)[-2]
+            if kind in ("q_proj", "gate_proj", "up_proj"):
+                assert torch.equal(torch.cat(parts, dim=0), whole), name
+            elif name.endswith(("o_proj.weight", "down_proj.weight")):
+                assert torch.equal(torch.cat(parts, dim=1), whole), name
+            elif kind in ("k_proj", "v_proj"):  # (2 KV heads over 2 ranks: one each)
+                assert torch.equal(torch.cat(parts, dim=0), whole) and parts[0].shape[0] == 16, name
+            elif name.endswith(("o_proj.bias", "down_proj.bias")):
+                assert torch.equal(parts[0], whole) and not parts[1].any(), name
+            else:
+                assert all(torch.equal(part, whole) for part in parts), name

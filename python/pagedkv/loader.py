@@ -36,6 +36,8 @@ from pagedkv.models.opt import OPTForCausalLM
 from pagedkv.models.phi import PhiForCausalLM
 from pagedkv.models.stablelm import StableLmForCausalLM
 from pagedkv.models.starcoder2 import Starcoder2ForCausalLM
+from pagedkv.parallel.group import current_group
+from pagedkv.parallel.sharding import CheckpointShard
 
 logger = logging.getLogger("pagedkv.loader")
 
@@ -153,21 +155,32 @@ def load(model: str | None, gguf_file: str | None, tokenizer: str | None, dtype,
     if multimodal:
         logger.info("%s is an image-text model: serving its language model on text prompts", hf_config.model_type)
 
+    quantization = getattr(hf_config, "quantization_config", None)
+    tp = current_group()
+    shard = CheckpointShard(hf_config, tp) if tp.size > 1 else None
+    # A tensor-parallel rank reads its own slices of plain safetensors files and no more; other
+    # checkpoints are read whole, then sliced.
+    read_sharded = shard is not None and gguf is None and quantization is None and not multimodal
     if gguf is not None:
         state = _dequantized_gguf(os.path.join(directory, gguf))
     else:
-        from safetensors.torch import load_file
+        from safetensors import safe_open
 
         files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
         if not files:
             raise FileNotFoundError(f"no *.safetensors in {directory!r}")
         state = {}
         for path in files:
-            state.update(load_file(path))
+            with safe_open(path, framework="pt") as checkpoint:
+                for name in checkpoint.keys():
+                    state[name] = (shard.take(name, checkpoint.get_slice(name)) if read_sharded
+                                   else checkpoint.get_tensor(name))
     if multimodal:
         state = language_model_weights(state)
-    state = quantized_checkpoints.dequantized(state, getattr(hf_config, "quantization_config", None))
+    state = quantized_checkpoints.dequantized(state, quantization)
     classifier = sequence_classifier(hf_config, state)
+    if shard is not None and not read_sharded:
+        state = shard.of(state)
 
     positions = max_positions or hf_config.max_position_embeddings
     with torch.device("meta"):  # no time spent on random init: every weight is loaded below

@@ -290,11 +290,6 @@ class LlamaForCausalLM(nn.Module):
         own.update(fused)
         if self.tie_word_embeddings:
             own.pop("lm_head.weight", None)
-        tp = current_group()
-        if tp.size > 1:
-            from pagedkv.parallel.sharding import shard_state
-
-            own = shard_state(own, self, tp)
         missing, unexpected = self.load_state_dict(own, strict=False)
         unexpected = [name for name in unexpected if "rotary" not in name]
         if missing or unexpected:

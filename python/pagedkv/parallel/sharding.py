@@ -1,7 +1,8 @@
 """Which models shard over a tensor-parallel group, and each rank's slice of their weights
 (Megatron style, as vLLM's ColumnParallelLinear / RowParallelLinear): q/k/v and gate/up split by
 output, o_proj and down_proj by input (an all-reduce sums the ranks' parts), KV heads split
-across ranks or, with more ranks than KV heads, each rank holding the one its query heads read.
+across ranks or, with more ranks than KV heads, each rank holding the one its query heads read
+(the query heads of rank r read KV head r * num_kv_heads // size, GQA's grouping).
 Embeddings, norms and the LM head are replicated: every rank ends a step with the full hidden
 states, and rank 0 samples from its own logits."""
 
@@ -38,36 +39,63 @@ def check_shardable(hf_config, model_class, size: int) -> None:
                                  f"{hf_config.intermediate_size}")
 
 
-def shard_state(own: dict[str, torch.Tensor], model, tp: TensorParallelGroup) -> dict[str, torch.Tensor]:
-    """This rank's slices of a Llama-family state dict in our names (q/k/v and gate/up fused)."""
-    out = dict(own)
-    for i, layer in enumerate(model.layers):
-        attention, p = layer.self_attn, f"layers.{i}."
-        for kind in ("weight", "bias"):
-            name = p + f"self_attn.qkv_proj.{kind}"
-            if name in out:
-                out[name] = _qkv_slice(out[name], attention, tp)
-        out[p + "self_attn.o_proj.weight"] = out[p + "self_attn.o_proj.weight"][:, tp.shard(attention.total_q_size)]
-        if attention.sinks is not None:
-            out[p + "self_attn.sinks"] = out[p + "self_attn.sinks"][tp.shard(attention.total_num_heads)]
-        intermediate = tp.shard(layer.mlp.total_intermediate_size)
-        for kind in ("weight", "bias"):
-            name = p + f"mlp.gate_up_proj.{kind}"
-            if name in out:
-                gate, up = out[name].chunk(2, dim=0)
-                out[name] = torch.cat([gate[intermediate], up[intermediate]], dim=0)
-        out[p + "mlp.down_proj.weight"] = out[p + "mlp.down_proj.weight"][:, intermediate]
-        for name in (p + "self_attn.o_proj.bias", p + "mlp.down_proj.bias"):
-            if name in out and tp.rank != 0:  # (added once: the all-reduce sums the ranks' outputs)
-                out[name] = torch.zeros_like(out[name])
-    return {name: tensor.contiguous() for name, tensor in out.items()}
+class CheckpointShard:
+    """This rank's slice of each checkpoint tensor, by HF name (before q/k/v and gate/up are
+    fused): the same rows or columns whether the tensor is in memory or still in a safetensors
+    file (`safe_open(...).get_slice(name)`), so a rank reads its shard and no more."""
+
+    def __init__(self, hf_config, tp: TensorParallelGroup):
+        self.tp = tp
+        num_heads = hf_config.num_attention_heads
+        num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+        q_size, kv_size, intermediate = num_heads * head_dim, num_kv_heads * head_dim, hf_config.intermediate_size
+        first_kv_head = tp.rank * num_kv_heads // tp.size
+        kv = (first_kv_head * head_dim, (first_kv_head + max(1, num_kv_heads // tp.size)) * head_dim)
+        q, mlp = _part(q_size, tp), _part(intermediate, tp)
+        # name suffix -> (dim, [(start, stop), ...] concatenated), or None: zeros on ranks other than 0
+        self.rules = {
+            "self_attn.q_proj": (0, [q]),
+            "self_attn.k_proj": (0, [kv]),
+            "self_attn.v_proj": (0, [kv]),
+            "self_attn.qkv_proj": (0, [q, _shift(kv, q_size), _shift(kv, q_size + kv_size)]),  # (Phi-3's, fused)
+            "self_attn.o_proj.weight": (1, [q]),
+            "self_attn.sinks": (0, [_part(num_heads, tp)]),
+            "mlp.gate_proj": (0, [mlp]),
+            "mlp.up_proj": (0, [mlp]),
+            "mlp.gate_up_proj": (0, [mlp, _shift(mlp, intermediate)]),  # (Phi-3's, fused)
+            "mlp.down_proj.weight": (1, [mlp]),
+            "self_attn.o_proj.bias": None,  # (added once: the all-reduce sums the ranks' outputs)
+            "mlp.down_proj.bias": None,
+        }
+
+    def rule(self, name: str):
+        """(dim, ranges) for a sharded tensor, None for a bias only rank 0 adds, False if whole."""
+        for suffix, rule in self.rules.items():
+            if f".{suffix}." in f".{name}.":
+                return rule
+        return False
+
+    def take(self, name: str, source) -> torch.Tensor:
+        """This rank's part of `source` (a tensor, or a safetensors slice of one)."""
+        rule = self.rule(name)
+        if rule is False:
+            return source if isinstance(source, torch.Tensor) else source[:]
+        if rule is None:
+            whole = source if isinstance(source, torch.Tensor) else source[:]
+            return whole if self.tp.rank == 0 else torch.zeros_like(whole)
+        dim, ranges = rule
+        parts = [source[start:stop] if dim == 0 else source[:, start:stop] for start, stop in ranges]
+        return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)).contiguous()
+
+    def of(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {name: self.take(name, tensor) for name, tensor in state.items()}
 
 
-def _qkv_slice(fused: torch.Tensor, attention, tp: TensorParallelGroup) -> torch.Tensor:
-    """This rank's query heads, then its KV heads' keys and values, of a fused q/k/v tensor."""
-    head_dim, q_size = attention.head_dim, attention.total_q_size
-    kv_size = attention.total_num_kv_heads * head_dim
-    query, key, value = fused[:q_size], fused[q_size : q_size + kv_size], fused[q_size + kv_size :]
-    first_kv_head = tp.rank * attention.total_num_kv_heads // tp.size
-    kv = slice(first_kv_head * head_dim, (first_kv_head + attention.num_kv_heads) * head_dim)
-    return torch.cat([query[tp.shard(q_size)], key[kv], value[kv]], dim=0)
+def _part(total: int, tp: TensorParallelGroup) -> tuple[int, int]:
+    size = total // tp.size
+    return tp.rank * size, (tp.rank + 1) * size
+
+
+def _shift(span: tuple[int, int], offset: int) -> tuple[int, int]:
+    return span[0] + offset, span[1] + offset
