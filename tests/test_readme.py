@@ -1,16 +1,21 @@
-"""The README's example of driving the scheduler runs as written."""
+"""The examples of driving the scheduler, in the README's quick start and in docs/scheduler.md, run as written."""
 
 import pathlib
 import re
 
+import pytest
 
-def test_readme_scheduler_example_runs(capsys):
-    readme = pathlib.Path(__file__).resolve().parents[1] / "README.md"
-    blocks = re.findall(r"```python\n(.*?)```", readme.read_text(), re.S)
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/scheduler.md"])
+def test_scheduler_example_runs(page, capsys):
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / page).read_text(), re.S)
     example = next(block for block in blocks if "Scheduler(" in block)
     namespace: dict = {}
-    exec(compile(example, "README.md", "exec"), namespace)
+    exec(compile(example, page, "exec"), namespace)
     stats = namespace["scheduler"].stats()
     assert not namespace["scheduler"].has_unfinished_requests()
     assert stats["num_free_device_blocks"] == stats["num_device_blocks"]
+    assert len(namespace["generated"]) == 2  # both requests sampled
     assert all(len(tokens) == 8 for tokens in namespace["generated"].values())
