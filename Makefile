@@ -2,7 +2,7 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
-.PHONY: setup demo test test-rust test-python bench serve
+.PHONY: setup demo test lint test-rust test-python bench serve
 
 setup:
 	$(PIP) install --quiet "maturin>=1.16,<2" pytest hypothesis
@@ -12,7 +12,14 @@ setup:
 demo: setup
 	$(PYTHON) -m pagedkv.cli generate --demo
 
-test: setup test-rust test-python
+test: setup lint test-rust test-python
+
+# rustfmt and clippy come with rustup's default profile; a toolchain without them skips them, saying so.
+lint:
+	$(PYTHON) -m ruff check python tests benches
+	@if cargo fmt --version >/dev/null 2>&1; then cargo fmt --check; else echo "lint: rustfmt missing, skipped"; fi
+	@if cargo clippy --version >/dev/null 2>&1; then cargo clippy --quiet --features python --all-targets -- -D warnings; \
+	else echo "lint: clippy missing, skipped"; fi
 
 test-rust:
 	cargo test --quiet

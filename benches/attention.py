@@ -79,8 +79,8 @@ def bench_one(batch, context, num_heads, num_kv_heads, head_dim, block_size, dty
     scale = head_dim**-0.5
 
     def paged():
-        paged_attention(query, key_cache, value_cache, block_tables, seq_index, context_lens, context, scale, out=out,
-                        partition_size=partition_size)
+        paged_attention(query, key_cache, value_cache, block_tables, seq_index, context_lens, context, scale,  # noqa: F821
+                        out=out, partition_size=partition_size)  # (the del below empties these cells after timing)
 
     # The same K/V, contiguous per sequence, for SDPA: [B, Hkv, context, D].
     def contiguous(cache):
@@ -93,7 +93,7 @@ def bench_one(batch, context, num_heads, num_kv_heads, head_dim, block_size, dty
     sdpa_query = query.view(batch, num_heads, 1, head_dim)
 
     def sdpa():
-        F.scaled_dot_product_attention(sdpa_query, keys, values, scale=scale, enable_gqa=True)
+        F.scaled_dot_product_attention(sdpa_query, keys, values, scale=scale, enable_gqa=True)  # noqa: F821
 
     paged()
     expected = F.scaled_dot_product_attention(sdpa_query, keys, values, scale=scale, enable_gqa=True)

@@ -192,8 +192,8 @@ def main(argv=None) -> None:
         f"{torch.get_num_threads()} threads"
     )
     pagedkv_rate = max(generated / seconds for name, generated, seconds, _ in rows if name.startswith("pagedkv"))
-    print(f"| system | generated tokens | seconds | tokens/s | fastest pagedkv's speed-up | notes |")
-    print(f"| --- | ---: | ---: | ---: | ---: | --- |")
+    print("| system | generated tokens | seconds | tokens/s | fastest pagedkv's speed-up | notes |")
+    print("| --- | ---: | ---: | ---: | ---: | --- |")
     for name, generated, seconds, notes in rows:
         rate = generated / seconds if seconds == seconds and seconds > 0 else 0.0
         speedup = f"{pagedkv_rate / rate:.2f}x" if rate else "n/a"
