@@ -214,3 +214,20 @@ def test_update_rejects_bad_input_and_changes_nothing():
     assert (scheduler.sequence_len(a), scheduler.sequence_len(b), scheduler.stats()) == before
     scheduler.update([a], [7], [b])
     assert scheduler.sequence_len(a) == 4 and scheduler.num_unfinished_requests == 1
+
+
+def test_scheduler_config_takes_any_field_by_keyword_and_names_unknown_ones():
+    config = SchedulerConfig(block_size=8, preemption_mode="swap", swap_latency=0.5)
+    assert (config.block_size, config.preemption_mode, config.swap_latency) == (8, "swap", 0.5)
+    assert config.max_num_seqs == SchedulerConfig().max_num_seqs == 256  # (the Rust default)
+    with pytest.raises(TypeError, match="no option 'blok_size'.*block_size"):
+        SchedulerConfig(blok_size=8)
+    with pytest.raises(pagedkv.InvalidConfigError, match="preemption_mode"):
+        SchedulerConfig(preemption_mode="sometimes")
+    with pytest.raises(pagedkv.InvalidConfigError, match="block_size"):
+        SchedulerConfig(block_size=12)
+    config.scheduling_policy = "priority"
+    assert Scheduler(config).add_request("a", [1, 2, 3], priority=5) >= 0
+    config.block_size = 12  # (attributes are set unchecked; the scheduler checks them)
+    with pytest.raises(pagedkv.InvalidConfigError, match="block_size"):
+        Scheduler(config)

@@ -39,9 +39,12 @@ def parameter_names(function: ast.FunctionDef) -> list[str]:
 
 def runtime_parameters(obj) -> list[str] | None:
     try:
-        return [name for name in inspect.signature(obj).parameters if name != "self"]
+        parameters = inspect.signature(obj).parameters
     except (TypeError, ValueError):
         return None  # no text signature to compare
+    if [p.kind for p in parameters.values()] == [inspect.Parameter.VAR_KEYWORD]:
+        return None  # **options: see test_scheduler_config_stub_is_the_rust_definition
+    return [name for name in parameters if name != "self"]
 
 
 def test_the_stub_lists_every_class_member_and_function_of_the_module_with_its_parameters():
@@ -65,3 +68,17 @@ def test_the_stub_lists_every_class_member_and_function_of_the_module_with_its_p
     for name, stub_parameters in functions.items():
         actual = runtime_parameters(getattr(_core, name))
         assert actual is None or actual == stub_parameters, f"{name}: {actual} != {stub_parameters}"
+
+
+def test_scheduler_config_stub_is_the_rust_definition():
+    """SchedulerConfig(**options) takes its fields by keyword: the stub's keywords are the
+    fields of rust/sched/config.rs, in its order, with its defaults."""
+    [stub] = [node for node in ast.parse(STUB.read_text()).body
+              if isinstance(node, ast.ClassDef) and node.name == "SchedulerConfig"]
+    [init] = [item for item in stub.body if isinstance(item, ast.FunctionDef) and item.name == "__init__"]
+    stub_defaults = {arg.arg: ast.literal_eval(default) for arg, default in zip(init.args.kwonlyargs, init.args.kw_defaults)}
+    default = _core.SchedulerConfig()
+    fields = [name for name in dir(_core.SchedulerConfig) if not name.startswith("_")]
+    assert sorted(stub_defaults) == fields
+    assert stub_defaults == {name: getattr(default, name) for name in fields}
+    assert inspect.signature(_core.SchedulerConfig).parameters.keys() == {"options"}

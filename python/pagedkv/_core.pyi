@@ -52,6 +52,7 @@ class SchedulerConfig:
     """Cost model: fixed seconds per swap transfer."""
     def __init__(
         self,
+        *,
         block_size: int = 16,
         num_device_blocks: int = 1024,
         num_cpu_blocks: int = 1024,
@@ -60,19 +61,21 @@ class SchedulerConfig:
         max_model_len: int = 2048,
         max_waiting_requests: int = 1024,
         enable_prefix_caching: bool = True,
-        enable_chunked_prefill: bool = True,
-        preemption_mode: str = "auto",
-        scheduling_policy: str = "fcfs",
-        watermark: float = 0.01,
-        recompute_cost_per_token: Optional[float] = None,
-        block_bytes: Optional[float] = None,
-        swap_bandwidth: Optional[float] = None,
-        swap_latency: Optional[float] = None,
         enable_cpu_prefix_cache: bool = False,
+        enable_chunked_prefill: bool = True,
         long_prefill_token_threshold: int = 0,
         sliding_window: int = 0,
         prefix_caching_hash_seed: int = 0,
-    ) -> None: ...
+        preemption_mode: str = "auto",
+        scheduling_policy: str = "fcfs",
+        watermark: float = 0.01,
+        recompute_cost_per_token: float = 5e-05,
+        block_bytes: float = 2097152.0,
+        swap_bandwidth: float = 20000000000.0,
+        swap_latency: float = 0.0001,
+    ) -> None:
+        """Any field by keyword, the others at their defaults (rust/sched/config.rs, the one
+        definition; tests/test_stubs.py checks these against it)."""
 
 class ScheduledSequence:
     """One sequence's work in a step: compute the KV of token_ids = tokens[start:end]."""

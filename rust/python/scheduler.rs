@@ -1,176 +1,77 @@
 //! The scheduler's classes: `SchedulerConfig`, `Scheduler` and the step it plans.
 
+use std::convert::Infallible;
+
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList};
+use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList, PyString};
 
 use super::block_manager::refcount;
 use super::errors::{call, exceptions, to_py_err};
 use crate::device::Device;
-use crate::sched::config::{SchedulerConfig as RustSchedulerConfig, SchedulingPolicy};
-use crate::sched::preemption::{CostModel, PreemptionMode};
+use crate::sched::config::{SchedulerConfig, SchedulingPolicy};
+use crate::sched::preemption::PreemptionMode;
 use crate::sched::scheduler::{
     ScheduledSequence as RustScheduledSequence, Scheduler as RustScheduler, SchedulerOutput as RustSchedulerOutput,
 };
 
-/// Scheduler settings; see `pagedkv._core.pyi` for each field.
-#[pyclass(module = "pagedkv._core", from_py_object)]
-#[derive(Clone)]
-pub struct SchedulerConfig {
-    #[pyo3(get, set)]
-    block_size: usize,
-    #[pyo3(get, set)]
-    num_device_blocks: usize,
-    #[pyo3(get, set)]
-    num_cpu_blocks: usize,
-    #[pyo3(get, set)]
-    max_num_seqs: usize,
-    #[pyo3(get, set)]
-    max_num_batched_tokens: usize,
-    #[pyo3(get, set)]
-    max_model_len: usize,
-    #[pyo3(get, set)]
-    max_waiting_requests: usize,
-    #[pyo3(get, set)]
-    enable_prefix_caching: bool,
-    #[pyo3(get, set)]
-    enable_cpu_prefix_cache: bool,
-    #[pyo3(get, set)]
-    enable_chunked_prefill: bool,
-    #[pyo3(get, set)]
-    long_prefill_token_threshold: usize,
-    #[pyo3(get, set)]
-    sliding_window: usize,
-    #[pyo3(get, set)]
-    prefix_caching_hash_seed: u64,
-    #[pyo3(get, set)]
-    preemption_mode: String,
-    #[pyo3(get, set)]
-    scheduling_policy: String,
-    #[pyo3(get, set)]
-    watermark: f64,
-    #[pyo3(get, set)]
-    recompute_cost_per_token: f64,
-    #[pyo3(get, set)]
-    block_bytes: f64,
-    #[pyo3(get, set)]
-    swap_bandwidth: f64,
-    #[pyo3(get, set)]
-    swap_latency: f64,
-}
-
+/// `SchedulerConfig(**options)`: the struct of `sched/config.rs` (its fields are the attributes),
+/// its defaults, any field given by keyword; invalid values raise InvalidConfigError.
 #[pymethods]
 impl SchedulerConfig {
     #[new]
-    #[pyo3(signature = (
-        block_size=16, num_device_blocks=1024, num_cpu_blocks=1024, max_num_seqs=256,
-        max_num_batched_tokens=2048, max_model_len=2048, max_waiting_requests=1024,
-        enable_prefix_caching=true, enable_chunked_prefill=true, preemption_mode="auto".to_string(),
-        scheduling_policy="fcfs".to_string(), watermark=0.01, recompute_cost_per_token=None, block_bytes=None,
-        swap_bandwidth=None, swap_latency=None, enable_cpu_prefix_cache=false, long_prefill_token_threshold=0,
-        sliding_window=0, prefix_caching_hash_seed=0,
-    ))]
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        block_size: usize,
-        num_device_blocks: usize,
-        num_cpu_blocks: usize,
-        max_num_seqs: usize,
-        max_num_batched_tokens: usize,
-        max_model_len: usize,
-        max_waiting_requests: usize,
-        enable_prefix_caching: bool,
-        enable_chunked_prefill: bool,
-        preemption_mode: String,
-        scheduling_policy: String,
-        watermark: f64,
-        recompute_cost_per_token: Option<f64>,
-        block_bytes: Option<f64>,
-        swap_bandwidth: Option<f64>,
-        swap_latency: Option<f64>,
-        enable_cpu_prefix_cache: bool,
-        long_prefill_token_threshold: usize,
-        sliding_window: usize,
-        prefix_caching_hash_seed: u64,
-    ) -> PyResult<Self> {
-        let cost = CostModel::default();
-        let config = SchedulerConfig {
-            block_size,
-            num_device_blocks,
-            num_cpu_blocks,
-            max_num_seqs,
-            max_num_batched_tokens,
-            max_model_len,
-            max_waiting_requests,
-            enable_prefix_caching,
-            enable_cpu_prefix_cache,
-            enable_chunked_prefill,
-            long_prefill_token_threshold,
-            sliding_window,
-            prefix_caching_hash_seed,
-            preemption_mode,
-            scheduling_policy,
-            watermark,
-            recompute_cost_per_token: recompute_cost_per_token.unwrap_or(cost.recompute_cost_per_token),
-            block_bytes: block_bytes.unwrap_or(cost.block_bytes),
-            swap_bandwidth: swap_bandwidth.unwrap_or(cost.swap_bandwidth),
-            swap_latency: swap_latency.unwrap_or(cost.swap_latency),
-        };
-        config.to_rust()?;
+    #[pyo3(signature = (**options))]
+    fn py_new(py: Python<'_>, options: Option<&Bound<'_, PyDict>>) -> PyResult<Self> {
+        let config = Bound::new(py, SchedulerConfig::default())?;
+        for (name, value) in options.into_iter().flatten() {
+            let name: String = name.extract()?;
+            if name.starts_with('_') || !config.hasattr(name.as_str())? {
+                let fields: Vec<String> = config
+                    .dir()?
+                    .iter()
+                    .filter_map(|field| field.extract::<String>().ok())
+                    .filter(|field| !field.starts_with('_'))
+                    .collect();
+                return Err(pyo3::exceptions::PyTypeError::new_err(format!(
+                    "SchedulerConfig has no option '{name}'; its options: {}",
+                    fields.join(", ")
+                )));
+            }
+            config.setattr(name.as_str(), value)?;
+        }
+        let config = config.borrow().clone();
+        config.validate().map_err(to_py_err)?;
         Ok(config)
     }
 
     fn __repr__(&self) -> String {
-        format!(
-            "SchedulerConfig(block_size={}, num_device_blocks={}, num_cpu_blocks={}, max_num_seqs={}, \
-             max_num_batched_tokens={}, max_model_len={}, max_waiting_requests={}, enable_prefix_caching={}, \
-             enable_chunked_prefill={}, preemption_mode={:?}, scheduling_policy={:?}, watermark={})",
-            self.block_size,
-            self.num_device_blocks,
-            self.num_cpu_blocks,
-            self.max_num_seqs,
-            self.max_num_batched_tokens,
-            self.max_model_len,
-            self.max_waiting_requests,
-            self.enable_prefix_caching,
-            self.enable_chunked_prefill,
-            self.preemption_mode,
-            self.scheduling_policy,
-            self.watermark
-        )
+        format!("{self:?}")
     }
 }
 
-impl SchedulerConfig {
-    fn to_rust(&self) -> PyResult<RustSchedulerConfig> {
-        let config = RustSchedulerConfig {
-            block_size: self.block_size,
-            num_device_blocks: self.num_device_blocks,
-            num_cpu_blocks: self.num_cpu_blocks,
-            max_num_seqs: self.max_num_seqs,
-            max_num_batched_tokens: self.max_num_batched_tokens,
-            max_model_len: self.max_model_len,
-            max_waiting_requests: self.max_waiting_requests,
-            enable_prefix_caching: self.enable_prefix_caching,
-            enable_cpu_prefix_cache: self.enable_cpu_prefix_cache,
-            enable_chunked_prefill: self.enable_chunked_prefill,
-            long_prefill_token_threshold: self.long_prefill_token_threshold,
-            sliding_window: self.sliding_window,
-            prefix_caching_hash_seed: self.prefix_caching_hash_seed,
-            preemption_mode: self.preemption_mode.parse::<PreemptionMode>().map_err(to_py_err)?,
-            scheduling_policy: self.scheduling_policy.parse::<SchedulingPolicy>().map_err(to_py_err)?,
-            watermark: self.watermark,
-            cost_model: CostModel {
-                recompute_cost_per_token: self.recompute_cost_per_token,
-                block_bytes: self.block_bytes,
-                swap_bandwidth: self.swap_bandwidth,
-                swap_latency: self.swap_latency,
-            },
-        };
-        config.validate().map_err(to_py_err)?;
-        Ok(config)
-    }
+/// The policies cross as their names ('swap', 'fcfs', ...): `as_str` out, `FromStr` in.
+macro_rules! crosses_as_its_name {
+    ($policy:ty) => {
+        impl<'py> IntoPyObject<'py> for $policy {
+            type Target = PyString;
+            type Output = Bound<'py, PyString>;
+            type Error = Infallible;
+            fn into_pyobject(self, py: Python<'py>) -> Result<Self::Output, Infallible> {
+                Ok(PyString::new(py, self.as_str()))
+            }
+        }
+
+        impl<'a, 'py> FromPyObject<'a, 'py> for $policy {
+            type Error = PyErr;
+            fn extract(value: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+                value.extract::<String>()?.parse().map_err(to_py_err)
+            }
+        }
+    };
 }
+
+crosses_as_its_name!(PreemptionMode);
+crosses_as_its_name!(SchedulingPolicy);
 
 /// One sequence's work in a step (see the stub for field meanings).
 #[pyclass(module = "pagedkv._core", frozen, get_all)]
@@ -440,10 +341,8 @@ impl Scheduler {
     #[new]
     #[pyo3(signature = (config=None))]
     fn new(config: Option<SchedulerConfig>) -> PyResult<Self> {
-        let config = match config {
-            Some(config) => config.to_rust()?,
-            None => RustSchedulerConfig::default(),
-        };
+        let config = config.unwrap_or_default();
+        config.validate().map_err(to_py_err)?;
         Ok(Scheduler { inner: call(|| RustScheduler::new(config))? })
     }
 

@@ -16,6 +16,16 @@ pub enum SchedulingPolicy {
     Priority,
 }
 
+impl SchedulingPolicy {
+    /// The name `FromStr` takes.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SchedulingPolicy::Fcfs => "fcfs",
+            SchedulingPolicy::Priority => "priority",
+        }
+    }
+}
+
 impl FromStr for SchedulingPolicy {
     type Err = Error;
     fn from_str(value: &str) -> Result<Self> {
@@ -30,7 +40,10 @@ impl FromStr for SchedulingPolicy {
     }
 }
 
-/// Everything the scheduler needs to know about the pools and its limits.
+/// Everything the scheduler needs to know about the pools and its limits. Declared here once:
+/// Python's `pagedkv._core.SchedulerConfig` is this struct (its fields as attributes, these
+/// defaults, keyword arguments for any of them).
+#[cfg_attr(feature = "python", pyo3::pyclass(module = "pagedkv._core", get_all, set_all, from_py_object))]
 #[derive(Debug, Clone)]
 pub struct SchedulerConfig {
     pub block_size: usize,
@@ -46,7 +59,7 @@ pub struct SchedulerConfig {
     pub max_waiting_requests: usize,
     pub enable_prefix_caching: bool,
     /// Cached blocks evicted from the device move to free CPU swap blocks and are copied back on
-    /// a prefix hit instead of recomputed (`cpu_prefix_tier.rs`). Needs prefix caching.
+    /// a prefix hit instead of recomputed (`kv/offload_tier.rs`). Needs prefix caching.
     pub enable_cpu_prefix_cache: bool,
     pub enable_chunked_prefill: bool,
     /// Most tokens one sequence's prefill takes in a step (0: no limit, only the budget), so one
@@ -63,11 +76,19 @@ pub struct SchedulerConfig {
     pub scheduling_policy: SchedulingPolicy,
     /// Fraction of device blocks admissions leave free.
     pub watermark: f64,
-    pub cost_model: CostModel,
+    /// Cost model (`preemption.rs`): seconds of compute per recomputed token.
+    pub recompute_cost_per_token: f64,
+    /// Cost model: bytes of one KV block (all layers).
+    pub block_bytes: f64,
+    /// Cost model: bytes per second of a device<->CPU copy.
+    pub swap_bandwidth: f64,
+    /// Cost model: fixed seconds per swap transfer.
+    pub swap_latency: f64,
 }
 
 impl Default for SchedulerConfig {
     fn default() -> Self {
+        let cost = CostModel::default();
         SchedulerConfig {
             block_size: 16,
             num_device_blocks: 1024,
@@ -85,12 +106,25 @@ impl Default for SchedulerConfig {
             preemption_mode: PreemptionMode::Auto,
             scheduling_policy: SchedulingPolicy::Fcfs,
             watermark: 0.01,
-            cost_model: CostModel::default(),
+            recompute_cost_per_token: cost.recompute_cost_per_token,
+            block_bytes: cost.block_bytes,
+            swap_bandwidth: cost.swap_bandwidth,
+            swap_latency: cost.swap_latency,
         }
     }
 }
 
 impl SchedulerConfig {
+    /// The swap-vs-recompute cost model of these settings.
+    pub fn cost_model(&self) -> CostModel {
+        CostModel {
+            recompute_cost_per_token: self.recompute_cost_per_token,
+            block_bytes: self.block_bytes,
+            swap_bandwidth: self.swap_bandwidth,
+            swap_latency: self.swap_latency,
+        }
+    }
+
     pub fn validate(&self) -> Result<()> {
         let positive = [
             ("block_size", self.block_size),
@@ -126,7 +160,7 @@ impl SchedulerConfig {
                 message: format!("must be in [0, 1), got {}", self.watermark),
             });
         }
-        let cost = &self.cost_model;
+        let cost = self.cost_model();
         if !(cost.recompute_cost_per_token >= 0.0
             && cost.swap_bandwidth > 0.0
             && cost.block_bytes >= 0.0

@@ -8,7 +8,7 @@
 use std::collections::HashMap;
 
 use crate::sched::config::{SchedulerConfig, SchedulingPolicy};
-use crate::sched::preemption::{CostModel, PreemptionMode};
+use crate::sched::preemption::PreemptionMode;
 use crate::sched::scheduler::Scheduler;
 use crate::sched::scheduler_tests::SimulatedCache;
 
@@ -54,7 +54,7 @@ fn random_config(rng: &mut Rng) -> SchedulerConfig {
         preemption_mode: rng.pick(&[PreemptionMode::Swap, PreemptionMode::Recompute, PreemptionMode::Auto]),
         scheduling_policy: SchedulingPolicy::Fcfs,
         watermark: rng.pick(&[0.0, 0.01, 0.2]),
-        cost_model: CostModel::default(),
+        ..SchedulerConfig::default()
     }
 }
 

@@ -16,6 +16,17 @@ pub enum PreemptionMode {
     Auto,
 }
 
+impl PreemptionMode {
+    /// The name `FromStr` takes.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PreemptionMode::Swap => "swap",
+            PreemptionMode::Recompute => "recompute",
+            PreemptionMode::Auto => "auto",
+        }
+    }
+}
+
 impl FromStr for PreemptionMode {
     type Err = Error;
     fn from_str(value: &str) -> Result<Self, Error> {

@@ -1052,7 +1052,7 @@ impl Scheduler {
         let num_blocks = self.blocks.num_unique_blocks(&seq_ids).expect("running tables");
         let num_tokens: usize = group.active_seqs().map(Sequence::len).sum();
         let cpu_has_room = num_blocks <= self.blocks.num_free_cpu_blocks();
-        let how = self.config.cost_model.choose(self.config.preemption_mode, num_tokens, num_blocks, cpu_has_room);
+        let how = self.config.cost_model().choose(self.config.preemption_mode, num_tokens, num_blocks, cpu_has_room);
         out.preempted.push(group.request_id.clone());
         match how {
             Preemption::Swap => {

@@ -2,7 +2,7 @@
 
 use crate::errors::Error;
 use crate::sched::config::{SchedulerConfig, SchedulingPolicy};
-use crate::sched::preemption::{CostModel, PreemptionMode};
+use crate::sched::preemption::PreemptionMode;
 use crate::sched::scheduler::{Scheduler, SchedulerOutput};
 
 fn config(num_device_blocks: usize, num_cpu_blocks: usize) -> SchedulerConfig {
@@ -23,7 +23,7 @@ fn config(num_device_blocks: usize, num_cpu_blocks: usize) -> SchedulerConfig {
         preemption_mode: PreemptionMode::Swap,
         scheduling_policy: SchedulingPolicy::Fcfs,
         watermark: 0.0,
-        cost_model: CostModel::default(),
+        ..SchedulerConfig::default()
     }
 }
 
