@@ -170,6 +170,11 @@ def hold_the_engine(loop, until) -> threading.Thread:
     return holder
 
 
+def queued_commands(loop) -> list[str]:
+    """The kinds of the commands waiting for the engine loop (other tests' aborts may be among them)."""
+    return [command[0] for command in list(loop._commands.queue)]
+
+
 def wait_until(condition, what: str, seconds: float = 10) -> None:
     deadline = time.monotonic() + seconds
     while not condition():
@@ -195,9 +200,10 @@ def test_a_pooling_client_that_leaves_aborts_its_requests(server, route, body, n
         client = threading.Thread(target=lambda: pytest.raises(httpx.ReadTimeout, httpx.post, server.url + route,
                                                                json=body, timeout=httpx.Timeout(30, read=0.3)))
         client.start()
-        wait_until(lambda: not loop._commands.empty(), "the requests were not queued")
+        wait_until(lambda: "add" in queued_commands(loop), "the requests were not queued")
         second_hold = hold_the_engine(loop, lambda: len(aborted_ids) >= num_requests)
-        wait_until(lambda: loop._commands.qsize() == 2, "the second hold was not queued")
+        wait_until(lambda: "call" in queued_commands(loop)[queued_commands(loop).index("add"):],
+                   "the second hold was not queued behind the requests")
         queued.set()
         for thread in (client, first_hold, second_hold):
             thread.join()
