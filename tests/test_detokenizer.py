@@ -63,3 +63,25 @@ def test_calls_without_new_tokens_decode_nothing(tokenizer):
     for _ in range(3):  # a finished sequence is decoded whole once, however often it is reported
         assert detokenize_final(Counting(), ids, state, True) == tokenizer.decode(ids)
     assert len(calls) == count + 1
+
+
+def test_the_backend_decode_is_the_tokenizers_own(tokenizer):
+    from pagedkv.detokenizer import fast_decode
+
+    assert fast_decode(tokenizer) == tokenizer.backend_tokenizer.decode  # (no space clean-up to apply)
+    for text in TEXTS:
+        ids = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+        for end in range(len(ids) + 1):
+            for skip in (True, False):
+                assert fast_decode(tokenizer)(ids[:end], skip_special_tokens=skip) == tokenizer.decode(
+                    ids[:end], skip_special_tokens=skip)
+
+
+def test_a_tokenizer_that_cleans_up_spaces_decodes_through_transformers(tokenizer):
+    from pagedkv.detokenizer import fast_decode
+
+    original, tokenizer.clean_up_tokenization_spaces = tokenizer.clean_up_tokenization_spaces, True
+    try:
+        assert fast_decode(tokenizer) == tokenizer.decode
+    finally:
+        tokenizer.clean_up_tokenization_spaces = original

@@ -27,13 +27,24 @@ class DetokenizerState:
     final: bool = False  # `text` is the whole decode of the finished sequence
 
 
+def fast_decode(tokenizer):
+    """`tokenizer.decode`, or the same decode straight from its Rust backend (HF tokenizers) when
+    transformers would add nothing to it (no clean-up of spaces): ~4x less per call, and a step
+    makes two calls per streamed sequence."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return tokenizer.decode
+    return backend.decode
+
+
 def detokenize_incrementally(tokenizer, token_ids: list[int], state: DetokenizerState, skip_special_tokens: bool) -> str:
     """Updates `state` for the tokens added since the last call and returns the text so far."""
     if state.num_seen == len(token_ids):
         return state.text
     state.num_seen = len(token_ids)
-    prefix_text = tokenizer.decode(token_ids[state.prefix_offset : state.read_offset], skip_special_tokens=skip_special_tokens)
-    new_text = tokenizer.decode(token_ids[state.prefix_offset :], skip_special_tokens=skip_special_tokens)
+    decode = fast_decode(tokenizer)
+    prefix_text = decode(token_ids[state.prefix_offset : state.read_offset], skip_special_tokens=skip_special_tokens)
+    new_text = decode(token_ids[state.prefix_offset :], skip_special_tokens=skip_special_tokens)
     if len(new_text) > len(prefix_text) and not new_text.endswith(_INCOMPLETE):
         state.text += new_text[len(prefix_text) :]
         state.prefix_offset, state.read_offset = state.read_offset, len(token_ids)
