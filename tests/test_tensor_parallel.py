@@ -96,8 +96,10 @@ def test_three_ranks_on_smollm2_generate_what_one_does():
 
 
 def test_a_rank_holds_its_shard_of_the_weights_and_of_the_kv_cache(tiny_llama_dir):
+    threads = torch.get_num_threads()
     llm = LLM(tiny_llama_dir, dtype="float32", tensor_parallel_size=2, num_device_blocks=32)
     try:
+        assert torch.get_num_threads() == max(1, os.cpu_count() // 2)  # (the ranks share the cores)
         runner = llm.engine.runner
         layer = runner.model.layers[0]
         assert layer.self_attn.qkv_proj.weight.shape == ((2 + 2 * 1) * 16, 64)  # 2 query, 1 KV head of 16 dims
@@ -106,6 +108,7 @@ def test_a_rank_holds_its_shard_of_the_weights_and_of_the_kv_cache(tiny_llama_di
         assert runner.num_device_blocks == 32
     finally:
         llm.shutdown()
+    assert torch.get_num_threads() == threads
     assert_no_worker_left()
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Optional
 
 import numpy as np
@@ -52,6 +53,11 @@ class ModelRunner:
             self.workers = TensorParallelWorkers.start(config)
             group = self.workers.group
         self.group = group or SINGLE_PROCESS
+        self._threads_before = None
+        if self.group.size > 1 and not config.is_cuda and not config.num_threads:
+            # The ranks share this machine's cores: more threads than that only fight over them.
+            self._threads_before = torch.get_num_threads()
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.group.size))
         try:
             self._build()
         except BaseException:
@@ -161,6 +167,9 @@ class ModelRunner:
         """Stops the other tensor-parallel ranks (nothing to do otherwise)."""
         if self.workers is not None:
             self.workers.shutdown()
+        if self._threads_before is not None:
+            torch.set_num_threads(self._threads_before)
+            self._threads_before = None
 
     def execute(self, plan, all_hidden_for: frozenset[int] = frozenset(), loras: Optional[dict] = None,
                 compute_logits: bool = True) -> tuple[torch.Tensor, dict]:
