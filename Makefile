@@ -2,7 +2,7 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
-.PHONY: setup demo test lint test-rust test-python bench serve
+.PHONY: setup demo test test-fast lint test-rust test-python bench serve
 
 setup:
 	$(PIP) install --quiet "maturin>=1.16,<2" pytest hypothesis
@@ -23,6 +23,16 @@ lint:
 
 test-rust:
 	cargo test --quiet
+
+# The edit loop (~1.5 min): the Rust tests and the Python tests that load no model (scheduler,
+# block manager, persistent batch, stubs, KV cache, sampler, attention and CPU kernels, detokenizer).
+FAST_TESTS := tests/test_scheduler_api.py tests/test_scheduler_liveness.py tests/test_scheduler_stateful.py \
+	tests/test_block_manager_stateful.py tests/test_persistent_batch.py tests/test_stubs.py tests/test_kv_cache.py \
+	tests/test_sampler.py tests/test_torch_ref_attention.py tests/test_cpu_attention.py tests/test_detokenizer.py \
+	tests/test_cpu_fused_layers.py
+
+test-fast: test-rust
+	$(PYTHON) -m pytest -q --durations=5 $(FAST_TESTS)
 
 test-python:
 	$(PYTHON) -m pytest -q --durations=15
