@@ -16,7 +16,7 @@ test: setup lint test-rust test-python
 
 # rustfmt and clippy come with rustup's default profile; a toolchain without them skips them, saying so.
 lint:
-	$(PYTHON) -m ruff check python tests benches
+	$(PYTHON) -m ruff check python tests benches studies
 	@if cargo fmt --version >/dev/null 2>&1; then cargo fmt --check; else echo "lint: rustfmt missing, skipped"; fi
 	@if cargo clippy --version >/dev/null 2>&1; then cargo clippy --quiet --features python --all-targets -- -D warnings; \
 	else echo "lint: clippy missing, skipped"; fi

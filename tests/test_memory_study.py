@@ -1,22 +1,22 @@
 """Memory study: the buddy allocator and the baselines' slot accounting on hand-made traces with
 known answers, the paged replay's accounting against the real scheduler, and a short end-to-end
-run of `pagedkv bench memory` into a temporary directory."""
+run of `python benches/memory.py` into a temporary directory."""
 
 import os
 from dataclasses import replace
 
 import pytest
 
-from pagedkv.memory_study import main
-from pagedkv.memory_study.buddy import BuddyAllocator, next_power_of_two
-from pagedkv.memory_study.contiguous import replay_contiguous, reservation
-from pagedkv.memory_study.paged import replay_paged
-from pagedkv.memory_study.report import BEGIN_MARKER, END_MARKER, write_doc
-from pagedkv.memory_study.settings import StudySettings
-from pagedkv.memory_study.sharing import replay_sharing
-from pagedkv.memory_study.system_prompt import make_system_prompt_trace, replay_system_prompt
-from pagedkv.memory_study.timeline import StepSample
-from pagedkv.memory_study.traces import ALPACA, Request, make_trace, mean_lengths
+from memory_study import main
+from memory_study.buddy import BuddyAllocator, next_power_of_two
+from memory_study.contiguous import replay_contiguous, reservation
+from memory_study.paged import replay_paged
+from memory_study.report import BEGIN_MARKER, END_MARKER, write_doc
+from memory_study.settings import StudySettings
+from memory_study.sharing import replay_sharing
+from memory_study.system_prompt import make_system_prompt_trace, replay_system_prompt
+from memory_study.timeline import StepSample
+from memory_study.traces import ALPACA, Request, make_trace, mean_lengths
 
 TINY = StudySettings(kv_slots=16, block_size=4, max_model_len=8, max_num_seqs=4, max_num_batched_tokens=8,
                      watermark=0.0, num_steps=12, warmup_steps=0, sharing_steps=3)

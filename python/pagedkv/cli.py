@@ -1,4 +1,5 @@
-"""`pagedkv serve | generate | bench`: the command line. Engine flags mirror EngineConfig."""
+"""`pagedkv serve | generate`: the command line; engine flags mirror EngineConfig. (Benchmarks run
+from a source checkout: `python benches/<name>.py`.)"""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ import argparse
 import dataclasses
 import logging
 import os
-import runpy
 import sys
 import time
 import typing
@@ -141,39 +141,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
                  shutdown_grace_seconds=args.shutdown_grace_seconds)
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    if args.which == "memory":
-        from pagedkv.memory_study import main as memory_main
-
-        return memory_main(args.rest) or 0
-    scripts = {
-        "throughput": "throughput.py",
-        "serving": "serving.py",
-        "scheduler": "scheduler_py.py",
-        "attention": "attention.py",
-        "swap": "swap.py",
-        "cpu-layers": "cpu_layers.py",
-        "cpu-prefill": "cpu_prefill_attention.py",
-        "cpu-prefix-cache": "cpu_prefix_cache.py",
-        "speculative": "speculative.py",
-        "kv-cache-dtype": "kv_cache_dtype.py",
-        "lora": "lora.py",
-        "moe": "moe.py",
-        "sliding-window": "sliding_window.py",
-        "window-blocks": "window_blocks.py",
-        "long-prefill": "long_prefill.py",
-        "attention-variants": "attention_variants.py",
-    }
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    path = os.path.join(root, "benches", scripts[args.which])
-    if not os.path.exists(path):
-        print(f"error: {path} not found (benchmarks run from a source checkout)", file=sys.stderr)
-        return 2
-    sys.argv = [path, *args.rest]
-    runpy.run_path(path, run_name="__main__")
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedkv", description="PagedAttention LLM serving engine")
     parser.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
@@ -221,13 +188,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(serve)
     serve.set_defaults(func=cmd_serve)
 
-    bench = commands.add_parser("bench", help="run a benchmark")
-    bench.add_argument("which", choices=["memory", "throughput", "serving", "scheduler", "attention", "swap",
-                                          "cpu-layers", "cpu-prefill", "cpu-prefix-cache", "speculative",
-                                          "kv-cache-dtype", "lora", "moe", "sliding-window", "window-blocks",
-                                          "long-prefill", "attention-variants"])
-    bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
-    bench.set_defaults(func=cmd_bench)
     return parser
 
 

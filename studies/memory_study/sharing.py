@@ -17,9 +17,9 @@ import torch
 
 from pagedkv import Scheduler
 from pagedkv.beam_search import BeamSearch
-from pagedkv.memory_study.paged import measure, next_token, scheduler_config
-from pagedkv.memory_study.settings import StudySettings
-from pagedkv.memory_study.traces import Request, arrivals_by_step
+from memory_study.paged import measure, next_token, scheduler_config
+from memory_study.settings import StudySettings
+from memory_study.traces import Request, arrivals_by_step
 
 BEAM_VOCAB_SIZE = 1000
 

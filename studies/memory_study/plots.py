@@ -7,9 +7,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 
-from pagedkv.memory_study.report import PAPER_SAVINGS, PAPER_TOKEN_STATES, slug  # noqa: E402
-from pagedkv.memory_study.study import StudyResults  # noqa: E402
-from pagedkv.memory_study.timeline import CATEGORIES, LABELS  # noqa: E402
+from memory_study.report import PAPER_SAVINGS, PAPER_TOKEN_STATES, slug  # noqa: E402
+from memory_study.study import StudyResults  # noqa: E402
+from memory_study.timeline import CATEGORIES, LABELS  # noqa: E402
 
 COLORS = {"stored": "#4c9a2a", "reserved": "#f2c14e", "internal": "#e07a5f", "external": "#8d6a9f", "free": "#d9d9d9"}
 

@@ -9,9 +9,9 @@ import random
 from dataclasses import dataclass
 
 from pagedkv import Scheduler
-from pagedkv.memory_study.paged import measure, next_token, scheduler_config
-from pagedkv.memory_study.settings import StudySettings
-from pagedkv.memory_study.traces import SHAREGPT, VOCAB_SIZE, Request, sample_lengths
+from memory_study.paged import measure, next_token, scheduler_config
+from memory_study.settings import StudySettings
+from memory_study.traces import SHAREGPT, VOCAB_SIZE, Request, sample_lengths
 
 MAX_STEPS = 100_000
 

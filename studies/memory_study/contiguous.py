@@ -10,10 +10,10 @@ budget the paged system gets; the step loop is the paged replay's, so timelines 
 from collections import deque
 from dataclasses import dataclass
 
-from pagedkv.memory_study.buddy import BuddyAllocator, next_power_of_two
-from pagedkv.memory_study.settings import StudySettings
-from pagedkv.memory_study.timeline import StepSample, Timeline
-from pagedkv.memory_study.traces import Request, arrivals_by_step
+from memory_study.buddy import BuddyAllocator, next_power_of_two
+from memory_study.settings import StudySettings
+from memory_study.timeline import StepSample, Timeline
+from memory_study.traces import Request, arrivals_by_step
 
 POLICIES = ("max", "pow2", "oracle")
 

@@ -5,8 +5,8 @@ Request traces are replayed, without a model, through the real Rust scheduler an
 a buddy allocator (`contiguous.py`, `buddy.py`), all with the same KV budget. The results go
 to a markdown report (`report.py`) and PNG plots (`plots.py`).
 
-    pagedkv bench memory            # full study: docs/memory.md and docs/memory/*.png
-    pagedkv bench memory --quick    # the short CI run
+    python benches/memory.py            # full study: docs/memory.md and docs/memory/*.png
+    python benches/memory.py --quick    # the short CI run
 """
 
 import argparse
@@ -14,11 +14,11 @@ import os
 from dataclasses import replace
 from typing import Optional
 
-from pagedkv.memory_study.settings import FULL, QUICK, StudySettings
+from memory_study.settings import FULL, QUICK, StudySettings
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="pagedkv bench memory", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python benches/memory.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a quarter of the budget and short runs (CI)")
     parser.add_argument("--out", default="docs", help="directory of memory.md; plots go to OUT/memory/ (default: docs)")
     parser.add_argument("--num-steps", type=int, help="steps of the breakdown and block-size runs")
@@ -43,8 +43,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"error: --num-steps and --sharing-steps must exceed the warm-up ({settings.warmup_steps} steps)")
         return 2
     # Imported here so that `--help` does not pay for torch and matplotlib.
-    from pagedkv.memory_study.report import render, write_doc
-    from pagedkv.memory_study.study import run_study
+    from memory_study.report import render, write_doc
+    from memory_study.study import run_study
 
     results = run_study(settings, show_progress=not args.no_progress)
     generated = render(results)
@@ -53,7 +53,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     doc_path = os.path.join(args.out, "memory.md")
     write_doc(doc_path, generated)
     if not args.no_plots:
-        from pagedkv.memory_study.plots import plot_all
+        from memory_study.plots import plot_all
 
         plot_all(results, os.path.join(args.out, "memory"))
     print(f"wrote {doc_path}" + ("" if args.no_plots else f" and plots in {os.path.join(args.out, 'memory')}/"))

@@ -4,13 +4,13 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from pagedkv.memory_study.contiguous import POLICIES, replay_contiguous
-from pagedkv.memory_study.paged import replay_paged
-from pagedkv.memory_study.settings import StudySettings
-from pagedkv.memory_study.sharing import SharingResult, replay_sharing
-from pagedkv.memory_study.system_prompt import SystemPromptResult, make_system_prompt_trace, replay_system_prompt
-from pagedkv.memory_study.timeline import Timeline
-from pagedkv.memory_study.traces import ALPACA, SHAREGPT, TraceShape, make_trace, mean_lengths
+from memory_study.contiguous import POLICIES, replay_contiguous
+from memory_study.paged import replay_paged
+from memory_study.settings import StudySettings
+from memory_study.sharing import SharingResult, replay_sharing
+from memory_study.system_prompt import SystemPromptResult, make_system_prompt_trace, replay_system_prompt
+from memory_study.timeline import Timeline
+from memory_study.traces import ALPACA, SHAREGPT, TraceShape, make_trace, mean_lengths
 
 TRACES = (SHAREGPT, ALPACA)
 SHARING_WIDTHS = (2, 4, 6)

@@ -7,9 +7,9 @@ accounting is that of the real allocator, not a model of it.
 """
 
 from pagedkv import Scheduler, SchedulerConfig, SchedulerOutput
-from pagedkv.memory_study.settings import StudySettings
-from pagedkv.memory_study.timeline import StepSample, Timeline
-from pagedkv.memory_study.traces import VOCAB_SIZE, Request, arrivals_by_step
+from memory_study.settings import StudySettings
+from memory_study.timeline import StepSample, Timeline
+from memory_study.traces import VOCAB_SIZE, Request, arrivals_by_step
 
 PAGED_SYSTEM = "vLLM (paged)"
 
