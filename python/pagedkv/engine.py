@@ -57,7 +57,7 @@ class LLMEngine:
         self.model_name = self.runner.model_name
         self.eos_token_ids = frozenset(self.runner.eos_token_ids)
         # The score head of a sequence-classification checkpoint (which then only pools), else None
-        self.classifier = getattr(self.runner.model, "classifier", None)
+        self.classifier = self.runner.classifier
         # Sampling parameters a request leaves unset take these (the model's generation config)
         self.generation_defaults = self.runner.generation_defaults
         self.sampler = Sampler()
@@ -388,7 +388,7 @@ class LLMEngine:
                     if request.pooling is not None:
                         request.record_pooled(prompt_hidden[seq_id][-1], self.classifier)
                     elif request.prompt_logprobs is not None:
-                        request.record_prompt_logprobs(start, prompt_hidden[seq_id], self.runner.model.compute_logits)
+                        request.record_prompt_logprobs(start, prompt_hidden[seq_id], self.runner.compute_logits)
             sampled = [(seq_id, prefill) for seq_id, sample, prefill in zip(step.seq_ids, step.samples, step.is_prefill)
                        if sample]
             self._process_samples(sampled, logits, prompt_hidden, touched)
@@ -575,8 +575,7 @@ class LLMEngine:
         """`hidden`: final hidden states of this step's tokens, [the last token, *drafts]. Keeps
         the drafts the model agrees with, then the model's own next token after them."""
         drafts, seq.draft_token_ids = seq.draft_token_ids, []
-        with torch.inference_mode():
-            targets = self.runner.model.compute_logits(hidden[-(len(drafts) + 1):]).argmax(dim=-1).tolist()
+        targets = self.runner.compute_logits(hidden[-(len(drafts) + 1):]).argmax(dim=-1).tolist()
         accepted = 0
         while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
             accepted += 1

@@ -163,6 +163,17 @@ class ModelRunner:
             return int(free * 0.9)
         return _DEFAULT_CPU_KV_BYTES
 
+    @property
+    def classifier(self):
+        """The score head of a sequence-classification checkpoint, else None."""
+        return getattr(self.model, "classifier", None)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits of final hidden states (what `execute` returns for sampled rows; here
+        for prompt logprobs and draft verification). Rank 0 holds the whole LM head."""
+        return self.model.compute_logits(hidden)
+
     def shutdown(self) -> None:
         """Stops the other tensor-parallel ranks (nothing to do otherwise)."""
         if self.workers is not None:
