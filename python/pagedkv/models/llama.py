@@ -62,15 +62,14 @@ class LlamaAttention(nn.Module):
     def __init__(self, hf_config, layer_index: int):
         super().__init__()
         self.layer_index = layer_index
-        # Under tensor parallelism this rank holds num_heads of the total_num_heads query heads and
+        # Under tensor parallelism this rank holds num_heads of the model's query heads and
         # num_kv_heads KV heads (parallel/sharding.py); o_proj's partial outputs are summed.
         self.tp = current_group()
-        self.total_num_heads = hf_config.num_attention_heads
-        self.total_num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or self.total_num_heads
-        self.num_heads = self.total_num_heads // self.tp.size
-        self.num_kv_heads = max(1, self.total_num_kv_heads // self.tp.size)
-        self.head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // self.total_num_heads
-        self.total_q_size = self.total_num_heads * self.head_dim
+        total_num_heads = hf_config.num_attention_heads
+        total_num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or total_num_heads
+        self.num_heads = total_num_heads // self.tp.size
+        self.num_kv_heads = max(1, total_num_kv_heads // self.tp.size)
+        self.head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // total_num_heads
         # Granite scales attention by its own multiplier
         self.scale = getattr(hf_config, "attention_multiplier", None) or self.head_dim**-0.5
         self.sliding_window = layer_sliding_window(hf_config, layer_index)
@@ -147,7 +146,6 @@ class LlamaMLP(nn.Module):
         self.layer_index = layer_index
         self.act_and_mul = act_and_mul
         self.tp = current_group()  # (each rank holds a slice of the intermediate columns)
-        self.total_intermediate_size = hf_config.intermediate_size
         intermediate_size = hf_config.intermediate_size // self.tp.size
         bias = bool(getattr(hf_config, "mlp_bias", False) or getattr(hf_config, "use_bias", False))
         self.gate_up_proj = nn.Linear(hf_config.hidden_size, 2 * intermediate_size, bias=bias)

@@ -37,10 +37,11 @@ class TensorParallelGroup:
         dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.control)
         return int(tensor.item())
 
-    def shard(self, total: int) -> slice:
-        """This rank's part of `total` items split evenly (the caller checked it divides)."""
+    def shard(self, total: int) -> tuple[int, int]:
+        """(start, stop) of this rank's part of `total` items split evenly (the caller checked
+        it divides)."""
         part = total // self.size
-        return slice(self.rank * part, (self.rank + 1) * part)
+        return self.rank * part, (self.rank + 1) * part
 
 
 SINGLE_PROCESS = TensorParallelGroup()

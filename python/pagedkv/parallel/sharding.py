@@ -52,7 +52,7 @@ class CheckpointShard:
         q_size, kv_size, intermediate = num_heads * head_dim, num_kv_heads * head_dim, hf_config.intermediate_size
         first_kv_head = tp.rank * num_kv_heads // tp.size
         kv = (first_kv_head * head_dim, (first_kv_head + max(1, num_kv_heads // tp.size)) * head_dim)
-        q, mlp = _part(q_size, tp), _part(intermediate, tp)
+        q, mlp = tp.shard(q_size), tp.shard(intermediate)
         # name suffix -> (dim, [(start, stop), ...] concatenated), or None: zeros on ranks other than 0
         self.rules = {
             "self_attn.q_proj": (0, [q]),
@@ -60,7 +60,7 @@ class CheckpointShard:
             "self_attn.v_proj": (0, [kv]),
             "self_attn.qkv_proj": (0, [q, _shift(kv, q_size), _shift(kv, q_size + kv_size)]),  # (Phi-3's, fused)
             "self_attn.o_proj.weight": (1, [q]),
-            "self_attn.sinks": (0, [_part(num_heads, tp)]),
+            "self_attn.sinks": (0, [tp.shard(num_heads)]),
             "mlp.gate_proj": (0, [mlp]),
             "mlp.up_proj": (0, [mlp]),
             "mlp.gate_up_proj": (0, [mlp, _shift(mlp, intermediate)]),  # (Phi-3's, fused)
@@ -90,11 +90,6 @@ class CheckpointShard:
 
     def of(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {name: self.take(name, tensor) for name, tensor in state.items()}
-
-
-def _part(total: int, tp: TensorParallelGroup) -> tuple[int, int]:
-    size = total // tp.size
-    return tp.rank * size, (tp.rank + 1) * size
 
 
 def _shift(span: tuple[int, int], offset: int) -> tuple[int, int]:
