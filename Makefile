@@ -24,12 +24,11 @@ lint:
 test-rust:
 	cargo test --quiet
 
-# The edit loop (~1.5 min): the Rust tests and the Python tests that load no model (scheduler,
-# block manager, persistent batch, stubs, KV cache, sampler, attention and CPU kernels, detokenizer).
-FAST_TESTS := tests/test_scheduler_api.py tests/test_scheduler_liveness.py tests/test_scheduler_stateful.py \
-	tests/test_block_manager_stateful.py tests/test_persistent_batch.py tests/test_stubs.py tests/test_kv_cache.py \
-	tests/test_sampler.py tests/test_torch_ref_attention.py tests/test_cpu_attention.py tests/test_detokenizer.py \
-	tests/test_cpu_fused_layers.py
+# The edit loop (~1 min): the Rust tests and the Python tests that load no model: tests/unit
+# (scheduler, block manager, persistent batch, stubs, KV cache, sampler, detokenizer) and the CPU
+# attention and layer kernels.
+FAST_TESTS := tests/unit tests/kernels/test_torch_ref_attention.py tests/kernels/test_cpu_attention.py \
+	tests/kernels/test_cpu_fused_layers.py
 
 test-fast: test-rust
 	$(PYTHON) -m pytest -q --durations=5 $(FAST_TESTS)

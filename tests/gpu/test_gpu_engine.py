@@ -108,7 +108,7 @@ def test_copy_on_write_of_a_block_swapped_in_the_same_step(backend):
 def test_float8_cache_on_the_gpu(backend):
     """bfloat16 model, e4m3 cache, a pool small enough to swap: every request completes and
     every block comes back. (Token equality is no test for a float8 cache: see
-    tests/test_kv_cache_dtype.py; the kernels' values are checked in tests/test_kernels.py.)"""
+    tests/engine/test_kv_cache_dtype.py; the kernels' values are checked in tests/kernels/test_kernels.py.)"""
     from pagedkv import LLM, SamplingParams
 
     llm = LLM(model_path(), device="cuda", dtype="bfloat16", kv_cache_dtype="fp8", num_device_blocks=24,
@@ -123,7 +123,7 @@ def test_float8_cache_on_the_gpu(backend):
 
 def test_lora_adapters_on_the_gpu_equal_the_cpu_engine(tmp_path):
     """Mixed adapters in one batch on the GPU give the CPU engine's greedy tokens (float32)."""
-    from test_lora import write_adapter, SHAPES
+    from support.lora_adapters import write_adapter, SHAPES
 
     from pagedkv import LLM, LoRARequest, SamplingParams
 
@@ -145,8 +145,8 @@ def test_other_architectures_on_the_gpu_equal_the_cpu_engine(tmp_path, architect
     and full layers, through the CUDA kernels' window) and Qwen3-MoE (experts, eager: no decode
     graphs) and GPT-OSS (attention sinks through the CUDA kernel, biased experts) give the CPU
     engine's greedy tokens."""
-    from conftest import save_tiny_checkpoint
-    from test_model import tiny_gemma2, tiny_gemma3, tiny_gpt_oss, tiny_moe_models, tiny_olmo
+    from support.checkpoints import save_tiny_checkpoint
+    from support.tiny_models import tiny_gemma2, tiny_gemma3, tiny_gpt_oss, tiny_moe_models, tiny_olmo
 
     from pagedkv import LLM, SamplingParams
 

@@ -64,7 +64,7 @@ def test_request_fields_override_the_defaults_and_unset_ones_take_them():
 
 
 def test_server_requests_without_max_tokens_take_the_models(model_with_generation_config):
-    from test_server import LiveServer
+    from support.live_server import LiveServer
 
     server = LiveServer(model=model_with_generation_config, num_device_blocks=64)
     try:

@@ -11,33 +11,9 @@ import torch
 from safetensors.torch import save_file
 
 from pagedkv import LLM, InvalidConfigError, LoRARequest, SamplingParams
+from support.lora_adapters import HIDDEN, SHAPES, write_adapter
 
 MAX_NEW_TOKENS = 20
-NUM_LAYERS, HIDDEN, INTERMEDIATE, Q_SIZE, KV_SIZE = 30, 576, 1536, 576, 192
-SHAPES = {  # PEFT module -> (in_features, out_features) in SmolLM2
-    "q_proj": (HIDDEN, Q_SIZE), "k_proj": (HIDDEN, KV_SIZE), "v_proj": (HIDDEN, KV_SIZE), "o_proj": (Q_SIZE, HIDDEN),
-    "gate_proj": (HIDDEN, INTERMEDIATE), "up_proj": (HIDDEN, INTERMEDIATE), "down_proj": (INTERMEDIATE, HIDDEN),
-}
-
-
-def write_adapter(directory, modules, rank, alpha, seed, use_rslora=False, extra_config=None, extra_weights=None):
-    """A PEFT LoRA directory with random A and B (PEFT's file names, keys and config fields)."""
-    generator = torch.Generator().manual_seed(seed)
-    weights = {}
-    for layer in range(NUM_LAYERS):
-        for module in modules:
-            in_features, out_features = SHAPES[module]
-            block = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-            prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
-            weights[f"{prefix}.lora_A.weight"] = torch.randn((rank, in_features), generator=generator) * 0.05
-            weights[f"{prefix}.lora_B.weight"] = torch.randn((out_features, rank), generator=generator) * 0.05
-    weights.update(extra_weights or {})
-    directory.mkdir(parents=True, exist_ok=True)
-    save_file(weights, str(directory / "adapter_model.safetensors"))
-    config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(modules), "bias": "none",
-              "use_rslora": use_rslora, "lora_dropout": 0.0, "task_type": "CAUSAL_LM", **(extra_config or {})}
-    (directory / "adapter_config.json").write_text(json.dumps(config))
-    return str(directory)
 
 
 def merged(hf_model, adapter_dir):
@@ -168,7 +144,7 @@ def test_bad_adapters_are_clear_errors_and_queue_nothing(tmp_path, adapters):
 def test_the_server_serves_each_adapter_as_a_model(adapters, references, prompts):
     import httpx
 
-    from test_server import LiveServer
+    from support.live_server import LiveServer
 
     live = LiveServer(enable_lora=True, num_device_blocks=128, max_model_len=256,
                       lora_modules={"every": adapters["every"].lora_path})
@@ -205,7 +181,7 @@ def test_max_cpu_loras_drops_the_least_recently_used_adapter(adapters, prompts, 
 def test_the_server_loads_and_unloads_adapters_at_runtime(adapters, references, prompts, tmp_path):
     import httpx
 
-    from test_server import LiveServer
+    from support.live_server import LiveServer
 
     live = LiveServer(enable_lora=True, num_device_blocks=128, max_model_len=256, allow_runtime_lora_updating=True)
     try:
@@ -253,7 +229,7 @@ def test_stats_count_unfinished_requests_by_adapter(adapters):
 def test_adapters_of_fused_projections_on_phi3(tmp_path):
     """Phi-3 holds q/k/v and gate/up fused, and so do its PEFT adapters (qkv_proj, gate_up_proj):
     greedy tokens equal HF with the adapter merged."""
-    from test_model import tiny_phi3
+    from support.tiny_models import tiny_phi3
     from transformers import AutoModelForCausalLM
 
     directory = tiny_phi3(tmp_path / "model")

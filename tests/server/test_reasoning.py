@@ -130,7 +130,7 @@ def test_streamed_harmony_reasoning_preamble_then_a_tool_call():
 
 
 def test_the_server_splits_replies_whole_and_streamed():
-    from test_server import LiveServer
+    from support.live_server import LiveServer
 
     live = LiveServer(reasoning_parser="qwen3", num_device_blocks=64, max_model_len=256)
     try:
@@ -156,7 +156,7 @@ def test_the_server_splits_replies_whole_and_streamed():
 
 def test_the_server_splits_harmony_replies():
     """--reasoning-parser openai_gptoss on the server, the harmony form forced by a grammar."""
-    from test_server import LiveServer
+    from support.live_server import LiveServer
 
     live = LiveServer(reasoning_parser="openai_gptoss", num_device_blocks=64, max_model_len=256)
     try:
@@ -171,7 +171,7 @@ def test_the_server_splits_harmony_replies():
 
 
 def test_chat_template_kwargs_reach_the_template():
-    from test_server import LiveServer
+    from support.live_server import LiveServer
 
     template = "{% if shout %}LOUD {% endif %}{{ messages[0]['content'] }}"
     live = LiveServer(chat_template=template, num_device_blocks=32, max_model_len=128)

@@ -5,30 +5,11 @@ models on tiny random checkpoints, through chunked prefill and the prefix cache.
 import httpx
 import pytest
 import torch
-from conftest import save_tiny_checkpoint
-from test_server import LiveServer
+from support.live_server import LiveServer
 
 from pagedkv import LLM, PoolingParams, SamplingParams
 from pagedkv.server.openapi import ClassificationList
-
-
-def tiny_classifier(directory, model_type: str = "llama", num_labels: int = 3, **config_options) -> tuple:
-    """A random 2-layer classifier saved with its tokenizer: (HF model, directory)."""
-    from transformers import AutoConfig, AutoModelForSequenceClassification
-
-    config = AutoConfig.for_model(model_type, vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                  num_labels=num_labels, pad_token_id=0, bos_token_id=1, eos_token_id=2, **config_options)
-    torch.manual_seed(0)
-    model = AutoModelForSequenceClassification.from_config(config).eval()
-    with torch.no_grad():
-        model.score.weight.normal_(std=0.5)  # (random init leaves the scores near 0)
-    return model, save_tiny_checkpoint(directory, model)
-
-
-def hf_scores(model, prompt: list[int]) -> torch.Tensor:
-    with torch.inference_mode():
-        return model(torch.tensor([prompt])).logits[0].float()
+from support.tiny_models import tiny_classifier, hf_scores
 
 
 def prompts(lengths, seed: int = 5) -> list[list[int]]:

@@ -5,8 +5,8 @@ random checkpoints."""
 import httpx
 import pytest
 import torch
-from test_classification import hf_scores, tiny_classifier
-from test_server import LiveServer
+from support.tiny_models import hf_scores, tiny_classifier
+from support.live_server import LiveServer
 
 from pagedkv import LLM
 
@@ -23,7 +23,7 @@ def hf_unit_embedding(model, token_ids: list[int]) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def embedding_model(tmp_path_factory):
     """A tiny Llama scored through its embeddings: (HF model, directory)."""
-    from conftest import save_tiny_checkpoint
+    from support.checkpoints import save_tiny_checkpoint
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(3)

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from test_server import LiveServer
+from support.live_server import LiveServer
 
 BODY_LIMIT = 8 << 20
 

@@ -7,41 +7,12 @@ import os
 
 import pytest
 import torch
-from conftest import save_tiny_checkpoint
+from support.checkpoints import save_tiny_checkpoint
 
-from pagedkv.attention import AttentionMetadata, TorchRefBackend
-from pagedkv.kv_cache import KVCache
 from pagedkv.loader import default_model_path, load
 from pagedkv.models.blocks import ParallelBlock
-
-
-def prefill_all_positions(model, token_ids: list[int], block_table: list[int], block_size: int, num_blocks: int):
-    """Runs one whole-prompt prefill through the paged cache and returns logits at every position."""
-    attention = model.layers[0].self_attn
-    cache = KVCache(
-        len(model.layers), attention.num_kv_heads, attention.head_dim, block_size, num_blocks, 0, torch.float32, "cpu"
-    )
-    num_tokens = len(token_ids)
-    slots = [block_table[p // block_size] * block_size + p % block_size for p in range(num_tokens)]
-    metadata = AttentionMetadata(
-        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32),
-        context_lens=torch.tensor([num_tokens], dtype=torch.int32),
-        block_tables=torch.tensor([block_table], dtype=torch.int32),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        max_query_len=num_tokens,
-        max_context_len=num_tokens,
-        num_decode_tokens=0,
-        query_start_loc_host=[0, num_tokens],
-        context_lens_host=[num_tokens],
-    )
-    with torch.inference_mode():
-        hidden = model(torch.tensor(token_ids), torch.arange(num_tokens), metadata, cache, TorchRefBackend())
-        return model.compute_logits(hidden)
-
-
-def hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
-    with torch.inference_mode():
-        return hf_model(torch.tensor([token_ids])).logits[0].float()
+from support.hf_parity import prefill_all_positions, hf_logits, assert_prefill_matches_hf, assert_greedy_generation_matches_hf
+from support.tiny_models import randomize_biases, randomize_norms, tiny_moe_models, tiny_gemma3, tiny_phi3, tiny_gemma2, tiny_starcoder2, tiny_phi2, tiny_absolute_position_models, tiny_llama_variants, tiny_image_text_models, tiny_qwen_vl, randomize_routers_and_experts, add_multi_token_prediction_layer, tiny_deepseek, tiny_olmo, tiny_gpt_oss, tiny_windowed_models
 
 
 def test_default_model_path_points_at_the_embedded_gguf(smollm2):
@@ -75,58 +46,6 @@ def test_tiny_qwen2_from_safetensors_matches_hf(tiny_qwen2_dir):
     assert torch.equal(ours.argmax(-1), reference.argmax(-1))
 
 
-def assert_prefill_matches_hf(directory: str, model_type: str, tolerance: float = 1e-4, hf_class=None, **hf_options):
-    """Our loader's model and HF's (`hf_class`, AutoModelForCausalLM by default) on one 37-token
-    prompt over a non-contiguous block table."""
-    from transformers import AutoModelForCausalLM
-
-    loaded = load(directory, None, None, torch.float32, torch.device("cpu"), None)
-    assert loaded.hf_config.model_type == model_type
-    hf_model = (hf_class or AutoModelForCausalLM).from_pretrained(directory, dtype=torch.float32, **hf_options).eval()
-    generator = torch.Generator().manual_seed(1)
-    tokens = torch.randint(3, 256, (37,), generator=generator).tolist()
-    ours = prefill_all_positions(loaded.model, tokens, [3, 0, 6], block_size=16, num_blocks=8)
-    reference = hf_logits(hf_model, tokens)
-    assert (ours - reference).abs().max().item() < tolerance
-    assert torch.equal(ours.argmax(-1), reference.argmax(-1))
-    return loaded
-
-
-def assert_greedy_generation_matches_hf(hf_model, directory: str, lengths, max_tokens: int, seed: int, **options):
-    """Random prompts of these lengths, greedy through our engine (batched, prefill chunks of 32
-    tokens) and through HF `generate`: the same tokens. Returns the LLM."""
-    from pagedkv import LLM, SamplingParams
-
-    generator = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(3, 256, (length,), generator=generator).tolist() for length in lengths]
-    with torch.inference_mode():
-        expected = [hf_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_tokens,
-                                      min_new_tokens=max_tokens, pad_token_id=0)[0, len(prompt):].tolist()
-                    for prompt in prompts]
-    llm = LLM(directory, **{"dtype": "float32", "max_num_batched_tokens": 32, "num_device_blocks": 64, **options})
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    assert [output.outputs[0].token_ids for output in outputs] == expected
-    return llm
-
-
-def randomize_biases(model, low: float = -0.5, high: float = 0.5) -> None:
-    """Biases drawn from [low, high) (random init leaves them at 0), so each shows in the logits."""
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith("bias"):
-                parameter.uniform_(low, high)
-
-
-def randomize_norms(model, low: float, high: float) -> None:
-    """Norm weights drawn from [low, high) (random init leaves them constant), so each norm's
-    form and placement shows in the logits."""
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith("norm.weight"):
-                parameter.uniform_(low, high)
-
-
 def test_a_bfloat16_load_holds_the_float32_weights_rounded_once(tiny_qwen2_dir):
     """The loader allocates parameters in the engine's dtype and copies the checkpoint into them:
     the same numbers as a float32 model cast afterwards, with no float32 copy on the host."""
@@ -156,34 +75,6 @@ def test_tiny_qwen3_with_query_and_key_norms_matches_hf(tmp_path):
     assert loaded.model.layers[0].self_attn.q_norm is not None
 
 
-TINY_MOE = dict(vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                max_position_embeddings=512, eos_token_id=2, bos_token_id=1, num_experts_per_tok=2)
-
-
-def tiny_moe_models(qwen3_head_dim: int = 16):
-    """(model_type, HF model): Mixtral (always renormalized), Qwen3-MoE (q/k norms, one dense
-    layer, renormalized), Qwen2-MoE (shared expert, qkv bias, not renormalized) and Granite MoE
-    (Granite's multipliers, softmax over the top-k logits) and OLMoE (q/k norms over whole
-    projections, clipped q/k/v, not renormalized)."""
-    from transformers import (GraniteMoeConfig, GraniteMoeForCausalLM, MixtralConfig, MixtralForCausalLM,
-                              OlmoeConfig, OlmoeForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig,
-                              Qwen3MoeForCausalLM)
-
-    torch.manual_seed(0)
-    yield "mixtral", MixtralForCausalLM(MixtralConfig(**TINY_MOE, intermediate_size=48, num_local_experts=8))
-    yield "qwen3_moe", Qwen3MoeForCausalLM(Qwen3MoeConfig(
-        **TINY_MOE, head_dim=qwen3_head_dim, intermediate_size=96, moe_intermediate_size=32, num_experts=6, mlp_only_layers=[1],
-        norm_topk_prob=True))
-    yield "qwen2_moe", Qwen2MoeForCausalLM(Qwen2MoeConfig(
-        **TINY_MOE, intermediate_size=96, moe_intermediate_size=32, num_experts=6, shared_expert_intermediate_size=40,
-        norm_topk_prob=False))
-    yield "granitemoe", GraniteMoeForCausalLM(GraniteMoeConfig(
-        **TINY_MOE, intermediate_size=32, num_local_experts=6, embedding_multiplier=12.0, residual_multiplier=0.22,
-        attention_multiplier=0.0078125, logits_scaling=8.0))
-    yield "olmoe", OlmoeForCausalLM(OlmoeConfig(
-        **TINY_MOE, intermediate_size=32, num_experts=6, norm_topk_prob=False, clip_qkv=0.5))
-
-
 @pytest.mark.parametrize("index", range(5), ids=["mixtral", "qwen3_moe", "qwen2_moe", "granitemoe", "olmoe"])
 def test_tiny_mixture_of_experts_checkpoints_match_hf(tmp_path, index):
     model_type, hf_model = list(tiny_moe_models())[index]
@@ -200,28 +91,6 @@ def test_tiny_mixture_of_experts_checkpoints_match_hf(tmp_path, index):
     again.load_hf_state_dict(hf_model.state_dict())
     for (name, ours), theirs in zip(loaded.model.state_dict().items(), again.state_dict().values()):
         assert torch.equal(ours, theirs), name
-
-
-def tiny_gemma3(**overrides):
-    """A random Gemma 3 text model: sliding (window 16, rope base 1e4) and full layers (rope base
-    1e6, linear scaling), query_pre_attn_scalar apart from head_dim, soft-capped logits."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    config = Gemma3TextConfig(
-        vocab_size=256, hidden_size=128, intermediate_size=192, num_hidden_layers=3, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=64, max_position_embeddings=512, eos_token_id=2, bos_token_id=1,
-        pad_token_id=0, sliding_window=16, query_pre_attn_scalar=48, final_logit_softcapping=30.0,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                         "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 2.0}},
-        **overrides,
-    )
-    torch.manual_seed(0)
-    model = Gemma3ForCausalLM(config)
-    randomize_norms(model, -0.5, 0.5)  # offsets away from 0, so (1 + w) matters
-    with torch.no_grad():
-        model.model.embed_tokens.weight.normal_(std=0.3)
-    return model.eval()
 
 
 def test_tiny_smollm3_with_rotary_free_layers_matches_hf(tmp_path):
@@ -244,22 +113,6 @@ def test_tiny_granite_with_its_multipliers_matches_hf(tmp_path):
                            logits_scaling=8.0, eos_token_id=2, bos_token_id=1, pad_token_id=0)
     torch.manual_seed(0)
     assert_prefill_matches_hf(save_tiny_checkpoint(tmp_path, GraniteForCausalLM(config).eval()), "granite")
-
-
-def tiny_phi3(tmp_path):
-    """A random Phi-3 (fused qkv and gate/up weights) with Phi-4-mini's partial rotary factor and
-    LongRoPE factors over a pretraining length of 64."""
-    from transformers import Phi3Config, Phi3ForCausalLM
-
-    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
-            "original_max_position_embeddings": 64, "short_factor": [1.0, 1.3, 2.1, 4.0],
-            "long_factor": [1.0, 2.5, 6.0, 16.0]}
-    config = Phi3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                        original_max_position_embeddings=64, rope_parameters=rope, eos_token_id=2, bos_token_id=1,
-                        pad_token_id=0)
-    torch.manual_seed(0)
-    return save_tiny_checkpoint(tmp_path, Phi3ForCausalLM(config).eval())
 
 
 def test_tiny_phi3_with_partial_rotary_and_longrope_matches_hf(tmp_path):
@@ -285,27 +138,6 @@ def test_tiny_gemma3_matches_hf_past_its_window(tmp_path):
     assert [layer.self_attn.sliding_window for layer in loaded.model.layers] == [16, None, 16]
 
     assert_greedy_generation_matches_hf(hf_model, directory, (40, 7, 70), 20, seed=6)
-
-
-def tiny_gemma2():
-    """A random Gemma 2: sliding (window 16) and full layers sharing one rope, attention logits
-    soft-capped at 2 (so the cap bends them: Gemma 2's own 50 barely touches random ones)."""
-    from transformers import Gemma2Config, Gemma2ForCausalLM
-
-    config = Gemma2Config(
-        vocab_size=256, hidden_size=128, intermediate_size=192, num_hidden_layers=3, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=64, max_position_embeddings=512, eos_token_id=2, bos_token_id=1,
-        pad_token_id=0, sliding_window=16, query_pre_attn_scalar=48, attn_logit_softcapping=2.0,
-        final_logit_softcapping=30.0, attn_implementation="eager",  # (SDPA would drop the soft cap)
-    )
-    torch.manual_seed(0)
-    model = Gemma2ForCausalLM(config)
-    randomize_norms(model, -0.5, 0.5)
-    with torch.no_grad():
-        model.model.embed_tokens.weight.normal_(std=0.3)
-        for layer in model.model.layers:  # larger queries: logits of several units, where the cap bends them
-            layer.self_attn.q_proj.weight.mul_(8)
-    return model.eval()
 
 
 def test_tiny_gemma2_with_soft_capped_attention_matches_hf(tmp_path):
@@ -347,25 +179,6 @@ def test_tiny_gemma1_matches_hf(tmp_path):
     loaded = assert_prefill_matches_hf(save_tiny_checkpoint(tmp_path, model.eval()), "gemma")
     assert not any(layer.sandwich_norms or layer.self_attn.sliding_window for layer in loaded.model.layers)
     assert loaded.model.layers[0].mlp.act_and_mul is gelu_tanh_and_mul
-
-
-def tiny_starcoder2(directory):
-    """A random StarCoder2 (hidden 128, MLP 192, 2 query heads and 1 KV head of 64, every layer
-    windowed over 16 positions) with random norms and biases, saved in `directory`. Returns the
-    HF model."""
-    from transformers import Starcoder2Config, Starcoder2ForCausalLM
-
-    config = Starcoder2Config(vocab_size=256, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
-                              num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
-                              sliding_window=16, eos_token_id=2, bos_token_id=1, pad_token_id=0)
-    torch.manual_seed(0)
-    model = Starcoder2ForCausalLM(config)
-    randomize_norms(model, 0.5, 1.5)
-    randomize_biases(model)
-    with torch.no_grad():
-        model.model.embed_tokens.weight.normal_(std=0.5)  # (tied: decisive logits too)
-    save_tiny_checkpoint(directory, model.eval())
-    return model
 
 
 def test_tiny_starcoder2_matches_hf_and_releases_blocks_behind_its_window(tmp_path):
@@ -429,24 +242,6 @@ def test_tiny_cohere_matches_hf(tmp_path, use_qk_norm):
     loaded = assert_prefill_matches_hf(directory, "cohere")
     assert (loaded.model.layers[0].self_attn.q_norm is not None) == use_qk_norm
     assert_greedy_generation_matches_hf(model, directory, (40, 9), 16, seed=7)
-
-
-def tiny_phi2(directory):
-    """A random Phi-2 (hidden 160, 2 heads of 80, rotary on 32 dims of each) with random norms and
-    biases, saved in `directory`. Returns the HF model."""
-    from transformers import PhiConfig, PhiForCausalLM
-
-    config = PhiConfig(vocab_size=256, hidden_size=160, intermediate_size=192, num_hidden_layers=2,
-                       num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512,
-                       eos_token_id=2, bos_token_id=1, pad_token_id=0)
-    torch.manual_seed(0)
-    model = PhiForCausalLM(config)
-    randomize_norms(model, 0.5, 1.5)
-    randomize_biases(model)
-    with torch.no_grad():
-        model.lm_head.weight.normal_(std=0.5)
-    save_tiny_checkpoint(directory, model.eval())
-    return model
 
 
 def test_tiny_phi2_matches_hf(tmp_path):
@@ -515,22 +310,6 @@ def test_falcon_with_alibi_is_refused(tmp_path):
         load(directory, None, None, torch.float32, torch.device("cpu"), None)
 
 
-def tiny_absolute_position_models():
-    """(model_type, HF model) of the learned-position families: GPT-2, OPT, and GPTBigCode with
-    multi-query attention (StarCoder's) and without."""
-    from transformers import GPT2Config, GPT2LMHeadModel, GPTBigCodeConfig, GPTBigCodeForCausalLM, OPTConfig, OPTForCausalLM
-
-    common = dict(vocab_size=256, eos_token_id=2, bos_token_id=1, pad_token_id=0)
-    torch.manual_seed(0)
-    yield "gpt2", GPT2LMHeadModel(GPT2Config(n_embd=128, n_layer=2, n_head=2, n_positions=512, **common))
-    yield "opt", OPTForCausalLM(OPTConfig(hidden_size=128, ffn_dim=192, num_hidden_layers=2, num_attention_heads=2,
-                                          word_embed_proj_dim=128, max_position_embeddings=512, **common))
-    for multi_query in (True, False):
-        torch.manual_seed(0)
-        yield "gpt_bigcode", GPTBigCodeForCausalLM(GPTBigCodeConfig(n_embd=128, n_layer=2, n_head=2, n_positions=512,
-                                                                    multi_query=multi_query, **common))
-
-
 @pytest.mark.parametrize("index", range(4), ids=["gpt2", "opt", "starcoder-mqa", "gpt_bigcode-mha"])
 def test_learned_position_models_match_hf(tmp_path, index):
     """GPT-2 (Conv1D weights, fused c_attn), OPT (positions offset by 2, ReLU MLP) and GPTBigCode
@@ -547,30 +326,6 @@ def test_learned_position_models_match_hf(tmp_path, index):
     if model_type == "gpt_bigcode":
         assert loaded.model.layers[0].self_attn.num_kv_heads == (1 if model.config.multi_query else 2)
     assert_greedy_generation_matches_hf(model, directory, (40, 9), 16, seed=7)
-
-
-def tiny_llama_variants():
-    """(model_type, HF model) of Llama's layout with other rope layouts and biases: Ministral
-    (every layer windowed), Helium (pairs rotated, biased q/k/v, unbiased o_proj, biased MLP),
-    Seed-OSS (its own attention_out_bias), ERNIE 4.5 (pairs rotated, biases everywhere), GLM
-    (pairs rotated over half of each head, gate/up fused) and Arcee (an ungated squared-ReLU MLP)."""
-    import transformers
-
-    common = dict(vocab_size=256, hidden_size=128, intermediate_size=192, num_hidden_layers=2, num_attention_heads=2,
-                  num_key_value_heads=1, max_position_embeddings=512, eos_token_id=2, bos_token_id=1, pad_token_id=0)
-    variants = {
-        "ministral": ("MinistralConfig", "MinistralForCausalLM", dict(sliding_window=16, layer_types=["sliding_attention"] * 2)),
-        "helium": ("HeliumConfig", "HeliumForCausalLM", dict(attention_bias=True, mlp_bias=True)),
-        "seed_oss": ("SeedOssConfig", "SeedOssForCausalLM", dict(attention_bias=True, attention_out_bias=False,
-                                                                  mlp_bias=True)),
-        "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", dict(use_bias=True)),
-        "glm": ("GlmConfig", "GlmForCausalLM", dict(attention_bias=True)),
-        "arcee": ("ArceeConfig", "ArceeForCausalLM", dict(mlp_bias=True)),
-    }
-    for model_type, (config_class, model_class, extra) in variants.items():
-        torch.manual_seed(0)
-        config = getattr(transformers, config_class)(**common, head_dim=64, **extra)
-        yield model_type, getattr(transformers, model_class)(config)
 
 
 @pytest.mark.parametrize("index", range(6), ids=["ministral", "helium", "seed_oss", "ernie4_5", "glm", "arcee"])
@@ -692,34 +447,6 @@ def test_tiny_exaone4_matches_hf(tmp_path):
     assert_greedy_generation_matches_hf(model, directory, (40, 9), 16, seed=7)
 
 
-def tiny_image_text_models():
-    """(model_type, text model_type, HF model) of image-text checkpoints: Gemma 3 (4B and up) and
-    Mistral 3 (Mistral Small 3.1 and up), with tiny vision towers."""
-    import transformers
-    from transformers import MistralConfig, PixtralVisionConfig, SiglipVisionConfig
-
-    gemma_text = tiny_gemma3().config
-    gemma_text.final_logit_softcapping = None  # (as released: HF's image-text model never caps its logits)
-    mistral_text = MistralConfig(vocab_size=256, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
-                                 num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=512)
-    ids = dict(eos_token_id=2, bos_token_id=1, pad_token_id=0)
-    configs = {
-        "gemma3": ("gemma3_text", transformers.Gemma3Config(
-            text_config=gemma_text, mm_tokens_per_image=4, image_token_index=255, boi_token_index=253,
-            eoi_token_index=254, vision_config=SiglipVisionConfig(hidden_size=32, intermediate_size=64,
-                                                                  num_hidden_layers=1, num_attention_heads=2,
-                                                                  image_size=28, patch_size=14), **ids)),
-        "mistral3": ("mistral", transformers.Mistral3Config(
-            text_config=mistral_text, image_token_index=255,  # (tied as a whole, though its text config is not)
-            vision_config=PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                              num_attention_heads=2, image_size=28, patch_size=14, head_dim=16),
-            **ids)),
-    }
-    for model_type, (text_type, config) in configs.items():
-        torch.manual_seed(0)
-        yield model_type, text_type, transformers.AutoModelForImageTextToText.from_config(config)
-
-
 @pytest.mark.parametrize("index", range(2), ids=["gemma3", "mistral3"])
 def test_the_language_model_of_image_text_checkpoints(tmp_path, index):
     """Gemma 3 4B and up and Mistral Small 3.1 and up are image-text checkpoints: their language
@@ -738,46 +465,6 @@ def test_the_language_model_of_image_text_checkpoints(tmp_path, index):
     assert not any("vision" in name for name, _ in loaded.model.named_parameters())
     assert loaded.model.tie_word_embeddings
     assert_greedy_generation_matches_hf(model, directory, (40, 9), 16, seed=7)
-
-
-def tiny_qwen_vl(model_type: str):
-    """A random Qwen2-VL, Qwen2.5-VL or Qwen3-VL with a one-block vision tower; vocabulary 300 with
-    the vision tokens at 297-299, whose logits are zero: text prompts (ids 3-255) stay text, as
-    they do for the real models."""
-    import transformers
-
-    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]}
-    text = dict(vocab_size=300, hidden_size=128, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=512, rope_parameters=rope, tie_word_embeddings=False)
-    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14, spatial_merge_size=2,
-                  temporal_patch_size=2)
-    ids = dict(image_token_id=297, video_token_id=298, vision_start_token_id=299, eos_token_id=2, bos_token_id=1,
-               pad_token_id=0, tie_word_embeddings=False)
-    if model_type == "qwen2_vl":
-        config = transformers.Qwen2VLConfig(text_config=text, vision_config={**vision, "embed_dim": 32,
-                                                                             "hidden_size": 128}, **ids)
-    elif model_type == "qwen2_5_vl":
-        config = transformers.Qwen2_5_VLConfig(text_config=text, vision_config={
-            **vision, "out_hidden_size": 128, "window_size": 56, "fullatt_block_indexes": [0]}, **ids)
-    else:
-        text = {**text, "head_dim": 32, "rope_parameters": {**rope, "mrope_interleaved": True}}
-        vision = {**vision, "out_hidden_size": 128, "patch_size": 16, "num_position_embeddings": 16,
-                  "deepstack_visual_indexes": [0]}
-        if model_type == "qwen3_vl":
-            config = transformers.Qwen3VLConfig(text_config=text, vision_config=vision, **ids)
-        else:  # Qwen3-VL-30B-A3B's kind: Qwen3-MoE's language model
-            text = {**text, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
-                    "decoder_sparse_step": 1, "norm_topk_prob": True}
-            config = transformers.Qwen3VLMoeConfig(text_config=text, vision_config=vision, **ids)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForImageTextToText.from_config(config)
-    randomize_norms(model, 0.5, 1.5)
-    randomize_biases(model)
-    randomize_routers_and_experts(model)
-    with torch.no_grad():
-        model.get_output_embeddings().weight.normal_(std=0.5)
-        model.get_output_embeddings().weight[256:] = 0.0
-    return model.eval()
 
 
 @pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
@@ -804,59 +491,6 @@ def test_the_language_model_of_qwen_vl_checkpoints(tmp_path, model_type):
     assert (attention.q_norm is not None) == model_type.startswith("qwen3")
     assert loaded.model.layers[0].is_moe == (model_type == "qwen3_vl_moe")
     assert_greedy_generation_matches_hf(model, directory, (40, 9), 16, seed=7)
-
-
-def randomize_routers_and_experts(model, bias_std: float = 0.2) -> None:
-    """Experts and routers away from init's near-uniform routing, and the routers' choice biases
-    (DeepSeek-V3's, GLM-4.5's, ERNIE 4.5's e_score_correction_bias) away from zero."""
-    with torch.no_grad():
-        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-            if name.endswith("e_score_correction_bias"):
-                tensor.normal_(std=bias_std)
-            elif "experts" in name or name.endswith("gate.weight"):
-                tensor.normal_(std=0.3)
-
-
-def add_multi_token_prediction_layer(directory: str, last_layer: int) -> None:
-    """As DeepSeek-V3 and GLM-4.5 are released: one more layer (a copy of the last) past
-    num_hidden_layers in the checkpoint, for multi-token prediction."""
-    from safetensors.torch import load_file, save_file
-
-    path = os.path.join(directory, "model.safetensors")
-    state = load_file(path)
-    state.update({name.replace(f"model.layers.{last_layer}.", f"model.layers.{last_layer + 1}."): tensor.clone()
-                  for name, tensor in state.items() if name.startswith(f"model.layers.{last_layer}.")})
-    save_file(state, path, metadata={"format": "pt"})
-
-
-def tiny_deepseek(variant: str):
-    """A random DeepSeek: multi-head latent attention (queries through a low-rank projection in
-    "v2" and "v3", straight in "lite"), YaRN rope with mscale, one dense layer then DeepSeekMoE
-    layers (8 routed experts in 4 groups, top 2, scaled weights, a shared expert): V2's softmax
-    router (group-limited in "v2"), V3's biased sigmoid one with renormalized weights."""
-    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
-
-    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
-            "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}
-    shape = dict(vocab_size=256, hidden_size=128, intermediate_size=192, moe_intermediate_size=48, num_hidden_layers=3,
-                 num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32,
-                 q_lora_rank=None if variant == "lite" else 48, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=24,
-                 n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=4,
-                 topk_group=2, max_position_embeddings=512, rope_parameters=rope, eos_token_id=2, bos_token_id=1,
-                 pad_token_id=0)
-    if variant == "v3":
-        config, model_class = DeepseekV3Config(**shape, routed_scaling_factor=2.5, norm_topk_prob=True), DeepseekV3ForCausalLM
-    else:
-        config = DeepseekV2Config(**shape, routed_scaling_factor=2.0, norm_topk_prob=False,
-                                  topk_method="group_limited_greedy" if variant == "v2" else "greedy")
-        model_class = DeepseekV2ForCausalLM
-    torch.manual_seed(0)
-    model = model_class(config)
-    randomize_norms(model, 0.5, 1.5)
-    randomize_routers_and_experts(model)
-    with torch.no_grad():
-        model.get_output_embeddings().weight.normal_(std=0.5)
-    return model.eval()
 
 
 @pytest.mark.parametrize("variant", ["v2", "lite", "v3"])
@@ -976,29 +610,6 @@ def test_tiny_minimax_m2_matches_hf(tmp_path):
     assert_greedy_generation_matches_hf(model, directory, (40, 9), 16, seed=7)
 
 
-def tiny_olmo(model_type: str, head_dim: int = 32):
-    """A random OLMo 2, or OLMo 3 with sliding (window 16, rope base 1e4) and full layers (rope
-    base 5e5, linear scaling)."""
-    from transformers import Olmo2Config, Olmo2ForCausalLM, Olmo3Config, Olmo3ForCausalLM
-
-    shape = dict(vocab_size=256, hidden_size=128, intermediate_size=192, num_hidden_layers=3, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=512, eos_token_id=2, bos_token_id=1,
-                 pad_token_id=0)
-    if model_type == "olmo2":
-        config, model_class = Olmo2Config(**shape), Olmo2ForCausalLM
-    else:
-        config = Olmo3Config(
-            **shape, sliding_window=16, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                             "full_attention": {"rope_type": "linear", "rope_theta": 500000.0, "factor": 2.0}},
-        )
-        model_class = Olmo3ForCausalLM
-    torch.manual_seed(0)
-    model = model_class(config)
-    randomize_norms(model, 0.5, 1.5)  # away from 1, so each norm's placement matters
-    return model.eval()
-
-
 @pytest.mark.parametrize("model_type", ["olmo2", "olmo3"])
 def test_tiny_olmo_with_post_norms_matches_hf(tmp_path, model_type):
     hf_model = tiny_olmo(model_type)
@@ -1008,28 +619,6 @@ def test_tiny_olmo_with_post_norms_matches_hf(tmp_path, model_type):
     assert windows == ([None] * 3 if model_type == "olmo2" else [16, None, 16])
 
     assert_greedy_generation_matches_hf(hf_model, directory, (40, 9, 70), 16, seed=8)
-
-
-def tiny_gpt_oss(head_dim: int = 16):
-    """A random GPT-OSS: attention sinks, biases on every projection, sliding (window 16) and
-    full layers, YaRN rope, 4 experts (top 2) with biases and the clamped SwiGLU."""
-    from transformers import GptOssConfig, GptOssForCausalLM
-
-    rope = {"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
-            "original_max_position_embeddings": 64, "rope_theta": 150000.0}
-    config = GptOssConfig(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, num_local_experts=4,
-                          num_experts_per_tok=2, max_position_embeddings=512, sliding_window=16, rope_parameters=rope,
-                          eos_token_id=2, bos_token_id=1, pad_token_id=0)
-    torch.manual_seed(0)
-    model = GptOssForCausalLM(config)
-    with torch.no_grad():  # random init leaves sinks, biases and the router near zero: make them count
-        for name, parameter in model.named_parameters():
-            if name.endswith(("sinks", "bias")) or "router" in name:
-                parameter.normal_(std=1.0)
-            elif "experts" in name:
-                parameter.normal_(std=0.5)  # activations past the SwiGLU clamp at 7 now and then
-    return model.eval()
 
 
 def test_tiny_gpt_oss_with_sinks_and_biased_experts_matches_hf(tmp_path):
@@ -1096,19 +685,6 @@ def test_max_model_len_stays_within_the_positions(tmp_path):
     assert LLM(directory, dtype="float32", num_device_blocks=64).engine.max_model_len == 512
     with pytest.raises(pagedkv.InvalidConfigError, match="max_model_len=600 exceeds the model's max_position_embeddings=512"):
         LLM(directory, dtype="float32", num_device_blocks=64, max_model_len=600)
-
-
-def tiny_windowed_models():
-    """(name, HF model) with sliding-window attention over 16 positions and head dim 64 (the
-    Rust prefill kernel's): Mistral (every layer) and Qwen2 (`layer_types`: full, then windowed)."""
-    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    common = dict(vocab_size=256, hidden_size=128, intermediate_size=192, num_hidden_layers=2, num_attention_heads=2,
-                  num_key_value_heads=1, max_position_embeddings=512, eos_token_id=2, bos_token_id=1,
-                  sliding_window=16)
-    torch.manual_seed(0)
-    yield "mistral", MistralForCausalLM(MistralConfig(**common))
-    yield "qwen2", Qwen2ForCausalLM(Qwen2Config(**common, use_sliding_window=True, max_window_layers=1))
 
 
 @pytest.mark.parametrize("index", range(2), ids=["mistral", "qwen2"])

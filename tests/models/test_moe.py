@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import save_tiny_checkpoint
+from support.checkpoints import save_tiny_checkpoint
 from safetensors.torch import save_file
 
 from pagedkv import LLM, InvalidConfigError, LoRARequest, SamplingParams

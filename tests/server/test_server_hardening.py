@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from test_server import LiveServer
+from support.live_server import LiveServer
 
 MAX_MODEL_LEN = 128
 MAX_NUM_SEQS = 4

@@ -65,7 +65,7 @@ def test_unknown_parsers_are_refused():
 
 
 def test_a_server_with_the_mistral_parser_returns_tool_calls():
-    from test_server import LiveServer
+    from support.live_server import LiveServer
 
     # The grammar makes the model write a Mistral-style call, whatever it would say.
     regex = r'\[TOOL_CALLS\]\[\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{2,8}"\}\}\]'

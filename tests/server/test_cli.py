@@ -1,22 +1,16 @@
 """The command line: --help documents every engine option; serve shuts down cleanly on SIGTERM."""
 
-import contextlib
 import dataclasses
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import threading
 import time
-from typing import Optional
 
 import httpx
 
 from pagedkv.cli import build_parser, main
 from pagedkv.config import EngineConfig
+from support.live_server import served
 
 
 def test_help_documents_every_engine_option_with_its_default():
@@ -54,36 +48,6 @@ def test_generate_with_a_json_schema_file(capsys, tmp_path):
                  "--json-schema", str(schema)]) == 0
     line = capsys.readouterr().out.split(">>> Name a color in JSON:\n", 1)[1].splitlines()[0]
     assert list(json.loads(line)) == ["color"]
-
-
-@contextlib.contextmanager
-def served(*flags: str, env: Optional[dict] = None):
-    """`pagedkv serve` (the embedded SmolLM2) in a subprocess on a free port: yields (its URL, the
-    process, its output file) once /health answers; kills it if it is still running after."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    with tempfile.TemporaryFile("w+") as output:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "pagedkv.cli", "serve", "--port", str(port), "--num-device-blocks", "64",
-             "--max-model-len", "512", *flags],
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, stdout=output, stderr=subprocess.STDOUT,
-        )
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 120
-            while True:
-                assert process.poll() is None, "server exited early"
-                assert time.monotonic() < deadline, "server did not come up"
-                try:
-                    if httpx.get(url + "/health", timeout=1).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    time.sleep(0.5)
-            yield url, process, output
-        finally:
-            if process.poll() is None:
-                process.kill()
 
 
 def test_serve_answers_and_exits_zero_on_sigterm():

@@ -3,52 +3,15 @@
 import asyncio
 import json
 import re
-import socket
-import threading
 import time
 
 import httpx
 import pytest
-import uvicorn
 from openai import OpenAI
 
-from pagedkv.config import EngineConfig
-from pagedkv.engine import LLMEngine
 from pagedkv.errors import InvalidConfigError
 from pagedkv.server import create_app
-
-
-class LiveServer:
-    def __init__(self, chat_template=None, api_key=None, lora_modules=None, allow_runtime_lora_updating=False,
-                 reasoning_parser=None, tool_call_parser="hermes", app_options=None, **engine_options):
-        self.engine = LLMEngine(EngineConfig(dtype="float32", **engine_options))
-        self.api_key = api_key
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.port = probe.getsockname()[1]
-        config = uvicorn.Config(create_app(self.engine, chat_template=chat_template, api_key=api_key, lora_modules=lora_modules,
-                                           allow_runtime_lora_updating=allow_runtime_lora_updating,
-                                           reasoning_parser=reasoning_parser, tool_call_parser=tool_call_parser,
-                                           **(app_options or {})),
-                                host="127.0.0.1", port=self.port, log_level="warning")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.05)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(30)
-        assert not self.thread.is_alive()
-
-    def metric(self, name: str) -> float:
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        text = httpx.get(self.url + "/metrics", headers=headers, timeout=10).text
-        return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
+from support.live_server import LiveServer
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,8 @@ from pagedkv.beam_search import BeamSearchParams
 from pagedkv.engine import LLMEngine
 from pagedkv.errors import InvalidConfigError, TensorParallelError
 
-from conftest import save_tiny_checkpoint
-from test_cli import served
+from support.checkpoints import save_tiny_checkpoint
+from support.live_server import served
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "Weather of
 
 @pytest.fixture(scope="module")
 def live():
-    from test_server import LiveServer
+    from support.live_server import LiveServer
 
     server = LiveServer(reasoning_parser="qwen3", num_device_blocks=128, max_model_len=512)
     yield server

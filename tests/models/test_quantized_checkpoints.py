@@ -8,8 +8,8 @@ import os
 
 import pytest
 import torch
-from conftest import save_tiny_checkpoint
-from test_model import assert_greedy_generation_matches_hf, assert_prefill_matches_hf
+from support.checkpoints import save_tiny_checkpoint
+from support.hf_parity import assert_greedy_generation_matches_hf, assert_prefill_matches_hf
 
 from pagedkv.loader import load
 from pagedkv.quantized_checkpoints import AWQ_PACK_ORDER

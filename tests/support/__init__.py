@@ -1,0 +1,1 @@
+"""Helpers the tests of several tiers share (checkpoints, HF parity, servers, adapters)."""
