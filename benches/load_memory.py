@@ -21,23 +21,22 @@ import torch
 
 MEASURE = r"""
 import json, sys, torch
-from pagedkv.loader import load, ARCHITECTURES
+from pagedkv.loader import load, model_spec
 
 def rss_kib(field):
     with open("/proc/self/status") as status:
         return next(int(line.split()[1]) for line in status if line.startswith(field))
 
 directory, recipe = sys.argv[1], sys.argv[2]
-from transformers import AutoConfig
 from safetensors.torch import load_file
 before = rss_kib("VmRSS:")
 if recipe == "loader":
     net = load(directory, None, None, torch.bfloat16, torch.device("cpu"), None).model
 else:  # the float32 model, filled, then cast
-    hf_config = AutoConfig.from_pretrained(directory)
+    hf_config, model_class, traits, _ = model_spec(directory, None)
     state = load_file(directory + "/model.safetensors")
     with torch.device("meta"):
-        net = ARCHITECTURES[hf_config.model_type](hf_config, hf_config.max_position_embeddings, torch.bfloat16)
+        net = model_class(hf_config, traits, hf_config.max_position_embeddings, torch.bfloat16)
     net = net.to_empty(device="cpu")
     net.compute_buffers(hf_config.max_position_embeddings, torch.bfloat16)
     net.load_hf_state_dict(state)

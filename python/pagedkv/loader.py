@@ -10,70 +10,25 @@ import importlib.util
 import logging
 import os
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from pagedkv import quantized_checkpoints
 from pagedkv.layers.classifier import SequenceClassifier
-from pagedkv.models.cohere import CohereForCausalLM
-from pagedkv.models.deepseek_v2 import DeepseekV2ForCausalLM
-from pagedkv.models.ernie4_5_moe import Ernie45MoeForCausalLM
-from pagedkv.models.falcon import FalconForCausalLM
-from pagedkv.models.gemma import GemmaForCausalLM
-from pagedkv.models.glm4_moe import Glm4MoeForCausalLM
-from pagedkv.models.glm4 import Glm4ForCausalLM
-from pagedkv.models.gpt2 import GPT2ForCausalLM
-from pagedkv.models.gpt_bigcode import GPTBigCodeForCausalLM
-from pagedkv.models.gpt_neox import GPTNeoXForCausalLM
-from pagedkv.models.gptj import GPTJForCausalLM
-from pagedkv.models.llama import LlamaForCausalLM
-from pagedkv.models.minimax_m2 import MiniMaxM2ForCausalLM
-from pagedkv.models.nemotron import NemotronForCausalLM
-from pagedkv.models.olmo import OlmoForCausalLM
-from pagedkv.models.olmo2 import Olmo2ForCausalLM
-from pagedkv.models.opt import OPTForCausalLM
-from pagedkv.models.phi import PhiForCausalLM
-from pagedkv.models.stablelm import StableLmForCausalLM
-from pagedkv.models.starcoder2 import Starcoder2ForCausalLM
+from pagedkv.models import registry
+from pagedkv.models.registry import Traits
 from pagedkv.parallel.group import current_group
 from pagedkv.parallel.sharding import CheckpointShard
+
+if TYPE_CHECKING:
+    from pagedkv.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger("pagedkv.loader")
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# model_type -> our class
-ARCHITECTURES = {
-    **dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "smollm3", "granite",
-                     "phi3", "granitemoe", "olmoe", "gpt_oss", "ministral", "helium", "seed_oss", "ernie4_5", "glm",
-                     "arcee", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text",
-                     "qwen3_vl_moe_text"),
-                    LlamaForCausalLM),
-    **dict.fromkeys(("gemma", "gemma2", "gemma3_text"), GemmaForCausalLM),
-    **dict.fromkeys(("olmo2", "olmo3", "exaone4"), Olmo2ForCausalLM),
-    "starcoder2": Starcoder2ForCausalLM,
-    "glm4": Glm4ForCausalLM,
-    "cohere": CohereForCausalLM,
-    "phi": PhiForCausalLM,
-    "gpt_neox": GPTNeoXForCausalLM,
-    "gpt2": GPT2ForCausalLM,
-    "opt": OPTForCausalLM,
-    "gpt_bigcode": GPTBigCodeForCausalLM,
-    "gptj": GPTJForCausalLM,
-    "olmo": OlmoForCausalLM,
-    "nemotron": NemotronForCausalLM,
-    "stablelm": StableLmForCausalLM,
-    "falcon": FalconForCausalLM,
-    **dict.fromkeys(("deepseek_v2", "deepseek_v3"), DeepseekV2ForCausalLM),
-    **dict.fromkeys(("glm4_moe", "dots1"), Glm4MoeForCausalLM),
-    "ernie4_5_moe": Ernie45MoeForCausalLM,
-    "minimax_m2": MiniMaxM2ForCausalLM,
-}
-# Image-text models whose language model we serve alone (text prompts; the vision tower is not loaded)
-MULTIMODAL_MODEL_TYPES = ("gemma3", "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
-# Their non-language parts, as the first or second component of a weight's name
+# The non-language parts of image-text checkpoints, as the first or second component of a weight's name
 _VISION_PARTS = ("visual", "vision_tower", "multi_modal_projector")
-SUPPORTED = tuple(ARCHITECTURES) + MULTIMODAL_MODEL_TYPES
 
 
 def default_model_path() -> tuple[str, str]:
@@ -90,7 +45,7 @@ GENERATION_DEFAULT_FIELDS = ("repetition_penalty", "temperature", "top_k", "top_
 
 @dataclass
 class LoadedModel:
-    model: LlamaForCausalLM  # or another class of ARCHITECTURES, of the same interface
+    model: LlamaForCausalLM  # or another class of models/registry.py, of the same interface
     tokenizer: object
     hf_config: object
     eos_token_ids: list[int]
@@ -122,6 +77,7 @@ def _split_gguf(model: str | None, gguf_file: str | None) -> tuple[str, str | No
 class ModelSpec(NamedTuple):
     hf_config: object  # of the language model, for an image-text checkpoint
     model_class: type
+    traits: Traits
     multimodal: bool
 
 
@@ -134,15 +90,15 @@ def model_spec(model: str | None, gguf_file: str | None) -> ModelSpec:
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"model directory {directory!r} does not exist (no hub downloads)")
     hf_config = AutoConfig.from_pretrained(directory, gguf_file=gguf)
-    if hf_config.model_type not in SUPPORTED:
-        raise ValueError(f"model_type {hf_config.model_type!r} is not supported; supported: {SUPPORTED}")
-    multimodal = hf_config.model_type in MULTIMODAL_MODEL_TYPES
+    registry.check_supported(hf_config)
+    multimodal = registry.is_multimodal(hf_config)
     if multimodal:
         tied = getattr(hf_config, "tie_word_embeddings", None)
         hf_config = hf_config.get_text_config()
         if tied is not None:  # (the whole model's setting is the one HF follows)
             hf_config.tie_word_embeddings = tied
-    return ModelSpec(hf_config, ARCHITECTURES[hf_config.model_type], multimodal)
+    return ModelSpec(hf_config, registry.model_class(hf_config.model_type), registry.resolve_traits(hf_config),
+                     multimodal)
 
 
 def load(model: str | None, gguf_file: str | None, tokenizer: str | None, dtype, device, max_positions: int | None):
@@ -151,7 +107,7 @@ def load(model: str | None, gguf_file: str | None, tokenizer: str | None, dtype,
     from transformers import AutoTokenizer
 
     directory, gguf = _split_gguf(model, gguf_file)
-    hf_config, model_class, multimodal = model_spec(model, gguf_file)
+    hf_config, model_class, traits, multimodal = model_spec(model, gguf_file)
     if multimodal:
         logger.info("%s is an image-text model: serving its language model on text prompts", hf_config.model_type)
 
@@ -184,7 +140,7 @@ def load(model: str | None, gguf_file: str | None, tokenizer: str | None, dtype,
 
     positions = max_positions or hf_config.max_position_embeddings
     with torch.device("meta"):  # no time spent on random init: every weight is loaded below
-        net = model_class(hf_config, positions, dtype)
+        net = model_class(hf_config, traits, positions, dtype)
     # Parameters are allocated in the engine's dtype and loading copies (and rounds) each checkpoint
     # tensor into place: the host never holds a float32 copy of the model.
     net = net.to(dtype=dtype).to_empty(device="cpu")

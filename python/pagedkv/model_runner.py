@@ -49,7 +49,7 @@ class ModelRunner:
                 raise InvalidConfigError(f"tensor_parallel_size={config.tensor_parallel_size}: LoRA adapters do "
                                          "not shard yet; serve them with tensor_parallel_size=1")
             spec = model_spec(config.model, config.gguf_file)
-            check_shardable(spec.hf_config, spec.model_class, config.tensor_parallel_size)
+            check_shardable(spec.hf_config, spec.model_class, spec.traits, config.tensor_parallel_size)
             self.workers = TensorParallelWorkers.start(config)
             group = self.workers.group
         self.group = group or SINGLE_PROCESS

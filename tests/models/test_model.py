@@ -87,7 +87,7 @@ def test_tiny_mixture_of_experts_checkpoints_match_hf(tmp_path, index):
     assert [layer.is_moe for layer in layers] == ([True, False, True] if model_type == "qwen3_moe" else [True] * 3)
     assert layers[0].mlp.has_shared_expert == (model_type == "qwen2_moe")
     # transformers keeps experts stacked in memory (what a GGUF file is dequantized into): same weights
-    again = type(loaded.model)(loaded.hf_config, 512, torch.float32)
+    again = type(loaded.model)(loaded.hf_config, loaded.model.traits, 512, torch.float32)
     again.load_hf_state_dict(hf_model.state_dict())
     for (name, ours), theirs in zip(loaded.model.state_dict().items(), again.state_dict().values()):
         assert torch.equal(ours, theirs), name

@@ -10,6 +10,7 @@ tokens. HF transformers instead masks the whole batch once per expert.
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -17,34 +18,28 @@ from torch import nn
 
 from pagedkv.layers.activation import clamped_swiglu_and_mul, silu_and_mul
 
-
-def moe_config(hf_config) -> tuple[int, int, int, bool] | None:
-    """(num_experts, top_k, expert intermediate size, renormalize top-k weights) of a MoE
-    checkpoint, else None. Mixtral always renormalizes, and Granite MoE and GPT-OSS (a softmax
-    over the top-k logits is the same thing); Qwen's MoEs and OLMoE when `norm_topk_prob`."""
-    if hf_config.model_type in ("mixtral", "granitemoe", "gpt_oss"):
-        return hf_config.num_local_experts, hf_config.num_experts_per_tok, hf_config.intermediate_size, True
-    num_experts = getattr(hf_config, "num_experts", 0) or 0
-    if hf_config.model_type in ("qwen2_moe", "qwen3_moe", "qwen3_vl_moe_text", "olmoe") and num_experts > 0:
-        # (OLMoE's experts are intermediate_size wide: it has no dense MLP)
-        expert_size = hf_config.intermediate_size if hf_config.model_type == "olmoe" else hf_config.moe_intermediate_size
-        return num_experts, hf_config.num_experts_per_tok, expert_size, bool(hf_config.norm_topk_prob)
-    return None
+if TYPE_CHECKING:
+    from pagedkv.models.registry import Traits
 
 
-def is_moe_layer(hf_config, layer_index: int) -> bool:
+def is_moe_layer(hf_config, traits: Traits, layer_index: int) -> bool:
     """Whether this decoder layer's MLP is sparse (Qwen MoEs may keep some layers dense:
     `mlp_only_layers`, `decoder_sparse_step`)."""
-    if moe_config(hf_config) is None or layer_index in (getattr(hf_config, "mlp_only_layers", None) or []):
+    if not traits.sparse_moe or layer_index in (getattr(hf_config, "mlp_only_layers", None) or []):
         return False
     return (layer_index + 1) % (getattr(hf_config, "decoder_sparse_step", 1) or 1) == 0
 
 
-def sparse_moe(hf_config) -> "SparseMoE":
-    """The MoE MLP a checkpoint's config describes (moe_config must not be None)."""
-    num_experts, top_k, intermediate_size, renormalize = moe_config(hf_config)
-    shared = getattr(hf_config, "shared_expert_intermediate_size", 0) if hf_config.model_type == "qwen2_moe" else 0
-    if hf_config.model_type != "gpt_oss":
+def sparse_moe(hf_config, traits: Traits) -> "SparseMoE":
+    """The MoE MLP of a checkpoint whose traits say `sparse_moe`. Experts are
+    `moe_intermediate_size` wide where the config has it (Qwen's MoEs), else `intermediate_size`
+    (Mixtral's, Granite MoE's, GPT-OSS's, and OLMoE's, which has no dense MLP); Qwen2-MoE's configs
+    add a shared expert (`shared_expert_intermediate_size`)."""
+    num_experts = getattr(hf_config, "num_local_experts", None) or hf_config.num_experts
+    intermediate_size = getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size
+    top_k, renormalize = hf_config.num_experts_per_tok, traits.renormalize_experts
+    if not traits.gpt_oss_experts:
+        shared = getattr(hf_config, "shared_expert_intermediate_size", None) or 0
         return SparseMoE(hf_config.hidden_size, intermediate_size, num_experts, top_k, renormalize, shared)
     # Older transformers releases fix alpha at 1.702 and have no swiglu_alpha in the config.
     activation = functools.partial(clamped_swiglu_and_mul, alpha=getattr(hf_config, "swiglu_alpha", 1.702),

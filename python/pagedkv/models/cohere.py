@@ -13,6 +13,7 @@ from torch import nn
 
 from pagedkv.models.blocks import ParallelBlock
 from pagedkv.models.llama import LlamaAttention, LlamaMLP, PlainLayersForCausalLM
+from pagedkv.models.registry import Traits
 
 
 class CohereLayerNorm(nn.Module):
@@ -35,8 +36,8 @@ class PerHeadNormAttention(LlamaAttention):
     """Llama's attention with optional query/key LayerNorms (no bias) whose weights differ per head
     (Cohere's, StableLM's)."""
 
-    def __init__(self, hf_config, layer_index: int, qk_norm: bool, eps: float):
-        super().__init__(hf_config, layer_index)
+    def __init__(self, hf_config, traits: Traits, layer_index: int, qk_norm: bool, eps: float):
+        super().__init__(hf_config, traits, layer_index)
         if qk_norm:
             self.q_norm = CohereLayerNorm((self.num_heads, self.head_dim), eps)
             self.k_norm = CohereLayerNorm((self.num_kv_heads, self.head_dim), eps)
@@ -50,11 +51,11 @@ class PerHeadNormAttention(LlamaAttention):
             key.reshape(num_tokens, self.num_kv_heads, self.head_dim)).flatten(1)
 
 
-def cohere_layer(hf_config, layer_index: int) -> ParallelBlock:
+def cohere_layer(hf_config, traits: Traits, layer_index: int) -> ParallelBlock:
     return ParallelBlock(
         CohereLayerNorm(hf_config.hidden_size, hf_config.layer_norm_eps),
-        # (rotating pairs of dims: by model type)
-        PerHeadNormAttention(hf_config, layer_index, hf_config.use_qk_norm, hf_config.layer_norm_eps),
+        # (rotating pairs of dims: a trait)
+        PerHeadNormAttention(hf_config, traits, layer_index, hf_config.use_qk_norm, hf_config.layer_norm_eps),
         LlamaMLP(hf_config, layer_index),
     )
 

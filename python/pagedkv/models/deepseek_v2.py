@@ -33,14 +33,7 @@ from pagedkv.layers.fused_moe import SparseMoE
 from pagedkv.layers.rms_norm import RMSNorm
 from pagedkv.layers.rotary_embedding import apply_rotary
 from pagedkv.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
-
-
-# V3's router (a biased sigmoid over expert groups), also GLM-4.5's
-SIGMOID_ROUTER_MODEL_TYPES = ("deepseek_v3", "glm4_moe", "minimax_m2", "dots1")
-# The same choice (biased, weights unbiased and renormalized) over softmax scores
-BIASED_SOFTMAX_MODEL_TYPES = ("ernie4_5_moe",)
-# Routers that always renormalize the chosen experts' weights (no norm_topk_prob in their configs)
-RENORMALIZING_MODEL_TYPES = ("ernie4_5_moe", "minimax_m2")
+from pagedkv.models.registry import Traits
 
 
 def _yarn_mscale(factor: float, mscale: float) -> float:
@@ -112,22 +105,21 @@ class MLAAttention(nn.Module):
 class DeepseekMoE(SparseMoE):
     """SparseMoE with DeepSeek's routers (float32 scores: V2's softmax, greedy or group-limited;
     V3's biased sigmoid, also GLM-4.5's, and ERNIE 4.5's biased softmax; scaled weights) and
-    ungated shared experts."""
+    ungated shared experts; `traits.router` says which router."""
 
-    def __init__(self, hf_config):
+    def __init__(self, hf_config, traits: Traits):
         num_shared = getattr(hf_config, "n_shared_experts", None) or getattr(hf_config, "moe_num_shared_experts", 0)
         num_experts = (getattr(hf_config, "n_routed_experts", None) or getattr(hf_config, "num_local_experts", None)
                        or hf_config.num_experts)
-        renormalize = bool(getattr(hf_config, "norm_topk_prob", hf_config.model_type in RENORMALIZING_MODEL_TYPES))
         expert_size = getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size  # (MiniMax's)
-        super().__init__(hf_config.hidden_size, expert_size, num_experts, hf_config.num_experts_per_tok, renormalize,
-                         shared_intermediate_size=expert_size * (num_shared or 0))
+        super().__init__(hf_config.hidden_size, expert_size, num_experts, hf_config.num_experts_per_tok,
+                         traits.renormalize_experts, shared_intermediate_size=expert_size * (num_shared or 0))
         if self.has_shared_expert:
             del self.shared_expert_gate
         self.scoring = "softmax"
-        if hf_config.model_type in SIGMOID_ROUTER_MODEL_TYPES + BIASED_SOFTMAX_MODEL_TYPES:
+        if traits.router in ("biased_sigmoid", "biased_softmax"):
             self.topk_method = "noaux_tc"
-            self.scoring = "sigmoid" if hf_config.model_type in SIGMOID_ROUTER_MODEL_TYPES else "softmax"
+            self.scoring = "sigmoid" if traits.router == "biased_sigmoid" else "softmax"
             self.gate.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts))
         else:
             self.topk_method = getattr(hf_config, "topk_method", "greedy") or "greedy"
@@ -174,14 +166,14 @@ class DeepseekMoE(SparseMoE):
 
 
 class DeepseekV2DecoderLayer(LlamaDecoderLayer):
-    def __init__(self, hf_config, layer_index: int):
+    def __init__(self, hf_config, traits: Traits, layer_index: int):
         nn.Module.__init__(self)
         self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.self_attn = MLAAttention(hf_config, layer_index)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.residual_multiplier = 1.0
         self.is_moe = layer_index >= hf_config.first_k_dense_replace
-        self.mlp = DeepseekMoE(hf_config) if self.is_moe else LlamaMLP(hf_config, layer_index)
+        self.mlp = DeepseekMoE(hf_config, traits) if self.is_moe else LlamaMLP(hf_config, layer_index)
 
 
 class DeepseekV2ForCausalLM(LlamaForCausalLM):

@@ -10,6 +10,7 @@ import torch
 
 from pagedkv.models.deepseek_v2 import DeepseekMoE, DeepseekV2ForCausalLM
 from pagedkv.models.llama import LlamaDecoderLayer
+from pagedkv.models.registry import Traits
 
 
 def is_ernie_moe_layer(hf_config, layer_index: int) -> bool:
@@ -18,11 +19,11 @@ def is_ernie_moe_layer(hf_config, layer_index: int) -> bool:
 
 
 class Ernie45MoeDecoderLayer(LlamaDecoderLayer):
-    def __init__(self, hf_config, layer_index: int):
-        super().__init__(hf_config, layer_index)  # (a dense MLP: replaced in the MoE layers)
+    def __init__(self, hf_config, traits: Traits, layer_index: int):
+        super().__init__(hf_config, traits, layer_index)  # (a dense MLP: replaced in the MoE layers)
         self.is_moe = is_ernie_moe_layer(hf_config, layer_index)
         if self.is_moe:
-            self.mlp = DeepseekMoE(hf_config)
+            self.mlp = DeepseekMoE(hf_config, traits)
 
 
 class Ernie45MoeForCausalLM(DeepseekV2ForCausalLM):

@@ -21,6 +21,7 @@ from pagedkv.layers.ungated_mlp import UngatedMLP
 from pagedkv.models.blocks import ParallelBlock, PreNormBlock
 from pagedkv.models.gpt_neox import split_per_head_qkv
 from pagedkv.models.llama import LlamaAttention, PlainLayersForCausalLM
+from pagedkv.models.registry import Traits
 
 
 def num_kv_heads(hf_config) -> int:
@@ -29,13 +30,13 @@ def num_kv_heads(hf_config) -> int:
     return 1 if hf_config.multi_query else hf_config.num_attention_heads
 
 
-def falcon_layer(hf_config, layer_index: int) -> nn.Module:
+def falcon_layer(hf_config, traits: Traits, layer_index: int) -> nn.Module:
     if hf_config.alibi:
         raise ValueError("Falcon with ALiBi positions (alibi=true, Falcon-RW) is not supported")
     hidden, eps = hf_config.hidden_size, hf_config.layer_norm_epsilon
     attention_config = copy.copy(hf_config)  # in the names LlamaAttention reads
     attention_config.num_key_value_heads, attention_config.attention_bias = num_kv_heads(hf_config), hf_config.bias
-    attention = LlamaAttention(attention_config, layer_index)
+    attention = LlamaAttention(attention_config, traits, layer_index)
     mlp = UngatedMLP(hidden, hf_config.ffn_hidden_size, hf_config.activation, layer_index, bias=hf_config.bias)
     if hf_config.new_decoder_architecture:
         if not hf_config.parallel_attn:

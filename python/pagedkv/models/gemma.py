@@ -16,6 +16,7 @@ from torch import nn
 
 from pagedkv.layers.activation import gated_activation
 from pagedkv.models.llama import LlamaAttention, LlamaMLP, PlainLayersForCausalLM
+from pagedkv.models.registry import Traits
 
 
 class GemmaRMSNorm(nn.Module):
@@ -33,11 +34,10 @@ class GemmaRMSNorm(nn.Module):
 
 
 class GemmaAttention(LlamaAttention):
-    def __init__(self, hf_config, layer_index: int):
-        super().__init__(hf_config, layer_index)
+    def __init__(self, hf_config, traits: Traits, layer_index: int):
+        super().__init__(hf_config, traits, layer_index)
         self.scale = (getattr(hf_config, "query_pre_attn_scalar", None) or self.head_dim) ** -0.5
-        if hf_config.model_type == "gemma3_text":  # per head, as Qwen3's
-            self.qk_norm_per_head = True
+        if self.qk_norm_per_head:  # (Gemma 3's: Gemma's norms)
             self.q_norm = GemmaRMSNorm(self.head_dim, hf_config.rms_norm_eps)
             self.k_norm = GemmaRMSNorm(self.head_dim, hf_config.rms_norm_eps)
 
@@ -45,14 +45,14 @@ class GemmaAttention(LlamaAttention):
 class GemmaDecoderLayer(nn.Module):
     is_moe = False
 
-    def __init__(self, hf_config, layer_index: int):
+    def __init__(self, hf_config, traits: Traits, layer_index: int):
         super().__init__()
-        self.self_attn = GemmaAttention(hf_config, layer_index)
+        self.self_attn = GemmaAttention(hf_config, traits, layer_index)
         activation = getattr(hf_config, "hidden_activation", None) or hf_config.hidden_act
         self.mlp = LlamaMLP(hf_config, layer_index, act_and_mul=gated_activation(activation))
         norm = lambda: GemmaRMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)  # noqa: E731
         self.input_layernorm, self.post_attention_layernorm = norm(), norm()
-        self.sandwich_norms = hf_config.model_type != "gemma"
+        self.sandwich_norms = traits.sandwich_norms
         if self.sandwich_norms:
             self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
 
@@ -74,10 +74,10 @@ class GemmaForCausalLM(PlainLayersForCausalLM):
     decoder_layer_class = GemmaDecoderLayer
     norm_class = GemmaRMSNorm
 
-    def __init__(self, hf_config, max_positions: int, dtype: torch.dtype):
+    def __init__(self, hf_config, traits: Traits, max_positions: int, dtype: torch.dtype):
         if getattr(hf_config, "use_bidirectional_attention", False):
             raise ValueError("use_bidirectional_attention=True (an encoder) is not supported")
-        super().__init__(hf_config, max_positions, dtype)
+        super().__init__(hf_config, traits, max_positions, dtype)
         self.final_logit_softcapping = getattr(hf_config, "final_logit_softcapping", None)
 
     def compute_buffers(self, max_positions: int, dtype: torch.dtype) -> None:

@@ -12,14 +12,15 @@ from torch import nn
 
 from pagedkv.layers.rms_norm import RMSNorm
 from pagedkv.models.llama import LlamaAttention, LlamaMLP, PlainLayersForCausalLM
+from pagedkv.models.registry import Traits
 
 
 class Glm4DecoderLayer(nn.Module):
     is_moe = False
 
-    def __init__(self, hf_config, layer_index: int):
+    def __init__(self, hf_config, traits: Traits, layer_index: int):
         super().__init__()
-        self.self_attn = LlamaAttention(hf_config, layer_index)  # (pairs rotated, o_proj unbiased: by model type)
+        self.self_attn = LlamaAttention(hf_config, traits, layer_index)  # (pairs rotated, o_proj unbiased: traits)
         self.mlp = LlamaMLP(hf_config, layer_index)
         norm = lambda: RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)  # noqa: E731
         self.input_layernorm, self.post_self_attn_layernorm = norm(), norm()

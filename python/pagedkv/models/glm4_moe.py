@@ -9,14 +9,15 @@ from __future__ import annotations
 
 from pagedkv.models.deepseek_v2 import DeepseekMoE, DeepseekV2ForCausalLM
 from pagedkv.models.llama import LlamaDecoderLayer
+from pagedkv.models.registry import Traits
 
 
 class Glm4MoeDecoderLayer(LlamaDecoderLayer):
-    def __init__(self, hf_config, layer_index: int):
-        super().__init__(hf_config, layer_index)  # (a dense MLP: replaced in the MoE layers)
+    def __init__(self, hf_config, traits: Traits, layer_index: int):
+        super().__init__(hf_config, traits, layer_index)  # (a dense MLP: replaced in the MoE layers)
         self.is_moe = layer_index >= hf_config.first_k_dense_replace
         if self.is_moe:
-            self.mlp = DeepseekMoE(hf_config)
+            self.mlp = DeepseekMoE(hf_config, traits)
 
 
 class Glm4MoeForCausalLM(DeepseekV2ForCausalLM):

@@ -13,6 +13,7 @@ from torch import nn
 from pagedkv.layers.ungated_mlp import UngatedMLP
 from pagedkv.models.blocks import PreNormBlock
 from pagedkv.models.llama import LlamaAttention, PlainLayersForCausalLM
+from pagedkv.models.registry import Traits
 
 _CONV1D = (".self_attn.qkv_proj.weight", ".self_attn.o_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
 
@@ -21,19 +22,19 @@ class AbsolutePositionAttention(LlamaAttention):
     """Llama's attention without rotary embedding, biased q/k/v and output projections (GPT-2's,
     OPT's)."""
 
-    def __init__(self, hf_config, layer_index: int, bias: bool = True):
-        super().__init__(hf_config, layer_index)
+    def __init__(self, hf_config, traits: Traits, layer_index: int, bias: bool = True):
+        super().__init__(hf_config, traits, layer_index)
         self.use_rope = False
         self.qkv_proj = nn.Linear(hf_config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(self.q_size, hf_config.hidden_size, bias=bias)
 
 
-def gpt2_layer(hf_config, layer_index: int) -> PreNormBlock:
+def gpt2_layer(hf_config, traits: Traits, layer_index: int) -> PreNormBlock:
     if getattr(hf_config, "scale_attn_by_inverse_layer_idx", False) or not getattr(hf_config, "scale_attn_weights", True):
         raise ValueError("GPT-2 with scale_attn_by_inverse_layer_idx or without scale_attn_weights is not supported")
     hidden, eps = hf_config.hidden_size, hf_config.layer_norm_epsilon
     return PreNormBlock(
-        nn.LayerNorm(hidden, eps), AbsolutePositionAttention(hf_config, layer_index), nn.LayerNorm(hidden, eps),
+        nn.LayerNorm(hidden, eps), AbsolutePositionAttention(hf_config, traits, layer_index), nn.LayerNorm(hidden, eps),
         UngatedMLP(hidden, hf_config.n_inner or 4 * hidden, hf_config.activation_function, layer_index),
     )
 
@@ -51,8 +52,8 @@ class GPT2ForCausalLM(PlainLayersForCausalLM):
     conv1d_weights = True  # projections stored [in, out] (GPT-2's Conv1D), transposed at load
     position_offset = 0
 
-    def __init__(self, hf_config, max_positions: int, dtype: torch.dtype):
-        super().__init__(hf_config, max_positions, dtype)
+    def __init__(self, hf_config, traits: Traits, max_positions: int, dtype: torch.dtype):
+        super().__init__(hf_config, traits, max_positions, dtype)
         self.position_embeddings = nn.Embedding(hf_config.max_position_embeddings + self.position_offset,
                                                 hf_config.hidden_size)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from pagedkv.models.gpt2 import GPT2ForCausalLM
+from pagedkv.models.registry import Traits
 
 
 class GPTBigCodeForCausalLM(GPT2ForCausalLM):
@@ -17,10 +18,10 @@ class GPTBigCodeForCausalLM(GPT2ForCausalLM):
 
     conv1d_weights = False
 
-    def __init__(self, hf_config, max_positions: int, dtype: torch.dtype):
+    def __init__(self, hf_config, traits: Traits, max_positions: int, dtype: torch.dtype):
         # (the attention reads its key/value heads from the config, under Llama's name)
         hf_config.num_key_value_heads = 1 if hf_config.multi_query else hf_config.num_attention_heads
-        super().__init__(hf_config, max_positions, dtype)
+        super().__init__(hf_config, traits, max_positions, dtype)
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         if not self.hf_config.multi_query:  # [heads, (q, k, v), head_dim, ...] -> [(q, k, v), heads, head_dim, ...]

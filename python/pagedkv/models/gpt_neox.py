@@ -14,11 +14,12 @@ from torch import nn
 from pagedkv.layers.ungated_mlp import UngatedMLP
 from pagedkv.models.blocks import ParallelBlock, PreNormBlock
 from pagedkv.models.llama import LlamaAttention, PlainLayersForCausalLM
+from pagedkv.models.registry import Traits
 
 
-def gpt_neox_layer(hf_config, layer_index: int) -> nn.Module:
+def gpt_neox_layer(hf_config, traits: Traits, layer_index: int) -> nn.Module:
     hidden, eps = hf_config.hidden_size, hf_config.layer_norm_eps
-    attention = LlamaAttention(hf_config, layer_index)
+    attention = LlamaAttention(hf_config, traits, layer_index)
     mlp = UngatedMLP(hidden, hf_config.intermediate_size, hf_config.hidden_act, layer_index)
     if hf_config.use_parallel_residual:
         return ParallelBlock(nn.LayerNorm(hidden, eps), attention, mlp, post_attention_layernorm=nn.LayerNorm(hidden, eps))

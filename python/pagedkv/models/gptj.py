@@ -14,13 +14,14 @@ from pagedkv.layers.ungated_mlp import UngatedMLP
 from pagedkv.models.blocks import ParallelBlock
 from pagedkv.models.llama import LlamaAttention
 from pagedkv.models.phi import PhiForCausalLM
+from pagedkv.models.registry import Traits
 
 
-def gptj_layer(hf_config, layer_index: int) -> ParallelBlock:
+def gptj_layer(hf_config, traits: Traits, layer_index: int) -> ParallelBlock:
     hidden = hf_config.hidden_size
     return ParallelBlock(
         nn.LayerNorm(hidden, hf_config.layer_norm_epsilon),
-        LlamaAttention(hf_config, layer_index),  # (pairs rotated: by model type)
+        LlamaAttention(hf_config, traits, layer_index),  # (pairs rotated: a trait)
         UngatedMLP(hidden, hf_config.n_inner or 4 * hidden, hf_config.activation_function, layer_index),
     )
 
@@ -34,10 +35,10 @@ class GPTJForCausalLM(PhiForCausalLM):
                         (".self_attn.out_proj.", ".self_attn.o_proj."), (".mlp.fc_in.", ".mlp.c_fc."),
                         (".mlp.fc_out.", ".mlp.c_proj."))
 
-    def __init__(self, hf_config, max_positions: int, dtype: torch.dtype):
+    def __init__(self, hf_config, traits: Traits, max_positions: int, dtype: torch.dtype):
         # (the rotary tables read the rotated share of a head as Phi's partial_rotary_factor)
         hf_config.partial_rotary_factor = hf_config.rotary_dim / (hf_config.hidden_size // hf_config.num_attention_heads)
-        super().__init__(hf_config, max_positions, dtype)
+        super().__init__(hf_config, traits, max_positions, dtype)
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         # (old checkpoints carry causal-mask buffers)

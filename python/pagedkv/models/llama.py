@@ -19,19 +19,8 @@ from pagedkv.layers.fused_moe import is_moe_layer, sparse_moe
 from pagedkv.layers.rms_norm import RMSNorm
 from pagedkv.layers.rotary_embedding import RotaryEmbedding, split_and_rotate, split_heads
 from pagedkv.layers.ungated_mlp import UngatedMLP
+from pagedkv.models.registry import Traits
 from pagedkv.parallel.group import current_group
-
-# Query/key RMSNorm before the rotation: per head (Qwen3's) or over whole projections (OLMo's)
-HEAD_QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "exaone4", "qwen3_vl_text", "qwen3_vl_moe_text", "dots1")
-PROJECTION_QK_NORM_MODEL_TYPES = ("olmo2", "olmo3", "olmoe", "minimax_m2")
-# Biased q/k/v projections with no attention_bias in their configs
-QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_vl_text", "qwen2_5_vl_text")
-# Rotary embedding over adjacent pairs of dims (GPT-J's layout) instead of the two halves
-INTERLEAVED_ROPE_MODEL_TYPES = ("glm", "glm4", "helium", "ernie4_5", "ernie4_5_moe", "cohere", "gptj")
-# A two-matrix MLP (up_proj, down_proj) with squared ReLU instead of the gated one
-UNGATED_MLP_MODEL_TYPES = ("arcee",)
-# An output projection without bias where q/k/v have one (attention_bias)
-UNBIASED_OUTPUT_MODEL_TYPES = ("glm", "glm4", "helium", "glm4_moe")
 
 
 def layer_sliding_window(hf_config, layer_index: int) -> int | None:
@@ -59,7 +48,7 @@ def norm_eps(hf_config) -> float:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, hf_config, layer_index: int):
+    def __init__(self, hf_config, traits: Traits, layer_index: int):
         super().__init__()
         self.layer_index = layer_index
         # Under tensor parallelism this rank holds num_heads of the model's query heads and
@@ -75,29 +64,28 @@ class LlamaAttention(nn.Module):
         self.sliding_window = layer_sliding_window(hf_config, layer_index)
         self.logit_softcap = getattr(hf_config, "attn_logit_softcapping", None)  # Gemma 2's
         # GPT-OSS's attention sinks: a learned logit per query head, a key of value zero
-        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if hf_config.model_type == "gpt_oss" else None
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if traits.attention_sinks else None
         # SmolLM3 leaves rotary embedding out of the layers whose no_rope_layers entry is 0
         no_rope_layers = getattr(hf_config, "no_rope_layers", None)
         self.use_rope = no_rope_layers is None or bool(no_rope_layers[layer_index])
-        if hf_config.model_type == "exaone4" and getattr(hf_config, "sliding_window", None) and not self.sliding_window:
+        if traits.nope_full_layers and not self.sliding_window:
             self.use_rope = False  # EXAONE 4's full layers beside windowed ones: no positions (NoPE)
-        self.rope_interleaved = hf_config.model_type in INTERLEAVED_ROPE_MODEL_TYPES
+        self.rope_interleaved = traits.interleaved_rope
         bias = bool(getattr(hf_config, "attention_bias", False) or getattr(hf_config, "use_bias", False)
                     or getattr(hf_config, "qkv_bias", False) or getattr(hf_config, "use_qkv_bias", False)
-                    or hf_config.model_type in QKV_BIAS_MODEL_TYPES)
+                    or traits.qkv_bias)
         output_bias = bool(getattr(hf_config, "attention_bias", False) or getattr(hf_config, "use_bias", False))
         output_bias = bool(getattr(hf_config, "attention_out_bias", output_bias))  # (Seed-OSS names its own)
-        output_bias = output_bias and hf_config.model_type not in UNBIASED_OUTPUT_MODEL_TYPES
+        output_bias = output_bias and not traits.unbiased_o_proj
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(hf_config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(self.q_size, hf_config.hidden_size, bias=output_bias)
-        self.qk_norm_per_head = hf_config.model_type in HEAD_QK_NORM_MODEL_TYPES or (
-            hf_config.model_type == "glm4_moe" and hf_config.use_qk_norm)  # (GLM-4.5's switch)
+        self.qk_norm_per_head = traits.qk_norm == "head"
         if self.qk_norm_per_head:
             self.q_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
-        elif hf_config.model_type in PROJECTION_QK_NORM_MODEL_TYPES:
+        elif traits.qk_norm == "projection":
             self.q_norm = RMSNorm(self.q_size, hf_config.rms_norm_eps)
             self.k_norm = RMSNorm(self.kv_size, hf_config.rms_norm_eps)
         else:
@@ -163,16 +151,16 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, hf_config, layer_index: int):
+    def __init__(self, hf_config, traits: Traits, layer_index: int):
         super().__init__()
         self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
-        self.self_attn = LlamaAttention(hf_config, layer_index)
+        self.self_attn = LlamaAttention(hf_config, traits, layer_index)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.residual_multiplier = getattr(hf_config, "residual_multiplier", 1.0)  # Granite's
-        self.is_moe = is_moe_layer(hf_config, layer_index)
+        self.is_moe = is_moe_layer(hf_config, traits, layer_index)
         if self.is_moe:
-            self.mlp = sparse_moe(hf_config)
-        elif hf_config.model_type in UNGATED_MLP_MODEL_TYPES:
+            self.mlp = sparse_moe(hf_config, traits)
+        elif traits.ungated_mlp:
             self.mlp = UngatedMLP(hf_config.hidden_size, hf_config.intermediate_size, hf_config.hidden_act, layer_index,
                                   bias=bool(getattr(hf_config, "mlp_bias", False)))
         else:
@@ -201,15 +189,17 @@ class LlamaForCausalLM(nn.Module):
     `lora` (a pagedkv.lora.LoRABatch) adds the step's adapters' updates to the projections."""
 
     # What a variant of the family swaps (Gemma's and OLMo's: their decoder layers and norm); the
-    # decoder layer is a class or a function building one from (hf_config, layer_index)
+    # decoder layer is a class or a function building one from (hf_config, traits, layer_index)
     decoder_layer_class = LlamaDecoderLayer
     norm_class = RMSNorm
 
-    def __init__(self, hf_config, max_positions: int, dtype: torch.dtype):
+    def __init__(self, hf_config, traits: Traits, max_positions: int, dtype: torch.dtype):
         super().__init__()
         self.hf_config = hf_config
+        self.traits = traits  # (registry.resolve_traits(hf_config))
         self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
-        self.layers = nn.ModuleList(self.decoder_layer_class(hf_config, i) for i in range(hf_config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.decoder_layer_class(hf_config, traits, i)
+                                    for i in range(hf_config.num_hidden_layers))
         self.norm = self.norm_class(hf_config.hidden_size, norm_eps(hf_config))
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:

@@ -9,13 +9,14 @@ import torch
 
 from pagedkv.models.deepseek_v2 import DeepseekMoE, DeepseekV2ForCausalLM
 from pagedkv.models.llama import LlamaDecoderLayer
+from pagedkv.models.registry import Traits
 
 
 class MiniMaxM2DecoderLayer(LlamaDecoderLayer):
-    def __init__(self, hf_config, layer_index: int):
-        super().__init__(hf_config, layer_index)  # (a dense MLP: replaced)
+    def __init__(self, hf_config, traits: Traits, layer_index: int):
+        super().__init__(hf_config, traits, layer_index)  # (a dense MLP: replaced)
         self.is_moe = True
-        self.mlp = DeepseekMoE(hf_config)
+        self.mlp = DeepseekMoE(hf_config, traits)
 
 
 class MiniMaxM2ForCausalLM(DeepseekV2ForCausalLM):

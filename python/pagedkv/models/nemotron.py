@@ -13,6 +13,7 @@ from torch import nn
 from pagedkv.layers.ungated_mlp import UngatedMLP
 from pagedkv.models.blocks import PreNormBlock
 from pagedkv.models.llama import LlamaAttention, PlainLayersForCausalLM
+from pagedkv.models.registry import Traits
 
 
 class LayerNorm1P(nn.LayerNorm):
@@ -23,10 +24,10 @@ class LayerNorm1P(nn.LayerNorm):
                             self.eps).to(hidden.dtype)
 
 
-def nemotron_layer(hf_config, layer_index: int) -> PreNormBlock:
+def nemotron_layer(hf_config, traits: Traits, layer_index: int) -> PreNormBlock:
     return PreNormBlock(
         LayerNorm1P(hf_config.hidden_size, hf_config.norm_eps),
-        LlamaAttention(hf_config, layer_index),
+        LlamaAttention(hf_config, traits, layer_index),
         LayerNorm1P(hf_config.hidden_size, hf_config.norm_eps),
         UngatedMLP(hf_config.hidden_size, hf_config.intermediate_size, hf_config.hidden_act, layer_index,
                    bias=hf_config.mlp_bias),

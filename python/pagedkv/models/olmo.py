@@ -12,6 +12,7 @@ from torch import nn
 
 from pagedkv.models.blocks import PreNormBlock
 from pagedkv.models.llama import LlamaAttention, LlamaMLP, PlainLayersForCausalLM
+from pagedkv.models.registry import Traits
 
 
 class OlmoLayerNorm(nn.Module):
@@ -26,8 +27,8 @@ class OlmoLayerNorm(nn.Module):
         return F.layer_norm(hidden.float(), self.normalized_shape, None, None, self.eps).to(hidden.dtype)
 
 
-def olmo_layer(hf_config, layer_index: int) -> PreNormBlock:
-    return PreNormBlock(OlmoLayerNorm(hf_config.hidden_size), LlamaAttention(hf_config, layer_index),  # (with clip_qkv)
+def olmo_layer(hf_config, traits: Traits, layer_index: int) -> PreNormBlock:
+    return PreNormBlock(OlmoLayerNorm(hf_config.hidden_size), LlamaAttention(hf_config, traits, layer_index),  # (with clip_qkv)
                         OlmoLayerNorm(hf_config.hidden_size), LlamaMLP(hf_config, layer_index))
 
 

@@ -14,14 +14,15 @@ from torch import nn
 
 from pagedkv.layers.rms_norm import RMSNorm
 from pagedkv.models.llama import LlamaAttention, LlamaMLP, PlainLayersForCausalLM
+from pagedkv.models.registry import Traits
 
 
 class Olmo2DecoderLayer(nn.Module):
     is_moe = False
 
-    def __init__(self, hf_config, layer_index: int):
+    def __init__(self, hf_config, traits: Traits, layer_index: int):
         super().__init__()
-        self.self_attn = LlamaAttention(hf_config, layer_index)  # with OLMo's whole-projection q/k norms
+        self.self_attn = LlamaAttention(hf_config, traits, layer_index)  # with OLMo's whole-projection q/k norms
         self.mlp = LlamaMLP(hf_config, layer_index)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.post_feedforward_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)

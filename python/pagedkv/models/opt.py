@@ -12,14 +12,15 @@ from torch import nn
 from pagedkv.layers.ungated_mlp import UngatedMLP
 from pagedkv.models.blocks import PreNormBlock
 from pagedkv.models.gpt2 import AbsolutePositionAttention, GPT2ForCausalLM
+from pagedkv.models.registry import Traits
 
 
-def opt_layer(hf_config, layer_index: int) -> PreNormBlock:
+def opt_layer(hf_config, traits: Traits, layer_index: int) -> PreNormBlock:
     if not hf_config.do_layer_norm_before or hf_config.word_embed_proj_dim != hf_config.hidden_size:
         raise ValueError("OPT with post-norm blocks or projected embeddings (OPT-350M) is not supported")
     hidden, bias = hf_config.hidden_size, hf_config.enable_bias
     return PreNormBlock(
-        nn.LayerNorm(hidden), AbsolutePositionAttention(hf_config, layer_index, bias=bias), nn.LayerNorm(hidden),
+        nn.LayerNorm(hidden), AbsolutePositionAttention(hf_config, traits, layer_index, bias=bias), nn.LayerNorm(hidden),
         UngatedMLP(hidden, hf_config.ffn_dim, hf_config.activation_function, layer_index, bias=bias),
     )
 

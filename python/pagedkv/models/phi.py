@@ -15,21 +15,22 @@ from torch import nn
 from pagedkv.layers.ungated_mlp import UngatedMLP
 from pagedkv.models.blocks import ParallelBlock
 from pagedkv.models.llama import LlamaAttention, PlainLayersForCausalLM
+from pagedkv.models.registry import Traits
 
 
 class PhiAttention(LlamaAttention):
-    def __init__(self, hf_config, layer_index: int):
+    def __init__(self, hf_config, traits: Traits, layer_index: int):
         if getattr(hf_config, "qk_layernorm", False):
             raise ValueError("Phi with qk_layernorm=True is not supported")
-        super().__init__(hf_config, layer_index)
+        super().__init__(hf_config, traits, layer_index)
         self.qkv_proj = nn.Linear(hf_config.hidden_size, self.q_size + 2 * self.kv_size, bias=True)
         self.o_proj = nn.Linear(self.q_size, hf_config.hidden_size, bias=True)
 
 
-def phi_layer(hf_config, layer_index: int) -> ParallelBlock:
+def phi_layer(hf_config, traits: Traits, layer_index: int) -> ParallelBlock:
     return ParallelBlock(
         nn.LayerNorm(hf_config.hidden_size, hf_config.layer_norm_eps),
-        PhiAttention(hf_config, layer_index),
+        PhiAttention(hf_config, traits, layer_index),
         UngatedMLP(hf_config.hidden_size, hf_config.intermediate_size, hf_config.hidden_act, layer_index),
     )
 
@@ -43,8 +44,8 @@ class PhiForCausalLM(PlainLayersForCausalLM):
     checkpoint_names = ((".self_attn.dense.", ".self_attn.o_proj."), (".mlp.fc1.", ".mlp.c_fc."),
                         (".mlp.fc2.", ".mlp.c_proj."), ("model.final_layernorm.", "model.norm."))
 
-    def __init__(self, hf_config, max_positions: int, dtype: torch.dtype):
-        super().__init__(hf_config, max_positions, dtype)
+    def __init__(self, hf_config, traits: Traits, max_positions: int, dtype: torch.dtype):
+        super().__init__(hf_config, traits, max_positions, dtype)
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=True)
 

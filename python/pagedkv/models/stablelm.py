@@ -14,11 +14,12 @@ from torch import nn
 from pagedkv.models.blocks import ParallelBlock, PreNormBlock
 from pagedkv.models.cohere import PerHeadNormAttention
 from pagedkv.models.llama import LlamaMLP, PlainLayersForCausalLM
+from pagedkv.models.registry import Traits
 
 
-def stablelm_layer(hf_config, layer_index: int) -> nn.Module:
+def stablelm_layer(hf_config, traits: Traits, layer_index: int) -> nn.Module:
     hidden, eps = hf_config.hidden_size, hf_config.layer_norm_eps
-    attention = PerHeadNormAttention(hf_config, layer_index, hf_config.qk_layernorm, eps)
+    attention = PerHeadNormAttention(hf_config, traits, layer_index, hf_config.qk_layernorm, eps)
     if hf_config.use_parallel_residual:
         return ParallelBlock(nn.LayerNorm(hidden, eps), attention, LlamaMLP(hf_config, layer_index))
     return PreNormBlock(nn.LayerNorm(hidden, eps), attention, nn.LayerNorm(hidden, eps), LlamaMLP(hf_config, layer_index))

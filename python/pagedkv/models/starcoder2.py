@@ -13,12 +13,13 @@ from torch import nn
 from pagedkv.layers.ungated_mlp import UngatedMLP
 from pagedkv.models.blocks import PreNormBlock
 from pagedkv.models.llama import LlamaAttention, PlainLayersForCausalLM
+from pagedkv.models.registry import Traits
 
 
-def starcoder2_layer(hf_config, layer_index: int) -> PreNormBlock:
+def starcoder2_layer(hf_config, traits: Traits, layer_index: int) -> PreNormBlock:
     return PreNormBlock(
         nn.LayerNorm(hf_config.hidden_size, hf_config.norm_epsilon),
-        LlamaAttention(hf_config, layer_index),
+        LlamaAttention(hf_config, traits, layer_index),
         nn.LayerNorm(hf_config.hidden_size, hf_config.norm_epsilon),
         UngatedMLP(hf_config.hidden_size, hf_config.intermediate_size, hf_config.hidden_act, layer_index,
                    bias=hf_config.use_bias),

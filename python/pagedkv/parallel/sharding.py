@@ -8,23 +8,30 @@ states, and rank 0 samples from its own logits."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from pagedkv.errors import InvalidConfigError
 from pagedkv.parallel.group import TensorParallelGroup
 
+if TYPE_CHECKING:
+    from pagedkv.models.registry import Traits
 
-def check_shardable(hf_config, model_class, size: int) -> None:
-    """Raises InvalidConfigError, naming the numbers, unless `size` ranks can shard this model."""
+
+def check_shardable(hf_config, model_class, traits: Traits, size: int) -> None:
+    """Raises InvalidConfigError, naming the numbers, unless `size` ranks can shard this model
+    (a checkpoint's loader.ModelSpec: its config, class and traits)."""
     from pagedkv.layers.fused_moe import is_moe_layer
-    from pagedkv.models.llama import PROJECTION_QK_NORM_MODEL_TYPES, UNGATED_MLP_MODEL_TYPES, LlamaForCausalLM
+    from pagedkv.models.llama import LlamaForCausalLM
 
     model_type = hf_config.model_type
-    if model_class is not LlamaForCausalLM or model_type in PROJECTION_QK_NORM_MODEL_TYPES + UNGATED_MLP_MODEL_TYPES:
+    # (norms over whole q/k projections span every rank's heads; the ungated MLP has no sharding rules)
+    if model_class is not LlamaForCausalLM or traits.qk_norm == "projection" or traits.ungated_mlp:
         raise InvalidConfigError(f"tensor_parallel_size={size}: model_type {model_type!r} does not shard yet "
                                  "(tensor parallelism covers the Llama family: llama, mistral, qwen2, qwen3, "
                                  "smollm3, granite, phi3, ...)")
-    if any(is_moe_layer(hf_config, i) for i in range(hf_config.num_hidden_layers)):
+    if any(is_moe_layer(hf_config, traits, i) for i in range(hf_config.num_hidden_layers)):
         raise InvalidConfigError(f"tensor_parallel_size={size}: mixture-of-experts models ({model_type}) do not "
                                  "shard yet; run them with tensor_parallel_size=1")
     num_heads = hf_config.num_attention_heads
