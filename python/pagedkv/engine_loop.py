@@ -1,5 +1,5 @@
-"""One background thread owns the engine and steps it; asyncio code (AsyncLLM, the HTTP
-handlers) talks to it through a thread-safe command queue and receives outputs on its own
+"""One background thread owns the engine and steps it; AsyncLLM (its only client: the HTTP
+server is built on it) talks to it through a thread-safe command queue and receives outputs on
 asyncio queues. Requests from all callers are batched together by the scheduler (continuous
 batching). The heavy half of admitting a request (tokenizing, grammar compiling) runs on a small
 worker pool, so neither the event loop nor the stepping thread waits for a megabyte prompt."""

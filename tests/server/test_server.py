@@ -436,7 +436,7 @@ def test_health_is_503_once_the_engine_loop_is_gone():
     live = LiveServer(num_device_blocks=32, max_model_len=128)
     try:
         assert httpx.get(live.url + "/health").status_code == 200
-        live.server.config.app.state.pagedkv["loop"].stop()
+        live.engine_loop.stop()
         response = httpx.get(live.url + "/health")
         assert response.status_code == 503
         refused = httpx.post(live.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)

@@ -187,7 +187,7 @@ def wait_until(condition, what: str, seconds: float = 10) -> None:
     ("/score", {"text_1": "w5", "text_2": ["w6", "w7", "w8"]}, 4),  # (an embedding model: each text embedded once)
 ])
 def test_a_pooling_client_that_leaves_aborts_its_requests(server, route, body, num_requests, caplog):
-    loop = server.server.config.app.state.pagedkv["loop"]
+    loop = server.engine_loop
     aborted_before = server.engine.num_finished_by_reason.get("abort", 0)
     # The engine is held until the requests are queued, then (a second hold queued behind them)
     # until the server has asked to abort them all, so that no step can finish them first.
@@ -216,7 +216,7 @@ def test_a_pooling_client_that_leaves_aborts_its_requests(server, route, body, n
 
 
 def test_a_full_preparation_queue_is_a_503(server):
-    loop = server.server.config.app.state.pagedkv["loop"]
+    loop = server.engine_loop
     limit, loop._max_worker_jobs = loop._max_worker_jobs, 1
     release = threading.Event()
     try:
@@ -364,7 +364,7 @@ def test_an_internal_fault_is_a_500_with_the_error_json_and_a_logged_request_id(
     def broken(*_):
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr("pagedkv.server.app.score_pairs", broken)
+    monkeypatch.setattr("pagedkv.server.routes.pooling.score_pairs", broken)
     response = httpx.post(server.url + "/score", json={"text_1": "a", "text_2": "b"}, timeout=30,
                           headers={"x-request-id": "fault-1"})
     assert response.status_code == 500 and response.headers["x-request-id"] == "fault-1"

@@ -47,6 +47,11 @@ class LiveServer:
         self.thread.join(30)
         assert not self.thread.is_alive()
 
+    @property
+    def engine_loop(self):
+        """The engine loop the app's AsyncLLM drives (tests hold it, stop it, read its queues)."""
+        return self.server.config.app.state.serving.client._loop
+
     def metric(self, name: str) -> float:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         text = httpx.get(self.url + "/metrics", headers=headers, timeout=10).text

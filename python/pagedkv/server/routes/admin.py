@@ -1,0 +1,88 @@
+"""The server's own routes: /health, /v1/models, /metrics, /version, /reset_prefix_cache, and
+(`lora_router`, with allow_runtime_lora_updating) vLLM's /v1/load_lora_adapter and
+/v1/unload_lora_adapter."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import APIRouter, Depends
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from pagedkv import __version__
+from pagedkv.lora import LoRARequest
+from pagedkv.server.errors import APIError
+from pagedkv.server.openapi import ModelList, StatusResponse, VersionResponse, answer
+from pagedkv.server.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+from pagedkv.server.responses import ResponseBuilder
+from pagedkv.server.serving import ServingContext, serving
+
+logger = logging.getLogger("pagedkv.server")
+
+router = APIRouter()
+lora_router = APIRouter()
+
+
+@router.get("/health", responses={**answer(StatusResponse),
+                                  503: {"model": StatusResponse, "description": "The engine loop has stopped"}})
+async def health(context: ServingContext = Depends(serving)):
+    if not context.client.is_running:
+        return JSONResponse({"status": "engine loop stopped"}, status_code=503)
+    return {"status": "ok"}
+
+
+@router.get("/v1/models", responses=answer(ModelList))
+async def models(context: ServingContext = Depends(serving)):
+    card = {"id": context.model_name, "object": "model", "created": 0, "owned_by": "pagedkv",
+            "max_model_len": context.max_model_len}
+    lora_cards = [{"id": name, "object": "model", "created": 0, "owned_by": "pagedkv", "root": adapter.lora_path,
+                   "parent": context.model_name, "max_model_len": context.max_model_len}
+                  for name, adapter in context.adapters.items()]
+    return {"object": "list", "data": [card, *lora_cards]}
+
+
+@router.get("/metrics", response_class=PlainTextResponse)
+async def metrics(context: ServingContext = Depends(serving)):
+    return Response(context.metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+@router.post("/reset_prefix_cache", responses=answer(StatusResponse))
+async def reset_prefix_cache(context: ServingContext = Depends(serving)):
+    """vLLM's: forgets every cached prefix (after a weight update); 409 while requests run."""
+    if not await context.client.reset_prefix_cache():
+        raise APIError(409, "the prefix cache cannot be reset while requests are unfinished", "conflict_error", None)
+    return {"status": "ok"}
+
+
+@lora_router.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
+async def load_lora_adapter(body: LoadLoRAAdapterRequest, context: ServingContext = Depends(serving)):
+    name = body.lora_name
+    if name == context.model_name or name in context.adapters:
+        raise APIError(400, f"The lora adapter '{name}' has already been loaded.", "invalid_request_error",
+                       "lora_name")
+    next_id = max((known.lora_int_id for known in context.adapters.values()), default=0) + 1
+    adapter = LoRARequest(name, next_id, body.lora_path)
+    try:
+        await context.client.add_lora(adapter)
+    except ValueError as error:  # (InvalidConfigError: the message names what is wrong)
+        raise APIError(400, str(error), "invalid_request_error", "lora_path") from error
+    context.adapters[name] = adapter
+    context.builders[name] = ResponseBuilder(context.tokenizer, name, context.reasoning)
+    logger.info("LoRA adapter %r loaded from %s", name, body.lora_path)
+    return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
+
+
+@lora_router.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)
+async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, context: ServingContext = Depends(serving)):
+    adapter = context.adapters.pop(body.lora_name, None)
+    if adapter is None:
+        raise APIError(404, f"The lora adapter '{body.lora_name}' cannot be found.", "invalid_request_error",
+                       "lora_name", "model_not_found")
+    context.builders.pop(body.lora_name, None)
+    await context.client.remove_lora(adapter.lora_int_id)
+    return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
+
+
+@router.get("/version", responses=answer(VersionResponse))
+async def version():
+    return {"version": __version__}

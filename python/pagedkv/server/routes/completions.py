@@ -1,0 +1,62 @@
+"""/v1/completions and /v1/chat/completions, whole or streamed (SSE)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from typing import Optional
+
+from fastapi import APIRouter, Depends, Request
+
+from pagedkv.server.openapi import ChatCompletion, Completion, streamed_answer
+from pagedkv.server.protocol import ChatCompletionRequest, CompletionRequest
+from pagedkv.server.serving import ServingContext, make_params, merged, serving, with_tools
+from pagedkv.server.tools import ToolCalling
+
+router = APIRouter()
+
+
+@router.post("/v1/completions", responses=streamed_answer(Completion))
+async def completions(body: CompletionRequest, request: Request, context: ServingContext = Depends(serving)):
+    served = context.check_model(body.model)
+    params = make_params(lambda: body.completion_params(context.generation_defaults))
+    prompts = make_params(body.prompts)
+    return await run(context, request, prompts, params, body, served, chat=False)
+
+
+@router.post("/v1/chat/completions", responses=streamed_answer(ChatCompletion))
+async def chat_completions(body: ChatCompletionRequest, request: Request, context: ServingContext = Depends(serving)):
+    served = context.check_model(body.model)
+    if body.max_completion_tokens is not None and body.max_tokens is None:
+        body.max_tokens = body.max_completion_tokens
+    default_max = max(1, context.max_model_len // 2)
+    params = make_params(lambda: body.sampling_params(body.chat_logprobs(), default_max, context.generation_defaults))
+    chat_tools, tool_choice = body.chat_tools()
+    tools = context.tool_calling(chat_tools, tool_choice)
+    params = context.with_reasoning(with_tools(params, tools, "structured outputs (response_format, guided_*)"))
+    prompt = await context.chat_prompt(body.messages, True, chat_tools if tools is not None else None,
+                                       body.chat_template_kwargs)
+    return await run(context, request, [prompt], params, body, served, chat=True, tools=tools)
+
+
+async def run(context: ServingContext, request: Request, prompts: list, params, body, served: str, chat: bool,
+              tools: Optional[ToolCalling] = None):
+    """Queues one engine request per prompt (all or none), with the adapter `served` names if
+    it is one, and answers with their choices."""
+    builder = context.builders[served]
+    request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    request_ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+    if not body.stream:  # only the final output is sent: spare the engine per-step detokenizing
+        params = dataclasses.replace(params, output_kind="final_only")
+    streams = await context.submit(request_ids, prompts, params, body.priority, served, chat,
+                                   check_context_room=body.max_tokens is not None)
+    created = int(time.time())
+    echo = bool(getattr(body, "echo", False))
+    if body.stream:
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        chunks = builder.stream_chunks(request_id, merged(streams), len(streams), created, chat, include_usage,
+                                       params.n, echo, tools)
+        return context.event_stream(streams, chunks)
+    finals = await context.final_outputs(request, streams)
+    return builder.full_response(request_id, finals, created, chat, params.n, echo, tools)

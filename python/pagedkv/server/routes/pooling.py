@@ -1,0 +1,88 @@
+"""The pooling routes: /v1/embeddings, and vLLM's /classify, /score and /rerank (each also under
+the prefixes vLLM serves it at)."""
+
+from __future__ import annotations
+
+import uuid
+
+from fastapi import APIRouter, Depends, Request
+
+from pagedkv.pooling_params import PoolingParams
+from pagedkv.scoring import score_pairs, scores_of, scoring_requests
+from pagedkv.server.errors import APIError
+from pagedkv.server.openapi import ClassificationList, EmbeddingList, RerankList, ScoreList, answer
+from pagedkv.server.protocol import ClassificationRequest, EmbeddingRequest, RerankRequest, ScoreRequest
+from pagedkv.server.serving import ServingContext, make_params, serving
+
+router = APIRouter()
+
+
+@router.post("/v1/embeddings", responses=answer(EmbeddingList))
+async def embeddings(body: EmbeddingRequest, request: Request, context: ServingContext = Depends(serving)):
+    served = context.check_model(body.model)
+    inputs = make_params(body.inputs)
+    hidden_size = context.hf_config.hidden_size
+    if body.dimensions is not None and body.dimensions != hidden_size:
+        raise APIError(400, f"dimensions={body.dimensions} is not supported: this model's embeddings have "
+                       f"{hidden_size}", "invalid_request_error", "dimensions")
+    outputs = await pool(context, request, "embd-", inputs, PoolingParams(), body.priority, served)
+    return context.builders[served].embeddings(outputs, body.encoding_format)
+
+
+@router.post("/classify", responses=answer(ClassificationList))
+@router.post("/v1/classify", responses=answer(ClassificationList))
+async def classify(body: ClassificationRequest, request: Request, context: ServingContext = Depends(serving)):
+    """vLLM's /classify: each input's class probabilities and most likely label, from a
+    sequence-classification checkpoint."""
+    served = context.check_model(body.model)
+    inputs = make_params(body.inputs)
+    if context.classifier is None:
+        raise APIError(400, f"model {served!r} is not a sequence classifier (*ForSequenceClassification)",
+                       "invalid_request_error", "model")
+    params = PoolingParams(task="classify", use_activation=body.use_activation)
+    outputs = await pool(context, request, "classify-", inputs, params, body.priority, served)
+    return context.builders[served].classifications(outputs, context.hf_config)
+
+
+@router.post("/score", responses=answer(ScoreList))
+@router.post("/v1/score", responses=answer(ScoreList))
+async def score(body: ScoreRequest, request: Request, context: ServingContext = Depends(serving)):
+    """vLLM's /score: a relevance score per (text_1, text_2) pair."""
+    served = context.check_model(body.model)
+    scores, num_tokens = await scored(context, request, lambda: score_pairs(body.text_1, body.text_2), "score-",
+                                      body.priority, served)
+    return context.builders[served].scores(scores, num_tokens)
+
+
+@router.post("/rerank", responses=answer(RerankList))
+@router.post("/v1/rerank", responses=answer(RerankList))
+@router.post("/v2/rerank", responses=answer(RerankList))
+async def rerank(body: RerankRequest, request: Request, context: ServingContext = Depends(serving)):
+    """vLLM's /rerank: the documents, most relevant to the query first (the best `top_n`)."""
+    served = context.check_model(body.model)
+    scores, num_tokens = await scored(context, request, lambda: score_pairs(body.query, body.documents), "rerank-",
+                                      body.priority, served)
+    return context.builders[served].reranked(body.documents, scores, body.top_n, num_tokens)
+
+
+async def scored(context: ServingContext, request: Request, pairs_of, prefix: str, priority: int,
+                 served: str) -> tuple[list[float], int]:
+    """(a score per pair (pagedkv.scoring), prompt tokens computed), or a 400 naming what is wrong."""
+    try:
+        pairs = pairs_of()
+        prompts, params = scoring_requests(pairs, context.tokenizer, context.classifier)
+    except ValueError as error:
+        raise APIError(400, str(error), "invalid_request_error")
+    outputs = await pool(context, request, prefix, prompts, params, priority, served)
+    scores = [score for score, _ in scores_of(pairs, prompts, outputs, params)]
+    return scores, sum(len(output.prompt_token_ids) for output in outputs)
+
+
+async def pool(context: ServingContext, request: Request, prefix: str, inputs: list, params: PoolingParams,
+               priority: int, served: str) -> list:
+    """Queues one pooling request per input (all or none) and waits for their outputs (see
+    ServingContext.final_outputs: a client that leaves aborts them)."""
+    request_id = prefix + uuid.uuid4().hex
+    request_ids = [f"{request_id}-{i}" for i in range(len(inputs))]
+    streams = await context.submit(request_ids, inputs, params, priority, served, chat=False, prompt_field="input")
+    return await context.final_outputs(request, streams)

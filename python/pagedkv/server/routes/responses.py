@@ -1,0 +1,50 @@
+"""/v1/responses: OpenAI's Responses API (server/responses_api.py builds its bodies and events)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from fastapi import APIRouter, Depends, Request
+
+from pagedkv.server.openapi import ResponseBody, streamed_answer
+from pagedkv.server.protocol import ResponsesRequest
+from pagedkv.server.responses_api import ResponseState, usage as responses_usage
+from pagedkv.server.serving import ServingContext, make_params, next_output, serving, with_tools
+
+router = APIRouter()
+
+
+@router.post("/v1/responses", responses=streamed_answer(ResponseBody))
+async def responses(body: ResponsesRequest, request: Request, context: ServingContext = Depends(serving)):
+    """OpenAI's Responses API, stateless (store is always false), whole or streamed as events."""
+    served = context.check_model(body.model)
+    params = make_params(lambda: body.responses_params(max(1, context.max_model_len // 2),
+                                                       context.generation_defaults))
+    messages = make_params(body.messages)
+    chat_tools, tool_choice = make_params(body.chat_tools)
+    tools = context.tool_calling(chat_tools, tool_choice)
+    params = context.with_reasoning(with_tools(params, tools, "text.format"))
+    prompt = await context.chat_prompt(messages, True, chat_tools if tools is not None else None,
+                                       body.chat_template_kwargs)
+    response = ResponseState(served, body, context.reasoning, tools)
+    if not body.stream:
+        params = dataclasses.replace(params, output_kind="final_only")
+    [stream] = await context.submit([response.id], [prompt], params, body.priority, served, chat=False,
+                                    prompt_field="input", check_context_room=body.max_output_tokens is not None)
+
+    async def events():
+        yield "".join(response.start())
+        output = None
+        while output is None or not output.finished:
+            output = await next_output(stream)
+            completion = output.outputs[0]
+            text = "".join(response.update(completion.text, completion.finish_reason, output.finished))
+            if text:
+                yield text
+        yield "".join(response.finish(completion.finish_reason, responses_usage(output)))
+
+    if body.stream:
+        return context.event_stream([stream], events())
+    [output] = await context.final_outputs(request, [stream])
+    completion = output.outputs[0]
+    return response.complete(completion.text, completion.finish_reason, responses_usage(output))

@@ -1,0 +1,289 @@
+"""The serving context every route works through (vLLM's serving classes over an EngineClient,
+in one object): the engine client (AsyncLLM, started with the app), the served names (the base
+model and its LoRA adapters) with their response builders, the model's facts, the server's
+options (chat template, tool-call and reasoning parsers) and metrics; and the life of the engine
+requests an HTTP request makes: queued all or none, streamed or awaited, and aborted when the
+client leaves (`aborting_unfinished`, the one place the server aborts them)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import threading
+from typing import AsyncIterator, Callable, Optional, TypeVar, Union
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from pagedkv.async_llm import AsyncLLM, RequestStream
+from pagedkv.engine import LLMEngine
+from pagedkv.errors import EngineStoppedError, OverloadedError
+from pagedkv.lora import LoRARequest
+from pagedkv.outputs import PoolingRequestOutput, RequestOutput
+from pagedkv.server.errors import APIError, submit_error
+from pagedkv.server.metrics import ServerMetrics
+from pagedkv.server.reasoning import ReasoningParser
+from pagedkv.server.responses import ResponseBuilder
+from pagedkv.server.tools import PARSERS as TOOL_CALL_PARSERS
+from pagedkv.server.tools import ToolCalling
+
+logger = logging.getLogger("pagedkv.server")
+
+Params = TypeVar("Params")
+
+
+class ServingContext:
+    """One per app (`app.state.serving`; routes take it with `Depends(serving)`). Built around an
+    engine that `start` hands to the engine client, the only caller of the engine from then on."""
+
+    def __init__(self, engine: LLMEngine, served_model_name: Optional[str] = None, chat_template: Optional[str] = None,
+                 lora_modules: Optional[dict[str, str]] = None, reasoning_parser: Optional[str] = None,
+                 tool_call_parser: str = "hermes"):
+        if tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {tool_call_parser!r}")
+        self.model_name = served_model_name or engine.model_name
+        self.adapters = {name: LoRARequest(name, index + 1, path)
+                         for index, (name, path) in enumerate((lora_modules or {}).items())}
+        if self.model_name in self.adapters:
+            raise ValueError(f"LoRA module name {self.model_name!r} is the base model's served name")
+        for adapter in self.adapters.values():
+            engine.add_lora(adapter)  # (a bad adapter stops the server from starting, not a request)
+        self.chat_template = chat_template
+        self.tool_call_parser = tool_call_parser
+        self.reasoning = ReasoningParser(reasoning_parser) if reasoning_parser else None
+        self.tokenizer = engine.tokenizer
+        # The model's facts the routes need, read once here (the engine then belongs to the loop thread;
+        # issue 24's ModelInfo on the engine will carry them).
+        self.max_model_len = engine.max_model_len
+        self.generation_defaults = engine.generation_defaults
+        self.classifier = engine.classifier  # (a sequence classifier's score head, else None)
+        self.hf_config = engine.runner.hf_config
+        self.vocab_size = engine.runner.vocab_size
+        self.supports_lora = engine.runner.lora_registry is not None
+        self.builders = {name: ResponseBuilder(self.tokenizer, name, self.reasoning)
+                         for name in (self.model_name, *self.adapters)}
+        self.metrics = ServerMetrics(lambda: self.client.stats() if self.client is not None else {})
+        self.draining = False
+        self.client: Optional[AsyncLLM] = None  # (from `start` to `stop`)
+        self._engine: Optional[LLMEngine] = engine
+
+    # -- life --------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Starts the engine client (its loop thread steps the engine from now on)."""
+        self.client = AsyncLLM(engine=self._engine, metrics=self.metrics)
+        self._engine = None
+
+    def stop(self) -> Optional[BaseException]:
+        """Stops the engine client; returns what had stopped it for good (see `failure`), if anything."""
+        client, self.client = self.client, None
+        client.shutdown()
+        self.builders.clear()  # (they hold the tokenizer)
+        return client.failure
+
+    @property
+    def failure(self) -> Optional[BaseException]:
+        """What stopped the engine for good while serving (a tensor-parallel rank lost), else None."""
+        return self.client.failure if self.client is not None else None
+
+    def drain(self, grace_seconds: float) -> None:
+        """Starts a graceful shutdown (serve calls it at SIGTERM): the requests still running
+        after `grace_seconds` are aborted; their streams end with finish_reason "abort" and
+        [DONE], their non-streamed answers are a 503 error."""
+        self.draining = True
+
+        def abort_all() -> None:
+            client = self.client
+            if client is not None:
+                client.abort_all()
+
+        timer = threading.Timer(grace_seconds, abort_all)
+        timer.daemon = True
+        timer.start()
+
+    # -- what a request asks for ---------------------------------------------------------------
+    def check_model(self, name: Optional[str]) -> str:
+        """The served name a request asked for (the base model's by default)."""
+        if name is None or name == self.model_name:
+            return self.model_name
+        if name in self.adapters:
+            return name
+        served = ", ".join(repr(known) for known in (self.model_name, *self.adapters))
+        raise APIError(404, f"model {name!r} does not exist; this server serves {served}",
+                       "invalid_request_error", "model", "model_not_found")
+
+    async def chat_prompt(self, messages, add_generation_prompt: bool, tools=None, template_kwargs=None) -> str:
+        """The prompt text, rendered on the worker pool (megabytes of messages or thousands of
+        tools take seconds); `template_kwargs` reach the template as variables (e.g. Qwen3's
+        enable_thinking)."""
+        turns = [message.template_fields() for message in messages]
+        try:
+            return await self.client.run_in_worker(lambda: self.tokenizer.apply_chat_template(
+                turns, tools=tools, chat_template=self.chat_template, tokenize=False,
+                add_generation_prompt=add_generation_prompt, **(template_kwargs or {})))
+        except OverloadedError:
+            raise
+        except Exception as error:
+            raise APIError(400, f"messages: cannot apply the chat template: {error}", "invalid_request_error", "messages")
+
+    def tool_calling(self, chat_tools, tool_choice) -> Optional[ToolCalling]:
+        """The request's tools, read by the server's tool-call parser (None without tools)."""
+        return make_params(lambda: ToolCalling.from_request(chat_tools, tool_choice, self.tool_call_parser))
+
+    def with_reasoning(self, params):
+        """GPT-OSS's harmony markers are special tokens: its parser reads replies with them."""
+        if self.reasoning is not None and self.reasoning.keeps_special_tokens:
+            return dataclasses.replace(params, skip_special_tokens=False)
+        return params
+
+    # -- the engine requests of an HTTP request --------------------------------------------------
+    async def submit(self, request_ids: list[str], prompts: list, params, priority: int, served: str, chat: bool,
+                     prompt_field: str = "prompt", check_context_room: bool = False) -> list[RequestStream]:
+        """Queues one engine request per prompt (all or none), with the adapter `served` names if
+        it is one; a refusal is the answer `submit_error` makes of it."""
+        try:
+            return await self.client.add_requests(list(zip(request_ids, prompts)), params, priority,
+                                                  self.adapters.get(served), check_context_room)
+        except Exception as error:
+            raise submit_error(error, chat, prompt_field) from error
+
+    @contextlib.contextmanager
+    def aborting_unfinished(self, streams: list[RequestStream]):
+        """Aborts the requests still unfinished when the block is left (freeing their blocks): the
+        client disconnected, the handler was cancelled, or the answer failed."""
+        client = self.client  # (held here: a stream may outlive `stop`, which drops the context's)
+        try:
+            yield
+        finally:
+            for stream in streams:
+                if not stream.finished:
+                    client.abort(stream.request_id)
+
+    async def final_outputs(self, request: Request, streams: list[RequestStream]) -> list:
+        """Each request's final output, for a non-streamed answer. A client that disconnects
+        first (499) or a cancelled handler aborts the unfinished ones; so does a shutdown, which
+        answers 503."""
+        finals: list = [None] * len(streams)
+
+        async def collect() -> None:
+            for i, stream in enumerate(streams):
+                while not stream.finished:
+                    finals[i] = await next_output(stream)
+
+        collecting = asyncio.ensure_future(collect())
+        leaving = asyncio.ensure_future(client_disconnected(request))
+        with self.aborting_unfinished(streams):
+            try:
+                await asyncio.wait({collecting, leaving}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                leaving.cancel()
+                collecting.cancel()
+        if not collecting.done() or collecting.cancelled():  # (cancel() only asks: it may still be pending)
+            raise APIError(499, "the client closed the connection", "client_closed_request")
+        collecting.result()  # (raises what collecting raised)
+        if self.draining and any(was_aborted(final) for final in finals):
+            raise APIError(503, "the server is shutting down", "server_overloaded", None, "shutting_down",
+                           {"Retry-After": "1"})
+        return finals
+
+    def event_stream(self, streams: list[RequestStream], events: AsyncIterator[str]) -> StreamingResponse:
+        """The SSE answer of `events`; a client that goes away mid-stream aborts the requests. A
+        failure after the stream began (the engine stopped) ends it with an error event and
+        [DONE], as vLLM's server does: the status line was sent already."""
+
+        async def guarded():
+            with self.aborting_unfinished(streams):
+                try:
+                    async for event in events:
+                        yield event
+                except (APIError, EngineStoppedError) as error:
+                    message = error.message if isinstance(error, APIError) else str(error)
+                    kind = error.type if isinstance(error, APIError) else "server_overloaded"
+                    logger.warning("stream ended by an error: %s", message)
+                    body = {"error": {"message": message, "type": kind, "param": None, "code": None}}
+                    yield f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n"
+
+        return StreamingResponse(guarded(), media_type="text/event-stream")
+
+
+def serving(request: Request) -> ServingContext:
+    """The app's serving context (a route dependency)."""
+    return request.app.state.serving
+
+
+def make_params(build: Callable[[], Params]) -> Params:
+    """`build()`, its ValueError a 400 naming the field the message starts with."""
+    try:
+        return build()
+    except ValueError as error:
+        field = str(error).split(" ", 1)[0]
+        raise APIError(400, str(error), "invalid_request_error", field)
+
+
+def with_tools(params, tools: Optional[ToolCalling], structured_fields: str):
+    """The request's sampling params with its tools: a forced call is a grammar (none other may
+    be asked for, in `structured_fields`); with "auto", Llama 3's <|python_tag|> and
+    Mistral's [TOOL_CALLS] are special tokens, kept in the text where the parser looks for
+    them (as vLLM does)."""
+    if tools is None:
+        return params
+    if tools.constrained:
+        if params.structured_outputs is not None:
+            raise APIError(400, f"tool_choice required or a named function cannot be combined with "
+                           f"{structured_fields}", "invalid_request_error", "tool_choice")
+        return dataclasses.replace(params, structured_outputs=tools.constraint())
+    if tools.parser != "hermes":
+        return dataclasses.replace(params, skip_special_tokens=False)
+    return params
+
+
+async def next_output(stream: RequestStream) -> Union[RequestOutput, PoolingRequestOutput]:
+    """The stream's next output; EngineStoppedError (503: shutting down, or the engine failed)
+    passes, any other error (a failed step) is a 500."""
+    try:
+        return await stream.next()
+    except EngineStoppedError:
+        raise
+    except Exception as error:
+        raise APIError(500, str(error), "server_error") from error
+
+
+async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from every request's stream as they arrive."""
+    if len(streams) == 1:
+        while True:
+            yield 0, await next_output(streams[0])
+    combined: asyncio.Queue = asyncio.Queue()
+
+    async def forward(index: int, stream: RequestStream) -> None:
+        try:
+            while not stream.finished:
+                await combined.put((index, await next_output(stream)))
+        except Exception as error:  # (APIError, EngineStoppedError: raised to the reader)
+            await combined.put((index, error))
+
+    tasks = [asyncio.create_task(forward(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        while True:
+            index, item = await combined.get()
+            if isinstance(item, Exception):
+                raise item
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def was_aborted(final: Union[RequestOutput, PoolingRequestOutput]) -> bool:
+    """Whether the engine aborted the request (a drain's deadline passed) before it finished."""
+    if isinstance(final, PoolingRequestOutput):
+        return not any(dataclasses.astuple(final.outputs))  # (an aborted prompt pooled nothing)
+    return any(completion.finish_reason == "abort" for completion in final.outputs)
+
+
+async def client_disconnected(request: Request) -> None:
+    """Returns once the client has gone (its body is read: the next message says so)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        await asyncio.sleep(0.1)  # (a body chunk after the end: not expected, but never spin)
