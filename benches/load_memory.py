@@ -49,7 +49,7 @@ print(json.dumps({"peak_kib": rss_kib("VmHWM:") - before, "dtype": str(next(net.
 def save_random_llama(directory: str, args) -> int:
     """A random Llama in bfloat16 safetensors beside a word-level tokenizer; returns its bytes."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-    from conftest import save_tiny_checkpoint
+    from support.checkpoints import save_tiny_checkpoint
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=32000, hidden_size=args.hidden, intermediate_size=args.hidden * 4,
