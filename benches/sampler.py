@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from pagedkv.layers import sampler as current
+from pagedkv.runner import sampler as current
 from pagedkv.sampling_params import SamplingParams
 
 SETTINGS = [

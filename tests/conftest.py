@@ -37,7 +37,7 @@ def smollm2_hf_model(smollm2):
 def smollm2_runner(smollm2):
     """Our ModelRunner on SmolLM2 in float32 with a small cache (64 blocks of 16 tokens)."""
     from pagedkv.config import EngineConfig
-    from pagedkv.model_runner import ModelRunner
+    from pagedkv.runner.model_runner import ModelRunner
 
     return ModelRunner(EngineConfig(dtype="float32", num_device_blocks=64, swap_space_bytes=16 << 20, max_model_len=512))
 

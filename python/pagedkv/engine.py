@@ -9,7 +9,7 @@ import hashlib
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Union
 
 import torch
@@ -18,9 +18,10 @@ from pagedkv._core import Scheduler, SchedulerConfig
 from pagedkv.beam_search import BeamSearch
 from pagedkv.config import EngineConfig
 from pagedkv.errors import DuplicateRequestError, PromptTooLongError, UnknownRequestError
-from pagedkv.layers.sampler import Sampler, SamplingRow, changes_logits
+from pagedkv.runner.sampler import SamplingRow, changes_logits
+from pagedkv.runner.step_messages import ModelRunnerOutput, PromptLogprobsRequest, StepRequests
 from pagedkv.lora import LoRARequest
-from pagedkv.model_runner import ModelRunner
+from pagedkv.runner.model_runner import ModelRunner
 from pagedkv.ngram_proposer import propose_ngram_drafts
 from pagedkv.outputs import CompletionOutput, PoolingRequestOutput, RequestMetrics, RequestOutput
 from pagedkv.pooling_params import PoolingParams
@@ -53,14 +54,14 @@ class LLMEngine:
     def __init__(self, config: Optional[EngineConfig] = None, **overrides):
         self.config = config or EngineConfig(**overrides)
         self.runner = ModelRunner(self.config)
+        self.model_info = self.runner.info
         self.tokenizer = self.runner.tokenizer
-        self.model_name = self.runner.model_name
-        self.eos_token_ids = frozenset(self.runner.eos_token_ids)
+        self.model_name = self.model_info.name
+        self.eos_token_ids = self.model_info.eos_token_ids
         # The score head of a sequence-classification checkpoint (which then only pools), else None
-        self.classifier = self.runner.classifier
+        self.classifier = getattr(self.runner.model, "classifier", None)
         # Sampling parameters a request leaves unset take these (the model's generation config)
-        self.generation_defaults = self.runner.generation_defaults
-        self.sampler = Sampler()
+        self.generation_defaults = self.model_info.generation_defaults
         self.scheduler = Scheduler(self._scheduler_config())
         self.max_model_len = self.scheduler.max_model_len
         self.requests: dict[str, RequestState] = {}
@@ -159,10 +160,10 @@ class LLMEngine:
         the scheduler nor the engine's books, so any thread may call it while the engine steps
         (servers run it on a worker pool, off the event loop and the step thread)."""
         pooling = params if isinstance(params, PoolingParams) else None
-        if pooling is not None and pooling.task == "classify" and self.classifier is None:
+        if pooling is not None and pooling.task == "classify" and not self.model_info.is_classifier:
             raise ValueError("task='classify' needs a sequence-classification checkpoint (*ForSequenceClassification, "
                              "with a score head); this model generates text")
-        if pooling is None and self.classifier is not None:
+        if pooling is None and self.model_info.is_classifier:
             raise ValueError("this model is a sequence classifier (*ForSequenceClassification): it does not generate "
                              "text; classify prompts with LLM.classify or the server's /classify")
         if pooling is not None:  # computed like a one-token greedy request, reported only at the end
@@ -171,7 +172,7 @@ class LLMEngine:
         if priority != 0 and self.config.scheduling_policy != "priority":
             raise ValueError(f"priority must be 0 unless scheduling_policy is 'priority' (got {priority}; "
                              f"this engine runs {self.config.scheduling_policy!r})")
-        vocab_size = self.runner.vocab_size
+        vocab_size = self.model_info.vocab_size
         prompt = prompt_of(prompt)
         if isinstance(prompt, str):
             if params.truncate_prompt_tokens is None and len(prompt) > self._max_prompt_chars:
@@ -296,7 +297,7 @@ class LLMEngine:
             return None
         with self._grammar_compiler_lock:
             if self._grammar_compiler is None:
-                self._grammar_compiler = GrammarCompiler(self.tokenizer, self.runner.vocab_size, self.eos_token_ids,
+                self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model_info.vocab_size, self.eos_token_ids,
                                                          self.config.max_cached_grammars)
         return self._grammar_compiler.compile(params.structured_outputs)
 
@@ -375,23 +376,8 @@ class LLMEngine:
                 if request.metrics.first_scheduled_time is None:
                     request.metrics.first_scheduled_time = now
                     request.metrics.num_prefix_hit_tokens = start
-            scored = frozenset(seq_id for seq_id, sample, prefill in zip(step.seq_ids, step.samples, step.is_prefill)
-                               if self._needs_hidden_states(seq_id, sample, prefill))
-            loras = {seq_id: self.seq_owner[seq_id][0].lora for seq_id in step.seq_ids
-                     if self.seq_owner[seq_id][0].lora is not None} if self.config.enable_lora else None
-            logits, prompt_hidden = self.runner.execute(plan, scored, loras)
-            for seq_id, start in zip(step.seq_ids, step.starts):
-                request = self.seq_owner[seq_id][0]
-                if seq_id not in prompt_hidden or request.failed:
-                    continue
-                with self._isolated(request, touched):
-                    if request.pooling is not None:
-                        request.record_pooled(prompt_hidden[seq_id][-1], self.classifier)
-                    elif request.prompt_logprobs is not None:
-                        request.record_prompt_logprobs(start, prompt_hidden[seq_id], self.runner.compute_logits)
-            sampled = [(seq_id, prefill) for seq_id, sample, prefill in zip(step.seq_ids, step.samples, step.is_prefill)
-                       if sample]
-            self._process_samples(sampled, logits, prompt_hidden, touched)
+            asked = self._step_requests(step, touched)
+            self._apply(asked, self.runner.execute(plan, asked.requests), touched)
 
         outputs = []
         for request in list(touched.values()):
@@ -423,11 +409,12 @@ class LLMEngine:
         except Exception:
             self._fail(request, touched)
 
-    def _fail(self, request: RequestState, touched: dict[str, RequestState]) -> None:
+    def _fail(self, request: RequestState, touched: dict[str, RequestState],
+              error: Optional[BaseException] = None) -> None:
         """Ends a request whose step raised (a bug, or a logits processor that raised): its
         sequences end with finish_reason "abort" and the text they had, its blocks are freed, and
         the rest of the batch goes on."""
-        logger.exception("request %s failed in a step; aborting it", request.request_id)
+        logger.error("request %s failed in a step; aborting it", request.request_id, exc_info=error or True)
         request.failed = True
         touched[request.request_id] = request
         try:
@@ -440,59 +427,80 @@ class LLMEngine:
             for seq in request.seqs
         ]
 
-    def _needs_hidden_states(self, seq_id: int, sample: bool, is_prefill: bool) -> bool:
-        request, seq = self.seq_owner[seq_id]
-        verifies_drafts = bool(seq.draft_token_ids) and not is_prefill
-        return request.needs_prompt_logprobs or (sample and (request.pooling is not None or verifies_drafts))
-
-    def _process_samples(self, sampled: list[tuple[int, bool]], logits: torch.Tensor, hidden: dict,
-                         touched: dict[str, RequestState]) -> None:
-        """`sampled`: (seq_id, is_prefill) of the step's sampling sequences, in logits order."""
-        rows: list[SamplingRow] = []
-        row_targets: list[tuple[RequestState, SequenceState]] = []
-        beams: dict[str, tuple[RequestState, list[int], list[int]]] = {}
-        for row_index, (seq_id, is_prefill) in enumerate(sampled):
+    def _step_requests(self, step: _Step, touched: dict[str, RequestState]) -> _Asked:
+        """What this step asks of the runner for each scheduled sequence; n > 1 requests fork
+        their samples here, before their first token is drawn (they draw it from the parent's row)."""
+        asked = _Asked(StepRequests())
+        requests = asked.requests
+        if self.config.enable_lora:
+            requests.loras = {seq_id: self.seq_owner[seq_id][0].lora for seq_id in step.seq_ids
+                              if self.seq_owner[seq_id][0].lora is not None}
+        row_index = -1  # the sequence's place among the plan's sampling sequences
+        for seq_id, start, sample, is_prefill in zip(step.seq_ids, step.starts, step.samples, step.is_prefill):
+            row_index += sample
             request, seq = self.seq_owner[seq_id]
-            touched[request.request_id] = request
+            if sample:
+                touched[request.request_id] = request
             if request.failed:
                 continue
+            if request.needs_prompt_logprobs:
+                requests.prompt_logprobs[seq_id] = PromptLogprobsRequest(
+                    start, request.prompt_token_ids, len(request.prompt_logprobs), request.params.prompt_logprobs or 0)
+            if not sample:
+                continue
             with self._isolated(request, touched):
-                if request.pooling is not None:  # its embedding is recorded: nothing to sample
-                    self.scheduler.finish_sequence(seq.seq_id)
+                if request.pooling is not None:  # its embedding or scores: nothing to sample
+                    requests.pooling[seq_id] = request.pooling
                     continue
                 if seq.draft_token_ids:
                     if not is_prefill:
-                        self._verify_drafts(request, seq, hidden[seq_id])
+                        requests.drafts[seq_id] = seq.draft_token_ids
                         continue
                     seq.draft_token_ids = []  # a recompute dropped them: sample after the last real token
                 if request.beam_search is not None:
-                    entry = beams.setdefault(request.request_id, (request, [], []))
-                    entry[1].append(seq_id)
-                    entry[2].append(row_index)
+                    asked.beams.setdefault(request.request_id, (request, []))[1].append(seq_id)
+                    requests.logits_for.append(seq_id)
                     continue
                 targets = [seq]
                 if not request.forked:
                     request.forked = True
                     targets += self._fork_samples(request, seq)
                 for target in targets:
-                    rows.append(self._sampling_row(request, target, row_index))
-                    row_targets.append((request, target))
+                    requests.sampling_rows.append(self._sampling_row(request, target, row_index))
+                    requests.row_seq_ids.append(target.seq_id)
+                    asked.row_targets.append((request, target))
+        return asked
 
-        results = self._sample(logits, rows, row_targets, touched) if rows else []
+    def _apply(self, asked: _Asked, output: ModelRunnerOutput, touched: dict[str, RequestState]) -> None:
+        """Books the step's results: prompt logprobs, pooled vectors, verified drafts, sampled
+        tokens (reported to the scheduler in one closing call), beams."""
+        for seq_id, error in output.errors.items():
+            request = self.seq_owner[seq_id][0]
+            if not request.failed:
+                self._fail(request, touched, error)
+        for seq_id, entries in output.prompt_logprobs.items():
+            request = self.seq_owner[seq_id][0]
+            if not request.failed:
+                request.prompt_logprobs.extend(entries)
+        for seq_id, vector in output.pooled.items():
+            request, seq = self.seq_owner[seq_id]
+            if not request.failed:
+                with self._isolated(request, touched):
+                    request.record_pooled(vector)
+                    self.scheduler.finish_sequence(seq_id)
+        for seq_id, tokens in output.accepted_tokens.items():
+            request, seq = self.seq_owner[seq_id]
+            if not request.failed:
+                with self._isolated(request, touched):
+                    self._accept_drafts(request, seq, tokens)
+
         closing = _ClosingCall()
-        for (request, seq), result in zip(row_targets, results):
+        for (request, seq), result in zip(asked.row_targets, output.sampled):
             if result is None or request.failed:
                 continue
             with self._isolated(request, touched):
-                request.record_token(
-                    seq,
-                    result.token_id,
-                    result.logprob,
-                    result.top_logprobs,
-                    self.tokenizer,
-                    self.eos_token_ids,
-                    self.max_model_len,
-                )
+                request.record_token(seq, result.token_id, result.logprob, result.top_logprobs, self.tokenizer,
+                                     self.eos_token_ids, self.max_model_len)
                 if seq.finished:
                     closing.finish(request, seq.seq_id)
                 elif self._speculates(request, seq):
@@ -501,12 +509,13 @@ class LLMEngine:
                     closing.append(request, seq.seq_id, result.token_id)
         self._close_step(closing, touched)
 
-        for request, seq_ids, row_indices in beams.values():
+        logits_row = {seq_id: row for row, seq_id in enumerate(asked.requests.logits_for)}
+        for request, seq_ids in asked.beams.values():
             if request.failed:
                 continue
             with self._isolated(request, touched):
                 search = request.beam_search
-                search.step(seq_ids, logits[row_indices], self.scheduler)
+                search.step(seq_ids, output.logits[[logits_row[seq_id] for seq_id in seq_ids]], self.scheduler)
                 if request.metrics.first_token_time is None:
                     request.metrics.first_token_time = time.monotonic()
                 request.metrics.num_generated_tokens += len(seq_ids)
@@ -530,22 +539,6 @@ class LLMEngine:
                     self.scheduler.finish_sequence(seq_id)
                 else:
                     self.scheduler.append_token(seq_id, token_id)
-
-    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], row_targets: list, touched: dict) -> list:
-        """The sampler's result for every row, all rows at once; if that raises, row by row, so a
-        bad row (a logits processor that raises, ...) aborts its own request only (None there)."""
-        try:
-            return self.sampler(logits, rows)
-        except Exception:
-            logger.warning("sampling the batch failed; sampling its rows one by one")
-        results = []
-        for row, (request, _) in zip(rows, row_targets):
-            result = None
-            if not request.failed:
-                with self._isolated(request, touched):
-                    [result] = self.sampler(logits, [row])
-            results.append(result)
-        return results
 
     def _append_token(self, request: RequestState, seq: SequenceState, token_id: int) -> None:
         """Reports the next token to the scheduler, with prompt-lookup drafts after it when the
@@ -571,23 +564,20 @@ class LLMEngine:
                 and request.beam_search is None and params.logprobs is None
                 and not changes_logits(self._sampling_row(request, seq, 0)))
 
-    def _verify_drafts(self, request: RequestState, seq: SequenceState, hidden: torch.Tensor) -> None:
-        """`hidden`: final hidden states of this step's tokens, [the last token, *drafts]. Keeps
-        the drafts the model agrees with, then the model's own next token after them."""
+    def _accept_drafts(self, request: RequestState, seq: SequenceState, tokens: list[int]) -> None:
+        """`tokens`: the runner's verdict on the drafts this step computed, the accepted drafts
+        then the model's own next token after them."""
         drafts, seq.draft_token_ids = seq.draft_token_ids, []
-        targets = self.runner.compute_logits(hidden[-(len(drafts) + 1):]).argmax(dim=-1).tolist()
-        accepted = 0
-        while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
-            accepted += 1
+        accepted = len(tokens) - 1
         self.scheduler.accept_drafts(seq.seq_id, accepted)
         self.num_draft_tokens += len(drafts)
         self.num_accepted_draft_tokens += accepted
-        for token_id in drafts[:accepted] + [targets[accepted]]:
+        for token_id in tokens:
             request.record_token(seq, token_id, None, None, self.tokenizer, self.eos_token_ids, self.max_model_len)
             if seq.finished:
                 self.scheduler.finish_sequence(seq.seq_id)
                 return
-        self._append_token(request, seq, targets[accepted])
+        self._append_token(request, seq, tokens[-1])
 
     def _fork_samples(self, request: RequestState, parent: SequenceState) -> list[SequenceState]:
         """n > 1: the other samples fork the prompt's blocks right after its prefill."""
@@ -689,6 +679,16 @@ class _Step:
         self.starts = plan.starts.tolist()
         self.samples = plan.samples.tolist()
         self.is_prefill = plan.is_prefill.tolist()
+
+
+@dataclass
+class _Asked:
+    """A step's requests to the runner, with the engine's side of them: the request and sequence
+    each sampling row is for, and the beams of each beam-search request."""
+
+    requests: StepRequests
+    row_targets: list[tuple[RequestState, SequenceState]] = field(default_factory=list)
+    beams: dict[str, tuple[RequestState, list[int]]] = field(default_factory=dict)
 
 
 class _ClosingCall:

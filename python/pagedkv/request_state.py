@@ -6,7 +6,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
-import torch
 
 from pagedkv.detokenizer import DetokenizerState, detokenize_final, detokenize_incrementally
 from pagedkv.outputs import (
@@ -20,10 +19,6 @@ from pagedkv.outputs import (
 )
 from pagedkv.pooling_params import PoolingParams
 from pagedkv.sampling_params import SamplingParams
-
-
-# Prompt logprobs are computed this many positions at a time (bounds the [rows, vocab] logits).
-_PROMPT_LOGPROB_ROWS = 256
 
 
 @dataclass
@@ -79,42 +74,9 @@ class RequestState:
     def needs_prompt_logprobs(self) -> bool:
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
-    def record_prompt_logprobs(self, start: int, hidden: torch.Tensor, compute_logits) -> None:
-        """`hidden` [tokens, hidden size]: final hidden states of positions start.. of a prefill
-        chunk; row r predicts token start + r + 1. Records the prompt tokens not recorded yet (a
-        recomputed prefill repeats some), a slice of rows at a time: a chunk's whole logits
-        would be [tokens, vocab] floats."""
-        prompt = self.prompt_token_ids
-        first = len(self.prompt_logprobs)  # next prompt token to record
-        low, high = first - 1 - start, min(len(prompt) - 1 - start, hidden.shape[0])
-        if low < 0 or high <= low:  # nothing new here (a gap cannot happen: such prompts skip the prefix cache)
-            return
-        top = self.params.prompt_logprobs
-        for slice_low in range(low, high, _PROMPT_LOGPROB_ROWS):
-            slice_high = min(high, slice_low + _PROMPT_LOGPROB_ROWS)
-            target_ids = prompt[first + slice_low - low : first + slice_high - low]
-            with torch.inference_mode():
-                logprobs = torch.log_softmax(compute_logits(hidden[slice_low:slice_high]).float(), dim=-1)
-            targets = torch.tensor(target_ids, device=logprobs.device)
-            chosen = logprobs.gather(1, targets[:, None]).squeeze(1).tolist()
-            if top:
-                top_values, top_ids = logprobs.topk(top, dim=-1)
-                top_values, top_ids = top_values.tolist(), top_ids.tolist()
-            for row, (target, value) in enumerate(zip(target_ids, chosen)):
-                entry = dict(zip(top_ids[row], top_values[row])) if top else {}
-                entry[target] = value
-                self.prompt_logprobs.append(entry)
-
-    def record_pooled(self, last_hidden: torch.Tensor, classifier) -> None:
-        """The final hidden state of the prompt's last token becomes the embedding, or the
-        classifier's scores of it."""
-        if self.pooling.task == "classify":
-            vector = classifier(last_hidden, self.pooling.use_activation)
-        else:
-            vector = last_hidden.float()
-            if self.pooling.normalize:
-                vector = torch.nn.functional.normalize(vector, dim=-1)
-        self.pooled = vector.tolist()
+    def record_pooled(self, vector: list[float]) -> None:
+        """The prompt's embedding or class scores (the runner pooled them): the request is done."""
+        self.pooled = vector
         self.seqs[0].finish_reason = "stop"
         if self.metrics.first_token_time is None:
             self.metrics.first_token_time = time.monotonic()

@@ -13,7 +13,7 @@ import torch
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.attention.cuda import CudaAttentionBackend
-from pagedkv.cuda_graphs import DecodeGraphs, graph_batch_sizes, replay_eagerly
+from pagedkv.runner.cuda_graphs import DecodeGraphs, graph_batch_sizes, replay_eagerly
 from pagedkv.kernels import EmulatorLauncher, sources
 
 PROMPTS = ["Hello", "The quick brown fox", "def fibonacci(n):", "Paris is the capital of", "1, 2, 3, 4, 5,"]

@@ -204,9 +204,9 @@ def test_reset_prefix_cache_forgets_both_tiers_but_not_while_requests_run(prompt
 
 
 def test_prompt_logprobs_match_hf_across_chunks_despite_the_prefix_cache(hf_model, prompts, monkeypatch):
-    from pagedkv import request_state
+    from pagedkv.runner import results
 
-    monkeypatch.setattr(request_state, "_PROMPT_LOGPROB_ROWS", 7)  # several slices per 48-token chunk
+    monkeypatch.setattr(results, "_PROMPT_LOGPROB_ROWS", 7)  # several slices per 48-token chunk
     llm = LLM(dtype="float32", num_device_blocks=512, max_model_len=1024, enable_prefix_caching=True,
               max_num_batched_tokens=48)
     long_prompt, short_prompt = prompts[5], prompts[1]

@@ -7,7 +7,7 @@ import torch
 from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from pagedkv.persistent_batch import PersistentBatch
+from pagedkv.runner.persistent_batch import PersistentBatch
 from test_scheduler_liveness import LivenessMachine
 
 

@@ -5,7 +5,7 @@ import collections
 import pytest
 import torch
 
-from pagedkv.layers.sampler import Sampler, SamplingRow
+from pagedkv.runner.sampler import Sampler, SamplingRow
 from pagedkv.sampling_params import SamplingParams
 
 VOCAB = 50

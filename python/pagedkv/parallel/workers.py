@@ -190,7 +190,7 @@ def rank_config(config, rank: int):
 def serve_steps(config, rank: int, size: int, store) -> None:
     """A worker rank: builds its shard of the model and KV cache, then executes each step rank 0
     broadcasts until told to stop."""
-    from pagedkv.model_runner import ModelRunner
+    from pagedkv.runner.model_runner import ModelRunner
 
     group, channel = join_group(config, rank, size, store)
     runner = ModelRunner(rank_config(config, rank), group=group)
@@ -199,7 +199,7 @@ def serve_steps(config, rank: int, size: int, store) -> None:
             kind, plan = channel.receive()
             if kind == "stop":
                 break
-            runner.execute(plan, compute_logits=False)
+            runner.execute(plan)
     finally:
         _leave_group()
 

@@ -56,13 +56,13 @@ class Sampler:
         greedy = [i for i, row in enumerate(rows) if row.params.temperature == 0]
         sampled = [i for i, row in enumerate(rows) if row.params.temperature != 0]
         if not sampled:
-            tokens = logits.argmax(dim=-1)
+            tokens = argmax_rows(logits)
         elif not greedy:  # (no [N, vocab] gathers in the two common cases)
             tokens = _sample(logits, rows)
         else:
             tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
             index = torch.tensor(greedy, device=logits.device)
-            tokens[index] = logits[index].argmax(dim=-1)
+            tokens[index] = argmax_rows(logits[index])
             index = torch.tensor(sampled, device=logits.device)
             tokens[index] = _sample(logits[index], [rows[i] for i in sampled])
 
@@ -115,6 +115,15 @@ class Sampler:
             banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(row.eos_token_ids))
             if banned:
                 logits[torch.tensor(sorted(banned), device=logits.device)] = float("-inf")
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """The index of each row's largest value (the first of equals), as `logits.argmax(-1)`. On
+    the CPU through numpy, whose vectorised argmax is several times faster than torch's on wide
+    rows (a greedy step at 256 sequences of a 49k vocabulary: ~16 -> ~2 ms on 2 cores)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2:
+        return torch.from_numpy(logits.numpy().argmax(axis=-1))
+    return logits.argmax(dim=-1)
 
 
 def _takes_prompt(processor) -> bool:

@@ -20,7 +20,7 @@ import torch
 
 from pagedkv.attention.metadata import AttentionMetadata
 
-logger = logging.getLogger("pagedkv.cuda_graphs")
+logger = logging.getLogger("pagedkv.runner.cuda_graphs")
 
 
 def graph_batch_sizes(max_batch_size: int) -> list[int]:

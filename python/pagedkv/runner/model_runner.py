@@ -1,4 +1,5 @@
-"""ModelRunner: owns the model and the KV cache; turns a scheduler plan into one forward pass."""
+"""ModelRunner: owns the model, the KV cache and the sampler; turns a scheduler plan into one
+forward pass and the step's results (`execute(plan, requests) -> ModelRunnerOutput`)."""
 
 from __future__ import annotations
 
@@ -11,17 +12,22 @@ import torch
 
 from pagedkv.attention import AttentionMetadata, get_backend
 from pagedkv.config import EngineConfig
-from pagedkv.cuda_graphs import DecodeGraphs
+from pagedkv.runner.cuda_graphs import DecodeGraphs
 from pagedkv.errors import InvalidConfigError, TensorParallelError
+from pagedkv.host_memory import reuse_freed_memory
 from pagedkv.kv_cache import KVCache
 from pagedkv.loader import generation_defaults, load, load_generation_config, model_spec
 from pagedkv.lora import LoRARegistry, lora_batch
 from pagedkv.parallel import SINGLE_PROCESS, TensorParallelGroup, using_group
 from pagedkv.parallel.sharding import check_shardable
 from pagedkv.parallel.workers import TensorParallelWorkers
-from pagedkv.persistent_batch import PersistentBatch
+from pagedkv.runner import results
+from pagedkv.runner.model_info import ModelInfo
+from pagedkv.runner.persistent_batch import PersistentBatch
+from pagedkv.runner.sampler import Sampler
+from pagedkv.runner.step_messages import ModelRunnerOutput, StepRequests
 
-logger = logging.getLogger("pagedkv.model_runner")
+logger = logging.getLogger("pagedkv.runner.model_runner")
 
 _DEFAULT_CPU_KV_BYTES = 512 << 20
 
@@ -70,6 +76,8 @@ class ModelRunner:
             loaded = load(config.model, config.gguf_file, config.tokenizer, self.dtype, self.device,
                           config.max_model_len)
         self.model, self.tokenizer, self.hf_config = loaded.model, loaded.tokenizer, loaded.hf_config
+        if not config.is_cuda:
+            reuse_freed_memory()  # (after loading: the checkpoint's transient copies went back to the system)
         self.eos_token_ids, self.model_name = loaded.eos_token_ids, loaded.name
         self.generation_defaults = self._generation_defaults(loaded.generation_config)
         self.max_position_embeddings = self.hf_config.max_position_embeddings
@@ -80,6 +88,18 @@ class ModelRunner:
         self.backend = get_backend(config.attention_backend, config.device, attention.head_dim)
         num_layers = len(self.model.layers)
         self.sliding_window = _common_sliding_window(self.model)
+        self.sampler = Sampler()
+        classifier = getattr(self.model, "classifier", None)
+        self.info = ModelInfo(
+            name=self.model_name, vocab_size=self.vocab_size, hidden_size=self.hf_config.hidden_size,
+            max_model_len=self.max_model_len, eos_token_ids=frozenset(self.eos_token_ids),
+            num_parameters=self.num_parameters, dtype=str(self.dtype).removeprefix("torch."),
+            attention_backend=self.backend.name, sliding_window=self.sliding_window,
+            is_classifier=classifier is not None,
+            class_labels={int(k): v for k, v in (getattr(self.hf_config, "id2label", None) or {}).items()}
+            if classifier is not None else {},
+            generation_defaults=self.generation_defaults,
+        )
         self.block_bytes = KVCache.bytes_per_block(
             num_layers, attention.num_kv_heads, attention.head_dim, config.block_size, self.kv_dtype
         )
@@ -163,15 +183,9 @@ class ModelRunner:
             return int(free * 0.9)
         return _DEFAULT_CPU_KV_BYTES
 
-    @property
-    def classifier(self):
-        """The score head of a sequence-classification checkpoint, else None."""
-        return getattr(self.model, "classifier", None)
-
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits of final hidden states (what `execute` returns for sampled rows; here
-        for prompt logprobs and draft verification). Rank 0 holds the whole LM head."""
+        """float32 logits of final hidden states. Rank 0 holds the whole LM head."""
         return self.model.compute_logits(hidden)
 
     def shutdown(self) -> None:
@@ -182,22 +196,20 @@ class ModelRunner:
             torch.set_num_threads(self._threads_before)
             self._threads_before = None
 
-    def execute(self, plan, all_hidden_for: frozenset[int] = frozenset(), loras: Optional[dict] = None,
-                compute_logits: bool = True) -> tuple[torch.Tensor, dict]:
-        """Runs the copies of `plan`, then the forward over its scheduled tokens, built from the
-        plan's columns and the persistent batch. Returns float32 logits [num sampled sequences,
-        vocab] in the order of the sequences with `sample` (none without `compute_logits`), and
-        {seq_id: final hidden states of every scheduled token} for the sequences in
-        `all_hidden_for` (`model.compute_logits` turns them into logits). `loras`: {seq_id:
-        LoRAAdapter} of the sequences that run one. Rank 0 of a tensor-parallel group sends the
-        step to the other ranks first; any failure then is a TensorParallelError, for good."""
+    def execute(self, plan, requests: Optional[StepRequests] = None) -> ModelRunnerOutput:
+        """Runs the copies of `plan`, then the forward over its scheduled tokens (built from the
+        plan's columns and the persistent batch), then what `requests` asks of the step: logits
+        of the plan's sampling sequences, samples, verified drafts, prompt logprobs, pooled
+        vectors. Without `requests` (the other tensor-parallel ranks), the forward alone. Rank 0
+        of a tensor-parallel group sends the step to the other ranks first; any failure then is
+        a TensorParallelError, for good."""
         if self.workers is None:
-            return self._execute(plan, all_hidden_for, loras, compute_logits)
+            return self._execute(plan, requests)
         if self.failure is not None:
             raise self.failure
         try:
             self.workers.send_step(plan)
-            return self._execute(plan, all_hidden_for, loras, compute_logits)
+            return self._execute(plan, requests)
         except Exception as error:  # the ranks are out of step: no later step can run
             self.failure = TensorParallelError(f"tensor-parallel step failed: {error}")
             self.failure.__cause__ = error
@@ -205,33 +217,69 @@ class ModelRunner:
             raise self.failure from error
 
     @torch.inference_mode()
-    def _execute(self, plan, all_hidden_for, loras, compute_logits) -> tuple[torch.Tensor, dict]:
+    def _execute(self, plan, requests: Optional[StepRequests]) -> ModelRunnerOutput:
         self.kv_cache.swap_out(plan.blocks_to_swap_out)
         self.kv_cache.swap_in(plan.blocks_to_swap_in)
         self.kv_cache.copy_blocks(plan.blocks_to_copy, self.backend)
         if plan.num_scheduled == 0:
-            return torch.empty(0, self.vocab_size), {}
+            return ModelRunnerOutput()
         self.batch.apply(plan)
         self.kv_cache.wait_for_swap_in()
         step = _StepColumns(plan, self.config.block_size)
+        hidden_for = requests.needs_hidden_states() if requests is not None else frozenset()
+        loras = requests.loras if requests is not None else None
         adapters = [loras.get(seq_id) for seq_id in step.seq_ids] if loras else []
         graphs = self.decode_graphs
-        if (graphs is not None and not all_hidden_for and not any(adapters) and step.num_seqs <= graphs.max_batch_size
+        if (graphs is not None and not hidden_for and not any(adapters) and step.num_seqs <= graphs.max_batch_size
                 and step.num_decodes == step.num_seqs):
             hidden = graphs.run(step.token_ids, step.positions, step.slot_mapping, self._block_tables(step))
-            return self.model.compute_logits(hidden[step.sample_rows.to(self.device)]), {}  # (decode steps score no prompt)
-        input_ids, positions, metadata = self._prepare(step)
-        lora = None
-        if adapters:
-            lora = lora_batch(self.lora_registry, adapters, step.query_lens.tolist(), self.device)
-        hidden = self.model(input_ids, positions, metadata, self.kv_cache, self.backend, lora)
-        starts = metadata.query_start_loc_host
-        all_hidden = {
-            seq_id: hidden[starts[i] : starts[i + 1]] for i, seq_id in enumerate(step.seq_ids) if seq_id in all_hidden_for
-        }
-        if not compute_logits:
-            return torch.empty(0, self.vocab_size), all_hidden
-        return self.model.compute_logits(hidden[step.sample_index.to(self.device)]), all_hidden
+            sample_hidden, all_hidden = hidden[step.sample_rows.to(self.device)], {}
+        else:
+            input_ids, positions, metadata = self._prepare(step)
+            lora = None
+            if adapters:
+                lora = lora_batch(self.lora_registry, adapters, step.query_lens.tolist(), self.device)
+            hidden = self.model(input_ids, positions, metadata, self.kv_cache, self.backend, lora)
+            starts = metadata.query_start_loc_host
+            all_hidden = {seq_id: hidden[starts[i]:starts[i + 1]]
+                          for i, seq_id in enumerate(step.seq_ids) if seq_id in hidden_for}
+            sample_hidden = hidden[step.sample_index.to(self.device)]
+        if requests is None:
+            return ModelRunnerOutput()
+        return self._results(requests, sample_hidden, all_hidden, plan)
+
+    def _results(self, requests: StepRequests, sample_hidden: torch.Tensor, all_hidden: dict,
+                 plan) -> ModelRunnerOutput:
+        output = ModelRunnerOutput()
+        errors = output.errors
+        for seq_id, request in requests.prompt_logprobs.items():
+            try:
+                output.prompt_logprobs[seq_id] = results.prompt_logprobs(self.compute_logits, all_hidden[seq_id], request)
+            except Exception as error:
+                logger.exception("prompt logprobs of sequence %d failed", seq_id)
+                errors[seq_id] = error
+        for seq_id, params in requests.pooling.items():
+            try:
+                output.pooled[seq_id] = results.pool(getattr(self.model, "classifier", None), all_hidden[seq_id][-1], params)
+            except Exception as error:
+                logger.exception("pooling sequence %d failed", seq_id)
+                errors[seq_id] = error
+        for seq_id, drafts in requests.drafts.items():
+            try:
+                output.accepted_tokens[seq_id] = results.verify_drafts(self.compute_logits, all_hidden[seq_id], drafts)
+            except Exception as error:
+                logger.exception("verifying the drafts of sequence %d failed", seq_id)
+                errors[seq_id] = error
+        if not (requests.sampling_rows or requests.logits_for):
+            return output
+        logits = self.model.compute_logits(sample_hidden)
+        if requests.sampling_rows:
+            output.sampled = results.sample(self.sampler, logits, requests.sampling_rows, requests.row_seq_ids, errors)
+        if requests.logits_for:
+            sampling_seq_ids = plan.seq_ids[plan.samples].tolist()
+            row_of = {seq_id: row for row, seq_id in enumerate(sampling_seq_ids)}
+            output.logits = logits[torch.tensor([row_of[seq_id] for seq_id in requests.logits_for], device=logits.device)]
+        return output
 
     def _block_tables(self, step: _StepColumns) -> torch.Tensor:
         return self.batch.tables(step.rows.to(self.device), step.num_blocks)

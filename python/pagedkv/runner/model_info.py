@@ -1,0 +1,25 @@
+"""What the engine, the server and the CLI know of the model: facts read once from the loaded
+checkpoint, so nothing above the runner reaches into the model or its HF config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    vocab_size: int
+    hidden_size: int
+    max_model_len: int  # the limit the engine runs with (max_model_len, else the model's, capped)
+    eos_token_ids: frozenset[int]
+    num_parameters: int
+    dtype: str  # of the weights, e.g. "bfloat16"
+    attention_backend: str
+    sliding_window: int  # every layer attends within this many positions; 0: some layer sees it all
+    is_classifier: bool  # a *ForSequenceClassification checkpoint: it pools, it does not generate
+    class_labels: dict[int, str] = field(default_factory=dict)  # a classifier's id2label
+    generation_defaults: dict = field(default_factory=dict)  # SamplingParams defaults from its generation config
+
+    def class_label(self, index: int) -> str:
+        return self.class_labels.get(index, f"LABEL_{index}")

@@ -1,0 +1,62 @@
+"""The two messages of a step between the engine and the runner (vLLM V1's typed scheduler <->
+worker messages): with the scheduler's plan, `StepRequests` says what the engine wants from the
+step beyond the forward pass; `ModelRunnerOutput` is everything the step computed for it. The
+runner owns logits, sampling, draft verification and the pooling heads; the engine keeps the
+request books, stop checks, detokenization and outputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from pagedkv.pooling_params import PoolingParams
+from pagedkv.runner.sampler import SampleResult, SamplingRow
+
+
+@dataclass
+class PromptLogprobsRequest:
+    """Score the prompt tokens a prefill chunk predicts: the chunk starts at position `start`,
+    positions before `first` are recorded already (a recomputed prefill repeats some), `top`
+    most likely tokens beside each prompt token (0: the prompt token alone)."""
+
+    start: int
+    prompt_token_ids: list[int]
+    first: int
+    top: int
+
+
+@dataclass
+class StepRequests:
+    """What the engine asks of one step, by sequence id (sequences the plan schedules)."""
+
+    # One row per sample to draw; `logits_index` is the sequence's place among the plan's sampling
+    # sequences (a fork of n > 1 draws its first token from its parent's row).
+    sampling_rows: list[SamplingRow] = field(default_factory=list)
+    row_seq_ids: list[int] = field(default_factory=list)  # the sequence each sampling row is for
+    drafts: dict[int, list[int]] = field(default_factory=dict)  # draft tokens this step verifies
+    prompt_logprobs: dict[int, PromptLogprobsRequest] = field(default_factory=dict)
+    pooling: dict[int, PoolingParams] = field(default_factory=dict)
+    logits_for: list[int] = field(default_factory=list)  # sampling sequences whose raw logits come back (beams)
+    loras: Optional[dict] = None  # seq_id -> LoRAAdapter of the sequences that run one
+
+    def needs_hidden_states(self) -> frozenset[int]:
+        """Sequences whose every scheduled token's final hidden state the step keeps."""
+        return frozenset(self.drafts) | frozenset(self.prompt_logprobs) | frozenset(self.pooling)
+
+
+@dataclass
+class ModelRunnerOutput:
+    """One step's results for the engine."""
+
+    sampled: list[Optional[SampleResult]] = field(default_factory=list)  # per sampling row; None where it failed
+    # Drafts verified, by sequence: the drafts the model agrees with, then its own next token.
+    accepted_tokens: dict[int, list[int]] = field(default_factory=dict)
+    prompt_logprobs: dict[int, list[dict[int, float]]] = field(default_factory=dict)  # entries for positions first..
+    pooled: dict[int, list[float]] = field(default_factory=dict)  # embedding or class scores
+    logits: Optional[torch.Tensor] = None  # float32 [len(logits_for), vocab] rows of StepRequests.logits_for
+    errors: dict[int, BaseException] = field(default_factory=dict)  # seq_id -> what failed for it alone
+
+    def num_accepted_drafts(self, seq_id: int) -> int:
+        return len(self.accepted_tokens[seq_id]) - 1
