@@ -100,9 +100,9 @@ def _print_summary(engine, outputs, elapsed: float) -> None:
     stats = engine.stats()
     generated = sum(len(c.token_ids) for out in outputs for c in out.outputs)
     ttfts = [out.metrics.time_to_first_token for out in outputs if out.metrics.time_to_first_token is not None]
-    runner = engine.runner
+    info = engine.model_info
     rows = [
-        ("model", f"{runner.model_name} ({str(runner.dtype).removeprefix('torch.')}, {runner.backend.name} attention)"),
+        ("model", f"{info.name} ({info.dtype}, {info.attention_backend} attention)"),
         ("requests", len(outputs)),
         ("generated tokens", generated),
         ("wall time", f"{elapsed:.1f} s"),

@@ -58,8 +58,6 @@ class LLMEngine:
         self.tokenizer = self.runner.tokenizer
         self.model_name = self.model_info.name
         self.eos_token_ids = self.model_info.eos_token_ids
-        # The score head of a sequence-classification checkpoint (which then only pools), else None
-        self.classifier = getattr(self.runner.model, "classifier", None)
         # Sampling parameters a request leaves unset take these (the model's generation config)
         self.generation_defaults = self.model_info.generation_defaults
         self.scheduler = Scheduler(self._scheduler_config())

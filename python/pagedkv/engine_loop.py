@@ -162,9 +162,9 @@ class EngineLoop:
                 for request_id in list(self._streams):
                     self._finish_stream(request_id, RuntimeError("internal engine error"))
                 continue
+            self.stats = engine.stats()  # (before delivering: a client that got a token sees its step in /metrics)
             for output in outputs:
                 self._deliver(output)
-            self.stats = engine.stats()
 
     def _close(self) -> None:
         with self._lock:

@@ -128,7 +128,7 @@ class LLM:
         scores each pair encoded together (its sigmoid); any other model scores the cosine
         similarity of the two texts' embeddings."""
         pairs = score_pairs(text_1, text_2)
-        prompts, params = scoring_requests(pairs, self.tokenizer, self.engine.classifier)
+        prompts, params = scoring_requests(pairs, self.tokenizer, self.engine.model_info.num_labels)
         outputs = self._run_to_completion(prompts, [params] * len(prompts), None, use_tqdm, "scoring", lora_request)
         return [ScoringRequestOutput(f"score-{next(self._ids)}", ScoringOutput(score), token_ids)
                 for score, token_ids in scores_of(pairs, prompts, outputs, params)]

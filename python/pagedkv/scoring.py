@@ -30,13 +30,14 @@ def score_pairs(text_1: Union[str, Sequence[str]], text_2: Union[str, Sequence[s
     return list(zip(firsts, seconds))
 
 
-def scoring_requests(pairs: list[tuple[str, str]], tokenizer, classifier) -> tuple[list, PoolingParams]:
+def scoring_requests(pairs: list[tuple[str, str]], tokenizer, num_labels: int) -> tuple[list, PoolingParams]:
     """(prompts, their pooling parameters): one prompt per pair with a cross-encoder (a classifier
-    of one label), else one per distinct text, to embed."""
-    if classifier is not None:
-        if classifier.num_labels != 1:
+    of one label; `num_labels`: the model's, 0 for a model that is no classifier), else one per
+    distinct text, to embed."""
+    if num_labels:
+        if num_labels != 1:
             raise ValueError(f"scoring needs a cross-encoder (a classifier of one label) or an embedding model; "
-                             f"this classifier has {classifier.num_labels} labels")
+                             f"this classifier has {num_labels} labels")
         prompts = [tokenizer(first, second)["input_ids"] for first, second in pairs]
         return prompts, PoolingParams(task="classify")
     return list(dict.fromkeys(text for pair in pairs for text in pair)), PoolingParams(task="embed")

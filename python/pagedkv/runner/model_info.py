@@ -17,9 +17,14 @@ class ModelInfo:
     dtype: str  # of the weights, e.g. "bfloat16"
     attention_backend: str
     sliding_window: int  # every layer attends within this many positions; 0: some layer sees it all
-    is_classifier: bool  # a *ForSequenceClassification checkpoint: it pools, it does not generate
+    # A *ForSequenceClassification checkpoint's labels (it pools, it does not generate); 0 otherwise
+    num_labels: int = 0
     class_labels: dict[int, str] = field(default_factory=dict)  # a classifier's id2label
     generation_defaults: dict = field(default_factory=dict)  # SamplingParams defaults from its generation config
+
+    @property
+    def is_classifier(self) -> bool:
+        return self.num_labels > 0
 
     def class_label(self, index: int) -> str:
         return self.class_labels.get(index, f"LABEL_{index}")

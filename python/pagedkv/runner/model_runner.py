@@ -95,7 +95,7 @@ class ModelRunner:
             max_model_len=self.max_model_len, eos_token_ids=frozenset(self.eos_token_ids),
             num_parameters=self.num_parameters, dtype=str(self.dtype).removeprefix("torch."),
             attention_backend=self.backend.name, sliding_window=self.sliding_window,
-            is_classifier=classifier is not None,
+            num_labels=classifier.num_labels if classifier is not None else 0,
             class_labels={int(k): v for k, v in (getattr(self.hf_config, "id2label", None) or {}).items()}
             if classifier is not None else {},
             generation_defaults=self.generation_defaults,

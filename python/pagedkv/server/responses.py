@@ -134,15 +134,14 @@ class ResponseBuilder:
         usage = {"prompt_tokens": num_tokens, "total_tokens": num_tokens}
         return {"object": "list", "data": data, "model": self.model_name, "usage": usage}
 
-    def classifications(self, outputs: list[ClassificationRequestOutput], hf_config) -> dict:
+    def classifications(self, outputs: list[ClassificationRequestOutput], model_info) -> dict:
         """vLLM's /classify answer: per input its probabilities, their count and the label of the
         largest (the config's id2label)."""
-        labels = getattr(hf_config, "id2label", None) or {}
         data = []
         for index, output in enumerate(outputs):
             probs = output.outputs.probs
             best = max(range(len(probs)), key=probs.__getitem__)
-            data.append({"index": index, "label": labels.get(best, f"LABEL_{best}"), "probs": probs,
+            data.append({"index": index, "label": model_info.class_label(best), "probs": probs,
                          "num_classes": len(probs)})
         usage = pooling_usage(sum(len(output.prompt_token_ids) for output in outputs))
         return {"id": "classify-" + uuid.uuid4().hex, "object": "list", "created": int(time.time()),

@@ -55,14 +55,11 @@ class ServingContext:
         self.tool_call_parser = tool_call_parser
         self.reasoning = ReasoningParser(reasoning_parser) if reasoning_parser else None
         self.tokenizer = engine.tokenizer
-        # The model's facts the routes need, read once here (the engine then belongs to the loop thread;
-        # issue 24's ModelInfo on the engine will carry them).
+        # The model's facts the routes need, read once here (the engine then belongs to the loop thread).
+        self.model_info = engine.model_info
         self.max_model_len = engine.max_model_len
         self.generation_defaults = engine.generation_defaults
-        self.classifier = engine.classifier  # (a sequence classifier's score head, else None)
-        self.hf_config = engine.runner.hf_config
-        self.vocab_size = engine.runner.vocab_size
-        self.supports_lora = engine.runner.lora_registry is not None
+        self.supports_lora = engine.config.enable_lora
         self.builders = {name: ResponseBuilder(self.tokenizer, name, self.reasoning)
                          for name in (self.model_name, *self.adapters)}
         self.metrics = ServerMetrics(lambda: self.client.stats() if self.client is not None else {})

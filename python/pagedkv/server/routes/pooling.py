@@ -21,7 +21,7 @@ router = APIRouter()
 async def embeddings(body: EmbeddingRequest, request: Request, context: ServingContext = Depends(serving)):
     served = context.check_model(body.model)
     inputs = make_params(body.inputs)
-    hidden_size = context.hf_config.hidden_size
+    hidden_size = context.model_info.hidden_size
     if body.dimensions is not None and body.dimensions != hidden_size:
         raise APIError(400, f"dimensions={body.dimensions} is not supported: this model's embeddings have "
                        f"{hidden_size}", "invalid_request_error", "dimensions")
@@ -36,12 +36,12 @@ async def classify(body: ClassificationRequest, request: Request, context: Servi
     sequence-classification checkpoint."""
     served = context.check_model(body.model)
     inputs = make_params(body.inputs)
-    if context.classifier is None:
+    if not context.model_info.is_classifier:
         raise APIError(400, f"model {served!r} is not a sequence classifier (*ForSequenceClassification)",
                        "invalid_request_error", "model")
     params = PoolingParams(task="classify", use_activation=body.use_activation)
     outputs = await pool(context, request, "classify-", inputs, params, body.priority, served)
-    return context.builders[served].classifications(outputs, context.hf_config)
+    return context.builders[served].classifications(outputs, context.model_info)
 
 
 @router.post("/score", responses=answer(ScoreList))
@@ -70,7 +70,7 @@ async def scored(context: ServingContext, request: Request, pairs_of, prefix: st
     """(a score per pair (pagedkv.scoring), prompt tokens computed), or a 400 naming what is wrong."""
     try:
         pairs = pairs_of()
-        prompts, params = scoring_requests(pairs, context.tokenizer, context.classifier)
+        prompts, params = scoring_requests(pairs, context.tokenizer, context.model_info.num_labels)
     except ValueError as error:
         raise APIError(400, str(error), "invalid_request_error")
     outputs = await pool(context, request, prefix, prompts, params, priority, served)

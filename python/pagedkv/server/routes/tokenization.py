@@ -34,7 +34,7 @@ async def tokenize(body: TokenizeRequest, context: ServingContext = Depends(serv
 @router.post("/detokenize", responses=answer(DetokenizeResponse))
 async def detokenize(body: DetokenizeRequest, context: ServingContext = Depends(serving)):
     context.check_model(body.model)
-    vocab_size = context.vocab_size
+    vocab_size = context.model_info.vocab_size
     if any(not 0 <= token < vocab_size for token in body.tokens):
         raise APIError(400, f"tokens must be token ids in [0, {vocab_size})", "invalid_request_error", "tokens")
     return {"prompt": await context.client.run_in_worker(context.tokenizer.decode, body.tokens)}
