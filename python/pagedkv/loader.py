@@ -1,6 +1,7 @@
-"""Loads a Llama-family checkpoint into our model: a local HF directory (config.json +
-safetensors, quantized ones dequantized by quantized_checkpoints) or a GGUF file (dequantized by
-transformers' GGUF reader). Nothing is fetched."""
+"""Loads a checkpoint into our model: a local HF directory (config.json + safetensors, streamed a
+decoder layer at a time into parameters allocated once; quantized ones dequantized by
+quantized_checkpoints on the way) or a GGUF file (dequantized whole by transformers' GGUF reader).
+Nothing is fetched."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import importlib.util
 import logging
 import os
 from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -115,38 +117,40 @@ def load(model: str | None, gguf_file: str | None, tokenizer: str | None, dtype,
     tp = current_group()
     shard = CheckpointShard(hf_config, tp) if tp.size > 1 else None
     # A tensor-parallel rank reads its own slices of plain safetensors files and no more; other
-    # checkpoints are read whole, then sliced.
+    # checkpoints' tensors are read whole, then sliced.
     read_sharded = shard is not None and gguf is None and quantization is None and not multimodal
-    if gguf is not None:
-        state = _dequantized_gguf(os.path.join(directory, gguf))
+    if gguf is not None:  # (transformers reads a GGUF file whole: one group)
+        checkpoint_groups = iter([_dequantized_gguf(os.path.join(directory, gguf))])
     else:
-        from safetensors import safe_open
+        checkpoint_groups = safetensors_layers(directory, shard if read_sharded else None)
+    if is_sequence_classifier(hf_config):
+        hf_config.tie_word_embeddings = True  # (before the model is built: it has no LM head)
+    classifier_weights: dict[str, torch.Tensor] = {}
+    if quantization is not None:  # (quantized_checkpoints logs each layer's format at debug level)
+        method = (quantization.get("quant_method") if isinstance(quantization, dict)
+                  else getattr(quantization, "quant_method", None))
+        logger.info("dequantizing %s weights to float32 as each layer loads", method)
 
-        files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors in {directory!r}")
-        state = {}
-        for path in files:
-            with safe_open(path, framework="pt") as checkpoint:
-                for name in checkpoint.keys():
-                    state[name] = (shard.take(name, checkpoint.get_slice(name)) if read_sharded
-                                   else checkpoint.get_tensor(name))
-    if multimodal:
-        state = language_model_weights(state)
-    state = quantized_checkpoints.dequantized(state, quantization)
-    classifier = sequence_classifier(hf_config, state)
-    if shard is not None and not read_sharded:
-        state = shard.of(state)
+    def model_weights():
+        """The checkpoint's groups under a text model's HF names, dequantized, this rank's slices,
+        the score head's weights set aside."""
+        for group in checkpoint_groups:
+            if multimodal:
+                group = language_model_weights(group)
+            group = quantized_checkpoints.dequantized(group, quantization)
+            classifier_weights.update({name: group.pop(name) for name in list(group) if name.startswith("score.")})
+            yield shard.of(group) if shard is not None and not read_sharded else group
 
     positions = max_positions or hf_config.max_position_embeddings
     with torch.device("meta"):  # no time spent on random init: every weight is loaded below
         net = model_class(hf_config, traits, positions, dtype)
-    # Parameters are allocated in the engine's dtype and loading copies (and rounds) each checkpoint
-    # tensor into place: the host never holds a float32 copy of the model.
+    # Parameters are allocated once, in the engine's dtype, and loading copies (and rounds) each
+    # checkpoint tensor into place, a decoder layer at a time: the host holds the model and one
+    # layer's tensors, never the whole checkpoint beside it, nor a float32 copy of the model.
     net = net.to(dtype=dtype).to_empty(device="cpu")
     net.compute_buffers(positions, dtype)
-    net.load_hf_state_dict(state)
-    net.classifier = classifier
+    net.load_hf_weights(model_weights())
+    net.classifier = sequence_classifier(hf_config, classifier_weights)
     net = net.to(device=device, dtype=dtype).eval()
 
     tokenizer_source, tokenizer_gguf = _split_gguf(tokenizer, None) if tokenizer else (directory, gguf)
@@ -157,22 +161,26 @@ def load(model: str | None, gguf_file: str | None, tokenizer: str | None, dtype,
     return LoadedModel(net, tok, hf_config, eos, name, generation_config)
 
 
-def sequence_classifier(hf_config, state: dict[str, torch.Tensor]) -> SequenceClassifier | None:
-    """The score head of a `*ForSequenceClassification` checkpoint, its `score.*` weights popped
-    from `state`; None for a generative one. Such a checkpoint has no LM head: the model is built
-    with tied embeddings, and the engine refuses to generate with it."""
+def is_sequence_classifier(hf_config) -> bool:
+    """Whether the checkpoint is a `*ForSequenceClassification` one (a score head, no LM head)."""
     architectures = getattr(hf_config, "architectures", None) or []
-    if not any(name.endswith("ForSequenceClassification") for name in architectures):
+    return any(name.endswith("ForSequenceClassification") for name in architectures)
+
+
+def sequence_classifier(hf_config, weights: dict[str, torch.Tensor]) -> SequenceClassifier | None:
+    """The score head of a `*ForSequenceClassification` checkpoint from its `score.*` weights;
+    None for a generative one. Such a checkpoint has no LM head: the model is built with tied
+    embeddings, and the engine refuses to generate with it."""
+    if not is_sequence_classifier(hf_config):
         return None
-    weights = {name: state.pop(name) for name in list(state) if name.startswith("score.")}
+    architecture = next(name for name in hf_config.architectures if name.endswith("ForSequenceClassification"))
     if "score.weight" not in weights:
-        raise ValueError(f"{architectures[0]} checkpoint has no score.weight (its classification head)")
+        raise ValueError(f"{architecture} checkpoint has no score.weight (its classification head)")
     num_labels, hidden_size = weights["score.weight"].shape
     problem_type = getattr(hf_config, "problem_type", None)
     classifier = SequenceClassifier(hidden_size, num_labels, "score.bias" in weights, problem_type)
     classifier.load_state_dict(weights)
-    hf_config.tie_word_embeddings = True
-    logger.info("%s: a sequence classifier over %d labels", architectures[0], num_labels)
+    logger.info("%s: a sequence classifier over %d labels", architecture, num_labels)
     return classifier
 
 
@@ -192,6 +200,35 @@ def language_model_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Te
                 text[ours + name[len(theirs):]] = tensor
                 break
     return text
+
+
+def safetensors_layers(directory: str, shard: CheckpointShard | None = None) -> Iterator[dict[str, torch.Tensor]]:
+    """A directory's safetensors checkpoint a group at a time, read as it is needed (vLLM's and
+    nano-vllm's loaders stream tensor by tensor; a group lets one architecture's renames see a
+    layer's tensors together: fused q/k/v files split, per-head norms stacked, quantized weights
+    beside their scales): first the weights outside the decoder layers, then each layer's (the
+    first number in a weight's name), from whichever files hold them. With `shard`, this
+    tensor-parallel rank's slices of them."""
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {directory!r}")
+    layers: dict[int, dict[str, list[str]]] = {}  # layer (-1: outside them) -> file -> weight names
+    for path in files:
+        with safe_open(path, framework="pt") as checkpoint:
+            for name in checkpoint.keys():
+                layer = next((int(part) for part in name.split(".") if part.isdigit()), -1)
+                layers.setdefault(layer, {}).setdefault(path, []).append(name)
+    for layer in sorted(layers):
+        group = {}
+        for path, names in layers.pop(layer).items():
+            # A tensor read is a view of the file's mapping, whose pages stay resident while the file
+            # is open: opened for each group, the file lets them go once the group is loaded.
+            with safe_open(path, framework="pt") as checkpoint:
+                for name in names:
+                    group[name] = shard.take(name, checkpoint.get_slice(name)) if shard else checkpoint.get_tensor(name)
+        yield group
 
 
 @functools.lru_cache(maxsize=1)

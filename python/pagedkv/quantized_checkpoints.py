@@ -91,7 +91,7 @@ def _dequantized_fp8(state: dict[str, torch.Tensor], config: dict) -> dict[str, 
                 raise ValueError(f"{name} is float8 with no scale ({name}_scale or {name}_scale_inv)")
             tensor = tensor.float() * scale
         out[name] = tensor
-    logger.info("dequantized float8 weights (%s) to float32", "blocks of %dx%d" % (rows, columns) if blockwise
+    logger.debug("dequantized float8 weights (%s) to float32", "blocks of %dx%d" % (rows, columns) if blockwise
                 else "per-tensor or per-channel scales")
     return out
 
@@ -144,7 +144,7 @@ def _dequantized_gptq(state: dict[str, torch.Tensor], config: dict) -> dict[str,
         if groups is None:
             groups = torch.arange(in_features) // (group_size if group_size > 0 else in_features)
         out[layer + ".weight"] = grouped_dequantized(weights.t(), zeros.t(), state[layer + ".scales"].t(), groups)
-    logger.info("dequantized GPTQ weights (%d bits, groups of %s) to float32", bits, group_size)
+    logger.debug("dequantized GPTQ weights (%d bits, groups of %s) to float32", bits, group_size)
     return out
 
 
@@ -162,7 +162,7 @@ def _dequantized_awq(state: dict[str, torch.Tensor], config: dict) -> dict[str, 
         zeros = _awq_unpacked(state[layer + ".qzeros"])  # [groups, out]
         groups = torch.arange(weights.shape[0]) // (group_size if group_size > 0 else weights.shape[0])
         out[layer + ".weight"] = grouped_dequantized(weights.t(), zeros.t(), state[layer + ".scales"].t(), groups)
-    logger.info("dequantized AWQ weights (groups of %s) to float32", group_size)
+    logger.debug("dequantized AWQ weights (groups of %s) to float32", group_size)
     return out
 
 
@@ -206,5 +206,5 @@ def _dequantized_compressed_int(state: dict[str, torch.Tensor], config: dict) ->
         if groups is None:
             groups = torch.arange(in_features) // -(-in_features // scales.shape[1])
         out[layer + ".weight"] = grouped_dequantized(integers, zeros, scales, groups)
-    logger.info("dequantized compressed-tensors %d-bit integer weights to float32", bits)
+    logger.debug("dequantized compressed-tensors %d-bit integer weights to float32", bits)
     return out

@@ -179,7 +179,7 @@ class DeepseekV2DecoderLayer(LlamaDecoderLayer):
 class DeepseekV2ForCausalLM(LlamaForCausalLM):
     decoder_layer_class = DeepseekV2DecoderLayer
 
-    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+    def own_weights(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | list]:
         num_layers = len(self.layers)
         own = {}
         for name, tensor in state.items():
@@ -187,4 +187,4 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
             if parts[:2] == ["model", "layers"] and int(parts[2]) >= num_layers:
                 continue  # V3's multi-token-prediction layers
             own[name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")] = tensor
-        super().load_hf_state_dict(own)
+        return super().own_weights(own)

@@ -29,10 +29,10 @@ class Ernie45MoeDecoderLayer(LlamaDecoderLayer):
 class Ernie45MoeForCausalLM(DeepseekV2ForCausalLM):
     decoder_layer_class = Ernie45MoeDecoderLayer
 
-    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+    def own_weights(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | list]:
         own = {}
         for name, tensor in state.items():
             if name.endswith(".moe_statics.e_score_correction_bias"):  # [1, experts], in the router or beside it
                 name, tensor = name.split(".mlp.")[0] + ".mlp.gate.e_score_correction_bias", tensor.reshape(-1)
             own[name] = tensor
-        super().load_hf_state_dict(own)
+        return super().own_weights(own)

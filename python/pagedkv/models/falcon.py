@@ -60,7 +60,7 @@ class FalconForCausalLM(PlainLayersForCausalLM):
                         (".mlp.dense_h_to_4h.", ".mlp.c_fc."), (".mlp.dense_4h_to_h.", ".mlp.c_proj."),
                         (".ln_attn.", ".input_layernorm."), (".ln_mlp.", ".post_attention_layernorm."))
 
-    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+    def own_weights(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | list]:
         attention = self.layers[0].self_attn
         heads, kv_heads, head_dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
         split = {}
@@ -80,4 +80,4 @@ class FalconForCausalLM(PlainLayersForCausalLM):
             for part, values in zip("qkv", parts):
                 split[name.replace(".self_attention.query_key_value.", f".self_attn.{part}_proj.")] = (
                     values.reshape(-1, *rest))
-        super().load_hf_state_dict(split)
+        return super().own_weights(split)

@@ -23,7 +23,7 @@ class GPTBigCodeForCausalLM(GPT2ForCausalLM):
         hf_config.num_key_value_heads = 1 if hf_config.multi_query else hf_config.num_attention_heads
         super().__init__(hf_config, traits, max_positions, dtype)
 
-    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+    def own_weights(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | list]:
         if not self.hf_config.multi_query:  # [heads, (q, k, v), head_dim, ...] -> [(q, k, v), heads, head_dim, ...]
             attention = self.layers[0].self_attn
             state = dict(state)
@@ -31,4 +31,4 @@ class GPTBigCodeForCausalLM(GPT2ForCausalLM):
                 if ".attn.c_attn." in name:
                     per_head = tensor.view(attention.num_heads, 3, attention.head_dim, *tensor.shape[1:])
                     state[name] = per_head.transpose(0, 1).reshape(tensor.shape)
-        super().load_hf_state_dict(state)
+        return super().own_weights(state)

@@ -36,7 +36,7 @@ class GPTNeoXForCausalLM(PlainLayersForCausalLM):
                         ("gpt_neox.", "model."), ("embed_out.", "lm_head."), (".attention.dense.", ".self_attn.o_proj."),
                         (".mlp.dense_h_to_4h.", ".mlp.c_fc."), (".mlp.dense_4h_to_h.", ".mlp.c_proj."))
 
-    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+    def own_weights(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | list]:
         attention = self.layers[0].self_attn
         split = {}
         for name, tensor in state.items():
@@ -45,7 +45,7 @@ class GPTNeoXForCausalLM(PlainLayersForCausalLM):
                     split[name.replace(".attention.query_key_value.", f".self_attn.{part}_proj.")] = values
             else:
                 split[name] = tensor
-        super().load_hf_state_dict(split)
+        return super().own_weights(split)
 
 
 def split_per_head_qkv(tensor: torch.Tensor, num_heads: int, head_dim: int) -> tuple[torch.Tensor, ...]:

@@ -40,6 +40,6 @@ class GPTJForCausalLM(PhiForCausalLM):
         hf_config.partial_rotary_factor = hf_config.rotary_dim / (hf_config.hidden_size // hf_config.num_attention_heads)
         super().__init__(hf_config, traits, max_positions, dtype)
 
-    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+    def own_weights(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | list]:
         # (old checkpoints carry causal-mask buffers)
-        super().load_hf_state_dict({n: t for n, t in state.items() if not n.endswith((".attn.bias", ".attn.masked_bias"))})
+        return super().own_weights({n: t for n, t in state.items() if not n.endswith((".attn.bias", ".attn.masked_bias"))})

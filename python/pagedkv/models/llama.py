@@ -3,11 +3,14 @@ per-head q/k norms, SmolLM3 with rotary-free layers, Granite with its multiplier
 partial rotary and LongRoPE, tied embeddings, and the mixture-of-experts Mixtral, Qwen2-MoE and
 Qwen3-MoE) over the paged cache.
 
-Weights come from HF state dicts (see loader.py); Q/K/V and gate/up projections are fused into one
-matmul each, and a MoE layer's experts are stacked into one tensor per projection.
+Weights come from HF checkpoints, a decoder layer at a time (loader.py, load_hf_weights); Q/K/V and
+gate/up projections are fused into one matmul each, and a MoE layer's experts are stacked into one
+tensor per projection, each checkpoint tensor copied into its place.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -242,8 +245,35 @@ class LlamaForCausalLM(nn.Module):
         return logits if self.logits_scaling == 1.0 else logits / self.logits_scaling
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Loads HF-named weights, fusing q/k/v and gate/up and stacking experts. Fails loudly
-        on missing weights."""
+        """Loads a whole HF state dict (a GGUF file's, transformers' in memory): load_hf_weights
+        with one group."""
+        self.load_hf_weights([state])
+
+    def load_hf_weights(self, groups: Iterable[dict[str, torch.Tensor]]) -> None:
+        """Loads HF-named weights a group at a time (loader.py streams a checkpoint one decoder
+        layer per group, the weights outside the layers in a group of their own), each tensor copied
+        into its parameter and cast to its dtype on the way: q/k/v and gate/up into their rows of
+        the fused projection, each expert into its index of the stacked ones (nano-vllm's
+        weight_loader). A group must hold every tensor one of our weights is made of. Fails
+        loudly, after the last group, on weights missing or left over."""
+        targets = self.state_dict(keep_vars=True)
+        loaded, unexpected = set(), []
+        with torch.no_grad():
+            for group in groups:
+                for name, value in self.own_weights(group).items():
+                    if name in targets:
+                        fill_(targets[name], value, name)
+                        loaded.add(name)
+                    elif "rotary" not in name:
+                        unexpected.append(name)
+        missing = [name for name in targets if name not in loaded]
+        if missing or unexpected:
+            raise ValueError(f"checkpoint does not fit the model: missing {missing}, unexpected {unexpected}")
+
+    def own_weights(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | list]:
+        """Some HF-named weights (a group of load_hf_weights) under our names: q/k/v and gate/up
+        as the lists of parts their fused parameters are made of, a MoE layer's experts as lists
+        to stack (see fill_). A family's model class adds its renames here."""
         own = {}
         prefix = "model."
         for name, tensor in state.items():
@@ -253,16 +283,13 @@ class LlamaForCausalLM(nn.Module):
             name = name.replace(".block_sparse_moe.", ".mlp.").replace(".mlp.router.layer.", ".mlp.gate.")
             own[name.replace(".mlp.router.", ".mlp.gate.")] = tensor
         fused = {}
-        for i, layer in enumerate(self.layers):
-            p = f"layers.{i}."
+        layer_indices = {int(name.split(".")[1]) for name in own if name.startswith("layers.")}
+        for i in sorted(index for index in layer_indices if index < len(self.layers)):
+            layer, p = self.layers[i], f"layers.{i}."
             if p + "self_attn.k_proj.weight" in own:  # (Phi-3 stores them fused already; MLA has no k/v)
-                fused[p + "self_attn.qkv_proj.weight"] = torch.cat(
-                    [own.pop(p + f"self_attn.{x}_proj.weight") for x in "qkv"], dim=0
-                )
+                fused[p + "self_attn.qkv_proj.weight"] = [own.pop(p + f"self_attn.{x}_proj.weight") for x in "qkv"]
                 if p + "self_attn.q_proj.bias" in own:
-                    fused[p + "self_attn.qkv_proj.bias"] = torch.cat(
-                        [own.pop(p + f"self_attn.{x}_proj.bias") for x in "qkv"], dim=0
-                    )
+                    fused[p + "self_attn.qkv_proj.bias"] = [own.pop(p + f"self_attn.{x}_proj.bias") for x in "qkv"]
             if layer.is_moe:
                 fused.update(_stacked_experts(own, p + "mlp.", layer.mlp.num_experts))
             elif isinstance(layer.mlp, UngatedMLP) and p + "mlp.up_proj.weight" in own:  # (Arcee's, Nemotron's)
@@ -272,16 +299,33 @@ class LlamaForCausalLM(nn.Module):
                             fused[p + f"mlp.{ours}.{kind}"] = own.pop(p + f"mlp.{theirs}.{kind}")
             elif p + "mlp.gate_proj.weight" in own:  # (StarCoder2's c_fc and c_proj load as they are)
                 for kind in ("weight", "bias") if p + "mlp.gate_proj.bias" in own else ("weight",):
-                    fused[p + f"mlp.gate_up_proj.{kind}"] = torch.cat(
-                        [own.pop(p + f"mlp.gate_proj.{kind}"), own.pop(p + f"mlp.up_proj.{kind}")], dim=0
-                    )
+                    fused[p + f"mlp.gate_up_proj.{kind}"] = [own.pop(p + f"mlp.gate_proj.{kind}"),
+                                                             own.pop(p + f"mlp.up_proj.{kind}")]
         own.update(fused)
         if self.tie_word_embeddings:
             own.pop("lm_head.weight", None)
-        missing, unexpected = self.load_state_dict(own, strict=False)
-        unexpected = [name for name in unexpected if "rotary" not in name]
-        if missing or unexpected:
-            raise ValueError(f"checkpoint does not fit the model: missing {missing}, unexpected {unexpected}")
+        return own
+
+
+def fill_(target: torch.Tensor, value: torch.Tensor | list, name: str) -> None:
+    """Copies `value` into the parameter `target` (casting it): a tensor of its shape, or a list of
+    parts laid along dim 0, each some rows (a tensor of target's rank: q, k, v of a fused qkv) or
+    one index (of lower rank, or a list itself: one expert of stacked ones)."""
+    if isinstance(value, torch.Tensor):
+        if value.shape != target.shape:
+            raise ValueError(f"checkpoint's {name} has shape {list(value.shape)}, the model's {list(target.shape)}")
+        target.copy_(value)
+        return
+    rows = [1 if isinstance(part, list) or part.dim() < target.dim() else part.shape[0] for part in value]
+    if sum(rows) != target.shape[0]:
+        shapes = [len(part) if isinstance(part, list) else list(part.shape) for part in value]
+        raise ValueError(f"checkpoint's parts of {name} (shapes {shapes}) make {sum(rows)} rows, the model's "
+                         f"{target.shape[0]}")
+    row = 0
+    for part, count in zip(value, rows):
+        fill_(target[row] if count == 1 and (isinstance(part, list) or part.dim() < target.dim())
+              else target[row : row + count], part, name)
+        row += count
 
 
 class PlainLayersForCausalLM(LlamaForCausalLM):
@@ -304,8 +348,8 @@ class PlainLayersForCausalLM(LlamaForCausalLM):
             out[name] = tensor
         return out
 
-    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        super().load_hf_state_dict(self.renamed(state))
+    def own_weights(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | list]:
+        return super().own_weights(self.renamed(state))
 
     def forward(self, input_ids, positions, metadata: AttentionMetadata, kv_cache, backend, lora=None) -> torch.Tensor:
         hidden = self.embed(input_ids, positions)
@@ -314,8 +358,8 @@ class PlainLayersForCausalLM(LlamaForCausalLM):
         return self.norm(hidden)
 
 
-def _stacked_experts(own: dict[str, torch.Tensor], p: str, num_experts: int) -> dict[str, torch.Tensor]:
-    """One MoE layer's weights in our names, popped from `own`: the experts as checkpoints store
+def _stacked_experts(own: dict[str, torch.Tensor], p: str, num_experts: int) -> dict[str, torch.Tensor | list]:
+    """One MoE layer's weights in our names (as own_weights gives them), popped from `own`: the experts as checkpoints store
     them (Mixtral's w1/w3/w2 or Qwen's gate/up/down_proj, one tensor each per expert; Granite
     MoE's stacked input/output_linear; GPT-OSS's stacked, transposed and interleaved, with
     biases) or as transformers holds them in memory
@@ -344,11 +388,10 @@ def _stacked_experts(own: dict[str, torch.Tensor], p: str, num_experts: int) -> 
     else:
         gate, up, down = ("w1", "w3", "w2") if p + "experts.0.w1.weight" in own else ("gate_proj", "up_proj", "down_proj")
         expert = [f"{p}experts.{e}." for e in range(num_experts)]
-        out[p + "expert_gate_up"] = torch.stack(
-            [torch.cat([own.pop(x + f"{gate}.weight"), own.pop(x + f"{up}.weight")], dim=0) for x in expert])
-        out[p + "expert_down"] = torch.stack([own.pop(x + f"{down}.weight") for x in expert])
+        out[p + "expert_gate_up"] = [[own.pop(x + f"{gate}.weight"), own.pop(x + f"{up}.weight")] for x in expert]
+        out[p + "expert_down"] = [own.pop(x + f"{down}.weight") for x in expert]
     if p + "shared_expert.gate_proj.weight" in own:
-        out[p + "shared_gate_up.weight"] = torch.cat(
-            [own.pop(p + "shared_expert.gate_proj.weight"), own.pop(p + "shared_expert.up_proj.weight")], dim=0)
+        out[p + "shared_gate_up.weight"] = [own.pop(p + "shared_expert.gate_proj.weight"),
+                                            own.pop(p + "shared_expert.up_proj.weight")]
         out[p + "shared_down.weight"] = own.pop(p + "shared_expert.down_proj.weight")
     return out

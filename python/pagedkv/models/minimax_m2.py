@@ -22,8 +22,8 @@ class MiniMaxM2DecoderLayer(LlamaDecoderLayer):
 class MiniMaxM2ForCausalLM(DeepseekV2ForCausalLM):
     decoder_layer_class = MiniMaxM2DecoderLayer
 
-    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+    def own_weights(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | list]:
         bias = ".e_score_correction_bias"  # beside the router, not in it
-        super().load_hf_state_dict({
+        return super().own_weights({
             name.replace(".mlp" + bias, ".mlp.gate" + bias).replace(".block_sparse_moe" + bias, ".mlp.gate" + bias): tensor
             for name, tensor in state.items()})

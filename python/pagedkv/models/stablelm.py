@@ -32,7 +32,7 @@ class StableLmForCausalLM(PlainLayersForCausalLM):
     decoder_layer_class = staticmethod(stablelm_layer)
     norm_class = nn.LayerNorm
 
-    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+    def own_weights(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | list]:
         """The checkpoint's per-head query/key LayerNorms (`q_layernorm.norms.{head}.weight`) are
         stacked into one [heads, head_dim] weight each."""
         renamed, per_head = {}, {}
@@ -47,4 +47,4 @@ class StableLmForCausalLM(PlainLayersForCausalLM):
                 renamed[name] = tensor
         for name, heads in per_head.items():
             renamed[name] = torch.stack([heads[head] for head in sorted(heads)])
-        super().load_hf_state_dict(renamed)
+        return super().own_weights(renamed)
