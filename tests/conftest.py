@@ -46,26 +46,6 @@ def smollm2_runner(smollm2):
 def tiny_qwen2_dir(tmp_path_factory) -> str:
     """A 2-layer random Qwen2 (qkv bias, GQA 4:2, untied lm_head, rope_theta 5e5) saved as
     safetensors, with a word-level tokenizer over its 256 ids."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from support.tiny_models import tiny_qwen2
 
-    config = Qwen2Config(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rope_theta=500000.0,
-        tie_word_embeddings=False,
-        eos_token_id=2,
-        bos_token_id=1,
-    )
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config).eval()
-    with torch.no_grad():  # random biases, so a missing bias would show in the logits
-        for layer in model.model.layers:
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                proj.bias.normal_(std=0.5)
-    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny_qwen2"), model)
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny_qwen2"), tiny_qwen2())

@@ -229,10 +229,11 @@ def test_stats_count_unfinished_requests_by_adapter(adapters):
 def test_adapters_of_fused_projections_on_phi3(tmp_path):
     """Phi-3 holds q/k/v and gate/up fused, and so do its PEFT adapters (qkv_proj, gate_up_proj):
     greedy tokens equal HF with the adapter merged."""
+    from support.checkpoints import save_tiny_checkpoint
     from support.tiny_models import tiny_phi3
     from transformers import AutoModelForCausalLM
 
-    directory = tiny_phi3(tmp_path / "model")
+    directory = save_tiny_checkpoint(tmp_path / "model", tiny_phi3())
     hf_model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     shapes = {"self_attn.qkv_proj": (64, 64 + 2 * 32), "self_attn.o_proj": (64, 64), "mlp.gate_up_proj": (64, 256)}
     assert_adapter_gives_merged_hf_greedy(hf_model, directory, shapes, tmp_path / "adapter", seed=9)
@@ -277,8 +278,10 @@ def test_adapters_of_ungated_mlps(tmp_path, model_name):
     """StarCoder2's MLP is c_fc and c_proj, Phi-2's fc1 and fc2 (no gate), Phi-2's output
     projection `dense`: adapters of those and of attention give the greedy tokens of HF with the
     adapter merged."""
-    import test_model
+    from support.checkpoints import save_tiny_checkpoint
+    from support.tiny_models import tiny_phi2, tiny_starcoder2
 
-    hf_model = getattr(test_model, f"tiny_{model_name}")(tmp_path / "model")
+    hf_model = {"starcoder2": tiny_starcoder2, "phi2": tiny_phi2}[model_name]()
+    save_tiny_checkpoint(tmp_path / "model", hf_model)
     assert_adapter_gives_merged_hf_greedy(hf_model, str(tmp_path / "model"), UNGATED_MLP_ADAPTERS[model_name],
                                           tmp_path / "adapter", seed=11)

@@ -25,6 +25,241 @@ def randomize_norms(model, low: float, high: float) -> None:
                 parameter.uniform_(low, high)
 
 
+LLAMA_SHAPE = dict(vocab_size=256, hidden_size=128, intermediate_size=192, num_hidden_layers=2, num_attention_heads=2,
+                   num_key_value_heads=1, max_position_embeddings=512, eos_token_id=2, bos_token_id=1, pad_token_id=0)
+"""The shape most tiny dense models share: 2 layers, 2 query heads and 1 KV head of 64."""
+
+
+def tiny_llama():
+    """A random Llama (the SmolLM2 GGUF test's architecture, from safetensors) with random norms."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**LLAMA_SHAPE))
+    randomize_norms(model, 0.5, 1.5)
+    with torch.no_grad():
+        model.lm_head.weight.normal_(std=0.5)
+    return model.eval()
+
+
+def tiny_qwen2():
+    """A 2-layer random Qwen2 (qkv bias, GQA 4:2, untied lm_head, rope_theta 5e5)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         rope_theta=500000.0, tie_word_embeddings=False, eos_token_id=2, bos_token_id=1)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():  # random biases, so a missing bias would show in the logits
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(std=0.5)
+    return model
+
+
+def tiny_qwen3():
+    """A random Qwen3 whose attention is wider than the residual stream (head_dim 32 with hidden 64
+    and 4 heads), as in Qwen3-0.6B (16 x 128 over 1024), with q/k norm weights far from 1."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                         tie_word_embeddings=True, eos_token_id=2, bos_token_id=1)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():  # so a skipped q/k norm shows in the logits
+        for layer in model.model.layers:
+            layer.self_attn.q_norm.weight.uniform_(0.2, 3.0)
+            layer.self_attn.k_norm.weight.uniform_(0.2, 3.0)
+    return model
+
+
+def tiny_smollm3():
+    """A random SmolLM3 whose third layer has no rotary embedding (`no_rope_layers`)."""
+    from transformers import SmolLM3Config, SmolLM3ForCausalLM
+
+    config = SmolLM3Config(vocab_size=256, hidden_size=128, intermediate_size=192, num_hidden_layers=4,
+                           num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                           no_rope_layers=[1, 1, 0, 1], eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    torch.manual_seed(0)
+    return SmolLM3ForCausalLM(config).eval()
+
+
+def tiny_granite():
+    """A random Granite with its embedding, residual, attention and logit multipliers."""
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    config = GraniteConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                           embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0078125,
+                           logits_scaling=8.0, eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    torch.manual_seed(0)
+    return GraniteForCausalLM(config).eval()
+
+
+def tiny_gemma1():
+    """A random Gemma 1: Llama's layout with Gemma's norms (offsets from 1), scaled embeddings and
+    the tanh-approximated GELU MLP (the legacy `hidden_act="gelu"` of the official configs, as
+    transformers reads it), the MLP dominating the residual stream so its activation shows."""
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    config = GemmaConfig(vocab_size=256, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=512,
+                         hidden_act="gelu", eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    torch.manual_seed(0)
+    model = GemmaForCausalLM(config)
+    randomize_norms(model, -0.5, 0.5)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "mlp" in name:
+                parameter.mul_(20)
+    return model.eval()
+
+
+def tiny_glm4():
+    """A random GLM-4: four norms per layer, rotary embedding over adjacent pairs of the first half
+    of each head, biased q/k/v but not o_proj, fused gate/up."""
+    from transformers import Glm4Config, Glm4ForCausalLM
+
+    torch.manual_seed(0)
+    model = Glm4ForCausalLM(Glm4Config(**LLAMA_SHAPE, head_dim=64))
+    randomize_norms(model, 0.5, 1.5)
+    randomize_biases(model)
+    with torch.no_grad():
+        model.lm_head.weight.normal_(std=0.5)
+    return model.eval()
+
+
+def tiny_cohere(use_qk_norm: bool):
+    """A random Cohere: parallel attention and MLP off one mean-subtracting norm, rotary embedding
+    over adjacent pairs, per-head query/key norms (Command R+'s `use_qk_norm`), scaled logits."""
+    from transformers import CohereConfig, CohereForCausalLM
+
+    torch.manual_seed(0)
+    model = CohereForCausalLM(CohereConfig(**LLAMA_SHAPE, use_qk_norm=use_qk_norm, logit_scale=0.5))
+    randomize_norms(model, 0.5, 1.5)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.normal_(std=1.0)  # (tied, and scaled by 0.5: decisive logits)
+    return model.eval()
+
+
+def tiny_gpt_neox(parallel: bool):
+    """A random GPT-NeoX: two biased LayerNorms per layer, attention and MLP in parallel (Pythia)
+    or in sequence, q/k/v interleaved per head in one checkpoint tensor, rotary embedding on a
+    quarter of each head (16 of 64 dims)."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    config = GPTNeoXConfig(vocab_size=256, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
+                           num_attention_heads=2, max_position_embeddings=512, use_parallel_residual=parallel,
+                           eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    torch.manual_seed(0)
+    model = GPTNeoXForCausalLM(config)
+    randomize_norms(model, 0.5, 1.5)
+    randomize_biases(model)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.normal_(std=0.5)
+    return model.eval()
+
+
+FALCON_VARIANTS = {"7b": dict(multi_query=True, parallel_attn=True),
+                   "40b": dict(new_decoder_architecture=True, num_kv_heads=2),
+                   "falcon2": dict(new_decoder_architecture=True, num_kv_heads=2, num_ln_in_parallel_attn=1),
+                   "sequential": dict(multi_query=False, parallel_attn=False, bias=True, tie_word_embeddings=False)}
+
+
+def tiny_falcon(variant: str):
+    """A random Falcon (a key of FALCON_VARIANTS): Falcon-7B's multi-query attention beside the MLP
+    off one norm; Falcon-40B's new decoder architecture (grouped KV heads, a norm each for
+    attention and MLP); Falcon 2's (one shared norm); multi-head attention and MLP in sequence
+    with biases."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    shape = dict(vocab_size=256, hidden_size=128, ffn_hidden_size=192, num_hidden_layers=2, num_attention_heads=4,
+                 max_position_embeddings=512, eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    torch.manual_seed(0)
+    model = FalconForCausalLM(FalconConfig(**shape, **FALCON_VARIANTS[variant]))
+    randomize_norms(model, 0.5, 1.5)
+    randomize_biases(model)
+    return model.eval()
+
+
+def tiny_gptj():
+    """A random GPT-J: parallel blocks, unbiased attention, rotary embedding over adjacent pairs of
+    the first 16 of 64 dims of each head, biased MLP and LM head."""
+    from transformers import GPTJConfig, GPTJForCausalLM
+
+    config = GPTJConfig(vocab_size=256, n_embd=128, n_layer=2, n_head=2, rotary_dim=16, n_positions=512,
+                        eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    torch.manual_seed(0)
+    model = GPTJForCausalLM(config)
+    randomize_norms(model, 0.5, 1.5)
+    randomize_biases(model)
+    with torch.no_grad():
+        model.lm_head.weight.normal_(std=0.5)
+    return model.eval()
+
+
+def tiny_olmo1():
+    """A random OLMo 1: Llama's blocks with LayerNorms that learn nothing, q/k/v clipped at 0.5
+    (the queries well past it)."""
+    from transformers import OlmoConfig, OlmoForCausalLM
+
+    torch.manual_seed(0)
+    model = OlmoForCausalLM(OlmoConfig(**LLAMA_SHAPE, clip_qkv=0.5))
+    with torch.no_grad():
+        model.lm_head.weight.normal_(std=0.5)
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(20)
+    return model.eval()
+
+
+def tiny_nemotron():
+    """A random Nemotron: LayerNorms with (1 + w) weights and biases, a squared-ReLU MLP without
+    gate, rotary embedding on half of each head."""
+    from transformers import NemotronConfig, NemotronForCausalLM
+
+    torch.manual_seed(0)
+    model = NemotronForCausalLM(NemotronConfig(**LLAMA_SHAPE, head_dim=64))
+    randomize_norms(model, -0.5, 0.5)
+    randomize_biases(model)
+    with torch.no_grad():
+        model.lm_head.weight.normal_(std=0.5)
+    return model.eval()
+
+
+def tiny_stablelm(twelve_b: bool):
+    """A random StableLM 2: biased LayerNorms, q/k/v biases, rotary embedding on a quarter of each
+    head; the 12B's parallel blocks and per-head query/key LayerNorms."""
+    from transformers import StableLmConfig, StableLmForCausalLM
+
+    config = StableLmConfig(**LLAMA_SHAPE, use_qkv_bias=True, use_parallel_residual=twelve_b, qk_layernorm=twelve_b)
+    torch.manual_seed(0)
+    model = StableLmForCausalLM(config)
+    randomize_norms(model, 0.5, 1.5)
+    randomize_biases(model)  # (the LayerNorms' too)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "_layernorm.norms." in name and name.endswith("weight"):  # the 12B's per-head q/k LayerNorms
+                parameter.uniform_(0.5, 1.5)
+        model.lm_head.weight.normal_(std=0.5)
+    return model.eval()
+
+
+def tiny_exaone4():
+    """A random EXAONE 4: OLMo 2's post-norm blocks, per-head query/key norms, a windowed layer (16
+    positions) and a full one without rotary embedding."""
+    from transformers import Exaone4Config, Exaone4ForCausalLM
+
+    config = Exaone4Config(**LLAMA_SHAPE, head_dim=64, sliding_window=16, sliding_window_pattern=2)
+    torch.manual_seed(0)
+    model = Exaone4ForCausalLM(config)
+    randomize_norms(model, 0.5, 1.5)
+    with torch.no_grad():
+        model.lm_head.weight.normal_(std=0.5)
+    return model.eval()
+
+
 TINY_MOE = dict(vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                 max_position_embeddings=512, eos_token_id=2, bos_token_id=1, num_experts_per_tok=2)
 
@@ -53,6 +288,17 @@ def tiny_moe_models(qwen3_head_dim: int = 16):
         **TINY_MOE, intermediate_size=32, num_experts=6, norm_topk_prob=False, clip_qkv=0.5))
 
 
+def tiny_moe(model_type: str):
+    """One of `tiny_moe_models` with a sharper router than random init's, so every token's top-k
+    is decisive."""
+    model = dict(tiny_moe_models())[model_type]
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(("mlp.gate.weight", "router.weight")):
+                parameter.normal_(std=1.0)
+    return model.eval()
+
+
 def tiny_gemma3(**overrides):
     """A random Gemma 3 text model: sliding (window 16, rope base 1e4) and full layers (rope base
     1e6, linear scaling), query_pre_attn_scalar apart from head_dim, soft-capped logits."""
@@ -75,7 +321,7 @@ def tiny_gemma3(**overrides):
     return model.eval()
 
 
-def tiny_phi3(tmp_path):
+def tiny_phi3():
     """A random Phi-3 (fused qkv and gate/up weights) with Phi-4-mini's partial rotary factor and
     LongRoPE factors over a pretraining length of 64."""
     from transformers import Phi3Config, Phi3ForCausalLM
@@ -88,7 +334,7 @@ def tiny_phi3(tmp_path):
                         original_max_position_embeddings=64, rope_parameters=rope, eos_token_id=2, bos_token_id=1,
                         pad_token_id=0)
     torch.manual_seed(0)
-    return save_tiny_checkpoint(tmp_path, Phi3ForCausalLM(config).eval())
+    return Phi3ForCausalLM(config).eval()
 
 
 def tiny_gemma2():
@@ -112,10 +358,9 @@ def tiny_gemma2():
     return model.eval()
 
 
-def tiny_starcoder2(directory):
+def tiny_starcoder2():
     """A random StarCoder2 (hidden 128, MLP 192, 2 query heads and 1 KV head of 64, every layer
-    windowed over 16 positions) with random norms and biases, saved in `directory`. Returns the
-    HF model."""
+    windowed over 16 positions) with random norms and biases."""
     from transformers import Starcoder2Config, Starcoder2ForCausalLM
 
     config = Starcoder2Config(vocab_size=256, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
@@ -127,13 +372,12 @@ def tiny_starcoder2(directory):
     randomize_biases(model)
     with torch.no_grad():
         model.model.embed_tokens.weight.normal_(std=0.5)  # (tied: decisive logits too)
-    save_tiny_checkpoint(directory, model.eval())
-    return model
+    return model.eval()
 
 
-def tiny_phi2(directory):
+def tiny_phi2():
     """A random Phi-2 (hidden 160, 2 heads of 80, rotary on 32 dims of each) with random norms and
-    biases, saved in `directory`. Returns the HF model."""
+    biases."""
     from transformers import PhiConfig, PhiForCausalLM
 
     config = PhiConfig(vocab_size=256, hidden_size=160, intermediate_size=192, num_hidden_layers=2,
@@ -145,8 +389,7 @@ def tiny_phi2(directory):
     randomize_biases(model)
     with torch.no_grad():
         model.lm_head.weight.normal_(std=0.5)
-    save_tiny_checkpoint(directory, model.eval())
-    return model
+    return model.eval()
 
 
 def tiny_absolute_position_models():
@@ -165,6 +408,18 @@ def tiny_absolute_position_models():
                                                                     multi_query=multi_query, **common))
 
 
+def tiny_absolute_position_model(name: str):
+    """One of `tiny_absolute_position_models` ("gpt2", "opt", "gpt_bigcode-mqa", "gpt_bigcode-mha")
+    with random norms and biases and decisive (tied) logits."""
+    names = ("gpt2", "opt", "gpt_bigcode-mqa", "gpt_bigcode-mha")
+    model = [model for _, model in tiny_absolute_position_models()][names.index(name)]
+    randomize_norms(model, 0.5, 1.5)
+    randomize_biases(model)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.normal_(std=0.5)
+    return model.eval()
+
+
 def tiny_llama_variants():
     """(model_type, HF model) of Llama's layout with other rope layouts and biases: Ministral
     (every layer windowed), Helium (pairs rotated, biased q/k/v, unbiased o_proj, biased MLP),
@@ -172,8 +427,6 @@ def tiny_llama_variants():
     (pairs rotated over half of each head, gate/up fused) and Arcee (an ungated squared-ReLU MLP)."""
     import transformers
 
-    common = dict(vocab_size=256, hidden_size=128, intermediate_size=192, num_hidden_layers=2, num_attention_heads=2,
-                  num_key_value_heads=1, max_position_embeddings=512, eos_token_id=2, bos_token_id=1, pad_token_id=0)
     variants = {
         "ministral": ("MinistralConfig", "MinistralForCausalLM", dict(sliding_window=16, layer_types=["sliding_attention"] * 2)),
         "helium": ("HeliumConfig", "HeliumForCausalLM", dict(attention_bias=True, mlp_bias=True)),
@@ -185,8 +438,18 @@ def tiny_llama_variants():
     }
     for model_type, (config_class, model_class, extra) in variants.items():
         torch.manual_seed(0)
-        config = getattr(transformers, config_class)(**common, head_dim=64, **extra)
+        config = getattr(transformers, config_class)(**LLAMA_SHAPE, head_dim=64, **extra)
         yield model_type, getattr(transformers, model_class)(config)
+
+
+def tiny_llama_variant(model_type: str):
+    """One of `tiny_llama_variants` with random norms and biases and decisive logits."""
+    model = dict(tiny_llama_variants())[model_type]
+    randomize_norms(model, 0.5, 1.5)
+    randomize_biases(model)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.normal_(std=0.5)
+    return model.eval()
 
 
 def tiny_image_text_models():
@@ -215,6 +478,17 @@ def tiny_image_text_models():
     for model_type, (text_type, config) in configs.items():
         torch.manual_seed(0)
         yield model_type, text_type, transformers.AutoModelForImageTextToText.from_config(config)
+
+
+def tiny_image_text(model_type: str):
+    """One of `tiny_image_text_models` ("gemma3", "mistral3") with random norms and decisive (tied)
+    logits."""
+    model = {name: model for name, _, model in tiny_image_text_models()}[model_type]
+    low, high = (-0.5, 0.5) if model_type == "gemma3" else (0.5, 1.5)  # (Gemma's norm weights are offsets from 1)
+    randomize_norms(model, low, high)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.normal_(std=1.0)
+    return model.eval()
 
 
 def tiny_qwen_vl(model_type: str):
@@ -280,6 +554,16 @@ def add_multi_token_prediction_layer(directory: str, last_layer: int) -> None:
     save_file(state, path, metadata={"format": "pt"})
 
 
+def transpose_stacked_experts(directory: str) -> None:
+    """As Qwen3-VL-MoE checkpoints are released: stacked experts transposed, [E, H, 2I] and [E, I, H]."""
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(directory, "model.safetensors")
+    state = {name: tensor.transpose(1, 2).contiguous() if ".mlp.experts." in name else tensor
+             for name, tensor in load_file(path).items()}
+    save_file(state, path, metadata={"format": "pt"})
+
+
 def tiny_deepseek(variant: str):
     """A random DeepSeek: multi-head latent attention (queries through a low-rank projection in
     "v2" and "v3", straight in "lite"), YaRN rope with mscale, one dense layer then DeepSeekMoE
@@ -303,6 +587,87 @@ def tiny_deepseek(variant: str):
         model_class = DeepseekV2ForCausalLM
     torch.manual_seed(0)
     model = model_class(config)
+    randomize_norms(model, 0.5, 1.5)
+    randomize_routers_and_experts(model)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.normal_(std=0.5)
+    return model.eval()
+
+
+def tiny_glm4_moe(qk_norm: bool):
+    """A random GLM-4.5: q/k/v biases and an unbiased output, rotary embedding on half of each head,
+    optional per-head q/k norms, one dense layer then DeepSeek-V3's biased sigmoid routing over
+    expert groups with a shared expert."""
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+    config = Glm4MoeConfig(vocab_size=256, hidden_size=128, intermediate_size=192, moe_intermediate_size=48,
+                           num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                           attention_bias=True, use_qk_norm=qk_norm, n_routed_experts=8, num_experts_per_tok=2,
+                           n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1,
+                           routed_scaling_factor=2.5, norm_topk_prob=True, max_position_embeddings=512,
+                           eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    torch.manual_seed(0)
+    model = Glm4MoeForCausalLM(config)
+    randomize_norms(model, 0.5, 1.5)
+    randomize_biases(model)
+    randomize_routers_and_experts(model)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.normal_(std=0.5)
+    return model.eval()
+
+
+def tiny_ernie4_5_moe():
+    """A random ERNIE 4.5 MoE: ERNIE's attention (adjacent-pair rotary), a dense first layer, then
+    experts chosen on biased softmax scores and weighted by the unbiased ones renormalized, with
+    shared experts; the last layer dense again (moe_layer_end_index)."""
+    from transformers import Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM
+
+    config = Ernie4_5_MoeConfig(vocab_size=256, hidden_size=128, intermediate_size=192, moe_intermediate_size=48,
+                                num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                num_experts=8, moe_k=2, num_experts_per_tok=2, moe_num_shared_experts=1,
+                                moe_layer_start_index=1, moe_layer_end_index=2, moe_layer_interval=1,
+                                max_position_embeddings=512, tie_word_embeddings=False, eos_token_id=2, bos_token_id=1,
+                                pad_token_id=0)
+    torch.manual_seed(0)
+    model = Ernie4_5_MoeForCausalLM(config)
+    randomize_norms(model, 0.5, 1.5)
+    randomize_routers_and_experts(model, bias_std=0.1)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.normal_(std=0.5)
+    return model.eval()
+
+
+def tiny_dots1():
+    """A random dots.llm1: Qwen3's per-head q/k norms, one dense layer, then DeepSeek-V3's biased
+    sigmoid routing over expert groups (scaled, not renormalized) with shared experts."""
+    from transformers import Dots1Config, Dots1ForCausalLM
+
+    config = Dots1Config(vocab_size=256, hidden_size=128, intermediate_size=192, moe_intermediate_size=48,
+                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                         n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=2, n_group=2, topk_group=1,
+                         first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=False,
+                         max_position_embeddings=512, eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    torch.manual_seed(0)
+    model = Dots1ForCausalLM(config)
+    randomize_norms(model, 0.5, 1.5)
+    randomize_routers_and_experts(model)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.normal_(std=0.5)
+    return model.eval()
+
+
+def tiny_minimax_m2():
+    """A random MiniMax-M2: q/k RMSNorm over whole projections, rotary embedding on half of each
+    head (`rotary_dim`), and in every layer experts chosen on biased sigmoid scores, weighted by
+    the unbiased ones renormalized."""
+    from transformers import MiniMaxM2Config, MiniMaxM2ForCausalLM
+
+    config = MiniMaxM2Config(vocab_size=256, hidden_size=128, intermediate_size=48, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=32, rotary_dim=16,
+                             num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=512,
+                             eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    torch.manual_seed(0)
+    model = MiniMaxM2ForCausalLM(config)
     randomize_norms(model, 0.5, 1.5)
     randomize_routers_and_experts(model)
     with torch.no_grad():
@@ -366,6 +731,15 @@ def tiny_windowed_models():
     torch.manual_seed(0)
     yield "mistral", MistralForCausalLM(MistralConfig(**common))
     yield "qwen2", Qwen2ForCausalLM(Qwen2Config(**common, use_sliding_window=True, max_window_layers=1))
+
+
+def tiny_windowed(model_type: str):
+    """One of `tiny_windowed_models` ("mistral", "qwen2") with decisive logits: float32 noise never
+    flips a token."""
+    model = dict(tiny_windowed_models())[model_type]
+    with torch.no_grad():
+        model.lm_head.weight.normal_(std=0.5)
+    return model.eval()
 
 
 def tiny_classifier(directory, model_type: str = "llama", num_labels: int = 3, **config_options) -> tuple:
