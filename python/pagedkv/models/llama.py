@@ -316,15 +316,15 @@ def fill_(target: torch.Tensor, value: torch.Tensor | list, name: str) -> None:
             raise ValueError(f"checkpoint's {name} has shape {list(value.shape)}, the model's {list(target.shape)}")
         target.copy_(value)
         return
-    rows = [1 if isinstance(part, list) or part.dim() < target.dim() else part.shape[0] for part in value]
+    one_index = [isinstance(part, list) or part.dim() < target.dim() for part in value]
+    rows = [1 if index else part.shape[0] for part, index in zip(value, one_index)]
     if sum(rows) != target.shape[0]:
         shapes = [len(part) if isinstance(part, list) else list(part.shape) for part in value]
         raise ValueError(f"checkpoint's parts of {name} (shapes {shapes}) make {sum(rows)} rows, the model's "
                          f"{target.shape[0]}")
     row = 0
-    for part, count in zip(value, rows):
-        fill_(target[row] if count == 1 and (isinstance(part, list) or part.dim() < target.dim())
-              else target[row : row + count], part, name)
+    for part, index, count in zip(value, one_index, rows):
+        fill_(target[row] if index else target[row : row + count], part, name)
         row += count
 
 
@@ -359,11 +359,11 @@ class PlainLayersForCausalLM(LlamaForCausalLM):
 
 
 def _stacked_experts(own: dict[str, torch.Tensor], p: str, num_experts: int) -> dict[str, torch.Tensor | list]:
-    """One MoE layer's weights in our names (as own_weights gives them), popped from `own`: the experts as checkpoints store
-    them (Mixtral's w1/w3/w2 or Qwen's gate/up/down_proj, one tensor each per expert; Granite
-    MoE's stacked input/output_linear; GPT-OSS's stacked, transposed and interleaved, with
-    biases) or as transformers holds them in memory
-    (already stacked: experts.gate_up_proj, experts.down_proj)."""
+    """One MoE layer's weights in our names (lists to stack, as own_weights gives them), popped
+    from `own`: the experts as checkpoints store them (Mixtral's w1/w3/w2 or Qwen's
+    gate/up/down_proj, one tensor each per expert; Granite MoE's stacked input/output_linear;
+    GPT-OSS's stacked, transposed and interleaved, with biases) or as transformers holds them in
+    memory (already stacked: experts.gate_up_proj, experts.down_proj)."""
     out = {}
     for name in ("gate_up_proj", "down_proj"):
         if p + f"experts.{name}_blocks" in own:  # GPT-OSS's MXFP4 experts, widened as transformers widens them
