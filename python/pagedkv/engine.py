@@ -446,28 +446,37 @@ class LLMEngine:
                     start, request.prompt_token_ids, len(request.prompt_logprobs), request.params.prompt_logprobs or 0)
             if not sample:
                 continue
-            with self._isolated(request, touched):
-                if request.pooling is not None:  # its embedding or scores: nothing to sample
-                    requests.pooling[seq_id] = request.pooling
-                    continue
-                if seq.draft_token_ids:
-                    if not is_prefill:
-                        requests.drafts[seq_id] = seq.draft_token_ids
-                        continue
-                    seq.draft_token_ids = []  # a recompute dropped them: sample after the last real token
-                if request.beam_search is not None:
-                    asked.beams.setdefault(request.request_id, (request, []))[1].append(seq_id)
-                    requests.logits_for.append(seq_id)
-                    continue
-                targets = [seq]
-                if not request.forked:
-                    request.forked = True
-                    targets += self._fork_samples(request, seq)
-                for target in targets:
-                    requests.sampling_rows.append(self._sampling_row(request, target, row_index))
-                    requests.row_seq_ids.append(target.seq_id)
-                    asked.row_targets.append((request, target))
+            try:  # (an error here aborts this request alone)
+                self._ask_for(asked, request, seq, is_prefill, row_index)
+            except Exception:
+                self._fail(request, touched)
         return asked
+
+    def _ask_for(self, asked: _Asked, request: RequestState, seq: SequenceState, is_prefill: bool,
+                 row_index: int) -> None:
+        """What a sampling sequence needs of the step: its pooled vector, its drafts verified, its
+        beams' logits, or samples (of itself and, at its first token, of its n > 1 forks)."""
+        requests, seq_id = asked.requests, seq.seq_id
+        if request.pooling is not None:  # its embedding or scores: nothing to sample
+            requests.pooling[seq_id] = request.pooling
+            return
+        if seq.draft_token_ids:
+            if not is_prefill:
+                requests.drafts[seq_id] = seq.draft_token_ids
+                return
+            seq.draft_token_ids = []  # a recompute dropped them: sample after the last real token
+        if request.beam_search is not None:
+            asked.beams.setdefault(request.request_id, (request, []))[1].append(seq_id)
+            requests.logits_for.append(seq_id)
+            return
+        targets = [seq]
+        if not request.forked:
+            request.forked = True
+            targets += self._fork_samples(request, seq)
+        for target in targets:
+            requests.sampling_rows.append(self._sampling_row(request, target, row_index))
+            requests.row_seq_ids.append(target.seq_id)
+            asked.row_targets.append((request, target))
 
     def _apply(self, asked: _Asked, output: ModelRunnerOutput, touched: dict[str, RequestState]) -> None:
         """Books the step's results: prompt logprobs, pooled vectors, verified drafts, sampled
@@ -496,7 +505,7 @@ class LLMEngine:
         for (request, seq), result in zip(asked.row_targets, output.sampled):
             if result is None or request.failed:
                 continue
-            with self._isolated(request, touched):
+            try:  # (an error here aborts this request alone)
                 request.record_token(seq, result.token_id, result.logprob, result.top_logprobs, self.tokenizer,
                                      self.eos_token_ids, self.max_model_len)
                 if seq.finished:
@@ -505,6 +514,8 @@ class LLMEngine:
                     self._append_token(request, seq, result.token_id)
                 else:
                     closing.append(request, seq.seq_id, result.token_id)
+            except Exception:
+                self._fail(request, touched)
         self._close_step(closing, touched)
 
         logits_row = {seq_id: row for row, seq_id in enumerate(asked.requests.logits_for)}

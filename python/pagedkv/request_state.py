@@ -85,7 +85,10 @@ class RequestState:
     def finished(self) -> bool:
         if self.final_outputs is not None:
             return True
-        return all(seq.finished for seq in self.seqs) and (self.forked or self.params.n == 1)
+        seqs = self.seqs
+        if len(seqs) == 1:  # (the common case, asked for twice per request per step)
+            return seqs[0].finish_reason is not None and (self.forked or self.params.n == 1)
+        return all(seq.finished for seq in seqs) and (self.forked or self.params.n == 1)
 
     def record_token(
         self,
