@@ -8,6 +8,9 @@ process; the table shows its peak resident memory above what the process held be
     python benches/load_memory.py                  # a random 0.3B Llama saved in bfloat16
     python benches/load_memory.py --layers 32      # a bigger one
     python benches/load_memory.py --baseline-python /path/to/venv-of-previous-build/bin/python
+
+(The measuring script builds the model class with its Traits: a baseline build must have
+models/registry.py, 6e7ae8f or later.)
 """
 
 from __future__ import annotations

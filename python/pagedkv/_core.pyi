@@ -75,7 +75,7 @@ class SchedulerConfig:
         swap_latency: float = 0.0001,
     ) -> None:
         """Any field by keyword, the others at their defaults (rust/sched/config.rs, the one
-        definition; tests/test_stubs.py checks these against it)."""
+        definition; tests/unit/test_stubs.py checks these against it)."""
 
 class ScheduledSequence:
     """One sequence's work in a step: compute the KV of token_ids = tokens[start:end]."""

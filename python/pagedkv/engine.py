@@ -81,14 +81,14 @@ class LLMEngine:
             self.config.block_size,
             self.max_model_len,
         )
-        if self.runner.sliding_window:
+        if self.model_info.sliding_window:
             logger.info("every layer attends to the last %d positions: blocks before a sequence's window are "
-                        "released as it advances", self.runner.sliding_window)
+                        "released as it advances", self.model_info.sliding_window)
 
     def _scheduler_config(self) -> SchedulerConfig:
         config, runner = self.config, self.runner
         device = "cuda" if str(config.device).startswith("cuda") else "cpu"
-        max_model_len = runner.max_model_len
+        max_model_len = self.model_info.max_model_len
         max_num_batched_tokens = config.max_num_batched_tokens
         if not config.enable_chunked_prefill:
             max_num_batched_tokens = max(max_num_batched_tokens, max_model_len)
@@ -104,12 +104,12 @@ class LLMEngine:
             enable_cpu_prefix_cache=config.enable_cpu_prefix_cache,
             enable_chunked_prefill=config.enable_chunked_prefill,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
-            sliding_window=runner.sliding_window,
+            sliding_window=self.model_info.sliding_window,
             prefix_caching_hash_seed=config.resolved_prefix_caching_hash_seed(),
             preemption_mode=config.preemption_mode,
             scheduling_policy=config.scheduling_policy,
             watermark=config.watermark,
-            recompute_cost_per_token=2.0 * runner.num_parameters / _FLOPS[device],
+            recompute_cost_per_token=2.0 * self.model_info.num_parameters / _FLOPS[device],
             block_bytes=float(runner.block_bytes),
             swap_bandwidth=_SWAP_BANDWIDTH[device],
         )

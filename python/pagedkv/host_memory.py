@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import sys
 
 logger = logging.getLogger("pagedkv.host_memory")
@@ -20,11 +21,13 @@ _applied = False
 def reuse_freed_memory() -> bool:
     """Tells glibc's malloc to serve allocations up to 1 GiB from its heap and to keep freed
     memory for reuse (process-wide, once; what vLLM's CPU backend gets by preloading tcmalloc).
-    Returns whether it applied: False off glibc (macOS, musl), where nothing changes."""
+    Returns whether it applied: False off glibc (macOS, musl), where nothing changes, and when
+    the environment sets PAGEDKV_REUSE_FREED_MEMORY=0 (a process that embeds the engine and wants
+    its freed memory back in the system)."""
     global _applied
     if _applied:
         return True
-    if not sys.platform.startswith("linux"):
+    if not sys.platform.startswith("linux") or os.environ.get("PAGEDKV_REUSE_FREED_MEMORY") == "0":
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")

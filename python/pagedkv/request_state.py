@@ -6,7 +6,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
-
 from pagedkv.detokenizer import DetokenizerState, detokenize_final, detokenize_incrementally
 from pagedkv.outputs import (
     ClassificationOutput,

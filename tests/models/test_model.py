@@ -347,6 +347,16 @@ def test_gpt_oss_mxfp4_experts_load_as_transformers_widens_them(tmp_path):
     assert (ours - hf_logits(hf_model, tokens)).abs().max().item() < 1e-4
 
 
+def test_falcon_with_alibi_is_refused(tmp_path):
+    from transformers import FalconConfig, FalconForCausalLM
+
+    model = FalconForCausalLM(FalconConfig(vocab_size=256, hidden_size=64, ffn_hidden_size=96, num_hidden_layers=1,
+                                           num_attention_heads=2, alibi=True, multi_query=False))
+    directory = save_tiny_checkpoint(tmp_path, model.eval())
+    with pytest.raises(ValueError, match="ALiBi"):
+        load(directory, None, None, torch.float32, torch.device("cpu"), None)
+
+
 def test_gemma_options_the_kernels_lack_are_refused(tmp_path):
     directory = save_tiny_checkpoint(tmp_path, tiny_gemma3(use_bidirectional_attention=True))
     with pytest.raises(ValueError, match="use_bidirectional_attention"):

@@ -202,27 +202,34 @@ class ModelRunner:
         of the plan's sampling sequences, samples, verified drafts, prompt logprobs, pooled
         vectors. Without `requests` (the other tensor-parallel ranks), the forward alone. Rank 0
         of a tensor-parallel group sends the step to the other ranks first; any failure then is
-        a TensorParallelError, for good."""
+        a TensorParallelError, for good (what follows the forward is rank 0's alone)."""
         if self.workers is None:
-            return self._execute(plan, requests)
-        if self.failure is not None:
-            raise self.failure
-        try:
-            self.workers.send_step(plan)
-            return self._execute(plan, requests)
-        except Exception as error:  # the ranks are out of step: no later step can run
-            self.failure = TensorParallelError(f"tensor-parallel step failed: {error}")
-            self.failure.__cause__ = error
-            logger.error("%s; the engine cannot go on", self.failure)
-            raise self.failure from error
+            hidden = self._forward(plan, requests)
+        else:
+            if self.failure is not None:
+                raise self.failure
+            try:
+                self.workers.send_step(plan)
+                hidden = self._forward(plan, requests)
+            except Exception as error:  # the ranks are out of step: no later step can run
+                self.failure = TensorParallelError(f"tensor-parallel step failed: {error}")
+                self.failure.__cause__ = error
+                logger.error("%s; the engine cannot go on", self.failure)
+                raise self.failure from error
+        if hidden is None or requests is None:
+            return ModelRunnerOutput()
+        return self._results(requests, *hidden, plan)
 
     @torch.inference_mode()
-    def _execute(self, plan, requests: Optional[StepRequests]) -> ModelRunnerOutput:
+    def _forward(self, plan, requests: Optional[StepRequests]) -> Optional[tuple[torch.Tensor, dict]]:
+        """The copies, then the forward: (final hidden states of the sampling sequences' last
+        tokens, {seq_id: every scheduled token's} for the sequences that need them), or None
+        when nothing is scheduled."""
         self.kv_cache.swap_out(plan.blocks_to_swap_out)
         self.kv_cache.swap_in(plan.blocks_to_swap_in)
         self.kv_cache.copy_blocks(plan.blocks_to_copy, self.backend)
         if plan.num_scheduled == 0:
-            return ModelRunnerOutput()
+            return None
         self.batch.apply(plan)
         self.kv_cache.wait_for_swap_in()
         step = _StepColumns(plan, self.config.block_size)
@@ -244,10 +251,9 @@ class ModelRunner:
             all_hidden = {seq_id: hidden[starts[i]:starts[i + 1]]
                           for i, seq_id in enumerate(step.seq_ids) if seq_id in hidden_for}
             sample_hidden = hidden[step.sample_index.to(self.device)]
-        if requests is None:
-            return ModelRunnerOutput()
-        return self._results(requests, sample_hidden, all_hidden, plan)
+        return sample_hidden, all_hidden
 
+    @torch.inference_mode()
     def _results(self, requests: StepRequests, sample_hidden: torch.Tensor, all_hidden: dict,
                  plan) -> ModelRunnerOutput:
         output = ModelRunnerOutput()
@@ -256,23 +262,20 @@ class ModelRunner:
             try:
                 output.prompt_logprobs[seq_id] = results.prompt_logprobs(self.compute_logits, all_hidden[seq_id], request)
             except Exception as error:
-                logger.exception("prompt logprobs of sequence %d failed", seq_id)
-                errors[seq_id] = error
+                errors[seq_id] = error  # (the engine logs it, aborting that request)
         for seq_id, params in requests.pooling.items():
             try:
                 output.pooled[seq_id] = results.pool(getattr(self.model, "classifier", None), all_hidden[seq_id][-1], params)
             except Exception as error:
-                logger.exception("pooling sequence %d failed", seq_id)
-                errors[seq_id] = error
+                errors[seq_id] = error  # (the engine logs it, aborting that request)
         for seq_id, drafts in requests.drafts.items():
             try:
                 output.accepted_tokens[seq_id] = results.verify_drafts(self.compute_logits, all_hidden[seq_id], drafts)
             except Exception as error:
-                logger.exception("verifying the drafts of sequence %d failed", seq_id)
-                errors[seq_id] = error
+                errors[seq_id] = error  # (the engine logs it, aborting that request)
         if not (requests.sampling_rows or requests.logits_for):
             return output
-        logits = self.model.compute_logits(sample_hidden)
+        logits = self.compute_logits(sample_hidden)
         if requests.sampling_rows:
             output.sampled = results.sample(self.sampler, logits, requests.sampling_rows, requests.row_seq_ids, errors)
         if requests.logits_for:

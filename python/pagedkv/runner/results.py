@@ -34,8 +34,7 @@ def sample(sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow], row_
             try:
                 [result] = sampler(logits, [row])
             except Exception as error:
-                logger.exception("sampling sequence %d failed", seq_id)
-                errors[seq_id] = error
+                errors[seq_id] = error  # (the engine logs it, aborting that request)
         results.append(result)
     return results
 

@@ -57,6 +57,3 @@ class ModelRunnerOutput:
     pooled: dict[int, list[float]] = field(default_factory=dict)  # embedding or class scores
     logits: Optional[torch.Tensor] = None  # float32 [len(logits_for), vocab] rows of StepRequests.logits_for
     errors: dict[int, BaseException] = field(default_factory=dict)  # seq_id -> what failed for it alone
-
-    def num_accepted_drafts(self, seq_id: int) -> int:
-        return len(self.accepted_tokens[seq_id]) - 1

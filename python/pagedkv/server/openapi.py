@@ -4,7 +4,7 @@ declares, and the corrections FastAPI's generated document needs (errors are JSO
 no route answers 422, validation errors are 400).
 
 The models only document: routes return plain dicts, which FastAPI neither validates nor
-serializes again. tests/test_server_hardening.py fuzzes the live server and checks every answer
+serializes again. tests/server/test_server_hardening.py fuzzes the live server and checks every answer
 against them, so a body that drifts from its model fails there. Fields OpenAI's spec has and
 pagedkv leaves out are absent; extra fields are allowed (a model's schema does not forbid them).
 """
