@@ -338,3 +338,8 @@ def rotary_cpu(
     """Rotary embedding in place on the first num_heads heads of each qkv row; shape is
     (num_tokens, row_width, num_heads, head_dim), cos/sin [num_tokens, head_dim]. Internal: use
     `pagedkv.layers.cpu_fused.rotary_`."""
+
+def argmax_rows_cpu(out: int, logits: int, rows_width: tuple[int, int], num_threads: int) -> None:
+    """out [rows] int64 = the index of each row's largest value (the first of equals; a row
+    holding NaN: its first NaN) of float32 logits [rows, width]. Internal: use
+    `pagedkv.runner.sampler.argmax_rows`."""

@@ -197,13 +197,13 @@ fn round<E: Element>(x: f32) -> f32 {
 const MIN_CHUNK_ELEMENTS: usize = 32 * 1024;
 
 /// Whole rows of `width` adding up to about MIN_CHUNK_ELEMENTS (at least one row).
-fn chunk_len(width: usize) -> usize {
+pub(crate) fn chunk_len(width: usize) -> usize {
     MIN_CHUNK_ELEMENTS.div_ceil(width.max(1)) * width.max(1)
 }
 
 /// Runs `work` once per chunk on up to `num_threads` threads (torch's OpenMP team where there
 /// is one), each thread claiming the next unclaimed chunk.
-fn for_row_chunks<T: Send>(chunks: Vec<T>, num_threads: usize, work: impl Fn(T) + Sync) {
+pub(crate) fn for_row_chunks<T: Send>(chunks: Vec<T>, num_threads: usize, work: impl Fn(T) + Sync) {
     let slots: Vec<Mutex<Option<T>>> = chunks.into_iter().map(|chunk| Mutex::new(Some(chunk))).collect();
     let next = AtomicUsize::new(0);
     let run = || {
@@ -217,14 +217,14 @@ fn for_row_chunks<T: Send>(chunks: Vec<T>, num_threads: usize, work: impl Fn(T) 
     run_on_team(num_threads.clamp(1, slots.len().max(1)), &run);
 }
 
-fn check_rows(what: &str, len: usize, width: usize) -> Result<()> {
+pub(crate) fn check_rows(what: &str, len: usize, width: usize) -> Result<()> {
     if width == 0 || !len.is_multiple_of(width) {
         return invalid(format!("{what} has {len} elements, not whole rows of {width}"));
     }
     Ok(())
 }
 
-fn invalid(message: String) -> Result<()> {
+pub(crate) fn invalid(message: String) -> Result<()> {
     Err(Error::InvalidConfig { field: "inputs", message })
 }
 

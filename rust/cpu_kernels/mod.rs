@@ -2,6 +2,7 @@
 //! block table; the elementwise layers are fused; `simd` and `fp8` are their element types, and
 //! `openmp_team` runs them on torch's thread team.
 
+pub mod argmax;
 pub mod decode_attention;
 pub mod fp8;
 pub mod layer_ops;

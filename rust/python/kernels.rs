@@ -4,6 +4,7 @@
 use pyo3::prelude::*;
 
 use super::errors::{call, exceptions};
+use crate::cpu_kernels::argmax;
 use crate::cpu_kernels::decode_attention::{paged_decode_attention, DecodeShape};
 use crate::cpu_kernels::fp8::{Fp8E4m3, Fp8E5m2};
 use crate::cpu_kernels::layer_ops;
@@ -257,6 +258,31 @@ fn rotary_cpu(
     })))
 }
 
+/// out `[rows]` int64 = argmax of each row of logits `[rows, width]` float32, CPU tensors given
+/// by data pointer. Internal: `pagedkv.runner.sampler.argmax_rows` checks the tensors first.
+#[pyfunction]
+fn argmax_rows_cpu(
+    py: Python<'_>,
+    out: usize,
+    logits: usize,
+    rows_width: (usize, usize),
+    num_threads: usize,
+) -> PyResult<()> {
+    let (rows, width) = rows_width;
+    py.detach(|| {
+        call(|| {
+            // SAFETY: live, contiguous CPU tensors of these shapes and dtypes; `out` is fresh.
+            let (out, logits) = unsafe {
+                (
+                    std::slice::from_raw_parts_mut(out as *mut i64, rows),
+                    std::slice::from_raw_parts(logits as *const f32, rows * width),
+                )
+            };
+            argmax::argmax_rows(logits, width, out, num_threads)
+        })
+    })
+}
+
 /// (instruction set, runs on an OpenMP team) of the CPU decode attention in this process.
 #[pyfunction]
 fn cpu_attention_build() -> (String, bool) {
@@ -267,6 +293,7 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(paged_decode_attention_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(paged_prefill_attention_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_attention_build, m)?)?;
+    m.add_function(wrap_pyfunction!(argmax_rows_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(rms_norm_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(silu_and_mul_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(rotary_cpu, m)?)

@@ -4,8 +4,10 @@ import collections
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from pagedkv.runner.sampler import Sampler, SamplingRow
+from pagedkv.runner.sampler import Sampler, SamplingRow, argmax_rows
 from pagedkv.sampling_params import SamplingParams
 
 VOCAB = 50
@@ -252,3 +254,28 @@ def test_logits_processors_see_the_history_and_replace_the_logits():
     assert seen == [("two", [3], (VOCAB,)), ("three", [1, 2], [3]), ("two", [], (VOCAB,))]
     with pytest.raises(ValueError, match="logits_processors"):
         SamplingParams(logits_processors=[3])
+
+
+@given(
+    rows=st.integers(1, 6),
+    width=st.integers(1, 300),
+    data=st.data(),
+)
+@settings(max_examples=60, deadline=None)
+def test_argmax_rows_is_torch_argmax_with_ties_infinities_and_nan(rows, width, data):
+    """The CPU kernel behind greedy sampling picks what torch's argmax picks: the first of equal
+    values, a row's first NaN, index 0 of an all -inf row."""
+    values = data.draw(st.lists(st.sampled_from([0.0, 1.5, -2.0, 7.25, float("inf"), float("-inf"), float("nan")])
+                                | st.floats(-1e6, 1e6, width=32), min_size=rows * width, max_size=rows * width))
+    logits = torch.tensor(values, dtype=torch.float32).reshape(rows, width)
+    assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))
+
+
+def test_argmax_rows_of_vocabulary_wide_rows_and_views():
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(37, 49152, generator=generator)
+    logits[5, 100] = logits[5, 40000] = logits[5].max() + 1  # a tie far apart: the first wins
+    assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))
+    view = logits[:, 1000:]  # (not contiguous: torch's path)
+    assert torch.equal(argmax_rows(view), view.argmax(dim=-1))
+    assert argmax_rows(torch.empty(0, 10)).shape == (0,)
