@@ -602,16 +602,22 @@ class LLMEngine:
         return children
 
     def _sampling_row(self, request: RequestState, seq: SequenceState, row_index: int) -> SamplingRow:
-        return SamplingRow(
-            logits_index=row_index,
-            params=request.params,
-            prompt_token_ids=request.prompt_token_ids,
-            output_token_ids=seq.output_token_ids,
-            generator=seq.generator,
-            eos_token_ids=self.eos_token_ids,
-            matcher=seq.matcher,
-            bad_words_token_ids=request.bad_words_token_ids,
-        )
+        """The sequence's sampling row, made at its first sample and kept (what it holds never
+        changes: the output list is the sequence's own, growing), at `row_index` this step."""
+        row = seq.sampling_row
+        if row is None:
+            row = seq.sampling_row = SamplingRow(
+                logits_index=row_index,
+                params=request.params,
+                prompt_token_ids=request.prompt_token_ids,
+                output_token_ids=seq.output_token_ids,
+                generator=seq.generator,
+                eos_token_ids=self.eos_token_ids,
+                matcher=seq.matcher,
+                bad_words_token_ids=request.bad_words_token_ids,
+            )
+        row.logits_index = row_index
+        return row
 
     def _sync_beam_sequences(self, request: RequestState) -> None:
         """Beam search creates and frees sequences; keep the seq_id -> request map in step."""

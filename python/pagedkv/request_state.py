@@ -36,6 +36,7 @@ class SequenceState:
     text: str = ""
     detokenizer: DetokenizerState = field(default_factory=DetokenizerState)
     draft_token_ids: list[int] = field(default_factory=list)  # speculative tokens the next step verifies
+    sampling_row: object = None  # its runner.sampler.SamplingRow, once it sampled (engine._sampling_row)
     # Length of the text that has been checked for stop strings.
     _checked_text_len: int = 0
 
