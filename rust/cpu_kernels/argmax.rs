@@ -27,46 +27,37 @@ pub fn argmax_rows(logits: &[f32], width: usize, out: &mut [i64], num_threads: u
     Ok(())
 }
 
-/// One pass in 16 independent lanes, which vectorize: each lane keeps its largest value, where
-/// it first saw it, and how many NaNs it met.
+/// Two vectorized passes: the row's maximum in 64 lanes (a compare-and-select per value, four
+/// vectors wide so no single chain waits on its own latency), with a lane sum that is NaN if the
+/// row holds a NaN (or infinities of both signs: then a scalar look settles it); then the first
+/// block of 64 holding the maximum, read again from cache, and its first such value.
 #[inline(always)]
 fn row_argmax(row: &[f32]) -> usize {
-    const LANES: usize = 16;
-    let mut best = [f32::NEG_INFINITY; LANES];
-    let mut best_chunk = [0u32; LANES];
-    let mut nans = [0u32; LANES];
+    const LANES: usize = 64;
+    let mut lanes = [f32::NEG_INFINITY; LANES];
+    let mut sums = [0.0f32; LANES];
     let mut chunks = row.chunks_exact(LANES);
-    for (index, chunk) in (&mut chunks).enumerate() {
+    for chunk in &mut chunks {
         for lane in 0..LANES {
             let x = chunk[lane];
-            let better = x > best[lane];
-            best[lane] = if better { x } else { best[lane] };
-            best_chunk[lane] = if better { index as u32 } else { best_chunk[lane] };
-            nans[lane] += x.is_nan() as u32;
+            lanes[lane] = if x > lanes[lane] { x } else { lanes[lane] };
+            sums[lane] += x;
         }
     }
-    if nans.iter().any(|&count| count > 0) {
-        return row.iter().position(|x| x.is_nan()).unwrap_or(0);
+    let mut maximum = lanes.iter().fold(f32::NEG_INFINITY, |m, &x| if x > m { x } else { m });
+    let mut has_nan = sums.iter().any(|sum| sum.is_nan());
+    for &x in chunks.remainder() {
+        maximum = if x > maximum { x } else { maximum };
+        has_nan |= x.is_nan();
     }
-    // The largest lane value, the earliest position among equals; then the remainder.
-    let mut maximum = f32::NEG_INFINITY;
-    let mut position = 0;
-    for lane in 0..LANES {
-        let at = best_chunk[lane] as usize * LANES + lane;
-        if best[lane] > maximum || (best[lane] == maximum && at < position) {
-            (maximum, position) = (best[lane], at);
+    if has_nan {
+        if let Some(nan) = row.iter().position(|x| x.is_nan()) {
+            return nan;
         }
     }
-    let tail_start = row.len() - chunks.remainder().len();
-    for (offset, &x) in chunks.remainder().iter().enumerate() {
-        if x.is_nan() {
-            return tail_start + offset;
-        }
-        if x > maximum {
-            (maximum, position) = (x, tail_start + offset);
-        }
-    }
-    position
+    let block =
+        row.chunks(LANES).position(|block| block.iter().fold(false, |found, &x| found | (x == maximum))).unwrap_or(0);
+    block * LANES + row[block * LANES..].iter().position(|&x| x == maximum).unwrap_or(0)
 }
 
 #[cfg(test)]
