@@ -20,8 +20,8 @@ Result = TypeVar("Result")
 
 
 class RequestStream:
-    """One queued request's outputs in the order the engine loop delivers them: cumulative, the
-    last one `finished`."""
+    """One queued request's outputs in the order the engine loop delivers them (cumulative, or
+    each what is new for output_kind="delta"), the last one `finished`."""
 
     def __init__(self, request_id: str, outputs: asyncio.Queue):
         self.request_id = request_id

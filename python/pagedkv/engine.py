@@ -395,7 +395,7 @@ class LLMEngine:
             output = request.to_output(self.tokenizer)
             self._finish_request(request, output)
             return output
-        if request.params.output_kind == "cumulative":
+        if request.params.output_kind != "final_only":
             return request.to_output(self.tokenizer)  # detokenizes: skipped for final_only
         return None
 

@@ -9,7 +9,8 @@ from typing import Optional, Union
 
 @dataclass
 class CompletionOutput:
-    """One sample (or beam) of a request, cumulative so far."""
+    """One sample (or beam) of a request, cumulative so far (with output_kind "delta": what is new
+    since the request's previous output; cumulative_logprob stays the running total)."""
 
     index: int
     text: str

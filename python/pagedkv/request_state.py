@@ -37,6 +37,9 @@ class SequenceState:
     detokenizer: DetokenizerState = field(default_factory=DetokenizerState)
     draft_token_ids: list[int] = field(default_factory=list)  # speculative tokens the next step verifies
     sampling_row: object = None  # its runner.sampler.SamplingRow, once it sampled (engine._sampling_row)
+    # What earlier outputs held, for output_kind="delta": tokens (and logprobs) and characters of text.
+    num_reported_tokens: int = 0
+    num_reported_chars: int = 0
     # Length of the text that has been checked for stop strings.
     _checked_text_len: int = 0
 
@@ -155,6 +158,8 @@ class RequestState:
             if seq.finish_reason == "stop" and not self.params.include_stop_str_in_output:
                 token_ids = token_ids[:-1]  # as in vLLM, the stop token or EOS is not part of the text
             seq.text = detokenize_final(tokenizer, token_ids, seq.detokenizer, skip_special_tokens)
+        if self.params.output_kind == "delta":
+            return self._delta(seq, seq.text, seq.output_token_ids, seq.logprobs, seq.finish_reason, seq.stop_reason)
         return CompletionOutput(
             index=seq.index,
             text=seq.text,
@@ -165,6 +170,23 @@ class RequestState:
             logprobs=seq.logprobs,
         )
 
+    def _delta(self, seq: SequenceState, text: str, token_ids: list[int], logprobs: Optional[list],
+               finish_reason: Optional[str], stop_reason: object) -> CompletionOutput:
+        """What is new in a sequence since its previous output (output_kind "delta"); text is
+        new past the characters sent (the whole decode a finished sequence ends with extends
+        the incremental one; a stop string cut within text already sent sends nothing more)."""
+        sent_tokens, sent_chars = seq.num_reported_tokens, seq.num_reported_chars
+        seq.num_reported_tokens, seq.num_reported_chars = len(token_ids), max(sent_chars, len(text))
+        return CompletionOutput(
+            index=seq.index,
+            text=text[sent_chars:],
+            token_ids=token_ids[sent_tokens:],
+            finish_reason=finish_reason,
+            stop_reason=stop_reason,
+            cumulative_logprob=seq.cumulative_logprob if self.params.logprobs is not None else None,
+            logprobs=None if logprobs is None else logprobs[sent_tokens:],
+        )
+
     def to_output(self, tokenizer) -> Union[RequestOutput, EmbeddingRequestOutput, ClassificationRequestOutput]:
         if self.pooling is not None and self.pooling.task == "classify":
             return ClassificationRequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
@@ -172,7 +194,11 @@ class RequestState:
         if self.pooling is not None:
             return EmbeddingRequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
                                           EmbeddingOutput(self.pooled or []), self.finished, self.metrics)
-        if self.final_outputs is not None:
+        if self.final_outputs is not None and self.params.output_kind == "delta":  # (a request that failed)
+            seqs = {seq.index: seq for seq in self.seqs}
+            outputs = [self._delta(seqs[out.index], out.text, out.token_ids, out.logprobs, out.finish_reason,
+                                   out.stop_reason) if out.index in seqs else out for out in self.final_outputs]
+        elif self.final_outputs is not None:
             outputs = self.final_outputs
         else:
             outputs = [self.completion(seq, tokenizer) for seq in self.seqs]

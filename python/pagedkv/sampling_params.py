@@ -53,7 +53,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # keep the stop string or stop token's text at the end
     # Prefix-cache isolation (vLLM's cache_salt): only requests with the same salt share cached blocks.
     cache_salt: Optional[str] = None
-    output_kind: str = "cumulative"  # "final_only": LLMEngine.step reports the request only when it finishes
+    # "cumulative": each output holds everything so far; "delta" (vLLM's DELTA): only the tokens, text and
+    # logprobs new since the request's previous output (streams: no per-step copy of the whole output);
+    # "final_only": LLMEngine.step reports the request only when it finishes.
+    output_kind: str = "cumulative"
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -138,8 +141,8 @@ class SamplingParams:
             check_unicode(stop, "stop")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             fail("cache_salt", self.cache_salt, "a non-empty string")
-        if self.output_kind not in ("cumulative", "final_only"):
-            fail("output_kind", self.output_kind, "'cumulative' or 'final_only'")
+        if self.output_kind not in ("cumulative", "delta", "final_only"):
+            fail("output_kind", self.output_kind, "'cumulative', 'delta' or 'final_only'")
         if self.use_beam_search:
             if not isinstance(self.beam_width, int) or self.beam_width < self.n:
                 fail("beam_width", self.beam_width, f"an integer >= n={self.n}")
@@ -147,6 +150,8 @@ class SamplingParams:
                 fail("temperature", self.temperature, "0 with use_beam_search (beams are greedy)")
             if self.structured_outputs is not None:
                 fail("structured_outputs", self.structured_outputs, "None with use_beam_search")
+            if self.output_kind == "delta":  # (beams are rewritten until the end: nothing to add to)
+                fail("output_kind", self.output_kind, "'cumulative' or 'final_only' with use_beam_search")
 
     def check_context_room(self, num_prompt_tokens: int, max_model_len: int) -> None:
         """Raises ValueError naming max_tokens if the prompt leaves less room in the context than

@@ -347,7 +347,82 @@ def test_final_only_requests_are_reported_once_and_logprobs_only_when_asked(llm)
     assert final.token_ids == cumulative.token_ids and final.text == cumulative.text
     assert cumulative.cumulative_logprob < 0 and final.cumulative_logprob is None
     with pytest.raises(ValueError, match="output_kind"):
-        SamplingParams(output_kind="delta")
+        SamplingParams(output_kind="deltas")
+    with pytest.raises(ValueError, match="output_kind"):
+        SamplingParams(output_kind="delta", use_beam_search=True, temperature=0, beam_width=2)
+
+
+def run_to_the_end(engine, requests: dict) -> dict:
+    """Every output each request reported, by request id."""
+    for request_id, (prompt, params) in requests.items():
+        engine.add_request(request_id, prompt, params)
+    reported = {request_id: [] for request_id in requests}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            reported[output.request_id].append(output)
+    return reported
+
+
+def joined(outputs) -> dict:
+    """Per sample index: (text, token ids, logprobs, finish reason, cumulative logprob) of delta outputs joined."""
+    samples: dict = {}
+    for output in outputs:
+        for completion in output.outputs:
+            text, token_ids, logprobs, _, _ = samples.get(completion.index, ("", [], [], None, None))
+            samples[completion.index] = (text + completion.text, token_ids + completion.token_ids,
+                                         logprobs + (completion.logprobs or []), completion.finish_reason,
+                                         completion.cumulative_logprob)
+    return samples
+
+
+def test_delta_outputs_add_up_to_the_cumulative_ones(llm):
+    """output_kind="delta" (vLLM's DELTA): each output holds only what is new; joined, they are
+    the cumulative outputs, for greedy and seeded samples, n > 1, logprobs and stop strings."""
+    settings = [
+        dict(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2),
+        dict(temperature=0.8, seed=7, n=2, max_tokens=10, ignore_eos=True),
+        dict(temperature=0, max_tokens=40, stop=[" the", "."], include_stop_str_in_output=True),
+    ]
+    prompts = ["Hello", "Once upon a time", "The capital of France is"]
+    for index, (options, prompt) in enumerate(zip(settings, prompts)):
+        reported = run_to_the_end(llm.engine, {
+            "cumulative": (prompt, SamplingParams(**options)),
+            "delta": (prompt, SamplingParams(**options, output_kind="delta")),
+        })
+        assert len(reported["delta"]) == len(reported["cumulative"]) > 1, index
+        assert reported["delta"][-1].finished and not reported["delta"][0].finished
+        final = reported["cumulative"][-1].outputs
+        expected = {c.index: (c.text, c.token_ids, c.logprobs or [], c.finish_reason, c.cumulative_logprob)
+                    for c in final}
+        assert joined(reported["delta"]) == expected, index
+        first = reported["delta"][0].outputs[0]
+        assert len(first.token_ids) == 1  # (one token a step)
+
+
+def test_delta_outputs_of_an_aborted_and_a_failed_request_end_with_what_was_left(llm):
+    def fail_late(output_token_ids, logits):
+        if len(output_token_ids) == 3:
+            raise RuntimeError("processor failed")
+        return logits
+
+    engine = llm.engine
+    reported: dict = {}
+    for kind in ("delta", "cumulative"):
+        engine.add_request(f"aborted-{kind}", "Hello", SamplingParams(temperature=0, max_tokens=50, ignore_eos=True,
+                                                                      output_kind=kind))
+        engine.add_request(f"failed-{kind}", "Hello", SamplingParams(
+            temperature=0, max_tokens=50, ignore_eos=True, output_kind=kind, logits_processors=[fail_late]))
+        reported.update({f"aborted-{kind}": [], f"failed-{kind}": []})
+    for _ in range(5):
+        for output in engine.step():
+            reported[output.request_id].append(output)
+    for kind in ("delta", "cumulative"):
+        reported[f"aborted-{kind}"].append(engine.abort(f"aborted-{kind}"))
+    assert not engine.has_unfinished_requests()
+    for request_id in ("aborted", "failed"):
+        final = reported[f"{request_id}-cumulative"][-1].outputs[0]
+        assert final.finish_reason == "abort" and final.token_ids, request_id
+        assert joined(reported[f"{request_id}-delta"]) == {0: (final.text, final.token_ids, [], "abort", None)}
 
 
 def test_bad_input_gets_clear_errors(llm):
