@@ -122,10 +122,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--baseline-python", help="a Python whose pagedkv is the previous build")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--cases", default="tiny:64,tiny:256,tiny:256:final_only,tiny:1024,smollm2:64",
-                        help="model:num_seqs[:final_only], comma-separated (model: tiny or smollm2); the requests "
-                             "stream (cumulative outputs, as the server's streamed answers) unless final_only "
-                             "(LLM.generate's and non-streamed answers: only finished requests are reported)")
+    parser.add_argument("--cases", default="tiny:64,tiny:256,tiny:256:delta,tiny:256:final_only,tiny:1024,smollm2:64",
+                        help="model:num_seqs[:delta|final_only], comma-separated (model: tiny or smollm2); the "
+                             "requests stream cumulative outputs (as the server's streamed answers) unless delta "
+                             "(each output only what is new) or final_only (LLM.generate's and non-streamed "
+                             "answers: only finished requests are reported)")
     parser.add_argument("--output-kind", default="cumulative", help=argparse.SUPPRESS)
     parser.add_argument("--worker", nargs=2, metavar=("MODEL", "NUM_SEQS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -141,14 +142,16 @@ def main() -> None:
     for case in args.cases.split(","):
         model, num_seqs, *kind = case.split(":")
         output_kind = kind[0] if kind else "cumulative"
-        results = {name: run_worker(python, model, int(num_seqs), args.device, output_kind) for name, python in builds}
+        # (the previous build has no delta outputs: its streams are cumulative)
+        kinds = {name: "cumulative" if name == "baseline" and output_kind == "delta" else output_kind for name, _ in builds}
+        results = {name: run_worker(python, model, int(num_seqs), args.device, kinds[name]) for name, python in builds}
         non_model = {name: sum(v for k, v in r.items() if k not in ("forward", "logits")) for name, r in results.items()}
         for name, result in results.items():
             ratio = ""
             if "baseline" in results and name == "this build":
                 ratio = f"{non_model['baseline'] / non_model[name]:.1f}x less"
             cells = " | ".join(f"{result[phase]:>9.0f}" for phase in PHASES)
-            print(f"{model:>8} {num_seqs:>5} {output_kind:>10} {name:>10} | {cells} | {non_model[name]:>9.0f} | {ratio:>11}")
+            print(f"{model:>8} {num_seqs:>5} {kinds[name]:>10} {name:>10} | {cells} | {non_model[name]:>9.0f} | {ratio:>11}")
     print("non-model: everything but forward and logits (schedule, prepare, sampling, output, update)")
 
 
