@@ -279,3 +279,86 @@ def test_argmax_rows_of_vocabulary_wide_rows_and_views():
     view = logits[:, 1000:]  # (not contiguous: torch's path)
     assert torch.equal(argmax_rows(view), view.argmax(dim=-1))
     assert argmax_rows(torch.empty(0, 10)).shape == (0,)
+
+
+def reference_biases_and_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
+    """The per-row form (the sampler's before penalties were batched), for one 1-D row."""
+    params = row.params
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias))
+        logits[ids] += torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype)
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(row.prompt_token_ids) | set(row.output_token_ids)))
+        values = logits[seen]
+        logits[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
+    if (params.presence_penalty or params.frequency_penalty) and row.output_token_ids:
+        ids, counts = torch.tensor(row.output_token_ids).unique(return_counts=True)
+        logits[ids] -= params.frequency_penalty * counts.to(logits.dtype) + params.presence_penalty
+
+
+tokens = st.lists(st.integers(0, VOCAB - 1), max_size=12)
+penalized_rows = st.lists(st.fixed_dictionaries({
+    "prompt": st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12),
+    "steps": st.lists(tokens, min_size=1, max_size=3),  # output tokens added before each sampling step
+    "repetition_penalty": st.sampled_from([1.0, 1.3, 0.7]),
+    "frequency_penalty": st.sampled_from([0.0, 0.5, -1.25]),
+    "presence_penalty": st.sampled_from([0.0, 0.75]),
+    "logit_bias": st.one_of(st.none(), st.dictionaries(st.integers(0, VOCAB - 1), st.floats(-100, 100), max_size=4)),
+}), min_size=1, max_size=5)
+
+
+@given(penalized_rows)
+@settings(max_examples=60, deadline=None)
+def test_batched_penalties_equal_the_per_row_reference_step_after_step(specs):
+    """Rows kept across steps (their token histories updated as outputs grow) penalize exactly as
+    the per-row computation from the whole history does."""
+    from pagedkv.runner.penalties import apply_biases_and_penalties
+
+    rows = [row(i, prompt=spec["prompt"], **{k: v for k, v in spec.items() if k not in ("prompt", "steps")})
+            for i, spec in enumerate(specs)]
+    for step in range(max(len(spec["steps"]) for spec in specs)):
+        for spec, sampling_row in zip(specs, rows):
+            if step < len(spec["steps"]):
+                sampling_row.output_token_ids.extend(spec["steps"][step])
+        logits = random_logits(len(rows), seed=step)
+        expected = logits.clone()
+        for i, sampling_row in enumerate(rows):
+            reference_biases_and_penalties(expected[i], sampling_row)
+        apply_biases_and_penalties(logits, rows, list(range(len(rows))))
+        assert torch.equal(logits, expected)
+
+
+def test_a_logit_bias_outside_the_vocabulary_fails_its_row_alone():
+    rows = [row(0, temperature=0, logit_bias={VOCAB + 5: 1.0}), row(1, temperature=0, repetition_penalty=1.2)]
+    with pytest.raises(ValueError, match="vocabulary"):
+        Sampler()(random_logits(2), rows)
+    errors: dict = {}
+    from pagedkv.runner.results import sample
+
+    results = sample(Sampler(), random_logits(2), rows, [10, 11], errors)
+    assert results[0] is None and isinstance(errors[10], ValueError) and results[1] is not None
+
+
+def test_a_batch_that_fails_after_penalizing_in_place_resamples_from_fresh_logits():
+    """In place (the runner's case without beams), a batch that raises after penalizing some rows
+    samples its rows again from logits computed afresh: no row is penalized twice."""
+    from pagedkv.runner.results import sample
+
+    def fresh() -> torch.Tensor:
+        logits = torch.zeros(2, VOCAB)
+        logits[0, 3], logits[0, 5] = 2.0, 1.5  # penalized once, 3 still wins (2 / 1.2 > 1.5); twice, 5 would
+        return logits
+
+    def failing(output_token_ids, logits):
+        raise RuntimeError("processor failed")
+
+    rows = [row(0, temperature=0, prompt=[3], repetition_penalty=1.2), row(1, temperature=0, logits_processors=[failing])]
+    errors: dict = {}
+    results = sample(Sampler(), fresh(), rows, [10, 11], errors, recompute_logits=fresh)
+    assert results[0].token_id == 3 and results[1] is None and isinstance(errors[11], RuntimeError)
+    logits = fresh()[:1]
+    assert Sampler()(logits, rows[:1], in_place=True)[0].token_id == 3
+    assert logits[0, 3] < 2.0  # (changed in place)
+    kept = fresh()[:1]
+    Sampler()(kept, rows[:1])
+    assert torch.equal(kept, fresh()[:1])

@@ -277,7 +277,10 @@ class ModelRunner:
             return output
         logits = self.compute_logits(sample_hidden)
         if requests.sampling_rows:
-            output.sampled = results.sample(self.sampler, logits, requests.sampling_rows, requests.row_seq_ids, errors)
+            # (beams read the raw logits after sampling; else the sampler may change them in place)
+            recompute = None if requests.logits_for else (lambda: self.compute_logits(sample_hidden))
+            output.sampled = results.sample(self.sampler, logits, requests.sampling_rows, requests.row_seq_ids, errors,
+                                            recompute)
         if requests.logits_for:
             sampling_seq_ids = plan.seq_ids[plan.samples].tolist()
             row_of = {seq_id: row for row, seq_id in enumerate(sampling_seq_ids)}

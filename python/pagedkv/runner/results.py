@@ -21,12 +21,17 @@ _PROMPT_LOGPROB_ROWS = 256
 
 
 def sample(sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow], row_seq_ids: list[int],
-           errors: dict[int, BaseException]) -> list[Optional[SampleResult]]:
-    """Every row at once; if that raises, row by row, so a bad row fails alone (None there)."""
+           errors: dict[int, BaseException],
+           recompute_logits: Optional[Callable[[], torch.Tensor]] = None) -> list[Optional[SampleResult]]:
+    """Every row at once; if that raises, row by row, so a bad row fails alone (None there).
+    With `recompute_logits` the batch may change `logits` in place (the caller needs them no
+    more), and the rows one by one start from logits computed again."""
     try:
-        return sampler(logits, rows)
+        return sampler(logits, rows, in_place=recompute_logits is not None)
     except Exception:
         logger.warning("sampling the batch failed; sampling its rows one by one")
+    if recompute_logits is not None:  # (the failed batch may have changed some rows already)
+        logits = recompute_logits()
     results: list[Optional[SampleResult]] = []
     for row, seq_id in zip(rows, row_seq_ids):
         result = None
