@@ -343,3 +343,20 @@ def argmax_rows_cpu(out: int, logits: int, rows_width: tuple[int, int], num_thre
     """out [rows] int64 = the index of each row's largest value (the first of equals; a row
     holding NaN: its first NaN) of float32 logits [rows, width]. Internal: use
     `pagedkv.runner.sampler.argmax_rows`."""
+
+def sample_rows_cpu(
+    out: int,
+    logits: int,
+    rows_width: tuple[int, int],
+    temperature: int,
+    top_k: int,
+    top_p: int,
+    min_p: int,
+    uniform: int,
+    num_threads: int,
+) -> None:
+    """out [rows] int64 = a token drawn from each row of float32 logits [rows, width]: logits /
+    temperature, the top_k (0: all), softmax, min_p, top_p, then the first token whose cumulative
+    kept probability in vocabulary order reaches (1 - uniform) of the kept total; per-row
+    float32 temperature / top_p / min_p / uniform and int64 top_k. Internal: used by
+    `pagedkv.runner.sampler`."""

@@ -8,4 +8,5 @@ pub mod fp8;
 pub mod layer_ops;
 pub mod openmp_team;
 pub mod prefill_attention;
+pub mod sampling;
 pub mod simd;

@@ -9,6 +9,7 @@ use crate::cpu_kernels::decode_attention::{paged_decode_attention, DecodeShape};
 use crate::cpu_kernels::fp8::{Fp8E4m3, Fp8E5m2};
 use crate::cpu_kernels::layer_ops;
 use crate::cpu_kernels::prefill_attention::paged_prefill_attention;
+use crate::cpu_kernels::sampling::{self, RowSampling};
 use crate::cpu_kernels::simd::{Bf16, Isa};
 
 /// The kernels' shape from Python's tuple (batch, num_heads, num_kv_heads, head_dim,
@@ -283,6 +284,52 @@ fn argmax_rows_cpu(
     })
 }
 
+/// out `[rows]` int64 = a token drawn from each row of logits `[rows, width]` float32 under the
+/// row's temperature, top_k (int64), top_p, min_p and uniform number (float32 `[rows]` each), CPU
+/// tensors given by data pointer. Internal: `pagedkv.runner.sampler` checks the tensors first.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn sample_rows_cpu(
+    py: Python<'_>,
+    out: usize,
+    logits: usize,
+    rows_width: (usize, usize),
+    temperature: usize,
+    top_k: usize,
+    top_p: usize,
+    min_p: usize,
+    uniform: usize,
+    num_threads: usize,
+) -> PyResult<()> {
+    let (rows, width) = rows_width;
+    py.detach(|| {
+        call(|| {
+            // SAFETY: live, contiguous CPU tensors of these shapes and dtypes; `out` is fresh.
+            let (out, logits, temperature, top_k, top_p, min_p, uniform) = unsafe {
+                (
+                    std::slice::from_raw_parts_mut(out as *mut i64, rows),
+                    std::slice::from_raw_parts(logits as *const f32, rows * width),
+                    std::slice::from_raw_parts(temperature as *const f32, rows),
+                    std::slice::from_raw_parts(top_k as *const i64, rows),
+                    std::slice::from_raw_parts(top_p as *const f32, rows),
+                    std::slice::from_raw_parts(min_p as *const f32, rows),
+                    std::slice::from_raw_parts(uniform as *const f32, rows),
+                )
+            };
+            let settings: Vec<RowSampling> = (0..rows)
+                .map(|r| RowSampling {
+                    temperature: temperature[r],
+                    top_k: top_k[r].max(0) as usize,
+                    top_p: top_p[r],
+                    min_p: min_p[r],
+                    uniform: uniform[r],
+                })
+                .collect();
+            sampling::sample_rows(logits, width, &settings, out, num_threads)
+        })
+    })
+}
+
 /// (instruction set, runs on an OpenMP team) of the CPU decode attention in this process.
 #[pyfunction]
 fn cpu_attention_build() -> (String, bool) {
@@ -294,6 +341,7 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(paged_prefill_attention_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_attention_build, m)?)?;
     m.add_function(wrap_pyfunction!(argmax_rows_cpu, m)?)?;
+    m.add_function(wrap_pyfunction!(sample_rows_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(rms_norm_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(silu_and_mul_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(rotary_cpu, m)?)

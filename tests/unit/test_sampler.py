@@ -362,3 +362,49 @@ def test_a_batch_that_fails_after_penalizing_in_place_resamples_from_fresh_logit
     kept = fresh()[:1]
     Sampler()(kept, rows[:1])
     assert torch.equal(kept, fresh()[:1])
+
+
+@given(seed=st.integers(0, 2**31), vocab=st.sampled_from([7, 50, 300, 3000]), rows=st.integers(1, 6), data=st.data())
+@settings(max_examples=40, deadline=None)
+def test_the_cpu_sampling_kernel_draws_what_the_torch_sampler_draws(seed, vocab, rows, data):
+    """Rust's one-row-at-a-time sampling (the CPU's) against the torch ops (the GPU's): the same
+    token for the same uniform number, but where float rounding puts the number on a boundary,
+    and never a token the torch filters drop."""
+    from pagedkv.runner.sampler import _sample_on_cpu, _sample_with_torch
+
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=generator) * data.draw(st.sampled_from([0.5, 3.0, 10.0]))
+    logits[0, data.draw(st.integers(0, vocab - 1))] = float("-inf")  # (a masked token)
+    params = [SamplingParams(temperature=data.draw(st.sampled_from([0.3, 1.0, 1.7])),
+                             top_k=data.draw(st.sampled_from([-1, 1, 5, 40])),
+                             top_p=data.draw(st.sampled_from([1.0, 0.9, 0.3])),
+                             min_p=data.draw(st.sampled_from([0.0, 0.05, 0.5]))) for _ in range(rows)]
+    draws = 64
+    mismatches = 0
+    for d in range(draws):
+        uniform = torch.rand(rows, generator=generator)
+        ours = _sample_on_cpu(logits.clone(), params, uniform)
+        theirs = _sample_with_torch(logits.clone(), params, uniform)
+        probs = _sample_with_torch_kept(logits, params)
+        assert bool(probs[torch.arange(rows), ours].gt(0).all()), (ours, theirs)
+        mismatches += int((ours != theirs).sum())
+    assert mismatches <= max(2, rows * draws // 100)
+
+
+def _sample_with_torch_kept(logits: torch.Tensor, params: list) -> torch.Tensor:
+    """The torch sampler's kept probabilities (its filters, no draw)."""
+    from pagedkv.runner.sampler import _top_p_thresholds
+
+    vocab = logits.shape[1]
+    rows = []
+    for row, p in zip(logits, params):
+        scaled = row / p.temperature
+        if 0 < p.top_k < vocab:
+            scaled = scaled.masked_fill(scaled < scaled.topk(p.top_k).values[-1], float("-inf"))
+        probs = torch.softmax(scaled, dim=-1)
+        if p.min_p > 0:
+            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+        if p.top_p < 1:
+            probs = probs.masked_fill(probs < _top_p_thresholds(probs[None], torch.tensor([[p.top_p]]))[0], 0.0)
+        rows.append(probs)
+    return torch.stack(rows)
