@@ -36,7 +36,14 @@ def tiny_llama_dir(directory: str) -> str:
     return directory
 
 
-def measure(model: str, num_seqs: int, device: str, output_kind: str = "cumulative") -> dict:
+SAMPLING = {  # the cases' sampling settings
+    "greedy": dict(temperature=0),
+    "sampled": dict(temperature=0.8, top_p=0.95, top_k=50),
+    "penalized": dict(temperature=0, repetition_penalty=1.1, frequency_penalty=0.1),
+}
+
+
+def measure(model: str, num_seqs: int, device: str, output_kind: str = "cumulative", sampling: str = "greedy") -> dict:
     """Per-phase microseconds per decode step (runs in the build under test)."""
     import importlib.util
     import os
@@ -54,7 +61,7 @@ def measure(model: str, num_seqs: int, device: str, output_kind: str = "cumulati
     with tempfile.TemporaryDirectory() as directory:
         llm = LLM(tiny_llama_dir(directory), tokenizer=smollm2, **options) if model == "tiny" else LLM(**options)
     engine = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True, output_kind=output_kind)
+    params = SamplingParams(max_tokens=10_000, ignore_eos=True, output_kind=output_kind, **SAMPLING[sampling])
     for index in range(num_seqs):
         engine.add_request(f"r{index}", [(index * 7 + position) % 1000 + 10 for position in range(PROMPT_LEN)], params)
     while engine.scheduler.stats()["num_running_seqs"] < num_seqs or engine.scheduler.stats()["num_waiting"]:
@@ -112,8 +119,9 @@ def measure(model: str, num_seqs: int, device: str, output_kind: str = "cumulati
     return {phase: per_step.get(phase, 0.0) for phase in PHASES}
 
 
-def run_worker(python: str, model: str, num_seqs: int, device: str, output_kind: str) -> dict:
-    command = [python, __file__, "--worker", model, str(num_seqs), "--device", device, "--output-kind", output_kind]
+def run_worker(python: str, model: str, num_seqs: int, device: str, output_kind: str, sampling: str) -> dict:
+    command = [python, __file__, "--worker", model, str(num_seqs), "--device", device, "--output-kind", output_kind,
+               "--sampling", sampling]
     result = subprocess.run(command, capture_output=True, text=True, check=True)
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -122,19 +130,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--baseline-python", help="a Python whose pagedkv is the previous build")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--cases", default="tiny:64,tiny:256,tiny:256:delta,tiny:256:final_only,tiny:1024,smollm2:64",
-                        help="model:num_seqs[:delta|final_only], comma-separated (model: tiny or smollm2); the "
-                             "requests stream cumulative outputs (as the server's streamed answers) unless delta "
-                             "(each output only what is new) or final_only (LLM.generate's and non-streamed "
-                             "answers: only finished requests are reported)")
+    parser.add_argument("--cases", default="tiny:64,tiny:256,tiny:256:delta,tiny:256:final_only,tiny:256:final_only:sampled,"
+                                           "tiny:256:final_only:penalized,tiny:1024,smollm2:64",
+                        help="model:num_seqs[:cumulative|delta|final_only[:greedy|sampled|penalized]], comma-"
+                             "separated (model: tiny or smollm2); the requests stream cumulative outputs (as the "
+                             "server's streamed answers) unless delta (each output only what is new) or final_only "
+                             "(LLM.generate's and non-streamed answers: only finished requests are reported); they "
+                             "are greedy unless sampled (temperature 0.8, top-p 0.95, top-k 50) or penalized "
+                             "(greedy with repetition penalty 1.1 and frequency penalty 0.1)")
     parser.add_argument("--output-kind", default="cumulative", help=argparse.SUPPRESS)
+    parser.add_argument("--sampling", default="greedy", help=argparse.SUPPRESS)
     parser.add_argument("--worker", nargs=2, metavar=("MODEL", "NUM_SEQS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(measure(args.worker[0], int(args.worker[1]), args.device, args.output_kind)))
+        print(json.dumps(measure(args.worker[0], int(args.worker[1]), args.device, args.output_kind, args.sampling)))
         return
     builds = [("this build", sys.executable)] + ([("baseline", args.baseline_python)] if args.baseline_python else [])
-    header = f"{'model':>8} {'seqs':>5} {'outputs':>10} {'build':>10} | " + " | ".join(f"{phase:>9}" for phase in PHASES)
+    header = f"{'model':>8} {'seqs':>5} {'outputs':>21} {'build':>10} | " + " | ".join(f"{phase:>9}" for phase in PHASES)
     header += f" | {'non-model':>9} | {'vs baseline':>11}"
     print(f"per decode step, microseconds ({args.device})")
     print(header)
@@ -142,16 +154,19 @@ def main() -> None:
     for case in args.cases.split(","):
         model, num_seqs, *kind = case.split(":")
         output_kind = kind[0] if kind else "cumulative"
+        sampling = kind[1] if len(kind) > 1 else "greedy"
         # (the previous build has no delta outputs: its streams are cumulative)
         kinds = {name: "cumulative" if name == "baseline" and output_kind == "delta" else output_kind for name, _ in builds}
-        results = {name: run_worker(python, model, int(num_seqs), args.device, kinds[name]) for name, python in builds}
+        results = {name: run_worker(python, model, int(num_seqs), args.device, kinds[name], sampling)
+                   for name, python in builds}
         non_model = {name: sum(v for k, v in r.items() if k not in ("forward", "logits")) for name, r in results.items()}
         for name, result in results.items():
             ratio = ""
             if "baseline" in results and name == "this build":
                 ratio = f"{non_model['baseline'] / non_model[name]:.1f}x less"
             cells = " | ".join(f"{result[phase]:>9.0f}" for phase in PHASES)
-            print(f"{model:>8} {num_seqs:>5} {kinds[name]:>10} {name:>10} | {cells} | {non_model[name]:>9.0f} | {ratio:>11}")
+            outputs = kinds[name] + ("" if sampling == "greedy" else f", {sampling}")
+            print(f"{model:>8} {num_seqs:>5} {outputs:>21} {name:>10} | {cells} | {non_model[name]:>9.0f} | {ratio:>11}")
     print("non-model: everything but forward and logits (schedule, prepare, sampling, output, update)")
 
 
