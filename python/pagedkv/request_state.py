@@ -158,11 +158,16 @@ class RequestState:
             if seq.finish_reason == "stop" and not self.params.include_stop_str_in_output:
                 token_ids = token_ids[:-1]  # as in vLLM, the stop token or EOS is not part of the text
             seq.text = detokenize_final(tokenizer, token_ids, seq.detokenizer, skip_special_tokens)
+        text = seq.text
+        if not seq.finished and self.params.stop and not self.params.include_stop_str_in_output:
+            # A stop string may be ending the text: hold back what could be its start (as vLLM), so
+            # a stream never sends characters the finished text will not have.
+            text = text[: max(0, len(text) - max(len(stop) for stop in self.params.stop) + 1)]
         if self.params.output_kind == "delta":
-            return self._delta(seq, seq.text, seq.output_token_ids, seq.logprobs, seq.finish_reason, seq.stop_reason)
+            return self._delta(seq, text, seq.output_token_ids, seq.logprobs, seq.finish_reason, seq.stop_reason)
         return CompletionOutput(
             index=seq.index,
-            text=seq.text,
+            text=text,
             token_ids=list(seq.output_token_ids),
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,

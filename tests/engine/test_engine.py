@@ -399,6 +399,21 @@ def test_delta_outputs_add_up_to_the_cumulative_ones(llm):
         assert len(first.token_ids) == 1  # (one token a step)
 
 
+def test_streams_never_send_the_start_of_a_stop_string(llm):
+    """A stop string that ends up cutting the text: what streamed before it completed is always a
+    prefix of the final text (the possible start of a stop string is held back, as in vLLM)."""
+    prompt = "Once upon a time"
+    text = llm.generate([prompt], greedy(40), use_tqdm=False)[0].outputs[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 7]  # (spans tokens: its start streams before its end)
+    reported = run_to_the_end(llm.engine, {kind: (prompt, greedy(40, stop=[stop], output_kind=kind))
+                                           for kind in ("cumulative", "delta")})
+    final = reported["cumulative"][-1].outputs[0].text
+    assert final == text[: len(text) // 2] and reported["cumulative"][-1].outputs[0].stop_reason == stop
+    assert all(final.startswith(output.outputs[0].text) for output in reported["cumulative"])
+    assert joined(reported["delta"])[0][0] == final
+    assert len(reported["cumulative"][-2].outputs[0].text) < len(final)  # (held back until the end)
+
+
 def test_delta_outputs_of_an_aborted_and_a_failed_request_end_with_what_was_left(llm):
     def fail_late(output_token_ids, logits):
         if len(output_token_ids) == 3:
