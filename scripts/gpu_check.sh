@@ -11,6 +11,7 @@
 #   step        benches/step_overhead.py --device cuda against the baseline build (a wheel in
 #               /tmp/bundle/baseline/, installed apart)
 #   throughput256  benches/throughput.py, 256 prompts x 256 tokens, this build and the baseline (after step)
+#   busy        benches/gpu_busy.py: torch-profiler traces of ten decode steps at batch 64 and 256, GPU busy fraction
 # One call may run for at most 10 minutes: name one or two stages per call if need be.
 # Logs go to $OUT (or ./gpu-results) so they come back.
 set -uo pipefail
@@ -71,6 +72,8 @@ for stage in "${stages[@]}"; do
                 $python "$repo/benches/throughput.py" --device cuda --dtype bfloat16 --skip-hf --num-prompts 256 \
                     --max-tokens 256 2>&1 | grep -v "it/s" | tee -a "$results/step-throughput.txt"
             done ;;
-        *) echo "unknown stage $stage (kernels, engine, tests, attention, attention-fp8, swap, throughput, step, throughput256)"; exit 2 ;;
+        busy) python3 "$repo/benches/gpu_busy.py" --device cuda --batch-sizes 64 256 --trace-dir "$results" 2>&1 \
+                  | grep -v "it/s" | tee "$results/busy.txt" ;;
+        *) echo "unknown stage $stage (kernels, engine, tests, attention, attention-fp8, swap, throughput, step, throughput256, busy)"; exit 2 ;;
     esac
 done
