@@ -8,8 +8,6 @@ use crate::cpu_kernels::layer_ops::{check_rows, chunk_len, for_row_chunks, inval
 use crate::cpu_kernels::simd::{exp_nonpositive, with_isa, Isa};
 use crate::errors::Result;
 
-use std::collections::BinaryHeap;
-
 /// One row's sampling settings, as SamplingParams has them.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct RowSampling {
@@ -25,7 +23,7 @@ pub struct RowSampling {
     pub uniform: f32,
 }
 
-/// Top-p first looks among this many best tokens; a row whose top-p set is larger sorts them all.
+/// Top-p looks among this many best tokens at most; a row whose top-p set is larger bisects.
 const TOP_P_CANDIDATES: usize = 256;
 
 /// `out[r]` = the token drawn for logits row r (`width` long) under `settings[r]`: logits / T,
@@ -171,7 +169,7 @@ fn lane_count(values: &[f32], floor: f32) -> usize {
     lanes.iter().map(|&n| n as usize).sum::<usize>() + chunks.remainder().iter().filter(|&&x| x >= floor).count()
 }
 
-/// The k-th largest value (1 <= k < len): a heap for small k, else bisection on the value.
+/// The k-th largest value (1 <= k < len): by block maxima for small k, else bisection on the value.
 fn kth_largest(values: &[f32], k: usize, scratch: &mut Vec<f32>) -> f32 {
     if k <= TOP_P_CANDIDATES {
         largest(values, k, scratch);
@@ -185,13 +183,16 @@ fn kth_largest(values: &[f32], k: usize, scratch: &mut Vec<f32>) -> f32 {
 /// (a token is kept while the weights before it sum to less than `mass`). Equivalently, the
 /// largest t whose weights >= t sum to `mass` or more.
 fn top_p_threshold(weights: &[f32], mass: f32, scratch: &mut Vec<f32>) -> f32 {
-    largest(weights, TOP_P_CANDIDATES.min(weights.len()), scratch);
-    let mut before = 0.0f32;
-    for &w in scratch.iter() {
-        if w > 0.0 && before + w >= mass {
-            return w;
+    // (a peaked distribution's set is a few tokens: look among 32 before 256)
+    for candidates in [32, TOP_P_CANDIDATES] {
+        largest(weights, candidates.min(weights.len()), scratch);
+        let mut before = 0.0f32;
+        for &w in scratch.iter() {
+            if w > 0.0 && before + w >= mass {
+                return w;
+            }
+            before += w;
         }
-        before += w;
     }
     // A top-p set beyond the candidates (a flat distribution): bisection over the whole row.
     if lane_sum(weights, 0.0) < mass {
@@ -230,43 +231,55 @@ fn largest_satisfying(holds: impl Fn(f32) -> bool) -> f32 {
     value(low)
 }
 
-/// `out` = the k largest of `values` (1 <= k <= len), in descending order. A min-heap of the best
-/// so far; a block of 16 values none of which beats its smallest is skipped after one vector max.
+/// `out` = the k largest of `values` (1 <= k <= len, NaN never among them unless nothing else
+/// is), in descending order. The k-th largest of the maxima of blocks of values bounds the k-th
+/// largest value from below (k blocks hold a value at least that high), so only the blocks
+/// whose maximum reaches it are looked into: about k blocks, not the whole row. A block is a
+/// lane of a group of LANES x LANES values (its values LANES apart), so all maxima of a group are
+/// one vector max over its LANES vectors; what is left after the last whole group is one block.
 fn largest(values: &[f32], k: usize, out: &mut Vec<f32>) {
-    #[derive(PartialEq)]
-    struct Key(f32);
-    impl Eq for Key {}
-    impl PartialOrd for Key {
-        fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
-            Some(self.cmp(other))
-        }
-    }
-    impl Ord for Key {
-        fn cmp(&self, other: &Self) -> std::cmp::Ordering {
-            other.0.total_cmp(&self.0) // (reversed: BinaryHeap is a max-heap, this one keeps the smallest on top)
-        }
-    }
-    let mut heap: BinaryHeap<Key> = BinaryHeap::with_capacity(k + 1);
-    for block in values.chunks(16) {
-        if heap.len() == k {
-            let smallest = heap.peek().map_or(f32::NEG_INFINITY, |key| key.0);
-            let block_max = block.iter().fold(f32::NEG_INFINITY, |m, &x| if x > m { x } else { m });
-            if block_max <= smallest {
-                continue;
+    const GROUP: usize = LANES * LANES;
+    let descending = |a: &f32, b: &f32| b.total_cmp(a);
+    let groups = values.chunks_exact(GROUP);
+    let tail = groups.remainder();
+    let mut maxima: Vec<f32> = Vec::with_capacity(values.len() / LANES + 1);
+    for group in groups {
+        let mut lanes = [f32::NEG_INFINITY; LANES];
+        for vector in group.chunks_exact(LANES) {
+            for lane in 0..LANES {
+                lanes[lane] = if vector[lane] > lanes[lane] { vector[lane] } else { lanes[lane] };
             }
         }
-        for &x in block {
-            if heap.len() < k {
-                heap.push(Key(x));
-            } else if heap.peek().is_some_and(|smallest| x > smallest.0) {
-                heap.pop();
-                heap.push(Key(x));
-            }
-        }
+        maxima.extend_from_slice(&lanes);
     }
+    let tail_max = tail.iter().fold(f32::NEG_INFINITY, |m, &x| if x > m { x } else { m });
     out.clear();
-    out.extend(heap.into_iter().map(|key| key.0));
-    out.sort_unstable_by(|a, b| b.total_cmp(a));
+    if maxima.len() < k {
+        out.extend_from_slice(values);
+    } else {
+        let mut order = maxima.clone();
+        let (_, &mut floor, _) = order.select_nth_unstable_by(k - 1, descending);
+        for (group, group_maxima) in values.chunks_exact(GROUP).zip(maxima.chunks_exact(LANES)) {
+            for (lane, &maximum) in group_maxima.iter().enumerate() {
+                if maximum >= floor {
+                    out.extend(group[lane..].iter().step_by(LANES).copied().filter(|&x| x >= floor));
+                }
+            }
+        }
+        if tail_max >= floor {
+            out.extend(tail.iter().copied().filter(|&x| x >= floor));
+        }
+        if out.len() < k {
+            // (NaN or -inf blocks: fewer values reach the floor than k; take every value)
+            out.clear();
+            out.extend_from_slice(values);
+        }
+    }
+    if out.len() > k {
+        out.select_nth_unstable_by(k - 1, descending);
+        out.truncate(k);
+    }
+    out.sort_unstable_by(descending);
 }
 
 #[cfg(test)]
@@ -334,6 +347,32 @@ mod tests {
         let row = vec![0.0f32; 1000]; // uniform: top_p 0.9 keeps ~900 tokens
         let tokens: Vec<usize> = (0..100).map(|i| draw(&row, setting(1.0, 0, 0.9, 0.0, i as f32 / 100.0))).collect();
         assert!(tokens.iter().any(|&t| t > 600), "{tokens:?}");
+    }
+
+    #[test]
+    fn largest_is_the_sorted_top_k() {
+        let mut state = 7u64;
+        for len in [1usize, 15, 16, 17, 100, 255, 256, 257, 1000, 5000, 49_152] {
+            let values: Vec<f32> = (0..len)
+                .map(|i| {
+                    state ^= state << 13;
+                    state ^= state >> 7;
+                    state ^= state << 17;
+                    if i % 97 == 3 {
+                        f32::NEG_INFINITY
+                    } else {
+                        (state % 300) as f32 / 7.0
+                    } // (ties)
+                })
+                .collect();
+            let mut sorted = values.clone();
+            sorted.sort_by(|a, b| b.total_cmp(a));
+            for k in [1, 2, 16, 33, 256].into_iter().filter(|&k| k <= len) {
+                let mut out = Vec::new();
+                largest(&values, k, &mut out);
+                assert_eq!(out, sorted[..k], "len {len}, k {k}");
+            }
+        }
     }
 
     #[test]
