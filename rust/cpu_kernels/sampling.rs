@@ -172,8 +172,8 @@ fn lane_count(values: &[f32], floor: f32) -> usize {
 /// The k-th largest value (1 <= k < len): by block maxima for small k, else bisection on the value.
 fn kth_largest(values: &[f32], k: usize, scratch: &mut Vec<f32>) -> f32 {
     if k <= TOP_P_CANDIDATES {
-        largest(values, k, scratch);
-        return scratch[k - 1];
+        largest(values, k, f32::NEG_INFINITY, scratch);
+        return scratch.get(k - 1).copied().unwrap_or(f32::NEG_INFINITY); // (fewer finite values: keep them all)
     }
     // The largest t with at least k values >= t is the k-th largest value.
     largest_satisfying(|t| lane_count(values, t) >= k)
@@ -185,13 +185,16 @@ fn kth_largest(values: &[f32], k: usize, scratch: &mut Vec<f32>) -> f32 {
 fn top_p_threshold(weights: &[f32], mass: f32, scratch: &mut Vec<f32>) -> f32 {
     // (a peaked distribution's set is a few tokens: look among 32 before 256)
     for candidates in [32, TOP_P_CANDIDATES] {
-        largest(weights, candidates.min(weights.len()), scratch);
+        largest(weights, candidates, 0.0, scratch);
         let mut before = 0.0f32;
         for &w in scratch.iter() {
-            if w > 0.0 && before + w >= mass {
+            if before + w >= mass {
                 return w;
             }
             before += w;
+        }
+        if scratch.len() < candidates {
+            return scratch.last().copied().unwrap_or(0.0); // (every kept token, and rounding left the mass short)
         }
     }
     // A top-p set beyond the candidates (a flat distribution): bisection over the whole row.
@@ -231,13 +234,13 @@ fn largest_satisfying(holds: impl Fn(f32) -> bool) -> f32 {
     value(low)
 }
 
-/// `out` = the k largest of `values` (1 <= k <= len, NaN never among them unless nothing else
-/// is), in descending order. The k-th largest of the maxima of blocks of values bounds the k-th
-/// largest value from below (k blocks hold a value at least that high), so only the blocks
-/// whose maximum reaches it are looked into: about k blocks, not the whole row. A block is a
-/// lane of a group of LANES x LANES values (its values LANES apart), so all maxima of a group are
-/// one vector max over its LANES vectors; what is left after the last whole group is one block.
-fn largest(values: &[f32], k: usize, out: &mut Vec<f32>) {
+/// `out` = the k largest of the `values` above `above` (all of them if fewer), in descending
+/// order. The k-th largest of the maxima of blocks of values bounds the k-th largest value from
+/// below (k blocks hold a value at least that high), so only the blocks whose maximum reaches it
+/// are looked into: about k blocks, not the whole row. A block is a lane of a group of
+/// LANES x LANES values (its values LANES apart), so all maxima of a group are one vector max
+/// over its LANES vectors; what is left after the last whole group is one block.
+fn largest(values: &[f32], k: usize, above: f32, out: &mut Vec<f32>) {
     const GROUP: usize = LANES * LANES;
     let descending = |a: &f32, b: &f32| b.total_cmp(a);
     let groups = values.chunks_exact(GROUP);
@@ -252,28 +255,27 @@ fn largest(values: &[f32], k: usize, out: &mut Vec<f32>) {
         }
         maxima.extend_from_slice(&lanes);
     }
-    let tail_max = tail.iter().fold(f32::NEG_INFINITY, |m, &x| if x > m { x } else { m });
-    out.clear();
-    if maxima.len() < k {
-        out.extend_from_slice(values);
-    } else {
+    maxima.push(tail.iter().fold(f32::NEG_INFINITY, |m, &x| if x > m { x } else { m }));
+    let mut floor = f32::NEG_INFINITY;
+    if maxima.len() > k {
         let mut order = maxima.clone();
-        let (_, &mut floor, _) = order.select_nth_unstable_by(k - 1, descending);
+        floor = *order.select_nth_unstable_by(k - 1, descending).1;
+    }
+    let collect = |floor: f32, out: &mut Vec<f32>| {
+        out.clear();
+        let keep = |x: f32| x >= floor && x > above;
         for (group, group_maxima) in values.chunks_exact(GROUP).zip(maxima.chunks_exact(LANES)) {
             for (lane, &maximum) in group_maxima.iter().enumerate() {
-                if maximum >= floor {
-                    out.extend(group[lane..].iter().step_by(LANES).copied().filter(|&x| x >= floor));
+                if keep(maximum) {
+                    out.extend(group[lane..].iter().step_by(LANES).copied().filter(|&x| keep(x)));
                 }
             }
         }
-        if tail_max >= floor {
-            out.extend(tail.iter().copied().filter(|&x| x >= floor));
-        }
-        if out.len() < k {
-            // (NaN or -inf blocks: fewer values reach the floor than k; take every value)
-            out.clear();
-            out.extend_from_slice(values);
-        }
+        out.extend(tail.iter().copied().filter(|&x| keep(x)));
+    };
+    collect(floor, out);
+    if out.len() < k && floor > f32::NEG_INFINITY {
+        collect(f32::NEG_INFINITY, out); // (some of the k best blocks peak at or below `above`)
     }
     if out.len() > k {
         out.select_nth_unstable_by(k - 1, descending);
@@ -369,8 +371,12 @@ mod tests {
             sorted.sort_by(|a, b| b.total_cmp(a));
             for k in [1, 2, 16, 33, 256].into_iter().filter(|&k| k <= len) {
                 let mut out = Vec::new();
-                largest(&values, k, &mut out);
-                assert_eq!(out, sorted[..k], "len {len}, k {k}");
+                largest(&values, k, f32::NEG_INFINITY, &mut out);
+                let finite: Vec<f32> = sorted.iter().copied().filter(|&x| x > f32::NEG_INFINITY).take(k).collect();
+                assert_eq!(out, finite, "len {len}, k {k}");
+                largest(&values, k, 20.0, &mut out);
+                let above: Vec<f32> = sorted.iter().copied().filter(|&x| x > 20.0).take(k).collect();
+                assert_eq!(out, above, "len {len}, k {k}, above 20");
             }
         }
     }
