@@ -474,7 +474,9 @@ class LLMEngine:
             request.forked = True
             targets += self._fork_samples(request, seq)
         for target in targets:
-            requests.sampling_rows.append(self._sampling_row(request, target, row_index))
+            row = self._sampling_row(request, target)
+            row.logits_index = row_index
+            requests.sampling_rows.append(row)
             requests.row_seq_ids.append(target.seq_id)
             asked.row_targets.append((request, target))
 
@@ -571,7 +573,7 @@ class LLMEngine:
         busy = config.speculative_disable_by_batch_size is not None and len(self.requests) >= config.speculative_disable_by_batch_size
         return (config.num_speculative_tokens > 0 and not busy and params.temperature == 0 and params.n == 1
                 and request.beam_search is None and params.logprobs is None
-                and not changes_logits(self._sampling_row(request, seq, 0)))
+                and not changes_logits(self._sampling_row(request, seq)))
 
     def _accept_drafts(self, request: RequestState, seq: SequenceState, tokens: list[int]) -> None:
         """`tokens`: the runner's verdict on the drafts this step computed, the accepted drafts
@@ -601,13 +603,13 @@ class LLMEngine:
             children.append(child)
         return children
 
-    def _sampling_row(self, request: RequestState, seq: SequenceState, row_index: int) -> SamplingRow:
-        """The sequence's sampling row, made at its first sample and kept (what it holds never
-        changes: the output list is the sequence's own, growing), at `row_index` this step."""
+    def _sampling_row(self, request: RequestState, seq: SequenceState) -> SamplingRow:
+        """The sequence's sampling row, made at its first use and kept (what it holds never
+        changes: the output list is the sequence's own, growing); the step sets its logits_index."""
         row = seq.sampling_row
         if row is None:
             row = seq.sampling_row = SamplingRow(
-                logits_index=row_index,
+                logits_index=0,
                 params=request.params,
                 prompt_token_ids=request.prompt_token_ids,
                 output_token_ids=seq.output_token_ids,
@@ -616,7 +618,6 @@ class LLMEngine:
                 matcher=seq.matcher,
                 bad_words_token_ids=request.bad_words_token_ids,
             )
-        row.logits_index = row_index
         return row
 
     def _sync_beam_sequences(self, request: RequestState) -> None:

@@ -48,11 +48,14 @@ class Sampler:
         if logits.shape[0] != len(rows) or indices != list(range(len(rows))):
             logits = logits[torch.tensor(indices, device=logits.device)]
         raw_logits = logits
+        # Log-probabilities are under the raw model distribution, for the rows that asked (as in
+        # vLLM: computing them costs a pass over every row's vocabulary).
+        wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         # Copy the [N, vocab] logits only when some row changes them (they are large) and the
-        # originals are still wanted (by the caller, or for logprobs under the raw distribution).
+        # originals are still wanted (by the caller, or for logprobs).
         adjusted = [i for i, row in enumerate(rows) if changes_logits(row)]
         if adjusted:
-            if not in_place or any(row.params.logprobs is not None for row in rows):
+            if not in_place or wanted:
                 logits = logits.clone()
             apply_biases_and_penalties(logits, rows, adjusted)  # (all rows at once)
             for i in adjusted:
@@ -74,9 +77,6 @@ class Sampler:
             index = torch.tensor(sampled, device=logits.device)
             tokens[index] = _sample(logits[index], [rows[i] for i in sampled])
 
-        # Log-probabilities under the raw model distribution, for the rows that asked (as in
-        # vLLM: computing them costs a pass over every row's vocabulary).
-        wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         chosen: list = [None] * len(rows)
         top_logprobs: list = [None] * len(rows)
         if wanted:
