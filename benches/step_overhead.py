@@ -99,6 +99,9 @@ def measure(model: str, num_seqs: int, device: str, output_kind: str = "cumulati
     runner = engine.runner
     runner.execute = timed("execute", runner.execute)
     runner.model.forward = timed("forward", runner.model.forward)
+    graphs = getattr(runner, "decode_graphs", None)
+    if graphs is not None:  # (a replayed decode step never calls model.forward: its replay is the forward)
+        graphs.run = timed("forward", graphs.run)
     runner.model.compute_logits = timed("logits", runner.model.compute_logits)
     # (the runner samples since the step boundary's ModelRunnerOutput; earlier builds sampled in the engine)
     sampler_owner = runner if hasattr(runner, "sampler") else engine
@@ -111,7 +114,7 @@ def measure(model: str, num_seqs: int, device: str, output_kind: str = "cumulati
         engine.step()
     total = time.perf_counter() - started
     per_step = {phase: seconds / TIMED_STEPS * 1e6 for phase, seconds in spent.items()}
-    per_step["prepare"] = per_step.pop("execute") - per_step["forward"] - per_step["logits"]
+    per_step["prepare"] = per_step.pop("execute") - per_step.get("forward", 0.0) - per_step.get("logits", 0.0)
     if sampler_owner is runner:
         per_step["prepare"] -= per_step["sampling"]
     accounted = sum(per_step.get(phase, 0.0) for phase in PHASES if phase != "output")

@@ -13,6 +13,7 @@ import torch
 from pagedkv.attention import AttentionMetadata, get_backend
 from pagedkv.config import EngineConfig
 from pagedkv.runner.cuda_graphs import DecodeGraphs
+from pagedkv.runner.transfer import to_device
 from pagedkv.errors import InvalidConfigError, TensorParallelError
 from pagedkv.host_memory import reuse_freed_memory
 from pagedkv.kv_cache import KVCache
@@ -239,8 +240,12 @@ class ModelRunner:
         graphs = self.decode_graphs
         if (graphs is not None and not hidden_for and not any(adapters) and step.num_seqs <= graphs.max_batch_size
                 and step.num_decodes == step.num_seqs):
-            hidden = graphs.run(step.token_ids, step.positions, step.slot_mapping, self._block_tables(step))
-            sample_hidden, all_hidden = hidden[step.sample_rows.to(self.device)], {}
+            hidden = graphs.run(*(to_device(column, self.device) for column in (step.token_ids, step.positions,
+                                                                                 step.slot_mapping)),
+                                self._block_tables(step))
+            all_hidden = {}
+            sample_hidden = hidden if len(step.sample_rows) == step.num_seqs else hidden[to_device(step.sample_rows,
+                                                                                                   self.device)]
         else:
             input_ids, positions, metadata = self._prepare(step)
             lora = None
@@ -250,7 +255,7 @@ class ModelRunner:
             starts = metadata.query_start_loc_host
             all_hidden = {seq_id: hidden[starts[i]:starts[i + 1]]
                           for i, seq_id in enumerate(step.seq_ids) if seq_id in hidden_for}
-            sample_hidden = hidden[step.sample_index.to(self.device)]
+            sample_hidden = hidden[to_device(step.sample_index, self.device)]
         return sample_hidden, all_hidden
 
     @torch.inference_mode()
@@ -288,23 +293,23 @@ class ModelRunner:
         return output
 
     def _block_tables(self, step: _StepColumns) -> torch.Tensor:
-        return self.batch.tables(step.rows.to(self.device), step.num_blocks)
+        return self.batch.tables(to_device(step.rows, self.device), step.num_blocks)
 
     def _prepare(self, step: _StepColumns):
         """Flat inputs and attention metadata; prefills come first, then decodes (scheduler order)."""
         device = self.device
         metadata = AttentionMetadata(
-            query_start_loc=step.query_start_loc.to(device=device, dtype=torch.int32),
-            context_lens=step.context_lens.to(device=device, dtype=torch.int32),
+            query_start_loc=to_device(step.query_start_loc.to(torch.int32), device),
+            context_lens=to_device(step.context_lens.to(torch.int32), device),
             block_tables=self._block_tables(step),
-            slot_mapping=step.slot_mapping.to(device),
+            slot_mapping=to_device(step.slot_mapping, device),
             max_query_len=step.max_query_len,
             max_context_len=step.max_context_len,
             num_decode_tokens=step.num_decodes,
             query_start_loc_host=step.query_start_loc.tolist(),
             context_lens_host=step.context_lens.tolist(),
         )
-        return step.token_ids.to(device), step.positions.to(device), metadata
+        return to_device(step.token_ids, device), to_device(step.positions, device), metadata
 
 
 class _StepColumns:

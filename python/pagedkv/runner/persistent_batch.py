@@ -7,6 +7,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pagedkv.runner.transfer import to_device
+
 
 class PersistentBatch:
     """Block tables of the sequences on the device, a row each (`SchedulerOutput.rows`)."""
@@ -32,8 +34,8 @@ class PersistentBatch:
         values = torch.from_numpy(plan.block_table_updates)
         index = (torch.from_numpy(update_rows), torch.from_numpy(columns))
         if self.device.type != "cpu":
-            index = tuple(part.to(self.device, non_blocking=True) for part in index)
-            values = values.to(self.device, non_blocking=True)
+            index = tuple(to_device(part, self.device) for part in index)
+            values = to_device(values, self.device)
         self.block_tables.index_put_(index, values)
 
     def tables(self, rows: torch.Tensor, num_blocks: int) -> torch.Tensor:
