@@ -1,12 +1,23 @@
 """Every kernel instantiation compiles with NVRTC to a CUBIN for sm_80 (A100) and sm_90
 (H100): no GPU needed, NVRTC comes from PyPI's nvidia-cuda-nvrtc wheel (a torch dependency).
-A kernel that does not compile fails CI."""
+A kernel that does not compile fails CI.
 
+Compiling everything takes ~8 of make test's minutes on 2 cores, so a pass is recorded in
+compiled_kernels.json under a key of the sources' digest (headers included), the NVRTC version,
+the options and the instantiations: the compile runs again whenever any of them changes (commit
+the record it rewrites); PAGEDKV_RECOMPILE_KERNELS=1 compiles regardless."""
+
+import hashlib
+import json
+import os
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
 from pagedkv.kernels import nvrtc, sources
+
+RECORD = Path(__file__).with_name("compiled_kernels.json")
 
 
 def compile_source(source: str, expressions: list[str], arch: str) -> dict[str, str]:
@@ -14,8 +25,23 @@ def compile_source(source: str, expressions: list[str], arch: str) -> dict[str, 
     return nvrtc.compile_to_cubin(sources.read_source(source), source, expressions, options)
 
 
+def compile_key(arch: str) -> str:
+    """What a pass for `arch` vouches for: these sources, compiler, options and instantiations."""
+    facts = [sources.digest(), list(nvrtc.nvrtc_version()), arch, list(sources.COMPILE_OPTIONS),
+             sorted(e for expressions in sources.all_instantiations().values() for e in expressions)]
+    return hashlib.sha256(json.dumps(facts).encode()).hexdigest()[:16]
+
+
+def recorded_passes() -> dict[str, str]:
+    return json.loads(RECORD.read_text()) if RECORD.exists() else {}
+
+
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_every_kernel_compiles(arch):
+    key = compile_key(arch)
+    if recorded_passes().get(arch) == key and not os.environ.get("PAGEDKV_RECOMPILE_KERNELS"):
+        pytest.skip(f"these kernels compiled for {arch} before (key {key} in {RECORD.name}: same sources, NVRTC, "
+                    "options and instantiations); PAGEDKV_RECOMPILE_KERNELS=1 compiles again")
     chunks = []
     for source, expressions in sources.all_instantiations().items():
         # Split the big attention source in a few programs compiled in parallel.
@@ -26,6 +52,24 @@ def test_every_kernel_compiles(arch):
     lowered = {expression: name for result in results for expression, name in result.items()}
     assert set(lowered) == {e for expressions in sources.all_instantiations().values() for e in expressions}
     assert all(name for name in lowered.values())
+    RECORD.write_text(json.dumps({**recorded_passes(), arch: key}, indent=1, sort_keys=True) + "\n")
+
+
+def test_the_compile_key_changes_with_the_sources(tmp_path, monkeypatch):
+    import shutil
+
+    copy = tmp_path / "cuda"
+    shutil.copytree(sources.cuda_source_dir(), copy)
+    monkeypatch.setenv("PAGEDKV_CUDA_DIR", str(copy))
+    sources.digest.cache_clear()
+    try:
+        before = compile_key("sm_90")
+        kernel = copy / "cache_ops.cu"
+        kernel.write_text(kernel.read_text() + "\n// changed\n")
+        sources.digest.cache_clear()
+        assert compile_key("sm_90") != before and compile_key("sm_80") != compile_key("sm_90")
+    finally:
+        sources.digest.cache_clear()
 
 
 def test_a_broken_kernel_fails_with_the_compiler_log():
