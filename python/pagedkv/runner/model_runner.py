@@ -289,7 +289,7 @@ class ModelRunner:
         if requests.logits_for:
             sampling_seq_ids = plan.seq_ids[plan.samples].tolist()
             row_of = {seq_id: row for row, seq_id in enumerate(sampling_seq_ids)}
-            output.logits = logits[torch.tensor([row_of[seq_id] for seq_id in requests.logits_for], device=logits.device)]
+            output.logits = logits[to_device(torch.tensor([row_of[seq_id] for seq_id in requests.logits_for]), logits.device)]
         return output
 
     def _block_tables(self, step: _StepColumns) -> torch.Tensor:

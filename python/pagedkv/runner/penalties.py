@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from pagedkv.runner.transfer import to_device
+
 if TYPE_CHECKING:
     from pagedkv.runner.sampler import SamplingRow
 
@@ -103,9 +105,10 @@ def apply_biases_and_penalties(logits: torch.Tensor, rows: list[SamplingRow], in
         keys = np.concatenate([_keys(i, ids, vocab) for i, ids in zip(repeated, seen)])
         penalty = torch.from_numpy(np.repeat(np.array([rows[i].params.repetition_penalty for i in repeated],
                                                       dtype=np.float32), [len(ids) for ids in seen]))
-        index = torch.from_numpy(keys).to(logits.device)
+        index = to_device(torch.from_numpy(keys), logits.device)
+        penalty = to_device(penalty, logits.device)
         values = flat[index]
-        flat[index] = torch.where(values > 0, values / penalty.to(logits.device), values * penalty.to(logits.device))
+        flat[index] = torch.where(values > 0, values / penalty, values * penalty)
     if counted:
         histories = [history(rows[i]) for i in counted]
         keys = np.concatenate([_keys(i, h.output_ids.view(), vocab) for i, h in zip(counted, histories)])
@@ -124,4 +127,4 @@ def _keys(row: int, token_ids: np.ndarray, vocab: int) -> np.ndarray:
 
 
 def _add(flat: torch.Tensor, keys: np.ndarray, values: np.ndarray) -> None:
-    flat.index_add_(0, torch.from_numpy(keys).to(flat.device), torch.from_numpy(values).to(flat.device))
+    flat.index_add_(0, to_device(torch.from_numpy(keys), flat.device), to_device(torch.from_numpy(values), flat.device))

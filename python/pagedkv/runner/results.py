@@ -13,6 +13,7 @@ import torch
 from pagedkv.pooling_params import PoolingParams
 from pagedkv.runner.sampler import SampleResult, Sampler, SamplingRow, argmax_rows
 from pagedkv.runner.step_messages import PromptLogprobsRequest
+from pagedkv.runner.transfer import to_device
 
 logger = logging.getLogger("pagedkv.runner")
 
@@ -68,7 +69,7 @@ def prompt_logprobs(compute_logits: Callable, hidden: torch.Tensor, request: Pro
         slice_high = min(high, slice_low + _PROMPT_LOGPROB_ROWS)
         target_ids = prompt[first + slice_low - low : first + slice_high - low]
         logprobs = torch.log_softmax(compute_logits(hidden[slice_low:slice_high]).float(), dim=-1)
-        targets = torch.tensor(target_ids, device=logprobs.device)
+        targets = to_device(torch.tensor(target_ids), logprobs.device)
         chosen = logprobs.gather(1, targets[:, None]).squeeze(1).tolist()
         if top:
             top_values, top_ids = logprobs.topk(top, dim=-1)

@@ -13,6 +13,7 @@ import torch
 
 from pagedkv import _core
 from pagedkv.runner.penalties import apply_biases_and_penalties
+from pagedkv.runner.transfer import to_device
 from pagedkv.sampling_params import SamplingParams
 from pagedkv.structured_output import mask_disallowed_tokens
 
@@ -46,7 +47,7 @@ class Sampler:
         instead of a copy (50 MB at 256 rows of a 49k vocabulary)."""
         indices = [row.logits_index for row in rows]
         if logits.shape[0] != len(rows) or indices != list(range(len(rows))):
-            logits = logits[torch.tensor(indices, device=logits.device)]
+            logits = logits[to_device(torch.tensor(indices), logits.device)]
         raw_logits = logits
         # Log-probabilities are under the raw model distribution, for the rows that asked (as in
         # vLLM: computing them costs a pass over every row's vocabulary).
@@ -72,15 +73,15 @@ class Sampler:
             tokens = _sample(logits, rows)
         else:
             tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-            index = torch.tensor(greedy, device=logits.device)
+            index = to_device(torch.tensor(greedy), logits.device)
             tokens[index] = argmax_rows(logits[index])
-            index = torch.tensor(sampled, device=logits.device)
+            index = to_device(torch.tensor(sampled), logits.device)
             tokens[index] = _sample(logits[index], [rows[i] for i in sampled])
 
         chosen: list = [None] * len(rows)
         top_logprobs: list = [None] * len(rows)
         if wanted:
-            index = torch.tensor(wanted, device=logits.device)
+            index = to_device(torch.tensor(wanted), logits.device)
             logprobs = torch.log_softmax(raw_logits[index], dim=-1)
             values = logprobs.gather(1, tokens[index][:, None]).squeeze(1).tolist()
             for j, i in enumerate(wanted):
@@ -103,7 +104,7 @@ class Sampler:
         tokens, logits processors, bad words, min_tokens."""
         params = row.params
         if params.allowed_token_ids is not None:
-            allowed = torch.tensor(params.allowed_token_ids, device=logits.device)
+            allowed = to_device(torch.tensor(params.allowed_token_ids), logits.device)
             kept = logits[allowed]
             logits.fill_(float("-inf"))
             logits[allowed] = kept
@@ -116,11 +117,11 @@ class Sampler:
                 logits.copy_(result)
         banned_words = _banned_by_bad_words(row.bad_words_token_ids, row.output_token_ids)
         if banned_words:
-            logits[torch.tensor(banned_words, device=logits.device)] = float("-inf")
+            logits[to_device(torch.tensor(banned_words), logits.device)] = float("-inf")
         if len(row.output_token_ids) < params.min_tokens and row.matcher is None:  # (a grammar decides the end)
             banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(row.eos_token_ids))
             if banned:
-                logits[torch.tensor(sorted(banned), device=logits.device)] = float("-inf")
+                logits[to_device(torch.tensor(sorted(banned)), logits.device)] = float("-inf")
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
@@ -192,14 +193,14 @@ def _sample_with_torch(logits: torch.Tensor, params: list[SamplingParams], unifo
     device, vocab = logits.device, logits.shape[-1]
 
     def per_row(values) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
+        return to_device(torch.tensor(values, dtype=torch.float32), device)[:, None]
 
     logits = logits / per_row([p.temperature for p in params])
     if any(0 < p.top_k < vocab for p in params):
         ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
         best = logits.topk(max(k for k in ks if k < vocab), dim=-1).values
-        kth = best.gather(1, torch.tensor([min(k, best.shape[1]) - 1 for k in ks], device=device)[:, None])
-        kth[torch.tensor([k == vocab for k in ks], device=device)] = float("-inf")
+        kth = best.gather(1, to_device(torch.tensor([min(k, best.shape[1]) - 1 for k in ks]), device)[:, None])
+        kth[to_device(torch.tensor([k == vocab for k in ks]), device)] = float("-inf")
         logits.masked_fill_(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if any(p.min_p > 0 for p in params):
