@@ -165,6 +165,14 @@ class Scheduler:
         """Closes a step in one call: appends token_ids[i] to seq_ids[i] (each sampled in the last
         step), then ends the `finished` sequences. Checks everything first: an error
         (InvalidStateError, UnknownSequenceError) changes nothing."""
+    def append_placeholders(self, seq_ids: Sequence[int]) -> None:
+        """Asynchronous scheduling: appends PLACEHOLDER_TOKEN to each sequence (each sampled in the
+        last step) for the token its step is still sampling, so the next step can be planned; its
+        input token then comes from the device. Checked as `update`: an error changes nothing."""
+    def fill_placeholders(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> None:
+        """The sampled tokens: token_ids[i] replaces the placeholder ending seq_ids[i] (running,
+        swapped or waiting to be recomputed); blocks it filled are re-hashed for the prefix cache.
+        Checks everything first: an error changes nothing."""
     def append_token(self, seq_id: int, token_id: int, draft_token_ids: list[int] = []) -> None:
         """Report the token sampled for a sequence that had sample=True, optionally followed by
         speculative draft tokens: the next step computes them all in one multi-token decode."""
@@ -254,6 +262,7 @@ class BlockManager:
     def prefix_cache_hits(self) -> int: ...
 
 __version__: str
+PLACEHOLDER_TOKEN: int  # (2**32 - 1: the token id of a placeholder; prompts may not hold it)
 
 def paged_decode_attention_cpu(
     out: int,

@@ -562,6 +562,44 @@ impl BlockManager {
         Ok((copy, table))
     }
 
+    /// The token at `position` of `seq` became `tokens[position]` (a placeholder filled in, see
+    /// `Scheduler::fill_placeholders`): the partial last block's copy of it changes, or, when it
+    /// sits in a full block, that block's hash and the ones chained after it do, and the device's
+    /// cache entries move to the new hashes. (A swapped-out table's hashes change with no cache
+    /// entries moved: its blocks are then only missed by lookups, never wrongly matched.)
+    pub fn fill_token(&mut self, seq: SeqId, position: usize, tokens: &[u32]) -> Result<()> {
+        if !self.enable_prefix_caching {
+            return Ok(());
+        }
+        let block_size = self.block_size;
+        let table = self.tables.get_mut(&seq).ok_or(Error::UnknownSequence(seq))?;
+        if position >= table.num_tokens {
+            return Ok(()); // (not appended to the table yet: hashed with its real value later)
+        }
+        let tail_start = table.num_tokens - table.tail_tokens.len();
+        if position >= tail_start {
+            table.tail_tokens[position - tail_start] = tokens[position];
+            return Ok(());
+        }
+        for index in position / block_size..table.hashes.len() {
+            let parent = if index == 0 { self.hash_seed } else { table.hashes[index - 1] };
+            let hash = block_hash(parent, &tokens[index * block_size..(index + 1) * block_size], table.extra_key);
+            let stale = std::mem::replace(&mut table.hashes[index], hash);
+            if table.device != Device::Gpu || index < table.num_released {
+                continue;
+            }
+            let block = table.blocks[index];
+            if self.gpu.hash(block) == Some(stale) {
+                self.cache.remove(stale, block);
+                self.gpu.clear_hash(block);
+            }
+            if self.cache.insert(hash, block) {
+                self.gpu.set_hash(block, hash);
+            }
+        }
+        Ok(())
+    }
+
     /// Shortens `seq` to the `tokens` it keeps (rejected speculative tokens go). Blocks past them
     /// are released; full ones stay cached, since their KV is right for the tokens it was computed
     /// from. A last block left partial stops being a cache entry (its free slots will be

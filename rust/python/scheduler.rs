@@ -402,6 +402,25 @@ impl Scheduler {
         call(|| self.inner.update(&appends, &finished))
     }
 
+    /// Asynchronous scheduling: a placeholder for each sequence's token still being sampled.
+    fn append_placeholders(&mut self, seq_ids: &Bound<'_, PyAny>) -> PyResult<()> {
+        let seq_ids = seq_id_column(seq_ids)?;
+        call(|| self.inner.append_placeholders(&seq_ids))
+    }
+
+    /// The sampled tokens the placeholders stood for. Checks everything first.
+    fn fill_placeholders(&mut self, seq_ids: &Bound<'_, PyAny>, token_ids: &Bound<'_, PyAny>) -> PyResult<()> {
+        let seq_ids = seq_id_column(seq_ids)?;
+        let token_ids = int_column(token_ids)?
+            .into_iter()
+            .map(|token| {
+                u32::try_from(token)
+                    .map_err(|_| exceptions::InvalidStateError::new_err(format!("invalid token id {token}")))
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        call(|| self.inner.fill_placeholders(&seq_ids, &token_ids))
+    }
+
     #[pyo3(signature = (seq_id, token_id, draft_token_ids=Vec::new()))]
     fn append_token(&mut self, seq_id: u64, token_id: u32, draft_token_ids: Vec<u32>) -> PyResult<()> {
         call(|| self.inner.append_token_with_drafts(seq_id, token_id, &draft_token_ids))
@@ -500,7 +519,17 @@ impl Scheduler {
     }
 }
 
+fn seq_id_column(seq_ids: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+    int_column(seq_ids)?
+        .into_iter()
+        .map(|seq| {
+            u64::try_from(seq).map_err(|_| exceptions::InvalidStateError::new_err(format!("invalid seq_id {seq}")))
+        })
+        .collect()
+}
+
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("PLACEHOLDER_TOKEN", crate::sched::scheduler::PLACEHOLDER_TOKEN)?;
     m.add_class::<SchedulerConfig>()?;
     m.add_class::<ScheduledSequence>()?;
     m.add_class::<SchedulerOutput>()?;

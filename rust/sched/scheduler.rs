@@ -17,6 +17,10 @@ use crate::sched::config::{SchedulerConfig, SchedulingPolicy};
 use crate::sched::preemption::Preemption;
 use crate::sched::sequence::{GroupState, PendingTable, SeqStatus, Sequence, SequenceGroup};
 
+/// The token id `append_placeholders` appends for a token still being sampled (no vocabulary
+/// reaches it; prompts holding it are refused).
+pub const PLACEHOLDER_TOKEN: u32 = u32::MAX;
+
 /// A group's key in the scheduler's slab (reused after the group ends; never exposed).
 type GroupId = usize;
 
@@ -347,6 +351,9 @@ impl Scheduler {
         if prompt.is_empty() {
             return Err(Error::InvalidState("prompt must contain at least one token".into()));
         }
+        if prompt.contains(&PLACEHOLDER_TOKEN) {
+            return Err(Error::InvalidState(format!("prompt holds token id {PLACEHOLDER_TOKEN}, the placeholder")));
+        }
         if prompt.len() > self.config.max_model_len {
             return Err(Error::PromptTooLong { prompt_len: prompt.len(), max_model_len: self.config.max_model_len });
         }
@@ -465,6 +472,50 @@ impl Scheduler {
         }
         for &seq_id in finished {
             self.finish_sequence(seq_id)?;
+        }
+        Ok(())
+    }
+
+    /// Asynchronous scheduling: appends a placeholder (`PLACEHOLDER_TOKEN`) to each sequence in
+    /// place of the token its last step is still sampling on the device, so the next step can be
+    /// planned before that token is known (its consumer reads the token from the device).
+    /// `fill_placeholders` later writes the real tokens. Checked as `update`: an error changes
+    /// nothing.
+    pub fn append_placeholders(&mut self, seq_ids: &[SeqId]) -> Result<()> {
+        let appends: Vec<(SeqId, u32)> = seq_ids.iter().map(|&seq_id| (seq_id, PLACEHOLDER_TOKEN)).collect();
+        self.update(&appends, &[])
+    }
+
+    /// The sampled tokens that `append_placeholders` stood in for: `tokens[i]` replaces the
+    /// placeholder that is the last token of `seq_ids[i]`, in whatever state the sequence is
+    /// (running, swapped out, or waiting to be recomputed). A block that the placeholder filled is
+    /// hashed again, so the prefix cache holds it under its real content. Everything is checked
+    /// first: an error changes nothing.
+    pub fn fill_placeholders(&mut self, seq_ids: &[SeqId], tokens: &[u32]) -> Result<()> {
+        if seq_ids.len() != tokens.len() {
+            return Err(Error::InvalidState(format!("{} seq_ids but {} tokens", seq_ids.len(), tokens.len())));
+        }
+        for (index, (&seq_id, &token)) in seq_ids.iter().zip(tokens).enumerate() {
+            let group_id = self.group_of_seq(seq_id)?;
+            let seq = self.groups[group_id].seq(seq_id).unwrap();
+            if seq.tokens.last() != Some(&PLACEHOLDER_TOKEN) {
+                return Err(Error::InvalidState(format!("sequence {seq_id} does not end in a placeholder")));
+            }
+            if token == PLACEHOLDER_TOKEN {
+                return Err(Error::InvalidState(format!("token id {token} is the placeholder")));
+            }
+            if seq_ids[..index].contains(&seq_id) {
+                return Err(Error::InvalidState(format!("sequence {seq_id} is filled twice")));
+            }
+        }
+        for (&seq_id, &token) in seq_ids.iter().zip(tokens) {
+            let group_id = self.group_by_seq[&seq_id];
+            let seq = self.groups[group_id].seq_mut(seq_id).unwrap();
+            let position = seq.tokens.len() - 1;
+            seq.tokens[position] = token;
+            if self.blocks.contains(seq_id) {
+                self.blocks.fill_token(seq_id, position, &seq.tokens)?;
+            }
         }
         Ok(())
     }

@@ -853,3 +853,66 @@ fn update_closes_a_step_in_one_call_or_changes_nothing() {
     assert_eq!(out.scheduled.iter().map(|seq| (seq.start, seq.end)).collect::<Vec<_>>(), [(3, 4), (3, 4)]);
     check(&s);
 }
+
+/// Asynchronous scheduling's protocol: a placeholder stands for the token the last step is still
+/// sampling, the next step is planned with it, then the real token is filled in.
+#[test]
+fn placeholders_plan_the_next_step_and_are_filled_in() {
+    use crate::sched::scheduler::PLACEHOLDER_TOKEN;
+    let mut s = Scheduler::new(config(16, 0)).unwrap();
+    let (a, b) = (s.add_request("a", prompt(6, 1), None).unwrap(), s.add_request("b", prompt(3, 2), None).unwrap());
+    s.schedule();
+    s.append_placeholders(&[a, b]).unwrap();
+    let out = s.schedule();
+    for step in &out.scheduled {
+        assert_eq!(out.token_ids(step), [PLACEHOLDER_TOKEN], "the decode's input is the placeholder");
+    }
+    assert!(matches!(s.fill_placeholders(&[a, b], &[5]), Err(Error::InvalidState(_))), "lengths differ");
+    assert!(matches!(s.fill_placeholders(&[a, a], &[5, 6]), Err(Error::InvalidState(_))), "twice");
+    assert!(matches!(s.fill_placeholders(&[a, b], &[5, PLACEHOLDER_TOKEN]), Err(Error::InvalidState(_))));
+    assert!(matches!(s.fill_placeholders(&[a, 99], &[5, 6]), Err(Error::UnknownSequence(99))));
+    assert_eq!(s.sequence_len(a).unwrap(), 7, "a failed fill changes nothing");
+    s.fill_placeholders(&[a, b], &[5, 6]).unwrap();
+    assert!(matches!(s.fill_placeholders(&[a], &[5]), Err(Error::InvalidState(_))), "no placeholder left");
+    s.append_placeholders(&[a]).unwrap();
+    let out = s.schedule();
+    let step = out.scheduled.iter().find(|step| step.seq_id == a).unwrap();
+    assert_eq!(out.token_ids(step), [PLACEHOLDER_TOKEN]);
+    assert!(matches!(s.add_request("c", vec![1, PLACEHOLDER_TOKEN], None), Err(Error::InvalidState(_))));
+    check(&s);
+}
+
+/// Blocks filled while a placeholder stood in them are cached under their real content: a later
+/// prompt repeating the sequence hits the same blocks as after a synchronous run.
+#[test]
+fn filled_placeholders_leave_the_prefix_cache_as_synchronous_steps_do() {
+    let mut cfg = config(32, 0);
+    cfg.enable_prefix_caching = true;
+    let mut hits = Vec::new();
+    for asynchronous in [false, true] {
+        let mut s = Scheduler::new(cfg.clone()).unwrap();
+        let a = s.add_request("a", prompt(6, 1), None).unwrap();
+        s.schedule();
+        let mut tokens = prompt(6, 1);
+        for step in 0..10u32 {
+            let token = 100 + step;
+            tokens.push(token);
+            if asynchronous {
+                s.append_placeholders(&[a]).unwrap();
+                s.schedule(); // (plans the step whose input is the placeholder, filling blocks 2 and 3 with it)
+                s.fill_placeholders(&[a], &[token]).unwrap();
+            } else {
+                s.append_token(a, token).unwrap();
+                s.schedule();
+            }
+            check(&s);
+        }
+        s.finish_sequence(a).unwrap();
+        tokens.push(1);
+        s.add_request("b", tokens.clone(), None).unwrap();
+        hits.push(s.schedule().num_prefix_hit_tokens);
+        check(&s);
+    }
+    assert_eq!(hits[0], 16, "the four full blocks of the finished sequence");
+    assert_eq!(hits[1], hits[0]);
+}

@@ -216,6 +216,35 @@ def test_update_rejects_bad_input_and_changes_nothing():
     assert scheduler.sequence_len(a) == 4 and scheduler.num_unfinished_requests == 1
 
 
+def test_placeholders_plan_a_step_before_its_input_is_known_and_fills_reject_bad_input():
+    from pagedkv._core import PLACEHOLDER_TOKEN
+
+    scheduler = Scheduler(small_config())
+    a = scheduler.add_request("a", [1, 2, 3])
+    b = scheduler.add_request("b", [4, 5])
+    scheduler.schedule()
+    scheduler.append_placeholders([a, b])
+    out = scheduler.schedule()
+    assert out.token_ids.tolist() == [PLACEHOLDER_TOKEN, PLACEHOLDER_TOKEN]
+    before = (scheduler.sequence_len(a), scheduler.sequence_len(b), scheduler.stats())
+    with pytest.raises(pagedkv.InvalidStateError, match="2 seq_ids but 1 tokens"):
+        scheduler.fill_placeholders([a, b], [7])
+    with pytest.raises(pagedkv.UnknownSequenceError):
+        scheduler.fill_placeholders([a, 99], [7, 8])
+    with pytest.raises(pagedkv.InvalidStateError, match="filled twice"):
+        scheduler.fill_placeholders([a, a], [7, 8])
+    with pytest.raises(pagedkv.InvalidStateError, match="invalid token id -1"):
+        scheduler.fill_placeholders([a], [-1])
+    with pytest.raises(pagedkv.InvalidStateError, match="is the placeholder"):
+        scheduler.fill_placeholders([a], [PLACEHOLDER_TOKEN])
+    assert (scheduler.sequence_len(a), scheduler.sequence_len(b), scheduler.stats()) == before
+    scheduler.fill_placeholders([a, b], [7, 8])
+    with pytest.raises(pagedkv.InvalidStateError, match="does not end in a placeholder"):
+        scheduler.fill_placeholders([a], [7])
+    with pytest.raises(pagedkv.InvalidStateError, match="placeholder"):
+        scheduler.add_request("c", [1, PLACEHOLDER_TOKEN])
+
+
 def test_scheduler_config_takes_any_field_by_keyword_and_names_unknown_ones():
     config = SchedulerConfig(block_size=8, preemption_mode="swap", swap_latency=0.5)
     assert (config.block_size, config.preemption_mode, config.swap_latency) == (8, "swap", 0.5)
