@@ -72,7 +72,7 @@ def measure(llm, batch_size: int, device: str, trace_dir: str) -> dict:
                      if e.device_type == torch.autograd.DeviceType.CUDA]
     window = max(end for _, end in span) - min(start for start, _ in span)
     busy = union_length(device_events)
-    path = os.path.join(trace_dir, f"decode-{device}-{batch_size}.json")
+    path = os.path.join(trace_dir, f"decode-{device}-{batch_size}{'-async' if engine.config.async_scheduling else ''}.json")
     trace.export_chrome_trace(path)
     with open(path, "rb") as plain, gzip.open(path + ".gz", "wb") as packed:  # (tens of MB unpacked)
         shutil.copyfileobj(plain, packed)
@@ -88,6 +88,7 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="a checkpoint (default: the embedded SmolLM2)")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--trace-dir", default=os.environ.get("OUT", "."))
+    parser.add_argument("--async-scheduling", action="store_true", help="plan each step while the last one runs")
     args = parser.parse_args()
     from pagedkv import LLM
 
@@ -95,9 +96,10 @@ def main() -> None:
     largest = max(args.batch_sizes)
     blocks = largest * ((2 * PROMPT_LEN + 3 * STEPS + 16) // 16 + 1)
     llm = LLM(args.model, device=args.device, dtype=args.dtype, num_device_blocks=blocks, max_model_len=512,
-              max_num_seqs=largest, max_num_batched_tokens=max(2048, largest))
+              max_num_seqs=largest, max_num_batched_tokens=max(2048, largest), async_scheduling=args.async_scheduling)
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (dry run: no device events)"
-    print(f"{name}, {time.strftime('%Y-%m-%d')}, {llm.engine.model_info.name}, {STEPS} decode steps per batch size")
+    mode = "async scheduling" if args.async_scheduling else "synchronous steps"
+    print(f"{name}, {time.strftime('%Y-%m-%d')}, {llm.engine.model_info.name}, {mode}, {STEPS} decode steps per batch size")
     print("| batch | step, no profiler (µs) | step in the trace (µs) | GPU busy (µs) | busy / traced step | "
           "busy / unprofiled step | trace |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: | --- |")

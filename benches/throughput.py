@@ -152,6 +152,8 @@ def main(argv=None) -> None:
                         help="on the CPU, also run pagedkv with torch's unfused norm/activation/rotary ops")
     parser.add_argument("--sdpa-prefill-baseline", action="store_true",
                         help="on the CPU, also run pagedkv with prefill attention through gather + torch SDPA")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="also run pagedkv (CUDA graphs on a GPU) with async_scheduling=True")
     parser.add_argument("--kv-cache-gib", type=float, default=1.0,
                         help="pagedkv's KV budget on the CPU (GiB; the GPU default is 90%% of free memory)")
     args = parser.parse_args(argv)
@@ -171,8 +173,15 @@ def main(argv=None) -> None:
     if args.device.startswith("cuda"):
         rows = [("pagedkv, eager", *run_pagedkv(prompts, args.max_tokens, args.device, args.dtype, enforce_eager=True))]
         rows.append(("pagedkv, CUDA graphs", *run_pagedkv(prompts, args.max_tokens, args.device, args.dtype, enforce_eager=False)))
+        if args.async_scheduling:
+            rows.append(("pagedkv, CUDA graphs, async scheduling",
+                         *run_pagedkv(prompts, args.max_tokens, args.device, args.dtype, async_scheduling=True)))
     else:
         rows = [("pagedkv", *run_pagedkv(prompts, args.max_tokens, args.device, args.dtype, kv_cache_bytes))]
+        if args.async_scheduling:
+            rows.append(("pagedkv, async scheduling",
+                         *run_pagedkv(prompts, args.max_tokens, args.device, args.dtype, kv_cache_bytes,
+                                      async_scheduling=True)))
     if args.unfused_baseline and args.device == "cpu":
         rows.append(("pagedkv, unfused torch layers", *run_pagedkv_unfused(prompts, args.max_tokens, args.device, args.dtype, kv_cache_bytes)))
     if args.sdpa_prefill_baseline and args.device == "cpu":

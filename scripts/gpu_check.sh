@@ -11,8 +11,10 @@
 #   throughput  benches/throughput.py --device cuda --dtype bfloat16 (eager, CUDA graphs, HF)
 #   step        benches/step_overhead.py --device cuda against the baseline build (a wheel in
 #               /tmp/bundle/baseline/, installed apart); STEP_CASES=tiny:64,... picks cases (tiny ones need no model)
-#   throughput256  benches/throughput.py, 256 prompts x 256 tokens, this build and the baseline (after step)
-#   busy        benches/gpu_busy.py: torch-profiler traces of ten decode steps at batch 64 and 256, GPU busy fraction
+#   throughput256  benches/throughput.py, 256 prompts x 256 tokens, this build (also with async scheduling)
+#               and the baseline (after step)
+#   busy        benches/gpu_busy.py: torch-profiler traces of ten decode steps at batch 64 and 256, GPU busy
+#               fraction, synchronous steps then async scheduling
 # One call may run for at most 10 minutes: name one or two stages per call if need be.
 # Logs go to $OUT (or ./gpu-results) so they come back.
 set -uo pipefail
@@ -72,11 +74,15 @@ for stage in "${stages[@]}"; do
         throughput256)
             for python in python3 /tmp/python-baseline; do
                 echo "== $python" | tee -a "$results/step-throughput.txt"
+                extra=$([ "$python" = python3 ] && echo --async-scheduling)  # (the baseline has none)
                 $python "$repo/benches/throughput.py" --device cuda --dtype bfloat16 --skip-hf --num-prompts 256 \
-                    --max-tokens 256 2>&1 | grep -v "it/s" | tee -a "$results/step-throughput.txt"
+                    --max-tokens 256 $extra 2>&1 | grep -v "it/s" | tee -a "$results/step-throughput.txt"
             done ;;
-        busy) python3 "$repo/benches/gpu_busy.py" --device cuda --batch-sizes 64 256 --trace-dir "$results" 2>&1 \
-                  | grep -v "it/s" | tee "$results/busy.txt" ;;
+        busy) # (the synchronous traces stay behind: at most 8 files come back from a call)
+              python3 "$repo/benches/gpu_busy.py" --device cuda --batch-sizes 64 256 --trace-dir /tmp/traces 2>&1 \
+                  | grep -v "it/s" | tee "$results/busy.txt"
+              python3 "$repo/benches/gpu_busy.py" --device cuda --batch-sizes 64 256 --trace-dir "$results" \
+                  --async-scheduling 2>&1 | grep -v "it/s" | tee -a "$results/busy.txt" ;;
         *) echo "unknown stage $stage (kernels, sampler, engine, tests, attention, attention-fp8, swap, throughput, step, throughput256, busy)"; exit 2 ;;
     esac
 done

@@ -124,6 +124,14 @@ class EngineConfig:
     distributed_timeout_seconds: float = 120.0
     """How long a collective may wait for a tensor-parallel rank before the engine fails with an
     error (a dead or hung worker)."""
+    async_scheduling: bool = False
+    """True plans each step while the device still runs the one before (vLLM's async scheduling):
+    a decode's input token is read on the device from the step that sampled it, and the host
+    books that step's tokens (stop checks, detokenizing, outputs) while the next step runs, so
+    each step's outputs come one step later. Steps whose sampling needs the host's books first
+    (beams, speculative decoding, logprobs, penalties, biases, structured output, prompt
+    logprobs, pooling) and tensor-parallel steps run synchronously. Off by default until it has
+    been measured on a GPU; on a CPU it only reorders work."""
     enforce_eager: bool = False
     """True launches every decode kernel from Python. False (the default) captures CUDA graphs
     of decode steps at start-up where they apply (cuda device and attention backend, no

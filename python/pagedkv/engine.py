@@ -18,8 +18,8 @@ from pagedkv._core import Scheduler, SchedulerConfig
 from pagedkv.beam_search import BeamSearch
 from pagedkv.config import EngineConfig
 from pagedkv.errors import DuplicateRequestError, PromptTooLongError, UnknownRequestError
-from pagedkv.runner.sampler import SamplingRow, changes_logits
-from pagedkv.runner.step_messages import ModelRunnerOutput, PromptLogprobsRequest, StepRequests
+from pagedkv.runner.sampler import SamplingRow, changes_logits, is_plain
+from pagedkv.runner.step_messages import ModelRunnerOutput, PendingOutput, PromptLogprobsRequest, StepRequests
 from pagedkv.lora import LoRARequest
 from pagedkv.runner.model_runner import ModelRunner
 from pagedkv.ngram_proposer import propose_ngram_drafts
@@ -63,6 +63,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self._scheduler_config())
         self.max_model_len = self.scheduler.max_model_len
         self.requests: dict[str, RequestState] = {}
+        self._in_flight: Optional[_InFlight] = None  # an asynchronous step's tokens not yet booked
         self.seq_owner: dict[int, tuple[RequestState, SequenceState]] = {}
         self.num_finished_by_reason: dict[str, int] = {}
         self._num_uncached_prompts = 0
@@ -374,8 +375,20 @@ class LLMEngine:
                 if request.metrics.first_scheduled_time is None:
                     request.metrics.first_scheduled_time = now
                     request.metrics.num_prefix_hit_tokens = start
-            asked = self._step_requests(step, touched)
-            self._apply(asked, self.runner.execute(plan, asked.requests), touched)
+            scheduled: dict[str, RequestState] = {}
+            asked = self._step_requests(step, scheduled)
+            if self._runs_async(plan, asked):
+                launched = _InFlight(asked, self.runner.execute_async(plan, asked.requests))
+                self._book_in_flight(touched)  # (the step before, while the device runs this one)
+                self._hand_over(launched, touched)
+                # Requests report when their tokens are booked (next step); failed ones now.
+                touched.update((request_id, request) for request_id, request in scheduled.items() if request.failed)
+            else:
+                self._book_in_flight(touched)
+                touched.update(scheduled)
+                self._apply(asked, self.runner.execute(plan, asked.requests), touched)
+        else:
+            self._book_in_flight(touched)
 
         outputs = []
         for request in list(touched.values()):
@@ -387,6 +400,53 @@ class LLMEngine:
             if output is not None:
                 outputs.append(output)
         return outputs
+
+    def _runs_async(self, plan, asked: _Asked) -> bool:
+        """Whether this step can run asynchronously (config.async_scheduling): one plain sampling
+        row per sampling sequence (`is_plain`: its token needs nothing from the books of the
+        step still in flight) and nothing else asked of the step."""
+        requests = asked.requests
+        return (self.config.async_scheduling and self.runner.workers is None and not self.config.num_speculative_tokens
+                and not (asked.beams or requests.drafts or requests.prompt_logprobs or requests.pooling
+                         or requests.logits_for)
+                and len(requests.sampling_rows) == int(plan.samples.sum())
+                and all(is_plain(row) for row in requests.sampling_rows))
+
+    def _hand_over(self, launched: _InFlight, touched: dict[str, RequestState]) -> None:
+        """After launching a step asynchronously: its sequences get a placeholder for the token
+        being sampled, so the next step can be planned now; a sequence for which that token is
+        the last by length leaves the scheduler at once (its token is booked all the same). If
+        the scheduler refuses the placeholders (a bug), the step is booked now, synchronously."""
+        lasting, ending = [], []
+        for request, seq in launched.asked.row_targets:
+            if request.failed or seq.finished or self.requests.get(request.request_id) is not request:
+                continue
+            generated = len(seq.output_token_ids) + 1
+            ends = (generated >= request.params.max_tokens
+                    or len(request.prompt_token_ids) + generated >= self.max_model_len)
+            (ending if ends else lasting).append(seq.seq_id)
+        try:
+            self.scheduler.append_placeholders(lasting)
+        except Exception:
+            logger.exception("the scheduler refused placeholders; booking the step synchronously")
+            self._in_flight = launched
+            self._book_in_flight(touched, fill=False)
+            return
+        for seq_id in ending:
+            self.scheduler.finish_sequence(seq_id)
+        launched.placeholders = frozenset(lasting)
+        self._in_flight = launched
+
+    def _book_in_flight(self, touched: dict[str, RequestState], fill: bool = True) -> None:
+        """Books the tokens of the step still in flight, if any (waiting for them), filling in
+        their placeholders (`fill=False`: appending them, as a synchronous step does)."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is None:
+            return
+        for request, _ in in_flight.asked.row_targets:
+            if self.requests.get(request.request_id) is request:  # (not aborted since)
+                touched[request.request_id] = request
+        self._apply(in_flight.asked, in_flight.output.wait(), touched, in_flight.placeholders if fill else None)
 
     def _output(self, request: RequestState) -> Optional[Union[RequestOutput, PoolingRequestOutput]]:
         """What the step reports for a request it advanced (None: nothing, for final_only); a
@@ -480,9 +540,12 @@ class LLMEngine:
             requests.row_seq_ids.append(target.seq_id)
             asked.row_targets.append((request, target))
 
-    def _apply(self, asked: _Asked, output: ModelRunnerOutput, touched: dict[str, RequestState]) -> None:
+    def _apply(self, asked: _Asked, output: ModelRunnerOutput, touched: dict[str, RequestState],
+               placeholders: Optional[frozenset[int]] = None) -> None:
         """Books the step's results: prompt logprobs, pooled vectors, verified drafts, sampled
-        tokens (reported to the scheduler in one closing call), beams."""
+        tokens (reported to the scheduler in one closing call), beams. `placeholders`: an
+        asynchronous step's sequences whose tokens fill placeholders (its others have left the
+        scheduler, see `_hand_over`)."""
         for seq_id, error in output.errors.items():
             request = self.seq_owner[seq_id][0]
             if not request.failed:
@@ -505,12 +568,15 @@ class LLMEngine:
 
         closing = _ClosingCall()
         for (request, seq), result in zip(asked.row_targets, output.sampled):
-            if result is None or request.failed:
+            if result is None or request.failed or seq.finished:  # (finished: ended while the step was in flight)
                 continue
             try:  # (an error here aborts this request alone)
                 request.record_token(seq, result.token_id, result.logprob, result.top_logprobs, self.tokenizer,
                                      self.eos_token_ids, self.max_model_len)
-                if seq.finished:
+                if placeholders is not None:
+                    if seq.seq_id in placeholders:
+                        closing.fill(request, seq.seq_id, result.token_id, seq.finished)
+                elif seq.finished:
                     closing.finish(request, seq.seq_id)
                 elif self._speculates(request, seq):
                     self._append_token(request, seq, result.token_id)
@@ -537,18 +603,24 @@ class LLMEngine:
     def _close_step(self, closing: _ClosingCall, touched: dict[str, RequestState]) -> None:
         """Reports the step's plain appends and finishes to the scheduler in one call; if that
         raises (it then changes nothing), one by one, so only the failing request is aborted."""
+        filled = False
         try:
+            if closing.fill_ids:
+                self.scheduler.fill_placeholders(closing.fill_ids, closing.fill_tokens)
+                filled = True
             self.scheduler.update(closing.seq_ids, closing.token_ids, closing.finished)
             return
         except Exception:
             logger.warning("closing the step in one call failed; reporting its sequences one by one")
-        for request, seq_id, token_id in closing.each():
+        for request, seq_id, token_id, fill in closing.each():
             if request.failed:
                 continue
             with self._isolated(request, touched):
-                if token_id is None:
+                if fill and not filled:
+                    self.scheduler.fill_placeholders([seq_id], [token_id])
+                if token_id is None or (fill and seq_id in closing.finished):
                     self.scheduler.finish_sequence(seq_id)
-                else:
+                elif not fill:
                     self.scheduler.append_token(seq_id, token_id)
 
     def _append_token(self, request: RequestState, seq: SequenceState, token_id: int) -> None:
@@ -698,6 +770,15 @@ class _Step:
 
 
 @dataclass
+class _InFlight:
+    """A step launched asynchronously, booked during the next one."""
+
+    asked: _Asked
+    output: PendingOutput
+    placeholders: frozenset[int] = frozenset()
+
+
+@dataclass
 class _Asked:
     """A step's requests to the runner, with the engine's side of them: the request and sequence
     each sampling row is for, and the beams of each beam-search request."""
@@ -715,17 +796,28 @@ class _ClosingCall:
         self.seq_ids: list[int] = []
         self.token_ids: list[int] = []
         self.finished: list[int] = []
-        self._requests: list[tuple[RequestState, int, Optional[int]]] = []
+        self.fill_ids: list[int] = []  # an asynchronous step's: placeholders filled in
+        self.fill_tokens: list[int] = []
+        self._requests: list[tuple[RequestState, int, Optional[int], bool]] = []
 
     def append(self, request: RequestState, seq_id: int, token_id: int) -> None:
         self.seq_ids.append(seq_id)
         self.token_ids.append(token_id)
-        self._requests.append((request, seq_id, token_id))
+        self._requests.append((request, seq_id, token_id, False))
 
     def finish(self, request: RequestState, seq_id: int) -> None:
         self.finished.append(seq_id)
-        self._requests.append((request, seq_id, None))
+        self._requests.append((request, seq_id, None, False))
+
+    def fill(self, request: RequestState, seq_id: int, token_id: int, finished: bool) -> None:
+        """The token for a sequence's placeholder; `finished`: the sequence ends with it."""
+        self.fill_ids.append(seq_id)
+        self.fill_tokens.append(token_id)
+        if finished:
+            self.finished.append(seq_id)
+        self._requests.append((request, seq_id, token_id, True))
 
     def each(self):
-        """(request, seq_id, token_id or None for a finish), in the order they were added."""
+        """(request, seq_id, token_id or None for a finish, whether it fills a placeholder), in
+        the order they were added."""
         return iter(self._requests)

@@ -10,10 +10,10 @@ from typing import Optional
 import numpy as np
 import torch
 
+from pagedkv._core import PLACEHOLDER_TOKEN
 from pagedkv.attention import AttentionMetadata, get_backend
 from pagedkv.config import EngineConfig
 from pagedkv.runner.cuda_graphs import DecodeGraphs
-from pagedkv.runner.transfer import to_device
 from pagedkv.errors import InvalidConfigError, TensorParallelError
 from pagedkv.host_memory import reuse_freed_memory
 from pagedkv.kv_cache import KVCache
@@ -26,7 +26,8 @@ from pagedkv.runner import results
 from pagedkv.runner.model_info import ModelInfo
 from pagedkv.runner.persistent_batch import PersistentBatch
 from pagedkv.runner.sampler import Sampler
-from pagedkv.runner.step_messages import ModelRunnerOutput, StepRequests
+from pagedkv.runner.step_messages import ModelRunnerOutput, PendingOutput, StepRequests
+from pagedkv.runner.transfer import to_device
 
 logger = logging.getLogger("pagedkv.runner.model_runner")
 
@@ -90,6 +91,7 @@ class ModelRunner:
         num_layers = len(self.model.layers)
         self.sliding_window = _common_sliding_window(self.model)
         self.sampler = Sampler()
+        self._sampled: Optional[tuple[np.ndarray, torch.Tensor]] = None  # (seq ids, tokens) of the last asynchronous step
         classifier = getattr(self.model, "classifier", None)
         self.info = ModelInfo(
             name=self.model_name, vocab_size=self.vocab_size, hidden_size=self.hf_config.hidden_size,
@@ -222,6 +224,48 @@ class ModelRunner:
         return self._results(requests, *hidden, plan)
 
     @torch.inference_mode()
+    def execute_async(self, plan, requests: StepRequests) -> PendingOutput:
+        """`execute` for a step whose sampling rows are all `is_plain` (one per sampling sequence,
+        nothing else asked): launches the forward, logits and sampling and returns without
+        waiting for them. The sampled tokens stay on the device as well, where the next step's
+        forward reads the inputs its plan holds placeholders for (`Scheduler.append_placeholders`)."""
+        hidden = self._forward(plan, requests)
+        if hidden is None:
+            return PendingOutput(torch.empty(0, dtype=torch.long))
+        tokens = self.sampler.sample_tokens(self.compute_logits(hidden[0]), requests.sampling_rows)
+        self._sampled = (np.asarray(requests.row_seq_ids, dtype=np.int64), tokens)
+        if self.device.type != "cuda":
+            return PendingOutput(tokens)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return PendingOutput(host, ready)
+
+    def _input_ids(self, plan, step: _StepColumns) -> torch.Tensor:
+        """The step's input token ids on the device; where the plan holds placeholders, the tokens
+        the previous step sampled there (still on the device when it ran asynchronously)."""
+        ids = to_device(step.token_ids, self.device)
+        sampled, self._sampled = self._sampled, None
+        placeholders = np.flatnonzero(plan.token_ids == PLACEHOLDER_TOKEN)
+        if placeholders.size == 0:
+            return ids
+        owners = np.repeat(step.seq_ids_array, step.query_lens)[placeholders]
+        if sampled is None:
+            raise RuntimeError(f"sequences {owners[:5].tolist()} have placeholder tokens but no step sampled them")
+        seq_ids, tokens = sampled
+        order = np.argsort(seq_ids)
+        rows = order[np.minimum(np.searchsorted(seq_ids, owners, sorter=order), len(order) - 1)]
+        if not np.array_equal(seq_ids[rows], owners):
+            raise RuntimeError(f"placeholders of sequences {owners[seq_ids[rows] != owners][:5].tolist()} have no "
+                               "token sampled in the previous step")
+        if self.device.type == "cpu":
+            ids = ids.clone()  # (a view of the plan's column)
+        ids[to_device(torch.from_numpy(placeholders), self.device)] = tokens[to_device(torch.from_numpy(rows),
+                                                                                       tokens.device)]
+        return ids
+
+    @torch.inference_mode()
     def _forward(self, plan, requests: Optional[StepRequests]) -> Optional[tuple[torch.Tensor, dict]]:
         """The copies, then the forward: (final hidden states of the sampling sequences' last
         tokens, {seq_id: every scheduled token's} for the sequences that need them), or None
@@ -240,14 +284,13 @@ class ModelRunner:
         graphs = self.decode_graphs
         if (graphs is not None and not hidden_for and not any(adapters) and step.num_seqs <= graphs.max_batch_size
                 and step.num_decodes == step.num_seqs):
-            hidden = graphs.run(*(to_device(column, self.device) for column in (step.token_ids, step.positions,
-                                                                                 step.slot_mapping)),
-                                self._block_tables(step))
+            hidden = graphs.run(self._input_ids(plan, step), to_device(step.positions, self.device),
+                                to_device(step.slot_mapping, self.device), self._block_tables(step))
             all_hidden = {}
             sample_hidden = hidden if len(step.sample_rows) == step.num_seqs else hidden[to_device(step.sample_rows,
                                                                                                    self.device)]
         else:
-            input_ids, positions, metadata = self._prepare(step)
+            input_ids, positions, metadata = self._prepare(plan, step)
             lora = None
             if adapters:
                 lora = lora_batch(self.lora_registry, adapters, step.query_lens.tolist(), self.device)
@@ -295,7 +338,7 @@ class ModelRunner:
     def _block_tables(self, step: _StepColumns) -> torch.Tensor:
         return self.batch.tables(to_device(step.rows, self.device), step.num_blocks)
 
-    def _prepare(self, step: _StepColumns):
+    def _prepare(self, plan, step: _StepColumns):
         """Flat inputs and attention metadata; prefills come first, then decodes (scheduler order)."""
         device = self.device
         metadata = AttentionMetadata(
@@ -309,13 +352,14 @@ class ModelRunner:
             query_start_loc_host=step.query_start_loc.tolist(),
             context_lens_host=step.context_lens.tolist(),
         )
-        return to_device(step.token_ids, device), to_device(step.positions, device), metadata
+        return self._input_ids(plan, step), to_device(step.positions, device), metadata
 
 
 class _StepColumns:
     """One step's inputs as host tensors, computed from the plan's columns with vectorised ops."""
 
     def __init__(self, plan, block_size: int):
+        self.seq_ids_array = plan.seq_ids
         self.seq_ids = plan.seq_ids.tolist()
         self.num_seqs = len(self.seq_ids)
         query_start_loc = plan.query_start_loc

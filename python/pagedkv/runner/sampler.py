@@ -65,18 +65,7 @@ class Sampler:
             if matchers:
                 mask_disallowed_tokens(logits, matchers)
 
-        greedy = [i for i, row in enumerate(rows) if row.params.temperature == 0]
-        sampled = [i for i, row in enumerate(rows) if row.params.temperature != 0]
-        if not sampled:
-            tokens = argmax_rows(logits)
-        elif not greedy:  # (no [N, vocab] gathers in the two common cases)
-            tokens = _sample(logits, rows)
-        else:
-            tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-            index = to_device(torch.tensor(greedy), logits.device)
-            tokens[index] = argmax_rows(logits[index])
-            index = to_device(torch.tensor(sampled), logits.device)
-            tokens[index] = _sample(logits[index], [rows[i] for i in sampled])
+        tokens = _draw(logits, rows)
 
         chosen: list = [None] * len(rows)
         top_logprobs: list = [None] * len(rows)
@@ -91,6 +80,14 @@ class Sampler:
                     top_logprobs[i] = dict(zip(top_ids.tolist(), top_values.tolist()))
         token_list = tokens.tolist()
         return [SampleResult(token_list[i], chosen[i], top_logprobs[i]) for i in range(len(rows))]
+
+    def sample_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """The rows' tokens as a tensor on the logits' device, nothing copied to the host (the
+        asynchronous step's): for rows that `is_plain`, the same tokens as `__call__`."""
+        indices = [row.logits_index for row in rows]
+        if logits.shape[0] != len(rows) or indices != list(range(len(rows))):
+            logits = logits[to_device(torch.tensor(indices), logits.device)]
+        return _draw(logits, rows)
 
     @staticmethod
     def _apply_penalties_and_masks(logits: torch.Tensor, row: SamplingRow) -> None:
@@ -122,6 +119,30 @@ class Sampler:
             banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(row.eos_token_ids))
             if banned:
                 logits[to_device(torch.tensor(sorted(banned)), logits.device)] = float("-inf")
+
+
+def is_plain(row: SamplingRow) -> bool:
+    """Whether the row's token depends on its logits and settings alone (greedy, or temperature,
+    top-k, top-p and min-p, seeded or not): nothing from the host's books of earlier tokens, and
+    no log-probabilities to report."""
+    params = row.params
+    return params.logprobs is None and row.matcher is None and not changes_logits(row)
+
+
+def _draw(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """One token per row of logits [N, vocab] (row i is rows[i]'s): argmax for greedy rows."""
+    greedy = [i for i, row in enumerate(rows) if row.params.temperature == 0]
+    sampled = [i for i, row in enumerate(rows) if row.params.temperature != 0]
+    if not sampled:
+        return argmax_rows(logits)
+    if not greedy:  # (no [N, vocab] gathers in the two common cases)
+        return _sample(logits, rows)
+    tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+    index = to_device(torch.tensor(greedy), logits.device)
+    tokens[index] = argmax_rows(logits[index])
+    index = to_device(torch.tensor(sampled), logits.device)
+    tokens[index] = _sample(logits[index], [rows[i] for i in sampled])
+    return tokens
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:

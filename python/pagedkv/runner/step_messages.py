@@ -57,3 +57,18 @@ class ModelRunnerOutput:
     pooled: dict[int, list[float]] = field(default_factory=dict)  # embedding or class scores
     logits: Optional[torch.Tensor] = None  # float32 [len(logits_for), vocab] rows of StepRequests.logits_for
     errors: dict[int, BaseException] = field(default_factory=dict)  # seq_id -> what failed for it alone
+
+
+@dataclass
+class PendingOutput:
+    """The results of a step launched asynchronously (`ModelRunner.execute_async`): the sampled
+    tokens, being copied to `tokens` (pinned host memory on CUDA) until `ready` is reached."""
+
+    tokens: torch.Tensor  # int64 [rows], one per StepRequests.sampling_rows
+    ready: Optional[torch.cuda.Event] = None
+
+    def wait(self) -> ModelRunnerOutput:
+        """Blocks until the tokens are on the host; then the step's ModelRunnerOutput."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return ModelRunnerOutput(sampled=[SampleResult(token, None, None) for token in self.tokens.tolist()])
