@@ -55,6 +55,16 @@ def test_gpu_decode_graphs_equal_cpu_reference(cpu_reference):
     assert sum(engine.runner.decode_graphs.num_replays.values()) > 0
 
 
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_gpu_async_scheduling_equals_cpu_reference(cpu_reference, enforce_eager):
+    """Steps planned while the one before runs: inputs read on the device, eager or replayed."""
+    tokens, engine = greedy_tokens(device="cuda", num_device_blocks=512, attention_backend="cuda",
+                                   enforce_eager=enforce_eager, async_scheduling=True, max_num_seqs=len(PROMPTS) - 1)
+    assert tokens == cpu_reference
+    if not enforce_eager:
+        assert sum(engine.runner.decode_graphs.num_replays.values()) > 0
+
+
 @pytest.mark.parametrize("backend", ["torch", "cuda"])
 def test_gpu_preemption_by_swap_keeps_outputs(cpu_reference, backend):
     short = [i for i, prompt in enumerate(PROMPTS) if len(prompt) < 100]
