@@ -114,11 +114,15 @@ def assert_same_streams(got: dict, expected: dict, requests) -> None:
 
 
 def test_steps_that_need_their_books_first_run_synchronously_between_async_ones(model_dir):
-    """Penalties, biases and logprobs read the books of the step before: those steps wait for it."""
+    """Penalties, biases and logprobs read the books of the step before: those steps wait for it
+    (a penalty on output tokens too before the first is booked)."""
     requests = workload()[:8]
     requests[2] = ("pen", requests[2][1], SamplingParams(temperature=0, max_tokens=4, repetition_penalty=1.3))
     requests[5] = ("lp", requests[5][1], SamplingParams(temperature=0, max_tokens=5, logprobs=2))
     requests[6] = ("bias", requests[6][1], SamplingParams(temperature=0, max_tokens=3, logit_bias={500: 5.0}))
+    # (no output yet at its first token: a frequency penalty matters from the second on, when the
+    # first may still be in flight)
+    requests[7] = ("freq", requests[7][1], SamplingParams(temperature=0, max_tokens=6, frequency_penalty=2.0))
     expected, _ = run(model_dir, False, requests)
     got, launches = run(model_dir, True, requests)
     assert launches > 5
@@ -157,3 +161,18 @@ def test_placeholders_the_scheduler_refuses_leave_their_step_booked_synchronousl
     got, launches = run(model_dir, True, workload(), prepare=refusing)
     assert launches > 20
     assert_same_streams(got, expected, workload())
+
+
+@pytest.mark.parametrize("params", [
+    dict(frequency_penalty=0.5), dict(presence_penalty=0.5), dict(repetition_penalty=1.2), dict(logit_bias={3: 1.0}),
+    dict(logprobs=0), dict(allowed_token_ids=[3, 4]), dict(min_tokens=2, ignore_eos=False),
+])
+def test_a_row_whose_token_reads_the_books_is_never_plain_even_before_its_first_output(params):
+    """A step is planned before the last one's tokens are booked: a row whose sampling reads the
+    outputs must not look plain because those tokens are not in its books yet."""
+    from pagedkv.runner.sampler import SamplingRow, is_plain
+
+    def row(**settings):
+        return SamplingRow(0, SamplingParams(temperature=0, **settings), [5, 6], [], None, frozenset({2}))
+
+    assert is_plain(row()) and not is_plain(row(**params))

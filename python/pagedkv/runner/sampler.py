@@ -123,10 +123,16 @@ class Sampler:
 
 def is_plain(row: SamplingRow) -> bool:
     """Whether the row's token depends on its logits and settings alone (greedy, or temperature,
-    top-k, top-p and min-p, seeded or not): nothing from the host's books of earlier tokens, and
-    no log-probabilities to report."""
+    top-k, top-p and min-p, seeded or not), whatever tokens the sequence has that the host has
+    not booked yet: no penalties, biases, masks, processors or grammar, and no log-probabilities
+    to report. (min_tokens counts the booked tokens: one short of the truth at most, it then
+    says "not plain" one step too long, never too early.)"""
     params = row.params
-    return params.logprobs is None and row.matcher is None and not changes_logits(row)
+    return (params.logprobs is None and row.matcher is None and not params.logit_bias
+            and params.repetition_penalty == 1.0 and not params.presence_penalty and not params.frequency_penalty
+            and params.allowed_token_ids is None and not row.bad_words_token_ids and not params.logits_processors
+            and not (len(row.output_token_ids) < params.min_tokens
+                     and (params.stop_token_ids or (not params.ignore_eos and row.eos_token_ids))))
 
 
 def _draw(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
