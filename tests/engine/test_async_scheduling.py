@@ -88,7 +88,8 @@ def run(model_dir: str, async_scheduling: bool, requests, arrivals_per_step: int
     {"enable_prefix_caching": True},
     {"num_device_blocks": 14, "swap_space_bytes": 1 << 20, "preemption_mode": "swap", "enable_prefix_caching": True},
     {"num_device_blocks": 14, "preemption_mode": "recompute", "enable_prefix_caching": True},
-], ids=["plain", "prefix-cache", "swap", "recompute"])
+    {"max_num_batched_tokens": 16, "enable_prefix_caching": True},
+], ids=["plain", "prefix-cache", "swap", "recompute", "chunked-prefill"])
 def test_async_steps_give_every_request_the_outputs_of_synchronous_steps(model_dir, options):
     expected, sync_launches = run(model_dir, False, workload(), **options)
     got, launches = run(model_dir, True, workload(), **options)

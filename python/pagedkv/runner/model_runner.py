@@ -230,7 +230,7 @@ class ModelRunner:
         waiting for them. The sampled tokens stay on the device as well, where the next step's
         forward reads the inputs its plan holds placeholders for (`Scheduler.append_placeholders`)."""
         hidden = self._forward(plan, requests)
-        if hidden is None:
+        if hidden is None or not requests.sampling_rows:  # (nothing scheduled, or prefill chunks alone)
             return PendingOutput(torch.empty(0, dtype=torch.long))
         tokens = self.sampler.sample_tokens(self.compute_logits(hidden[0]), requests.sampling_rows)
         self._sampled = (np.asarray(requests.row_seq_ids, dtype=np.int64), tokens)
