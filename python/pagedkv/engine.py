@@ -351,6 +351,9 @@ class LLMEngine:
             raise self.runner.failure
         plan = self.scheduler.schedule()
         touched: dict[str, RequestState] = {}
+        if plan.aborted and self._in_flight is not None:
+            # (their last tokens may be in flight: booked first, as a synchronous step would have)
+            self._book_in_flight(touched, gone=frozenset(plan.aborted))
         for request_id, reason in zip(plan.aborted, plan.abort_reasons):
             request = self.requests.get(request_id)
             if request is not None:
@@ -379,8 +382,10 @@ class LLMEngine:
             asked = self._step_requests(step, scheduled)
             if self._runs_async(plan, asked):
                 launched = _InFlight(asked, self.runner.execute_async(plan, asked.requests))
-                self._book_in_flight(touched)  # (the step before, while the device runs this one)
-                self._hand_over(launched, touched)
+                try:
+                    self._book_in_flight(touched)  # (the step before, while the device runs this one)
+                finally:
+                    self._hand_over(launched, touched)
                 # Requests report when their tokens are booked (next step); failed ones now.
                 touched.update((request_id, request) for request_id, request in scheduled.items() if request.failed)
             else:
@@ -425,28 +430,31 @@ class LLMEngine:
             ends = (generated >= request.params.max_tokens
                     or len(request.prompt_token_ids) + generated >= self.max_model_len)
             (ending if ends else lasting).append(seq.seq_id)
+        self._in_flight = launched
         try:
             self.scheduler.append_placeholders(lasting)
         except Exception:
             logger.exception("the scheduler refused placeholders; booking the step synchronously")
-            self._in_flight = launched
             self._book_in_flight(touched, fill=False)
             return
-        for seq_id in ending:
-            self.scheduler.finish_sequence(seq_id)
         launched.placeholders = frozenset(lasting)
-        self._in_flight = launched
+        self.scheduler.update([], [], ending)
 
-    def _book_in_flight(self, touched: dict[str, RequestState], fill: bool = True) -> None:
+    def _book_in_flight(self, touched: dict[str, RequestState], fill: bool = True,
+                        gone: frozenset[str] = frozenset()) -> None:
         """Books the tokens of the step still in flight, if any (waiting for them), filling in
-        their placeholders (`fill=False`: appending them, as a synchronous step does)."""
+        their placeholders (`fill=False`: appending them, as a synchronous step does). `gone`:
+        requests the scheduler has just dropped: their tokens are booked, nothing is reported."""
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is None:
             return
-        for request, _ in in_flight.asked.row_targets:
+        placeholders = in_flight.placeholders
+        for request, seq in in_flight.asked.row_targets:
             if self.requests.get(request.request_id) is request:  # (not aborted since)
                 touched[request.request_id] = request
-        self._apply(in_flight.asked, in_flight.output.wait(), touched, in_flight.placeholders if fill else None)
+            if request.request_id in gone:
+                placeholders = placeholders - {seq.seq_id}
+        self._apply(in_flight.asked, in_flight.output.wait(), touched, placeholders if fill else None)
 
     def _output(self, request: RequestState) -> Optional[Union[RequestOutput, PoolingRequestOutput]]:
         """What the step reports for a request it advanced (None: nothing, for final_only); a

@@ -177,3 +177,22 @@ def test_a_row_whose_token_reads_the_books_is_never_plain_even_before_its_first_
         return SamplingRow(0, SamplingParams(temperature=0, **settings), [5, 6], [], None, frozenset({2}))
 
     assert is_plain(row()) and not is_plain(row(**params))
+
+
+def test_an_asynchronous_step_whose_sampling_fails_samples_on_the_host_row_by_row(model_dir):
+    def failing_sometimes(engine):
+        sampler, calls = engine.runner.sampler, [0]
+        sample_tokens = sampler.sample_tokens
+
+        def flaky(logits, rows):
+            calls[0] += 1
+            if calls[0] % 4 == 0:
+                raise RuntimeError("out of memory (simulated)")
+            return sample_tokens(logits, rows)
+
+        sampler.sample_tokens = flaky
+
+    expected, _ = run(model_dir, False, workload())
+    got, launches = run(model_dir, True, workload(), prepare=failing_sometimes)
+    assert launches > 20
+    assert_same_streams(got, expected, workload())

@@ -9,6 +9,7 @@ import torch
 
 from pagedkv.attention.metadata import AttentionMetadata
 from pagedkv.kernels import copy_blocks, paged_attention, reshape_and_cache
+from pagedkv.transfer import to_device
 
 
 def token_layout(metadata: AttentionMetadata, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,7 +34,7 @@ def token_layout(metadata: AttentionMetadata, device: torch.device) -> tuple[tor
         num_new = starts[seq + 1] - starts[seq]
         seq_index += [seq] * num_new
         context_lens += range(context - num_new + 1, context + 1)
-    layout = torch.tensor([seq_index, context_lens], dtype=torch.int32).to(device, non_blocking=True)
+    layout = to_device(torch.tensor([seq_index, context_lens], dtype=torch.int32), device)
     metadata.__dict__["_token_layout"] = (layout[0], layout[1])
     return layout[0], layout[1]
 

@@ -27,7 +27,7 @@ from pagedkv.runner.model_info import ModelInfo
 from pagedkv.runner.persistent_batch import PersistentBatch
 from pagedkv.runner.sampler import Sampler
 from pagedkv.runner.step_messages import ModelRunnerOutput, PendingOutput, StepRequests
-from pagedkv.runner.transfer import to_device
+from pagedkv.transfer import to_device
 
 logger = logging.getLogger("pagedkv.runner.model_runner")
 
@@ -232,8 +232,19 @@ class ModelRunner:
         hidden = self._forward(plan, requests)
         if hidden is None or not requests.sampling_rows:  # (nothing scheduled, or prefill chunks alone)
             return PendingOutput(torch.empty(0, dtype=torch.long))
-        tokens = self.sampler.sample_tokens(self.compute_logits(hidden[0]), requests.sampling_rows)
-        self._sampled = (np.asarray(requests.row_seq_ids, dtype=np.int64), tokens)
+        logits = self.compute_logits(hidden[0])
+        seq_ids = np.asarray(requests.row_seq_ids, dtype=np.int64)
+        try:
+            tokens = self.sampler.sample_tokens(logits, requests.sampling_rows)
+        except Exception:  # (out of memory, say): row by row, as `execute`; a failed row's request is aborted
+            logger.warning("sampling an asynchronous step failed; sampling its rows one by one", exc_info=True)
+            done = ModelRunnerOutput()
+            done.sampled = results.sample(self.sampler, logits, requests.sampling_rows, requests.row_seq_ids,
+                                          done.errors)
+            tokens = torch.tensor([0 if result is None else result.token_id for result in done.sampled])
+            self._sampled = (seq_ids, tokens.to(logits.device))
+            return PendingOutput(tokens, done=done)
+        self._sampled = (seq_ids, tokens)
         if self.device.type != "cuda":
             return PendingOutput(tokens)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)

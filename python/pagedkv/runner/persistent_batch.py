@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pagedkv.runner.transfer import to_device
+from pagedkv.transfer import to_device
 
 
 class PersistentBatch:

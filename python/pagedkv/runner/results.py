@@ -13,7 +13,7 @@ import torch
 from pagedkv.pooling_params import PoolingParams
 from pagedkv.runner.sampler import SampleResult, Sampler, SamplingRow, argmax_rows
 from pagedkv.runner.step_messages import PromptLogprobsRequest
-from pagedkv.runner.transfer import to_device
+from pagedkv.transfer import to_device
 
 logger = logging.getLogger("pagedkv.runner")
 

@@ -13,7 +13,7 @@ import torch
 
 from pagedkv import _core
 from pagedkv.runner.penalties import apply_biases_and_penalties
-from pagedkv.runner.transfer import to_device
+from pagedkv.transfer import to_device
 from pagedkv.sampling_params import SamplingParams
 from pagedkv.structured_output import mask_disallowed_tokens
 

@@ -66,9 +66,12 @@ class PendingOutput:
 
     tokens: torch.Tensor  # int64 [rows], one per StepRequests.sampling_rows
     ready: Optional[torch.cuda.Event] = None
+    done: Optional[ModelRunnerOutput] = None  # the output, when the step had to finish on the host
 
     def wait(self) -> ModelRunnerOutput:
         """Blocks until the tokens are on the host; then the step's ModelRunnerOutput."""
+        if self.done is not None:
+            return self.done
         if self.ready is not None:
             self.ready.synchronize()
         return ModelRunnerOutput(sampled=[SampleResult(token, None, None) for token in self.tokens.tolist()])
