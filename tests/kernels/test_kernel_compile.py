@@ -4,8 +4,9 @@ A kernel that does not compile fails CI.
 
 Compiling everything takes ~8 of make test's minutes on 2 cores, so a pass is recorded in
 compiled_kernels.json under a key of the sources' digest (headers included), the NVRTC version,
-the options and the instantiations: the compile runs again whenever any of them changes (commit
-the record it rewrites); PAGEDKV_RECOMPILE_KERNELS=1 compiles regardless."""
+the options and the instantiations: while the key holds, one instantiation per source compiles;
+the whole set compiles again whenever any of them changes (commit the record it rewrites), or
+with PAGEDKV_RECOMPILE_KERNELS=1."""
 
 import hashlib
 import json
@@ -39,20 +40,23 @@ def recorded_passes() -> dict[str, str]:
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_every_kernel_compiles(arch):
     key = compile_key(arch)
+    instantiations = sources.all_instantiations()
     if recorded_passes().get(arch) == key and not os.environ.get("PAGEDKV_RECOMPILE_KERNELS"):
-        pytest.skip(f"these kernels compiled for {arch} before (key {key} in {RECORD.name}: same sources, NVRTC, "
-                    "options and instantiations); PAGEDKV_RECOMPILE_KERNELS=1 compiles again")
+        # Compiled whole before under this key: one instantiation per source still compiles now (the
+        # compiler and the sources load here), the rest is vouched for by the record.
+        instantiations = {source: expressions[:1] for source, expressions in instantiations.items()}
     chunks = []
-    for source, expressions in sources.all_instantiations().items():
+    for source, expressions in instantiations.items():
         # Split the big attention source in a few programs compiled in parallel.
         for begin in range(0, len(expressions), 80):
             chunks.append((source, expressions[begin : begin + 80]))
     with ThreadPoolExecutor(max_workers=2) as pool:
         results = list(pool.map(lambda chunk: compile_source(*chunk, arch), chunks))
     lowered = {expression: name for result in results for expression, name in result.items()}
-    assert set(lowered) == {e for expressions in sources.all_instantiations().values() for e in expressions}
+    assert set(lowered) == {e for expressions in instantiations.values() for e in expressions}
     assert all(name for name in lowered.values())
-    RECORD.write_text(json.dumps({**recorded_passes(), arch: key}, indent=1, sort_keys=True) + "\n")
+    if instantiations == sources.all_instantiations():
+        RECORD.write_text(json.dumps({**recorded_passes(), arch: key}, indent=1, sort_keys=True) + "\n")
 
 
 def test_the_compile_key_changes_with_the_sources(tmp_path, monkeypatch):

@@ -261,7 +261,7 @@ class ModelRunner:
         placeholders = np.flatnonzero(plan.token_ids == PLACEHOLDER_TOKEN)
         if placeholders.size == 0:
             return ids
-        owners = np.repeat(step.seq_ids_array, step.query_lens)[placeholders]
+        owners = np.repeat(plan.seq_ids, step.query_lens)[placeholders]
         if sampled is None:
             raise RuntimeError(f"sequences {owners[:5].tolist()} have placeholder tokens but no step sampled them")
         seq_ids, tokens = sampled
@@ -370,7 +370,6 @@ class _StepColumns:
     """One step's inputs as host tensors, computed from the plan's columns with vectorised ops."""
 
     def __init__(self, plan, block_size: int):
-        self.seq_ids_array = plan.seq_ids
         self.seq_ids = plan.seq_ids.tolist()
         self.num_seqs = len(self.seq_ids)
         query_start_loc = plan.query_start_loc

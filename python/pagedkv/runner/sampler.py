@@ -13,9 +13,9 @@ import torch
 
 from pagedkv import _core
 from pagedkv.runner.penalties import apply_biases_and_penalties
-from pagedkv.transfer import to_device
 from pagedkv.sampling_params import SamplingParams
 from pagedkv.structured_output import mask_disallowed_tokens
+from pagedkv.transfer import to_device
 
 
 @dataclass
@@ -45,9 +45,7 @@ class Sampler:
         """logits [N, vocab] float32; returns one result per row, in order. `in_place`: the
         caller has no further use for `logits`, which penalties and masks may then change
         instead of a copy (50 MB at 256 rows of a 49k vocabulary)."""
-        indices = [row.logits_index for row in rows]
-        if logits.shape[0] != len(rows) or indices != list(range(len(rows))):
-            logits = logits[to_device(torch.tensor(indices), logits.device)]
+        logits = _rows_of(logits, rows)
         raw_logits = logits
         # Log-probabilities are under the raw model distribution, for the rows that asked (as in
         # vLLM: computing them costs a pass over every row's vocabulary).
@@ -84,10 +82,7 @@ class Sampler:
     def sample_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """The rows' tokens as a tensor on the logits' device, nothing copied to the host (the
         asynchronous step's): for rows that `is_plain`, the same tokens as `__call__`."""
-        indices = [row.logits_index for row in rows]
-        if logits.shape[0] != len(rows) or indices != list(range(len(rows))):
-            logits = logits[to_device(torch.tensor(indices), logits.device)]
-        return _draw(logits, rows)
+        return _draw(_rows_of(logits, rows), rows)
 
     @staticmethod
     def _apply_penalties_and_masks(logits: torch.Tensor, row: SamplingRow) -> None:
@@ -133,6 +128,14 @@ def is_plain(row: SamplingRow) -> bool:
             and params.allowed_token_ids is None and not row.bad_words_token_ids and not params.logits_processors
             and not (len(row.output_token_ids) < params.min_tokens
                      and (params.stop_token_ids or (not params.ignore_eos and row.eos_token_ids))))
+
+
+def _rows_of(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """The logits rows of `rows`, in order (`logits` itself when they are its rows already)."""
+    indices = [row.logits_index for row in rows]
+    if logits.shape[0] != len(rows) or indices != list(range(len(rows))):
+        logits = logits[to_device(torch.tensor(indices), logits.device)]
+    return logits
 
 
 def _draw(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
