@@ -43,7 +43,8 @@ SAMPLING = {  # the cases' sampling settings
 }
 
 
-def measure(model: str, num_seqs: int, device: str, output_kind: str = "cumulative", sampling: str = "greedy") -> dict:
+def measure(model: str, num_seqs: int, device: str, output_kind: str = "cumulative", sampling: str = "greedy",
+            dtype: str = "float32") -> dict:
     """Per-phase microseconds per decode step (runs in the build under test)."""
     import importlib.util
     import os
@@ -56,7 +57,7 @@ def measure(model: str, num_seqs: int, device: str, output_kind: str = "cumulati
     # Room for every sequence's prompt and the tokens it decodes while the others prefill (up to about one
     # prompt's worth at 1024 sequences), so the measured steps preempt nothing.
     blocks = num_seqs * ((2 * PROMPT_LEN + WARM_STEPS + TIMED_STEPS + 16) // 16 + 1)
-    options = dict(device=device, dtype="float32", num_device_blocks=blocks, max_model_len=512, max_num_seqs=num_seqs,
+    options = dict(device=device, dtype=dtype, num_device_blocks=blocks, max_model_len=512, max_num_seqs=num_seqs,
                    max_num_batched_tokens=max(2048, num_seqs))
     with tempfile.TemporaryDirectory() as directory:
         llm = LLM(tiny_llama_dir(directory), tokenizer=smollm2, **options) if model == "tiny" else LLM(**options)
@@ -68,10 +69,15 @@ def measure(model: str, num_seqs: int, device: str, output_kind: str = "cumulati
         engine.step()  # prefills
     spent: dict[str, float] = defaultdict(float)
 
+    running: set[str] = set()  # (a phase's call within the same phase counts once)
+
     def timed(phase, function):
         def wrapper(*args, **kwargs):
+            if phase in running:
+                return function(*args, **kwargs)
             if device == "cuda":
                 torch.cuda.synchronize()
+            running.add(phase)
             started = time.perf_counter()
             try:
                 return function(*args, **kwargs)
@@ -79,6 +85,7 @@ def measure(model: str, num_seqs: int, device: str, output_kind: str = "cumulati
                 if device == "cuda":
                     torch.cuda.synchronize()
                 spent[phase] += time.perf_counter() - started
+                running.discard(phase)
         return wrapper
 
     class TimedScheduler:
@@ -103,6 +110,8 @@ def measure(model: str, num_seqs: int, device: str, output_kind: str = "cumulati
     if graphs is not None:  # (a replayed decode step never calls model.forward: its replay is the forward)
         graphs.run = timed("forward", graphs.run)
     runner.model.compute_logits = timed("logits", runner.model.compute_logits)
+    if hasattr(runner.model, "compute_greedy_logits"):  # (greedy steps' LM head, since 2026-11-26's fourth session)
+        runner.model.compute_greedy_logits = timed("logits", runner.model.compute_greedy_logits)
     # (the runner samples since the step boundary's ModelRunnerOutput; earlier builds sampled in the engine)
     sampler_owner = runner if hasattr(runner, "sampler") else engine
     sampler_owner.sampler = timed("sampling", sampler_owner.sampler)
@@ -122,9 +131,10 @@ def measure(model: str, num_seqs: int, device: str, output_kind: str = "cumulati
     return {phase: per_step.get(phase, 0.0) for phase in PHASES}
 
 
-def run_worker(python: str, model: str, num_seqs: int, device: str, output_kind: str, sampling: str) -> dict:
+def run_worker(python: str, model: str, num_seqs: int, device: str, output_kind: str, sampling: str,
+               dtype: str) -> dict:
     command = [python, __file__, "--worker", model, str(num_seqs), "--device", device, "--output-kind", output_kind,
-               "--sampling", sampling]
+               "--sampling", sampling, "--dtype", dtype]
     result = subprocess.run(command, capture_output=True, text=True, check=True)
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -133,6 +143,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--baseline-python", help="a Python whose pagedkv is the previous build")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", help="the models' dtype (float32, or bfloat16: the default on "
+                                                              "CPUs with bfloat16 instructions and on CUDA)")
     parser.add_argument("--cases", default="tiny:64,tiny:256,tiny:256:delta,tiny:256:final_only,tiny:256:final_only:sampled,"
                                            "tiny:256:final_only:penalized,tiny:1024,smollm2:64",
                         help="model:num_seqs[:cumulative|delta|final_only[:greedy|sampled|penalized]], comma-"
@@ -146,12 +158,13 @@ def main() -> None:
     parser.add_argument("--worker", nargs=2, metavar=("MODEL", "NUM_SEQS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(measure(args.worker[0], int(args.worker[1]), args.device, args.output_kind, args.sampling)))
+        print(json.dumps(measure(args.worker[0], int(args.worker[1]), args.device, args.output_kind, args.sampling,
+                                 args.dtype)))
         return
     builds = [("this build", sys.executable)] + ([("baseline", args.baseline_python)] if args.baseline_python else [])
     header = f"{'model':>8} {'seqs':>5} {'outputs':>21} {'build':>10} | " + " | ".join(f"{phase:>9}" for phase in PHASES)
     header += f" | {'non-model':>9} | {'vs baseline':>11}"
-    print(f"per decode step, microseconds ({args.device})")
+    print(f"per decode step, microseconds ({args.device}, {args.dtype})")
     print(header)
     print("-" * len(header))
     for case in args.cases.split(","):
@@ -160,7 +173,7 @@ def main() -> None:
         sampling = kind[1] if len(kind) > 1 else "greedy"
         # (the previous build has no delta outputs: its streams are cumulative)
         kinds = {name: "cumulative" if name == "baseline" and output_kind == "delta" else output_kind for name, _ in builds}
-        results = {name: run_worker(python, model, int(num_seqs), args.device, kinds[name], sampling)
+        results = {name: run_worker(python, model, int(num_seqs), args.device, kinds[name], sampling, args.dtype)
                    for name, python in builds}
         non_model = {name: sum(v for k, v in r.items() if k not in ("forward", "logits")) for name, r in results.items()}
         for name, result in results.items():

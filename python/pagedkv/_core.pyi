@@ -348,9 +348,12 @@ def rotary_cpu(
     (num_tokens, row_width, num_heads, head_dim), cos/sin [num_tokens, head_dim]. Internal: use
     `pagedkv.layers.cpu_fused.rotary_`."""
 
-def argmax_rows_cpu(out: int, logits: int, rows_width: tuple[int, int], num_threads: int) -> None:
+def argmax_rows_cpu(
+    out: int, logits: int, rows_width: tuple[int, int], num_threads: int,
+    dtype: Literal["float32", "bfloat16"] = "float32",
+) -> None:
     """out [rows] int64 = the index of each row's largest value (the first of equals; a row
-    holding NaN: its first NaN) of float32 logits [rows, width]. Internal: use
+    holding NaN: its first NaN) of logits [rows, width] of `dtype`. Internal: use
     `pagedkv.runner.sampler.argmax_rows`."""
 
 def sample_rows_cpu(

@@ -259,28 +259,31 @@ fn rotary_cpu(
     })))
 }
 
-/// out `[rows]` int64 = argmax of each row of logits `[rows, width]` float32, CPU tensors given
-/// by data pointer. Internal: `pagedkv.runner.sampler.argmax_rows` checks the tensors first.
+/// out `[rows]` int64 = argmax of each row of logits `[rows, width]` of `dtype` ("float32" or
+/// "bfloat16"), CPU tensors given by data pointer. Internal: `pagedkv.runner.sampler.argmax_rows`
+/// checks the tensors first.
 #[pyfunction]
+#[pyo3(signature = (out, logits, rows_width, num_threads, dtype = "float32"))]
 fn argmax_rows_cpu(
     py: Python<'_>,
     out: usize,
     logits: usize,
     rows_width: (usize, usize),
     num_threads: usize,
+    dtype: &str,
 ) -> PyResult<()> {
     let (rows, width) = rows_width;
     py.detach(|| {
-        call(|| {
+        with_element!(dtype, E => call(|| {
             // SAFETY: live, contiguous CPU tensors of these shapes and dtypes; `out` is fresh.
             let (out, logits) = unsafe {
                 (
                     std::slice::from_raw_parts_mut(out as *mut i64, rows),
-                    std::slice::from_raw_parts(logits as *const f32, rows * width),
+                    std::slice::from_raw_parts(logits as *const E, rows * width),
                 )
             };
             argmax::argmax_rows(logits, width, out, num_threads)
-        })
+        }))
     })
 }
 

@@ -271,6 +271,33 @@ def test_argmax_rows_is_torch_argmax_with_ties_infinities_and_nan(rows, width, d
     assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))
 
 
+@given(rows=st.integers(1, 5), width=st.integers(1, 200), data=st.data())
+@settings(max_examples=40, deadline=None)
+def test_argmax_rows_of_bfloat16_rows_is_the_argmax_of_their_float32_values(rows, width, data):
+    """bfloat16 rows (a bfloat16 model's LM head, read as it wrote them) give the argmax of the
+    same values widened to float32, ties, infinities and NaN included."""
+    values = data.draw(st.lists(st.sampled_from([0.0, 1.5, -2.0, 7.25, float("inf"), float("-inf"), float("nan")])
+                                | st.floats(-1e6, 1e6, width=32), min_size=rows * width, max_size=rows * width))
+    logits = torch.tensor(values, dtype=torch.float32).reshape(rows, width).bfloat16()
+    assert torch.equal(argmax_rows(logits), logits.float().argmax(dim=-1))
+
+
+def test_plain_greedy_rows_are_sampled_from_bfloat16_logits_and_others_from_float32():
+    """A batch of plain greedy rows takes the argmax of logits of any dtype; a row that reads
+    more than the argmax (logprobs, min_tokens, a bias) sends the batch to float32."""
+    generator = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, VOCAB, generator=generator).bfloat16()
+    plain = [row(i, temperature=0) for i in range(3)]
+    assert all(r.plain_greedy for r in plain)
+    assert [result.token_id for result in Sampler()(logits, plain)] == logits.float().argmax(-1).tolist()
+    for params in (dict(logprobs=1), dict(min_tokens=2, stop_token_ids=[5]), dict(logit_bias={3: 1.0}),
+                   dict(temperature=0.5)):
+        mixed = plain[:2] + [row(2, **{"temperature": 0, **params})]
+        assert not mixed[2].plain_greedy
+        results = Sampler()(logits, mixed)
+        assert [result.token_id for result in results[:2]] == logits[:2].float().argmax(-1).tolist()
+
+
 def test_argmax_rows_of_vocabulary_wide_rows_and_views():
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(37, 49152, generator=generator)

@@ -25,7 +25,7 @@ from pagedkv.parallel.workers import TensorParallelWorkers
 from pagedkv.runner import results
 from pagedkv.runner.model_info import ModelInfo
 from pagedkv.runner.persistent_batch import PersistentBatch
-from pagedkv.runner.sampler import Sampler
+from pagedkv.runner.sampler import Sampler, all_plain_greedy
 from pagedkv.runner.step_messages import ModelRunnerOutput, PendingOutput, StepRequests
 from pagedkv.transfer import to_device
 
@@ -191,6 +191,15 @@ class ModelRunner:
         """float32 logits of final hidden states. Rank 0 holds the whole LM head."""
         return self.model.compute_logits(hidden)
 
+    @torch.inference_mode()
+    def sampling_logits(self, hidden: torch.Tensor, requests: StepRequests) -> torch.Tensor:
+        """Logits of the step's sampling sequences: in the model's dtype when every row is plain
+        greedy and nothing else reads them (only their argmax is), else float32."""
+        greedy = getattr(self.model, "compute_greedy_logits", None)
+        if greedy is not None and not requests.logits_for and all_plain_greedy(requests.sampling_rows):
+            return greedy(hidden)
+        return self.compute_logits(hidden)
+
     def shutdown(self) -> None:
         """Stops the other tensor-parallel ranks (nothing to do otherwise)."""
         if self.workers is not None:
@@ -232,7 +241,7 @@ class ModelRunner:
         hidden = self._forward(plan, requests)
         if hidden is None or not requests.sampling_rows:  # (nothing scheduled, or prefill chunks alone)
             return PendingOutput(torch.empty(0, dtype=torch.long))
-        logits = self.compute_logits(hidden[0])
+        logits = self.sampling_logits(hidden[0], requests)
         seq_ids = np.asarray(requests.row_seq_ids, dtype=np.int64)
         try:
             tokens = self.sampler.sample_tokens(logits, requests.sampling_rows)
@@ -334,7 +343,7 @@ class ModelRunner:
                 errors[seq_id] = error  # (the engine logs it, aborting that request)
         if not (requests.sampling_rows or requests.logits_for):
             return output
-        logits = self.compute_logits(sample_hidden)
+        logits = self.sampling_logits(sample_hidden, requests)
         if requests.sampling_rows:
             # (beams read the raw logits after sampling; else the sampler may change them in place)
             recompute = None if requests.logits_for else (lambda: self.compute_logits(sample_hidden))

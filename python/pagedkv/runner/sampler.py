@@ -32,6 +32,11 @@ class SamplingRow:
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # the request's bad_words, tokenized
     token_history: object = None  # penalties.TokenHistory, made when a penalty first needs it
 
+    def __post_init__(self) -> None:
+        # (settings that never change: checked once, not per step)
+        params = self.params
+        self.plain_greedy = params.temperature == 0 and params.min_tokens == 0 and is_plain(self)
+
 
 @dataclass
 class SampleResult:
@@ -46,6 +51,9 @@ class Sampler:
         caller has no further use for `logits`, which penalties and masks may then change
         instead of a copy (50 MB at 256 rows of a 49k vocabulary)."""
         logits = _rows_of(logits, rows)
+        if all_plain_greedy(rows):  # (the common step: nothing to check per row)
+            return [SampleResult(token, None, None) for token in argmax_rows(logits).tolist()]
+        logits = logits.float()  # (no copy: the float32 logits of every row that is not plain_greedy)
         raw_logits = logits
         # Log-probabilities are under the raw model distribution, for the rows that asked (as in
         # vLLM: computing them costs a pass over every row's vocabulary).
@@ -82,7 +90,8 @@ class Sampler:
     def sample_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """The rows' tokens as a tensor on the logits' device, nothing copied to the host (the
         asynchronous step's): for rows that `is_plain`, the same tokens as `__call__`."""
-        return _draw(_rows_of(logits, rows), rows)
+        logits = _rows_of(logits, rows)
+        return argmax_rows(logits) if all_plain_greedy(rows) else _draw(logits.float(), rows)
 
     @staticmethod
     def _apply_penalties_and_masks(logits: torch.Tensor, row: SamplingRow) -> None:
@@ -130,6 +139,13 @@ def is_plain(row: SamplingRow) -> bool:
                      and (params.stop_token_ids or (not params.ignore_eos and row.eos_token_ids))))
 
 
+def all_plain_greedy(rows: list[SamplingRow]) -> bool:
+    """Whether every row is greedy and `is_plain` for good (`SamplingRow.plain_greedy`): its
+    token is the argmax of its logits, which may then be the model's dtype
+    (`compute_greedy_logits`) rather than float32."""
+    return all(row.plain_greedy for row in rows)
+
+
 def _rows_of(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """The logits rows of `rows`, in order (`logits` itself when they are its rows already)."""
     indices = [row.logits_index for row in rows]
@@ -154,15 +170,20 @@ def _draw(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     return tokens
 
 
+_CPU_ARGMAX_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+
+
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """The index of each row's largest value (the first of equals), as `logits.argmax(-1)`. On
-    the CPU, float32 rows go to the Rust kernel (rust/cpu_kernels/argmax.rs) on torch's threads:
-    torch's argmax is ~8x slower on rows as wide as a vocabulary, numpy's runs on one thread
-    (a greedy step at 256 sequences of a 49k vocabulary, 2 cores: torch ~16 ms, numpy ~2 ms)."""
-    if (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[1] > 0
+    the CPU, float32 and bfloat16 rows go to the Rust kernel (rust/cpu_kernels/argmax.rs) on
+    torch's threads: torch's argmax is ~8x slower on rows as wide as a vocabulary, numpy's runs on
+    one thread (a greedy step at 256 sequences of a 49k vocabulary, 2 cores: torch ~16 ms, numpy
+    ~2 ms)."""
+    dtype = _CPU_ARGMAX_DTYPES.get(logits.dtype)
+    if (dtype is not None and logits.device.type == "cpu" and logits.dim() == 2 and logits.shape[1] > 0
             and logits.is_contiguous()):
         out = torch.empty(logits.shape[0], dtype=torch.long)
-        _core.argmax_rows_cpu(out.data_ptr(), logits.data_ptr(), tuple(logits.shape), torch.get_num_threads())
+        _core.argmax_rows_cpu(out.data_ptr(), logits.data_ptr(), tuple(logits.shape), torch.get_num_threads(), dtype)
         return out
     return logits.argmax(dim=-1)
 
