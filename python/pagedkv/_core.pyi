@@ -146,6 +146,15 @@ class SchedulerOutput:
     num_batched_tokens: int
     num_prefix_hit_tokens: int
     def is_empty(self) -> bool: ...
+    def write_block_tables(self, tables: npt.NDArray[np.int32]) -> None:
+        """Writes each scheduled sequence's block-table update into a persistent batch's tables,
+        a C-contiguous writable int32 array of [rows, width]: row `rows[i]`, blocks from
+        `block_table_from[i]` on. Raises InvalidStateError, writing nothing, if a row or a table
+        does not fit."""
+    def gather_block_tables(self, tables: npt.NDArray[np.int32], out: npt.NDArray[np.int32]) -> None:
+        """out [num_scheduled, num_blocks] (C-contiguous int32, num_blocks <= the tables' width) =
+        each scheduled sequence's first num_blocks blocks from its row of `tables` (blocks past
+        its own table are whatever the row holds). Raises InvalidStateError if they do not fit."""
 
 class Scheduler:
     """Continuous batching over a paged KV cache: running decodes first, then swapped groups

@@ -268,6 +268,31 @@ impl SchedulerOutput {
         self.inner.is_empty()
     }
 
+    /// Writes each sequence's block-table update into a persistent batch's tables (see the stub).
+    fn write_block_tables(&self, tables: &Bound<'_, PyAny>) -> PyResult<()> {
+        let (data, rows, width) = int32_matrix(tables, true)?;
+        // SAFETY: a live, writable, C-contiguous int32 array of rows x width (checked above).
+        let tables = unsafe { std::slice::from_raw_parts_mut(data as *mut i32, rows * width) };
+        call(|| self.inner.write_block_tables(tables, width))
+    }
+
+    /// The scheduled sequences' tables from a persistent batch's tables into `out` (see the stub).
+    fn gather_block_tables(&self, tables: &Bound<'_, PyAny>, out: &Bound<'_, PyAny>) -> PyResult<()> {
+        let (data, rows, width) = int32_matrix(tables, false)?;
+        let (out_data, out_rows, num_blocks) = int32_matrix(out, true)?;
+        if out_data == data && rows * width > 0 {
+            return Err(exceptions::InvalidStateError::new_err("out must not be the tables themselves"));
+        }
+        // SAFETY: live, C-contiguous int32 arrays of these shapes (checked above), not the same memory.
+        let (tables, out) = unsafe {
+            (
+                std::slice::from_raw_parts(data as *const i32, rows * width),
+                std::slice::from_raw_parts_mut(out_data as *mut i32, out_rows * num_blocks),
+            )
+        };
+        call(|| self.inner.gather_block_tables(tables, width, out, num_blocks))
+    }
+
     fn __repr__(&self) -> String {
         format!(
             "SchedulerOutput(scheduled={}, tokens={}, swap_in={}, swap_out={}, copy={}, preempted={:?}, aborted={:?})",
@@ -301,6 +326,28 @@ impl SchedulerOutput {
     ) -> PyResult<Bound<'py, PyAny>> {
         let column: Vec<i64> = self.inner.scheduled.iter().map(value).collect();
         numpy_array(py, &column, "int64")
+    }
+}
+
+/// (data pointer, rows, columns) of a C-contiguous 2-D int32 numpy array, writable if `write`;
+/// an InvalidStateError names what else it is.
+fn int32_matrix(array: &Bound<'_, PyAny>, write: bool) -> PyResult<(usize, usize, usize)> {
+    let refuse = |what: &str| {
+        exceptions::InvalidStateError::new_err(format!(
+            "block tables must be a C-contiguous 2-D{} int32 numpy array, got {what}",
+            if write { " writable" } else { "" }
+        ))
+    };
+    let interface = array.getattr("__array_interface__").map_err(|_| refuse("no numpy array"))?;
+    let typestr: String = interface.get_item("typestr")?.extract()?;
+    let shape: Vec<usize> = interface.get_item("shape")?.extract()?;
+    let (data, read_only): (usize, bool) = interface.get_item("data")?.extract()?;
+    let contiguous = interface.get_item("strides").map(|strides| strides.is_none()).unwrap_or(true);
+    match shape[..] {
+        [rows, columns] if typestr == "<i4" && contiguous && !(write && read_only) => Ok((data, rows, columns)),
+        _ => Err(refuse(&format!(
+            "typestr {typestr:?}, shape {shape:?}, contiguous {contiguous}, read-only {read_only}"
+        ))),
     }
 }
 

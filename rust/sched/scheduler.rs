@@ -120,6 +120,58 @@ impl SchedulerOutput {
         self.scheduled.is_empty() && self.blocks_to_swap_out.is_empty()
     }
 
+    /// Writes each sequence's block-table update into a persistent batch's tables, `width`
+    /// blocks a row (row `seq.row`, blocks from `block_table_from` on). Checks first: a row or
+    /// a table that does not fit writes nothing.
+    pub fn write_block_tables(&self, tables: &mut [i32], width: usize) -> Result<()> {
+        let num_rows = tables.len().checked_div(width).unwrap_or(0);
+        if let Some(seq) = self.scheduled.iter().find(|seq| seq.row as usize >= num_rows || seq.num_blocks() > width) {
+            return Err(Error::InvalidState(format!(
+                "sequence {} (row {}, {} blocks) does not fit block tables of {num_rows} rows x {width} blocks",
+                seq.seq_id,
+                seq.row,
+                seq.num_blocks()
+            )));
+        }
+        for seq in &self.scheduled {
+            let start = seq.row as usize * width + seq.block_table_from;
+            for (slot, &block) in
+                tables[start..start + seq.block_range.len()].iter_mut().zip(self.block_table_update(seq))
+            {
+                *slot = block as i32;
+            }
+        }
+        Ok(())
+    }
+
+    /// The scheduled sequences' tables, in `scheduled` order, from a persistent batch's tables
+    /// (`width` blocks a row): `out` holds `num_blocks` blocks per sequence (blocks past a
+    /// sequence's own are whatever its row holds there).
+    pub fn gather_block_tables(&self, tables: &[i32], width: usize, out: &mut [i32], num_blocks: usize) -> Result<()> {
+        let num_rows = tables.len().checked_div(width).unwrap_or(0);
+        if num_blocks > width || out.len() != self.scheduled.len() * num_blocks {
+            return Err(Error::InvalidState(format!(
+                "{num_blocks} blocks for {} sequences do not fit an output of {} blocks from rows of {width}",
+                self.scheduled.len(),
+                out.len()
+            )));
+        }
+        if let Some(seq) = self.scheduled.iter().find(|seq| seq.row as usize >= num_rows) {
+            return Err(Error::InvalidState(format!(
+                "sequence {} has row {}, past the {num_rows} rows of the tables",
+                seq.seq_id, seq.row
+            )));
+        }
+        if num_blocks == 0 {
+            return Ok(());
+        }
+        for (seq, out) in self.scheduled.iter().zip(out.chunks_exact_mut(num_blocks)) {
+            let start = seq.row as usize * width;
+            out.copy_from_slice(&tables[start..start + num_blocks]);
+        }
+        Ok(())
+    }
+
     /// Sequences are recorded as they are planned, decodes among prefills; the flat arrays then
     /// follow `scheduled` (prefills first), so each sequence's tokens come after the previous one's.
     fn put_flat_arrays_in_scheduled_order(&mut self) {

@@ -453,6 +453,8 @@ fn random_workload_keeps_invariants_and_frees_everything() {
         };
         let mut targets = std::collections::HashMap::new();
         let mut consumer_tables = std::collections::HashMap::<u32, Vec<u32>>::new();
+        const WIDTH: usize = 16;
+        let mut flat_tables = vec![-1i32; 256 * WIDTH]; // (written by write_block_tables)
         for i in 0..40u32 {
             let len = 1 + next(20) as u32;
             let priority = if policy == SchedulingPolicy::Priority { next(4) as i64 - 1 } else { 0 };
@@ -475,6 +477,14 @@ fn random_workload_keeps_invariants_and_frees_everything() {
                 table.truncate(seq.block_table_from);
                 table.extend_from_slice(out.block_table_update(seq));
                 assert_eq!(table.as_slice(), s.block_table(seq.seq_id).unwrap(), "{mode:?} {policy:?} step {steps}");
+            }
+            out.write_block_tables(&mut flat_tables, WIDTH).unwrap();
+            let num_blocks = out.scheduled.iter().map(|seq| seq.num_blocks()).max().unwrap_or(0);
+            let mut gathered = vec![0i32; out.scheduled.len() * num_blocks];
+            out.gather_block_tables(&flat_tables, WIDTH, &mut gathered, num_blocks).unwrap();
+            for (i, seq) in out.scheduled.iter().enumerate() {
+                let want: Vec<i32> = s.block_table(seq.seq_id).unwrap().iter().map(|&b| b as i32).collect();
+                assert_eq!(&gathered[i * num_blocks..i * num_blocks + want.len()], want.as_slice(), "step {steps}");
             }
             for seq in out.scheduled.iter().filter(|seq| seq.sample) {
                 if s.sequence_len(seq.seq_id).unwrap() >= targets[&seq.seq_id] {
@@ -915,4 +925,26 @@ fn filled_placeholders_leave_the_prefix_cache_as_synchronous_steps_do() {
     }
     assert_eq!(hits[0], 16, "the four full blocks of the finished sequence");
     assert_eq!(hits[1], hits[0]);
+}
+
+#[test]
+fn block_tables_that_do_not_fit_are_refused_unwritten() {
+    let mut s = Scheduler::new(config(16, 0)).unwrap();
+    s.add_request("a", prompt(10, 1), None).unwrap(); // 3 blocks of 4
+    let out = s.schedule();
+    let mut tables = vec![-1i32; 4 * 2]; // rows of 2 blocks: too narrow
+    assert!(matches!(out.write_block_tables(&mut tables, 2), Err(Error::InvalidState(_))));
+    assert!(tables.iter().all(|&b| b == -1));
+    let mut tables = vec![-1i32; 4 * 4];
+    out.write_block_tables(&mut tables, 4).unwrap();
+    assert_eq!(
+        &tables[..3],
+        s.block_table(out.scheduled[0].seq_id).unwrap().iter().map(|&b| b as i32).collect::<Vec<_>>()
+    );
+    let mut gathered = vec![0i32; 3];
+    assert!(out.gather_block_tables(&tables, 4, &mut gathered, 5).is_err()); // wider than the rows
+    assert!(out.gather_block_tables(&tables, 4, &mut gathered[..2], 3).is_err()); // output too short
+    assert!(out.gather_block_tables(&tables[..0], 4, &mut gathered, 3).is_err()); // no row for it
+    out.gather_block_tables(&tables, 4, &mut gathered, 3).unwrap();
+    assert_eq!(gathered, tables[..3]);
 }

@@ -22,7 +22,7 @@ class PersistentBatchMachine(LivenessMachine):
             return
         assert len(set(plan.rows.tolist())) == plan.num_scheduled, "two sequences share a row"
         num_blocks = -(-int(plan.ends.max()) // self.config.block_size)
-        tables = self.batch.tables(torch.from_numpy(plan.rows), num_blocks)
+        tables = self.batch.tables(plan, num_blocks)
         for i, (seq_id, end) in enumerate(zip(plan.seq_ids.tolist(), plan.ends.tolist())):
             used = -(-end // self.config.block_size)
             assert tables[i, :used].tolist() == self.scheduler.block_table(seq_id)[:used], f"sequence {seq_id}"

@@ -195,6 +195,37 @@ def test_the_columns_say_what_the_per_sequence_view_says_and_update_closes_the_s
     assert scheduler.stats()["num_preemptions_swap"] > 0
 
 
+def test_block_tables_are_written_and_gathered_only_into_arrays_that_fit():
+    """write_block_tables / gather_block_tables (the persistent batch's two calls) take C-contiguous
+    int32 numpy arrays of a fitting shape, writable where written, and raise InvalidStateError,
+    changing nothing, for anything else."""
+    import numpy as np
+
+    scheduler = Scheduler(small_config())
+    seq_id = scheduler.add_request("a", list(range(10)))
+    plan = scheduler.schedule()
+    table = scheduler.block_table(seq_id)
+    tables = np.full((4, 8), -1, dtype=np.int32)
+    plan.write_block_tables(tables)
+    assert tables[int(plan.rows[0]), : len(table)].tolist() == table
+    out = np.zeros((1, len(table)), dtype=np.int32)
+    plan.gather_block_tables(tables, out)
+    assert out[0].tolist() == table
+    read_only = tables.copy()
+    read_only.flags.writeable = False
+    for bad in (np.full((4, 8), -1, dtype=np.int64), np.full((4, 16), -1, dtype=np.int32)[:, ::2],
+                np.full((4, 1), -1, dtype=np.int32), np.full((0, 8), -1, dtype=np.int32), read_only, [[0] * 8] * 4):
+        before = np.array(bad, copy=True)
+        with pytest.raises(pagedkv.InvalidStateError):
+            plan.write_block_tables(bad)
+        assert np.array_equal(np.asarray(bad), before)
+    for bad_out in (np.zeros((2, len(table)), dtype=np.int32), np.zeros((1, 9), dtype=np.int32), read_only[:1]):
+        with pytest.raises(pagedkv.InvalidStateError):
+            plan.gather_block_tables(tables, bad_out)
+    with pytest.raises(pagedkv.InvalidStateError):
+        plan.gather_block_tables(tables, tables)
+
+
 def test_update_rejects_bad_input_and_changes_nothing():
     scheduler = Scheduler(small_config())
     a = scheduler.add_request("a", [1, 2, 3])

@@ -305,7 +305,7 @@ class ModelRunner:
         if (graphs is not None and not hidden_for and not any(adapters) and step.num_seqs <= graphs.max_batch_size
                 and step.num_decodes == step.num_seqs):
             hidden = graphs.run(self._input_ids(plan, step), to_device(step.positions, self.device),
-                                to_device(step.slot_mapping, self.device), self._block_tables(step))
+                                to_device(step.slot_mapping, self.device), self.batch.tables(plan, step.num_blocks))
             all_hidden = {}
             sample_hidden = hidden if len(step.sample_rows) == step.num_seqs else hidden[to_device(step.sample_rows,
                                                                                                    self.device)]
@@ -355,16 +355,13 @@ class ModelRunner:
             output.logits = logits[to_device(torch.tensor([row_of[seq_id] for seq_id in requests.logits_for]), logits.device)]
         return output
 
-    def _block_tables(self, step: _StepColumns) -> torch.Tensor:
-        return self.batch.tables(to_device(step.rows, self.device), step.num_blocks)
-
     def _prepare(self, plan, step: _StepColumns):
         """Flat inputs and attention metadata; prefills come first, then decodes (scheduler order)."""
         device = self.device
         metadata = AttentionMetadata(
             query_start_loc=to_device(step.query_start_loc.to(torch.int32), device),
             context_lens=to_device(step.context_lens.to(torch.int32), device),
-            block_tables=self._block_tables(step),
+            block_tables=self.batch.tables(plan, step.num_blocks),
             slot_mapping=to_device(step.slot_mapping, device),
             max_query_len=step.max_query_len,
             max_context_len=step.max_context_len,
@@ -392,7 +389,6 @@ class _StepColumns:
         num_tokens = int(query_start_loc[-1])
         # Token t of sequence i sits at position starts[i] + (t - query_start_loc[i]).
         self.positions = torch.from_numpy(np.repeat(starts - query_start_loc[:-1], query_lens) + np.arange(num_tokens))
-        self.rows = torch.from_numpy(plan.rows)
         samples = plan.samples
         self.sample_index = torch.from_numpy(query_start_loc[1:][samples] - 1)
         self.sample_rows = torch.from_numpy(np.flatnonzero(samples))

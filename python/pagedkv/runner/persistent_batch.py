@@ -1,12 +1,14 @@
-"""The runner's persistent batch: one block-table row per sequence on the device, kept across
-steps (the scheduler assigns rows) and patched only by the changes each step reports, so a step
-costs a few vectorised copies whatever the context lengths (vLLM V1's persistent batch)."""
+"""The runner's persistent batch: one block-table row per sequence, kept across steps (the
+scheduler assigns rows) and patched only by the changes each step reports, so a step costs two
+calls into the Rust core whatever the context lengths (vLLM V1's persistent batch). The tables
+live in host memory (pinned on CUDA); each step copies its sequences' rows to the device at once."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
+from pagedkv.errors import InvalidStateError
 from pagedkv.transfer import to_device
 
 
@@ -15,35 +17,31 @@ class PersistentBatch:
 
     def __init__(self, max_blocks_per_seq: int, device: torch.device, initial_rows: int = 64):
         self.device = device
-        self.block_tables = torch.zeros((initial_rows, max_blocks_per_seq), dtype=torch.int32, device=device)
+        self.host_tables = self._new_tables(initial_rows, max_blocks_per_seq)
 
     def apply(self, plan) -> None:
         """Writes the step's block-table changes: sequence i's blocks from `block_table_from[i]` on
         are its reported update (blocks past its update are stale and never read)."""
-        update_loc = plan.block_table_update_loc
-        num_updates = int(update_loc[-1])
-        rows = plan.rows
-        if rows.size and int(rows.max()) >= self.block_tables.shape[0]:
-            self._grow(int(rows.max()) + 1)
-        if num_updates == 0:
-            return
-        lengths = np.diff(update_loc)
-        update_rows = np.repeat(rows, lengths)
-        # Column of each update entry: its sequence's first changed block, plus its place in the run.
-        columns = np.repeat(plan.block_table_from - update_loc[:-1], lengths) + np.arange(num_updates)
-        values = torch.from_numpy(plan.block_table_updates)
-        index = (torch.from_numpy(update_rows), torch.from_numpy(columns))
-        if self.device.type != "cpu":
-            index = tuple(to_device(part, self.device) for part in index)
-            values = to_device(values, self.device)
-        self.block_tables.index_put_(index, values)
+        try:
+            plan.write_block_tables(self.host_tables)
+        except InvalidStateError:
+            needed = int(plan.rows.max()) + 1 if plan.num_scheduled else 0
+            if needed <= self.host_tables.shape[0]:
+                raise  # (a table wider than max_model_len's blocks: a bug upstream)
+            self._grow(needed)
+            plan.write_block_tables(self.host_tables)
 
-    def tables(self, rows: torch.Tensor, num_blocks: int) -> torch.Tensor:
-        """[len(rows), num_blocks] block tables of these rows (a gather, no per-sequence work)."""
-        return self.block_tables[rows, :num_blocks]
+    def tables(self, plan, num_blocks: int) -> torch.Tensor:
+        """[plan.num_scheduled, num_blocks] block tables of the plan's sequences, on the device."""
+        out = torch.empty((plan.num_scheduled, num_blocks), dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        plan.gather_block_tables(self.host_tables, out.numpy())
+        return to_device(out, self.device)
+
+    def _new_tables(self, num_rows: int, width: int) -> np.ndarray:
+        pinned = self.device.type == "cuda"
+        return torch.zeros((num_rows, width), dtype=torch.int32, pin_memory=pinned).numpy()
 
     def _grow(self, num_rows: int) -> None:
-        grown = torch.zeros((max(num_rows, 2 * self.block_tables.shape[0]), self.block_tables.shape[1]),
-                            dtype=torch.int32, device=self.device)
-        grown[: self.block_tables.shape[0]] = self.block_tables
-        self.block_tables = grown
+        grown = self._new_tables(max(num_rows, 2 * self.host_tables.shape[0]), self.host_tables.shape[1])
+        grown[: self.host_tables.shape[0]] = self.host_tables
+        self.host_tables = grown
