@@ -145,6 +145,18 @@ class SchedulerOutput:
     """Why each of `aborted` was dropped, naming the limit."""
     num_batched_tokens: int
     num_prefix_hit_tokens: int
+    positions: npt.NDArray[np.int64]
+    """Each scheduled token's position, flat as `token_ids`."""
+    sample_index: npt.NDArray[np.int64]
+    """Index in `token_ids` of each sampling sequence's last token (the rows logits are of)."""
+    sample_rows: npt.NDArray[np.int64]
+    """Place in the step's sequences of each sampling sequence."""
+    num_decodes: int
+    """Sequences computing one token, counted from the end (decodes trail the prefills)."""
+    max_query_len: int
+    """The most tokens one sequence computes (0 when none is scheduled)."""
+    max_context_len: int
+    """The longest context after the step (0 when none is scheduled)."""
     def is_empty(self) -> bool: ...
     def write_block_tables(self, tables: npt.NDArray[np.int32]) -> None:
         """Writes each scheduled sequence's block-table update into a persistent batch's tables,

@@ -223,6 +223,48 @@ impl SchedulerOutput {
         numpy_array(py, &offsets, "int64")
     }
 
+    /// Each scheduled token's position (flat, as `token_ids`).
+    #[getter]
+    fn positions<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let positions: Vec<i64> =
+            self.inner.scheduled.iter().flat_map(|seq| (seq.start..seq.end).map(|position| position as i64)).collect();
+        numpy_array(py, &positions, "int64")
+    }
+
+    /// Index in `token_ids` of each sampling sequence's last token (the rows the logits are of).
+    #[getter]
+    fn sample_index<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let index: Vec<i64> =
+            self.inner.scheduled.iter().filter(|seq| seq.sample).map(|seq| seq.token_range.end as i64 - 1).collect();
+        numpy_array(py, &index, "int64")
+    }
+
+    /// Place in `scheduled` of each sampling sequence.
+    #[getter]
+    fn sample_rows<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let rows: Vec<i64> =
+            self.inner.scheduled.iter().enumerate().filter(|(_, seq)| seq.sample).map(|(i, _)| i as i64).collect();
+        numpy_array(py, &rows, "int64")
+    }
+
+    /// Sequences that compute one token, counted from the end (decodes trail the prefills).
+    #[getter]
+    fn num_decodes(&self) -> usize {
+        self.inner.scheduled.iter().rev().take_while(|seq| seq.token_range.len() == 1).count()
+    }
+
+    /// The most tokens one sequence computes (0 when none is scheduled).
+    #[getter]
+    fn max_query_len(&self) -> usize {
+        self.inner.scheduled.iter().map(|seq| seq.token_range.len()).max().unwrap_or(0)
+    }
+
+    /// The longest context after the step (0 when none is scheduled).
+    #[getter]
+    fn max_context_len(&self) -> usize {
+        self.inner.scheduled.iter().map(|seq| seq.end).max().unwrap_or(0)
+    }
+
     #[getter]
     fn token_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let tokens: Vec<i64> = self.inner.token_ids.iter().map(|&token| token as i64).collect();

@@ -175,6 +175,13 @@ def test_the_columns_say_what_the_per_sequence_view_says_and_update_closes_the_s
         assert out.samples.tolist() == [x.sample for x in scheduled]
         assert out.is_prefill.tolist() == [x.is_prefill for x in scheduled]
         loc, update_loc = out.query_start_loc, out.block_table_update_loc
+        lens = np.diff(loc)  # the derived columns, from the others
+        assert out.positions.tolist() == [p for x in scheduled for p in range(x.start, x.end)]
+        assert out.sample_index.tolist() == (loc[1:][out.samples] - 1).tolist()
+        assert out.sample_rows.tolist() == np.flatnonzero(out.samples).tolist()
+        multi = np.flatnonzero(lens[::-1] != 1)
+        assert out.num_decodes == (int(multi[0]) if multi.size else len(scheduled))
+        assert out.max_query_len == int(lens.max(initial=0)) and out.max_context_len == int(out.ends.max(initial=0))
         for i, x in enumerate(scheduled):
             assert out.token_ids[loc[i] : loc[i + 1]].tolist() == x.token_ids
             assert out.slot_mapping[loc[i] : loc[i + 1]].tolist() == x.slot_mapping

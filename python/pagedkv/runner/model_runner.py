@@ -373,31 +373,24 @@ class ModelRunner:
 
 
 class _StepColumns:
-    """One step's inputs as host tensors, computed from the plan's columns with vectorised ops."""
+    """One step's inputs as host tensors: the plan's columns (derived ones computed in Rust)."""
 
     def __init__(self, plan, block_size: int):
         self.seq_ids = plan.seq_ids.tolist()
         self.num_seqs = len(self.seq_ids)
         query_start_loc = plan.query_start_loc
-        starts, ends = plan.starts, plan.ends
-        query_lens = np.diff(query_start_loc)
-        self.query_lens = query_lens
+        self.query_lens = np.diff(query_start_loc)
         self.query_start_loc = torch.from_numpy(query_start_loc)
-        self.context_lens = torch.from_numpy(ends)
+        self.context_lens = torch.from_numpy(plan.ends)
         self.token_ids = torch.from_numpy(plan.token_ids)
         self.slot_mapping = torch.from_numpy(plan.slot_mapping)
-        num_tokens = int(query_start_loc[-1])
-        # Token t of sequence i sits at position starts[i] + (t - query_start_loc[i]).
-        self.positions = torch.from_numpy(np.repeat(starts - query_start_loc[:-1], query_lens) + np.arange(num_tokens))
-        samples = plan.samples
-        self.sample_index = torch.from_numpy(query_start_loc[1:][samples] - 1)
-        self.sample_rows = torch.from_numpy(np.flatnonzero(samples))
-        self.max_query_len = int(query_lens.max())
-        self.max_context_len = int(ends.max())
+        self.positions = torch.from_numpy(plan.positions)
+        self.sample_index = torch.from_numpy(plan.sample_index)
+        self.sample_rows = torch.from_numpy(plan.sample_rows)
+        self.max_query_len = plan.max_query_len
+        self.max_context_len = plan.max_context_len
         self.num_blocks = -(-self.max_context_len // block_size)
-        # Decodes (one new token) trail the prefills: count them from the end.
-        multi = np.flatnonzero(query_lens[::-1] != 1)
-        self.num_decodes = int(multi[0]) if multi.size else self.num_seqs
+        self.num_decodes = plan.num_decodes
 
 
 def _common_sliding_window(model) -> int:
