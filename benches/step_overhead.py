@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -21,7 +22,7 @@ import time
 from collections import defaultdict
 
 PROMPT_LEN = 128
-WARM_STEPS, TIMED_STEPS = 3, 20
+WARM_STEPS, TIMED_STEPS = 3, 40
 PHASES = ["schedule", "prepare", "forward", "logits", "sampling", "output", "update"]
 
 
@@ -117,18 +118,21 @@ def measure(model: str, num_seqs: int, device: str, output_kind: str = "cumulati
     sampler_owner.sampler = timed("sampling", sampler_owner.sampler)
     for _ in range(WARM_STEPS):
         engine.step()
-    spent.clear()
-    started = time.perf_counter()
+    steps = []  # each timed step's phases
     for _ in range(TIMED_STEPS):
+        spent.clear()
+        started = time.perf_counter()
         engine.step()
-    total = time.perf_counter() - started
-    per_step = {phase: seconds / TIMED_STEPS * 1e6 for phase, seconds in spent.items()}
-    per_step["prepare"] = per_step.pop("execute") - per_step.get("forward", 0.0) - per_step.get("logits", 0.0)
-    if sampler_owner is runner:
-        per_step["prepare"] -= per_step["sampling"]
-    accounted = sum(per_step.get(phase, 0.0) for phase in PHASES if phase != "output")
-    per_step["output"] = total / TIMED_STEPS * 1e6 - accounted
-    return {phase: per_step.get(phase, 0.0) for phase in PHASES}
+        phases = {phase: seconds * 1e6 for phase, seconds in spent.items()}
+        phases["prepare"] = phases.pop("execute") - phases.get("forward", 0.0) - phases.get("logits", 0.0)
+        if sampler_owner is runner:
+            phases["prepare"] -= phases.get("sampling", 0.0)
+        accounted = sum(phases.get(phase, 0.0) for phase in PHASES if phase != "output")
+        phases["output"] = (time.perf_counter() - started) * 1e6 - accounted
+        phases["non_model"] = sum(phases.get(phase, 0.0) for phase in PHASES if phase not in ("forward", "logits"))
+        steps.append(phases)
+    # Medians over the steps: this machine's noise comes in bursts that a mean would carry.
+    return {phase: statistics.median(step.get(phase, 0.0) for step in steps) for phase in [*PHASES, "non_model"]}
 
 
 def run_worker(python: str, model: str, num_seqs: int, device: str, output_kind: str, sampling: str,
@@ -175,7 +179,7 @@ def main() -> None:
         kinds = {name: "cumulative" if name == "baseline" and output_kind == "delta" else output_kind for name, _ in builds}
         results = {name: run_worker(python, model, int(num_seqs), args.device, kinds[name], sampling, args.dtype)
                    for name, python in builds}
-        non_model = {name: sum(v for k, v in r.items() if k not in ("forward", "logits")) for name, r in results.items()}
+        non_model = {name: r["non_model"] for name, r in results.items()}
         for name, result in results.items():
             ratio = ""
             if "baseline" in results and name == "this build":
@@ -183,7 +187,8 @@ def main() -> None:
             cells = " | ".join(f"{result[phase]:>9.0f}" for phase in PHASES)
             outputs = kinds[name] + ("" if sampling == "greedy" else f", {sampling}")
             print(f"{model:>8} {num_seqs:>5} {outputs:>21} {name:>10} | {cells} | {non_model[name]:>9.0f} | {ratio:>11}")
-    print("non-model: everything but forward and logits (schedule, prepare, sampling, output, update)")
+    print("non-model: everything but forward and logits (schedule, prepare, sampling, output, update); each column "
+          "is the median over the timed steps (non-model: of each step's sum)")
 
 
 if __name__ == "__main__":
