@@ -117,7 +117,8 @@ class SchedulerOutput:
     i's blocks from `block_table_from[i]` on."""
 
     scheduled: list[ScheduledSequence]
-    """The same step, one object per sequence (built on first read: read it before reporting)."""
+    """The same step, one object per sequence (built on first read: read it before reporting; a
+    step rebuilt by from_bytes has none and raises InvalidStateError)."""
     num_scheduled: int
     seq_ids: npt.NDArray[np.int64]
     rows: npt.NDArray[np.int64]
@@ -167,6 +168,13 @@ class SchedulerOutput:
         """out [num_scheduled, num_blocks] (C-contiguous int32, num_blocks <= the tables' width) =
         each scheduled sequence's first num_blocks blocks from its row of `tables` (blocks past
         its own table are whatever the row holds). Raises InvalidStateError if they do not fit."""
+    def to_bytes(self) -> bytes:
+        """The whole step as bytes, for another process (the ranks of a tensor-parallel group);
+        pickling a SchedulerOutput uses them."""
+    @staticmethod
+    def from_bytes(data: bytes) -> SchedulerOutput:
+        """The step `to_bytes` wrote, columns and lists alike (no per-sequence view). Raises
+        InvalidStateError, naming what does not hold, for bytes it did not write."""
 
 class Scheduler:
     """Continuous batching over a paged KV cache: running decodes first, then swapped groups

@@ -136,7 +136,8 @@ impl ScheduledSequence {
 #[pyclass(module = "pagedkv._core", frozen)]
 pub struct SchedulerOutput {
     inner: RustSchedulerOutput,
-    scheduler: Py<Scheduler>,
+    /// The scheduler that planned the step (None in a copy made from bytes, on another rank).
+    scheduler: Option<Py<Scheduler>>,
     scheduled: PyOnceLock<Py<PyList>>,
     #[pyo3(get)]
     preempted: Vec<String>,
@@ -152,7 +153,12 @@ impl SchedulerOutput {
     #[getter]
     fn scheduled(&self, py: Python<'_>) -> PyResult<Py<PyList>> {
         let list = self.scheduled.get_or_try_init(py, || {
-            let scheduler = self.scheduler.bind(py).borrow();
+            let scheduler = self.scheduler.as_ref().ok_or_else(|| {
+                exceptions::InvalidStateError::new_err(
+                    "a step rebuilt from bytes has no per-sequence view (its scheduler is elsewhere); read its columns",
+                )
+            })?;
+            let scheduler = scheduler.bind(py).borrow();
             let items = self
                 .inner
                 .scheduled
@@ -310,6 +316,20 @@ impl SchedulerOutput {
         self.inner.is_empty()
     }
 
+    /// The step as bytes (see the stub); `from_bytes` rebuilds it, pickle uses both.
+    fn to_bytes<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &self.inner.to_bytes())
+    }
+
+    #[staticmethod]
+    fn from_bytes(data: &[u8]) -> PyResult<Self> {
+        Ok(SchedulerOutput::from_rust(call(|| RustSchedulerOutput::from_bytes(data))?, None))
+    }
+
+    fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<(Bound<'py, PyAny>, (Bound<'py, PyBytes>,))> {
+        Ok((slf.get_type().getattr("from_bytes")?, (slf.get().to_bytes(slf.py()),)))
+    }
+
     /// Writes each sequence's block-table update into a persistent batch's tables (see the stub).
     fn write_block_tables(&self, tables: &Bound<'_, PyAny>) -> PyResult<()> {
         let (data, rows, width) = int32_matrix(tables, true)?;
@@ -350,7 +370,7 @@ impl SchedulerOutput {
 }
 
 impl SchedulerOutput {
-    fn from_rust(out: RustSchedulerOutput, scheduler: Py<Scheduler>) -> Self {
+    fn from_rust(out: RustSchedulerOutput, scheduler: Option<Py<Scheduler>>) -> Self {
         SchedulerOutput {
             preempted: out.preempted.iter().map(|id| id.to_string()).collect(),
             aborted: out.aborted.iter().map(|id| id.to_string()).collect(),
@@ -449,7 +469,7 @@ impl Scheduler {
     fn schedule(mut slf: PyRefMut<'_, Self>) -> PyResult<SchedulerOutput> {
         let out = call(|| Ok(slf.inner.schedule()))?;
         let scheduler: Py<Scheduler> = slf.into();
-        Ok(SchedulerOutput::from_rust(out, scheduler))
+        Ok(SchedulerOutput::from_rust(out, Some(scheduler)))
     }
 
     /// Closes a step in one call: appends `token_ids[i]` to `seq_ids[i]`, then ends `finished`.

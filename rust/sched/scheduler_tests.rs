@@ -948,3 +948,44 @@ fn block_tables_that_do_not_fit_are_refused_unwritten() {
     out.gather_block_tables(&tables, 4, &mut gathered, 3).unwrap();
     assert_eq!(gathered, tables[..3]);
 }
+
+/// Every step's output of a seeded workload with forks and preemptions (swap, then recompute once
+/// the CPU pool is full), sampling a token for each sampling sequence; for checks of the outputs.
+pub(crate) fn random_workload_outputs(seed: u64, num_requests: u32) -> Vec<SchedulerOutput> {
+    let mut cfg = config(16, 6);
+    cfg.max_num_batched_tokens = 16;
+    cfg.max_waiting_requests = 64;
+    cfg.preemption_mode = PreemptionMode::Auto;
+    let mut s = Scheduler::new(cfg).unwrap();
+    let mut rng = seed | 1;
+    let mut next = move |bound: u64| {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng % bound
+    };
+    let mut targets = std::collections::HashMap::new();
+    for i in 0..num_requests {
+        let len = 1 + next(20) as u32;
+        let seq = s.add_request(&format!("r{i}"), prompt(len, next(3) as u32), None).unwrap();
+        targets.insert(seq, len as usize + 1 + next(20) as usize);
+    }
+    let mut outputs = Vec::new();
+    while s.has_unfinished() {
+        assert!(outputs.len() < 5000, "no progress");
+        let out = s.schedule();
+        for seq in out.scheduled.iter().filter(|seq| seq.sample) {
+            if s.sequence_len(seq.seq_id).unwrap() >= targets[&seq.seq_id] {
+                s.finish_sequence(seq.seq_id).unwrap();
+                continue;
+            }
+            s.append_token(seq.seq_id, next(100) as u32).unwrap();
+            if next(8) == 0 {
+                let child = s.fork(seq.seq_id).unwrap();
+                targets.insert(child, targets[&seq.seq_id]);
+            }
+        }
+        outputs.push(out);
+    }
+    outputs
+}

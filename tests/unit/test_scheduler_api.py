@@ -233,6 +233,51 @@ def test_block_tables_are_written_and_gathered_only_into_arrays_that_fit():
         plan.gather_block_tables(tables, tables)
 
 
+def test_a_pickled_step_has_the_same_columns_and_bad_bytes_are_refused():
+    """What rank 0 sends the other tensor-parallel ranks: a SchedulerOutput pickles as its bytes
+    and comes back with every column, list and block-table write of the original; bytes it did
+    not write raise InvalidStateError (never a panic)."""
+    import pickle
+
+    import numpy as np
+
+    scheduler = Scheduler(small_config(num_device_blocks=6, max_num_batched_tokens=8, preemption_mode="swap"))
+    for i in range(4):
+        scheduler.add_request(f"r{i}", list(range(5 + i)))
+    columns = ("seq_ids", "rows", "starts", "ends", "samples", "is_prefill", "block_table_from", "query_start_loc",
+               "block_table_update_loc", "positions", "sample_index", "sample_rows", "token_ids", "slot_mapping",
+               "block_table_updates")
+    values = ("num_scheduled", "num_decodes", "max_query_len", "max_context_len", "blocks_to_swap_in",
+              "blocks_to_swap_out", "blocks_to_copy", "preempted", "aborted", "abort_reasons", "num_batched_tokens",
+              "num_prefix_hit_tokens")
+    swapped = False
+    for _ in range(40):
+        plan = scheduler.schedule()
+        copy = pickle.loads(pickle.dumps(plan))
+        assert copy.to_bytes() == plan.to_bytes()
+        for name in columns:
+            assert np.array_equal(getattr(copy, name), getattr(plan, name)), name
+        for name in values:
+            assert getattr(copy, name) == getattr(plan, name), name
+        tables, copied = (np.full((8, 8), -1, dtype=np.int32) for _ in range(2))
+        plan.write_block_tables(tables)
+        copy.write_block_tables(copied)
+        assert np.array_equal(tables, copied)
+        swapped |= bool(plan.blocks_to_swap_out)
+        with pytest.raises(pagedkv.InvalidStateError, match="per-sequence view"):
+            copy.scheduled
+        sampled = plan.seq_ids[plan.samples]
+        done = plan.ends[plan.samples] >= 12
+        scheduler.update(sampled[~done], np.full(int((~done).sum()), 7, dtype=np.int64), sampled[done])
+        if not scheduler.has_unfinished_requests():
+            break
+    assert swapped and not scheduler.has_unfinished_requests()
+    data = plan.to_bytes()
+    for bad in (b"", data[:-1], data + b"\0", b"\xff" * len(data)):
+        with pytest.raises(pagedkv.InvalidStateError, match="step bytes"):
+            pagedkv.SchedulerOutput.from_bytes(bad)
+
+
 def test_update_rejects_bad_input_and_changes_nothing():
     scheduler = Scheduler(small_config())
     a = scheduler.add_request("a", [1, 2, 3])

@@ -20,7 +20,6 @@ import torch
 
 from pagedkv.errors import InvalidConfigError, TensorParallelError
 from pagedkv.parallel.group import TensorParallelGroup
-from pagedkv.parallel.step_plan import StepPlan
 
 logger = logging.getLogger("pagedkv.parallel")
 
@@ -80,8 +79,9 @@ class TensorParallelWorkers:
         return cls(group, channel, processes)
 
     def send_step(self, plan) -> None:
-        """Broadcasts the step to the other ranks (they execute it as rank 0 does)."""
-        self._broadcast(("step", StepPlan.of(plan)))
+        """Broadcasts the step to the other ranks (they execute it as rank 0 does: a
+        SchedulerOutput pickles as its bytes, SchedulerOutput.to_bytes)."""
+        self._broadcast(("step", plan))
 
     def check_alive(self) -> None:
         """Raises TensorParallelError if a rank this process started has exited."""
