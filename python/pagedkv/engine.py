@@ -397,6 +397,8 @@ class LLMEngine:
 
         outputs = []
         for request in list(touched.values()):
+            if request.params.output_kind == "final_only" and not request.finished:
+                continue  # (nothing to report: `_output`'s None, without the call)
             try:
                 output = self._output(request)
             except Exception:
@@ -501,6 +503,7 @@ class LLMEngine:
         if self.config.enable_lora:
             requests.loras = {seq_id: self.seq_owner[seq_id][0].lora for seq_id in step.seq_ids
                               if self.seq_owner[seq_id][0].lora is not None}
+        rows, row_seq_ids, row_targets = requests.sampling_rows, requests.row_seq_ids, asked.row_targets
         row_index = -1  # the sequence's place among the plan's sampling sequences
         for seq_id, start, sample, is_prefill in zip(step.seq_ids, step.starts, step.samples, step.is_prefill):
             row_index += sample
@@ -508,6 +511,14 @@ class LLMEngine:
             if sample:
                 touched[request.request_id] = request
             if request.failed:
+                continue
+            row = seq.sampling_row
+            if (sample and row is not None and request.forked and request.pooling is None and request.beam_search is None
+                    and not seq.draft_token_ids and request.prompt_logprobs is None):
+                row.logits_index = row_index  # (the common decode: `_ask_for`'s last lines alone)
+                rows.append(row)
+                row_seq_ids.append(seq_id)
+                row_targets.append((request, seq))
                 continue
             if request.needs_prompt_logprobs:
                 requests.prompt_logprobs[seq_id] = PromptLogprobsRequest(
@@ -575,6 +586,7 @@ class LLMEngine:
                     self._accept_drafts(request, seq, tokens)
 
         closing = _ClosingCall()
+        speculating = self.config.num_speculative_tokens > 0
         for (request, seq), result in zip(asked.row_targets, output.sampled):
             if result is None or request.failed or seq.finished:  # (finished: ended while the step was in flight)
                 continue
@@ -586,7 +598,7 @@ class LLMEngine:
                         closing.fill(request, seq.seq_id, result.token_id, seq.finished)
                 elif seq.finished:
                     closing.finish(request, seq.seq_id)
-                elif self._speculates(request, seq):
+                elif speculating and self._speculates(request, seq):
                     self._append_token(request, seq, result.token_id)
                 else:
                     closing.append(request, seq.seq_id, result.token_id)
