@@ -372,12 +372,6 @@ class LLMEngine:
 
         if not plan.is_empty():
             step = _Step(plan)
-            now = time.monotonic()
-            for seq_id, start in zip(step.seq_ids, step.starts):
-                request = self.seq_owner[seq_id][0]
-                if request.metrics.first_scheduled_time is None:
-                    request.metrics.first_scheduled_time = now
-                    request.metrics.num_prefix_hit_tokens = start
             scheduled: dict[str, RequestState] = {}
             asked = self._step_requests(step, scheduled)
             if self._runs_async(plan, asked):
@@ -504,10 +498,14 @@ class LLMEngine:
             requests.loras = {seq_id: self.seq_owner[seq_id][0].lora for seq_id in step.seq_ids
                               if self.seq_owner[seq_id][0].lora is not None}
         rows, row_seq_ids, row_targets = requests.sampling_rows, requests.row_seq_ids, asked.row_targets
+        now = time.monotonic()
         row_index = -1  # the sequence's place among the plan's sampling sequences
         for seq_id, start, sample, is_prefill in zip(step.seq_ids, step.starts, step.samples, step.is_prefill):
             row_index += sample
             request, seq = self.seq_owner[seq_id]
+            if is_prefill and request.metrics.first_scheduled_time is None:  # (a request starts with a prefill)
+                request.metrics.first_scheduled_time = now
+                request.metrics.num_prefix_hit_tokens = start
             if sample:
                 touched[request.request_id] = request
             if request.failed:
@@ -587,12 +585,13 @@ class LLMEngine:
 
         closing = _ClosingCall()
         speculating = self.config.num_speculative_tokens > 0
+        tokenizer, eos_token_ids, max_model_len = self.tokenizer, self.eos_token_ids, self.max_model_len
         for (request, seq), result in zip(asked.row_targets, output.sampled):
             if result is None or request.failed or seq.finished:  # (finished: ended while the step was in flight)
                 continue
             try:  # (an error here aborts this request alone)
-                request.record_token(seq, result.token_id, result.logprob, result.top_logprobs, self.tokenizer,
-                                     self.eos_token_ids, self.max_model_len)
+                request.record_token(seq, result.token_id, result.logprob, result.top_logprobs, tokenizer,
+                                     eos_token_ids, max_model_len)
                 if placeholders is not None:
                     if seq.seq_id in placeholders:
                         closing.fill(request, seq.seq_id, result.token_id, seq.finished)

@@ -318,7 +318,9 @@ class ModelRunner:
             starts = metadata.query_start_loc_host
             all_hidden = {seq_id: hidden[starts[i]:starts[i + 1]]
                           for i, seq_id in enumerate(step.seq_ids) if seq_id in hidden_for}
-            sample_hidden = hidden[to_device(step.sample_index, self.device)]
+            # (as many samples as tokens: every token samples, in order, as in a step of decodes)
+            sample_hidden = (hidden if len(step.sample_index) == hidden.shape[0]
+                             else hidden[to_device(step.sample_index, self.device)])
         return sample_hidden, all_hidden
 
     @torch.inference_mode()
