@@ -27,6 +27,17 @@ fn config(num_device_blocks: usize, num_cpu_blocks: usize) -> SchedulerConfig {
     }
 }
 
+/// A seeded xorshift generator: `next(bound)` is in 0..bound (the random workloads' choices).
+fn xorshift(seed: u64) -> impl FnMut(u64) -> u64 {
+    let mut rng = seed;
+    move |bound| {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng % bound
+    }
+}
+
 fn prompt(len: u32, seed: u32) -> Vec<u32> {
     (0..len).map(|i| seed * 1000 + i).collect()
 }
@@ -444,13 +455,7 @@ fn random_workload_keeps_invariants_and_frees_everything() {
         cfg.max_num_batched_tokens = 16;
         cfg.max_waiting_requests = 64;
         let mut s = Scheduler::new(cfg).unwrap();
-        let mut rng = 12345u64;
-        let mut next = move |bound: u64| {
-            rng ^= rng << 13;
-            rng ^= rng >> 7;
-            rng ^= rng << 17;
-            rng % bound
-        };
+        let mut next = xorshift(12345u64);
         let mut targets = std::collections::HashMap::new();
         let mut consumer_tables = std::collections::HashMap::<u32, Vec<u32>>::new();
         const WIDTH: usize = 16;
@@ -720,13 +725,7 @@ fn random_workload_reads_back_every_token_through_all_the_copies() {
         cfg.max_waiting_requests = 128;
         let mut cache = SimulatedCache::new(&cfg);
         let mut s = Scheduler::new(cfg).unwrap();
-        let mut rng = 987654321u64;
-        let mut next = move |bound: u64| {
-            rng ^= rng << 13;
-            rng ^= rng >> 7;
-            rng ^= rng << 17;
-            rng % bound
-        };
+        let mut next = xorshift(987654321u64);
         let mut tokens = std::collections::HashMap::<u64, Vec<u32>>::new();
         let mut drafts = std::collections::HashMap::<u64, usize>::new();
         let (mut num_drafted, mut num_rejected) = (0, 0);
@@ -957,13 +956,7 @@ pub(crate) fn random_workload_outputs(seed: u64, num_requests: u32) -> Vec<Sched
     cfg.max_waiting_requests = 64;
     cfg.preemption_mode = PreemptionMode::Auto;
     let mut s = Scheduler::new(cfg).unwrap();
-    let mut rng = seed | 1;
-    let mut next = move |bound: u64| {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        rng % bound
-    };
+    let mut next = xorshift(seed | 1);
     let mut targets = std::collections::HashMap::new();
     for i in 0..num_requests {
         let len = 1 + next(20) as u32;
