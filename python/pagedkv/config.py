@@ -123,7 +123,7 @@ class EngineConfig:
     schedules and samples. The Llama family (Llama, Mistral, Qwen2/3, SmolLM, Granite, ...)."""
     distributed_timeout_seconds: float = 120.0
     """How long a collective may wait for a tensor-parallel rank before the engine fails with an
-    error (a dead or hung worker)."""
+    error (a dead or hung worker). Starting the ranks may take at least 60 s whatever this is."""
     async_scheduling: bool = False
     """True plans each step while the device still runs the one before (vLLM's async scheduling):
     a decode's input token is read on the device from the step that sampled it, and the host

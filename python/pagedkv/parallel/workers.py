@@ -71,7 +71,7 @@ class TensorParallelWorkers:
             process.stdin.close()
         logger.info("tensor parallel: started ranks 1-%d (pids %s)", size - 1, ", ".join(str(p.pid) for p in processes))
         try:
-            _wait_for_ranks(store, processes, config.distributed_timeout_seconds)
+            _wait_for_ranks(store, processes, max(config.distributed_timeout_seconds, RANK_START_SECONDS))
             group, channel = join_group(config, 0, size, store)
         except BaseException:
             _stop(processes, grace_seconds=0)
@@ -108,6 +108,11 @@ class TensorParallelWorkers:
         _leave_group()
 
 
+# A fresh interpreter importing torch takes seconds, more on a loaded machine: starting the ranks
+# may take this long even when distributed_timeout_seconds (how long a step may hang) is shorter.
+RANK_START_SECONDS = 60.0
+
+
 def _wait_for_ranks(store, processes: list[subprocess.Popen], timeout_seconds: float) -> None:
     """Waits until every started rank has reached the store, failing as soon as one exits."""
     deadline = time.monotonic() + timeout_seconds
@@ -118,7 +123,7 @@ def _wait_for_ranks(store, processes: list[subprocess.Popen], timeout_seconds: f
                                           "while starting (its error is above)")
         if time.monotonic() > deadline:
             raise TensorParallelError(f"tensor-parallel ranks did not start within {timeout_seconds:g} s "
-                                      "(distributed_timeout_seconds)")
+                                      f"(distributed_timeout_seconds, at least {RANK_START_SECONDS:g} s)")
         time.sleep(0.05)
 
 
