@@ -34,15 +34,12 @@ impl SchedulerOutput {
         out.words(self.slot_mapping.iter().map(|&slot| slot as u64));
         out.words(self.block_table_updates.iter().map(|&block| block as u64));
         for copies in [&self.blocks_to_swap_in, &self.blocks_to_swap_out, &self.blocks_to_copy] {
-            let words: Vec<u64> = copies.iter().flat_map(|&(from, to)| [from as u64, to as u64]).collect();
-            out.words(words.into_iter());
+            out.word(2 * copies.len() as u64); // (read back as block ids, then paired)
+            copies.iter().for_each(|&(from, to)| [from, to].iter().for_each(|&block| out.word(block as u64)));
         }
-        for strings in [&self.preempted, &self.aborted] {
-            out.word(strings.len() as u64);
-            strings.iter().for_each(|string| out.string(string));
-        }
-        out.word(self.abort_reasons.len() as u64);
-        self.abort_reasons.iter().for_each(|string| out.string(string));
+        out.strings(self.preempted.iter().map(|id| &**id));
+        out.strings(self.aborted.iter().map(|id| &**id));
+        out.strings(self.abort_reasons.iter().map(String::as_str));
         out.word(self.num_batched_tokens as u64);
         out.word(self.num_prefix_hit_tokens as u64);
         out.0
@@ -140,9 +137,12 @@ impl Writer {
         words.for_each(|word| self.word(word));
     }
 
-    fn string(&mut self, string: &str) {
-        self.word(string.len() as u64);
-        self.0.extend_from_slice(string.as_bytes());
+    fn strings<'a>(&mut self, strings: impl ExactSizeIterator<Item = &'a str>) {
+        self.word(strings.len() as u64);
+        for string in strings {
+            self.word(string.len() as u64);
+            self.0.extend_from_slice(string.as_bytes());
+        }
     }
 }
 
