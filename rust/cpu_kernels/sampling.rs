@@ -205,16 +205,7 @@ fn sample_top_k_row(
         scratch.clear();
         scratch.extend(kept.iter().map(|&(_, w)| w).filter(|&w| w > 0.0));
         scratch.sort_unstable_by(|a, b| b.total_cmp(a));
-        let mass = setting.top_p * total;
-        let mut before = 0.0f32;
-        let mut threshold = scratch.last().copied().unwrap_or(0.0);
-        for &w in scratch.iter() {
-            if before + w >= mass {
-                threshold = w;
-                break;
-            }
-            before += w;
-        }
+        let threshold = first_reaching(scratch, setting.top_p * total).or(scratch.last().copied()).unwrap_or(0.0);
         for (_, w) in kept.iter_mut() {
             *w = if *w < threshold { 0.0 } else { *w };
         }
@@ -305,12 +296,8 @@ fn top_p_threshold(weights: &[f32], mass: f32, scratch: &mut Vec<f32>) -> f32 {
     // (a peaked distribution's set is a few tokens: look among 32 before 256)
     for candidates in [32, TOP_P_CANDIDATES] {
         largest(weights, candidates, 0.0, scratch);
-        let mut before = 0.0f32;
-        for &w in scratch.iter() {
-            if before + w >= mass {
-                return w;
-            }
-            before += w;
+        if let Some(w) = first_reaching(scratch, mass) {
+            return w;
         }
         if scratch.len() < candidates {
             return scratch.last().copied().unwrap_or(0.0); // (every kept token, and rounding left the mass short)
@@ -321,6 +308,19 @@ fn top_p_threshold(weights: &[f32], mass: f32, scratch: &mut Vec<f32>) -> f32 {
         return 0.0; // (min-p left less than the mass: keep every token it kept)
     }
     largest_satisfying(|t| lane_sum(weights, t) >= mass)
+}
+
+/// The weight, of `descending` weights, at which their running sum reaches `mass` (a token is
+/// kept while the weights before it sum to less than `mass`); None if the sum stays short.
+fn first_reaching(descending: &[f32], mass: f32) -> Option<f32> {
+    let mut before = 0.0f32;
+    for &w in descending {
+        if before + w >= mass {
+            return Some(w);
+        }
+        before += w;
+    }
+    None
 }
 
 /// The largest float t (not NaN) for which `holds(t)`, given that `holds` is true up to some
