@@ -130,8 +130,15 @@ def _wait_for_ranks(store, processes: list[subprocess.Popen], timeout_seconds: f
 class StepChannel:
     """Rank 0 to the other ranks, a message per step. A store key announces each one, so idle
     workers wait on the store (as long as the engine idles) and not in a collective; the message
-    itself is a gloo broadcast, bounded by distributed_timeout_seconds like every collective, so
-    a hung rank fails rank 0's step instead of hanging it."""
+    itself is a gloo broadcast (its pickled length, then its bytes), bounded by
+    distributed_timeout_seconds like every collective, so a hung rank fails rank 0's step
+    instead of hanging it.
+
+    The channel keeps its last message's tensors: gloo's worker thread releases its references
+    to them a moment after the broadcast returns, and were it the last holder, it would need the
+    GIL to free them, which a process that is exiting (torchrun's ranks end with the script)
+    never gives back: the thread exits inside C++ and the process aborts ("terminate called
+    without an active exception")."""
 
     def __init__(self, store, control):
         import torch.distributed as dist
@@ -139,6 +146,7 @@ class StepChannel:
         self._store = dist.PrefixStore("pagedkv/steps/", store)
         self._control = control
         self._count = 0
+        self._last: tuple[torch.Tensor, ...] = ()
 
     def send(self, message) -> None:
         import torch.distributed as dist
@@ -147,7 +155,11 @@ class StepChannel:
         if self._count:  # (every rank has passed it: they all took part in the last broadcast)
             self._store.delete_key(str(self._count - 1))
         self._count += 1
-        dist.broadcast_object_list([message], src=0, group=self._control)
+        payload = torch.frombuffer(bytearray(pickle.dumps(message)), dtype=torch.uint8)
+        length = torch.tensor([payload.numel()], dtype=torch.int64)
+        self._last = (length, payload)
+        dist.broadcast(length, src=0, group=self._control)
+        dist.broadcast(payload, src=0, group=self._control)
 
     def receive(self):
         import torch.distributed as dist
@@ -159,9 +171,13 @@ class StepChannel:
             except dist.DistStoreError:  # (a timeout: still idle)
                 continue
         self._count += 1
-        message = [None]
-        dist.broadcast_object_list(message, src=0, group=self._control)
-        return message[0]
+        length = torch.zeros(1, dtype=torch.int64)
+        self._last = (length,)
+        dist.broadcast(length, src=0, group=self._control)
+        payload = torch.empty(int(length.item()), dtype=torch.uint8)
+        self._last = (length, payload)
+        dist.broadcast(payload, src=0, group=self._control)
+        return pickle.loads(payload.numpy().tobytes())
 
 
 def join_group(config, rank: int, size: int, store) -> tuple[TensorParallelGroup, StepChannel]:
