@@ -111,8 +111,9 @@ def measure(model: str, num_seqs: int, device: str, output_kind: str = "cumulati
     if graphs is not None:  # (a replayed decode step never calls model.forward: its replay is the forward)
         graphs.run = timed("forward", graphs.run)
     runner.model.compute_logits = timed("logits", runner.model.compute_logits)
-    if hasattr(runner.model, "compute_greedy_logits"):  # (greedy steps' LM head, since 2026-11-26's fourth session)
-        runner.model.compute_greedy_logits = timed("logits", runner.model.compute_greedy_logits)
+    for narrow in ("compute_greedy_logits", "compute_narrow_logits"):  # (plain steps' LM head, in builds since 2026-11-26)
+        if hasattr(runner.model, narrow):
+            setattr(runner.model, narrow, timed("logits", getattr(runner.model, narrow)))
     # (the runner samples since the step boundary's ModelRunnerOutput; earlier builds sampled in the engine)
     sampler_owner = runner if hasattr(runner, "sampler") else engine
     sampler_owner.sampler = timed("sampling", sampler_owner.sampler)

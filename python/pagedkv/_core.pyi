@@ -389,15 +389,13 @@ def sample_rows_cpu(
     out: int,
     logits: int,
     rows_width: tuple[int, int],
-    temperature: int,
-    top_k: int,
-    top_p: int,
-    min_p: int,
+    settings: int,
     uniform: int,
     num_threads: int,
+    dtype: str,
 ) -> None:
-    """out [rows] int64 = a token drawn from each row of float32 logits [rows, width]: logits /
-    temperature, the top_k (0: all), softmax, min_p, top_p, then the first token whose cumulative
-    kept probability in vocabulary order reaches (1 - uniform) of the kept total; per-row
-    float32 temperature / top_p / min_p / uniform and int64 top_k. Internal: used by
-    `pagedkv.runner.sampler`."""
+    """out [rows] int64 = a token drawn from each row of logits [rows, width] of `dtype`
+    ("float32" or "bfloat16"): logits / temperature, the top_k (0: all), softmax, min_p, top_p,
+    then the first token whose cumulative kept probability in vocabulary order reaches
+    (1 - uniform) of the kept total; per-row settings float32 [rows, 4] (temperature, top_k,
+    top_p, min_p) and uniform float32 [rows]. Internal: used by `pagedkv.runner.sampler`."""

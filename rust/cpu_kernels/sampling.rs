@@ -6,7 +6,7 @@
 //! tokens and everything else over those alone (`sample_top_k_row`): ~3x less again.
 
 use crate::cpu_kernels::layer_ops::{check_rows, chunk_len, for_row_chunks, invalid};
-use crate::cpu_kernels::simd::{exp_nonpositive, with_isa, Isa};
+use crate::cpu_kernels::simd::{exp_nonpositive, with_isa, Element, Isa};
 use crate::errors::Result;
 
 /// One row's sampling settings, as SamplingParams has them.
@@ -32,8 +32,8 @@ const TOP_P_CANDIDATES: usize = 256;
 /// renormalized), then the first token whose cumulative kept probability, in vocabulary order,
 /// reaches (1 - uniform) of the kept total (as the torch sampler's `searchsorted`). Tokens whose
 /// logit is -inf (masked) are never drawn.
-pub fn sample_rows(
-    logits: &[f32],
+pub fn sample_rows<E: Element>(
+    logits: &[E],
     width: usize,
     settings: &[RowSampling],
     out: &mut [i64],
@@ -54,7 +54,7 @@ pub fn sample_rows(
     let rows_per_chunk = (chunk_len(width) / width).max(rows.div_ceil(4 * num_threads.max(1)));
     let chunks =
         logits.chunks(rows_per_chunk * width).zip(settings.chunks(rows_per_chunk).zip(out.chunks_mut(rows_per_chunk)));
-    for_row_chunks(chunks.collect(), num_threads, |(rows, (settings, out)): (&[f32], (&[RowSampling], &mut [i64]))| {
+    for_row_chunks(chunks.collect(), num_threads, |(rows, (settings, out)): (&[E], (&[RowSampling], &mut [i64]))| {
         let mut weights = Vec::new(); // (the dense path's, made at its first row)
         let mut scratch: Vec<f32> = Vec::new();
         let (mut maxima, mut kept) = (BlockMaxima::default(), Vec::new());
@@ -66,7 +66,8 @@ pub fn sample_rows(
                     // (no closures in here: they would be compiled without the ISA's features)
                     let small_top_k = setting.top_k > 0 && setting.top_k <= TOP_P_CANDIDATES && setting.top_k < width;
                     match if small_top_k {
-                        sample_top_k_row(row, setting, &mut scratch, &mut maxima, &mut kept)
+                        maxima.of(row); // (in here: the one pass over the row, at the ISA's width)
+                        sample_top_k_row(row, setting, &mut scratch, &maxima, &mut kept)
                     } else {
                         None
                     } {
@@ -86,11 +87,11 @@ pub fn sample_rows(
 const LANES: usize = 16;
 
 #[inline(always)]
-fn sample_row(row: &[f32], setting: &RowSampling, weights: &mut [f32], scratch: &mut Vec<f32>) -> usize {
+fn sample_row<E: Element>(row: &[E], setting: &RowSampling, weights: &mut [f32], scratch: &mut Vec<f32>) -> usize {
     let vocab = row.len();
     let temperature = setting.temperature;
     for (w, &x) in weights.iter_mut().zip(row) {
-        *w = x / temperature;
+        *w = x.to_f32() / temperature;
     }
     // The k-th largest scaled logit: tokens below it are dropped.
     let mut floor = f32::NEG_INFINITY;
@@ -146,21 +147,21 @@ fn sample_row(row: &[f32], setting: &RowSampling, weights: &mut [f32], scratch: 
     last_kept // (rounding left the target just above the sum: the last kept token)
 }
 
-/// `sample_row` for a row with a small top-k (at most TOP_P_CANDIDATES): one pass finds the
-/// k-th largest logit and one collects the tokens at or above it, and everything else (scaling,
+/// `sample_row` for a row with a small top-k (at most TOP_P_CANDIDATES), given the row's block
+/// maxima (`BlockMaxima::of`, the one pass over the row): they find the k-th largest logit and
+/// the tokens at or above it, and everything else (scaling,
 /// exp, min-p, top-p, the draw) runs over those few tokens, not the vocabulary. The same weights,
 /// filters and draw as `sample_row`, summed in another order. None where the dense path must
 /// decide: fewer than k finite logits, scaling that reaches an infinity, or more tied tokens than
 /// the candidates.
-fn sample_top_k_row(
-    row: &[f32],
+fn sample_top_k_row<E: Element>(
+    row: &[E],
     setting: &RowSampling,
     scratch: &mut Vec<f32>,
-    maxima: &mut BlockMaxima,
+    maxima: &BlockMaxima,
     kept: &mut Vec<(usize, f32)>,
 ) -> Option<usize> {
     let (k, temperature) = (setting.top_k, setting.temperature);
-    maxima.of(row);
     largest_among(row, maxima, k, f32::NEG_INFINITY, scratch);
     if scratch.len() < k {
         return None;
@@ -225,7 +226,7 @@ fn sample_top_k_row(
 
 /// `out` = (index, value) of every value at least `lower`, in index order, looking only into the
 /// blocks whose maximum reaches it.
-fn collect_at_least(values: &[f32], maxima: &BlockMaxima, lower: f32, out: &mut Vec<(usize, f32)>) {
+fn collect_at_least<E: Element>(values: &[E], maxima: &BlockMaxima, lower: f32, out: &mut Vec<(usize, f32)>) {
     out.clear();
     maxima.for_values_where(
         values,
@@ -355,7 +356,7 @@ fn largest_satisfying(holds: impl Fn(f32) -> bool) -> f32 {
 
 /// `out` = the k largest of the `values` above `above` (all of them if fewer), in descending
 /// order (`largest_among` with the values' block maxima).
-fn largest(values: &[f32], k: usize, above: f32, out: &mut Vec<f32>) {
+fn largest<E: Element>(values: &[E], k: usize, above: f32, out: &mut Vec<f32>) {
     let mut maxima = BlockMaxima::default();
     maxima.of(values);
     largest_among(values, &maxima, k, above, out);
@@ -373,7 +374,9 @@ struct BlockMaxima {
 }
 
 impl BlockMaxima {
-    fn of(&mut self, values: &[f32]) {
+    /// (Inlined into `with_isa`'s body by its callers, to run at the ISA's width: no closures.)
+    #[inline(always)]
+    fn of<E: Element>(&mut self, values: &[E]) {
         self.blocks.clear();
         self.groups.clear();
         let groups = values.chunks_exact(GROUP);
@@ -382,13 +385,22 @@ impl BlockMaxima {
             let mut lanes = [f32::NEG_INFINITY; LANES];
             for vector in group.chunks_exact(LANES) {
                 for lane in 0..LANES {
-                    lanes[lane] = if vector[lane] > lanes[lane] { vector[lane] } else { lanes[lane] };
+                    let x = vector[lane].to_f32();
+                    lanes[lane] = if x > lanes[lane] { x } else { lanes[lane] };
                 }
             }
             self.blocks.extend_from_slice(&lanes);
-            self.groups.push(lanes.iter().fold(f32::NEG_INFINITY, |m, &x| if x > m { x } else { m }));
+            let mut maximum = f32::NEG_INFINITY;
+            for x in lanes {
+                maximum = if x > maximum { x } else { maximum };
+            }
+            self.groups.push(maximum);
         }
-        let tail_maximum = tail.iter().fold(f32::NEG_INFINITY, |m, &x| if x > m { x } else { m });
+        let mut tail_maximum = f32::NEG_INFINITY;
+        for x in tail {
+            let x = x.to_f32();
+            tail_maximum = if x > tail_maximum { x } else { tail_maximum };
+        }
         self.blocks.push(tail_maximum);
         self.groups.push(tail_maximum);
     }
@@ -412,14 +424,19 @@ impl BlockMaxima {
 
     /// Calls `visit(index, value)` for the values of every block whose maximum passes `keep`
     /// (as `for_blocks_where`), block by block.
-    fn for_values_where(&self, values: &[f32], keep: impl Fn(f32) -> bool, mut visit: impl FnMut(usize, f32)) {
+    fn for_values_where<E: Element>(
+        &self,
+        values: &[E],
+        keep: impl Fn(f32) -> bool,
+        mut visit: impl FnMut(usize, f32),
+    ) {
         let whole = values.len() / GROUP * GROUP;
         self.for_blocks_where(keep, |block, _| {
             if block * LANES >= whole {
-                (whole..values.len()).for_each(|index| visit(index, values[index]));
+                (whole..values.len()).for_each(|index| visit(index, values[index].to_f32()));
             } else {
                 let start = block / LANES * GROUP + block % LANES;
-                (start..start + GROUP).step_by(LANES).for_each(|index| visit(index, values[index]));
+                (start..start + GROUP).step_by(LANES).for_each(|index| visit(index, values[index].to_f32()));
             }
         });
     }
@@ -430,7 +447,7 @@ impl BlockMaxima {
 /// value from below (k blocks hold a value at least that high), so only the blocks whose maximum
 /// reaches it are looked into: about k blocks, not the whole row. That maximum is selected among
 /// the blocks reaching the k-th largest maximum of whole groups (by the same argument).
-fn largest_among(values: &[f32], maxima: &BlockMaxima, k: usize, above: f32, out: &mut Vec<f32>) {
+fn largest_among<E: Element>(values: &[E], maxima: &BlockMaxima, k: usize, above: f32, out: &mut Vec<f32>) {
     let descending = |a: &f32, b: &f32| b.total_cmp(a);
     let mut floor = f32::NEG_INFINITY;
     if maxima.blocks.len() > k {
@@ -559,7 +576,8 @@ mod tests {
                         let s = setting(temperature, top_k, top_p, min_p, i as f32 / 200.0);
                         let dense = sample_row(&row, &s, &mut weights, &mut scratch);
                         let kept_by_dense = weights[..].to_vec();
-                        let Some(sparse) = sample_top_k_row(&row, &s, &mut scratch, &mut maxima, &mut kept) else {
+                        maxima.of(&row);
+                        let Some(sparse) = sample_top_k_row(&row, &s, &mut scratch, &maxima, &mut kept) else {
                             let mut sorted = row.clone();
                             sorted.sort_by(|a, b| b.total_cmp(a));
                             let tied = row.iter().filter(|&&x| x >= sorted[top_k - 1]).count();
@@ -604,6 +622,29 @@ mod tests {
                 let above: Vec<f32> = sorted.iter().copied().filter(|&x| x > 20.0).take(k).collect();
                 assert_eq!(out, above, "len {len}, k {k}, above 20");
             }
+        }
+    }
+
+    #[test]
+    fn bfloat16_rows_draw_what_their_float32_widening_draws() {
+        use crate::cpu_kernels::simd::Bf16;
+        let (rows, width) = (6usize, 3000usize);
+        let wide: Vec<f32> =
+            (0..rows * width).map(|i| Bf16::from_f32(((i * 7919) % 1013) as f32 / 97.0 - 4.0).to_f32()).collect(); // (bfloat16 values: their widening is exact)
+        let narrow: Vec<Bf16> = wide.iter().map(|&x| Bf16::from_f32(x)).collect();
+        for i in 0..50 {
+            let uniform = i as f32 / 50.0;
+            let settings: Vec<RowSampling> = [(0, 1.0, 0.0), (40, 0.9, 0.0), (256, 0.95, 0.05), (0, 0.8, 0.0)]
+                .iter()
+                .cycle()
+                .take(rows)
+                .enumerate()
+                .map(|(r, &(top_k, top_p, min_p))| setting(0.5 + r as f32 / 4.0, top_k, top_p, min_p, uniform))
+                .collect();
+            let (mut from_wide, mut from_narrow) = (vec![0i64; rows], vec![0i64; rows]);
+            sample_rows(&wide, width, &settings, &mut from_wide, 2).unwrap();
+            sample_rows(&narrow, width, &settings, &mut from_narrow, 2).unwrap();
+            assert_eq!(from_wide, from_narrow, "uniform {uniform}");
         }
     }
 

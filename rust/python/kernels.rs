@@ -287,9 +287,10 @@ fn argmax_rows_cpu(
     })
 }
 
-/// out `[rows]` int64 = a token drawn from each row of logits `[rows, width]` float32 under the
-/// row's temperature, top_k (int64), top_p, min_p and uniform number (float32 `[rows]` each), CPU
-/// tensors given by data pointer. Internal: `pagedkv.runner.sampler` checks the tensors first.
+/// out `[rows]` int64 = a token drawn from each row of logits `[rows, width]` of `dtype`
+/// ("float32" or "bfloat16") under the row's settings (float32 `[rows, 4]`: temperature, top_k,
+/// top_p, min_p) and uniform number (float32 `[rows]`), CPU tensors given by data pointer.
+/// Internal: `pagedkv.runner.sampler` checks the tensors first.
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
 fn sample_rows_cpu(
@@ -297,39 +298,36 @@ fn sample_rows_cpu(
     out: usize,
     logits: usize,
     rows_width: (usize, usize),
-    temperature: usize,
-    top_k: usize,
-    top_p: usize,
-    min_p: usize,
+    settings: usize,
     uniform: usize,
     num_threads: usize,
+    dtype: &str,
 ) -> PyResult<()> {
     let (rows, width) = rows_width;
     py.detach(|| {
-        call(|| {
+        with_element!(dtype, E => call(|| {
             // SAFETY: live, contiguous CPU tensors of these shapes and dtypes; `out` is fresh.
-            let (out, logits, temperature, top_k, top_p, min_p, uniform) = unsafe {
+            let (out, logits, settings, uniform) = unsafe {
                 (
                     std::slice::from_raw_parts_mut(out as *mut i64, rows),
-                    std::slice::from_raw_parts(logits as *const f32, rows * width),
-                    std::slice::from_raw_parts(temperature as *const f32, rows),
-                    std::slice::from_raw_parts(top_k as *const i64, rows),
-                    std::slice::from_raw_parts(top_p as *const f32, rows),
-                    std::slice::from_raw_parts(min_p as *const f32, rows),
+                    std::slice::from_raw_parts(logits as *const E, rows * width),
+                    std::slice::from_raw_parts(settings as *const [f32; 4], rows),
                     std::slice::from_raw_parts(uniform as *const f32, rows),
                 )
             };
-            let settings: Vec<RowSampling> = (0..rows)
-                .map(|r| RowSampling {
-                    temperature: temperature[r],
-                    top_k: top_k[r].max(0) as usize,
-                    top_p: top_p[r],
-                    min_p: min_p[r],
-                    uniform: uniform[r],
+            let settings: Vec<RowSampling> = settings
+                .iter()
+                .zip(uniform)
+                .map(|(&[temperature, top_k, top_p, min_p], &uniform)| RowSampling {
+                    temperature,
+                    top_k: top_k.max(0.0) as usize,
+                    top_p,
+                    min_p,
+                    uniform,
                 })
                 .collect();
             sampling::sample_rows(logits, width, &settings, out, num_threads)
-        })
+        }))
     })
 }
 

@@ -67,13 +67,14 @@ def test_auto_dtype_is_bfloat16_only_where_the_cpu_has_it(monkeypatch, native):
     assert EngineConfig(dtype="float32").torch_dtype() == torch.float32
 
 
-@pytest.mark.parametrize("make, raw", [("tiny_llama", True), ("tiny_qwen2", True), ("tiny_granite", True),
-                                       ("tiny_gemma2", False), ("tiny_cohere", False)])
-def test_greedy_logits_have_the_float32_logits_argmax(tmp_path, make, raw):
-    """`compute_greedy_logits` (greedy steps' LM head) is the bfloat16 LM-head output where the
-    float32 logits add nothing but the widening and a positive scale (Granite's), else the float32
-    logits themselves (Gemma 2's soft cap, Cohere's scale); either way its rows' argmax is the
-    float32 logits'."""
+@pytest.mark.parametrize("make, narrow_for_argmax, narrow_for_draws", [
+    ("tiny_llama", True, True), ("tiny_qwen2", True, True), ("tiny_granite", True, False),
+    ("tiny_gemma2", False, False), ("tiny_cohere", False, False)])
+def test_narrow_logits_are_the_float32_logits_before_widening(tmp_path, make, narrow_for_argmax, narrow_for_draws):
+    """`compute_narrow_logits` is the bfloat16 LM-head output where the float32 logits add nothing
+    to it but the widening (then they are its widening: draws from either are the same), or, for
+    an argmax alone, the widening and a positive scale (Granite's); else the float32 logits
+    themselves (Gemma 2's soft cap, Cohere's scale)."""
     import support.tiny_models as tiny_models
     from support.checkpoints import save_tiny_checkpoint
 
@@ -83,38 +84,47 @@ def test_greedy_logits_have_the_float32_logits_argmax(tmp_path, make, raw):
     model = load(save_tiny_checkpoint(tmp_path, hf_model), None, None, torch.bfloat16, torch.device("cpu"), None).model
     hidden = torch.randn(64, hf_model.config.hidden_size, generator=torch.Generator().manual_seed(0)).bfloat16()
     with torch.inference_mode():
-        greedy, logits = model.compute_greedy_logits(hidden), model.compute_logits(hidden)
-    assert greedy.dtype == (torch.bfloat16 if raw else torch.float32)
-    assert torch.equal(greedy.float().argmax(-1), logits.argmax(-1))
+        logits = model.compute_logits(hidden)
+        for_argmax = model.compute_narrow_logits(hidden, order_only=True)
+        for_draws = model.compute_narrow_logits(hidden)
+    assert for_argmax.dtype == (torch.bfloat16 if narrow_for_argmax else torch.float32)
+    assert torch.equal(for_argmax.float().argmax(-1), logits.argmax(-1))
+    assert for_draws.dtype == (torch.bfloat16 if narrow_for_draws else torch.float32)
+    assert torch.equal(for_draws.float(), logits)
 
 
-def test_greedy_steps_choose_from_bfloat16_logits_what_float32_logits_give(tiny_qwen2_dir, monkeypatch):
-    """A bfloat16 engine's all-greedy steps take their argmax from the LM head's bfloat16 output
-    (no float32 copy); the tokens equal those of the same engine made to read float32 logits, and
-    a step with a row that asks for logprobs reads float32 logits."""
+def test_plain_steps_draw_from_bfloat16_logits_what_float32_logits_give(tiny_qwen2_dir, monkeypatch):
+    """A bfloat16 engine's steps whose rows are all plain (greedy, or seeded temperature / top-k /
+    top-p / min-p) read the LM head's bfloat16 output (no float32 copy); the tokens equal those of
+    the same engine made to read float32 logits, and a step with a row that asks for logprobs
+    reads float32 logits."""
     from pagedkv.models.llama import LlamaForCausalLM
 
-    greedy_dtypes = []
-    original = LlamaForCausalLM.compute_greedy_logits
+    narrow_dtypes = []
+    original = LlamaForCausalLM.compute_narrow_logits
 
-    def spy(self, hidden):
-        logits = original(self, hidden)
-        greedy_dtypes.append(logits.dtype)
+    def spy(self, hidden, order_only=False):
+        logits = original(self, hidden, order_only)
+        narrow_dtypes.append(logits.dtype)
         return logits
 
     prompts = [[5 + i, 17, 3 * i + 9, 40] for i in range(6)]
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    sampled = [SamplingParams(temperature=0.9, top_k=[-1, 20][i % 2], top_p=[1.0, 0.8][i % 3 > 0],
+                              min_p=[0.0, 0.05][i % 2], seed=i, max_tokens=12, ignore_eos=True) for i in range(6)]
 
     def generate(params_list):
         llm = LLM(tiny_qwen2_dir, dtype="bfloat16", num_device_blocks=64, max_model_len=128)
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params_list, use_tqdm=False)
         return [list(output.outputs[0].token_ids) for output in outputs]
 
-    monkeypatch.setattr(LlamaForCausalLM, "compute_greedy_logits", spy)
-    from_bfloat16 = generate(greedy)
-    assert greedy_dtypes and set(greedy_dtypes) == {torch.bfloat16}
-    greedy_dtypes.clear()
+    monkeypatch.setattr(LlamaForCausalLM, "compute_narrow_logits", spy)
+    from_bfloat16 = generate(greedy), generate(sampled)
+    assert narrow_dtypes and set(narrow_dtypes) == {torch.bfloat16}
+    narrow_dtypes.clear()
     with_logprobs = generate([greedy] * 5 + [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)])
-    assert not greedy_dtypes  # (the logprobs row is in every step: float32 logits throughout)
-    monkeypatch.setattr(LlamaForCausalLM, "compute_greedy_logits", LlamaForCausalLM.compute_logits)
-    assert from_bfloat16 == generate(greedy) == with_logprobs
+    assert not narrow_dtypes  # (the logprobs row is in every step: float32 logits throughout)
+    monkeypatch.setattr(LlamaForCausalLM, "compute_narrow_logits", lambda self, hidden, order_only=False:
+                        LlamaForCausalLM.compute_logits(self, hidden))
+    assert from_bfloat16 == (generate(greedy), generate(sampled))
+    assert from_bfloat16[0] == with_logprobs

@@ -298,6 +298,38 @@ def test_plain_greedy_rows_are_sampled_from_bfloat16_logits_and_others_from_floa
         assert [result.token_id for result in results[:2]] == logits[:2].float().argmax(-1).tolist()
 
 
+def test_plain_sampled_rows_draw_from_bfloat16_logits_what_their_widening_draws():
+    """Rows that change nothing in their logits (temperature, top-k, top-p, min-p) are drawn from
+    logits of the model's dtype as they are: the same tokens as from the float32 widening."""
+    logits = (torch.randn(8, 3000, generator=torch.Generator().manual_seed(2)) * 4).bfloat16()
+    settings = [dict(temperature=0.8), dict(temperature=1.2, top_k=20), dict(temperature=0.7, top_p=0.9),
+                dict(temperature=1.0, top_k=50, top_p=0.8, min_p=0.05)]
+
+    def rows():
+        return [row(i, seed=10 + i, **settings[i % 4]) for i in range(8)]
+
+    narrow, wide = rows(), rows()
+    for _ in range(20):
+        assert ([r.token_id for r in Sampler()(logits, narrow)]
+                == [r.token_id for r in Sampler()(logits.float(), wide)])
+
+
+def test_seeded_rows_draw_their_generators_stream_whatever_the_batch():
+    """A seeded row's uniform numbers are its generator's single draws in order (prefetched on
+    the CPU), with unseeded rows around it or not."""
+    from pagedkv.runner.sampler import _uniform_draws
+
+    batch = [row(0, seed=3, temperature=1.0), row(1, temperature=1.0), row(2, seed=4, temperature=1.0)]
+    alone = row(0, seed=4, temperature=1.0)
+    references = [torch.Generator().manual_seed(seed) for seed in (3, 4)]
+    for step in range(150):
+        drawn = _uniform_draws(batch, torch.device("cpu"))
+        expected = [torch.rand((), generator=generator).item() for generator in references]
+        assert [drawn[0].item(), drawn[2].item()] == expected, step
+        assert 0.0 <= drawn[1].item() < 1.0
+        assert _uniform_draws([alone], torch.device("cpu")).item() == expected[1]
+
+
 def test_argmax_rows_of_vocabulary_wide_rows_and_views():
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(37, 49152, generator=generator)
@@ -397,7 +429,7 @@ def test_the_cpu_sampling_kernel_draws_what_the_torch_sampler_draws(seed, vocab,
     """Rust's one-row-at-a-time sampling (the CPU's) against the torch ops (the GPU's): the same
     token for the same uniform number, but where float rounding puts the number on a boundary,
     and never a token the torch filters drop."""
-    from pagedkv.runner.sampler import _sample_on_cpu, _sample_with_torch
+    from pagedkv.runner.sampler import _sample_on_cpu, _sample_with_torch, sampling_settings
 
     generator = torch.Generator().manual_seed(seed)
     logits = torch.randn(rows, vocab, generator=generator) * data.draw(st.sampled_from([0.5, 3.0, 10.0]))
@@ -410,7 +442,7 @@ def test_the_cpu_sampling_kernel_draws_what_the_torch_sampler_draws(seed, vocab,
     mismatches = 0
     for d in range(draws):
         uniform = torch.rand(rows, generator=generator)
-        ours = _sample_on_cpu(logits.clone(), params, uniform)
+        ours = _sample_on_cpu(logits.clone(), sampling_settings(params), uniform)
         theirs = _sample_with_torch(logits.clone(), params, uniform)
         probs = _sample_with_torch_kept(logits, params)
         assert bool(probs[torch.arange(rows), ours].gt(0).all()), (ours, theirs)

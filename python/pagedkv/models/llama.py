@@ -244,12 +244,15 @@ class LlamaForCausalLM(nn.Module):
         logits = F.linear(hidden, weight).float()
         return logits if self.logits_scaling == 1.0 else logits / self.logits_scaling
 
-    def compute_greedy_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits whose rows have `compute_logits`' argmax, for greedy rows: the LM head's output
-        in the model's dtype where that is all `compute_logits` adds to it is the float32 copy
-        (widening is exact; a positive scale keeps the order), which on the CPU costs as much as
-        the argmax (50 MB written at 256 rows of a 49k vocabulary). Else `compute_logits`'."""
-        if type(self).compute_logits is not LlamaForCausalLM.compute_logits or self.logits_scaling <= 0:
+    def compute_narrow_logits(self, hidden: torch.Tensor, order_only: bool = False) -> torch.Tensor:
+        """The LM head's output in the model's dtype, where all `compute_logits` adds to it is the
+        float32 copy (widening is exact, so a draw or argmax over these is the same; on the CPU the
+        copy costs as much as the argmax: 50 MB written at 256 rows of a 49k vocabulary): for
+        logits_scaling 1, or any positive scaling when only the order is read (`order_only`:
+        greedy rows' argmax). Else `compute_logits`'."""
+        scaling = self.logits_scaling
+        if type(self).compute_logits is not LlamaForCausalLM.compute_logits or not (
+                scaling == 1.0 or (order_only and scaling > 0)):
             return self.compute_logits(hidden)
         return F.linear(hidden, self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight)
 

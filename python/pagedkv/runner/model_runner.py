@@ -25,7 +25,7 @@ from pagedkv.parallel.workers import TensorParallelWorkers
 from pagedkv.runner import results
 from pagedkv.runner.model_info import ModelInfo
 from pagedkv.runner.persistent_batch import PersistentBatch
-from pagedkv.runner.sampler import Sampler, all_plain_greedy
+from pagedkv.runner.sampler import Sampler, all_plain_greedy, is_plain
 from pagedkv.runner.step_messages import ModelRunnerOutput, PendingOutput, StepRequests
 from pagedkv.transfer import to_device
 
@@ -193,11 +193,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sampling_logits(self, hidden: torch.Tensor, requests: StepRequests) -> torch.Tensor:
-        """Logits of the step's sampling sequences: in the model's dtype when every row is plain
-        greedy and nothing else reads them (only their argmax is), else float32."""
-        greedy = getattr(self.model, "compute_greedy_logits", None)
-        if greedy is not None and not requests.logits_for and all_plain_greedy(requests.sampling_rows):
-            return greedy(hidden)
+        """Logits of the step's sampling sequences: in the model's dtype when every row `is_plain`
+        and nothing else reads them (the draw or argmax reads them as they are), else float32."""
+        narrow = getattr(self.model, "compute_narrow_logits", None)
+        rows = requests.sampling_rows
+        if narrow is not None and not requests.logits_for:
+            if all_plain_greedy(rows):
+                return narrow(hidden, order_only=True)
+            if all(is_plain(row) for row in rows):
+                return narrow(hidden)
         return self.compute_logits(hidden)
 
     def shutdown(self) -> None:

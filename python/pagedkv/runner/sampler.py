@@ -6,6 +6,7 @@ over the vocabulary) per row."""
 from __future__ import annotations
 
 import inspect
+import struct
 from dataclasses import dataclass
 from typing import Optional
 
@@ -33,9 +34,31 @@ class SamplingRow:
     token_history: object = None  # penalties.TokenHistory, made when a penalty first needs it
 
     def __post_init__(self) -> None:
-        # (settings that never change: checked once, not per step)
+        # (what never changes: checked and packed once, not per step)
         params = self.params
-        self.plain_greedy = params.temperature == 0 and params.min_tokens == 0 and is_plain(self)
+        self.plain_settings = (params.logprobs is None and self.matcher is None and not params.logit_bias
+                               and params.repetition_penalty == 1.0 and not params.presence_penalty
+                               and not params.frequency_penalty and params.allowed_token_ids is None
+                               and not self.bad_words_token_ids and not params.logits_processors)
+        # min_tokens bans the stop tokens and EOS until the sequence has that many tokens
+        self.bans_until_min_tokens = params.min_tokens > 0 and bool(
+            params.stop_token_ids or (not params.ignore_eos and self.eos_token_ids))
+        self.plain_greedy = params.temperature == 0 and params.min_tokens == 0 and self.plain_settings
+        self.settings = packed_settings(params)
+        self._uniforms: list[float] = []  # the next draws of a CPU generator, prefetched
+
+    def next_uniform(self) -> float:
+        """The next uniform number of this row's CPU generator: drawn 64 at a time (on the CPU,
+        torch.rand(n) is the n numbers that n single draws give, so the stream is the same)."""
+        if not self._uniforms:
+            self._uniforms = torch.rand(64, generator=self.generator).tolist()
+            self._uniforms.reverse()
+        return self._uniforms.pop()
+
+
+def packed_settings(params: SamplingParams) -> bytes:
+    """The sampling kernel's per-row settings: float32 temperature, top_k (0: all), top_p, min_p."""
+    return struct.pack("4f", params.temperature, max(params.top_k, 0), params.top_p, params.min_p)
 
 
 @dataclass
@@ -53,6 +76,8 @@ class Sampler:
         logits = _rows_of(logits, rows)
         if all_plain_greedy(rows):  # (the common step: nothing to check per row)
             return [SampleResult(token, None, None) for token in argmax_rows(logits).tolist()]
+        if all(is_plain(row) for row in rows):  # (nothing changes the logits: drawn in their dtype)
+            return [SampleResult(token, None, None) for token in _draw(logits, rows).tolist()]
         logits = logits.float()  # (no copy: the float32 logits of every row that is not plain_greedy)
         raw_logits = logits
         # Log-probabilities are under the raw model distribution, for the rows that asked (as in
@@ -91,7 +116,7 @@ class Sampler:
         """The rows' tokens as a tensor on the logits' device, nothing copied to the host (the
         asynchronous step's): for rows that `is_plain`, the same tokens as `__call__`."""
         logits = _rows_of(logits, rows)
-        return argmax_rows(logits) if all_plain_greedy(rows) else _draw(logits.float(), rows)
+        return argmax_rows(logits) if all_plain_greedy(rows) else _draw(logits, rows)
 
     @staticmethod
     def _apply_penalties_and_masks(logits: torch.Tensor, row: SamplingRow) -> None:
@@ -131,18 +156,13 @@ def is_plain(row: SamplingRow) -> bool:
     not booked yet: no penalties, biases, masks, processors or grammar, and no log-probabilities
     to report. (min_tokens counts the booked tokens: one short of the truth at most, it then
     says "not plain" one step too long, never too early.)"""
-    params = row.params
-    return (params.logprobs is None and row.matcher is None and not params.logit_bias
-            and params.repetition_penalty == 1.0 and not params.presence_penalty and not params.frequency_penalty
-            and params.allowed_token_ids is None and not row.bad_words_token_ids and not params.logits_processors
-            and not (len(row.output_token_ids) < params.min_tokens
-                     and (params.stop_token_ids or (not params.ignore_eos and row.eos_token_ids))))
+    return row.plain_settings and not (row.bans_until_min_tokens and len(row.output_token_ids) < row.params.min_tokens)
 
 
 def all_plain_greedy(rows: list[SamplingRow]) -> bool:
     """Whether every row is greedy and `is_plain` for good (`SamplingRow.plain_greedy`): its
-    token is the argmax of its logits, which may then be the model's dtype
-    (`compute_greedy_logits`) rather than float32."""
+    token is the argmax of its logits, which may then be the model's dtype, scaled or not
+    (`compute_narrow_logits(order_only=True)`), rather than float32."""
     return all(row.plain_greedy for row in rows)
 
 
@@ -155,7 +175,8 @@ def _rows_of(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
 
 
 def _draw(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """One token per row of logits [N, vocab] (row i is rows[i]'s): argmax for greedy rows."""
+    """One token per row of logits [N, vocab] (row i is rows[i]'s, float32 or the model's dtype):
+    argmax for greedy rows."""
     greedy = [i for i, row in enumerate(rows) if row.params.temperature == 0]
     sampled = [i for i, row in enumerate(rows) if row.params.temperature != 0]
     if not sampled:
@@ -226,15 +247,32 @@ def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """One token per row of logits [M, vocab] under each row's temperature, top-k, min-p, top-p
     and generator; a seeded row draws the same token whatever else is in the batch."""
     device, vocab = logits.device, logits.shape[-1]
-    params = [row.params for row in rows]
-    # Inverse-CDF draw: one uniform number per row, from the row's own generator when seeded.
+    uniform = _uniform_draws(rows, device)
+    if device.type == "cpu" and logits.dtype in _CPU_SAMPLING_DTYPES and logits.is_contiguous() and vocab > 0:
+        return _sample_on_cpu(logits, sampling_settings(rows), uniform)
+    return _sample_with_torch(logits.float(), [row.params for row in rows], uniform)
+
+
+def _uniform_draws(rows: list[SamplingRow], device: torch.device) -> torch.Tensor:
+    """The inverse-CDF draw's uniform number for each row, from the row's own generator when
+    seeded (prefetched on the CPU: a torch.rand call per row costs ~3 us)."""
     uniform = torch.rand(len(rows), device=device)
-    for i, row in enumerate(rows):
-        if row.generator is not None:
-            uniform[i] = torch.rand((), generator=row.generator, device=row.generator.device).to(device)
-    if device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous() and vocab > 0:
-        return _sample_on_cpu(logits, params, uniform)
-    return _sample_with_torch(logits, params, uniform)
+    seeded = [i for i, row in enumerate(rows) if row.generator is not None]
+    if not seeded:
+        return uniform
+    if device.type == "cpu" and all(rows[i].generator.device.type == "cpu" for i in seeded):
+        uniform[seeded] = torch.tensor([rows[i].next_uniform() for i in seeded])
+        return uniform
+    for i in seeded:
+        generator = rows[i].generator
+        uniform[i] = torch.rand((), generator=generator, device=generator.device).to(device)
+    return uniform
+
+
+def sampling_settings(rows: list) -> torch.Tensor:
+    """[rows, 4] float32 settings of `rows` (SamplingRows, or SamplingParams) for the kernel."""
+    packed = b"".join(row.settings if isinstance(row, SamplingRow) else packed_settings(row) for row in rows)
+    return torch.frombuffer(bytearray(packed), dtype=torch.float32).view(len(rows), 4)
 
 
 def _sample_with_torch(logits: torch.Tensor, params: list[SamplingParams], uniform: torch.Tensor) -> torch.Tensor:
@@ -263,20 +301,22 @@ def _sample_with_torch(logits: torch.Tensor, params: list[SamplingParams], unifo
     return torch.searchsorted(cdf, target).squeeze(1).clamp_(max=vocab - 1)
 
 
-def _sample_on_cpu(logits: torch.Tensor, params: list[SamplingParams], uniform: torch.Tensor) -> torch.Tensor:
+_CPU_SAMPLING_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+
+
+def _sample_on_cpu(logits: torch.Tensor, settings: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """`_sample` by the Rust kernel (rust/cpu_kernels/sampling.rs): each row once, in cache, on
     torch's threads (`_sample_with_torch` makes ~8 passes over the batch: ~70 ms a step at 256
-    rows of a 49k vocabulary on 2 cores)."""
-    rows = len(params)
-    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else 0 for p in params], dtype=torch.int64)
-    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
-    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
+    rows of a 49k vocabulary on 2 cores). `logits` float32 or bfloat16 (the model's LM-head
+    output, read as it is); `settings` as `sampling_settings` makes them."""
+    rows = logits.shape[0]
+    settings = settings.to(torch.float32).contiguous()
     uniform = uniform.to(torch.float32).contiguous()
+    if settings.shape != (rows, 4) or uniform.shape != (rows,):
+        raise ValueError(f"settings {tuple(settings.shape)} and uniform {tuple(uniform.shape)} for {rows} rows")
     out = torch.empty(rows, dtype=torch.int64)
-    _core.sample_rows_cpu(out.data_ptr(), logits.data_ptr(), (rows, logits.shape[1]), temperature.data_ptr(),
-                          top_k.data_ptr(), top_p.data_ptr(), min_p.data_ptr(), uniform.data_ptr(),
-                          torch.get_num_threads())
+    _core.sample_rows_cpu(out.data_ptr(), logits.data_ptr(), (rows, logits.shape[1]), settings.data_ptr(),
+                          uniform.data_ptr(), torch.get_num_threads(), _CPU_SAMPLING_DTYPES[logits.dtype])
     return out
 
 
