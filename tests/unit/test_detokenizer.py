@@ -36,6 +36,27 @@ def test_incremental_text_grows_into_the_whole_decode(tokenizer, text):
     assert previous == tokenizer.decode(ids) == text
 
 
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_the_rust_decode_stream_sends_what_the_python_method_sends(tokenizer, skip_special_tokens):
+    """HF tokenizers' DecodeStream (used for tokenizers with nothing to clean up) against the
+    same method in Python (a tokenizer seen through its decode alone), step by step, with a step
+    that adds several tokens at once."""
+    import types
+
+    from pagedkv import detokenizer
+
+    assert detokenizer.DecodeStream is not None and detokenizer._plain_backend(tokenizer) is not None
+    python_only = types.SimpleNamespace(decode=tokenizer.decode)
+    for text in TEXTS:
+        ids = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+        streamed, reference = DetokenizerState(), DetokenizerState()
+        for end in [*range(1, 6), *range(9, len(ids) + 1)]:
+            ours = detokenize_incrementally(tokenizer, ids[:end], streamed, skip_special_tokens)
+            theirs = detokenize_incrementally(python_only, ids[:end], reference, skip_special_tokens)
+            assert ours == theirs, (text, end)
+        assert streamed.stream is not None and reference.stream is None
+
+
 def test_special_tokens_are_skipped_or_kept(tokenizer):
     ids = tokenizer.encode("Hi there", add_special_tokens=False)
     ids = ids[:1] + [tokenizer.eos_token_id] + ids[1:]
