@@ -14,7 +14,7 @@ new token instead of two decodes and the bookkeeping in Python (~2.4x less per t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Union
 
 try:
     from tokenizers.decoders import DecodeStream
@@ -33,7 +33,9 @@ class DetokenizerState:
     read_offset: int = 0  # tokens whose text is in `text`
     num_seen: int = 0  # tokens already looked at (skips repeated calls without new tokens)
     final: bool = False  # `text` is the whole decode of the finished sequence
-    stream: Optional[Any] = None  # the tokenizers DecodeStream doing the decode, where there is one
+    # (DecodeStream, the tokenizer's backend) where tokenizers' DecodeStream does the decode,
+    # False where the method here does it, None until the first call decides
+    stream: Union[None, bool, tuple[Any, Any]] = None
 
 
 def fast_decode(tokenizer):
@@ -55,16 +57,17 @@ def _plain_backend(tokenizer):
 
 def detokenize_incrementally(tokenizer, token_ids: list[int], state: DetokenizerState, skip_special_tokens: bool) -> str:
     """Updates `state` for the tokens added since the last call and returns the text so far."""
-    num_seen = state.num_seen
-    if num_seen == len(token_ids):
+    num_seen, num_tokens = state.num_seen, len(token_ids)
+    if num_seen == num_tokens:
         return state.text
-    state.num_seen = len(token_ids)
-    backend = _plain_backend(tokenizer) if DecodeStream is not None else None
-    if backend is not None:
-        if state.stream is None:
-            state.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
-        new_ids = token_ids[num_seen:]
-        piece = state.stream.step(backend, new_ids[0] if len(new_ids) == 1 else new_ids)
+    state.num_seen = num_tokens
+    stream = state.stream
+    if stream is None:
+        backend = _plain_backend(tokenizer) if DecodeStream is not None else None
+        stream = state.stream = (DecodeStream(skip_special_tokens=skip_special_tokens), backend) if backend else False
+    if stream:
+        decoder, backend = stream
+        piece = decoder.step(backend, token_ids[num_seen] if num_tokens == num_seen + 1 else token_ids[num_seen:])
         if piece:
             state.text += piece
         return state.text

@@ -150,30 +150,26 @@ class RequestState:
         return True
 
     def completion(self, seq: SequenceState, tokenizer) -> CompletionOutput:
-        skip_special_tokens = self.params.skip_special_tokens
-        if not seq.finished:
-            seq.text = detokenize_incrementally(tokenizer, seq.output_token_ids, seq.detokenizer, skip_special_tokens)
-        elif not isinstance(seq.stop_reason, str):  # (a stop string cut the text already)
-            token_ids = seq.output_token_ids
-            if seq.finish_reason == "stop" and not self.params.include_stop_str_in_output:
-                token_ids = token_ids[:-1]  # as in vLLM, the stop token or EOS is not part of the text
-            seq.text = detokenize_final(tokenizer, token_ids, seq.detokenizer, skip_special_tokens)
-        text = seq.text
-        if not seq.finished and self.params.stop and not self.params.include_stop_str_in_output:
-            # A stop string may be ending the text: hold back what could be its start (as vLLM), so
-            # a stream never sends characters the finished text will not have.
-            text = text[: max(0, len(text) - max(len(stop) for stop in self.params.stop) + 1)]
-        if self.params.output_kind == "delta":
+        params = self.params
+        if seq.finish_reason is None:
+            text = seq.text = detokenize_incrementally(tokenizer, seq.output_token_ids, seq.detokenizer,
+                                                       params.skip_special_tokens)
+            if params.stop and not params.include_stop_str_in_output:
+                # A stop string may be ending the text: hold back what could be its start (as vLLM),
+                # so a stream never sends characters the finished text will not have.
+                text = text[: max(0, len(text) - max(len(stop) for stop in params.stop) + 1)]
+        else:
+            if not isinstance(seq.stop_reason, str):  # (a stop string cut the text already)
+                token_ids = seq.output_token_ids
+                if seq.finish_reason == "stop" and not params.include_stop_str_in_output:
+                    token_ids = token_ids[:-1]  # as in vLLM, the stop token or EOS is not part of the text
+                seq.text = detokenize_final(tokenizer, token_ids, seq.detokenizer, params.skip_special_tokens)
+            text = seq.text
+        if params.output_kind == "delta":
             return self._delta(seq, text, seq.output_token_ids, seq.logprobs, seq.finish_reason, seq.stop_reason)
-        return CompletionOutput(
-            index=seq.index,
-            text=text,
-            token_ids=list(seq.output_token_ids),
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-            cumulative_logprob=seq.cumulative_logprob if self.params.logprobs is not None else None,
-            logprobs=seq.logprobs,
-        )
+        # (positional: a streamed step makes one per request)
+        return CompletionOutput(seq.index, text, seq.output_token_ids[:], seq.finish_reason, seq.stop_reason,
+                                seq.cumulative_logprob if params.logprobs is not None else None, seq.logprobs)
 
     def _delta(self, seq: SequenceState, text: str, token_ids: list[int], logprobs: Optional[list],
                finish_reason: Optional[str], stop_reason: object) -> CompletionOutput:
@@ -199,20 +195,14 @@ class RequestState:
         if self.pooling is not None:
             return EmbeddingRequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
                                           EmbeddingOutput(self.pooled or []), self.finished, self.metrics)
-        if self.final_outputs is not None and self.params.output_kind == "delta":  # (a request that failed)
+        final_outputs = self.final_outputs
+        if final_outputs is None:
+            outputs = [self.completion(seq, tokenizer) for seq in self.seqs]
+        elif self.params.output_kind == "delta":  # (a request that failed)
             seqs = {seq.index: seq for seq in self.seqs}
             outputs = [self._delta(seqs[out.index], out.text, out.token_ids, out.logprobs, out.finish_reason,
-                                   out.stop_reason) if out.index in seqs else out for out in self.final_outputs]
-        elif self.final_outputs is not None:
-            outputs = self.final_outputs
+                                   out.stop_reason) if out.index in seqs else out for out in final_outputs]
         else:
-            outputs = [self.completion(seq, tokenizer) for seq in self.seqs]
-        return RequestOutput(
-            request_id=self.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=self.prompt_token_ids,
-            outputs=outputs,
-            finished=self.finished,
-            metrics=self.metrics,
-            prompt_logprobs=None if self.needs_prompt_logprobs else self.prompt_logprobs,
-        )
+            outputs = final_outputs
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, self.finished,
+                             None if self.needs_prompt_logprobs else self.prompt_logprobs, self.metrics)
