@@ -149,11 +149,11 @@ fn sample_row<E: Element>(row: &[E], setting: &RowSampling, weights: &mut [f32],
 
 /// `sample_row` for a row with a small top-k (at most TOP_P_CANDIDATES), given the row's block
 /// maxima (`BlockMaxima::of`, the one pass over the row): they find the k-th largest logit and
-/// the tokens at or above it, and everything else (scaling,
-/// exp, min-p, top-p, the draw) runs over those few tokens, not the vocabulary. The same weights,
-/// filters and draw as `sample_row`, summed in another order. None where the dense path must
-/// decide: fewer than k finite logits, scaling that reaches an infinity, or more tied tokens than
-/// the candidates.
+/// the tokens at or above it, and everything else (scaling, exp, min-p, top-p, the draw) runs
+/// over those few tokens, not the vocabulary. The same weights, filters and draw as
+/// `sample_row`, summed in another order. None where the dense path must decide: fewer than k
+/// finite logits, scaling that reaches an infinity, or ties with the k-th largest logit that
+/// make more tokens than CANDIDATE_LIMIT (bfloat16 logits tie often).
 fn sample_top_k_row<E: Element>(
     row: &[E],
     setting: &RowSampling,
@@ -162,19 +162,16 @@ fn sample_top_k_row<E: Element>(
     kept: &mut Vec<(usize, f32)>,
 ) -> Option<usize> {
     let (k, temperature) = (setting.top_k, setting.temperature);
-    largest_among(row, maxima, k, f32::NEG_INFINITY, scratch);
-    if scratch.len() < k {
-        return None;
-    }
+    let (kth, largest, collected_down_to) = kth_and_largest(row, maxima, k, scratch, kept)?;
     // Division by temperature > 0 keeps the order, so these are the scaled row's largest and k-th
     // largest values, as sample_row's weights have them.
-    let (maximum, floor) = (scratch[0] / temperature, scratch[k - 1] / temperature);
+    let (maximum, floor) = (largest / temperature, kth / temperature);
     if !maximum.is_finite() || !floor.is_finite() {
         return None;
     }
     // The least logit whose scaled value reaches the floor: the k-th largest logit, or a float or
     // two below it where the division rounds neighbours to the same value.
-    let mut lower = scratch[k - 1];
+    let mut lower = kth;
     let mut settled = false;
     for _ in 0..8 {
         let below = lower.next_down();
@@ -187,8 +184,12 @@ fn sample_top_k_row<E: Element>(
     if !settled {
         return None;
     }
-    collect_at_least(row, maxima, lower, kept);
-    if kept.len() > TOP_P_CANDIDATES {
+    if lower >= collected_down_to {
+        kept.retain(|&(_, x)| x >= lower);
+    } else {
+        collect_at_least(row, maxima, lower, kept, usize::MAX);
+    }
+    if kept.len() > CANDIDATE_LIMIT {
         return None;
     }
     let mut total = 0.0f32;
@@ -224,20 +225,91 @@ fn sample_top_k_row<E: Element>(
     Some(last_kept) // (rounding left the target just above the sum: the last kept token)
 }
 
+/// (the k-th largest value, the largest value, c) of a row with at least k finite values (else
+/// None), where `kept` holds every (index, value) of the row at least c, in index order. Usually
+/// c is the k-th largest maximum of the row's groups: k groups reach it, so at least k values do,
+/// and in most rows about k, found in the blocks that reach it; where more than
+/// CANDIDATE_LIMIT do, the k best values are selected block by block (`largest_among`), and
+/// `kept` is empty (c is infinite).
+fn kth_and_largest<E: Element>(
+    row: &[E],
+    maxima: &BlockMaxima,
+    k: usize,
+    scratch: &mut Vec<f32>,
+    kept: &mut Vec<(usize, f32)>,
+) -> Option<(f32, f32, f32)> {
+    let descending = |a: &f32, b: &f32| b.total_cmp(a);
+    if maxima.groups.len() > k {
+        scratch.clear();
+        scratch.extend_from_slice(&maxima.groups);
+        let reach = *scratch.select_nth_unstable_by(k - 1, descending).1;
+        if reach > f32::NEG_INFINITY && collect_at_least(row, maxima, reach, kept, CANDIDATE_LIMIT) && kept.len() >= k {
+            scratch.clear();
+            scratch.extend(kept.iter().map(|&(_, x)| x));
+            let (better, &mut kth, _) = scratch.select_nth_unstable_by(k - 1, descending);
+            let largest = better.iter().fold(kth, |m, &x| if x > m { x } else { m });
+            return Some((kth, largest, reach));
+        }
+    }
+    largest_among(row, maxima, k, f32::NEG_INFINITY, scratch);
+    if scratch.len() < k {
+        return None;
+    }
+    kept.clear();
+    Some((scratch[k - 1], scratch[0], f32::INFINITY))
+}
+
+/// A top-k row's candidates are collected from its groups' maxima while at most this many.
+const CANDIDATE_LIMIT: usize = 4 * TOP_P_CANDIDATES;
+
 /// `out` = (index, value) of every value at least `lower`, in index order, looking only into the
-/// blocks whose maximum reaches it.
-fn collect_at_least<E: Element>(values: &[E], maxima: &BlockMaxima, lower: f32, out: &mut Vec<(usize, f32)>) {
+/// blocks whose maximum reaches it (a group's such blocks read a row of LANES at a time, so the
+/// indices come in order); false (`out` then partial) if there are more than `limit`.
+fn collect_at_least<E: Element>(
+    values: &[E],
+    maxima: &BlockMaxima,
+    lower: f32,
+    out: &mut Vec<(usize, f32)>,
+    limit: usize,
+) -> bool {
     out.clear();
-    maxima.for_values_where(
-        values,
-        |m| m >= lower,
-        |index, x| {
-            if x >= lower {
-                out.push((index, x))
+    let whole_groups = values.len() / GROUP;
+    let mut lanes = [0usize; LANES];
+    for (group, &group_maximum) in maxima.groups.iter().enumerate() {
+        if group_maximum < lower || group_maximum.is_nan() {
+            continue;
+        }
+        let start = group * GROUP;
+        if group == whole_groups {
+            // (the tail: one block of consecutive values)
+            for (index, x) in values[start..].iter().enumerate() {
+                let x = x.to_f32();
+                if x >= lower {
+                    out.push((start + index, x));
+                }
             }
-        },
-    );
-    out.sort_unstable_by_key(|&(index, _)| index);
+        } else {
+            let mut reaching = 0;
+            for (lane, &block_maximum) in maxima.blocks[group * LANES..(group + 1) * LANES].iter().enumerate() {
+                if block_maximum >= lower {
+                    lanes[reaching] = lane;
+                    reaching += 1;
+                }
+            }
+            for vector_start in (start..start + GROUP).step_by(LANES) {
+                for &lane in &lanes[..reaching] {
+                    let x = values[vector_start + lane].to_f32();
+                    if x >= lower {
+                        out.push((vector_start + lane, x));
+                    }
+                }
+            }
+        }
+        if out.len() > limit {
+            return false;
+        }
+    }
+    true
 }
 
 /// The largest value, in LANES independent lanes (one running maximum would not vectorize).
@@ -581,8 +653,8 @@ mod tests {
                             let mut sorted = row.clone();
                             sorted.sort_by(|a, b| b.total_cmp(a));
                             let tied = row.iter().filter(|&&x| x >= sorted[top_k - 1]).count();
-                            assert!(tied > TOP_P_CANDIDATES, "no sparse draw: {s:?}, spread {spread}");
-                            continue; // (more tied tokens than the candidates)
+                            assert!(tied > CANDIDATE_LIMIT, "no sparse draw: {s:?}, spread {spread}");
+                            continue; // (more tied tokens than CANDIDATE_LIMIT)
                         };
                         assert!(kept_by_dense[sparse] > 0.0, "token {sparse} is not kept: {s:?}");
                         compared += 1;
