@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import logging
 import threading
 import time
@@ -586,21 +587,24 @@ class LLMEngine:
         closing = _ClosingCall()
         speculating = self.config.num_speculative_tokens > 0
         tokenizer, eos_token_ids, max_model_len = self.tokenizer, self.eos_token_ids, self.max_model_len
-        for (request, seq), result in zip(asked.row_targets, output.sampled):
-            if result is None or request.failed or seq.finished:  # (finished: ended while the step was in flight)
+        token_ids, logprobs = output.sampled_token_ids, output.sampled_logprobs
+        no_logprobs = (None, None)
+        row_logprobs = [logprobs.get(row, no_logprobs) for row in range(len(token_ids))] if logprobs else (
+            itertools.repeat(no_logprobs))
+        for (request, seq), token_id, (logprob, top_logprobs) in zip(asked.row_targets, token_ids, row_logprobs):
+            if token_id is None or request.failed or seq.finished:  # (finished: ended while the step was in flight)
                 continue
             try:  # (an error here aborts this request alone)
-                request.record_token(seq, result.token_id, result.logprob, result.top_logprobs, tokenizer,
-                                     eos_token_ids, max_model_len)
+                request.record_token(seq, token_id, logprob, top_logprobs, tokenizer, eos_token_ids, max_model_len)
                 if placeholders is not None:
                     if seq.seq_id in placeholders:
-                        closing.fill(request, seq.seq_id, result.token_id, seq.finished)
+                        closing.fill(request, seq.seq_id, token_id, seq.finished)
                 elif seq.finished:
                     closing.finish(request, seq.seq_id)
                 elif speculating and self._speculates(request, seq):
-                    self._append_token(request, seq, result.token_id)
+                    self._append_token(request, seq, token_id)
                 else:
-                    closing.append(request, seq.seq_id, result.token_id)
+                    closing.append(request, seq.seq_id, token_id)
             except Exception:
                 self._fail(request, touched)
         self._close_step(closing, touched)

@@ -252,9 +252,9 @@ class ModelRunner:
         except Exception:  # (out of memory, say): row by row, as `execute`; a failed row's request is aborted
             logger.warning("sampling an asynchronous step failed; sampling its rows one by one", exc_info=True)
             done = ModelRunnerOutput()
-            done.sampled = results.sample(self.sampler, logits, requests.sampling_rows, requests.row_seq_ids,
-                                          done.errors)
-            tokens = torch.tensor([0 if result is None else result.token_id for result in done.sampled])
+            sampled = results.sample(self.sampler, logits, requests.sampling_rows, requests.row_seq_ids, done.errors)
+            done.sampled_token_ids, done.sampled_logprobs = sampled.token_ids, sampled.logprobs
+            tokens = torch.tensor([0 if token is None else token for token in done.sampled_token_ids])
             self._sampled = (seq_ids, tokens.to(logits.device))
             return PendingOutput(tokens, done=done)
         self._sampled = (seq_ids, tokens)
@@ -353,8 +353,9 @@ class ModelRunner:
         if requests.sampling_rows:
             # (beams read the raw logits after sampling; else the sampler may change them in place)
             recompute = None if requests.logits_for else (lambda: self.compute_logits(sample_hidden))
-            output.sampled = results.sample(self.sampler, logits, requests.sampling_rows, requests.row_seq_ids, errors,
-                                            recompute)
+            sampled = results.sample(self.sampler, logits, requests.sampling_rows, requests.row_seq_ids, errors,
+                                     recompute)
+            output.sampled_token_ids, output.sampled_logprobs = sampled.token_ids, sampled.logprobs
         if requests.logits_for:
             sampling_seq_ids = plan.seq_ids[plan.samples].tolist()
             row_of = {seq_id: row for row, seq_id in enumerate(sampling_seq_ids)}

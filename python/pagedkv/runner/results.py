@@ -11,7 +11,7 @@ from typing import Callable, Optional
 import torch
 
 from pagedkv.pooling_params import PoolingParams
-from pagedkv.runner.sampler import SampleResult, Sampler, SamplingRow, argmax_rows
+from pagedkv.runner.sampler import SampledTokens, Sampler, SamplingRow, argmax_rows
 from pagedkv.runner.step_messages import PromptLogprobsRequest
 from pagedkv.transfer import to_device
 
@@ -23,26 +23,29 @@ _PROMPT_LOGPROB_ROWS = 256
 
 def sample(sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow], row_seq_ids: list[int],
            errors: dict[int, BaseException],
-           recompute_logits: Optional[Callable[[], torch.Tensor]] = None) -> list[Optional[SampleResult]]:
-    """Every row at once; if that raises, row by row, so a bad row fails alone (None there).
+           recompute_logits: Optional[Callable[[], torch.Tensor]] = None) -> SampledTokens:
+    """Every row at once; if that raises, row by row, so a bad row fails alone (its token None).
     With `recompute_logits` the batch may change `logits` in place (the caller needs them no
     more), and the rows one by one start from logits computed again."""
     try:
-        return sampler(logits, rows, in_place=recompute_logits is not None)
+        return sampler.sample(logits, rows, in_place=recompute_logits is not None)
     except Exception:
         logger.warning("sampling the batch failed; sampling its rows one by one")
     if recompute_logits is not None:  # (the failed batch may have changed some rows already)
         logits = recompute_logits()
-    results: list[Optional[SampleResult]] = []
-    for row, seq_id in zip(rows, row_seq_ids):
-        result = None
+    sampled = SampledTokens([])
+    for index, (row, seq_id) in enumerate(zip(rows, row_seq_ids)):
+        token_id = None
         if seq_id not in errors:
             try:
-                [result] = sampler(logits, [row])
+                alone = sampler.sample(logits, [row])
+                token_id = alone.token_ids[0]
+                if alone.logprobs:
+                    sampled.logprobs[index] = alone.logprobs[0]
             except Exception as error:
                 errors[seq_id] = error  # (the engine logs it, aborting that request)
-        results.append(result)
-    return results
+        sampled.token_ids.append(token_id)
+    return sampled
 
 
 def verify_drafts(compute_logits: Callable, hidden: torch.Tensor, drafts: list[int]) -> list[int]:

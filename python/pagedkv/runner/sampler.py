@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import inspect
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -68,16 +68,32 @@ class SampleResult:
     top_logprobs: Optional[dict[int, float]]
 
 
+@dataclass
+class SampledTokens:
+    """A batch's draws by row (columns, not an object per row): the token ids, and for the rows
+    that asked for logprobs, (the token's logprob, its top logprobs or None)."""
+
+    token_ids: list[int]
+    logprobs: dict[int, tuple[float, Optional[dict[int, float]]]] = field(default_factory=dict)
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow], in_place: bool = False) -> list[SampleResult]:
-        """logits [N, vocab] float32; returns one result per row, in order. `in_place`: the
-        caller has no further use for `logits`, which penalties and masks may then change
-        instead of a copy (50 MB at 256 rows of a 49k vocabulary)."""
+        """`sample`'s draws as one result per row, in order."""
+        sampled = self.sample(logits, rows, in_place)
+        no_logprobs = (None, None)
+        return [SampleResult(token, *sampled.logprobs.get(i, no_logprobs)) for i, token in enumerate(sampled.token_ids)]
+
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow], in_place: bool = False) -> SampledTokens:
+        """logits [N, vocab] (float32, or the model's dtype where every row `is_plain`); one token
+        per row, in order. `in_place`: the caller has no further use for `logits`, which
+        penalties and masks may then change instead of a copy (50 MB at 256 rows of a 49k
+        vocabulary)."""
         logits = _rows_of(logits, rows)
         if all_plain_greedy(rows):  # (the common step: nothing to check per row)
-            return [SampleResult(token, None, None) for token in argmax_rows(logits).tolist()]
+            return SampledTokens(argmax_rows(logits).tolist())
         if all(is_plain(row) for row in rows):  # (nothing changes the logits: drawn in their dtype)
-            return [SampleResult(token, None, None) for token in _draw(logits, rows).tolist()]
+            return SampledTokens(_draw(logits, rows).tolist())
         logits = logits.float()  # (no copy: the float32 logits of every row that is not plain_greedy)
         raw_logits = logits
         # Log-probabilities are under the raw model distribution, for the rows that asked (as in
@@ -98,19 +114,18 @@ class Sampler:
 
         tokens = _draw(logits, rows)
 
-        chosen: list = [None] * len(rows)
-        top_logprobs: list = [None] * len(rows)
+        sampled = SampledTokens(tokens.tolist())
         if wanted:
             index = to_device(torch.tensor(wanted), logits.device)
             logprobs = torch.log_softmax(raw_logits[index], dim=-1)
             values = logprobs.gather(1, tokens[index][:, None]).squeeze(1).tolist()
             for j, i in enumerate(wanted):
-                chosen[i] = values[j]
+                top = None
                 if rows[i].params.logprobs:
                     top_values, top_ids = logprobs[j].topk(rows[i].params.logprobs)
-                    top_logprobs[i] = dict(zip(top_ids.tolist(), top_values.tolist()))
-        token_list = tokens.tolist()
-        return [SampleResult(token_list[i], chosen[i], top_logprobs[i]) for i in range(len(rows))]
+                    top = dict(zip(top_ids.tolist(), top_values.tolist()))
+                sampled.logprobs[i] = (values[j], top)
+        return sampled
 
     def sample_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """The rows' tokens as a tensor on the logits' device, nothing copied to the host (the

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from pagedkv.pooling_params import PoolingParams
-from pagedkv.runner.sampler import SampleResult, SamplingRow
+from pagedkv.runner.sampler import SamplingRow
 
 
 @dataclass
@@ -50,7 +50,9 @@ class StepRequests:
 class ModelRunnerOutput:
     """One step's results for the engine."""
 
-    sampled: list[Optional[SampleResult]] = field(default_factory=list)  # per sampling row; None where it failed
+    sampled_token_ids: list[Optional[int]] = field(default_factory=list)  # per sampling row; None where it failed
+    # (the token's logprob, its top logprobs or None) by sampling row, for the rows that asked
+    sampled_logprobs: dict[int, tuple[float, Optional[dict[int, float]]]] = field(default_factory=dict)
     # Drafts verified, by sequence: the drafts the model agrees with, then its own next token.
     accepted_tokens: dict[int, list[int]] = field(default_factory=dict)
     prompt_logprobs: dict[int, list[dict[int, float]]] = field(default_factory=dict)  # entries for positions first..
@@ -74,4 +76,4 @@ class PendingOutput:
             return self.done
         if self.ready is not None:
             self.ready.synchronize()
-        return ModelRunnerOutput(sampled=[SampleResult(token, None, None) for token in self.tokens.tolist()])
+        return ModelRunnerOutput(sampled_token_ids=self.tokens.tolist())
