@@ -116,7 +116,11 @@ def measure(model: str, num_seqs: int, device: str, output_kind: str = "cumulati
             setattr(runner.model, narrow, timed("logits", getattr(runner.model, narrow)))
     # (the runner samples since the step boundary's ModelRunnerOutput; earlier builds sampled in the engine)
     sampler_owner = runner if hasattr(runner, "sampler") else engine
-    sampler_owner.sampler = timed("sampling", sampler_owner.sampler)
+    sampler = sampler_owner.sampler
+    if hasattr(sampler, "sample"):  # (the runner calls Sampler.sample since the columnar ModelRunnerOutput)
+        sampler.sample = timed("sampling", sampler.sample)
+    else:
+        sampler_owner.sampler = timed("sampling", sampler)
     for _ in range(WARM_STEPS):
         engine.step()
     steps = []  # each timed step's phases
