@@ -19,7 +19,7 @@ from pagedkv._core import Scheduler, SchedulerConfig
 from pagedkv.beam_search import BeamSearch
 from pagedkv.config import EngineConfig
 from pagedkv.errors import DuplicateRequestError, PromptTooLongError, UnknownRequestError
-from pagedkv.runner.sampler import SamplingRow, changes_logits, is_plain
+from pagedkv.runner.sampler import SamplingRow, all_plain, changes_logits
 from pagedkv.runner.step_messages import ModelRunnerOutput, PendingOutput, PromptLogprobsRequest, StepRequests
 from pagedkv.lora import LoRARequest
 from pagedkv.runner.model_runner import ModelRunner
@@ -412,7 +412,7 @@ class LLMEngine:
                 and not (asked.beams or requests.drafts or requests.prompt_logprobs or requests.pooling
                          or requests.logits_for)
                 and len(requests.sampling_rows) == int(plan.samples.sum())
-                and all(is_plain(row) for row in requests.sampling_rows))
+                and all_plain(requests.sampling_rows))
 
     def _hand_over(self, launched: _InFlight, touched: dict[str, RequestState]) -> None:
         """After launching a step asynchronously: its sequences get a placeholder for the token

@@ -25,7 +25,7 @@ from pagedkv.parallel.workers import TensorParallelWorkers
 from pagedkv.runner import results
 from pagedkv.runner.model_info import ModelInfo
 from pagedkv.runner.persistent_batch import PersistentBatch
-from pagedkv.runner.sampler import Sampler, all_plain_greedy, is_plain
+from pagedkv.runner.sampler import Sampler, all_plain, all_plain_greedy
 from pagedkv.runner.step_messages import ModelRunnerOutput, PendingOutput, StepRequests
 from pagedkv.transfer import to_device
 
@@ -200,7 +200,7 @@ class ModelRunner:
         if narrow is not None and not requests.logits_for:
             if all_plain_greedy(rows):
                 return narrow(hidden, order_only=True)
-            if all(is_plain(row) for row in rows):
+            if all_plain(rows):
                 return narrow(hidden)
         return self.compute_logits(hidden)
 

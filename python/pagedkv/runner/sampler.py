@@ -43,6 +43,7 @@ class SamplingRow:
         # min_tokens bans the stop tokens and EOS until the sequence has that many tokens
         self.bans_until_min_tokens = params.min_tokens > 0 and bool(
             params.stop_token_ids or (not params.ignore_eos and self.eos_token_ids))
+        self.always_plain = self.plain_settings and not self.bans_until_min_tokens
         self.plain_greedy = params.temperature == 0 and params.min_tokens == 0 and self.plain_settings
         self.settings = packed_settings(params)
         self._uniforms: list[float] = []  # the next draws of a CPU generator, prefetched
@@ -92,7 +93,7 @@ class Sampler:
         logits = _rows_of(logits, rows)
         if all_plain_greedy(rows):  # (the common step: nothing to check per row)
             return SampledTokens(argmax_rows(logits).tolist())
-        if all(is_plain(row) for row in rows):  # (nothing changes the logits: drawn in their dtype)
+        if all_plain(rows):  # (nothing changes the logits: drawn in their dtype)
             return SampledTokens(_draw(logits, rows).tolist())
         logits = logits.float()  # (no copy: the float32 logits of every row that is not plain_greedy)
         raw_logits = logits
@@ -174,6 +175,11 @@ def is_plain(row: SamplingRow) -> bool:
     return row.plain_settings and not (row.bans_until_min_tokens and len(row.output_token_ids) < row.params.min_tokens)
 
 
+def all_plain(rows: list[SamplingRow]) -> bool:
+    """Whether every row `is_plain` (a row plain whatever its length answers without a call)."""
+    return all(row.always_plain or is_plain(row) for row in rows)
+
+
 def all_plain_greedy(rows: list[SamplingRow]) -> bool:
     """Whether every row is greedy and `is_plain` for good (`SamplingRow.plain_greedy`): its
     token is the argmax of its logits, which may then be the model's dtype, scaled or not
@@ -192,12 +198,12 @@ def _rows_of(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
 def _draw(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """One token per row of logits [N, vocab] (row i is rows[i]'s, float32 or the model's dtype):
     argmax for greedy rows."""
-    greedy = [i for i, row in enumerate(rows) if row.params.temperature == 0]
     sampled = [i for i, row in enumerate(rows) if row.params.temperature != 0]
     if not sampled:
         return argmax_rows(logits)
-    if not greedy:  # (no [N, vocab] gathers in the two common cases)
+    if len(sampled) == len(rows):  # (no [N, vocab] gathers in the two common cases)
         return _sample(logits, rows)
+    greedy = [i for i, row in enumerate(rows) if row.params.temperature == 0]
     tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
     index = to_device(torch.tensor(greedy), logits.device)
     tokens[index] = argmax_rows(logits[index])
