@@ -274,39 +274,45 @@ fn collect_at_least<E: Element>(
 ) -> bool {
     out.clear();
     let whole_groups = values.len() / GROUP;
-    let mut lanes = [0usize; LANES];
-    for (group, &group_maximum) in maxima.groups.iter().enumerate() {
-        if group_maximum < lower || group_maximum.is_nan() {
-            continue;
+    // (groups and blocks that reach `lower` as bits, compared without branches: which of the
+    // row's ~200 groups pass is a coin toss the branch predictor loses)
+    for (word_index, chunk) in maxima.groups.chunks(64).enumerate() {
+        let mut reaching_groups = 0u64;
+        for (bit, &group_maximum) in chunk.iter().enumerate() {
+            reaching_groups |= ((group_maximum >= lower) as u64) << bit;
         }
-        let start = group * GROUP;
-        if group == whole_groups {
-            // (the tail: one block of consecutive values)
-            for (index, x) in values[start..].iter().enumerate() {
-                let x = x.to_f32();
-                if x >= lower {
-                    out.push((start + index, x));
-                }
-            }
-        } else {
-            let mut reaching = 0;
-            for (lane, &block_maximum) in maxima.blocks[group * LANES..(group + 1) * LANES].iter().enumerate() {
-                if block_maximum >= lower {
-                    lanes[reaching] = lane;
-                    reaching += 1;
-                }
-            }
-            for vector_start in (start..start + GROUP).step_by(LANES) {
-                for &lane in &lanes[..reaching] {
-                    let x = values[vector_start + lane].to_f32();
+        while reaching_groups != 0 {
+            let group = word_index * 64 + reaching_groups.trailing_zeros() as usize;
+            reaching_groups &= reaching_groups - 1;
+            let start = group * GROUP;
+            if group == whole_groups {
+                // (the tail: one block of consecutive values)
+                for (index, x) in values[start..].iter().enumerate() {
+                    let x = x.to_f32();
                     if x >= lower {
-                        out.push((vector_start + lane, x));
+                        out.push((start + index, x));
+                    }
+                }
+            } else {
+                let mut reaching_lanes = 0u32;
+                for (lane, &block_maximum) in maxima.blocks[group * LANES..(group + 1) * LANES].iter().enumerate() {
+                    reaching_lanes |= ((block_maximum >= lower) as u32) << lane;
+                }
+                for vector_start in (start..start + GROUP).step_by(LANES) {
+                    let mut lanes = reaching_lanes;
+                    while lanes != 0 {
+                        let index = vector_start + lanes.trailing_zeros() as usize;
+                        lanes &= lanes - 1;
+                        let x = values[index].to_f32();
+                        if x >= lower {
+                            out.push((index, x));
+                        }
                     }
                 }
             }
-        }
-        if out.len() > limit {
-            return false;
+            if out.len() > limit {
+                return false;
+            }
         }
     }
     true
