@@ -14,7 +14,7 @@ new token instead of two decodes and the bookkeeping in Python (~2.4x less per t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, Literal, Union
 
 try:
     from tokenizers.decoders import DecodeStream
@@ -35,7 +35,7 @@ class DetokenizerState:
     final: bool = False  # `text` is the whole decode of the finished sequence
     # (DecodeStream, the tokenizer's backend) where tokenizers' DecodeStream does the decode,
     # False where the method here does it, None until the first call decides
-    stream: Union[None, bool, tuple[Any, Any]] = None
+    stream: Union[None, Literal[False], tuple[Any, Any]] = None
 
 
 def fast_decode(tokenizer):
@@ -67,10 +67,15 @@ def detokenize_incrementally(tokenizer, token_ids: list[int], state: Detokenizer
         stream = state.stream = (DecodeStream(skip_special_tokens=skip_special_tokens), backend) if backend else False
     if stream:
         decoder, backend = stream
-        piece = decoder.step(backend, token_ids[num_seen] if num_tokens == num_seen + 1 else token_ids[num_seen:])
-        if piece:
-            state.text += piece
-        return state.text
+        try:
+            for token_id in token_ids[num_seen:num_tokens]:  # (one token a step but after drafts)
+                piece = decoder.step(backend, token_id)
+                if piece:
+                    state.text += piece
+            return state.text
+        except Exception:  # (tokenizers may refuse a prefix whose text a later token changed)
+            # The method below from the sequence's start: the same text, rebuilt once.
+            state.stream, state.text, state.prefix_offset, state.read_offset = False, "", 0, 0
     decode = fast_decode(tokenizer)
     prefix_text = decode(token_ids[state.prefix_offset : state.read_offset], skip_special_tokens=skip_special_tokens)
     new_text = decode(token_ids[state.prefix_offset :], skip_special_tokens=skip_special_tokens)

@@ -589,8 +589,8 @@ class LLMEngine:
         tokenizer, eos_token_ids, max_model_len = self.tokenizer, self.eos_token_ids, self.max_model_len
         token_ids, logprobs = output.sampled_token_ids, output.sampled_logprobs
         no_logprobs = (None, None)
-        row_logprobs = [logprobs.get(row, no_logprobs) for row in range(len(token_ids))] if logprobs else (
-            itertools.repeat(no_logprobs))
+        row_logprobs = ([logprobs.get(row, no_logprobs) for row in range(len(token_ids))] if logprobs
+                        else itertools.repeat(no_logprobs))
         for (request, seq), token_id, (logprob, top_logprobs) in zip(asked.row_targets, token_ids, row_logprobs):
             if token_id is None or request.failed or seq.finished:  # (finished: ended while the step was in flight)
                 continue

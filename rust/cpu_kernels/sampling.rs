@@ -434,7 +434,7 @@ fn largest_satisfying(holds: impl Fn(f32) -> bool) -> f32 {
 
 /// `out` = the k largest of the `values` above `above` (all of them if fewer), in descending
 /// order (`largest_among` with the values' block maxima).
-fn largest<E: Element>(values: &[E], k: usize, above: f32, out: &mut Vec<f32>) {
+fn largest(values: &[f32], k: usize, above: f32, out: &mut Vec<f32>) {
     let mut maxima = BlockMaxima::default();
     maxima.of(values);
     largest_among(values, &maxima, k, above, out);
@@ -658,7 +658,8 @@ mod tests {
                         let Some(sparse) = sample_top_k_row(&row, &s, &mut scratch, &maxima, &mut kept) else {
                             let mut sorted = row.clone();
                             sorted.sort_by(|a, b| b.total_cmp(a));
-                            let tied = row.iter().filter(|&&x| x >= sorted[top_k - 1]).count();
+                            let floor = sorted[top_k - 1] / temperature; // (what the kernel's limit counts: scaled ties)
+                            let tied = row.iter().filter(|&&x| x / temperature >= floor).count();
                             assert!(tied > CANDIDATE_LIMIT, "no sparse draw: {s:?}, spread {spread}");
                             continue; // (more tied tokens than CANDIDATE_LIMIT)
                         };

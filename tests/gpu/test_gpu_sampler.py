@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from pagedkv.runner.penalties import apply_biases_and_penalties
-from pagedkv.runner.sampler import Sampler, SamplingRow, _sample_on_cpu, _sample_with_torch, sampling_settings
+from pagedkv.runner.sampler import (Sampler, SamplingRow, _sample_on_cpu, _sample_with_torch, packed_settings,
+                                     sampling_settings)
 from pagedkv.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -32,7 +33,7 @@ def test_cuda_sampling_draws_the_cpu_kernels_tokens():
     for _ in range(8):
         uniform = torch.rand(64, generator=generator)
         on_gpu = _sample_with_torch(logits.cuda(), params, uniform.cuda()).cpu()
-        on_cpu = _sample_on_cpu(logits.clone(), sampling_settings(params), uniform)
+        on_cpu = _sample_on_cpu(logits.clone(), sampling_settings([packed_settings(p) for p in params]), uniform)
         mismatches += int((on_gpu != on_cpu).sum())
     assert mismatches <= 64 * 8 // 100  # (a uniform number on a rounding boundary may tip either way)
 

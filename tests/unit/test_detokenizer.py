@@ -57,6 +57,25 @@ def test_the_rust_decode_stream_sends_what_the_python_method_sends(tokenizer, sk
         assert streamed.stream and reference.stream is False  # (the stream, and the Python method)
 
 
+def test_a_decode_stream_that_raises_hands_the_sequence_to_the_python_method(tokenizer):
+    """tokenizers' DecodeStream may refuse a prefix (vLLM met "Invalid prefix encountered"): the
+    sequence goes on with the Python method, its text whole, and the request is not failed."""
+    ids = tokenizer.encode(TEXTS[0], add_special_tokens=False)
+    state = DetokenizerState()
+    detokenize_incrementally(tokenizer, ids[:3], state, True)
+    assert state.stream
+
+    class Refusing:
+        def step(self, backend, token_id):
+            raise Exception("Invalid prefix encountered")
+
+    state.stream = (Refusing(), state.stream[1])
+    for end in range(4, len(ids) + 1):
+        text = detokenize_incrementally(tokenizer, ids[:end], state, True)
+        assert tokenizer.decode(ids[:end]).startswith(text)
+    assert state.stream is False and text == tokenizer.decode(ids)
+
+
 def test_special_tokens_are_skipped_or_kept(tokenizer):
     ids = tokenizer.encode("Hi there", add_special_tokens=False)
     ids = ids[:1] + [tokenizer.eos_token_id] + ids[1:]

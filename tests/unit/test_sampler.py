@@ -314,6 +314,19 @@ def test_plain_sampled_rows_draw_from_bfloat16_logits_what_their_widening_draws(
                 == [r.token_id for r in Sampler()(logits.float(), wide)])
 
 
+def test_float16_logits_of_plain_rows_are_drawn_by_the_cpu_kernel_as_their_widening():
+    """The runner hands plain rows the model's dtype; float16 (which the kernel does not read) is
+    widened for the kernel: the same tokens as from float32 logits."""
+    logits = (torch.randn(6, 3000, generator=torch.Generator().manual_seed(4)) * 3).half()
+
+    def rows():
+        return [row(i, seed=i, temperature=0.9, top_k=[0, 30][i % 2], top_p=0.9) for i in range(6)]
+
+    narrow, wide = rows(), rows()
+    for _ in range(10):
+        assert Sampler().sample(logits, narrow).token_ids == Sampler().sample(logits.float(), wide).token_ids
+
+
 def test_seeded_rows_draw_their_generators_stream_whatever_the_batch():
     """A seeded row's uniform numbers are its generator's single draws in order (prefetched on
     the CPU), with unseeded rows around it or not."""
@@ -429,7 +442,7 @@ def test_the_cpu_sampling_kernel_draws_what_the_torch_sampler_draws(seed, vocab,
     """Rust's one-row-at-a-time sampling (the CPU's) against the torch ops (the GPU's): the same
     token for the same uniform number, but where float rounding puts the number on a boundary,
     and never a token the torch filters drop."""
-    from pagedkv.runner.sampler import _sample_on_cpu, _sample_with_torch, sampling_settings
+    from pagedkv.runner.sampler import _sample_on_cpu, _sample_with_torch, packed_settings, sampling_settings
 
     generator = torch.Generator().manual_seed(seed)
     logits = torch.randn(rows, vocab, generator=generator) * data.draw(st.sampled_from([0.5, 3.0, 10.0]))
@@ -442,7 +455,7 @@ def test_the_cpu_sampling_kernel_draws_what_the_torch_sampler_draws(seed, vocab,
     mismatches = 0
     for d in range(draws):
         uniform = torch.rand(rows, generator=generator)
-        ours = _sample_on_cpu(logits.clone(), sampling_settings(params), uniform)
+        ours = _sample_on_cpu(logits.clone(), sampling_settings([packed_settings(p) for p in params]), uniform)
         theirs = _sample_with_torch(logits.clone(), params, uniform)
         probs = _sample_with_torch_kept(logits, params)
         assert bool(probs[torch.arange(rows), ours].gt(0).all()), (ours, theirs)

@@ -95,7 +95,7 @@ class Sampler:
             return SampledTokens(argmax_rows(logits).tolist())
         if all_plain(rows):  # (nothing changes the logits: drawn in their dtype)
             return SampledTokens(_draw(logits, rows).tolist())
-        logits = logits.float()  # (no copy: the float32 logits of every row that is not plain_greedy)
+        logits = logits.float()  # (no copy where they are float32, as the runner gives them for such rows)
         raw_logits = logits
         # Log-probabilities are under the raw model distribution, for the rows that asked (as in
         # vLLM: computing them costs a pass over every row's vocabulary).
@@ -176,7 +176,7 @@ def is_plain(row: SamplingRow) -> bool:
 
 
 def all_plain(rows: list[SamplingRow]) -> bool:
-    """Whether every row `is_plain` (a row plain whatever its length answers without a call)."""
+    """Whether every row `is_plain` (`always_plain` rows are, without a call)."""
     return all(row.always_plain or is_plain(row) for row in rows)
 
 
@@ -212,7 +212,8 @@ def _draw(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     return tokens
 
 
-_CPU_ARGMAX_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+# The logits dtypes the CPU kernels (argmax, sampling) read, by their names there.
+_CPU_KERNEL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
@@ -221,7 +222,7 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     torch's threads: torch's argmax is ~8x slower on rows as wide as a vocabulary, numpy's runs on
     one thread (a greedy step at 256 sequences of a 49k vocabulary, 2 cores: torch ~16 ms, numpy
     ~2 ms)."""
-    dtype = _CPU_ARGMAX_DTYPES.get(logits.dtype)
+    dtype = _CPU_KERNEL_DTYPES.get(logits.dtype)
     if (dtype is not None and logits.device.type == "cpu" and logits.dim() == 2 and logits.shape[1] > 0
             and logits.is_contiguous()):
         out = torch.empty(logits.shape[0], dtype=torch.long)
@@ -269,8 +270,10 @@ def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     and generator; a seeded row draws the same token whatever else is in the batch."""
     device, vocab = logits.device, logits.shape[-1]
     uniform = _uniform_draws(rows, device)
-    if device.type == "cpu" and logits.dtype in _CPU_SAMPLING_DTYPES and logits.is_contiguous() and vocab > 0:
-        return _sample_on_cpu(logits, sampling_settings(rows), uniform)
+    if device.type == "cpu" and vocab > 0:
+        if logits.dtype not in _CPU_KERNEL_DTYPES:  # (float16: the kernel reads float32 or bfloat16)
+            logits = logits.float()
+        return _sample_on_cpu(logits.contiguous(), sampling_settings([row.settings for row in rows]), uniform)
     return _sample_with_torch(logits.float(), [row.params for row in rows], uniform)
 
 
@@ -290,10 +293,9 @@ def _uniform_draws(rows: list[SamplingRow], device: torch.device) -> torch.Tenso
     return uniform
 
 
-def sampling_settings(rows: list) -> torch.Tensor:
-    """[rows, 4] float32 settings of `rows` (SamplingRows, or SamplingParams) for the kernel."""
-    packed = b"".join(row.settings if isinstance(row, SamplingRow) else packed_settings(row) for row in rows)
-    return torch.frombuffer(bytearray(packed), dtype=torch.float32).view(len(rows), 4)
+def sampling_settings(packed: list[bytes]) -> torch.Tensor:
+    """[rows, 4] float32 settings for the kernel from each row's `packed_settings`."""
+    return torch.frombuffer(bytearray(b"".join(packed)), dtype=torch.float32).view(len(packed), 4)
 
 
 def _sample_with_torch(logits: torch.Tensor, params: list[SamplingParams], uniform: torch.Tensor) -> torch.Tensor:
@@ -322,9 +324,6 @@ def _sample_with_torch(logits: torch.Tensor, params: list[SamplingParams], unifo
     return torch.searchsorted(cdf, target).squeeze(1).clamp_(max=vocab - 1)
 
 
-_CPU_SAMPLING_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
-
-
 def _sample_on_cpu(logits: torch.Tensor, settings: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """`_sample` by the Rust kernel (rust/cpu_kernels/sampling.rs): each row once, in cache, on
     torch's threads (`_sample_with_torch` makes ~8 passes over the batch: ~70 ms a step at 256
@@ -337,7 +336,7 @@ def _sample_on_cpu(logits: torch.Tensor, settings: torch.Tensor, uniform: torch.
         raise ValueError(f"settings {tuple(settings.shape)} and uniform {tuple(uniform.shape)} for {rows} rows")
     out = torch.empty(rows, dtype=torch.int64)
     _core.sample_rows_cpu(out.data_ptr(), logits.data_ptr(), (rows, logits.shape[1]), settings.data_ptr(),
-                          uniform.data_ptr(), torch.get_num_threads(), _CPU_SAMPLING_DTYPES[logits.dtype])
+                          uniform.data_ptr(), torch.get_num_threads(), _CPU_KERNEL_DTYPES[logits.dtype])
     return out
 
 
