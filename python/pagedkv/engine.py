@@ -205,6 +205,7 @@ class LLMEngine:
         metrics = RequestMetrics(arrival_time=arrival_time or time.monotonic(), num_prompt_tokens=len(prompt_token_ids))
         request = RequestState(request_id, prompt_text, prompt_token_ids, params, metrics, [first], pooling=pooling,
                                bad_words_token_ids=self._bad_words_token_ids(params.bad_words), grammar=grammar)
+        request.allow_plain_booking(self.eos_token_ids, self.max_model_len)
         if params.use_beam_search:
             request.beam_search = BeamSearch(
                 beam_width=params.beam_width,
@@ -591,9 +592,22 @@ class LLMEngine:
         no_logprobs = (None, None)
         row_logprobs = ([logprobs.get(row, no_logprobs) for row in range(len(token_ids))] if logprobs
                         else itertools.repeat(no_logprobs))
+        plain = placeholders is None and not speculating
+        append_seq_id, append_token_id = closing.seq_ids.append, closing.token_ids.append
         for (request, seq), token_id, (logprob, top_logprobs) in zip(asked.row_targets, token_ids, row_logprobs):
             if token_id is None or request.failed or seq.finished:  # (finished: ended while the step was in flight)
                 continue
+            booking = request.plain_booking
+            if plain and booking is not None:  # `record_token`'s common case, inlined (most rows)
+                generated = seq.output_token_ids
+                metrics = request.metrics
+                if (token_id not in booking[0] and len(generated) + 1 < booking[1]
+                        and metrics.first_token_time is not None):
+                    generated.append(token_id)
+                    metrics.num_generated_tokens += 1
+                    append_seq_id(seq.seq_id)
+                    append_token_id(token_id)
+                    continue
             try:  # (an error here aborts this request alone)
                 request.record_token(seq, token_id, logprob, top_logprobs, tokenizer, eos_token_ids, max_model_len)
                 if placeholders is not None:
@@ -635,7 +649,7 @@ class LLMEngine:
             return
         except Exception:
             logger.warning("closing the step in one call failed; reporting its sequences one by one")
-        for request, seq_id, token_id, fill in closing.each():
+        for request, seq_id, token_id, fill in closing.each(self.seq_owner):
             if request.failed:
                 continue
             with self._isolated(request, touched):
@@ -816,21 +830,18 @@ class _ClosingCall:
     scheduler together (`Scheduler.update`)."""
 
     def __init__(self):
-        self.seq_ids: list[int] = []
+        self.seq_ids: list[int] = []  # appended to, with token_ids
         self.token_ids: list[int] = []
         self.finished: list[int] = []
         self.fill_ids: list[int] = []  # an asynchronous step's: placeholders filled in
         self.fill_tokens: list[int] = []
-        self._requests: list[tuple[RequestState, int, Optional[int], bool]] = []
 
     def append(self, request: RequestState, seq_id: int, token_id: int) -> None:
         self.seq_ids.append(seq_id)
         self.token_ids.append(token_id)
-        self._requests.append((request, seq_id, token_id, False))
 
     def finish(self, request: RequestState, seq_id: int) -> None:
         self.finished.append(seq_id)
-        self._requests.append((request, seq_id, None, False))
 
     def fill(self, request: RequestState, seq_id: int, token_id: int, finished: bool) -> None:
         """The token for a sequence's placeholder; `finished`: the sequence ends with it."""
@@ -838,9 +849,15 @@ class _ClosingCall:
         self.fill_tokens.append(token_id)
         if finished:
             self.finished.append(seq_id)
-        self._requests.append((request, seq_id, token_id, True))
 
-    def each(self):
-        """(request, seq_id, token_id or None for a finish, whether it fills a placeholder), in
-        the order they were added."""
-        return iter(self._requests)
+    def each(self, seq_owner: dict):
+        """(request, seq_id, token_id or None for a finish, whether it fills a placeholder): the
+        appends, the placeholders filled, then the other finishes (each sequence once)."""
+        filled = set(self.fill_ids)
+        reports = itertools.chain(zip(self.seq_ids, self.token_ids, itertools.repeat(False)),
+                                  zip(self.fill_ids, self.fill_tokens, itertools.repeat(True)),
+                                  ((seq_id, None, False) for seq_id in self.finished if seq_id not in filled))
+        for seq_id, token_id, fill in reports:
+            owner = seq_owner.get(seq_id)
+            if owner is not None:
+                yield owner[0], seq_id, token_id, fill

@@ -68,10 +68,23 @@ class RequestState:
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # params.bad_words, tokenized
     grammar: object = None  # xgrammar CompiledGrammar of a structured-output request (samples' matchers start from it)
     failed: bool = False  # an error while stepping it aborted it (alone)
+    # Set by `allow_plain_booking` for a request whose tokens need no more than `record_token`'s
+    # plain case: (tokens that may end it, generated tokens at which its length ends it).
+    plain_booking: Optional[tuple[frozenset[int], int]] = None
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None:
             self.prompt_logprobs = [None]
+
+    def allow_plain_booking(self, eos_token_ids: frozenset[int], max_model_len: int) -> None:
+        """Lets the engine book most of this request's tokens by appending them (see
+        `plain_booking`): where it reports no logprobs and has no stop strings or grammar, a
+        token that is no stop token or EOS and leaves the sequence short of its length is only
+        appended and counted (`record_token` does the rest for the others)."""
+        params = self.params
+        if params.logprobs is None and not params.stop and self.grammar is None and self.pooling is None:
+            stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_token_ids)
+            self.plain_booking = (stops, min(params.max_tokens, max_model_len - len(self.prompt_token_ids)))
 
     @property
     def needs_prompt_logprobs(self) -> bool:

@@ -174,7 +174,8 @@ def test_an_error_in_one_request_aborts_it_alone(engine, monkeypatch):
     monkeypatch.setattr(RequestState, "record_token", failing_record_token)
     greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     engine.add_request("processor-fails", PROMPT, SamplingParams(max_tokens=8, logits_processors=[processor_failing_at(2)]))
-    engine.add_request("record-fails", PROMPT, SamplingParams(n=2, max_tokens=8, ignore_eos=True))
+    # (logprobs: its every token is booked by record_token, not appended as plain requests' most are)
+    engine.add_request("record-fails", PROMPT, SamplingParams(n=2, max_tokens=8, ignore_eos=True, logprobs=1))
     engine.add_request("healthy", PROMPT, greedy)
     finals = run_until_idle(engine)
     assert finals["healthy"].outputs[0].token_ids == reference
