@@ -227,7 +227,8 @@ fn sample_top_k_row<E: Element>(
 
 /// (the k-th largest value, the largest value, c) of a row with at least k finite values (else
 /// None), where `kept` holds every (index, value) of the row at least c, in index order. Usually
-/// c is the k-th largest maximum of the row's groups: k groups reach it, so at least k values do,
+/// c is the k-th largest maximum of the row's groups (of its blocks where it has no more than k
+/// groups): k groups reach it, so at least k values do,
 /// and in most rows about k, found in the blocks that reach it; where more than
 /// CANDIDATE_LIMIT do, the k best values are selected block by block (`largest_among`), and
 /// `kept` is empty (c is infinite).
@@ -239,9 +240,11 @@ fn kth_and_largest<E: Element>(
     kept: &mut Vec<(usize, f32)>,
 ) -> Option<(f32, f32, f32)> {
     let descending = |a: &f32, b: &f32| b.total_cmp(a);
-    if maxima.groups.len() > k {
+    // (rows of fewer than k groups, a small vocabulary or a large k: the blocks' maxima, by the same argument)
+    let level = if maxima.groups.len() > k { &maxima.groups } else { &maxima.blocks };
+    if level.len() > k {
         scratch.clear();
-        scratch.extend_from_slice(&maxima.groups);
+        scratch.extend_from_slice(level);
         let reach = *scratch.select_nth_unstable_by(k - 1, descending).1;
         if reach > f32::NEG_INFINITY && collect_at_least(row, maxima, reach, kept, CANDIDATE_LIMIT) && kept.len() >= k {
             scratch.clear();
