@@ -29,8 +29,9 @@ logger = logging.getLogger("pagedkv.server")
 class _Stream:
     loop: asyncio.AbstractEventLoop
     outputs: asyncio.Queue
+    delta: bool = False  # its outputs hold only what is new (output_kind "delta")
     last_token_time: Optional[float] = None
-    num_tokens: int = 0
+    num_tokens: int = 0  # generated so far, over every sample
 
 
 class EngineLoop:
@@ -101,7 +102,8 @@ class EngineLoop:
 
         prepared = await self.run_in_worker(lambda: [prepare(request_id, prompt) for request_id, prompt in requests])
         accepted = loop.create_future()
-        streams = [(request, _Stream(loop, asyncio.Queue())) for request in prepared]
+        delta = getattr(params, "output_kind", None) == "delta"
+        streams = [(request, _Stream(loop, asyncio.Queue(), delta)) for request in prepared]
         with self._lock:
             self._check_open()
             self._commands.put(("add", streams, accepted))
@@ -239,13 +241,15 @@ class EngineLoop:
         elif self.metrics is not None:
             now = time.monotonic()
             num_tokens = sum(len(completion.token_ids) for completion in output.outputs)
+            if stream.delta:  # (counted across the outputs)
+                num_tokens += stream.num_tokens
             if stream.num_tokens == 0 and num_tokens and output.metrics.time_to_first_token is not None:
                 self.metrics.time_to_first_token.observe(output.metrics.time_to_first_token)
             elif num_tokens > stream.num_tokens and stream.last_token_time is not None:
                 self.metrics.inter_token_latency.observe((now - stream.last_token_time) / (num_tokens - stream.num_tokens))
             stream.last_token_time, stream.num_tokens = now, num_tokens
             if output.finished:
-                self.metrics.observe_finished(output)
+                self.metrics.observe_finished(output, num_tokens)
         stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, output)
         if output.finished:
             self._streams.pop(output.request_id, None)

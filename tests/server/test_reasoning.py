@@ -82,12 +82,12 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
 
 
 def streamed_chat_chunks(reply: str, cuts: list[int], reasoning_parser: str, tool_call_parser: str) -> list[dict]:
-    """The chat chunks the server streams for a reply that grows to each cut in turn, with the
-    get_weather tool offered ("auto")."""
+    """The chat chunks the server streams for a reply that grows to each cut in turn (delta
+    outputs: each what is new), with the get_weather tool offered ("auto")."""
     async def outputs():
         for step, cut in enumerate(cuts):
             last = cut == len(reply)
-            completion = CompletionOutput(index=0, text=reply[:cut], token_ids=list(range(step + 1)),
+            completion = CompletionOutput(index=0, text=reply[cuts[step - 1] if step else 0:cut], token_ids=[step],
                                           finish_reason="stop" if last else None)
             yield 0, RequestOutput("r", "p", [1, 2], [completion], finished=last)
 

@@ -65,6 +65,7 @@ def test_streamed_events_add_up_to_the_whole_response(client):
     [done] = [event for event in events if event.type == "response.output_text.done"]
     assert done.text == whole.output_text
     assert events[-1].response.output_text == whole.output_text
+    assert events[-1].response.usage.output_tokens == whole.usage.output_tokens > 1  # (counted over every step)
 
 
 def test_reasoning_items_come_before_the_message(client):

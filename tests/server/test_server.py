@@ -51,6 +51,21 @@ def test_token_counters_and_request_latency_histograms(client, server):
     assert after["pagedkv_request_queue_time_seconds_count"] == before["pagedkv_request_queue_time_seconds_count"] + 1
 
 
+def test_streamed_usage_and_token_counters_count_every_step(client, server):
+    """Streams carry what is new each step (delta outputs): the usage chunk and the generation
+    counter count the tokens of every step, as a non-streamed answer's usage does."""
+    model = server.engine.model_name
+    args = dict(model=model, prompt="Count: one, two,", max_tokens=7, n=2, temperature=0)
+    full = client.completions.create(**args)
+    before = server.metric("pagedkv_generation_tokens_total")
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **args))
+    after = server.metric("pagedkv_generation_tokens_total")
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens == after - before
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+    texts = ["".join(c.text for chunk in chunks for c in chunk.choices if c.index == i) for i in range(2)]
+    assert texts == [choice.text for choice in full.choices]
+
+
 def test_completions_streamed_equals_non_streamed(client, server):
     model = server.engine.model_name
     args = dict(model=model, prompt="The three primary colors are", max_tokens=24, temperature=0)
@@ -296,10 +311,10 @@ def test_streamed_auto_tool_calls_hold_back_the_tagged_text():
     steps = ["Let me", "Let me check. <tool", "Let me check. <tool_call>{\"name\": \"get_wea",
              'Let me check. <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>']
 
-    async def outputs():
+    async def outputs():  # (what is new each step: the server streams delta outputs)
         for step, text in enumerate(steps):
             last = step == len(steps) - 1
-            completion = CompletionOutput(index=0, text=text, token_ids=list(range(step + 1)),
+            completion = CompletionOutput(index=0, text=text[len(steps[step - 1]) if step else 0:], token_ids=[step],
                                           finish_reason="stop" if last else None)
             yield 0, RequestOutput("r", "p", [1, 2], [completion], finished=last)
 

@@ -3,6 +3,8 @@ loop's stats snapshot at scrape time), latency histograms and finished requests 
 
 from __future__ import annotations
 
+from typing import Optional
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -35,12 +37,15 @@ class ServerMetrics:
         )
         self.registry.register(_EngineCollector(stats_source))
 
-    def observe_finished(self, output) -> None:
-        """Counts a finished request (a RequestOutput with `finished`, or an embedding)."""
+    def observe_finished(self, output, num_generated_tokens: Optional[int] = None) -> None:
+        """Counts a finished request (a RequestOutput with `finished`, or an embedding);
+        `num_generated_tokens`: its samples' tokens where `output` holds only the last ones (delta)."""
         if isinstance(output.outputs, list):
             for completion in output.outputs:
                 self.requests_finished.labels(completion.finish_reason or "abort").inc()
-            self.generation_tokens.inc(sum(len(completion.token_ids) for completion in output.outputs))
+            if num_generated_tokens is None:
+                num_generated_tokens = sum(len(completion.token_ids) for completion in output.outputs)
+            self.generation_tokens.inc(num_generated_tokens)
         else:
             self.requests_finished.labels("stop").inc()
         self.prompt_tokens.inc(len(output.prompt_token_ids))

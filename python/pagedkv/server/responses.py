@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import struct
 import time
 import uuid
 from typing import AsyncIterator, Optional
 
-from pagedkv.outputs import ClassificationRequestOutput, EmbeddingRequestOutput, RequestOutput
+from pagedkv.outputs import ClassificationRequestOutput, CompletionOutput, EmbeddingRequestOutput, RequestOutput
 from pagedkv.server.reasoning import ReasoningParser
 from pagedkv.server.tools import ToolCalling
 
@@ -32,13 +33,11 @@ class ResponseBuilder:
         self, request_id: str, outputs: AsyncIterator[tuple[int, RequestOutput]], num_prompts: int, created: int,
         chat: bool, include_usage: bool, n: int, echo: bool, tools: Optional[ToolCalling] = None,
     ) -> AsyncIterator[str]:
-        """SSE chunks of (prompt index, output) pairs as they arrive, then usage and [DONE]."""
+        """SSE chunks of (prompt index, output) pairs as they arrive (each output what is new:
+        output_kind "delta"), then usage and [DONE]."""
         num_choices = n * num_prompts
-        sent_chat: dict[int, dict[str, int]] = {}  # per choice: reasoning, content and tokens sent
-        sent_text: dict[int, int] = {}
-        sent_tokens: dict[int, int] = {}
-        next_offset: dict[int, int] = {}  # text offset of the next token, per choice (streamed logprobs)
-        finals: dict[int, RequestOutput] = {}
+        choices_so_far: dict[int, _ChoiceSoFar] = {}
+        prompt_tokens: dict[int, int] = {}  # per prompt, of the finished ones
         kind = "chat.completion.chunk" if chat else "text_completion"
         if chat:
             first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -48,69 +47,80 @@ class ResponseBuilder:
             choices = []
             for completion in output.outputs:
                 index = prompt_index * n + completion.index
-                if chat:
-                    choice = self._chat_chunk(index, completion, sent_chat.setdefault(index, dict.fromkeys(
-                        ("reasoning", "content", "tokens"), 0)), tools)
-                    if choice is not None:
-                        choices.append(choice)
-                    continue
-                text = completion.text
-                delta = text[sent_text.get(index, 0):]
-                first_chunk = index not in sent_text
-                if echo and first_chunk:
-                    delta = self.prompt_text(output) + delta
-                if not delta and completion.finish_reason is None:
-                    continue
-                first_token = sent_tokens.get(index, 0)
-                sent_text[index], sent_tokens[index] = len(text), len(completion.token_ids)
-                # Offsets carry over from chunk to chunk (recomputing them would decode every earlier token).
-                if index not in next_offset:
-                    next_offset[index] = len(self.prompt_text(output)) if echo else 0
-                offset = next_offset[index]
-                logprobs = self.completion_logprobs(output, completion, first_token, echo, echo and first_chunk, offset)
-                if logprobs is not None:
-                    new_tokens = logprobs["tokens"][len(logprobs["tokens"]) - (len(completion.token_ids) - first_token):]
-                    next_offset[index] = offset + sum(len(token) for token in new_tokens)
-                choices.append({"index": index, "text": delta, "logprobs": logprobs,
-                                "finish_reason": completion.finish_reason})
+                so_far = choices_so_far.get(index)
+                if so_far is None:
+                    so_far = choices_so_far[index] = _ChoiceSoFar(len(self.prompt_text(output)) if echo else 0)
+                so_far.receive(completion, keep_text=chat and (self.reasoning is not None or tools is not None))
+                choice = (self._chat_chunk(index, completion, so_far, tools) if chat
+                          else self._completion_chunk(index, output, completion, so_far, echo))
+                if choice is not None:
+                    choices.append(choice)
             if choices:
                 yield sse({"id": request_id, "object": kind, "created": created, "model": self.model_name, "choices": choices})
             if output.finished:
-                finals[prompt_index] = output
-                if len(finals) == num_prompts:
+                prompt_tokens[prompt_index] = len(output.prompt_token_ids)
+                if len(prompt_tokens) == num_prompts:
                     if include_usage:
+                        num_generated = sum(so_far.num_tokens for so_far in choices_so_far.values())
+                        usage = self.usage_of(sum(prompt_tokens.values()), num_generated)
                         yield sse({"id": request_id, "object": kind, "created": created, "model": self.model_name,
-                                   "choices": [], "usage": self.usage(list(finals.values()))})
+                                   "choices": [], "usage": usage})
                     yield "data: [DONE]\n\n"
                     return
 
-    def _chat_chunk(self, index: int, completion, sent: dict[str, int], tools: Optional[ToolCalling]) -> Optional[dict]:
+    def _completion_chunk(self, index: int, output: RequestOutput, completion, so_far: _ChoiceSoFar,
+                          echo: bool) -> Optional[dict]:
+        """A completion choice's next chunk: its new text (after the prompt, the first, with
+        `echo`) and the logprobs of the tokens received since the last chunk; None while there is
+        no text to send (a character split across tokens)."""
+        text = completion.text
+        first_chunk = not so_far.started
+        if echo and first_chunk:
+            text = self.prompt_text(output) + text
+        if not text and completion.finish_reason is None:
+            return None
+        so_far.started = True
+        pending = so_far.take_pending(completion)
+        offset = so_far.text_offset
+        logprobs = self.completion_logprobs(output, pending, 0, echo, echo and first_chunk, offset)
+        if logprobs is not None:
+            # (offsets carry over from chunk to chunk: recomputing them would decode every earlier token)
+            new_tokens = logprobs["tokens"][len(logprobs["tokens"]) - len(pending.token_ids):]
+            so_far.text_offset = offset + sum(len(token) for token in new_tokens)
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": completion.finish_reason}
+
+    def _chat_chunk(self, index: int, completion, so_far: _ChoiceSoFar, tools: Optional[ToolCalling]) -> Optional[dict]:
         """A chat choice's next chunk, or None when nothing new can go out yet: new reasoning,
         new content (with tools: up to a possible call; calls go out whole at the end) and the
-        new tokens' logprobs. `sent` counts what went out before and is updated."""
+        logprobs of the tokens received since the last chunk. Without a reasoning parser or tools,
+        the new text is the new content as it is (nothing reads the whole reply)."""
         finished = completion.finish_reason is not None
-        reasoning, content = self.split_reasoning(completion.text, finished)
         delta: dict = {}
-        if len(reasoning) > sent["reasoning"]:
-            delta["reasoning_content"] = delta["reasoning"] = reasoning[sent["reasoning"]:]
-            sent["reasoning"] = len(reasoning)
         reason = completion.finish_reason
-        if tools is None or not finished:
-            end = len(content) if tools is None else tools.streamable_len(content)
-            if end > sent["content"]:
-                delta["content"] = content[sent["content"]:end]
-                sent["content"] = end
+        if self.reasoning is None and tools is None:
+            if completion.text:
+                delta["content"] = completion.text
         else:
-            rest, calls, reason = tools.finish_stream(content, sent["content"], reason)
-            if rest:
-                delta["content"] = rest
-            if calls:
-                delta["tool_calls"] = [dict(call, index=i) for i, call in enumerate(calls)]
-            sent["content"] = len(content)
+            reasoning, content = self.split_reasoning(so_far.text, finished)
+            if len(reasoning) > so_far.reasoning_sent:
+                delta["reasoning_content"] = delta["reasoning"] = reasoning[so_far.reasoning_sent:]
+                so_far.reasoning_sent = len(reasoning)
+            if tools is None or not finished:
+                end = len(content) if tools is None else tools.streamable_len(content)
+                if end > so_far.content_sent:
+                    delta["content"] = content[so_far.content_sent:end]
+                    so_far.content_sent = end
+            else:
+                rest, calls, reason = tools.finish_stream(content, so_far.content_sent, reason)
+                if rest:
+                    delta["content"] = rest
+                if calls:
+                    delta["tool_calls"] = [dict(call, index=i) for i, call in enumerate(calls)]
+                so_far.content_sent = len(content)
         if not delta and not finished:
             return None
-        logprobs = None if tools is not None else self.chat_logprobs(completion, sent["tokens"])
-        sent["tokens"] = len(completion.token_ids)
+        pending = so_far.take_pending(completion)
+        logprobs = None if tools is not None else self.chat_logprobs(pending)
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
 
     def split_reasoning(self, text: str, finished: bool = True) -> tuple[str, str]:
@@ -228,8 +238,12 @@ class ResponseBuilder:
         return {"content": content}
 
     def usage(self, outputs: list) -> dict:
+        """Usage of whole (not delta) final outputs."""
         completion_tokens = sum(len(c.token_ids) for output in outputs for c in output.outputs)
-        prompt_tokens = sum(len(output.prompt_token_ids) for output in outputs)
+        return self.usage_of(sum(len(output.prompt_token_ids) for output in outputs), completion_tokens)
+
+    @staticmethod
+    def usage_of(prompt_tokens: int, completion_tokens: int) -> dict:
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens}
 
@@ -237,3 +251,41 @@ class ResponseBuilder:
 def pooling_usage(num_tokens: int) -> dict:
     """Usage of requests that compute their prompts only."""
     return {"prompt_tokens": num_tokens, "total_tokens": num_tokens, "completion_tokens": 0}
+
+
+class _ChoiceSoFar:
+    """What a streamed choice received and sent so far, its outputs being deltas: its tokens
+    (and logprobs) not yet sent with a chunk, the characters of reasoning and content sent, the
+    text offset of its next token, and its whole text where a parser reads it (`keep_text`)."""
+
+    def __init__(self, text_offset: int):
+        self.text_offset = text_offset
+        self.started = False
+        self.num_tokens = 0
+        self.reasoning_sent = self.content_sent = 0
+        self._pieces: list[str] = []
+        self._text = ""
+        self._pending_tokens: list[int] = []
+        self._pending_logprobs: Optional[list] = None
+
+    def receive(self, completion, keep_text: bool) -> None:
+        self.num_tokens += len(completion.token_ids)
+        self._pending_tokens += completion.token_ids
+        if completion.logprobs is not None:
+            self._pending_logprobs = (self._pending_logprobs or []) + completion.logprobs
+        if keep_text and completion.text:
+            self._pieces.append(completion.text)
+
+    @property
+    def text(self) -> str:
+        """The choice's text so far (`receive` with keep_text)."""
+        if self._pieces:
+            self._text += "".join(self._pieces)
+            self._pieces.clear()
+        return self._text
+
+    def take_pending(self, completion) -> CompletionOutput:
+        """`completion` with the tokens and logprobs received since the last chunk (now sent)."""
+        pending = dataclasses.replace(completion, token_ids=self._pending_tokens, logprobs=self._pending_logprobs)
+        self._pending_tokens, self._pending_logprobs = [], None
+        return pending

@@ -47,8 +47,9 @@ async def run(context: ServingContext, request: Request, prompts: list, params, 
     builder = context.builders[served]
     request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     request_ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-    if not body.stream:  # only the final output is sent: spare the engine per-step detokenizing
-        params = dataclasses.replace(params, output_kind="final_only")
+    # Only the final output is sent (no per-step detokenizing), or streamed what is new each step
+    # (no per-step copies of the tokens and text so far)
+    params = dataclasses.replace(params, output_kind="delta" if body.stream else "final_only")
     streams = await context.submit(request_ids, prompts, params, body.priority, served, chat,
                                    check_context_room=body.max_tokens is not None)
     created = int(time.time())

@@ -27,21 +27,22 @@ async def responses(body: ResponsesRequest, request: Request, context: ServingCo
     prompt = await context.chat_prompt(messages, True, chat_tools if tools is not None else None,
                                        body.chat_template_kwargs)
     response = ResponseState(served, body, context.reasoning, tools)
-    if not body.stream:
-        params = dataclasses.replace(params, output_kind="final_only")
+    params = dataclasses.replace(params, output_kind="delta" if body.stream else "final_only")
     [stream] = await context.submit([response.id], [prompt], params, body.priority, served, chat=False,
                                     prompt_field="input", check_context_room=body.max_output_tokens is not None)
 
     async def events():
         yield "".join(response.start())
-        output = None
+        output, reply, num_tokens = None, "", 0
         while output is None or not output.finished:
-            output = await next_output(stream)
+            output = await next_output(stream)  # (what is new: output_kind "delta")
             completion = output.outputs[0]
-            text = "".join(response.update(completion.text, completion.finish_reason, output.finished))
+            reply += completion.text
+            num_tokens += len(completion.token_ids)
+            text = "".join(response.update(reply, completion.finish_reason, output.finished))
             if text:
                 yield text
-        yield "".join(response.finish(completion.finish_reason, responses_usage(output)))
+        yield "".join(response.finish(completion.finish_reason, responses_usage(output, num_tokens)))
 
     if body.stream:
         return context.event_stream([stream], events())
