@@ -67,12 +67,16 @@ def detokenize_incrementally(tokenizer, token_ids: list[int], state: Detokenizer
         stream = state.stream = (DecodeStream(skip_special_tokens=skip_special_tokens), backend) if backend else False
     if stream:
         decoder, backend = stream
+        # (`text` the only reference to the text so far: `+=` extends it in place, where `state.text +=`
+        # would copy it, O(length) a token; the engine keeps no other reference while it grows)
+        text, state.text = state.text, ""
         try:
             for token_id in token_ids[num_seen:num_tokens]:  # (one token a step but after drafts)
                 piece = decoder.step(backend, token_id)
                 if piece:
-                    state.text += piece
-            return state.text
+                    text += piece
+            state.text = text
+            return text
         except Exception:  # (tokenizers may refuse a prefix whose text a later token changed)
             # The method below from the sequence's start: the same text, rebuilt once.
             state.stream, state.text, state.prefix_offset, state.read_offset = False, "", 0, 0
@@ -80,7 +84,9 @@ def detokenize_incrementally(tokenizer, token_ids: list[int], state: Detokenizer
     prefix_text = decode(token_ids[state.prefix_offset : state.read_offset], skip_special_tokens=skip_special_tokens)
     new_text = decode(token_ids[state.prefix_offset :], skip_special_tokens=skip_special_tokens)
     if len(new_text) > len(prefix_text) and not new_text.endswith(_INCOMPLETE):
-        state.text += new_text[len(prefix_text) :]
+        text, state.text = state.text, ""  # (as above: extended in place)
+        text += new_text[len(prefix_text) :]
+        state.text = text
         state.prefix_offset, state.read_offset = state.read_offset, len(token_ids)
     return state.text
 

@@ -486,7 +486,7 @@ class LLMEngine:
         except UnknownRequestError:
             pass
         request.final_outputs = [
-            CompletionOutput(seq.index, seq.text, list(seq.output_token_ids), seq.finish_reason or "abort",
+            CompletionOutput(seq.index, seq.text_so_far, list(seq.output_token_ids), seq.finish_reason or "abort",
                              seq.stop_reason)
             for seq in request.seqs
         ]

@@ -47,6 +47,14 @@ class SequenceState:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def text_so_far(self) -> str:
+        """Its text as far as it was decoded: cut at its stop string if one ended it, else the
+        decode so far (the final one once `detokenize_final` ran). (`text` is set when the
+        sequence is reported finished, not step by step: one string less referring to the
+        growing decode lets it grow in place.)"""
+        return self.text if isinstance(self.stop_reason, str) else self.detokenizer.text
+
 
 @dataclass
 class RequestState:
@@ -141,36 +149,41 @@ class RequestState:
         elif may_stop and token_id in params.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token_id
         elif params.stop:
-            seq.text = detokenize_incrementally(tokenizer, seq.output_token_ids, seq.detokenizer, params.skip_special_tokens)
-            if may_stop and self._truncate_at_stop_string(seq):
+            text = detokenize_incrementally(tokenizer, seq.output_token_ids, seq.detokenizer, params.skip_special_tokens)
+            if may_stop and self._truncate_at_stop_string(seq, text):
                 return
         if seq.finish_reason is None:
             if num_generated >= params.max_tokens or len(self.prompt_token_ids) + num_generated >= max_model_len:
                 seq.finish_reason = "length"
 
-    def _truncate_at_stop_string(self, seq: SequenceState) -> bool:
-        """Cuts the text before the first stop string that appeared in it, if any."""
+    def _truncate_at_stop_string(self, seq: SequenceState, text: str) -> bool:
+        """Ends the sequence, its text cut before the first stop string that appeared in `text`
+        (its decode so far), if one did (looking only past what earlier calls looked at)."""
         longest = max(len(stop) for stop in self.params.stop)
         search_from = max(0, seq._checked_text_len - longest + 1)
-        seq._checked_text_len = len(seq.text)
-        found = [(seq.text.find(stop, search_from), stop) for stop in self.params.stop]
+        seq._checked_text_len = len(text)
+        found = [(text.find(stop, search_from), stop) for stop in self.params.stop]
         found = [(position, stop) for position, stop in found if position >= 0]
         if not found:
             return False
         position, stop = min(found)
-        seq.text = seq.text[: position + (len(stop) if self.params.include_stop_str_in_output else 0)]
+        seq.text = text[: position + (len(stop) if self.params.include_stop_str_in_output else 0)]
         seq.finish_reason, seq.stop_reason = "stop", stop
         return True
 
     def completion(self, seq: SequenceState, tokenizer) -> CompletionOutput:
         params = self.params
         if seq.finish_reason is None:
-            text = seq.text = detokenize_incrementally(tokenizer, seq.output_token_ids, seq.detokenizer,
-                                                       params.skip_special_tokens)
+            # (the decode so far, referred to by its state alone: it grows in place, no copy a step)
+            text = detokenize_incrementally(tokenizer, seq.output_token_ids, seq.detokenizer, params.skip_special_tokens)
+            end = len(text)
             if params.stop and not params.include_stop_str_in_output:
                 # A stop string may be ending the text: hold back what could be its start (as vLLM),
                 # so a stream never sends characters the finished text will not have.
-                text = text[: max(0, len(text) - max(len(stop) for stop in params.stop) + 1)]
+                end = max(0, end - max(len(stop) for stop in params.stop) + 1)
+            if params.output_kind == "delta":
+                return self._delta(seq, text, seq.output_token_ids, seq.logprobs, None, None, end)
+            text = text[:end] if end < len(text) else text
         else:
             if not isinstance(seq.stop_reason, str):  # (a stop string cut the text already)
                 token_ids = seq.output_token_ids
@@ -185,15 +198,17 @@ class RequestState:
                                 seq.cumulative_logprob if params.logprobs is not None else None, seq.logprobs)
 
     def _delta(self, seq: SequenceState, text: str, token_ids: list[int], logprobs: Optional[list],
-               finish_reason: Optional[str], stop_reason: object) -> CompletionOutput:
+               finish_reason: Optional[str], stop_reason: object, end: Optional[int] = None) -> CompletionOutput:
         """What is new in a sequence since its previous output (output_kind "delta"); text is
-        new past the characters sent (the whole decode a finished sequence ends with extends
-        the incremental one; a stop string cut within text already sent sends nothing more)."""
+        new past the characters sent, up to `end` (default: all of it; the whole decode a
+        finished sequence ends with extends the incremental one; a stop string cut within text
+        already sent sends nothing more)."""
+        end = len(text) if end is None else end
         sent_tokens, sent_chars = seq.num_reported_tokens, seq.num_reported_chars
-        seq.num_reported_tokens, seq.num_reported_chars = len(token_ids), max(sent_chars, len(text))
+        seq.num_reported_tokens, seq.num_reported_chars = len(token_ids), max(sent_chars, end)
         return CompletionOutput(
             index=seq.index,
-            text=text[sent_chars:],
+            text=text[sent_chars:end],
             token_ids=token_ids[sent_tokens:],
             finish_reason=finish_reason,
             stop_reason=stop_reason,

@@ -151,6 +151,10 @@ def test_vllm_extra_sampling_parameters_and_logit_bias(client, server):
     beams = client.completions.create(model=model, prompt="Hello", max_tokens=4, n=2, temperature=0,
                                       extra_body={"use_beam_search": True})
     assert len(beams.choices) == 2 and beams.choices[0].text != beams.choices[1].text
+    streamed_beams = list(client.completions.create(model=model, prompt="Hello", max_tokens=4, n=2, temperature=0,
+                                                    stream=True, extra_body={"use_beam_search": True}))
+    assert [[c.text for chunk in streamed_beams for c in chunk.choices if c.index == i] for i in range(2)] == [
+        [choice.text] for choice in beams.choices]  # (the final beams, at once: they change until the end)
 
 
 def test_batched_prompts_echo_and_streamed_logprobs(client, server):

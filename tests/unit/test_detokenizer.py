@@ -125,3 +125,56 @@ def test_a_tokenizer_that_cleans_up_spaces_decodes_through_transformers(tokenize
         assert fast_decode(tokenizer) == tokenizer.decode
     finally:
         tokenizer.clean_up_tokenization_spaces = original
+
+
+@pytest.mark.parametrize("stop", [[], ["never in it"]])
+@pytest.mark.parametrize("output_kind", ["delta", "cumulative"])
+def test_a_streamed_sequence_text_has_one_reference_while_it_grows(tokenizer, output_kind, stop):
+    """The engine keeps the decode so far in the detokenizer's state alone (`SequenceState.text`
+    is set when the sequence ends): `+=` then extends the string in place instead of copying the
+    whole text at every token. Delta outputs hold only the new text; what the outputs add up to,
+    or the last cumulative one, is the whole decode."""
+    import sys
+
+    from pagedkv.outputs import RequestMetrics
+    from pagedkv.request_state import RequestState, SequenceState
+    from pagedkv.sampling_params import SamplingParams
+
+    ids = tokenizer.encode(" ".join(TEXTS), add_special_tokens=False)
+    seq = SequenceState(seq_id=0, index=0)
+    request = RequestState("r", None, [1], SamplingParams(max_tokens=10_000, stop=stop, output_kind=output_kind),
+                           RequestMetrics(0.0), [seq], forked=True)
+    sent = ""
+    for token_id in ids:
+        request.record_token(seq, token_id, None, None, tokenizer, frozenset(), 100_000)
+        output = request.to_output(tokenizer).outputs[0]
+        sent = sent + output.text if output_kind == "delta" else output.text
+        text = seq.detokenizer.text
+        if output_kind == "delta":  # (the state's, `text` and the call's argument; and this test's own)
+            assert sys.getrefcount(text) - (output.text is text) - (sent is text) == 3
+    assert sent == tokenizer.decode(ids)[: len(sent)] and len(sent) >= len(tokenizer.decode(ids)) - len("never in it")
+    assert seq.text_so_far == seq.detokenizer.text == tokenizer.decode(ids)
+
+
+@pytest.mark.parametrize("stop", [[], ["brown"]])
+def test_text_so_far_of_a_sequence_that_ended_before_it_was_reported(tokenizer, stop):
+    """A sequence that ends (by length here, or at a stop string) in the step that then fails
+    keeps the text it had (what a failed request reports), not an empty one."""
+    from pagedkv.outputs import RequestMetrics
+    from pagedkv.request_state import RequestState, SequenceState
+    from pagedkv.sampling_params import SamplingParams
+
+    ids = tokenizer.encode(TEXTS[0], add_special_tokens=False)
+    seq = SequenceState(seq_id=0, index=0)
+    request = RequestState("r", None, [1], SamplingParams(max_tokens=len(ids), stop=stop), RequestMetrics(0.0),
+                           [seq], forked=True)
+    for token_id in ids[:-1]:
+        request.record_token(seq, token_id, None, None, tokenizer, frozenset(), 10_000)
+        if seq.finished:
+            break
+        request.to_output(tokenizer)
+    else:
+        request.record_token(seq, ids[-1], None, None, tokenizer, frozenset(), 10_000)
+    assert seq.finished
+    expected = TEXTS[0][: TEXTS[0].index("brown")] if stop else tokenizer.decode(ids[:-1])
+    assert seq.text_so_far == expected

@@ -219,6 +219,14 @@ def make_params(build: Callable[[], Params]) -> Params:
         raise APIError(400, str(error), "invalid_request_error", field)
 
 
+def streamed_output_kind(params) -> str:
+    """The engine outputs a streamed answer is built from: what is new each step ("delta": no
+    per-step copy of the tokens and text so far), or for beam search, whose beams are rewritten
+    until the end, the final beams at once ("final_only"). (Answers that are not streamed read
+    the final output alone: "final_only", no per-step detokenizing.)"""
+    return "final_only" if params.use_beam_search else "delta"
+
+
 def with_tools(params, tools: Optional[ToolCalling], structured_fields: str):
     """The request's sampling params with its tools: a forced call is a grammar (none other may
     be asked for, in `structured_fields`); with "auto", Llama 3's <|python_tag|> and

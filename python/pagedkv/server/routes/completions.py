@@ -11,7 +11,7 @@ from fastapi import APIRouter, Depends, Request
 
 from pagedkv.server.openapi import ChatCompletion, Completion, streamed_answer
 from pagedkv.server.protocol import ChatCompletionRequest, CompletionRequest
-from pagedkv.server.serving import ServingContext, make_params, merged, serving, with_tools
+from pagedkv.server.serving import ServingContext, make_params, merged, serving, streamed_output_kind, with_tools
 from pagedkv.server.tools import ToolCalling
 
 router = APIRouter()
@@ -47,9 +47,7 @@ async def run(context: ServingContext, request: Request, prompts: list, params, 
     builder = context.builders[served]
     request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     request_ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-    # Only the final output is sent (no per-step detokenizing), or streamed what is new each step
-    # (no per-step copies of the tokens and text so far)
-    params = dataclasses.replace(params, output_kind="delta" if body.stream else "final_only")
+    params = dataclasses.replace(params, output_kind=streamed_output_kind(params) if body.stream else "final_only")
     streams = await context.submit(request_ids, prompts, params, body.priority, served, chat,
                                    check_context_room=body.max_tokens is not None)
     created = int(time.time())

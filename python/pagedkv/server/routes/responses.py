@@ -9,7 +9,8 @@ from fastapi import APIRouter, Depends, Request
 from pagedkv.server.openapi import ResponseBody, streamed_answer
 from pagedkv.server.protocol import ResponsesRequest
 from pagedkv.server.responses_api import ResponseState, usage as responses_usage
-from pagedkv.server.serving import ServingContext, make_params, next_output, serving, with_tools
+from pagedkv.server.serving import (ServingContext, make_params, next_output, serving, streamed_output_kind,
+                                     with_tools)
 
 router = APIRouter()
 
@@ -27,7 +28,7 @@ async def responses(body: ResponsesRequest, request: Request, context: ServingCo
     prompt = await context.chat_prompt(messages, True, chat_tools if tools is not None else None,
                                        body.chat_template_kwargs)
     response = ResponseState(served, body, context.reasoning, tools)
-    params = dataclasses.replace(params, output_kind="delta" if body.stream else "final_only")
+    params = dataclasses.replace(params, output_kind=streamed_output_kind(params) if body.stream else "final_only")
     [stream] = await context.submit([response.id], [prompt], params, body.priority, served, chat=False,
                                     prompt_field="input", check_context_room=body.max_output_tokens is not None)
 
