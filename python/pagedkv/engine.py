@@ -612,13 +612,13 @@ class LLMEngine:
                 request.record_token(seq, token_id, logprob, top_logprobs, tokenizer, eos_token_ids, max_model_len)
                 if placeholders is not None:
                     if seq.seq_id in placeholders:
-                        closing.fill(request, seq.seq_id, token_id, seq.finished)
+                        closing.fill(seq.seq_id, token_id, seq.finished)
                 elif seq.finished:
-                    closing.finish(request, seq.seq_id)
+                    closing.finish(seq.seq_id)
                 elif speculating and self._speculates(request, seq):
                     self._append_token(request, seq, token_id)
                 else:
-                    closing.append(request, seq.seq_id, token_id)
+                    closing.append(seq.seq_id, token_id)
             except Exception:
                 self._fail(request, touched)
         self._close_step(closing, touched)
@@ -836,14 +836,14 @@ class _ClosingCall:
         self.fill_ids: list[int] = []  # an asynchronous step's: placeholders filled in
         self.fill_tokens: list[int] = []
 
-    def append(self, request: RequestState, seq_id: int, token_id: int) -> None:
+    def append(self, seq_id: int, token_id: int) -> None:
         self.seq_ids.append(seq_id)
         self.token_ids.append(token_id)
 
-    def finish(self, request: RequestState, seq_id: int) -> None:
+    def finish(self, seq_id: int) -> None:
         self.finished.append(seq_id)
 
-    def fill(self, request: RequestState, seq_id: int, token_id: int, finished: bool) -> None:
+    def fill(self, seq_id: int, token_id: int, finished: bool) -> None:
         """The token for a sequence's placeholder; `finished`: the sequence ends with it."""
         self.fill_ids.append(seq_id)
         self.fill_tokens.append(token_id)

@@ -206,15 +206,10 @@ class RequestState:
         end = len(text) if end is None else end
         sent_tokens, sent_chars = seq.num_reported_tokens, seq.num_reported_chars
         seq.num_reported_tokens, seq.num_reported_chars = len(token_ids), max(sent_chars, end)
-        return CompletionOutput(
-            index=seq.index,
-            text=text[sent_chars:end],
-            token_ids=token_ids[sent_tokens:],
-            finish_reason=finish_reason,
-            stop_reason=stop_reason,
-            cumulative_logprob=seq.cumulative_logprob if self.params.logprobs is not None else None,
-            logprobs=None if logprobs is None else logprobs[sent_tokens:],
-        )
+        # (positional: a streamed step makes one per request)
+        return CompletionOutput(seq.index, text[sent_chars:end], token_ids[sent_tokens:], finish_reason, stop_reason,
+                                seq.cumulative_logprob if self.params.logprobs is not None else None,
+                                None if logprobs is None else logprobs[sent_tokens:])
 
     def to_output(self, tokenizer) -> Union[RequestOutput, EmbeddingRequestOutput, ClassificationRequestOutput]:
         if self.pooling is not None and self.pooling.task == "classify":
