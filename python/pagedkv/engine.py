@@ -592,22 +592,9 @@ class LLMEngine:
         no_logprobs = (None, None)
         row_logprobs = ([logprobs.get(row, no_logprobs) for row in range(len(token_ids))] if logprobs
                         else itertools.repeat(no_logprobs))
-        plain = placeholders is None and not speculating
-        append_seq_id, append_token_id = closing.seq_ids.append, closing.token_ids.append
         for (request, seq), token_id, (logprob, top_logprobs) in zip(asked.row_targets, token_ids, row_logprobs):
             if token_id is None or request.failed or seq.finished:  # (finished: ended while the step was in flight)
                 continue
-            booking = request.plain_booking
-            if plain and booking is not None:  # `record_token`'s common case, inlined (most rows)
-                generated = seq.output_token_ids
-                metrics = request.metrics
-                if (token_id not in booking[0] and len(generated) + 1 < booking[1]
-                        and metrics.first_token_time is not None):
-                    generated.append(token_id)
-                    metrics.num_generated_tokens += 1
-                    append_seq_id(seq.seq_id)
-                    append_token_id(token_id)
-                    continue
             try:  # (an error here aborts this request alone)
                 request.record_token(seq, token_id, logprob, top_logprobs, tokenizer, eos_token_ids, max_model_len)
                 if placeholders is not None:

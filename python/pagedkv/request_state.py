@@ -77,7 +77,7 @@ class RequestState:
     grammar: object = None  # xgrammar CompiledGrammar of a structured-output request (samples' matchers start from it)
     failed: bool = False  # an error while stepping it aborted it (alone)
     # Set by `allow_plain_booking` for a request whose tokens need no more than `record_token`'s
-    # plain case: (tokens that may end it, generated tokens at which its length ends it).
+    # first lines: (tokens that may end it, generated tokens at which its length ends it).
     plain_booking: Optional[tuple[frozenset[int], int]] = None
 
     def __post_init__(self) -> None:
@@ -85,10 +85,10 @@ class RequestState:
             self.prompt_logprobs = [None]
 
     def allow_plain_booking(self, eos_token_ids: frozenset[int], max_model_len: int) -> None:
-        """Lets the engine book most of this request's tokens by appending them (see
+        """Lets `record_token` book most of this request's tokens by appending them (see
         `plain_booking`): where it reports no logprobs and has no stop strings or grammar, a
         token that is no stop token or EOS and leaves the sequence short of its length is only
-        appended and counted (`record_token` does the rest for the others)."""
+        appended and counted."""
         params = self.params
         if params.logprobs is None and not params.stop and self.grammar is None and self.pooling is None:
             stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_token_ids)
@@ -125,8 +125,14 @@ class RequestState:
         max_model_len: int,
     ) -> None:
         """Adds a sampled token and decides whether the sequence is done (sets finish_reason)."""
+        generated, booking, metrics = seq.output_token_ids, self.plain_booking, self.metrics
+        if (booking is not None and token_id not in booking[0] and len(generated) + 1 < booking[1]
+                and metrics.first_token_time is not None):  # (most tokens: nothing below applies)
+            generated.append(token_id)
+            metrics.num_generated_tokens += 1
+            return
         params = self.params
-        seq.output_token_ids.append(token_id)
+        generated.append(token_id)
         if logprob is not None:
             seq.cumulative_logprob += logprob
         if params.logprobs is not None:
@@ -183,7 +189,7 @@ class RequestState:
                 end = max(0, end - max(len(stop) for stop in params.stop) + 1)
             if params.output_kind == "delta":
                 return self._delta(seq, text, seq.output_token_ids, seq.logprobs, None, None, end)
-            text = text[:end] if end < len(text) else text
+            text = text[:end]
         else:
             if not isinstance(seq.stop_reason, str):  # (a stop string cut the text already)
                 token_ids = seq.output_token_ids

@@ -293,11 +293,11 @@ def _uniform_draws(rows: list[SamplingRow], device: torch.device) -> torch.Tenso
     if generators.count(None) == len(rows):
         return uniform
     seeded = [i for i, generator in enumerate(generators) if generator is not None]
-    if device.type == "cpu" and all(rows[i].generator.device.type == "cpu" for i in seeded):
+    if device.type == "cpu" and all(generators[i].device.type == "cpu" for i in seeded):
         uniform[seeded] = torch.tensor([rows[i].next_uniform() for i in seeded])
         return uniform
     for i in seeded:
-        generator = rows[i].generator
+        generator = generators[i]
         uniform[i] = torch.rand((), generator=generator, device=generator.device).to(device)
     return uniform
 

@@ -263,8 +263,7 @@ class _ChoiceSoFar:
         self.started = False
         self.num_tokens = 0
         self.reasoning_sent = self.content_sent = 0
-        self._pieces: list[str] = []
-        self._text = ""
+        self.text = ""  # (kept only where a parser reads it)
         self._pending_tokens: list[int] = []
         self._pending_logprobs: Optional[list] = None
 
@@ -273,16 +272,8 @@ class _ChoiceSoFar:
         self._pending_tokens += completion.token_ids
         if completion.logprobs is not None:
             self._pending_logprobs = (self._pending_logprobs or []) + completion.logprobs
-        if keep_text and completion.text:
-            self._pieces.append(completion.text)
-
-    @property
-    def text(self) -> str:
-        """The choice's text so far (`receive` with keep_text)."""
-        if self._pieces:
-            self._text += "".join(self._pieces)
-            self._pieces.clear()
-        return self._text
+        if keep_text:
+            self.text += completion.text
 
     def take_pending(self, completion) -> CompletionOutput:
         """`completion` with the tokens and logprobs received since the last chunk (now sent)."""
