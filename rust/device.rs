@@ -9,6 +9,16 @@ pub enum Device {
     Cpu,
 }
 
+impl Device {
+    /// The tier's name in KV events, as vLLM writes it.
+    pub fn medium(self) -> &'static str {
+        match self {
+            Device::Gpu => "GPU",
+            Device::Cpu => "CPU",
+        }
+    }
+}
+
 impl fmt::Display for Device {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {

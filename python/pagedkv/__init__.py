@@ -5,7 +5,10 @@ The memory manager and scheduler (`BlockManager`, `Scheduler`) are Rust types fr
 """
 
 from pagedkv._core import (
+    AllBlocksCleared,
     BlockManager,
+    BlockRemoved,
+    BlockStored,
     ScheduledSequence,
     Scheduler,
     SchedulerConfig,
@@ -57,7 +60,10 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "AllBlocksCleared",
     "BlockManager",
+    "BlockRemoved",
+    "BlockStored",
     "ScheduledSequence",
     "Scheduler",
     "SchedulerConfig",

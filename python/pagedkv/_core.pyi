@@ -1,6 +1,6 @@
 """Type stubs for the Rust core (`rust/python/`). Errors are raised as `pagedkv.errors` classes."""
 
-from typing import Literal, Optional, Sequence
+from typing import Literal, Optional, Sequence, Union
 
 import numpy as np
 import numpy.typing as npt
@@ -34,7 +34,9 @@ class SchedulerConfig:
     sequence's window are released as it advances, so with chunked prefill a sequence holds at
     most its window plus one step's chunk and may be longer than the pool."""
     prefix_caching_hash_seed: int
-    """Root of the prefix cache's block names (0 here; the engine passes a secret random one)."""
+    """Key of the prefix cache's 128-bit block names (0 here; the engine passes a secret random one)."""
+    enable_kv_events: bool
+    """Record KV-cache events (Scheduler.take_kv_events) for a KV-aware router."""
     preemption_mode: str
     """'swap', 'recompute' or 'auto' (cheaper of the two per victim by the cost model)."""
     scheduling_policy: str
@@ -66,6 +68,7 @@ class SchedulerConfig:
         long_prefill_token_threshold: int = 0,
         sliding_window: int = 0,
         prefix_caching_hash_seed: int = 0,
+        enable_kv_events: bool = False,
         preemption_mode: str = "auto",
         scheduling_policy: str = "fcfs",
         watermark: float = 0.01,
@@ -225,6 +228,13 @@ class Scheduler:
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached prefix (device and CPU tier); False, changing nothing, while any
         request is unfinished."""
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        """The KV-cache events since the last call, oldest first (empty unless the config's
+        enable_kv_events). Take them once per step, after `update`: replayed in order from the
+        start they give exactly `cached_block_hashes` of each tier."""
+    def cached_block_hashes(self, on_device: bool = True) -> list[int]:
+        """Sorted 64-bit names (the events' block hashes) of the blocks cached on the device, or
+        in the CPU prefix tier."""
     @property
     def num_unfinished_requests(self) -> int: ...
     @property
@@ -251,6 +261,7 @@ class BlockManager:
         watermark: float = 0.0,
         sliding_window: int = 0,
         hash_seed: int = 0,
+        enable_kv_events: bool = False,
     ) -> None: ...
     def allocate(self, seq_id: int, token_ids: list[int], extra_key: Optional[int] = None) -> int:
         """Blocks for a new sequence; returns the number of prefix-cache hit tokens."""
@@ -273,6 +284,12 @@ class BlockManager:
     def refcount(self, block: int, on_device: bool = True) -> int: ...
     def blocks_needed_to_append(self, seq_id: int, num_tokens: int) -> int: ...
     def check_invariants(self) -> None: ...
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        """As Scheduler.take_kv_events (needs enable_kv_events)."""
+    def cached_block_hashes(self, on_device: bool = True) -> list[int]:
+        """As Scheduler.cached_block_hashes."""
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached block; False, changing nothing, while any sequence holds blocks."""
     @property
     def block_size(self) -> int: ...
     @property
@@ -399,3 +416,28 @@ def sample_rows_cpu(
     then the first token whose cumulative kept probability in vocabulary order reaches
     (1 - uniform) of the kept total; per-row settings float32 [rows, 4] (temperature, top_k,
     top_p, min_p) and uniform float32 [rows]. Internal: used by `pagedkv.runner.sampler`."""
+
+class BlockStored:
+    """Full blocks became cached in `medium` ('GPU': the device pool, 'CPU': the CPU prefix tier).
+    block_hashes[i] holds token_ids[i * block_size:(i + 1) * block_size] and is the child of
+    block_hashes[i - 1]; the first is the child of parent_block_hash (None: a prompt's first
+    block). lora_id: the request's prefix-cache extra key (adapter and cache salt), else None.
+    The fields and their order are vLLM's."""
+
+    block_hashes: list[int]
+    parent_block_hash: Optional[int]
+    token_ids: list[int]
+    block_size: int
+    lora_id: Optional[int]
+    medium: str
+
+class BlockRemoved:
+    """Cached blocks left `medium` (evicted, moved to the other tier, or stale)."""
+
+    block_hashes: list[int]
+    medium: str
+
+class AllBlocksCleared:
+    """Every cached block of every tier was dropped (reset_prefix_cache)."""
+
+KVCacheEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]

@@ -9,8 +9,9 @@ use crate::device::Device;
 use crate::errors::{Error, Result};
 use crate::kv::block_pool::{BlockId, BlockPool};
 use crate::kv::block_table::{block_index, block_offset, BlockTable};
+use crate::kv::events::{KvEvent, KvEventLog};
 use crate::kv::offload_tier::OffloadTier;
-use crate::kv::prefix_cache::{block_hash, block_hashes, PrefixCache};
+use crate::kv::prefix_cache::{BlockHash, BlockHasher, CachedBlock, PrefixCache};
 
 pub type SeqId = u64;
 
@@ -76,8 +77,10 @@ pub struct BlockManager {
     watermark_blocks: usize,
     /// Positions every layer attends back to, counting its own (0: all); see `set_sliding_window`.
     sliding_window: usize,
-    /// The prefix cache's root seed: a prompt's first block name chains from it.
-    hash_seed: u64,
+    /// Names full blocks, keyed by the prefix cache's root seed.
+    hasher: BlockHasher,
+    /// The cached blocks' changes since the owner last took them (off unless enabled).
+    events: KvEventLog,
     tables: HashMap<SeqId, BlockTable>,
 }
 
@@ -115,7 +118,8 @@ impl BlockManager {
             enable_prefix_caching,
             watermark_blocks: (watermark * num_device_blocks as f64).ceil() as usize,
             sliding_window: 0,
-            hash_seed: 0,
+            hasher: BlockHasher::new(0),
+            events: KvEventLog::default(),
             tables: HashMap::default(),
         })
     }
@@ -150,8 +154,39 @@ impl BlockManager {
                 "the prefix cache's hash seed can only be set before any block is cached".into(),
             ));
         }
-        self.hash_seed = seed;
+        self.hasher = BlockHasher::new(seed);
         Ok(())
+    }
+
+    /// Starts recording KV events (`take_kv_events`). Only before any block is cached, so that a
+    /// consumer replaying them from the start holds the whole cache: an error otherwise.
+    pub fn enable_kv_events(&mut self) -> Result<()> {
+        if !self.cache.is_empty() || !self.cpu_tier.cache().is_empty() {
+            return Err(Error::InvalidState("KV events can only be enabled before any block is cached".into()));
+        }
+        self.events.enable();
+        Ok(())
+    }
+
+    pub fn kv_events_enabled(&self) -> bool {
+        self.events.is_enabled()
+    }
+
+    /// The KV events since the last call, oldest first (empty unless `enable_kv_events`).
+    pub fn take_kv_events(&mut self) -> Vec<KvEvent> {
+        self.events.take()
+    }
+
+    /// The external names (`BlockHash::external`) of the blocks cached in one tier, sorted: what
+    /// a consumer of every KV event holds for that tier.
+    pub fn cached_block_hashes(&self, device: Device) -> Vec<u64> {
+        let cache = match device {
+            Device::Gpu => &self.cache,
+            Device::Cpu => self.cpu_tier.cache(),
+        };
+        let mut hashes: Vec<u64> = cache.entries().map(|entry| entry.hash.external()).collect();
+        hashes.sort_unstable();
+        hashes
     }
 
     #[inline]
@@ -182,10 +217,11 @@ impl BlockManager {
             return false;
         }
         self.begin_step(); // with no sequence left, the last step's copies have run
-        for block in self.cache.take_blocks() {
-            self.gpu.clear_hash(block);
+        for entry in self.cache.take_entries() {
+            self.gpu.clear_hash(entry.block);
         }
         self.cpu_tier.reset(&mut self.cpu);
+        self.events.cleared();
         true
     }
 
@@ -354,22 +390,23 @@ impl BlockManager {
     /// every block from the first; with one, the blocks in the window (vLLM's sliding-window
     /// cache hit), so a long prompt whose early blocks were evicted still hits. Returns the hits,
     /// the prefix's block hashes, and where each block is cached (None: before the window).
-    fn plan_prefix(&self, tokens: &[u32], extra_key: Option<u64>) -> (PrefixHits, Vec<u64>, Vec<Option<CachedAt>>) {
+    fn plan_prefix(
+        &self,
+        tokens: &[u32],
+        extra_key: Option<u64>,
+    ) -> (PrefixHits, Vec<BlockHash>, Vec<Option<CachedAt>>) {
         if !self.enable_prefix_caching {
             return Default::default();
         }
         let block_size = self.block_size;
-        let mut hashes = block_hashes(
-            self.hash_seed,
-            &tokens[..self.max_hit_blocks(tokens.len()) * block_size],
-            block_size,
-            extra_key,
-        );
+        let mut hashes =
+            self.hasher.block_hashes(&tokens[..self.max_hit_blocks(tokens.len()) * block_size], block_size, extra_key);
         let mut found = Vec::with_capacity(hashes.len());
-        for &hash in &hashes {
-            let at = match self.cache.lookup(hash) {
+        for (&hash, block_tokens) in hashes.iter().zip(tokens.chunks_exact(block_size)) {
+            // A hit is served only from a block that holds these very tokens under this very name.
+            let at = match self.cache.lookup_verified(hash, block_tokens) {
                 Some(block) => Some(CachedAt::Device { block, free: self.gpu.refcount(block) == 0 }),
-                None => self.cpu_tier.lookup(hash).map(CachedAt::Cpu),
+                None => self.cpu_tier.lookup_verified(hash, block_tokens).map(CachedAt::Cpu),
             };
             if at.is_none() && self.sliding_window == 0 {
                 break; // without a window no prefix goes past a miss
@@ -451,13 +488,32 @@ impl BlockManager {
                 }
             }
             for (index, cpu_block) in reloads {
-                let block = allocate_evicting(&mut self.gpu, &mut self.cache, &mut self.cpu, &mut self.cpu_tier)?;
+                let block = allocate_evicting(
+                    &mut self.gpu,
+                    &mut self.cache,
+                    &mut self.cpu,
+                    &mut self.cpu_tier,
+                    &mut self.events,
+                )?;
                 self.cpu_tier.reload(cpu_block, block);
-                if self.cache.insert(hashes[index], block) {
-                    self.gpu.set_hash(block, hashes[index]);
-                }
+                let entry = CachedBlock {
+                    hash: hashes[index],
+                    parent: index.checked_sub(1).map(|parent| hashes[parent]),
+                    block,
+                    tokens: tokens[index * self.block_size..(index + 1) * self.block_size].into(),
+                    extra_key,
+                };
+                cache_on_device(
+                    &mut self.gpu,
+                    &mut self.cache,
+                    &mut self.cpu,
+                    &mut self.cpu_tier,
+                    &mut self.events,
+                    entry,
+                );
                 table.blocks[index] = block;
             }
+            table.tokens = tokens[..hashes.len() * self.block_size].to_vec();
             table.hashes = hashes;
             self.cache.hits += (hits.released + hits.device) as u64;
             table.num_tokens = table.blocks.len() * self.block_size;
@@ -515,7 +571,7 @@ impl BlockManager {
                 }
                 table.num_tokens += 1;
                 if self.enable_prefix_caching {
-                    table.tail_tokens.push(*token);
+                    table.tokens.push(*token);
                 }
                 return Ok((None, table));
             }
@@ -533,7 +589,8 @@ impl BlockManager {
         let mut copy = None;
         if cow {
             let last = *table.blocks.last().unwrap();
-            let fresh = allocate_evicting(&mut self.gpu, &mut self.cache, &mut self.cpu, &mut self.cpu_tier)?;
+            let fresh =
+                allocate_evicting(&mut self.gpu, &mut self.cache, &mut self.cpu, &mut self.cpu_tier, &mut self.events)?;
             self.gpu.release(last);
             *table.blocks.last_mut().unwrap() = fresh;
             table.num_reported = table.num_reported.min(table.blocks.len() - 1);
@@ -541,21 +598,38 @@ impl BlockManager {
         }
         for &token in tokens {
             if !table.last_block_partial(block_size) {
-                let block = allocate_evicting(&mut self.gpu, &mut self.cache, &mut self.cpu, &mut self.cpu_tier)?;
+                let block = allocate_evicting(
+                    &mut self.gpu,
+                    &mut self.cache,
+                    &mut self.cpu,
+                    &mut self.cpu_tier,
+                    &mut self.events,
+                )?;
                 table.blocks.push(block);
             }
             table.num_tokens += 1;
             if self.enable_prefix_caching {
-                table.tail_tokens.push(token);
-                if table.tail_tokens.len() == block_size {
-                    let parent = table.hashes.last().copied().unwrap_or(self.hash_seed);
-                    let hash = block_hash(parent, &table.tail_tokens, table.extra_key);
-                    table.tail_tokens.clear();
+                table.tokens.push(token);
+                if table.tokens.len() == (table.hashes.len() + 1) * block_size {
+                    let parent = table.hashes.last().copied();
+                    let block_tokens = &table.tokens[table.tokens.len() - block_size..];
+                    let hash = self.hasher.block_hash(parent, block_tokens, table.extra_key);
                     table.hashes.push(hash);
-                    let block = *table.blocks.last().unwrap();
-                    if self.cache.insert(hash, block) {
-                        self.gpu.set_hash(block, hash);
-                    }
+                    let entry = CachedBlock {
+                        hash,
+                        parent,
+                        block: *table.blocks.last().unwrap(),
+                        tokens: block_tokens.into(),
+                        extra_key: table.extra_key,
+                    };
+                    cache_on_device(
+                        &mut self.gpu,
+                        &mut self.cache,
+                        &mut self.cpu,
+                        &mut self.cpu_tier,
+                        &mut self.events,
+                        entry,
+                    );
                 }
             }
         }
@@ -576,14 +650,14 @@ impl BlockManager {
         if position >= table.num_tokens {
             return Ok(()); // (not appended to the table yet: hashed with its real value later)
         }
-        let tail_start = table.num_tokens - table.tail_tokens.len();
-        if position >= tail_start {
-            table.tail_tokens[position - tail_start] = tokens[position];
-            return Ok(());
+        table.tokens[position] = tokens[position];
+        if position >= table.hashes.len() * block_size {
+            return Ok(()); // (in the partial last block: hashed once it fills up)
         }
         for index in position / block_size..table.hashes.len() {
-            let parent = if index == 0 { self.hash_seed } else { table.hashes[index - 1] };
-            let hash = block_hash(parent, &tokens[index * block_size..(index + 1) * block_size], table.extra_key);
+            let parent = index.checked_sub(1).map(|parent| table.hashes[parent]);
+            let block_tokens = &tokens[index * block_size..(index + 1) * block_size];
+            let hash = self.hasher.block_hash(parent, block_tokens, table.extra_key);
             let stale = std::mem::replace(&mut table.hashes[index], hash);
             if table.device != Device::Gpu || index < table.num_released {
                 continue;
@@ -592,10 +666,10 @@ impl BlockManager {
             if self.gpu.hash(block) == Some(stale) {
                 self.cache.remove(stale, block);
                 self.gpu.clear_hash(block);
+                self.events.removed(stale.external(), Device::Gpu);
             }
-            if self.cache.insert(hash, block) {
-                self.gpu.set_hash(block, hash);
-            }
+            let entry = CachedBlock { hash, parent, block, tokens: block_tokens.into(), extra_key: table.extra_key };
+            cache_on_device(&mut self.gpu, &mut self.cache, &mut self.cpu, &mut self.cpu_tier, &mut self.events, entry);
         }
         Ok(())
     }
@@ -631,12 +705,14 @@ impl BlockManager {
                 if let (1, Some(hash)) = (self.gpu.refcount(block), self.gpu.hash(block)) {
                     self.cache.remove(hash, block);
                     self.gpu.clear_hash(block);
+                    self.events.removed(hash.external(), Device::Gpu);
                 }
             }
             table.hashes.truncate(full);
         }
         if self.enable_prefix_caching {
-            table.tail_tokens = tokens[full * block_size..].to_vec();
+            table.tokens.clear();
+            table.tokens.extend_from_slice(tokens);
         }
         table.num_tokens = new_len;
         Ok(())
@@ -729,7 +805,7 @@ impl BlockManager {
                         cpu_block
                     }
                     None => {
-                        let cpu_block = self.cpu_tier.allocate(&mut self.cpu)?;
+                        let cpu_block = self.cpu_tier.allocate(&mut self.cpu, &mut self.events)?;
                         mapping.insert(*block, cpu_block);
                         copies.push((*block, cpu_block));
                         cpu_block
@@ -783,12 +859,26 @@ impl BlockManager {
                                     &mut self.cache,
                                     &mut self.cpu,
                                     &mut self.cpu_tier,
+                                    &mut self.events,
                                 )?;
                                 copies.push((*block, device_block));
                                 if let Some(hash) = hash {
-                                    if self.cache.insert(hash, device_block) {
-                                        self.gpu.set_hash(device_block, hash);
-                                    }
+                                    let entry = CachedBlock {
+                                        hash,
+                                        parent: index.checked_sub(1).map(|parent| table.hashes[parent]),
+                                        block: device_block,
+                                        tokens: table.tokens[index * self.block_size..(index + 1) * self.block_size]
+                                            .into(),
+                                        extra_key: table.extra_key,
+                                    };
+                                    cache_on_device(
+                                        &mut self.gpu,
+                                        &mut self.cache,
+                                        &mut self.cpu,
+                                        &mut self.cpu_tier,
+                                        &mut self.events,
+                                        entry,
+                                    );
                                 }
                                 device_block
                             }
@@ -839,19 +929,23 @@ impl BlockManager {
         for block in 0..self.gpu.num_blocks() as BlockId {
             if let Some(hash) = self.gpu.hash(block) {
                 if self.cache.lookup(hash) != Some(block) {
-                    return Err(format!("device block {block} has hash {hash:#x} but the cache does not name it"));
+                    return Err(format!("device block {block} has hash {hash:x?} but the cache does not name it"));
                 }
             }
         }
-        for (hash, block) in self.cache.entries() {
+        for entry in self.cache.entries() {
+            let (hash, block) = (entry.hash, entry.block);
             if self.gpu.hash(block) != Some(hash) {
-                return Err(format!("the cache names device block {block} by {hash:#x}, a hash it does not hold"));
+                return Err(format!("the cache names device block {block} by {hash:x?}, a hash it does not hold"));
+            }
+            if self.cpu_tier.cache().get(hash).is_some() {
+                return Err(format!("{hash:x?} is cached on the device and in the CPU tier"));
             }
         }
         for block in 0..self.cpu.num_blocks() as BlockId {
             if let Some(hash) = self.cpu.hash(block) {
                 if self.cpu_tier.cache().lookup(hash) != Some(block) {
-                    return Err(format!("CPU block {block} has hash {hash:#x} but the CPU tier does not name it"));
+                    return Err(format!("CPU block {block} has hash {hash:x?} but the CPU tier does not name it"));
                 }
             }
         }
@@ -916,13 +1010,41 @@ fn allocate_evicting(
     cache: &mut PrefixCache,
     cpu: &mut BlockPool,
     tier: &mut OffloadTier,
+    events: &mut KvEventLog,
 ) -> Result<BlockId> {
     let allocation = gpu.allocate()?;
     if let Some(hash) = allocation.evicted_hash {
-        cache.remove(hash, allocation.block);
-        tier.offload(cpu, allocation.block, hash);
+        if let Some(evicted) = cache.remove(hash, allocation.block) {
+            events.removed(hash.external(), Device::Gpu);
+            tier.offload(cpu, allocation.block, evicted, events);
+        }
     }
     Ok(allocation.block)
+}
+
+/// Names a full device block in the prefix cache (unless its name's slot is taken: then it is
+/// just not cached), and the CPU tier stops naming it (the tiers are exclusive).
+fn cache_on_device(
+    gpu: &mut BlockPool,
+    cache: &mut PrefixCache,
+    cpu: &mut BlockPool,
+    tier: &mut OffloadTier,
+    events: &mut KvEventLog,
+    entry: CachedBlock,
+) {
+    let (hash, block, parent) = (entry.hash, entry.block, entry.parent);
+    if cache.get(hash).is_some() {
+        return; // (the same content is cached already, in another block)
+    }
+    tier.forget(cpu, hash, events);
+    let tokens = if events.is_enabled() { Some(entry.tokens.clone()) } else { None };
+    let extra_key = entry.extra_key;
+    if cache.insert(entry) {
+        gpu.set_hash(block, hash);
+        if let Some(tokens) = tokens {
+            events.stored(hash.external(), parent.map(BlockHash::external), &tokens, extra_key, Device::Gpu);
+        }
+    }
 }
 
 #[cfg(test)]
@@ -1324,5 +1446,69 @@ mod tests {
         assert_eq!(bm.num_cached_device_blocks(), 2);
         assert_eq!(bm.peek_prefix_hits(&tokens(13), None).device, 2, "blocks 0 and 1 still hit");
         bm.check_invariants().unwrap();
+    }
+
+    /// Applies `events` to a consumer's view (GPU, CPU) and checks it equals the cache.
+    fn replay(bm: &mut BlockManager, view: &mut [std::collections::BTreeSet<u64>; 2]) {
+        for event in bm.take_kv_events() {
+            match event {
+                KvEvent::BlockStored { block_hashes, medium, token_ids, block_size, .. } => {
+                    assert_eq!(token_ids.len(), block_hashes.len() * block_size);
+                    for hash in block_hashes {
+                        assert!(view[(medium == Device::Cpu) as usize].insert(hash), "stored twice: {hash:x}");
+                    }
+                }
+                KvEvent::BlockRemoved { block_hashes, medium } => {
+                    for hash in block_hashes {
+                        assert!(view[(medium == Device::Cpu) as usize].remove(&hash), "removed unknown {hash:x}");
+                    }
+                }
+                KvEvent::AllBlocksCleared => view.iter_mut().for_each(|tier| tier.clear()),
+            }
+        }
+        for (tier, device) in view.iter().zip([Device::Gpu, Device::Cpu]) {
+            assert_eq!(tier.iter().copied().collect::<Vec<_>>(), bm.cached_block_hashes(device), "{device}");
+        }
+        bm.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn events_mirror_both_tiers_through_eviction_offload_reload_and_reset() {
+        let mut bm = manager(4, 4, true);
+        bm.enable_cpu_prefix_cache().unwrap();
+        bm.enable_kv_events().unwrap();
+        let mut view: [std::collections::BTreeSet<u64>; 2] = Default::default();
+        bm.allocate(1, &tokens(9), None).unwrap(); // blocks 0 and 1 full: stored on the device
+        let events = bm.take_kv_events();
+        assert!(
+            matches!(&events[..], [KvEvent::BlockStored { block_hashes, parent_block_hash: None, .. }] if block_hashes.len() == 2)
+        );
+        if let KvEvent::BlockStored { block_hashes, .. } = &events[0] {
+            view[0].extend(block_hashes);
+        }
+        replay(&mut bm, &mut view);
+        bm.free(1).unwrap();
+        replay(&mut bm, &mut view);
+        let other: Vec<u32> = (500..516).collect();
+        bm.allocate(2, &other, None).unwrap(); // takes every device block: the cached ones go to the CPU tier
+        replay(&mut bm, &mut view);
+        assert_eq!(bm.cached_block_hashes(Device::Cpu).len(), 2);
+        bm.free(2).unwrap();
+        assert_eq!(bm.allocate(3, &tokens(9), None).unwrap(), 8, "both blocks come back from the tier");
+        replay(&mut bm, &mut view);
+        let reloaded: Vec<u64> = bm.table(3).unwrap().hashes.iter().map(|hash| hash.external()).collect();
+        assert!(reloaded.iter().all(|hash| !view[1].contains(hash)), "a reloaded block leaves the tier");
+        assert!(reloaded.iter().all(|hash| view[0].contains(hash)));
+        bm.free(3).unwrap();
+        assert!(bm.reset_prefix_cache());
+        replay(&mut bm, &mut view);
+        assert!(view.iter().all(|tier| tier.is_empty()));
+    }
+
+    #[test]
+    fn kv_events_start_only_on_an_empty_cache() {
+        let mut bm = manager(4, 0, true);
+        bm.allocate(1, &tokens(5), None).unwrap();
+        assert!(bm.enable_kv_events().is_err());
     }
 }

@@ -3,6 +3,7 @@
 
 use crate::device::Device;
 use crate::errors::{Error, Result};
+use crate::kv::prefix_cache::BlockHash;
 
 pub type BlockId = u32;
 
@@ -18,7 +19,7 @@ const NIL: u32 = u32::MAX;
 pub struct BlockPool {
     device: Device,
     refcounts: Vec<u32>,
-    hashes: Vec<Option<u64>>,
+    hashes: Vec<Option<BlockHash>>,
     free_stack: Vec<BlockId>,
     // Doubly linked LRU of cached free blocks, indexed by block id; head = least recently used.
     lru_prev: Vec<u32>,
@@ -33,7 +34,7 @@ pub struct BlockPool {
 pub struct Allocation {
     pub block: BlockId,
     /// The content hash of a cached block that was evicted to make room.
-    pub evicted_hash: Option<u64>,
+    pub evicted_hash: Option<BlockHash>,
 }
 
 impl BlockPool {
@@ -78,7 +79,7 @@ impl BlockPool {
         self.refcounts[block as usize]
     }
 
-    pub fn hash(&self, block: BlockId) -> Option<u64> {
+    pub fn hash(&self, block: BlockId) -> Option<BlockHash> {
         self.hashes[block as usize]
     }
 
@@ -125,7 +126,7 @@ impl BlockPool {
     }
 
     /// Records the content hash of a referenced block (its KV is or will be written this step).
-    pub fn set_hash(&mut self, block: BlockId, hash: u64) {
+    pub fn set_hash(&mut self, block: BlockId, hash: BlockHash) {
         debug_assert!(self.refcounts[block as usize] > 0);
         self.hashes[block as usize] = Some(hash);
     }
@@ -212,26 +213,26 @@ mod tests {
         let mut pool = BlockPool::new(Device::Gpu, 3);
         let a = pool.allocate().unwrap().block;
         let b = pool.allocate().unwrap().block;
-        pool.set_hash(a, 10);
-        pool.set_hash(b, 20);
+        pool.set_hash(a, BlockHash(10));
+        pool.set_hash(b, BlockHash(20));
         pool.release(b); // b is older in the LRU than a
         pool.release(a);
         assert_eq!(pool.num_free(), 3);
         assert_eq!(pool.num_cached_free(), 2);
         // The uncached block goes first.
         assert_eq!(pool.allocate().unwrap(), Allocation { block: 2, evicted_hash: None });
-        assert_eq!(pool.allocate().unwrap(), Allocation { block: b, evicted_hash: Some(20) });
+        assert_eq!(pool.allocate().unwrap(), Allocation { block: b, evicted_hash: Some(BlockHash(20)) });
         // Reviving a cached block takes it off the LRU.
         pool.retain(a);
         assert_eq!(pool.num_free(), 0);
-        assert_eq!(pool.hash(a), Some(10));
+        assert_eq!(pool.hash(a), Some(BlockHash(10)));
     }
 
     #[test]
     fn clear_hash_turns_cached_into_plain_free() {
         let mut pool = BlockPool::new(Device::Gpu, 1);
         let a = pool.allocate().unwrap().block;
-        pool.set_hash(a, 1);
+        pool.set_hash(a, BlockHash(1));
         pool.release(a);
         pool.clear_hash(a);
         assert_eq!(pool.num_cached_free(), 0);

@@ -2,6 +2,7 @@
 
 use crate::device::Device;
 use crate::kv::block_pool::BlockId;
+use crate::kv::prefix_cache::BlockHash;
 
 /// Logical block `i` of a sequence lives in physical block `blocks[i]` of the pool named by
 /// `device`. `num_tokens` slots are in use; only the last block can be partially filled.
@@ -11,9 +12,10 @@ pub struct BlockTable {
     pub device: Device,
     pub num_tokens: usize,
     /// Content hash of each full block, in order (empty when prefix caching is off).
-    pub hashes: Vec<u64>,
-    /// Token ids in the partially filled last block: hashed once the block fills up.
-    pub tail_tokens: Vec<u32>,
+    pub hashes: Vec<BlockHash>,
+    /// The sequence's token ids (empty when prefix caching is off): the partial last block's are
+    /// hashed once it fills up, a full block's name its cache entry again after a swap-in.
+    pub tokens: Vec<u32>,
     pub extra_key: Option<u64>,
     /// Leading blocks released because sliding-window attention will never read them again
     /// (`BlockManager::set_sliding_window`): `blocks[..num_released]` keep the ids they had, which
@@ -32,7 +34,7 @@ impl BlockTable {
             device: Device::Gpu,
             num_tokens: 0,
             hashes: Vec::new(),
-            tail_tokens: Vec::new(),
+            tokens: Vec::new(),
             extra_key,
             num_released: 0,
             num_reported: 0,

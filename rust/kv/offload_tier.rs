@@ -3,14 +3,20 @@
 //! back instead of recomputing it. Swapped-out sequences always come first: tier blocks are free
 //! CPU blocks (refcount 0, on the CPU pool's LRU) that any swap-out may take.
 //!
+//! The tiers are exclusive: a name is cached on the device or here, never both (the device
+//! caching a name makes the tier `forget` it). So a router that mirrors the KV events without
+//! reading their medium, as Dynamo's indexer does, still holds exactly what is cached.
+//!
 //! A step's copies run in one order: every device -> CPU copy (swap-outs and offloads), then every
 //! CPU -> device copy (swap-ins and reloads). So that this order is always right, a CPU block this
 //! step writes (an offload) or reads (a reload, a swap-in) is pinned until the next step begins:
 //! nothing else can take it in between.
 
+use crate::device::Device;
 use crate::errors::Result;
 use crate::kv::block_pool::{BlockId, BlockPool};
-use crate::kv::prefix_cache::PrefixCache;
+use crate::kv::events::KvEventLog;
+use crate::kv::prefix_cache::{BlockHash, CachedBlock, PrefixCache};
 
 /// (source block, destination block), as in `BlockCopy`.
 type Copy = (BlockId, BlockId);
@@ -38,10 +44,10 @@ impl OffloadTier {
         self.enabled
     }
 
-    /// The CPU block holding the KV named `hash`, if the tier has it.
-    pub fn lookup(&self, hash: u64) -> Option<BlockId> {
+    /// The CPU block holding the KV named `hash` and computed for `tokens`, if the tier has it.
+    pub fn lookup_verified(&self, hash: BlockHash, tokens: &[u32]) -> Option<BlockId> {
         if self.enabled {
-            self.cache.lookup(hash)
+            self.cache.lookup_verified(hash, tokens)
         } else {
             None
         }
@@ -52,26 +58,49 @@ impl OffloadTier {
     }
 
     /// Takes a CPU block for a swap-out, dropping the tier's name of a cached block it evicts.
-    pub fn allocate(&mut self, cpu: &mut BlockPool) -> Result<BlockId> {
+    pub fn allocate(&mut self, cpu: &mut BlockPool, events: &mut KvEventLog) -> Result<BlockId> {
         let allocation = cpu.allocate()?;
         if let Some(hash) = allocation.evicted_hash {
-            self.cache.remove(hash, allocation.block);
+            if self.cache.remove(hash, allocation.block).is_some() {
+                events.removed(hash.external(), Device::Cpu);
+            }
         }
         Ok(allocation.block)
     }
 
-    /// A cached device block named `hash` is being evicted: copy its KV to a CPU block, if the
-    /// tier does not hold it already and a CPU block is free (else the content is simply lost).
-    pub fn offload(&mut self, cpu: &mut BlockPool, device_block: BlockId, hash: u64) {
-        if !self.enabled || self.cache.lookup(hash).is_some() || cpu.num_free() == 0 {
+    /// A cached device block (`evicted`, just dropped from the device's cache) is being evicted:
+    /// copy its KV to a CPU block, if a CPU block is free (else the content is simply lost).
+    pub fn offload(
+        &mut self,
+        cpu: &mut BlockPool,
+        device_block: BlockId,
+        evicted: CachedBlock,
+        events: &mut KvEventLog,
+    ) {
+        if !self.enabled || self.cache.get(evicted.hash).is_some() || cpu.num_free() == 0 {
             return;
         }
-        let cpu_block = self.allocate(cpu).expect("a CPU block is free");
-        cpu.set_hash(cpu_block, hash);
-        self.cache.insert(hash, cpu_block);
+        let cpu_block = self.allocate(cpu, events).expect("a CPU block is free");
+        let entry = CachedBlock { block: cpu_block, ..evicted };
+        if !self.cache.insert(entry.clone()) {
+            cpu.release(cpu_block); // (its name's slot is taken: nothing to keep it for)
+            return;
+        }
+        cpu.set_hash(cpu_block, entry.hash);
+        let parent = entry.parent.map(BlockHash::external);
+        events.stored(entry.hash.external(), parent, &entry.tokens, entry.extra_key, Device::Cpu);
         self.pinned.push(cpu_block); // the allocation's reference, dropped next step
         self.offloads.push((device_block, cpu_block));
         self.num_offloaded += 1;
+    }
+
+    /// The device caches `hash` now: the tier stops naming it (the tiers are exclusive). A pinned
+    /// block keeps its pin and its pending copy; it is a plain free block once unpinned.
+    pub fn forget(&mut self, cpu: &mut BlockPool, hash: BlockHash, events: &mut KvEventLog) {
+        let Some(block) = self.cache.lookup(hash) else { return };
+        self.cache.remove(hash, block);
+        cpu.clear_hash(block);
+        events.removed(hash.external(), Device::Cpu);
     }
 
     /// Holds a prefix hit's CPU block until the next step. Pin every hit of a prompt before
@@ -112,8 +141,8 @@ impl OffloadTier {
     /// Forgets every cached block: they become plain free CPU blocks. Call with nothing pinned.
     pub fn reset(&mut self, cpu: &mut BlockPool) {
         debug_assert!(self.pinned.is_empty());
-        for block in self.cache.take_blocks() {
-            cpu.clear_hash(block);
+        for entry in self.cache.take_entries() {
+            cpu.clear_hash(entry.block);
         }
     }
 

@@ -1,84 +1,168 @@
-//! Prefix caching: a full block is named by a hash chained over (parent block's hash, its token
-//! ids, an optional extra key such as an adapter id); the map finds a device block by that name.
-//! A prompt's first block chains from a root seed: a secret one (the engine's default, as vLLM
-//! seeds its root from os.urandom) makes names impossible to compute outside the engine, so no
-//! one can craft a prompt whose blocks collide with another user's and read their KV.
+//! Prefix caching: a full block is named by a 128-bit hash chained over (parent block's hash, its
+//! token ids, an optional extra key such as an adapter id); the map finds a block by that name.
+//!
+//! Identity that cannot collide silently: the chain is SipHash-1-3 keyed by the engine's root
+//! seed, 128 bits wide, and an entry keeps its tokens, so a hit is checked against both the full
+//! name and the tokens of the block before it is served. A secret seed (the engine's default, as
+//! vLLM seeds its root from os.urandom) makes names impossible to compute outside the engine, so
+//! no one can craft a prompt whose blocks collide with another user's and read their KV. Engines
+//! with the same seed agree on names. Outside consumers see a 64-bit part of each name
+//! (`BlockHash::external`, the KV events' block hash): a collision there can only confuse a
+//! router's index, never what this cache serves.
 
-use std::hash::{Hash, Hasher};
+use std::hash::Hasher;
 
 use rustc_hash::FxHashMap as HashMap;
+use siphasher::sip128::{Hasher128, SipHasher13};
 
 use crate::kv::block_pool::BlockId;
 
-/// Hash of one full block given its parent's hash (the root seed for a first block). SipHash
-/// with fixed keys: engines with the same root agree on names.
-pub fn block_hash(parent: u64, tokens: &[u32], extra_key: Option<u64>) -> u64 {
-    let mut hasher = std::hash::DefaultHasher::new();
-    parent.hash(&mut hasher);
-    tokens.hash(&mut hasher);
-    extra_key.hash(&mut hasher);
-    hasher.finish()
+/// A full block's identity: the keyed hash of its whole prefix (see the module's doc).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, PartialOrd, Ord)]
+pub struct BlockHash(pub u128);
+
+impl BlockHash {
+    /// The 64-bit name outside consumers see (vLLM's `ExternalBlockHash` as an integer).
+    #[inline]
+    pub fn external(self) -> u64 {
+        self.0 as u64
+    }
+
+    /// The map's key. The `colliding-block-hashes` test build keeps 3 bits of it, so that lookups
+    /// meet other blocks every few blocks and the full-name and token checks are what keeps a hit
+    /// exact (tests/unit/test_block_identity.py).
+    #[inline]
+    fn map_key(self) -> u64 {
+        if cfg!(feature = "colliding-block-hashes") {
+            self.0 as u64 & 7
+        } else {
+            self.0 as u64
+        }
+    }
 }
 
-/// The hash of every full block of `tokens`, in order, chained from `root`.
-pub fn block_hashes(root: u64, tokens: &[u32], block_size: usize, extra_key: Option<u64>) -> Vec<u64> {
-    let mut parent = root;
-    tokens
-        .chunks_exact(block_size)
-        .map(|chunk| {
-            parent = block_hash(parent, chunk, extra_key);
-            parent
-        })
-        .collect()
+/// Names full blocks: SipHash-1-3 (128-bit output) keyed by the root seed.
+#[derive(Debug, Clone, Copy)]
+pub struct BlockHasher {
+    keys: (u64, u64),
 }
 
-/// hash -> device block, with query/hit counters (counted in blocks).
+impl BlockHasher {
+    pub fn new(seed: u64) -> Self {
+        // The second key word is a fixed odd mix of the seed: a 64-bit seed keys both halves.
+        BlockHasher { keys: (seed, seed.rotate_left(32) ^ 0x9e37_79b9_7f4a_7c15) }
+    }
+
+    /// Hash of one full block given its parent's (None for a prompt's first block).
+    pub fn block_hash(&self, parent: Option<BlockHash>, tokens: &[u32], extra_key: Option<u64>) -> BlockHash {
+        let mut hasher = SipHasher13::new_with_keys(self.keys.0, self.keys.1);
+        match parent {
+            Some(parent) => {
+                hasher.write_u8(1);
+                hasher.write_u128(parent.0);
+            }
+            None => hasher.write_u8(0),
+        }
+        hasher.write_usize(tokens.len());
+        for &token in tokens {
+            hasher.write_u32(token);
+        }
+        match extra_key {
+            Some(key) => {
+                hasher.write_u8(1);
+                hasher.write_u64(key);
+            }
+            None => hasher.write_u8(0),
+        }
+        BlockHash(hasher.finish128().as_u128())
+    }
+
+    /// The hash of every full block of `tokens`, in order.
+    pub fn block_hashes(&self, tokens: &[u32], block_size: usize, extra_key: Option<u64>) -> Vec<BlockHash> {
+        let mut parent = None;
+        tokens
+            .chunks_exact(block_size)
+            .map(|chunk| {
+                let hash = self.block_hash(parent, chunk, extra_key);
+                parent = Some(hash);
+                hash
+            })
+            .collect()
+    }
+}
+
+/// One cached block: its full name, its parent's name, where it is, and its tokens.
+#[derive(Debug, Clone)]
+pub struct CachedBlock {
+    pub hash: BlockHash,
+    pub parent: Option<BlockHash>,
+    pub block: BlockId,
+    pub tokens: Box<[u32]>,
+    pub extra_key: Option<u64>,
+}
+
+/// name -> cached block, with query/hit counters (counted in blocks).
 #[derive(Debug, Clone, Default)]
 pub struct PrefixCache {
-    blocks: HashMap<u64, BlockId>,
+    entries: HashMap<u64, CachedBlock>,
     pub queries: u64,
     pub hits: u64,
 }
 
 impl PrefixCache {
-    pub fn lookup(&self, hash: u64) -> Option<BlockId> {
-        self.blocks.get(&hash).copied()
+    /// The block named `hash` (the full 128-bit name is compared).
+    pub fn lookup(&self, hash: BlockHash) -> Option<BlockId> {
+        self.get(hash).map(|entry| entry.block)
     }
 
-    /// Names `block` by `hash` unless another block already has that name (then the first stays).
-    pub fn insert(&mut self, hash: u64, block: BlockId) -> bool {
-        match self.blocks.entry(hash) {
+    /// The block named `hash` if it also holds `tokens`: what a prefix hit serves.
+    pub fn lookup_verified(&self, hash: BlockHash, tokens: &[u32]) -> Option<BlockId> {
+        self.get(hash).filter(|entry| *entry.tokens == *tokens).map(|entry| entry.block)
+    }
+
+    pub fn get(&self, hash: BlockHash) -> Option<&CachedBlock> {
+        self.entries.get(&hash.map_key()).filter(|entry| entry.hash == hash)
+    }
+
+    /// Names `entry.block` by `entry.hash` unless the map's slot is taken (then the first stays,
+    /// and the block is simply not cached). Returns whether it was inserted.
+    pub fn insert(&mut self, entry: CachedBlock) -> bool {
+        match self.entries.entry(entry.hash.map_key()) {
             std::collections::hash_map::Entry::Occupied(_) => false,
             std::collections::hash_map::Entry::Vacant(slot) => {
-                slot.insert(block);
+                slot.insert(entry);
                 true
             }
         }
     }
 
-    /// Forgets `hash` if it still names `block` (it may name another block by now).
-    pub fn remove(&mut self, hash: u64, block: BlockId) {
-        if self.blocks.get(&hash) == Some(&block) {
-            self.blocks.remove(&hash);
+    /// Forgets `hash` if it still names `block` (it may name another block by now); returns the
+    /// entry it forgot.
+    pub fn remove(&mut self, hash: BlockHash, block: BlockId) -> Option<CachedBlock> {
+        let key = hash.map_key();
+        if self.entries.get(&key).is_some_and(|entry| entry.hash == hash && entry.block == block) {
+            self.entries.remove(&key)
+        } else {
+            None
         }
     }
 
     pub fn len(&self) -> usize {
-        self.blocks.len()
+        self.entries.len()
     }
 
-    /// Forgets every entry (the counters stay); returns the blocks they named.
-    pub fn take_blocks(&mut self) -> Vec<BlockId> {
-        self.blocks.drain().map(|(_, block)| block).collect()
+    /// Forgets every entry (the counters stay); returns them.
+    pub fn take_entries(&mut self) -> Vec<CachedBlock> {
+        self.entries.drain().map(|(_, entry)| entry).collect()
     }
 
-    /// Every (hash, block) entry.
-    pub fn entries(&self) -> impl Iterator<Item = (u64, BlockId)> + '_ {
-        self.blocks.iter().map(|(hash, block)| (*hash, *block))
+    /// Every cached block.
+    pub fn entries(&self) -> impl Iterator<Item = &CachedBlock> + '_ {
+        self.entries.values()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.blocks.is_empty()
+        self.entries.is_empty()
     }
 
     pub fn hit_rate(&self) -> f64 {
@@ -94,27 +178,43 @@ impl PrefixCache {
 mod tests {
     use super::*;
 
+    fn entry(hash: u128, block: BlockId, tokens: &[u32]) -> CachedBlock {
+        CachedBlock { hash: BlockHash(hash), parent: None, block, tokens: tokens.into(), extra_key: None }
+    }
+
     #[test]
-    fn hash_chain_depends_on_parent_tokens_and_extra_key() {
-        let a = block_hashes(0, &[1, 2, 3, 4, 5, 6, 7, 8], 4, None);
-        let b = block_hashes(0, &[9, 2, 3, 4, 5, 6, 7, 8], 4, None);
+    fn hash_chain_depends_on_parent_tokens_extra_key_and_seed() {
+        let hasher = BlockHasher::new(0);
+        let a = hasher.block_hashes(&[1, 2, 3, 4, 5, 6, 7, 8], 4, None);
+        let b = hasher.block_hashes(&[9, 2, 3, 4, 5, 6, 7, 8], 4, None);
         assert_eq!(a.len(), 2);
         assert_ne!(a[0], b[0]);
         assert_ne!(a[1], b[1], "the second block's name depends on the first block");
-        assert_ne!(a, block_hashes(0, &[1, 2, 3, 4, 5, 6, 7, 8], 4, Some(7)));
-        assert_eq!(a, block_hashes(0, &[1, 2, 3, 4, 5, 6, 7, 8, 9], 4, None), "partial blocks are not hashed");
-        let seeded = block_hashes(12345, &[1, 2, 3, 4, 5, 6, 7, 8], 4, None);
+        assert_ne!(a, hasher.block_hashes(&[1, 2, 3, 4, 5, 6, 7, 8], 4, Some(7)));
+        assert_eq!(a, hasher.block_hashes(&[1, 2, 3, 4, 5, 6, 7, 8, 9], 4, None), "partial blocks are not hashed");
+        let seeded = BlockHasher::new(12345).block_hashes(&[1, 2, 3, 4, 5, 6, 7, 8], 4, None);
         assert!(seeded[0] != a[0] && seeded[1] != a[1], "every name depends on the root seed");
+        assert!(a[0].0 >> 64 != 0 && a[0].0 as u64 != 0, "names use all 128 bits");
     }
 
     #[test]
     fn insert_keeps_first_and_remove_checks_owner() {
         let mut cache = PrefixCache::default();
-        assert!(cache.insert(5, 1));
-        assert!(!cache.insert(5, 2));
-        cache.remove(5, 2);
-        assert_eq!(cache.lookup(5), Some(1));
-        cache.remove(5, 1);
+        assert!(cache.insert(entry(5, 1, &[1])));
+        assert!(!cache.insert(entry(5, 2, &[1])));
+        assert!(cache.remove(BlockHash(5), 2).is_none());
+        assert_eq!(cache.lookup(BlockHash(5)), Some(1));
+        assert_eq!(cache.remove(BlockHash(5), 1).unwrap().block, 1);
         assert!(cache.is_empty());
+    }
+
+    #[test]
+    fn a_lookup_compares_the_full_name_and_a_hit_the_tokens() {
+        let mut cache = PrefixCache::default();
+        let low = 77u128;
+        assert!(cache.insert(entry(low | (1 << 100), 3, &[1, 2])));
+        assert_eq!(cache.lookup(BlockHash(low | (2 << 100))), None, "same map key, other name: a miss");
+        assert_eq!(cache.lookup_verified(BlockHash(low | (1 << 100)), &[1, 2]), Some(3));
+        assert_eq!(cache.lookup_verified(BlockHash(low | (1 << 100)), &[1, 9]), None, "other tokens: a miss");
     }
 }

@@ -1,8 +1,10 @@
 //! `BlockManager`: the allocator alone.
 
 use pyo3::prelude::*;
+use pyo3::types::PyList;
 
 use super::errors::{call, exceptions};
+use super::kv_events;
 use crate::device::Device;
 use crate::kv::block_manager::BlockManager as RustBlockManager;
 
@@ -17,7 +19,7 @@ impl BlockManager {
     #[new]
     #[pyo3(signature = (
         num_device_blocks, num_cpu_blocks, block_size=16, enable_prefix_caching=false, watermark=0.0, sliding_window=0,
-        hash_seed=0,
+        hash_seed=0, enable_kv_events=false,
     ))]
     fn new(
         num_device_blocks: usize,
@@ -27,12 +29,16 @@ impl BlockManager {
         watermark: f64,
         sliding_window: usize,
         hash_seed: u64,
+        enable_kv_events: bool,
     ) -> PyResult<Self> {
         let mut inner = call(|| {
             RustBlockManager::new(num_device_blocks, num_cpu_blocks, block_size, enable_prefix_caching, watermark)
         })?;
         inner.set_sliding_window(sliding_window);
         call(|| inner.set_hash_seed(hash_seed))?;
+        if enable_kv_events {
+            call(|| inner.enable_kv_events())?;
+        }
         Ok(BlockManager { inner })
     }
 
@@ -92,6 +98,19 @@ impl BlockManager {
 
     fn check_invariants(&self) -> PyResult<()> {
         self.inner.check_invariants().map_err(exceptions::InvalidStateError::new_err)
+    }
+
+    fn take_kv_events<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        kv_events::to_python(py, self.inner.take_kv_events())
+    }
+
+    #[pyo3(signature = (on_device=true))]
+    fn cached_block_hashes(&self, on_device: bool) -> Vec<u64> {
+        self.inner.cached_block_hashes(if on_device { Device::Gpu } else { Device::Cpu })
+    }
+
+    fn reset_prefix_cache(&mut self) -> bool {
+        self.inner.reset_prefix_cache()
     }
 
     #[getter]

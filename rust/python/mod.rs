@@ -4,6 +4,7 @@
 mod block_manager;
 mod errors;
 mod kernels;
+mod kv_events;
 mod scheduler;
 
 use pyo3::prelude::*;
@@ -12,6 +13,7 @@ use pyo3::prelude::*;
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     scheduler::register(m)?;
     block_manager::register(m)?;
+    kv_events::register(m)?;
     kernels::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

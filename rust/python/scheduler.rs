@@ -8,6 +8,7 @@ use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList, PyString};
 
 use super::block_manager::refcount;
 use super::errors::{call, exceptions, to_py_err};
+use super::kv_events;
 use crate::device::Device;
 use crate::sched::config::{SchedulerConfig, SchedulingPolicy};
 use crate::sched::preemption::PreemptionMode;
@@ -574,6 +575,15 @@ impl Scheduler {
 
     fn reset_prefix_cache(&mut self) -> bool {
         self.inner.reset_prefix_cache()
+    }
+
+    fn take_kv_events<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        kv_events::to_python(py, self.inner.take_kv_events())
+    }
+
+    #[pyo3(signature = (on_device=true))]
+    fn cached_block_hashes(&self, on_device: bool) -> Vec<u64> {
+        self.inner.block_manager().cached_block_hashes(if on_device { Device::Gpu } else { Device::Cpu })
     }
 
     #[getter]

@@ -72,6 +72,9 @@ pub struct SchedulerConfig {
     /// Root of the prefix cache's block names (see prefix_cache.rs): a secret random value keeps
     /// them from being computed, and collisions crafted, outside the engine.
     pub prefix_caching_hash_seed: u64,
+    /// Record KV-cache events (`Scheduler::take_kv_events`): blocks stored, removed, all cleared,
+    /// per tier, for a KV-aware router to mirror the prefix cache by.
+    pub enable_kv_events: bool,
     pub preemption_mode: PreemptionMode,
     pub scheduling_policy: SchedulingPolicy,
     /// Fraction of device blocks admissions leave free.
@@ -103,6 +106,7 @@ impl Default for SchedulerConfig {
             long_prefill_token_threshold: 0,
             sliding_window: 0,
             prefix_caching_hash_seed: 0,
+            enable_kv_events: false,
             preemption_mode: PreemptionMode::Auto,
             scheduling_policy: SchedulingPolicy::Fcfs,
             watermark: 0.01,

@@ -51,6 +51,7 @@ fn random_config(rng: &mut Rng) -> SchedulerConfig {
         long_prefill_token_threshold: 0,
         sliding_window: 0,
         prefix_caching_hash_seed: 0,
+        enable_kv_events: false,
         preemption_mode: rng.pick(&[PreemptionMode::Swap, PreemptionMode::Recompute, PreemptionMode::Auto]),
         scheduling_policy: SchedulingPolicy::Fcfs,
         watermark: rng.pick(&[0.0, 0.01, 0.2]),

@@ -13,6 +13,7 @@ use slab::Slab;
 
 use crate::errors::{Error, Result};
 use crate::kv::block_manager::{BlockCopy, BlockManager, SeqId, StepSlots};
+use crate::kv::events::KvEvent;
 use crate::sched::config::{SchedulerConfig, SchedulingPolicy};
 use crate::sched::preemption::Preemption;
 use crate::sched::sequence::{GroupState, PendingTable, SeqStatus, Sequence, SequenceGroup};
@@ -329,6 +330,9 @@ impl Scheduler {
         }
         blocks.set_sliding_window(config.sliding_window);
         blocks.set_hash_seed(config.prefix_caching_hash_seed)?;
+        if config.enable_kv_events {
+            blocks.enable_kv_events()?;
+        }
         Ok(Scheduler {
             max_model_len: config.effective_max_model_len(),
             config,
@@ -367,6 +371,12 @@ impl Scheduler {
     /// request is unfinished.
     pub fn reset_prefix_cache(&mut self) -> bool {
         !self.has_unfinished() && self.blocks.reset_prefix_cache()
+    }
+
+    /// The KV-cache events since the last call, oldest first (`enable_kv_events`): take them once
+    /// per step, after `schedule` and `update`, and hand them to the consumers in this order.
+    pub fn take_kv_events(&mut self) -> Vec<KvEvent> {
+        self.blocks.take_kv_events()
     }
 
     pub fn num_unfinished(&self) -> usize {

@@ -20,6 +20,7 @@ fn config(num_device_blocks: usize, num_cpu_blocks: usize) -> SchedulerConfig {
         long_prefill_token_threshold: 0,
         sliding_window: 0,
         prefix_caching_hash_seed: 0,
+        enable_kv_events: false,
         preemption_mode: PreemptionMode::Swap,
         scheduling_policy: SchedulingPolicy::Fcfs,
         watermark: 0.0,
