@@ -17,6 +17,7 @@ pub struct BlockManager {
 #[pymethods]
 impl BlockManager {
     #[new]
+    #[allow(clippy::too_many_arguments)] // (Python's keyword arguments)
     #[pyo3(signature = (
         num_device_blocks, num_cpu_blocks, block_size=16, enable_prefix_caching=false, watermark=0.0, sliding_window=0,
         hash_seed=0, enable_kv_events=false,
