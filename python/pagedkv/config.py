@@ -74,6 +74,15 @@ class EngineConfig:
     enable_cpu_prefix_cache: bool = False
     """Prefix-cache blocks evicted from the device move to free CPU swap blocks and are copied
     back on a hit instead of recomputed (vLLM's KV offloading to CPU). Needs prefix caching."""
+    kv_events_endpoint: Optional[str] = None
+    """Publish KV-cache events (blocks stored, removed, all cleared, per tier) on this ZMQ PUB
+    address in vLLM's wire format, for KV-aware routers (Dynamo's indexer, llm-d, the vLLM
+    router): `tcp://*:5557` binds, `tcp://host:5557` connects. None = off. Needs prefix caching
+    and `pip install 'pagedkv[kv-events]'` (pyzmq, msgspec)."""
+    kv_events_replay_endpoint: Optional[str] = None
+    """ZMQ ROUTER address where subscribers ask for batches they missed (vLLM's replay socket)."""
+    kv_events_topic: str = ""
+    """Topic of every published KV event batch."""
     enable_chunked_prefill: bool = True
     """Split long prompts across steps to fit the token budget."""
     long_prefill_token_threshold: int = 0
@@ -188,6 +197,10 @@ class EngineConfig:
             fail("tensor_parallel_size", self.tensor_parallel_size, "a positive integer")
         if not self.distributed_timeout_seconds > 0:
             fail("distributed_timeout_seconds", self.distributed_timeout_seconds, "a positive number of seconds")
+        if self.kv_events_endpoint is not None and not self.enable_prefix_caching:
+            fail("kv_events_endpoint", self.kv_events_endpoint, "None unless enable_prefix_caching")
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            fail("kv_events_replay_endpoint", self.kv_events_replay_endpoint, "None unless kv_events_endpoint is set")
         if self.attention_backend not in ("auto", "torch", "cpu", "cuda"):
             fail("attention_backend", self.attention_backend, "auto, torch, cpu or cuda")
 

@@ -19,6 +19,7 @@ from pagedkv._core import Scheduler, SchedulerConfig
 from pagedkv.beam_search import BeamSearch
 from pagedkv.config import EngineConfig
 from pagedkv.errors import DuplicateRequestError, PromptTooLongError, UnknownRequestError
+from pagedkv.kv_events import ZmqEventPublisher
 from pagedkv.runner.sampler import SamplingRow, all_plain, changes_logits
 from pagedkv.runner.step_messages import ModelRunnerOutput, PendingOutput, PromptLogprobsRequest, StepRequests
 from pagedkv.lora import LoRARequest
@@ -62,6 +63,10 @@ class LLMEngine:
         # Sampling parameters a request leaves unset take these (the model's generation config)
         self.generation_defaults = self.model_info.generation_defaults
         self.scheduler = Scheduler(self._scheduler_config())
+        self.kv_events: Optional[ZmqEventPublisher] = None
+        if self.config.kv_events_endpoint is not None:
+            self.kv_events = ZmqEventPublisher(self.config.kv_events_endpoint, self.config.kv_events_replay_endpoint,
+                                               self.config.kv_events_topic)
         self.max_model_len = self.scheduler.max_model_len
         self.requests: dict[str, RequestState] = {}
         self._in_flight: Optional[_InFlight] = None  # an asynchronous step's tokens not yet booked
@@ -70,6 +75,9 @@ class LLMEngine:
         self._num_uncached_prompts = 0
         self.num_draft_tokens = 0  # speculative decoding: drafts verified, and how many were right
         self.num_accepted_draft_tokens = 0
+        # Prompt tokens of started requests, and those of them the prefix cache served (tokens)
+        self.num_prefix_cache_queried_tokens = 0
+        self.num_prefix_cache_hit_tokens = 0
         self._grammar_compiler: Optional[GrammarCompiler] = None  # built at the first structured-output request
         self._grammar_compiler_lock = threading.Lock()
         # Longer prompt texts are refused before tokenizing: they cannot fit in max_model_len.
@@ -108,6 +116,7 @@ class LLMEngine:
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             sliding_window=self.model_info.sliding_window,
             prefix_caching_hash_seed=config.resolved_prefix_caching_hash_seed(),
+            enable_kv_events=config.kv_events_endpoint is not None,
             preemption_mode=config.preemption_mode,
             scheduling_policy=config.scheduling_policy,
             watermark=config.watermark,
@@ -120,6 +129,9 @@ class LLMEngine:
         """Stops the other tensor-parallel ranks (nothing to do with tensor_parallel_size=1). The
         engine steps no more after it."""
         self.runner.shutdown()
+        if self.kv_events is not None:
+            self._publish_kv_events()
+            self.kv_events.shutdown()
 
     # -- requests --------------------------------------------------------------------------
     def get_default_sampling_params(self) -> SamplingParams:
@@ -339,7 +351,13 @@ class LLMEngine:
             logger.warning("prefix cache not reset: %d requests are unfinished", len(self.requests))
             return False
         logger.info("prefix cache reset")
+        self._publish_kv_events()
         return True
+
+    def _publish_kv_events(self) -> None:
+        """Hands the KV-cache events since the last call to the publisher, as one batch."""
+        if self.kv_events is not None:
+            self.kv_events.publish(self.scheduler.take_kv_events())
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -402,6 +420,7 @@ class LLMEngine:
                 output = self._output(request)  # (a failed request's output needs no detokenizing)
             if output is not None:
                 outputs.append(output)
+        self._publish_kv_events()
         return outputs
 
     def _runs_async(self, plan, asked: _Asked) -> bool:
@@ -508,6 +527,8 @@ class LLMEngine:
             if is_prefill and request.metrics.first_scheduled_time is None:  # (a request starts with a prefill)
                 request.metrics.first_scheduled_time = now
                 request.metrics.num_prefix_hit_tokens = start
+                self.num_prefix_cache_queried_tokens += len(request.prompt_token_ids)
+                self.num_prefix_cache_hit_tokens += start
             if sample:
                 touched[request.request_id] = request
             if request.failed:
@@ -755,6 +776,8 @@ class LLMEngine:
         stats["num_unfinished_requests"] = len(self.requests)
         stats["num_draft_tokens"] = self.num_draft_tokens
         stats["num_accepted_draft_tokens"] = self.num_accepted_draft_tokens
+        stats["prefix_cache_queried_tokens"] = self.num_prefix_cache_queried_tokens
+        stats["prefix_cache_hit_tokens"] = self.num_prefix_cache_hit_tokens
         stats["finished_by_reason"] = dict(self.num_finished_by_reason)
         stats["num_loaded_loras"] = len(self.list_loras())
         lora_requests: dict[str, int] = {}

@@ -1511,4 +1511,123 @@ mod tests {
         bm.allocate(1, &tokens(5), None).unwrap();
         assert!(bm.enable_kv_events().is_err());
     }
+
+    /// A simulated KV cache whose every slot holds a fingerprint of the whole prefix up to its
+    /// position, as real K/V depends on every earlier token: a block served from another context
+    /// (another prompt, or the same tokens after another prefix) reads back wrong.
+    #[test]
+    fn no_sequence_reads_kv_computed_for_another_prefix() {
+        let fingerprint = |tokens: &[u32]| {
+            tokens.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &t| (h ^ t as u64).wrapping_mul(0x100_0000_01b3))
+        };
+        let mut rng = 0x2545_f491_4f6c_dd1du64;
+        let mut next = move |bound: u64| {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng % bound
+        };
+        let mut bm = BlockManager::new(24, 16, 4, true, 0.0).unwrap();
+        bm.enable_cpu_prefix_cache().unwrap();
+        let (mut device, mut cpu) = (HashMap::<i64, u64>::default(), HashMap::<i64, u64>::default());
+        let mut live: Vec<(SeqId, Vec<u32>)> = Vec::new();
+        let tier_copies = |bm: &mut BlockManager, device: &mut HashMap<i64, u64>, cpu: &mut HashMap<i64, u64>| {
+            let (offloads, reloads) = bm.take_cpu_tier_copies();
+            for (from, to, src, dst) in
+                offloads.iter().map(|&(d, c)| (0, 1, d, c)).chain(reloads.iter().map(|&(c, d)| (1, 0, c, d)))
+            {
+                for offset in 0..4i64 {
+                    let value = [&*device, &*cpu][from].get(&(src as i64 * 4 + offset)).copied();
+                    let target = if to == 0 { &mut *device } else { &mut *cpu };
+                    match value {
+                        Some(value) => target.insert(dst as i64 * 4 + offset, value),
+                        None => target.remove(&(dst as i64 * 4 + offset)),
+                    };
+                }
+            }
+        };
+        for round in 0..3000u64 {
+            bm.begin_step();
+            match next(6) {
+                0 | 1 => {
+                    // Prompts over two tokens, so that different prompts share blocks at different places.
+                    let len = 1 + next(14) as usize;
+                    let prompt: Vec<u32> = (0..len).map(|_| next(2) as u32).collect();
+                    if bm.blocks_needed_to_allocate(&prompt, None) <= bm.num_free_device_blocks() {
+                        let hit = bm.allocate_prefix(round, &prompt, None).unwrap();
+                        bm.append_slots(round, &prompt[hit..]).unwrap();
+                        tier_copies(&mut bm, &mut device, &mut cpu); // (offloads first, then reloads)
+                        let table = bm.table(round).unwrap();
+                        for pos in hit..prompt.len() {
+                            device.insert(table.slot(pos, 4), fingerprint(&prompt[..=pos]));
+                        }
+                        live.push((round, prompt));
+                    }
+                }
+                2 | 3 if !live.is_empty() => {
+                    let index = next(live.len() as u64) as usize;
+                    let (seq, tokens) = &mut live[index];
+                    let token = next(2) as u32;
+                    if bm.table(*seq).unwrap().device == Device::Gpu
+                        && bm.blocks_needed_to_append(*seq, 1).unwrap() <= bm.num_free_device_blocks()
+                    {
+                        let copy = bm.append_token(*seq, token).unwrap();
+                        tier_copies(&mut bm, &mut device, &mut cpu);
+                        if let Some((src, dst)) = copy {
+                            for offset in 0..4i64 {
+                                if let Some(value) = device.get(&(src as i64 * 4 + offset)).copied() {
+                                    device.insert(dst as i64 * 4 + offset, value);
+                                }
+                            }
+                        }
+                        tokens.push(token);
+                        let slot = bm.table(*seq).unwrap().slot(tokens.len() - 1, 4);
+                        device.insert(slot, fingerprint(tokens));
+                    }
+                }
+                4 if !live.is_empty() => {
+                    let (seq, _) = live.swap_remove(next(live.len() as u64) as usize);
+                    bm.free(seq).unwrap();
+                }
+                5 if !live.is_empty() => {
+                    let seq = live[next(live.len() as u64) as usize].0;
+                    let (source, target, copies) = if bm.table(seq).unwrap().device == Device::Gpu {
+                        if bm.num_unique_blocks(&[seq]).unwrap() > bm.num_free_cpu_blocks() {
+                            continue;
+                        }
+                        (0, 1, bm.swap_out(&[seq]).unwrap())
+                    } else {
+                        if bm.blocks_needed_to_swap_in(&[seq]).unwrap() > bm.num_free_device_blocks() {
+                            continue;
+                        }
+                        (1, 0, bm.swap_in(&[seq]).unwrap())
+                    };
+                    tier_copies(&mut bm, &mut device, &mut cpu);
+                    for (src, dst) in copies {
+                        for offset in 0..4i64 {
+                            let value = [&device, &cpu][source].get(&(src as i64 * 4 + offset)).copied();
+                            let pool = if target == 0 { &mut device } else { &mut cpu };
+                            match value {
+                                Some(value) => pool.insert(dst as i64 * 4 + offset, value),
+                                None => pool.remove(&(dst as i64 * 4 + offset)),
+                            };
+                        }
+                    }
+                }
+                _ => {}
+            }
+            bm.check_invariants().unwrap();
+            for (seq, tokens) in &live {
+                let table = bm.table(*seq).unwrap();
+                let pool = if table.device == Device::Gpu { &device } else { &cpu };
+                for pos in 0..tokens.len() {
+                    assert_eq!(
+                        pool.get(&table.slot(pos, 4)).copied(),
+                        Some(fingerprint(&tokens[..=pos])),
+                        "round {round}: sequence {seq} reads KV of another prefix at position {pos}"
+                    );
+                }
+            }
+        }
+    }
 }

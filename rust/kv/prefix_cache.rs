@@ -30,7 +30,7 @@ impl BlockHash {
 
     /// The map's key. The `colliding-block-hashes` test build keeps 3 bits of it, so that lookups
     /// meet other blocks every few blocks and the full-name and token checks are what keeps a hit
-    /// exact (tests/unit/test_block_identity.py).
+    /// exact (`no_sequence_reads_kv_computed_for_another_prefix` in block_manager.rs, run by `make test`).
     #[inline]
     fn map_key(self) -> u64 {
         if cfg!(feature = "colliding-block-hashes") {

@@ -23,14 +23,17 @@ NUM_CPU_BLOCKS = 12
 
 class SchedulerMachine(RuleBasedStateMachine):
     sliding_window = 0
+    preemption_mode = "swap"
+    enable_kv_events = False
 
     def __init__(self):
         super().__init__()
         config = SchedulerConfig(
             block_size=BLOCK_SIZE, num_device_blocks=NUM_DEVICE_BLOCKS, num_cpu_blocks=NUM_CPU_BLOCKS,
             max_num_seqs=6, max_num_batched_tokens=16, max_model_len=40, max_waiting_requests=64,
-            enable_prefix_caching=True, enable_cpu_prefix_cache=True, preemption_mode="swap",
+            enable_prefix_caching=True, enable_cpu_prefix_cache=True, preemption_mode=self.preemption_mode,
             scheduling_policy="priority", watermark=0.0, sliding_window=self.sliding_window,
+            enable_kv_events=self.enable_kv_events,
         )
         self.scheduler = Scheduler(config)
         self.tokens: dict[int, list[int]] = {}  # each live sequence's tokens, as the engine knows them

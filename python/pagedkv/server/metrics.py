@@ -87,6 +87,11 @@ class _EngineCollector:
         swapped.add_metric(["out"], stats["num_blocks_swapped_out"])
         yield swapped
         yield _gauge("pagedkv_prefix_cache_hit_rate", "prefix cache hit rate (blocks)", stats["prefix_cache_hit_rate"])
+        # In tokens, as vLLM counts them: a hit rate over any window is the ratio of their increases.
+        yield CounterMetricFamily("pagedkv_prefix_cache_queries", "Prompt tokens of started requests, looked up "
+                                  "in the prefix cache", value=stats.get("prefix_cache_queried_tokens", 0))
+        yield CounterMetricFamily("pagedkv_prefix_cache_hits", "Prompt tokens the prefix cache served",
+                                  value=stats.get("prefix_cache_hit_tokens", 0))
         tier = CounterMetricFamily("pagedkv_cpu_prefix_cache_blocks", "CPU prefix tier: blocks offloaded / reloaded",
                                    labels=["direction"])
         tier.add_metric(["offloaded"], stats["num_blocks_offloaded"])

@@ -36,10 +36,16 @@ class ErrorResponse(BaseModel):
 
 
 # -- completions and chat ----------------------------------------------------------------------
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+    """Prompt tokens the prefix cache served (their KV was not computed again)."""
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: Optional[PromptTokensDetails] = None
 
 
 class CompletionLogprobs(BaseModel):

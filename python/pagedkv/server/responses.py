@@ -38,6 +38,7 @@ class ResponseBuilder:
         num_choices = n * num_prompts
         choices_so_far: dict[int, _ChoiceSoFar] = {}
         prompt_tokens: dict[int, int] = {}  # per prompt, of the finished ones
+        cached_tokens: dict[int, int] = {}
         kind = "chat.completion.chunk" if chat else "text_completion"
         if chat:
             first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -59,10 +60,11 @@ class ResponseBuilder:
                 yield sse({"id": request_id, "object": kind, "created": created, "model": self.model_name, "choices": choices})
             if output.finished:
                 prompt_tokens[prompt_index] = len(output.prompt_token_ids)
+                cached_tokens[prompt_index] = num_cached_tokens(output)
                 if len(prompt_tokens) == num_prompts:
                     if include_usage:
                         num_generated = sum(so_far.num_tokens for so_far in choices_so_far.values())
-                        usage = self.usage_of(sum(prompt_tokens.values()), num_generated)
+                        usage = self.usage_of(sum(prompt_tokens.values()), num_generated, sum(cached_tokens.values()))
                         yield sse({"id": request_id, "object": kind, "created": created, "model": self.model_name,
                                    "choices": [], "usage": usage})
                     yield "data: [DONE]\n\n"
@@ -240,12 +242,21 @@ class ResponseBuilder:
     def usage(self, outputs: list) -> dict:
         """Usage of whole (not delta) final outputs."""
         completion_tokens = sum(len(c.token_ids) for output in outputs for c in output.outputs)
-        return self.usage_of(sum(len(output.prompt_token_ids) for output in outputs), completion_tokens)
+        cached_tokens = sum(num_cached_tokens(output) for output in outputs)
+        return self.usage_of(sum(len(output.prompt_token_ids) for output in outputs), completion_tokens, cached_tokens)
 
     @staticmethod
-    def usage_of(prompt_tokens: int, completion_tokens: int) -> dict:
+    def usage_of(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+        """OpenAI's usage; `prompt_tokens_details.cached_tokens`: prompt tokens the prefix cache served."""
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens}
+                "total_tokens": prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def num_cached_tokens(output) -> int:
+    """Prompt tokens of a request the prefix cache served (not computed again)."""
+    metrics = getattr(output, "metrics", None)
+    return metrics.num_prefix_hit_tokens if metrics is not None else 0
 
 
 def pooling_usage(num_tokens: int) -> dict:

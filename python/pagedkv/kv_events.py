@@ -1,0 +1,142 @@
+"""KV-cache events on the wire, as vLLM publishes them, so KV-aware routers written for vLLM
+(Dynamo's indexer and KV router, llm-d, the vLLM router) index a pagedkv engine unchanged.
+
+The core records the events (`Scheduler.take_kv_events`); the engine takes them once per step and
+hands them to a `ZmqEventPublisher`, which sends each step's batch from its own thread:
+
+- a ZMQ PUB socket sends multipart messages (topic, 8-byte big-endian sequence number, payload);
+- the payload is msgpack of `[timestamp, [event, ...], data_parallel_rank]`, each event an array
+  led by its tag: `["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
+  lora_id, medium, lora_name]`, `["BlockRemoved", block_hashes, medium]`, `["AllBlocksCleared"]`
+  (vLLM's msgspec structs with array_like=True);
+- a ZMQ ROUTER replay socket answers a request frame holding an 8-byte big-endian sequence
+  number with every buffered batch from it on, `(seq, payload)` each, then `(-1, b"")`.
+
+pyzmq and msgspec are needed only here: `pip install 'pagedkv[kv-events]'`.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from itertools import count
+from typing import Optional, Sequence
+
+from pagedkv._core import AllBlocksCleared, BlockRemoved, BlockStored
+
+logger = logging.getLogger(__name__)
+
+END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
+
+
+def event_as_array(event) -> list:
+    """One event as vLLM's array_like msgspec struct writes it (tag first, fields in order)."""
+    if isinstance(event, BlockStored):
+        return ["BlockStored", event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size,
+                event.lora_id, event.medium, None]
+    if isinstance(event, BlockRemoved):
+        return ["BlockRemoved", event.block_hashes, event.medium]
+    if isinstance(event, AllBlocksCleared):
+        return ["AllBlocksCleared"]
+    raise TypeError(f"not a KV-cache event: {event!r}")
+
+
+def encode_batch(events: Sequence, timestamp: float, data_parallel_rank: Optional[int] = 0) -> bytes:
+    """A step's events as a `KVEventBatch` payload."""
+    import msgspec
+
+    return msgspec.msgpack.encode([timestamp, [event_as_array(event) for event in events], data_parallel_rank])
+
+
+def _binds(endpoint: str) -> bool:
+    # vLLM's rule: a wildcard or a local transport binds, anything else connects.
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+class ZmqEventPublisher:
+    """Publishes event batches on `endpoint` (PUB) in order, each with the next sequence number, and
+    keeps the last `buffer_steps` for subscribers that ask `replay_endpoint` (ROUTER) for what they
+    missed. `publish` never blocks the engine: a thread owns the sockets."""
+
+    def __init__(self, endpoint: str, replay_endpoint: Optional[str] = None, topic: str = "",
+                 buffer_steps: int = 10_000, hwm: int = 100_000, data_parallel_rank: int = 0):
+        try:
+            import msgspec  # noqa: F401
+            import zmq
+        except ImportError as error:
+            raise ImportError("KV events need pyzmq and msgspec: pip install 'pagedkv[kv-events]'") from error
+        self._zmq = zmq
+        self._context = zmq.Context.instance()
+        self._pub = self._context.socket(zmq.PUB)
+        self._pub.set_hwm(hwm)
+        (self._pub.bind if _binds(endpoint) else self._pub.connect)(endpoint)
+        self._replay = None
+        if replay_endpoint is not None:
+            self._replay = self._context.socket(zmq.ROUTER)
+            self._replay.bind(replay_endpoint)
+        self.endpoint, self.replay_endpoint = endpoint, replay_endpoint
+        self._topic = topic.encode()
+        self._data_parallel_rank = data_parallel_rank
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._sequence_numbers = count()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="pagedkv-kv-events", daemon=True)
+        self._thread.start()
+        logger.info("publishing KV events on %s (replay: %s, topic %r)", endpoint, replay_endpoint, topic)
+
+    def publish(self, events: Sequence) -> None:
+        """Queues one step's events (nothing is sent for an empty step)."""
+        if self._closed:
+            raise RuntimeError("the KV event publisher is shut down")
+        if events:
+            self._queue.put((time.time(), list(events)))
+
+    def shutdown(self, timeout: float = 2.0) -> None:
+        """Sends what is queued, then closes the sockets. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.warning("the KV event publisher did not stop within %.1f s", timeout)
+            return
+        self._pub.close(linger=0)
+        if self._replay is not None:
+            self._replay.close(linger=0)
+
+    def _run(self) -> None:
+        while True:
+            if self._replay is not None:
+                while self._replay.poll(0):
+                    self._answer_replay()
+            try:
+                item = self._queue.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if item is None:
+                return
+            timestamp, events = item
+            try:
+                payload = encode_batch(events, timestamp, self._data_parallel_rank)
+                sequence_number = next(self._sequence_numbers)
+                self._pub.send_multipart((self._topic, sequence_number.to_bytes(8, "big"), payload))
+                self._buffer.append((sequence_number, payload))
+            except Exception:  # (a dead socket must not take the engine down with it)
+                logger.exception("could not publish a KV event batch")
+
+    def _answer_replay(self) -> None:
+        frames = self._replay.recv_multipart()
+        if len(frames) != 3 or len(frames[2]) != 8:
+            logger.warning("ignored a malformed KV event replay request (%d frames)", len(frames))
+            return
+        client, _, start = frames
+        first = int.from_bytes(start, "big")
+        for sequence_number, payload in list(self._buffer):
+            if sequence_number >= first:
+                self._replay.send_multipart((client, b"", sequence_number.to_bytes(8, "big"), payload))
+        self._replay.send_multipart((client, b"", END_OF_REPLAY, b""))

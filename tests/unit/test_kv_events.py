@@ -1,0 +1,145 @@
+"""KV-cache events: a consumer that applies only the events, in order, holds after every step
+exactly the cached blocks of each tier (the scheduler state machine of test_scheduler_stateful,
+with swap and recompute preemption, forks, drafts, aborts, the CPU tier and resets); and the wire
+format is vLLM's, through the ZMQ publisher and its replay socket."""
+
+import time
+
+import pytest
+from hypothesis import settings
+from hypothesis.stateful import invariant, precondition, rule, run_state_machine_as_test
+
+from pagedkv import AllBlocksCleared, BlockManager, BlockRemoved, BlockStored, Scheduler, SchedulerConfig
+from test_scheduler_stateful import BLOCK_SIZE, SchedulerMachine
+
+
+class EventMirror:
+    """What a router holds: the cached block names of each tier, built from the events alone."""
+
+    def __init__(self):
+        self.tiers = {"GPU": set(), "CPU": set()}
+        self.tokens = {}  # name -> its block's tokens
+
+    def apply(self, events):
+        for event in events:
+            if isinstance(event, BlockStored):
+                assert len(event.token_ids) == len(event.block_hashes) * event.block_size
+                for index, name in enumerate(event.block_hashes):
+                    assert name not in self.tiers[event.medium], f"{name:x} stored twice in {event.medium}"
+                    self.tiers[event.medium].add(name)
+                    self.tokens[name] = event.token_ids[index * event.block_size:(index + 1) * event.block_size]
+            elif isinstance(event, BlockRemoved):
+                for name in event.block_hashes:
+                    self.tiers[event.medium].remove(name)  # (a KeyError: removed what was never stored)
+            else:
+                assert isinstance(event, AllBlocksCleared)
+                for tier in self.tiers.values():
+                    tier.clear()
+
+    def check(self, cache):
+        assert sorted(self.tiers["GPU"]) == cache.cached_block_hashes(on_device=True)
+        assert sorted(self.tiers["CPU"]) == cache.cached_block_hashes(on_device=False)
+
+
+class EventsMachine(SchedulerMachine):
+    enable_kv_events = True
+
+    def __init__(self):
+        super().__init__()
+        self.mirror = EventMirror()
+
+    @precondition(lambda self: not self.tokens)
+    @rule()
+    def reset_prefix_cache(self):
+        self.scheduler.schedule()  # (the last step's pinned CPU blocks go)
+        assert self.scheduler.reset_prefix_cache()
+
+    @invariant()
+    def events_mirror_the_cache(self):
+        self.mirror.apply(self.scheduler.take_kv_events())
+        self.mirror.check(self.scheduler)
+
+
+class RecomputeEventsMachine(EventsMachine):
+    preemption_mode = "recompute"
+
+
+class WindowedEventsMachine(EventsMachine):
+    sliding_window = 6
+
+
+@pytest.mark.parametrize("machine", [EventsMachine, RecomputeEventsMachine, WindowedEventsMachine],
+                         ids=["swap", "recompute", "windowed"])
+def test_a_consumer_of_the_events_holds_every_tier_s_cached_blocks(machine):
+    run_state_machine_as_test(machine, settings=settings(max_examples=100, stateful_step_count=60, deadline=None))
+
+
+def test_stored_events_chain_a_prompt_s_blocks_with_their_tokens():
+    manager = BlockManager(8, 4, block_size=4, enable_prefix_caching=True, enable_kv_events=True)
+    manager.allocate(1, list(range(10)))
+    [stored] = manager.take_kv_events()
+    assert stored.medium == "GPU" and stored.parent_block_hash is None and stored.block_size == 4
+    assert stored.token_ids == list(range(8)) and len(stored.block_hashes) == 2
+    manager.append_slots(1, [10, 11])  # fills the third block: a child of the second
+    [child] = manager.take_kv_events()
+    assert child.parent_block_hash == stored.block_hashes[-1] and child.token_ids == [8, 9, 10, 11]
+    assert manager.take_kv_events() == []
+
+
+def test_events_are_off_unless_asked_and_only_start_on_an_empty_cache():
+    scheduler = Scheduler(SchedulerConfig(block_size=BLOCK_SIZE, num_device_blocks=8))
+    scheduler.add_request("r", list(range(9)))
+    scheduler.schedule()
+    assert scheduler.take_kv_events() == [] and scheduler.cached_block_hashes()
+    manager = BlockManager(8, 0, block_size=4, enable_prefix_caching=True)
+    assert manager.take_kv_events() == []
+
+
+def test_the_wire_format_is_vllm_s_and_replay_returns_missed_batches(tmp_path):
+    zmq = pytest.importorskip("zmq")
+    msgspec = pytest.importorskip("msgspec")
+    from pagedkv.kv_events import ZmqEventPublisher
+
+    publisher = ZmqEventPublisher(f"ipc://{tmp_path}/events", f"ipc://{tmp_path}/replay", topic="kv")
+    context = zmq.Context.instance()
+    subscriber = context.socket(zmq.SUB)
+    subscriber.setsockopt(zmq.SUBSCRIBE, b"kv")
+    subscriber.connect(publisher.endpoint)
+    time.sleep(0.3)  # (a PUB socket drops what it sends before the subscription reaches it)
+    manager = BlockManager(8, 4, block_size=4, enable_prefix_caching=True, enable_kv_events=True)
+    manager.allocate(1, list(range(9)))
+    publisher.publish(manager.take_kv_events())
+    publisher.publish([])  # (an empty step sends nothing)
+    manager.free(1)
+    assert manager.reset_prefix_cache()
+    publisher.publish(manager.take_kv_events())
+    received = []
+    for _ in range(2):
+        assert subscriber.poll(5000)
+        received.append(subscriber.recv_multipart())
+    assert [frames[0] for frames in received] == [b"kv", b"kv"]
+    assert [int.from_bytes(frames[1], "big") for frames in received] == [0, 1]
+    timestamp, events, rank = msgspec.msgpack.decode(received[0][2])
+    assert isinstance(timestamp, float) and rank == 0
+    [[tag, hashes, parent, tokens, block_size, lora_id, medium, lora_name]] = events
+    assert (tag, parent, tokens, block_size, lora_id, medium, lora_name) == (
+        "BlockStored", None, list(range(8)), 4, None, "GPU", None)
+    assert len(hashes) == 2
+    assert msgspec.msgpack.decode(received[1][2])[1] == [["AllBlocksCleared"]]
+
+    replay = context.socket(zmq.DEALER)
+    replay.connect(publisher.replay_endpoint)
+    for start, expected in ((1, [received[1]]), (0, received)):
+        replay.send_multipart([b"", start.to_bytes(8, "big")])
+        replayed = []
+        while True:
+            assert replay.poll(5000)
+            _, sequence_number, payload = replay.recv_multipart()
+            if int.from_bytes(sequence_number, "big", signed=True) == -1:
+                break
+            replayed.append([sequence_number, payload])
+        assert replayed == [frames[1:] for frames in expected]
+    publisher.shutdown()
+    publisher.shutdown()  # (idempotent)
+    subscriber.close(0)
+    replay.close(0)
