@@ -83,6 +83,7 @@ class ZmqEventPublisher:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._sequence_numbers = count()
+        self._num_queued = self._num_sent = 0  # (batches: `flush` waits for the two to meet)
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="pagedkv-kv-events", daemon=True)
         self._thread.start()
@@ -93,7 +94,17 @@ class ZmqEventPublisher:
         if self._closed:
             raise RuntimeError("the KV event publisher is shut down")
         if events:
+            self._num_queued += 1
             self._queue.put((time.time(), list(events)))
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Waits until every batch published so far has been sent; False if `timeout` passed first."""
+        deadline = time.monotonic() + timeout
+        while self._num_sent < self._num_queued:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.001)
+        return True
 
     def shutdown(self, timeout: float = 2.0) -> None:
         """Sends what is queued, then closes the sockets. Idempotent."""
@@ -128,6 +139,8 @@ class ZmqEventPublisher:
                 self._buffer.append((sequence_number, payload))
             except Exception:  # (a dead socket must not take the engine down with it)
                 logger.exception("could not publish a KV event batch")
+            finally:
+                self._num_sent += 1
 
     def _answer_replay(self) -> None:
         frames = self._replay.recv_multipart()

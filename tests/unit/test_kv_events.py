@@ -9,7 +9,7 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import invariant, precondition, rule, run_state_machine_as_test
 
-from pagedkv import AllBlocksCleared, BlockManager, BlockRemoved, BlockStored, Scheduler, SchedulerConfig
+from pagedkv import BlockManager, Scheduler, SchedulerConfig
 from test_scheduler_stateful import BLOCK_SIZE, SchedulerMachine
 
 
@@ -21,18 +21,20 @@ class EventMirror:
         self.tokens = {}  # name -> its block's tokens
 
     def apply(self, events):
+        """Events as the core's objects, or decoded from the wire (classes named as theirs + "Wire")."""
         for event in events:
-            if isinstance(event, BlockStored):
+            kind = type(event).__name__.removesuffix("Wire")
+            if kind == "BlockStored":
                 assert len(event.token_ids) == len(event.block_hashes) * event.block_size
                 for index, name in enumerate(event.block_hashes):
                     assert name not in self.tiers[event.medium], f"{name:x} stored twice in {event.medium}"
                     self.tiers[event.medium].add(name)
                     self.tokens[name] = event.token_ids[index * event.block_size:(index + 1) * event.block_size]
-            elif isinstance(event, BlockRemoved):
+            elif kind == "BlockRemoved":
                 for name in event.block_hashes:
                     self.tiers[event.medium].remove(name)  # (a KeyError: removed what was never stored)
             else:
-                assert isinstance(event, AllBlocksCleared)
+                assert kind == "AllBlocksCleared", event
                 for tier in self.tiers.values():
                     tier.clear()
 
@@ -143,3 +145,56 @@ def test_the_wire_format_is_vllm_s_and_replay_returns_missed_batches(tmp_path):
     publisher.shutdown()  # (idempotent)
     subscriber.close(0)
     replay.close(0)
+
+
+def test_a_late_subscriber_catches_up_through_replay_and_holds_the_same_index(tmp_path):
+    zmq = pytest.importorskip("zmq")
+    msgspec = pytest.importorskip("msgspec")
+    from pagedkv.kv_events import ZmqEventPublisher
+
+    publisher = ZmqEventPublisher(f"ipc://{tmp_path}/events", f"ipc://{tmp_path}/replay")
+    scheduler = Scheduler(SchedulerConfig(block_size=4, num_device_blocks=12, num_cpu_blocks=8, enable_kv_events=True,
+                                          enable_cpu_prefix_cache=True, watermark=0.0))
+    for index in range(12):  # prompts sharing prefixes, more than the pool holds: stores, evictions, offloads
+        scheduler.add_request(f"r{index}", [index % 3] * 6 + [100 + index] * 5)
+        while scheduler.has_unfinished_requests():
+            out = scheduler.schedule()
+            for seq in out.scheduled:
+                if seq.sample:
+                    scheduler.finish_sequence(seq.seq_id)
+            publisher.publish(scheduler.take_kv_events())
+    assert publisher.flush()
+    replay = zmq.Context.instance().socket(zmq.DEALER)
+    replay.connect(publisher.replay_endpoint)
+    replay.send_multipart([b"", (0).to_bytes(8, "big")])
+    mirror = EventMirror()
+    decoders = {"BlockStored": BlockStoredWire, "BlockRemoved": BlockRemovedWire, "AllBlocksCleared": AllBlocksClearedWire}
+    sequence_numbers = []
+    while True:
+        assert replay.poll(5000)
+        _, sequence_number, payload = replay.recv_multipart()
+        number = int.from_bytes(sequence_number, "big", signed=True)
+        if number == -1:
+            break
+        sequence_numbers.append(number)
+        _, events, _ = msgspec.msgpack.decode(payload)
+        mirror.apply([decoders[event[0]](*event[1:]) for event in events])
+    assert sequence_numbers == list(range(len(sequence_numbers))) and sequence_numbers
+    assert scheduler.cached_block_hashes(on_device=False), "the trace never reached the CPU tier"
+    mirror.check(scheduler)
+    publisher.shutdown()
+    replay.close(0)
+
+
+class BlockStoredWire:
+    def __init__(self, block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name=None):
+        self.block_hashes, self.token_ids, self.block_size, self.medium = block_hashes, token_ids, block_size, medium
+
+
+class BlockRemovedWire:
+    def __init__(self, block_hashes, medium):
+        self.block_hashes, self.medium = block_hashes, medium
+
+
+class AllBlocksClearedWire:
+    pass
