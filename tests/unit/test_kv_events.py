@@ -3,6 +3,8 @@ exactly the cached blocks of each tier (the scheduler state machine of test_sche
 with swap and recompute preemption, forks, drafts, aborts, the CPU tier and resets); and the wire
 format is vLLM's, through the ZMQ publisher and its replay socket."""
 
+import pathlib
+import re
 import time
 
 import pytest
@@ -198,3 +200,22 @@ class BlockRemovedWire:
 
 class AllBlocksClearedWire:
     pass
+
+
+def test_the_events_example_of_docs_scheduler_md_runs(capsys):
+    page = pathlib.Path(__file__).resolve().parents[2] / "docs" / "scheduler.md"
+    example = next(block for block in re.findall(r"```python\n(.*?)```", page.read_text(), re.S)
+                   if "take_kv_events" in block)
+    exec(compile(example, str(page), "exec"), {})
+    [stored] = capsys.readouterr().out.splitlines()
+    assert stored.endswith(" None 32 16")  # two full blocks of a 40-token prompt, the first a root
+
+
+def test_kv_event_options_are_checked():
+    from pagedkv import InvalidConfigError
+    from pagedkv.config import EngineConfig
+
+    with pytest.raises(InvalidConfigError, match="kv_events_endpoint"):
+        EngineConfig(kv_events_endpoint="tcp://*:5557", enable_prefix_caching=False)
+    with pytest.raises(InvalidConfigError, match="kv_events_replay_endpoint"):
+        EngineConfig(kv_events_replay_endpoint="tcp://*:5558")
