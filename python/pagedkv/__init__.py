@@ -1,10 +1,11 @@
 """pagedkv: a PagedAttention KV-cache manager and LLM serving engine.
 
-The memory manager and scheduler (`BlockManager`, `Scheduler`) are Rust types from
-`pagedkv._core`; the engine (`LLM`, `LLMEngine`) drives a torch model through them.
+The memory manager and scheduler (`BlockManager`, `Scheduler`) are Rust types from the core
+distribution, `pagedkv_core` (installable alone, without torch); the engine (`LLM`, `LLMEngine`)
+drives a torch model through them.
 """
 
-from pagedkv._core import (
+from pagedkv_core import (
     AllBlocksCleared,
     BlockManager,
     BlockRemoved,

@@ -28,6 +28,10 @@ class EngineConfig:
     """GGUF file name inside `model` (a directory)."""
     tokenizer: Optional[str] = None
     """Tokenizer dir or .gguf file, when it is not next to the weights."""
+    load_format: str = "auto"
+    """auto: the checkpoint's weights; dummy (vLLM's name): random weights of the right shapes and
+    dtype, built from `model`'s config.json alone (no weight files read), for benchmarks at real
+    model shapes. A directory without a tokenizer needs `tokenizer`."""
     generation_config: str = "auto"
     """Where default sampling parameters come from (vLLM's option): auto = the model's
     generation_config.json (its temperature, top_p, top_k, min_p, repetition_penalty and
@@ -201,6 +205,8 @@ class EngineConfig:
             fail("kv_events_endpoint", self.kv_events_endpoint, "None unless enable_prefix_caching")
         if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
             fail("kv_events_replay_endpoint", self.kv_events_replay_endpoint, "None unless kv_events_endpoint is set")
+        if self.load_format not in ("auto", "dummy"):
+            fail("load_format", self.load_format, "auto or dummy")
         if self.attention_backend not in ("auto", "torch", "cpu", "cuda"):
             fail("attention_backend", self.attention_backend, "auto, torch, cpu or cuda")
 

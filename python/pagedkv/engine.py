@@ -15,11 +15,11 @@ from typing import Optional, Union
 
 import torch
 
-from pagedkv._core import Scheduler, SchedulerConfig
+from pagedkv_core._core import Scheduler, SchedulerConfig
 from pagedkv.beam_search import BeamSearch
 from pagedkv.config import EngineConfig
 from pagedkv.errors import DuplicateRequestError, PromptTooLongError, UnknownRequestError
-from pagedkv.kv_events import ZmqEventPublisher
+from pagedkv_core.kv_events import ZmqEventPublisher
 from pagedkv.runner.sampler import SamplingRow, all_plain, changes_logits
 from pagedkv.runner.step_messages import ModelRunnerOutput, PendingOutput, PromptLogprobsRequest, StepRequests
 from pagedkv.lora import LoRARequest

@@ -10,6 +10,7 @@ import glob
 import importlib.util
 import logging
 import os
+import zlib
 from dataclasses import dataclass
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, NamedTuple
@@ -103,9 +104,11 @@ def model_spec(model: str | None, gguf_file: str | None) -> ModelSpec:
                      multimodal)
 
 
-def load(model: str | None, gguf_file: str | None, tokenizer: str | None, dtype, device, max_positions: int | None):
+def load(model: str | None, gguf_file: str | None, tokenizer: str | None, dtype, device, max_positions: int | None,
+         dummy: bool = False):
     """Builds our model from the checkpoint's config and weights; returns a LoadedModel. Under
-    tensor parallelism (parallel.using_group) the model is this rank's shard."""
+    tensor parallelism (parallel.using_group) the model is this rank's shard. `dummy`: random
+    weights instead of the checkpoint's (load_format="dummy"), from its config alone."""
     from transformers import AutoTokenizer
 
     directory, gguf = _split_gguf(model, gguf_file)
@@ -119,7 +122,9 @@ def load(model: str | None, gguf_file: str | None, tokenizer: str | None, dtype,
     # A tensor-parallel rank reads its own slices of plain safetensors files and no more; other
     # checkpoints' tensors are read whole, then sliced.
     read_sharded = shard is not None and gguf is None and quantization is None and not multimodal
-    if gguf is not None:  # (transformers reads a GGUF file whole: one group)
+    if dummy:
+        checkpoint_groups = iter(())
+    elif gguf is not None:  # (transformers reads a GGUF file whole: one group)
         checkpoint_groups = iter([_dequantized_gguf(os.path.join(directory, gguf))])
     else:
         checkpoint_groups = safetensors_layers(directory, shard if read_sharded else None)
@@ -149,16 +154,42 @@ def load(model: str | None, gguf_file: str | None, tokenizer: str | None, dtype,
     # layer's tensors, never the whole checkpoint beside it, nor a float32 copy of the model.
     net = net.to(dtype=dtype).to_empty(device="cpu")
     net.compute_buffers(positions, dtype)
-    net.load_hf_weights(model_weights())
+    if dummy:
+        logger.info("load_format=dummy: random weights of %s's shapes, no checkpoint read", hf_config.model_type)
+        fill_dummy_weights(net)
+    else:
+        net.load_hf_weights(model_weights())
     net.classifier = sequence_classifier(hf_config, classifier_weights)
     net = net.to(device=device, dtype=dtype).eval()
 
     tokenizer_source, tokenizer_gguf = _split_gguf(tokenizer, None) if tokenizer else (directory, gguf)
-    tok = AutoTokenizer.from_pretrained(tokenizer_source, gguf_file=tokenizer_gguf)
+    try:
+        tok = AutoTokenizer.from_pretrained(tokenizer_source, gguf_file=tokenizer_gguf)
+    except (OSError, ValueError) as error:
+        if dummy and not tokenizer:
+            raise ValueError(f"load_format='dummy': {directory!r} has no tokenizer; pass tokenizer= "
+                             "(a tokenizer directory or .gguf file)") from error
+        raise
     generation_config = load_generation_config(directory, gguf)
     eos = _eos_token_ids(hf_config, generation_config, tok)
     name = os.path.basename(os.path.join(directory, gguf or "").rstrip("/")) or directory
     return LoadedModel(net, tok, hf_config, eos, name, generation_config)
+
+
+def fill_dummy_weights(net: torch.nn.Module, seed: int = 0) -> None:
+    """Every weight random in [-1e-3, 1e-3] (vLLM's dummy range: activations stay small and finite
+    through any depth), norms' scales 1. Each tensor's draws are seeded by its name, so runs agree
+    and tensor-parallel ranks hold the same replicated tensors."""
+    with torch.no_grad():
+        for name, tensor in net.state_dict(keep_vars=True).items():
+            module, _, kind = name.rpartition(".")
+            if not tensor.is_floating_point():
+                tensor.zero_()
+            elif "norm" in module.rpartition(".")[2] and kind == "weight":
+                tensor.fill_(1.0)
+            else:
+                generator = torch.Generator().manual_seed(seed + zlib.crc32(name.encode()))
+                tensor.copy_(torch.empty(tensor.shape).uniform_(-1e-3, 1e-3, generator=generator))
 
 
 def is_sequence_classifier(hf_config) -> bool:

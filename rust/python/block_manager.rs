@@ -9,7 +9,7 @@ use crate::device::Device;
 use crate::kv::block_manager::BlockManager as RustBlockManager;
 
 /// The block manager alone: two pools, block tables, fork/CoW, prefix cache, swap.
-#[pyclass(module = "pagedkv._core")]
+#[pyclass(module = "pagedkv_core._core")]
 pub struct BlockManager {
     inner: RustBlockManager,
 }

@@ -1,4 +1,4 @@
-//! Core errors to the `pagedkv.errors` classes, and the guard that keeps panics out of Python.
+//! Core errors to the `pagedkv_core.errors` classes, and the guard that keeps panics out of Python.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
@@ -7,15 +7,15 @@ use pyo3::prelude::*;
 use crate::errors::Error;
 
 pub(crate) mod exceptions {
-    pyo3::import_exception!(pagedkv.errors, PagedKVError);
-    pyo3::import_exception!(pagedkv.errors, PromptTooLongError);
-    pyo3::import_exception!(pagedkv.errors, OverloadedError);
-    pyo3::import_exception!(pagedkv.errors, OutOfBlocksError);
-    pyo3::import_exception!(pagedkv.errors, UnknownRequestError);
-    pyo3::import_exception!(pagedkv.errors, UnknownSequenceError);
-    pyo3::import_exception!(pagedkv.errors, DuplicateRequestError);
-    pyo3::import_exception!(pagedkv.errors, InvalidConfigError);
-    pyo3::import_exception!(pagedkv.errors, InvalidStateError);
+    pyo3::import_exception!(pagedkv_core.errors, PagedKVError);
+    pyo3::import_exception!(pagedkv_core.errors, PromptTooLongError);
+    pyo3::import_exception!(pagedkv_core.errors, OverloadedError);
+    pyo3::import_exception!(pagedkv_core.errors, OutOfBlocksError);
+    pyo3::import_exception!(pagedkv_core.errors, UnknownRequestError);
+    pyo3::import_exception!(pagedkv_core.errors, UnknownSequenceError);
+    pyo3::import_exception!(pagedkv_core.errors, DuplicateRequestError);
+    pyo3::import_exception!(pagedkv_core.errors, InvalidConfigError);
+    pyo3::import_exception!(pagedkv_core.errors, InvalidStateError);
 }
 
 pub(crate) fn to_py_err(error: Error) -> PyErr {

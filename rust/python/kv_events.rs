@@ -10,7 +10,7 @@ use crate::kv::events::KvEvent;
 /// `block_hashes[i - 1]`, the first of `parent_block_hash` (None: a prompt's first block).
 /// `lora_id` is the prefix-cache extra key of the request (adapter and cache salt), None for
 /// plain prompts.
-#[pyclass(module = "pagedkv._core", frozen, get_all, eq)]
+#[pyclass(module = "pagedkv_core._core", frozen, get_all, eq)]
 #[derive(PartialEq)]
 pub struct BlockStored {
     block_hashes: Vec<u64>,
@@ -37,7 +37,7 @@ impl BlockStored {
 }
 
 /// Cached blocks left `medium` (evicted, or their content became stale).
-#[pyclass(module = "pagedkv._core", frozen, get_all, eq)]
+#[pyclass(module = "pagedkv_core._core", frozen, get_all, eq)]
 #[derive(PartialEq)]
 pub struct BlockRemoved {
     block_hashes: Vec<u64>,
@@ -52,7 +52,7 @@ impl BlockRemoved {
 }
 
 /// Every cached block of every tier was dropped (`reset_prefix_cache`).
-#[pyclass(module = "pagedkv._core", frozen, eq)]
+#[pyclass(module = "pagedkv_core._core", frozen, eq)]
 #[derive(PartialEq)]
 pub struct AllBlocksCleared {}
 

@@ -1,4 +1,4 @@
-//! The PyO3 layer (`pagedkv._core`): conversions and error mapping only, one file per part of
+//! The PyO3 layer (`pagedkv_core._core`): conversions and error mapping only, one file per part of
 //! the core it binds. All logic lives in the plain Rust types.
 
 mod block_manager;

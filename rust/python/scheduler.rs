@@ -75,7 +75,7 @@ crosses_as_its_name!(PreemptionMode);
 crosses_as_its_name!(SchedulingPolicy);
 
 /// One sequence's work in a step (see the stub for field meanings).
-#[pyclass(module = "pagedkv._core", frozen, get_all)]
+#[pyclass(module = "pagedkv_core._core", frozen, get_all)]
 pub struct ScheduledSequence {
     request_id: String,
     seq_id: u64,
@@ -134,7 +134,7 @@ impl ScheduledSequence {
 /// The plan of one step, as columns: built once in Rust and handed to numpy with one copy each,
 /// on first read. `scheduled` is the per-sequence view, built on first read too (read it before
 /// reporting the step: it takes each sequence's whole table from the scheduler then).
-#[pyclass(module = "pagedkv._core", frozen)]
+#[pyclass(module = "pagedkv_core._core", frozen)]
 pub struct SchedulerOutput {
     inner: RustSchedulerOutput,
     /// The scheduler that planned the step (None in a copy made from bytes, on another rank).
@@ -441,7 +441,7 @@ fn numpy_array<'py, T: Copy>(py: Python<'py>, data: &[T], dtype: &str) -> PyResu
 }
 
 /// The scheduler: continuous batching over a paged KV cache.
-#[pyclass(module = "pagedkv._core")]
+#[pyclass(module = "pagedkv_core._core")]
 pub struct Scheduler {
     inner: RustScheduler,
 }

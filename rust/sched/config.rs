@@ -41,9 +41,9 @@ impl FromStr for SchedulingPolicy {
 }
 
 /// Everything the scheduler needs to know about the pools and its limits. Declared here once:
-/// Python's `pagedkv._core.SchedulerConfig` is this struct (its fields as attributes, these
+/// Python's `pagedkv_core._core.SchedulerConfig` is this struct (its fields as attributes, these
 /// defaults, keyword arguments for any of them).
-#[cfg_attr(feature = "python", pyo3::pyclass(module = "pagedkv._core", get_all, set_all, from_py_object))]
+#[cfg_attr(feature = "python", pyo3::pyclass(module = "pagedkv_core._core", get_all, set_all, from_py_object))]
 #[derive(Debug, Clone)]
 pub struct SchedulerConfig {
     pub block_size: usize,

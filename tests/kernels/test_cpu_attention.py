@@ -60,7 +60,7 @@ def test_decode_runs_on_torchs_openmp_team_where_torch_uses_libgomp():
     import pathlib
     import sys
 
-    from pagedkv import _core
+    from pagedkv_core import _core
 
     isa, on_openmp_team = _core.cpu_attention_build()
     assert isa in ("Avx512", "Avx2Fma", "Portable")

@@ -15,7 +15,7 @@ ABOVE_THE_RUNNER = {"engine", "request_state", "beam_search", "ngram_proposer", 
 MAY_NOT_IMPORT = {
     **dict.fromkeys(("errors", "config", "sampling_params", "pooling_params", "outputs", "structured_output",
                      "detokenizer", "host_memory", "transfer", "lora", "kernels", "attention", "kv_cache", "layers",
-                     "models", "loader", "quantized_checkpoints", "kv_events"),
+                     "models", "loader", "quantized_checkpoints"),
                     ABOVE_THE_RUNNER | {"runner"}),
     "parallel": ABOVE_THE_RUNNER,  # (a worker rank's main loop runs a ModelRunner: parallel/workers.py)
     "runner": ABOVE_THE_RUNNER,

@@ -3,12 +3,17 @@ random workloads (forks, swaps, recomputes, aborts, finished sequences, tiny poo
 step each scheduled sequence's row, patched only by the reported changes, holds the blocks of its
 whole table as the scheduler has it."""
 
+import pathlib
+import sys
+
 import torch
 from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from pagedkv.runner.persistent_batch import PersistentBatch
-from test_scheduler_liveness import LivenessMachine
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "core"))  # (the core's tests: tests/core)
+from test_scheduler_liveness import LivenessMachine  # noqa: E402
 
 
 class PersistentBatchMachine(LivenessMachine):

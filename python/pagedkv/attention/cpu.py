@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from pagedkv import _core
+from pagedkv_core import _core
 from pagedkv.attention.metadata import AttentionMetadata
 from pagedkv.attention.torch_ref import TorchRefBackend, _decode_batch, paged_attention_ref
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedkv import _core
+from pagedkv_core import _core
 
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 

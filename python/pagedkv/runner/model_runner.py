@@ -10,7 +10,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from pagedkv._core import PLACEHOLDER_TOKEN
+from pagedkv_core._core import PLACEHOLDER_TOKEN
 from pagedkv.attention import AttentionMetadata, get_backend
 from pagedkv.config import EngineConfig
 from pagedkv.runner.cuda_graphs import DecodeGraphs
@@ -76,7 +76,7 @@ class ModelRunner:
         config = self.config
         with using_group(self.group):
             loaded = load(config.model, config.gguf_file, config.tokenizer, self.dtype, self.device,
-                          config.max_model_len)
+                          config.max_model_len, dummy=config.load_format == "dummy")
         self.model, self.tokenizer, self.hf_config = loaded.model, loaded.tokenizer, loaded.hf_config
         if not config.is_cuda:
             reuse_freed_memory()  # (after loading: the checkpoint's transient copies went back to the system)

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from pagedkv import _core
+from pagedkv_core import _core
 from pagedkv.runner.penalties import apply_biases_and_penalties
 from pagedkv.sampling_params import SamplingParams
 from pagedkv.structured_output import mask_disallowed_tokens

@@ -7,10 +7,10 @@ import ast
 import inspect
 from pathlib import Path
 
-import pagedkv
-from pagedkv import _core
+import pagedkv_core
+from pagedkv_core import _core
 
-STUB = Path(pagedkv.__file__).with_name("_core.pyi")
+STUB = Path(pagedkv_core.__file__).with_name("_core.pyi")
 
 
 def stub_members() -> tuple[dict[str, dict[str, list[str] | None]], dict[str, list[str]]]:

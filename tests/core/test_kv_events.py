@@ -11,7 +11,7 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import invariant, precondition, rule, run_state_machine_as_test
 
-from pagedkv import BlockManager, Scheduler, SchedulerConfig
+from pagedkv_core import BlockManager, Scheduler, SchedulerConfig
 from test_scheduler_stateful import BLOCK_SIZE, SchedulerMachine
 
 
@@ -102,7 +102,7 @@ def test_events_are_off_unless_asked_and_only_start_on_an_empty_cache():
 def test_the_wire_format_is_vllm_s_and_replay_returns_missed_batches(tmp_path):
     zmq = pytest.importorskip("zmq")
     msgspec = pytest.importorskip("msgspec")
-    from pagedkv.kv_events import ZmqEventPublisher
+    from pagedkv_core.kv_events import ZmqEventPublisher
 
     publisher = ZmqEventPublisher(f"ipc://{tmp_path}/events", f"ipc://{tmp_path}/replay", topic="kv")
     context = zmq.Context.instance()
@@ -152,7 +152,7 @@ def test_the_wire_format_is_vllm_s_and_replay_returns_missed_batches(tmp_path):
 def test_a_late_subscriber_catches_up_through_replay_and_holds_the_same_index(tmp_path):
     zmq = pytest.importorskip("zmq")
     msgspec = pytest.importorskip("msgspec")
-    from pagedkv.kv_events import ZmqEventPublisher
+    from pagedkv_core.kv_events import ZmqEventPublisher
 
     publisher = ZmqEventPublisher(f"ipc://{tmp_path}/events", f"ipc://{tmp_path}/replay")
     scheduler = Scheduler(SchedulerConfig(block_size=4, num_device_blocks=12, num_cpu_blocks=8, enable_kv_events=True,
@@ -209,13 +209,3 @@ def test_the_events_example_of_docs_scheduler_md_runs(capsys):
     exec(compile(example, str(page), "exec"), {})
     [stored] = capsys.readouterr().out.splitlines()
     assert stored.endswith(" None 32 16")  # two full blocks of a 40-token prompt, the first a root
-
-
-def test_kv_event_options_are_checked():
-    from pagedkv import InvalidConfigError
-    from pagedkv.config import EngineConfig
-
-    with pytest.raises(InvalidConfigError, match="kv_events_endpoint"):
-        EngineConfig(kv_events_endpoint="tcp://*:5557", enable_prefix_caching=False)
-    with pytest.raises(InvalidConfigError, match="kv_events_replay_endpoint"):
-        EngineConfig(kv_events_replay_endpoint="tcp://*:5558")

@@ -11,8 +11,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
 
-from pagedkv import Scheduler, SchedulerConfig
-from pagedkv.errors import UnknownSequenceError
+from pagedkv_core import Scheduler, SchedulerConfig
+from pagedkv_core.errors import UnknownSequenceError
 
 MAX_IDLE_STEPS = 2  # a step that preempts admits nothing; the next one must run something
 

@@ -25,7 +25,7 @@ from collections import deque
 from itertools import count
 from typing import Optional, Sequence
 
-from pagedkv._core import AllBlocksCleared, BlockRemoved, BlockStored
+from pagedkv_core._core import AllBlocksCleared, BlockRemoved, BlockStored
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
-from pagedkv import Scheduler, SchedulerConfig
+from pagedkv_core import Scheduler, SchedulerConfig
 
 BLOCK_SIZE = 4
 NUM_DEVICE_BLOCKS = 16

@@ -4,8 +4,8 @@ import threading
 
 import pytest
 
-import pagedkv
-from pagedkv import Scheduler, SchedulerConfig
+import pagedkv_core
+from pagedkv_core import Scheduler, SchedulerConfig
 
 
 def small_config(**overrides):
@@ -16,24 +16,24 @@ def small_config(**overrides):
 
 def test_errors_are_pagedkv_exception_classes_naming_the_limit():
     scheduler = Scheduler(small_config(max_waiting_requests=1))
-    with pytest.raises(pagedkv.PromptTooLongError, match="max_model_len=32"):
+    with pytest.raises(pagedkv_core.PromptTooLongError, match="max_model_len=32"):
         scheduler.add_request("long", list(range(33)))
     scheduler.add_request("a", [1, 2, 3])
-    with pytest.raises(pagedkv.OverloadedError, match="max_waiting_requests=1"):
+    with pytest.raises(pagedkv_core.OverloadedError, match="max_waiting_requests=1"):
         scheduler.add_request("b", [1, 2, 3])
-    with pytest.raises(pagedkv.DuplicateRequestError):
+    with pytest.raises(pagedkv_core.DuplicateRequestError):
         scheduler.add_request("a", [1])
-    with pytest.raises(pagedkv.UnknownRequestError):
+    with pytest.raises(pagedkv_core.UnknownRequestError):
         scheduler.abort("nobody")
-    with pytest.raises(pagedkv.UnknownSequenceError):
+    with pytest.raises(pagedkv_core.UnknownSequenceError):
         scheduler.append_token(999, 1)
-    with pytest.raises(pagedkv.InvalidConfigError, match="preemption_mode"):
+    with pytest.raises(pagedkv_core.InvalidConfigError, match="preemption_mode"):
         SchedulerConfig(preemption_mode="sometimes")
-    with pytest.raises(pagedkv.InvalidConfigError, match="power of two .*got 24"):
+    with pytest.raises(pagedkv_core.InvalidConfigError, match="power of two .*got 24"):
         SchedulerConfig(block_size=24)
     with pytest.raises(OverflowError):
         scheduler.add_request("neg", [-1])  # token ids are unsigned: a clear Python error, no panic
-    assert isinstance(pagedkv.PromptTooLongError("x"), ValueError)
+    assert isinstance(pagedkv_core.PromptTooLongError("x"), ValueError)
 
 
 def test_a_model_loop_drives_requests_to_completion_with_preemption():
@@ -123,10 +123,10 @@ def test_priority_policy_lets_an_urgent_request_preempt_and_orders_the_queue():
 def test_priorities_need_the_priority_policy():
     assert SchedulerConfig().scheduling_policy == "fcfs"
     scheduler = Scheduler(small_config())
-    with pytest.raises(pagedkv.InvalidConfigError, match="scheduling_policy='priority'"):
+    with pytest.raises(pagedkv_core.InvalidConfigError, match="scheduling_policy='priority'"):
         scheduler.add_request("a", [1, 2], priority=1)
     assert not scheduler.has_unfinished_requests()
-    with pytest.raises(pagedkv.InvalidConfigError, match="scheduling_policy"):
+    with pytest.raises(pagedkv_core.InvalidConfigError, match="scheduling_policy"):
         SchedulerConfig(scheduling_policy="lifo")
 
 
@@ -135,11 +135,11 @@ def test_drafts_are_computed_in_one_piece_and_the_rejected_ones_dropped():
     seq_id = scheduler.add_request("a", [1, 2, 3, 4, 5])
     scheduler.schedule()
     scheduler.append_token(seq_id, 6, [7, 8, 9])
-    with pytest.raises(pagedkv.InvalidStateError):
+    with pytest.raises(pagedkv_core.InvalidStateError):
         scheduler.accept_drafts(seq_id, 1)  # not computed yet
     [step] = scheduler.schedule().scheduled
     assert (step.start, step.end, step.token_ids, step.sample) == (5, 9, [6, 7, 8, 9], True)
-    with pytest.raises(pagedkv.InvalidStateError, match="cannot accept 4 of 3 drafts"):
+    with pytest.raises(pagedkv_core.InvalidStateError, match="cannot accept 4 of 3 drafts"):
         scheduler.accept_drafts(seq_id, 4)
     scheduler.accept_drafts(seq_id, 1)  # keeps 6 and 7; 8 and 9 go with their slot
     assert scheduler.sequence_len(seq_id) == 7
@@ -147,9 +147,9 @@ def test_drafts_are_computed_in_one_piece_and_the_rejected_ones_dropped():
     [step] = scheduler.schedule().scheduled
     assert (step.start, step.end, step.token_ids) == (7, 8, [10])
     assert step.slot_mapping == [step.block_table[1] * 4 + 3]  # position 7 reuses the rejected draft's slot
-    with pytest.raises(pagedkv.InvalidStateError, match="max_model_len=32"):
+    with pytest.raises(pagedkv_core.InvalidStateError, match="max_model_len=32"):
         scheduler.append_token(seq_id, 11, list(range(30)))
-    with pytest.raises(pagedkv.InvalidStateError, match="max_num_batched_tokens=32"):
+    with pytest.raises(pagedkv_core.InvalidStateError, match="max_num_batched_tokens=32"):
         scheduler.append_token(seq_id, 11, list(range(40)))
     scheduler.finish_sequence(seq_id)
     assert scheduler.stats()["num_free_device_blocks"] == 8
@@ -223,13 +223,13 @@ def test_block_tables_are_written_and_gathered_only_into_arrays_that_fit():
     for bad in (np.full((4, 8), -1, dtype=np.int64), np.full((4, 16), -1, dtype=np.int32)[:, ::2],
                 np.full((4, 1), -1, dtype=np.int32), np.full((0, 8), -1, dtype=np.int32), read_only, [[0] * 8] * 4):
         before = np.array(bad, copy=True)
-        with pytest.raises(pagedkv.InvalidStateError):
+        with pytest.raises(pagedkv_core.InvalidStateError):
             plan.write_block_tables(bad)
         assert np.array_equal(np.asarray(bad), before)
     for bad_out in (np.zeros((2, len(table)), dtype=np.int32), np.zeros((1, 9), dtype=np.int32), read_only[:1]):
-        with pytest.raises(pagedkv.InvalidStateError):
+        with pytest.raises(pagedkv_core.InvalidStateError):
             plan.gather_block_tables(tables, bad_out)
-    with pytest.raises(pagedkv.InvalidStateError):
+    with pytest.raises(pagedkv_core.InvalidStateError):
         plan.gather_block_tables(tables, tables)
 
 
@@ -264,7 +264,7 @@ def test_a_pickled_step_has_the_same_columns_and_bad_bytes_are_refused():
         copy.write_block_tables(copied)
         assert np.array_equal(tables, copied)
         swapped |= bool(plan.blocks_to_swap_out)
-        with pytest.raises(pagedkv.InvalidStateError, match="per-sequence view"):
+        with pytest.raises(pagedkv_core.InvalidStateError, match="per-sequence view"):
             copy.scheduled
         sampled = plan.seq_ids[plan.samples]
         done = plan.ends[plan.samples] >= 12
@@ -274,8 +274,8 @@ def test_a_pickled_step_has_the_same_columns_and_bad_bytes_are_refused():
     assert swapped and not scheduler.has_unfinished_requests()
     data = plan.to_bytes()
     for bad in (b"", data[:-1], data + b"\0", b"\xff" * len(data)):
-        with pytest.raises(pagedkv.InvalidStateError, match="step bytes"):
-            pagedkv.SchedulerOutput.from_bytes(bad)
+        with pytest.raises(pagedkv_core.InvalidStateError, match="step bytes"):
+            pagedkv_core.SchedulerOutput.from_bytes(bad)
 
 
 def test_update_rejects_bad_input_and_changes_nothing():
@@ -284,15 +284,15 @@ def test_update_rejects_bad_input_and_changes_nothing():
     b = scheduler.add_request("b", [4, 5])
     scheduler.schedule()
     before = (scheduler.sequence_len(a), scheduler.sequence_len(b), scheduler.stats())
-    with pytest.raises(pagedkv.InvalidStateError, match="2 seq_ids but 1 token_ids"):
+    with pytest.raises(pagedkv_core.InvalidStateError, match="2 seq_ids but 1 token_ids"):
         scheduler.update([a, b], [7])
-    with pytest.raises(pagedkv.UnknownSequenceError):
+    with pytest.raises(pagedkv_core.UnknownSequenceError):
         scheduler.update([a, 99], [7, 8])
-    with pytest.raises(pagedkv.InvalidStateError, match="not sampled"):
+    with pytest.raises(pagedkv_core.InvalidStateError, match="not sampled"):
         scheduler.update([a, a], [7, 8])
-    with pytest.raises(pagedkv.InvalidStateError, match="both appended to and finished"):
+    with pytest.raises(pagedkv_core.InvalidStateError, match="both appended to and finished"):
         scheduler.update([a], [7], [a])
-    with pytest.raises(pagedkv.InvalidStateError, match="invalid token id -1"):
+    with pytest.raises(pagedkv_core.InvalidStateError, match="invalid token id -1"):
         scheduler.update([a], [-1])
     assert (scheduler.sequence_len(a), scheduler.sequence_len(b), scheduler.stats()) == before
     scheduler.update([a], [7], [b])
@@ -300,7 +300,7 @@ def test_update_rejects_bad_input_and_changes_nothing():
 
 
 def test_placeholders_plan_a_step_before_its_input_is_known_and_fills_reject_bad_input():
-    from pagedkv._core import PLACEHOLDER_TOKEN
+    from pagedkv_core._core import PLACEHOLDER_TOKEN
 
     scheduler = Scheduler(small_config())
     a = scheduler.add_request("a", [1, 2, 3])
@@ -310,21 +310,21 @@ def test_placeholders_plan_a_step_before_its_input_is_known_and_fills_reject_bad
     out = scheduler.schedule()
     assert out.token_ids.tolist() == [PLACEHOLDER_TOKEN, PLACEHOLDER_TOKEN]
     before = (scheduler.sequence_len(a), scheduler.sequence_len(b), scheduler.stats())
-    with pytest.raises(pagedkv.InvalidStateError, match="2 seq_ids but 1 tokens"):
+    with pytest.raises(pagedkv_core.InvalidStateError, match="2 seq_ids but 1 tokens"):
         scheduler.fill_placeholders([a, b], [7])
-    with pytest.raises(pagedkv.UnknownSequenceError):
+    with pytest.raises(pagedkv_core.UnknownSequenceError):
         scheduler.fill_placeholders([a, 99], [7, 8])
-    with pytest.raises(pagedkv.InvalidStateError, match="filled twice"):
+    with pytest.raises(pagedkv_core.InvalidStateError, match="filled twice"):
         scheduler.fill_placeholders([a, a], [7, 8])
-    with pytest.raises(pagedkv.InvalidStateError, match="invalid token id -1"):
+    with pytest.raises(pagedkv_core.InvalidStateError, match="invalid token id -1"):
         scheduler.fill_placeholders([a], [-1])
-    with pytest.raises(pagedkv.InvalidStateError, match="is the placeholder"):
+    with pytest.raises(pagedkv_core.InvalidStateError, match="is the placeholder"):
         scheduler.fill_placeholders([a], [PLACEHOLDER_TOKEN])
     assert (scheduler.sequence_len(a), scheduler.sequence_len(b), scheduler.stats()) == before
     scheduler.fill_placeholders([a, b], [7, 8])
-    with pytest.raises(pagedkv.InvalidStateError, match="does not end in a placeholder"):
+    with pytest.raises(pagedkv_core.InvalidStateError, match="does not end in a placeholder"):
         scheduler.fill_placeholders([a], [7])
-    with pytest.raises(pagedkv.InvalidStateError, match="placeholder"):
+    with pytest.raises(pagedkv_core.InvalidStateError, match="placeholder"):
         scheduler.add_request("c", [1, PLACEHOLDER_TOKEN])
 
 
@@ -334,12 +334,12 @@ def test_scheduler_config_takes_any_field_by_keyword_and_names_unknown_ones():
     assert config.max_num_seqs == SchedulerConfig().max_num_seqs == 256  # (the Rust default)
     with pytest.raises(TypeError, match="no option 'blok_size'.*block_size"):
         SchedulerConfig(blok_size=8)
-    with pytest.raises(pagedkv.InvalidConfigError, match="preemption_mode"):
+    with pytest.raises(pagedkv_core.InvalidConfigError, match="preemption_mode"):
         SchedulerConfig(preemption_mode="sometimes")
-    with pytest.raises(pagedkv.InvalidConfigError, match="block_size"):
+    with pytest.raises(pagedkv_core.InvalidConfigError, match="block_size"):
         SchedulerConfig(block_size=12)
     config.scheduling_policy = "priority"
     assert Scheduler(config).add_request("a", [1, 2, 3], priority=5) >= 0
     config.block_size = 12  # (attributes are set unchecked; the scheduler checks them)
-    with pytest.raises(pagedkv.InvalidConfigError, match="block_size"):
+    with pytest.raises(pagedkv_core.InvalidConfigError, match="block_size"):
         Scheduler(config)
