@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import weakref
 from typing import AsyncIterator, Callable, Optional, TypeVar, Union
 
 from pagedkv.config import engine_config
@@ -64,6 +65,9 @@ class AsyncLLM:
         self._loop = EngineLoop(self.engine, metrics)
         self._ids = itertools.count()
         self._loop.start()
+        # Dropping the AsyncLLM stops its loop (which shuts the engine down); the loop holds no
+        # reference back to it.
+        self._finalizer = weakref.finalize(self, self._loop.stop)
 
     async def generate(
         self,
@@ -170,11 +174,18 @@ class AsyncLLM:
         return dict(self._loop.stats)
 
     def shutdown(self) -> None:
-        """Stops the loop thread; requests still running end with EngineStoppedError."""
-        self._loop.stop()
+        """Stops the loop thread and shuts the engine down; requests still running end with
+        EngineStoppedError. Idempotent."""
+        self._finalizer()
 
     async def __aenter__(self) -> "AsyncLLM":
         return self
 
     async def __aexit__(self, *exc_info) -> None:
+        self.shutdown()
+
+    def __enter__(self) -> "AsyncLLM":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
         self.shutdown()

@@ -10,6 +10,7 @@ import itertools
 import logging
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
@@ -51,11 +52,24 @@ class PreparedRequest:
 
 class LLMEngine:
     """Continuous-batching engine over a paged KV cache. Not thread-safe: one thread calls
-    `add_request`, `step` and `abort`."""
+    `add_request`, `step` and `abort`. A context manager: leaving the block (or `shutdown()`, or
+    dropping the last reference, or the interpreter's exit) stops its tensor-parallel ranks and
+    its event publisher and frees its model and KV cache; another engine can start after it."""
 
     def __init__(self, config: Optional[EngineConfig] = None, **overrides):
         self.config = config or EngineConfig(**overrides)
         self.runner = ModelRunner(self.config)
+        self.kv_events: Optional[ZmqEventPublisher] = None
+        # (the finalizer holds what it closes, never the engine: a dropped engine is collected)
+        self._closing = _Closing(self.runner)
+        self._finalizer = weakref.finalize(self, self._closing)
+        try:
+            self._build()
+        except BaseException:
+            self._finalizer()
+            raise
+
+    def _build(self) -> None:
         self.model_info = self.runner.info
         self.tokenizer = self.runner.tokenizer
         self.model_name = self.model_info.name
@@ -63,10 +77,10 @@ class LLMEngine:
         # Sampling parameters a request leaves unset take these (the model's generation config)
         self.generation_defaults = self.model_info.generation_defaults
         self.scheduler = Scheduler(self._scheduler_config())
-        self.kv_events: Optional[ZmqEventPublisher] = None
         if self.config.kv_events_endpoint is not None:
             self.kv_events = ZmqEventPublisher(self.config.kv_events_endpoint, self.config.kv_events_replay_endpoint,
                                                self.config.kv_events_topic)
+            self._closing.publisher = self.kv_events
         self.max_model_len = self.scheduler.max_model_len
         self.requests: dict[str, RequestState] = {}
         self._in_flight: Optional[_InFlight] = None  # an asynchronous step's tokens not yet booked
@@ -126,12 +140,17 @@ class LLMEngine:
         )
 
     def shutdown(self) -> None:
-        """Stops the other tensor-parallel ranks (nothing to do with tensor_parallel_size=1). The
-        engine steps no more after it."""
-        self.runner.shutdown()
-        if self.kv_events is not None:
+        """Publishes the last KV events, stops the event publisher and the other tensor-parallel
+        ranks, and frees the model and the KV cache. Idempotent; the engine steps no more after it."""
+        if self._finalizer.alive and self.kv_events is not None:
             self._publish_kv_events()
-            self.kv_events.shutdown()
+        self._finalizer()
+
+    def __enter__(self) -> "LLMEngine":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
 
     # -- requests --------------------------------------------------------------------------
     def get_default_sampling_params(self) -> SamplingParams:
@@ -787,6 +806,22 @@ class LLMEngine:
                 lora_requests[name] = lora_requests.get(name, 0) + 1
         stats["lora_requests"] = lora_requests  # unfinished requests by adapter name
         return stats
+
+
+class _Closing:
+    """What shutting an engine down closes: its event publisher, then its runner (the ranks, the
+    model, the KV cache). Held by the engine's finalizer, so it must not hold the engine."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self.publisher: Optional[ZmqEventPublisher] = None
+
+    def __call__(self) -> None:
+        try:
+            if self.publisher is not None:
+                self.publisher.shutdown()
+        finally:
+            self.runner.shutdown()
 
 
 def prompt_of(prompt) -> Union[str, list[int]]:

@@ -61,7 +61,8 @@ class EngineLoop:
         """Aborts what is still in flight and joins the thread."""
         self._stopping.set()
         self._commands.put(("wake",))
-        self._thread.join(timeout)
+        if threading.current_thread() is not self._thread:  # (a finalizer may run on the loop's own thread)
+            self._thread.join(timeout)
         self._workers.shutdown(wait=False, cancel_futures=True)
 
     async def run_in_worker(self, function, *args):

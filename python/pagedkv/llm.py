@@ -42,8 +42,16 @@ class LLM:
         self._ids = itertools.count()
 
     def shutdown(self) -> None:
-        """Stops the engine's other tensor-parallel ranks (they also stop when this process exits)."""
+        """Stops the engine's other tensor-parallel ranks and frees its model and KV cache
+        (idempotent). Leaving a `with LLM(...) as llm:` block, dropping the last reference to the
+        LLM, or the interpreter's exit does the same; another LLM can start after it."""
         self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
 
     @property
     def llm_engine(self) -> LLMEngine:

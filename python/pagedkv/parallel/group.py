@@ -17,7 +17,8 @@ class TensorParallelGroup:
     rank: int = 0
     size: int = 1
     group: Optional[Any] = None  # torch.distributed group of the model's all-reduces (NCCL on CUDA, gloo on CPU)
-    control: Optional[Any] = None  # gloo group of the step broadcasts and host-side agreements
+    control: Optional[Any] = None  # gloo group of the step broadcasts
+    agreements: Optional[Any] = None  # gloo group of the start's agreements (a longer timeout)
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sums `tensor` over the ranks, in place; returns it."""
@@ -34,7 +35,7 @@ class TensorParallelGroup:
         import torch.distributed as dist
 
         tensor = torch.tensor([value], dtype=torch.int64)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.control)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.agreements or self.control)
         return int(tensor.item())
 
     def shard(self, total: int) -> tuple[int, int]:

@@ -5,8 +5,8 @@ executes every step rank 0 broadcasts, until rank 0 says stop or goes away."""
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
+import gc
 import logging
 import os
 import pickle
@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from datetime import timedelta
 
 import torch
@@ -33,14 +34,15 @@ def under_torchrun() -> bool:
 
 
 class TensorParallelWorkers:
-    """Rank 0's handle on the other ranks: sends each step, stops them."""
+    """Rank 0's handle on the other ranks: sends each step, stops them: on `shutdown`, when the
+    handle is collected (its engine dropped), or at interpreter exit, whichever comes first."""
 
     def __init__(self, group: TensorParallelGroup, channel: StepChannel, processes: list[subprocess.Popen]):
         self.group = group
         self._channel = channel
         self._processes = processes
-        self._closed = False
-        atexit.register(self.shutdown)
+        # (a finalizer, not atexit.register(self.shutdown): that would keep a dropped engine's ranks alive)
+        self._finalizer = weakref.finalize(self, _stop_ranks, channel, processes)
 
     @classmethod
     def start(cls, config) -> TensorParallelWorkers:
@@ -95,17 +97,21 @@ class TensorParallelWorkers:
         self._channel.send(message)
 
     def shutdown(self) -> None:
-        """Stops the other ranks and leaves the process group (idempotent)."""
-        if self._closed:
-            return
-        self._closed = True
-        atexit.unregister(self.shutdown)
-        try:
-            self._broadcast(("stop", None))
-        except Exception as error:  # (a dead rank: the others are stopped below)
-            logger.warning("tensor parallel: could not tell every rank to stop (%s)", error)
-        _stop(self._processes)
-        _leave_group()
+        """Stops the other ranks and leaves the process group (idempotent); lets go of the groups
+        and the store, whose sockets and threads close with them."""
+        self._finalizer()
+        self.group = self._channel = None
+
+
+def _stop_ranks(channel: StepChannel, processes: list[subprocess.Popen]) -> None:
+    exited = [process for process in processes if process.poll() is not None]
+    try:
+        if not exited:
+            channel.send(("stop", None))
+    except Exception as error:  # (a dead rank: the others are stopped below)
+        logger.warning("tensor parallel: could not tell every rank to stop (%s)", error)
+    _stop(processes, grace_seconds=0 if exited else 10.0)
+    _leave_group()
 
 
 # A fresh interpreter importing torch takes seconds, more on a loaded machine: starting the ranks
@@ -186,6 +192,8 @@ def join_group(config, rank: int, size: int, store) -> tuple[TensorParallelGroup
     import torch.distributed as dist
 
     if dist.is_initialized():
+        gc.collect()  # (an engine dropped in a reference cycle stops its ranks and leaves the group now)
+    if dist.is_initialized():
         raise InvalidConfigError("this process already belongs to a torch.distributed group (one tensor-parallel "
                                  "engine per process: shut the other down first with engine.shutdown())")
     backend = "nccl" if config.is_cuda else "gloo"
@@ -196,8 +204,11 @@ def join_group(config, rank: int, size: int, store) -> tuple[TensorParallelGroup
         store, _, _ = next(dist.rendezvous("env://", rank, size, timeout=timeout))
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
     control = dist.new_group(backend="gloo", timeout=timeout)
+    # The start's agreements (the KV pool's size) come after each rank builds its shard: seconds
+    # more on one rank than on another is no hang, so they have a group with the start's bound.
+    agreements = dist.new_group(backend="gloo", timeout=max(timeout, timedelta(seconds=RANK_START_SECONDS)))
     logger.info("tensor parallel: rank %d of %d joined (%s)", rank, size, backend)
-    group = TensorParallelGroup(rank=rank, size=size, group=dist.group.WORLD, control=control)
+    group = TensorParallelGroup(rank=rank, size=size, group=dist.group.WORLD, control=control, agreements=agreements)
     return group, StepChannel(store, control)
 
 
@@ -233,6 +244,10 @@ def _worker_main() -> None:
     from torch.distributed import TCPStore
 
     try:
+        # Imported before saying ready (seconds of torch and transformers): after that, rank 0 meets
+        # this rank in collectives bounded by distributed_timeout_seconds.
+        import pagedkv.runner.model_runner  # noqa: F401
+
         store = TCPStore("127.0.0.1", port, size, False, timedelta(seconds=config.distributed_timeout_seconds))
         store.add("ranks_ready", 1)
         serve_steps(config, rank, size, store)

@@ -3,6 +3,7 @@ forward pass and the step's results (`execute(plan, requests) -> ModelRunnerOutp
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from typing import Optional
@@ -14,8 +15,8 @@ from pagedkv_core._core import PLACEHOLDER_TOKEN
 from pagedkv.attention import AttentionMetadata, get_backend
 from pagedkv.config import EngineConfig
 from pagedkv.runner.cuda_graphs import DecodeGraphs
-from pagedkv.errors import InvalidConfigError, TensorParallelError
-from pagedkv.host_memory import reuse_freed_memory
+from pagedkv.errors import EngineStoppedError, InvalidConfigError, TensorParallelError
+from pagedkv.host_memory import return_freed_memory, reuse_freed_memory
 from pagedkv.kv_cache import KVCache
 from pagedkv.loader import generation_defaults, load, load_generation_config, model_spec
 from pagedkv.lora import LoRARegistry, lora_batch
@@ -51,7 +52,7 @@ class ModelRunner:
         self.dtype = config.torch_dtype()
         self.kv_dtype = config.kv_cache_torch_dtype()
         self.workers: Optional[TensorParallelWorkers] = None
-        self.failure: Optional[TensorParallelError] = None
+        self.failure: Optional[Exception] = None  # (TensorParallelError, or EngineStoppedError after shutdown)
         if group is None and config.tensor_parallel_size > 1:
             if config.enable_lora:
                 raise InvalidConfigError(f"tensor_parallel_size={config.tensor_parallel_size}: LoRA adapters do "
@@ -205,12 +206,23 @@ class ModelRunner:
         return self.compute_logits(hidden)
 
     def shutdown(self) -> None:
-        """Stops the other tensor-parallel ranks (nothing to do otherwise)."""
+        """Stops the other tensor-parallel ranks and lets go of the model, the KV cache, the
+        persistent batch and the CUDA graphs, so their memory goes back (idempotent; the runner
+        executes no step after it)."""
         if self.workers is not None:
             self.workers.shutdown()
+            self.workers, self.group = None, SINGLE_PROCESS
         if self._threads_before is not None:
             torch.set_num_threads(self._threads_before)
             self._threads_before = None
+        for name in ("decode_graphs", "kv_cache", "batch", "model", "_sampled"):
+            if hasattr(self, name):
+                setattr(self, name, None)
+        self.failure = self.failure or EngineStoppedError("the engine was shut down")
+        gc.collect()  # (the model's modules hold reference cycles: free their tensors now)
+        if self.config.is_cuda and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return_freed_memory()
 
     def execute(self, plan, requests: Optional[StepRequests] = None) -> ModelRunnerOutput:
         """Runs the copies of `plan`, then the forward over its scheduled tokens (built from the
