@@ -1,0 +1,211 @@
+//! A new sequence's start from the prefix cache: which cached blocks a prompt hits (device
+//! blocks shared in place, CPU-tier blocks copied back, blocks before a sliding window skipped),
+//! what that takes from the free pool, and the table it starts with.
+
+use super::*;
+
+/// Cached full blocks a prompt's prefix would hit, by where they are.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PrefixHits {
+    /// Leading blocks before the sliding window of the first computed token: their tokens are
+    /// skipped, but no block is taken (they need not even be cached).
+    pub released: usize,
+    /// On the device (shared in place).
+    pub device: usize,
+    /// Of the device hits, those free right now (taking them takes them off the free list).
+    pub revived: usize,
+    /// In the CPU tier (each needs a device block and a copy).
+    pub cpu: usize,
+}
+
+impl PrefixHits {
+    /// Blocks of the prompt not computed again.
+    pub fn blocks(&self) -> usize {
+        self.released + self.device + self.cpu
+    }
+
+    /// Device blocks that a table of `num_blocks` blocks starting with these hits takes from the
+    /// free pool: fresh ones for all but the device hits, plus the device hits it revives.
+    pub fn blocks_taken(&self, num_blocks: usize) -> usize {
+        num_blocks - self.released - self.device + self.revived
+    }
+}
+
+/// Where one block of a prompt's cached prefix is.
+#[derive(Debug, Clone, Copy)]
+enum CachedAt {
+    /// On the device; `free`: no table holds it right now.
+    Device { block: BlockId, free: bool },
+    /// In the CPU tier.
+    Cpu(BlockId),
+}
+
+impl BlockManager {
+    /// Device blocks that a new sequence with these tokens would take from the free pool:
+    /// fresh blocks for what misses the prefix cache, plus cached hits that are free right now
+    /// (reviving them takes them off the free list too).
+    pub fn blocks_needed_to_allocate(&self, tokens: &[u32], extra_key: Option<u64>) -> usize {
+        self.peek_prefix_hits(tokens, extra_key).blocks_taken(self.blocks_for_tokens(tokens.len()))
+    }
+
+    fn max_hit_blocks(&self, num_tokens: usize) -> usize {
+        // At least one token is always computed, so the model produces logits for the prompt.
+        num_tokens.saturating_sub(1) / self.block_size
+    }
+
+    /// The cached blocks a prefix of `tokens` would hit (what `allocate_prefix` takes).
+    pub fn peek_prefix_hits(&self, tokens: &[u32], extra_key: Option<u64>) -> PrefixHits {
+        self.plan_prefix(tokens, extra_key).0
+    }
+
+    /// The longest prefix of `tokens` (whole blocks, never all of the tokens) a new sequence can
+    /// start from: every block its first computed token reads is cached, on the device or in the
+    /// CPU tier, and the tier hits fit the free device blocks. Without a sliding window that is
+    /// every block from the first; with one, the blocks in the window (vLLM's sliding-window
+    /// cache hit), so a long prompt whose early blocks were evicted still hits. Returns the hits,
+    /// the prefix's block hashes, and where each block is cached (None: before the window).
+    fn plan_prefix(
+        &self,
+        tokens: &[u32],
+        extra_key: Option<u64>,
+    ) -> (PrefixHits, Vec<BlockHash>, Vec<Option<CachedAt>>) {
+        if !self.enable_prefix_caching {
+            return Default::default();
+        }
+        let block_size = self.block_size;
+        let mut hashes =
+            self.hasher.block_hashes(&tokens[..self.max_hit_blocks(tokens.len()) * block_size], block_size, extra_key);
+        let mut found = Vec::with_capacity(hashes.len());
+        for (&hash, block_tokens) in hashes.iter().zip(tokens.chunks_exact(block_size)) {
+            // A hit is served only from a block that holds these very tokens under this very name.
+            let at = match self.cache.lookup_verified(hash, block_tokens) {
+                Some(block) => Some(CachedAt::Device { block, free: self.gpu.refcount(block) == 0 }),
+                None => self.cpu_tier.lookup_verified(hash, block_tokens).map(CachedAt::Cpu),
+            };
+            if at.is_none() && self.sliding_window == 0 {
+                break; // without a window no prefix goes past a miss
+            }
+            found.push(at);
+        }
+        // Running counts, so that each candidate length is checked in O(1).
+        let mut counts = vec![[0usize; 4]; found.len() + 1]; // misses, device, revived, cpu
+        for (index, at) in found.iter().enumerate() {
+            let mut next = counts[index];
+            match at {
+                None => next[0] += 1,
+                Some(CachedAt::Device { free, .. }) => {
+                    next[1] += 1;
+                    next[2] += *free as usize;
+                }
+                Some(CachedAt::Cpu(_)) => next[3] += 1,
+            }
+            counts[index + 1] = next;
+        }
+        let within = |from: usize, to: usize, kind: usize| counts[to][kind] - counts[from][kind];
+        let num_free = self.gpu.num_free();
+        let mut length = found.len();
+        let mut first_needed = 0;
+        while length > 0 {
+            first_needed = self.first_needed_block(length * block_size).min(length);
+            // Each tier hit takes a device block besides the free device hits it revives.
+            if within(first_needed, length, 0) == 0
+                && within(first_needed, length, 2) + within(first_needed, length, 3) <= num_free
+            {
+                break;
+            }
+            length -= 1;
+        }
+        if length == 0 {
+            return Default::default();
+        }
+        hashes.truncate(length);
+        found.truncate(length);
+        found[..first_needed].fill(None);
+        let hits = PrefixHits {
+            released: first_needed,
+            device: within(first_needed, length, 1),
+            revived: within(first_needed, length, 2),
+            cpu: within(first_needed, length, 3),
+        };
+        (hits, hashes, found)
+    }
+
+    /// Starts a table for `seq` holding the longest cached prefix of `tokens` (`plan_prefix`):
+    /// device hits shared in place, CPU-tier hits copied into fresh device blocks (the copies come
+    /// out of `take_cpu_tier_copies`), blocks before the sliding window released from the start.
+    /// Returns the number of tokens that hit the cache; the caller appends the rest with
+    /// `append_slots`.
+    pub fn allocate_prefix(&mut self, seq: SeqId, tokens: &[u32], extra_key: Option<u64>) -> Result<usize> {
+        if self.tables.contains_key(&seq) {
+            return Err(Error::DuplicateSequence(seq));
+        }
+        let mut table = BlockTable::new(extra_key);
+        if self.enable_prefix_caching {
+            let (hits, hashes, found) = self.plan_prefix(tokens, extra_key);
+            self.cache.queries += tokens.len() as u64 / self.block_size as u64;
+            // Released entries keep block 0: nothing reads them.
+            table.blocks = vec![0; found.len()];
+            table.num_released = hits.released;
+            // Device hits first: once retained, reloading the tier hits cannot evict them.
+            let mut reloads = Vec::with_capacity(hits.cpu);
+            for (index, at) in found.iter().enumerate() {
+                match *at {
+                    Some(CachedAt::Device { block, .. }) => {
+                        self.gpu.retain(block);
+                        table.blocks[index] = block;
+                    }
+                    Some(CachedAt::Cpu(cpu_block)) => {
+                        self.cpu_tier.pin(&mut self.cpu, cpu_block);
+                        reloads.push((index, cpu_block));
+                    }
+                    None => {}
+                }
+            }
+            for (index, cpu_block) in reloads {
+                let block = allocate_evicting(
+                    &mut self.gpu,
+                    &mut self.cache,
+                    &mut self.cpu,
+                    &mut self.cpu_tier,
+                    &mut self.events,
+                )?;
+                self.cpu_tier.reload(cpu_block, block);
+                let entry = CachedBlock {
+                    hash: hashes[index],
+                    parent: index.checked_sub(1).map(|parent| hashes[parent]),
+                    block,
+                    tokens: tokens[index * self.block_size..(index + 1) * self.block_size].into(),
+                    extra_key,
+                };
+                cache_on_device(
+                    &mut self.gpu,
+                    &mut self.cache,
+                    &mut self.cpu,
+                    &mut self.cpu_tier,
+                    &mut self.events,
+                    entry,
+                );
+                table.blocks[index] = block;
+            }
+            table.tokens = tokens[..hashes.len() * self.block_size].to_vec();
+            table.hashes = hashes;
+            self.cache.hits += (hits.released + hits.device) as u64;
+            table.num_tokens = table.blocks.len() * self.block_size;
+        }
+        let hit_tokens = table.num_tokens;
+        self.tables.insert(seq, table);
+        Ok(hit_tokens)
+    }
+
+    /// A new sequence holding `tokens`: prefix-cache hits plus fresh blocks for the rest.
+    /// Returns the number of tokens that hit the cache.
+    pub fn allocate(&mut self, seq: SeqId, tokens: &[u32], extra_key: Option<u64>) -> Result<usize> {
+        let needed = self.blocks_needed_to_allocate(tokens, extra_key);
+        if needed > self.gpu.num_free() {
+            return Err(Error::OutOfBlocks { device: Device::Gpu, needed, free: self.gpu.num_free() });
+        }
+        let hit_tokens = self.allocate_prefix(seq, tokens, extra_key)?;
+        self.append_slots(seq, &tokens[hit_tokens..])?;
+        Ok(hit_tokens)
+    }
+}
