@@ -52,7 +52,7 @@ test-python:
 # The core as another stack installs it: its wheel alone in a fresh venv (numpy, no torch, no
 # pagedkv engine), running the core's tests and the README's scheduler example.
 CORE_VENV := build/core-venv
-test-core-alone:
+test-core-alone: core
 	rm -rf $(CORE_VENV)
 	$(PYTHON) -m venv $(CORE_VENV)
 	$(CORE_VENV)/bin/pip install --quiet "$$(ls $(CORE_WHEELS)/pagedkv_core-*.whl)[kv-events]" pytest hypothesis

@@ -157,6 +157,10 @@ def load(model: str | None, gguf_file: str | None, tokenizer: str | None, dtype,
     if dummy:
         logger.info("load_format=dummy: random weights of %s's shapes, no checkpoint read", hf_config.model_type)
         fill_dummy_weights(net)
+        if is_sequence_classifier(hf_config):
+            generator = torch.Generator().manual_seed(zlib.crc32(b"score.weight"))
+            classifier_weights["score.weight"] = torch.empty(hf_config.num_labels, hf_config.hidden_size).uniform_(
+                -1e-3, 1e-3, generator=generator)
     else:
         net.load_hf_weights(model_weights())
     net.classifier = sequence_classifier(hf_config, classifier_weights)

@@ -8,7 +8,7 @@ use smallvec::SmallVec;
 use crate::device::Device;
 use crate::errors::{Error, Result};
 use crate::kv::block_pool::{BlockId, BlockPool};
-use crate::kv::block_table::{block_index, block_offset, BlockTable};
+use crate::kv::block_table::{block_index, block_offset, BlockTable, PLACEHOLDER_TOKEN};
 use crate::kv::events::{KvEvent, KvEventLog};
 use crate::kv::offload_tier::OffloadTier;
 use crate::kv::prefix_cache::{BlockHash, BlockHasher, CachedBlock, PrefixCache};
@@ -333,6 +333,15 @@ impl BlockManager {
         } else {
             first_needed_block(table.num_tokens, window, block_size).clamp(table.num_released, table.blocks.len())
         };
+        // A partial last block this table alone holds may still be named after the full block it
+        // was cut from (truncated while another table shared it, which let go since): it is about
+        // to be written in place, so it stops serving that name first.
+        if !tokens.is_empty() && table.last_block_partial(block_size) {
+            let last = *table.blocks.last().unwrap();
+            if self.gpu.refcount(last) == 1 && self.gpu.hash(last).is_some() {
+                forget_name(&mut self.gpu, &mut self.cache, &mut self.events, last);
+            }
+        }
         // The decode step's usual case, fifteen times in sixteen: one token lands in the unshared,
         // partially filled last block without filling it. Nothing to allocate, copy or hash.
         if let [token] = tokens {
@@ -387,6 +396,9 @@ impl BlockManager {
                     let block_tokens = &table.tokens[table.tokens.len() - block_size..];
                     let hash = self.hasher.block_hash(parent, block_tokens, table.extra_key);
                     table.hashes.push(hash);
+                    if block_tokens.contains(&PLACEHOLDER_TOKEN) {
+                        continue; // (named once its token is filled in: fill_token)
+                    }
                     let entry = CachedBlock {
                         hash,
                         parent,
@@ -436,9 +448,7 @@ impl BlockManager {
             }
             let block = table.blocks[index];
             if self.gpu.hash(block) == Some(stale) {
-                self.cache.remove(stale, block);
-                self.gpu.clear_hash(block);
-                self.events.removed(stale.external(), Device::Gpu);
+                forget_name(&mut self.gpu, &mut self.cache, &mut self.events, block);
             }
             let entry = CachedBlock { hash, parent, block, tokens: block_tokens.into(), extra_key: table.extra_key };
             cache_on_device(&mut self.gpu, &mut self.cache, &mut self.cpu, &mut self.cpu_tier, &mut self.events, entry);
@@ -474,10 +484,8 @@ impl BlockManager {
         if table.hashes.len() > full {
             if keep > full && full >= table.num_released {
                 let block = table.blocks[full];
-                if let (1, Some(hash)) = (self.gpu.refcount(block), self.gpu.hash(block)) {
-                    self.cache.remove(hash, block);
-                    self.gpu.clear_hash(block);
-                    self.events.removed(hash.external(), Device::Gpu);
+                if self.gpu.refcount(block) == 1 {
+                    forget_name(&mut self.gpu, &mut self.cache, &mut self.events, block);
                 }
             }
             table.hashes.truncate(full);
@@ -661,6 +669,16 @@ fn allocate_evicting(
     Ok(allocation.block)
 }
 
+/// Device block `block` stops being cached under its name (its content is about to change).
+fn forget_name(gpu: &mut BlockPool, cache: &mut PrefixCache, events: &mut KvEventLog, block: BlockId) {
+    if let Some(hash) = gpu.hash(block) {
+        if cache.remove(hash, block).is_some() {
+            events.removed(hash.external(), Device::Gpu);
+        }
+        gpu.clear_hash(block);
+    }
+}
+
 /// Names a full device block in the prefix cache (unless its name's slot is taken: then it is
 /// just not cached), and the CPU tier stops naming it (the tiers are exclusive).
 fn cache_on_device(
@@ -675,6 +693,7 @@ fn cache_on_device(
     if cache.get(hash).is_some() {
         return; // (the same content is cached already, in another block)
     }
+    debug_assert!(gpu.hash(block).is_none(), "block {block} is named already");
     tier.forget(cpu, hash, events);
     let tokens = if events.is_enabled() { Some(entry.tokens.clone()) } else { None };
     let extra_key = entry.extra_key;

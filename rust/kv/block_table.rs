@@ -4,6 +4,11 @@ use crate::device::Device;
 use crate::kv::block_pool::BlockId;
 use crate::kv::prefix_cache::BlockHash;
 
+/// The token id `Scheduler::append_placeholders` appends for a token still being sampled (no
+/// vocabulary reaches it; prompts holding it are refused). A block holding one is not named in the
+/// prefix cache until the token is filled in (`BlockManager::fill_token`).
+pub const PLACEHOLDER_TOKEN: u32 = u32::MAX;
+
 /// Logical block `i` of a sequence lives in physical block `blocks[i]` of the pool named by
 /// `device`. `num_tokens` slots are in use; only the last block can be partially filled.
 #[derive(Debug, Clone)]

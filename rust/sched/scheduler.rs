@@ -25,9 +25,7 @@ mod requests;
 use output::{Rows, SequenceWork};
 pub use output::{ScheduledSequence, SchedulerOutput};
 
-/// The token id `append_placeholders` appends for a token still being sampled (no vocabulary
-/// reaches it; prompts holding it are refused).
-pub const PLACEHOLDER_TOKEN: u32 = u32::MAX;
+pub use crate::kv::block_table::PLACEHOLDER_TOKEN;
 
 /// A group's key in the scheduler's slab (reused after the group ends; never exposed).
 type GroupId = usize;

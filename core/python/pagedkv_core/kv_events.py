@@ -71,12 +71,16 @@ class ZmqEventPublisher:
         self._zmq = zmq
         self._context = zmq.Context.instance()
         self._pub = self._context.socket(zmq.PUB)
-        self._pub.set_hwm(hwm)
-        (self._pub.bind if _binds(endpoint) else self._pub.connect)(endpoint)
         self._replay = None
-        if replay_endpoint is not None:
-            self._replay = self._context.socket(zmq.ROUTER)
-            self._replay.bind(replay_endpoint)
+        try:
+            self._pub.set_hwm(hwm)
+            (self._pub.bind if _binds(endpoint) else self._pub.connect)(endpoint)
+            if replay_endpoint is not None:
+                self._replay = self._context.socket(zmq.ROUTER)
+                self._replay.bind(replay_endpoint)
+        except Exception:
+            self._close_sockets(linger=0)
+            raise
         self.endpoint, self.replay_endpoint = endpoint, replay_endpoint
         self._topic = topic.encode()
         self._data_parallel_rank = data_parallel_rank
@@ -107,18 +111,21 @@ class ZmqEventPublisher:
         return True
 
     def shutdown(self, timeout: float = 2.0) -> None:
-        """Sends what is queued, then closes the sockets. Idempotent."""
+        """Sends what is queued (half a second more for the sockets to hand it over), then closes
+        the sockets. Idempotent."""
         if self._closed:
             return
         self._closed = True
-        self._queue.put(None)
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            logger.warning("the KV event publisher did not stop within %.1f s", timeout)
-            return
-        self._pub.close(linger=0)
+        self._queue.put(None)  # (the thread closes the sockets it owns when it reaches this)
+        if threading.current_thread() is not self._thread:  # (a finalizer may run on it)
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                logger.warning("the KV event publisher did not stop within %.1f s", timeout)
+
+    def _close_sockets(self, linger: int) -> None:
+        self._pub.close(linger=linger)
         if self._replay is not None:
-            self._replay.close(linger=0)
+            self._replay.close(linger=linger)
 
     def _run(self) -> None:
         while True:
@@ -130,6 +137,7 @@ class ZmqEventPublisher:
             except queue.Empty:
                 continue
             if item is None:
+                self._close_sockets(linger=500)
                 return
             timestamp, events = item
             try:

@@ -192,7 +192,10 @@ def join_group(config, rank: int, size: int, store) -> tuple[TensorParallelGroup
     import torch.distributed as dist
 
     if dist.is_initialized():
-        gc.collect()  # (an engine dropped in a reference cycle stops its ranks and leaves the group now)
+        # An engine dropped in a reference cycle stops its ranks and leaves the group now; its
+        # finalizer ran inside this collection, so what it let go of goes in a second one.
+        gc.collect()
+        gc.collect()
     if dist.is_initialized():
         raise InvalidConfigError("this process already belongs to a torch.distributed group (one tensor-parallel "
                                  "engine per process: shut the other down first with engine.shutdown())")

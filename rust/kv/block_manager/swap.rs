@@ -135,13 +135,15 @@ impl BlockManager {
                                     &mut self.events,
                                 )?;
                                 copies.push((*block, device_block));
-                                if let Some(hash) = hash {
+                                let block_tokens =
+                                    table.tokens.get(index * self.block_size..(index + 1) * self.block_size);
+                                let unfilled = block_tokens.is_some_and(|tokens| tokens.contains(&PLACEHOLDER_TOKEN));
+                                if let (Some(hash), Some(block_tokens), false) = (hash, block_tokens, unfilled) {
                                     let entry = CachedBlock {
                                         hash,
                                         parent: index.checked_sub(1).map(|parent| table.hashes[parent]),
                                         block: device_block,
-                                        tokens: table.tokens[index * self.block_size..(index + 1) * self.block_size]
-                                            .into(),
+                                        tokens: block_tokens.into(),
                                         extra_key: table.extra_key,
                                     };
                                     cache_on_device(

@@ -497,7 +497,7 @@ fn no_sequence_reads_kv_computed_for_another_prefix() {
     };
     for round in 0..3000u64 {
         bm.begin_step();
-        match next(6) {
+        match next(8) {
             0 | 1 => {
                 // Prompts over two tokens, so that different prompts share blocks at different places.
                 let len = 1 + next(14) as usize;
@@ -563,6 +563,25 @@ fn no_sequence_reads_kv_computed_for_another_prefix() {
                     }
                 }
             }
+            6 if !live.is_empty() => {
+                // A child sharing a prefix of a sequence (a partial shared block is copied on write).
+                let (parent, tokens) = live[next(live.len() as u64) as usize].clone();
+                if bm.table(parent).unwrap().device == Device::Gpu {
+                    let keep = 1 + next(tokens.len() as u64) as usize;
+                    bm.fork_prefix(parent, round, &tokens[..keep]).unwrap();
+                    live.push((round, tokens[..keep].to_vec()));
+                }
+            }
+            7 if !live.is_empty() => {
+                // Rejected speculative tokens: the sequence keeps a prefix of its tokens.
+                let index = next(live.len() as u64) as usize;
+                let (seq, tokens) = &mut live[index];
+                if bm.table(*seq).unwrap().device == Device::Gpu {
+                    let keep = 1 + next(tokens.len() as u64) as usize;
+                    tokens.truncate(keep);
+                    bm.truncate(*seq, tokens).unwrap();
+                }
+            }
             _ => {}
         }
         bm.check_invariants().unwrap();
@@ -578,4 +597,37 @@ fn no_sequence_reads_kv_computed_for_another_prefix() {
             }
         }
     }
+}
+
+#[test]
+fn a_partial_block_left_named_by_a_truncate_loses_its_name_before_it_is_written_in_place() {
+    let mut bm = manager(8, 0, true);
+    bm.enable_kv_events().unwrap();
+    bm.allocate(1, &tokens(8), None).unwrap(); // two full, named blocks
+    bm.fork(1, 2).unwrap();
+    bm.truncate(2, &tokens(6)).unwrap(); // block 1 partial in 2's table, still named (1 shares it)
+    bm.free(1).unwrap(); // 2 holds it alone now
+    bm.append_slots(2, &[99]).unwrap(); // written in place: its old content is gone
+    assert_eq!(bm.peek_prefix_hits(&tokens(9), None).device, 1, "only block 0 still holds tokens(8)'s prefix");
+    bm.append_slots(2, &[98]).unwrap(); // fills it: named by its new content
+    bm.check_invariants().unwrap();
+    let mut view: [std::collections::BTreeSet<u64>; 2] = Default::default();
+    replay(&mut bm, &mut view);
+}
+
+#[test]
+fn a_block_holding_a_placeholder_is_named_once_the_token_is_filled_in() {
+    use crate::kv::block_table::PLACEHOLDER_TOKEN;
+    let mut bm = manager(4, 0, true);
+    bm.enable_kv_events().unwrap();
+    let mut tokens = tokens(3);
+    bm.allocate(1, &tokens, None).unwrap();
+    bm.append_slots(1, &[PLACEHOLDER_TOKEN]).unwrap(); // fills block 0 with a token still being sampled
+    assert!(bm.take_kv_events().is_empty() && bm.cached_block_hashes(Device::Gpu).is_empty());
+    tokens.push(7);
+    bm.fill_token(1, 3, &tokens).unwrap();
+    let events = bm.take_kv_events();
+    assert!(matches!(&events[..], [KvEvent::BlockStored { token_ids, .. }] if *token_ids == tokens));
+    assert_eq!(bm.peek_prefix_hits(&[tokens.clone(), vec![1]].concat(), None).device, 1);
+    bm.check_invariants().unwrap();
 }
