@@ -401,7 +401,10 @@ def test_disconnect_mid_stream_frees_blocks(server):
             for line in response.iter_lines():
                 if line.startswith("data: ") and json.loads(line[6:])["choices"]:
                     break
-            assert server.metric("pagedkv_kv_blocks_used_device") > 0
+            deadline = time.monotonic() + 5  # (the metrics read the engine loop's last stats snapshot)
+            while server.metric("pagedkv_kv_blocks_used_device") == 0:
+                assert time.monotonic() < deadline, "a running stream holds no blocks"
+                time.sleep(0.05)
     # The client is gone: the request is aborted and its blocks are freed.
     deadline = time.monotonic() + 20
     while server.metric("pagedkv_kv_blocks_used_device") > 0 or server.metric("pagedkv_requests_running") > 0:
