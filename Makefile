@@ -19,7 +19,7 @@ core:
 	$(PIP) install --quiet --force-reinstall --no-deps $(CORE_WHEELS)/pagedkv_core-*.whl
 
 demo: setup
-	$(PYTHON) -m pagedkv.cli generate --demo
+	$(PYTHON) -m pagedkv.entrypoints.cli generate --demo
 
 test: setup lint test-rust test-python test-core-alone
 
@@ -77,4 +77,4 @@ bench: setup
 	$(PYTHON) benches/serving.py
 
 serve: setup
-	$(PYTHON) -m pagedkv.cli serve
+	$(PYTHON) -m pagedkv.entrypoints.cli serve

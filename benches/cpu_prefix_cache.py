@@ -76,7 +76,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from pagedkv.loader import default_model_path
+    from pagedkv.models.loader import default_model_path
 
     model_dir, gguf_file = default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(model_dir, gguf_file=gguf_file)

@@ -26,7 +26,7 @@ import torch
 
 MEASURE = r"""
 import glob, json, sys, time, torch
-from pagedkv.loader import load, model_spec
+from pagedkv.models.loader import load, model_spec
 
 def rss_kib(field):
     with open("/proc/self/status") as status:

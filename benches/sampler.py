@@ -18,7 +18,7 @@ import time
 import torch
 
 from pagedkv.runner import sampler as current
-from pagedkv.sampling_params import SamplingParams
+from pagedkv.params.sampling import SamplingParams
 
 SETTINGS = [
     ("greedy (the floor)", dict(temperature=0)),

@@ -52,7 +52,7 @@ class Server:
     def __init__(self, engine):
         import uvicorn
 
-        from pagedkv.server import create_app
+        from pagedkv.entrypoints.server import create_app
 
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
@@ -125,7 +125,7 @@ def main(argv=None) -> int:
 
     from pagedkv import SamplingParams
     from pagedkv.config import EngineConfig
-    from pagedkv.engine import LLMEngine
+    from pagedkv.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(device=args.device, dtype=args.dtype, max_model_len=1024,
                                     kv_cache_memory_bytes=1 << 30))

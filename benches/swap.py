@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("benches/swap.py needs a CUDA GPU", file=sys.stderr)
         return 2
-    from pagedkv.kv_cache import KVCache
+    from pagedkv.runner.kv_cache import KVCache
 
     dtype = getattr(torch, args.dtype)
     most = max(args.blocks)

@@ -33,22 +33,22 @@ __version__ = "0.1.0"
 
 # The engine pulls in torch and transformers; import it only when asked for.
 _LAZY = {
-    "LLM": "pagedkv.llm",
-    "AsyncLLM": "pagedkv.async_llm",
-    "LLMEngine": "pagedkv.engine",
+    "LLM": "pagedkv.entrypoints.llm",
+    "AsyncLLM": "pagedkv.entrypoints.async_llm",
+    "LLMEngine": "pagedkv.engine.llm_engine",
     "EngineConfig": "pagedkv.config",
-    "SamplingParams": "pagedkv.sampling_params",
-    "PoolingParams": "pagedkv.pooling_params",
-    "StructuredOutputsParams": "pagedkv.structured_output",
+    "SamplingParams": "pagedkv.params.sampling",
+    "PoolingParams": "pagedkv.params.pooling",
+    "StructuredOutputsParams": "pagedkv.params.structured_output",
     "RequestOutput": "pagedkv.outputs",
     "CompletionOutput": "pagedkv.outputs",
     "EmbeddingRequestOutput": "pagedkv.outputs",
     "ClassificationRequestOutput": "pagedkv.outputs",
     "PoolingRequestOutput": "pagedkv.outputs",
     "ScoringRequestOutput": "pagedkv.outputs",
-    "LoRARequest": "pagedkv.lora",
-    "BeamSearchParams": "pagedkv.beam_search",
-    "BeamSearchOutput": "pagedkv.beam_search",
+    "LoRARequest": "pagedkv.params.lora_request",
+    "BeamSearchParams": "pagedkv.engine.beam_search",
+    "BeamSearchOutput": "pagedkv.engine.beam_search",
 }
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedkv import Scheduler
-from pagedkv.beam_search import BeamSearch
+from pagedkv.engine.beam_search import BeamSearch
 from memory_study.paged import measure, next_token, scheduler_config
 from memory_study.settings import StudySettings
 from memory_study.traces import Request, arrivals_by_step

@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 
 from pagedkv import InvalidConfigError, OverloadedError, SamplingParams
 from pagedkv.config import EngineConfig
-from pagedkv.engine import LLMEngine
-from pagedkv.request_state import RequestState
+from pagedkv.engine.llm_engine import LLMEngine
+from pagedkv.engine.request_state import RequestState
 
 PROMPT = [3, 4, 5, 6, 7]
 

@@ -9,8 +9,8 @@ import pytest
 
 from pagedkv import SamplingParams
 from pagedkv.config import EngineConfig
-from pagedkv.engine import LLMEngine
-from pagedkv.request_state import RequestState
+from pagedkv.engine.llm_engine import LLMEngine
+from pagedkv.engine.request_state import RequestState
 
 MAX_MODEL_LEN = 48
 

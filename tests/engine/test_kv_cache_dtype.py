@@ -13,7 +13,7 @@ import pagedkv.attention.cpu as cpu_attention
 from pagedkv import LLM, EngineConfig, InvalidConfigError, SamplingParams
 from pagedkv.attention import AttentionMetadata
 from pagedkv.attention.torch_ref import _decode_batch, paged_attention_ref, to_cache_dtype, write_kv
-from pagedkv.kv_cache import KVCache
+from pagedkv.runner.kv_cache import KVCache
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 PROMPTS = [

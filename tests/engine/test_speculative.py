@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pagedkv import LLM, SamplingParams
-from pagedkv.ngram_proposer import propose_ngram_drafts
+from pagedkv.engine.ngram_proposer import propose_ngram_drafts
 
 MAX_NEW_TOKENS = 40
 
@@ -28,7 +28,7 @@ def prompts():
 def references(prompts, smollm2_hf_model):
     from transformers import AutoTokenizer
 
-    from pagedkv.loader import default_model_path
+    from pagedkv.models.loader import default_model_path
 
     directory, name = default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)

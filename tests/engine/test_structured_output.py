@@ -7,7 +7,7 @@ import re
 import pytest
 
 from pagedkv import LLM, SamplingParams
-from pagedkv.structured_output import GrammarCompiler, StructuredOutputsParams
+from pagedkv.params.structured_output import GrammarCompiler, StructuredOutputsParams
 
 PERSON = {
     "type": "object",

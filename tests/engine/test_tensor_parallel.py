@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from pagedkv import LLM, SamplingParams
-from pagedkv.beam_search import BeamSearchParams
-from pagedkv.engine import LLMEngine
+from pagedkv.engine.beam_search import BeamSearchParams
+from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.errors import InvalidConfigError, TensorParallelError
 
 from support.checkpoints import save_tiny_checkpoint

@@ -21,7 +21,7 @@ PROMPTS = [
 
 
 def model_path():
-    from pagedkv.loader import default_model_path
+    from pagedkv.models.loader import default_model_path
 
     directory, name = default_model_path()
     return os.path.join(directory, name)
@@ -79,7 +79,7 @@ def test_gpu_preemption_by_swap_keeps_outputs(cpu_reference, backend):
 
 
 def test_swap_round_trip_is_bit_exact_on_the_swap_stream():
-    from pagedkv.kv_cache import KVCache
+    from pagedkv.runner.kv_cache import KVCache
 
     cache = KVCache(4, 2, 64, 16, num_device_blocks=32, num_cpu_blocks=32, dtype=torch.bfloat16, device="cuda")
     assert cache.cpu_cache.is_pinned()
@@ -102,7 +102,7 @@ def test_copy_on_write_of_a_block_swapped_in_the_same_step(backend):
     step: the copy must see the swapped-in bytes, not what the device block held before.
     Hundreds of MB of swap-in ahead of it make an unordered copy read stale data."""
     from pagedkv.attention import get_backend
-    from pagedkv.kv_cache import KVCache
+    from pagedkv.runner.kv_cache import KVCache
 
     cache = KVCache(30, 3, 64, 16, num_device_blocks=1030, num_cpu_blocks=1024, dtype=torch.float32, device="cuda")
     cache.cpu_cache.copy_(torch.randn(cache.cpu_cache.shape))

@@ -7,7 +7,7 @@ import torch
 from pagedkv.runner.penalties import apply_biases_and_penalties
 from pagedkv.runner.sampler import (Sampler, SamplingRow, _sample_on_cpu, _sample_with_torch, packed_settings,
                                      sampling_settings)
-from pagedkv.sampling_params import SamplingParams
+from pagedkv.params.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

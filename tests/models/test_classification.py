@@ -8,7 +8,7 @@ import torch
 from support.live_server import LiveServer
 
 from pagedkv import LLM, PoolingParams, SamplingParams
-from pagedkv.server.openapi import ClassificationList
+from pagedkv.entrypoints.server.openapi import ClassificationList
 from support.tiny_models import tiny_classifier, hf_scores
 
 

@@ -78,7 +78,7 @@ def test_narrow_logits_are_the_float32_logits_before_widening(tmp_path, make, na
     import support.tiny_models as tiny_models
     from support.checkpoints import save_tiny_checkpoint
 
-    from pagedkv.loader import load
+    from pagedkv.models.loader import load
 
     hf_model = getattr(tiny_models, make)(*(() if make != "tiny_cohere" else (False,)))
     model = load(save_tiny_checkpoint(tmp_path, hf_model), None, None, torch.bfloat16, torch.device("cpu"), None).model

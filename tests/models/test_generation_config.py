@@ -9,8 +9,8 @@ from transformers import GenerationConfig
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.errors import InvalidConfigError
-from pagedkv.loader import generation_defaults
-from pagedkv.server.protocol import ChatCompletionRequest, CompletionRequest
+from pagedkv.models.loader import generation_defaults
+from pagedkv.entrypoints.server.protocol import ChatCompletionRequest, CompletionRequest
 
 QWEN3_STYLE = dict(do_sample=True, temperature=0.6, top_p=0.95, top_k=20, repetition_penalty=1.1, max_new_tokens=5)
 

@@ -59,7 +59,7 @@ def references(smollm2_hf_model, adapters, prompts):
     """{adapter name or None: HF greedy tokens of every prompt}."""
     from transformers import AutoTokenizer
 
-    from pagedkv.loader import default_model_path
+    from pagedkv.models.loader import default_model_path
 
     directory, name = default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)

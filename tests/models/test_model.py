@@ -22,7 +22,7 @@ from support.tiny_models import (add_multi_token_prediction_layer, tiny_absolute
                                  tiny_stablelm, tiny_starcoder2, tiny_windowed, transpose_stacked_experts)
 
 from pagedkv.layers.activation import gelu_tanh_and_mul
-from pagedkv.loader import default_model_path, load
+from pagedkv.models.loader import default_model_path, load
 from pagedkv.models.blocks import ParallelBlock
 from pagedkv.models.registry import SUPPORTED
 

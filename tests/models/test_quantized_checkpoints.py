@@ -11,8 +11,8 @@ import torch
 from support.checkpoints import save_tiny_checkpoint
 from support.hf_parity import assert_greedy_generation_matches_hf, assert_prefill_matches_hf
 
-from pagedkv.loader import load
-from pagedkv.quantized_checkpoints import AWQ_PACK_ORDER
+from pagedkv.models.loader import load
+from pagedkv.models.quantized_checkpoints import AWQ_PACK_ORDER
 
 GROUP_SIZE = 32
 

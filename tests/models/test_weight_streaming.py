@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pagedkv.loader import load, model_spec
+from pagedkv.models.loader import load, model_spec
 from pagedkv.models.llama import LlamaForCausalLM
 from support.checkpoints import save_tiny_checkpoint
 

@@ -8,7 +8,7 @@ import time
 
 import httpx
 
-from pagedkv.cli import build_parser, main
+from pagedkv.entrypoints.cli import build_parser, main
 from pagedkv.config import EngineConfig
 from support.live_server import served
 
@@ -24,7 +24,7 @@ def test_help_documents_every_engine_option_with_its_default():
 
 
 def test_max_logprobs_flag_reaches_the_engine_config():
-    from pagedkv.cli import engine_config
+    from pagedkv.entrypoints.cli import engine_config
 
     for given, expected in ((None, 20), ("5", 5), ("-1", -1)):  # (vLLM's default; -1: the vocabulary size)
         flags = ["serve"] + (["--max-logprobs", given] if given is not None else [])
@@ -32,7 +32,7 @@ def test_max_logprobs_flag_reaches_the_engine_config():
 
 
 def test_generate_prints_generations(capsys):
-    from pagedkv.cli import main
+    from pagedkv.entrypoints.cli import main
 
     assert main(["generate", "The sky is", "--max-tokens", "4", "--num-device-blocks", "64"]) == 0
     out = capsys.readouterr().out
@@ -40,7 +40,7 @@ def test_generate_prints_generations(capsys):
 
 
 def test_generate_with_a_json_schema_file(capsys, tmp_path):
-    from pagedkv.cli import main
+    from pagedkv.entrypoints.cli import main
 
     schema = tmp_path / "schema.json"
     schema.write_text('{"type": "object", "properties": {"color": {"type": "string", "maxLength": 12}}, "required": ["color"]}')

@@ -8,10 +8,10 @@ import httpx
 import pytest
 
 from pagedkv.outputs import CompletionOutput, RequestOutput
-from pagedkv.server.openapi import ChatCompletion
-from pagedkv.server.reasoning import ReasoningParser
-from pagedkv.server.responses import ResponseBuilder
-from pagedkv.server.tools import ToolCalling
+from pagedkv.entrypoints.server.openapi import ChatCompletion
+from pagedkv.entrypoints.server.reasoning import ReasoningParser
+from pagedkv.entrypoints.server.responses import ResponseBuilder
+from pagedkv.entrypoints.server.tools import ToolCalling
 
 CASES = {  # reply -> (reasoning, content) per parser
     "<think>Let me see.</think>It is 4.": {"qwen3": ("Let me see.", "It is 4."), "deepseek_r1": ("Let me see.", "It is 4.")},

@@ -8,11 +8,11 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from pagedkv.server.openapi import ResponseBody
-from pagedkv.server.reasoning import ReasoningParser
-from pagedkv.server.responses_api import ResponseState
-from pagedkv.server.protocol import ResponsesRequest
-from pagedkv.server.tools import ToolCalling
+from pagedkv.entrypoints.server.openapi import ResponseBody
+from pagedkv.entrypoints.server.reasoning import ReasoningParser
+from pagedkv.entrypoints.server.responses_api import ResponseState
+from pagedkv.entrypoints.server.protocol import ResponsesRequest
+from pagedkv.entrypoints.server.tools import ToolCalling
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather of a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}

@@ -10,7 +10,7 @@ import pytest
 from openai import OpenAI
 
 from pagedkv.errors import InvalidConfigError
-from pagedkv.server import create_app
+from pagedkv.entrypoints.server import create_app
 from support.live_server import LiveServer
 
 
@@ -294,7 +294,7 @@ def test_tool_calls_for_a_named_or_required_tool_choice(client, server):
 
 
 def test_hermes_tool_calls_are_parsed_in_auto_mode():
-    from pagedkv.server.tools import ToolCalling
+    from pagedkv.entrypoints.server.tools import ToolCalling
 
     tools = ToolCalling.from_request([WEATHER, TIME], "auto")
     text = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
@@ -309,8 +309,8 @@ def test_hermes_tool_calls_are_parsed_in_auto_mode():
 
 def test_streamed_auto_tool_calls_hold_back_the_tagged_text():
     from pagedkv.outputs import CompletionOutput, RequestOutput
-    from pagedkv.server.responses import ResponseBuilder
-    from pagedkv.server.tools import ToolCalling
+    from pagedkv.entrypoints.server.responses import ResponseBuilder
+    from pagedkv.entrypoints.server.tools import ToolCalling
 
     steps = ["Let me", "Let me check. <tool", "Let me check. <tool_call>{\"name\": \"get_wea",
              'Let me check. <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>']

@@ -364,7 +364,7 @@ def test_an_internal_fault_is_a_500_with_the_error_json_and_a_logged_request_id(
     def broken(*_):
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr("pagedkv.server.routes.pooling.score_pairs", broken)
+    monkeypatch.setattr("pagedkv.entrypoints.server.routes.pooling.score_pairs", broken)
     response = httpx.post(server.url + "/score", json={"text_1": "a", "text_2": "b"}, timeout=30,
                           headers={"x-request-id": "fault-1"})
     assert response.status_code == 500 and response.headers["x-request-id"] == "fault-1"

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from pagedkv.host_memory import return_freed_memory
+from pagedkv.runner.host_memory import return_freed_memory
 from support.live_server import LiveServer
 
 BODY_LIMIT = 8 << 20

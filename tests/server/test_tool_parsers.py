@@ -7,7 +7,7 @@ import json
 import httpx
 import pytest
 
-from pagedkv.server.tools import ToolCalling
+from pagedkv.entrypoints.server.tools import ToolCalling
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}

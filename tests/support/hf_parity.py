@@ -3,8 +3,8 @@
 import torch
 
 from pagedkv.attention import AttentionMetadata, TorchRefBackend
-from pagedkv.kv_cache import KVCache
-from pagedkv.loader import load
+from pagedkv.runner.kv_cache import KVCache
+from pagedkv.models.loader import load
 
 
 def prefill_all_positions(model, token_ids: list[int], block_table: list[int], block_size: int, num_blocks: int):

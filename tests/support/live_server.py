@@ -16,8 +16,8 @@ import httpx
 import uvicorn
 
 from pagedkv.config import EngineConfig
-from pagedkv.engine import LLMEngine
-from pagedkv.server import create_app
+from pagedkv.engine.llm_engine import LLMEngine
+from pagedkv.entrypoints.server import create_app
 
 
 class LiveServer:
@@ -67,7 +67,7 @@ def served(*flags: str, env: Optional[dict] = None):
         port = probe.getsockname()[1]
     with tempfile.TemporaryFile("w+") as output:
         process = subprocess.Popen(
-            [sys.executable, "-m", "pagedkv.cli", "serve", "--port", str(port), "--num-device-blocks", "64",
+            [sys.executable, "-m", "pagedkv.entrypoints.cli", "serve", "--port", str(port), "--num-device-blocks", "64",
              "--max-model-len", "512", *flags],
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, stdout=output, stderr=subprocess.STDOUT,
         )

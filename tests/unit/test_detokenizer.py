@@ -3,7 +3,7 @@
 
 import pytest
 
-from pagedkv.detokenizer import DetokenizerState, detokenize_final, detokenize_incrementally
+from pagedkv.engine.detokenizer import DetokenizerState, detokenize_final, detokenize_incrementally
 
 TEXTS = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",
@@ -43,7 +43,7 @@ def test_the_rust_decode_stream_sends_what_the_python_method_sends(tokenizer, sk
     that adds several tokens at once."""
     import types
 
-    from pagedkv import detokenizer
+    from pagedkv.engine import detokenizer
 
     assert detokenizer.DecodeStream is not None and detokenizer._plain_backend(tokenizer) is not None
     python_only = types.SimpleNamespace(decode=tokenizer.decode)
@@ -106,7 +106,7 @@ def test_calls_without_new_tokens_decode_nothing(tokenizer):
 
 
 def test_the_backend_decode_is_the_tokenizers_own(tokenizer):
-    from pagedkv.detokenizer import fast_decode
+    from pagedkv.engine.detokenizer import fast_decode
 
     assert fast_decode(tokenizer) == tokenizer.backend_tokenizer.decode  # (no space clean-up to apply)
     for text in TEXTS:
@@ -118,7 +118,7 @@ def test_the_backend_decode_is_the_tokenizers_own(tokenizer):
 
 
 def test_a_tokenizer_that_cleans_up_spaces_decodes_through_transformers(tokenizer):
-    from pagedkv.detokenizer import fast_decode
+    from pagedkv.engine.detokenizer import fast_decode
 
     original, tokenizer.clean_up_tokenization_spaces = tokenizer.clean_up_tokenization_spaces, True
     try:
@@ -137,8 +137,8 @@ def test_a_streamed_sequence_text_has_one_reference_while_it_grows(tokenizer, ou
     import sys
 
     from pagedkv.outputs import RequestMetrics
-    from pagedkv.request_state import RequestState, SequenceState
-    from pagedkv.sampling_params import SamplingParams
+    from pagedkv.engine.request_state import RequestState, SequenceState
+    from pagedkv.params.sampling import SamplingParams
 
     ids = tokenizer.encode(" ".join(TEXTS), add_special_tokens=False)
     seq = SequenceState(seq_id=0, index=0)
@@ -161,8 +161,8 @@ def test_text_so_far_of_a_sequence_that_ended_before_it_was_reported(tokenizer, 
     """A sequence that ends (by length here, or at a stop string) in the step that then fails
     keeps the text it had (what a failed request reports), not an empty one."""
     from pagedkv.outputs import RequestMetrics
-    from pagedkv.request_state import RequestState, SequenceState
-    from pagedkv.sampling_params import SamplingParams
+    from pagedkv.engine.request_state import RequestState, SequenceState
+    from pagedkv.params.sampling import SamplingParams
 
     ids = tokenizer.encode(TEXTS[0], add_special_tokens=False)
     seq = SequenceState(seq_id=0, index=0)

@@ -3,7 +3,7 @@ layer, and consecutive pairs become single copies."""
 
 import torch
 
-from pagedkv.kv_cache import KVCache, block_runs
+from pagedkv.runner.kv_cache import KVCache, block_runs
 
 
 def test_block_runs_merge_only_pairs_advancing_together():

@@ -9,22 +9,22 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "python" / "pagedkv"
 
-ABOVE_THE_RUNNER = {"engine", "request_state", "beam_search", "ngram_proposer", "scoring", "engine_loop",
-                    "async_llm", "llm", "server", "cli"}
-# part -> the parts it may not import (a part is a top-level module or subpackage of pagedkv)
-MAY_NOT_IMPORT = {
-    **dict.fromkeys(("errors", "config", "sampling_params", "pooling_params", "outputs", "structured_output",
-                     "detokenizer", "host_memory", "transfer", "lora", "kernels", "attention", "kv_cache", "layers",
-                     "models", "loader", "quantized_checkpoints"),
-                    ABOVE_THE_RUNNER | {"runner"}),
-    "parallel": ABOVE_THE_RUNNER,  # (a worker rank's main loop runs a ModelRunner: parallel/workers.py)
-    "runner": ABOVE_THE_RUNNER,
-    # The engine never touches the model: the runner is its one way down.
-    "engine": {"models", "layers", "loader", "attention", "kv_cache", "kernels", "server", "cli", "llm", "async_llm",
-               "engine_loop"},
-    # The server works through AsyncLLM and the engine's ModelInfo, never the model side.
-    "server": {"runner", "models", "layers", "loader", "attention", "kv_cache", "kernels", "parallel", "cli"},
-}
+# The package's folders (and top-level modules) by level, bottom to top: a part imports only parts
+# of its own level or below. models/ and parallel/ share a level (the loader shards by
+# parallel/sharding.py, which knows the models' layouts); parallel/workers.py, a worker rank's main
+# loop, runs a ModelRunner: the one import upward, allowed below.
+LEVELS = [("errors",), ("config", "outputs", "params"), ("kernels",), ("attention",), ("layers",),
+          ("models", "parallel"), ("runner",), ("engine",), ("entrypoints",)]
+DEVICE_SIDE = {"kernels", "attention", "layers", "models", "parallel"}
+MAY_NOT_IMPORT = {part: {above for upper in LEVELS[level + 1:] for above in upper}
+                  for level, parts in enumerate(LEVELS) for part in parts}
+# The engine never touches the model: the runner is its one way down. The entrypoints work through
+# the engine alone.
+MAY_NOT_IMPORT["engine"] |= DEVICE_SIDE
+MAY_NOT_IMPORT["entrypoints"] |= DEVICE_SIDE | {"runner"}
+# Within entrypoints/: the CLI sits above the server.
+SERVER_MAY_NOT_IMPORT = {"entrypoints.cli"}
+ALLOWED = {("parallel/workers.py", "runner")}
 
 
 def imports_of(path: pathlib.Path) -> set[str]:
@@ -42,6 +42,8 @@ def imports_of(path: pathlib.Path) -> set[str]:
             pieces = name.split(".")
             if pieces[0] == "pagedkv" and len(pieces) > 1:
                 parts.add(pieces[1])
+                if pieces[1] == "entrypoints" and len(pieces) > 2:
+                    parts.add(".".join(pieces[1:3]))
             elif pieces[0] == "pagedkv" and isinstance(node, ast.ImportFrom):
                 parts.update(alias.name for alias in node.names)
     return parts
@@ -58,15 +60,24 @@ def test_each_part_imports_only_what_is_below_it(part):
     assert modules, f"no module of part {part!r}: update the table"
     violations = []
     for path in modules:
-        for imported in imports_of(path) & MAY_NOT_IMPORT[part]:
-            if part == "parallel" and path.name == "workers.py" and imported == "runner":
-                continue
-            violations.append(f"{path.relative_to(PACKAGE)} imports pagedkv.{imported}")
+        relative = path.relative_to(PACKAGE)
+        forbidden = set(MAY_NOT_IMPORT[part])
+        if relative.parts[:2] == ("entrypoints", "server"):
+            forbidden |= SERVER_MAY_NOT_IMPORT
+        for imported in sorted(imports_of(path) & forbidden):
+            if (relative.as_posix(), imported) not in ALLOWED:
+                violations.append(f"{relative} imports pagedkv.{imported}")
     assert not violations, violations
+
+
+def test_every_folder_is_in_the_table():
+    parts = {part_of(path) for path in PACKAGE.rglob("*.py")} - {"__init__"}
+    assert parts == set(MAY_NOT_IMPORT), "a new folder or module: give it its row in MAY_NOT_IMPORT"
+    assert len(list(PACKAGE.iterdir())) <= 14, sorted(p.name for p in PACKAGE.iterdir())
 
 
 def test_the_checker_sees_a_violation(tmp_path):
     module = tmp_path / "module.py"
-    module.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pagedkv.engine import X\n"
+    module.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pagedkv.engine.llm_engine import X\n"
                       "def f():\n    from pagedkv.runner.model_runner import ModelRunner\n")
     assert imports_of(module) == {"runner"}

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedkv.runner.sampler import Sampler, SamplingRow, argmax_rows
-from pagedkv.sampling_params import SamplingParams
+from pagedkv.params.sampling import SamplingParams
 
 VOCAB = 50
 

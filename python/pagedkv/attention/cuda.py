@@ -9,7 +9,7 @@ import torch
 
 from pagedkv.attention.metadata import AttentionMetadata
 from pagedkv.kernels import copy_blocks, paged_attention, reshape_and_cache
-from pagedkv.transfer import to_device
+from pagedkv.kernels.transfer import to_device
 
 
 def token_layout(metadata: AttentionMetadata, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

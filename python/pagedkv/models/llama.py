@@ -189,7 +189,7 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """forward(input_ids [T], positions [T], metadata, kv_cache, backend, lora) -> hidden [T, H];
-    `lora` (a pagedkv.lora.LoRABatch) adds the step's adapters' updates to the projections."""
+    `lora` (a pagedkv.runner.lora.LoRABatch) adds the step's adapters' updates to the projections."""
 
     # What a variant of the family swaps (Gemma's and OLMo's: their decoder layers and norm); the
     # decoder layer is a class or a function building one from (hf_config, traits, layer_index)

@@ -16,10 +16,10 @@ from pagedkv.attention import AttentionMetadata, get_backend
 from pagedkv.config import EngineConfig
 from pagedkv.runner.cuda_graphs import DecodeGraphs
 from pagedkv.errors import EngineStoppedError, InvalidConfigError, TensorParallelError
-from pagedkv.host_memory import return_freed_memory, reuse_freed_memory
-from pagedkv.kv_cache import KVCache
-from pagedkv.loader import generation_defaults, load, load_generation_config, model_spec
-from pagedkv.lora import LoRARegistry, lora_batch
+from pagedkv.runner.host_memory import return_freed_memory, reuse_freed_memory
+from pagedkv.runner.kv_cache import KVCache
+from pagedkv.models.loader import generation_defaults, load, load_generation_config, model_spec
+from pagedkv.runner.lora import LoRARegistry, lora_batch
 from pagedkv.parallel import SINGLE_PROCESS, TensorParallelGroup, using_group
 from pagedkv.parallel.sharding import check_shardable
 from pagedkv.parallel.workers import TensorParallelWorkers
@@ -28,7 +28,7 @@ from pagedkv.runner.model_info import ModelInfo
 from pagedkv.runner.persistent_batch import PersistentBatch
 from pagedkv.runner.sampler import Sampler, all_plain, all_plain_greedy
 from pagedkv.runner.step_messages import ModelRunnerOutput, PendingOutput, StepRequests
-from pagedkv.transfer import to_device
+from pagedkv.kernels.transfer import to_device
 
 logger = logging.getLogger("pagedkv.runner.model_runner")
 

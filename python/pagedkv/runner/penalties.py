@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from pagedkv.transfer import to_device
+from pagedkv.kernels.transfer import to_device
 
 if TYPE_CHECKING:
     from pagedkv.runner.sampler import SamplingRow

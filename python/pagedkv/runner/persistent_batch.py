@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from pagedkv.errors import InvalidStateError
-from pagedkv.transfer import to_device
+from pagedkv.kernels.transfer import to_device
 
 
 class PersistentBatch:

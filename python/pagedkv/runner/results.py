@@ -10,10 +10,10 @@ from typing import Callable, Optional
 
 import torch
 
-from pagedkv.pooling_params import PoolingParams
+from pagedkv.params.pooling import PoolingParams
 from pagedkv.runner.sampler import SampledTokens, Sampler, SamplingRow, argmax_rows
 from pagedkv.runner.step_messages import PromptLogprobsRequest
-from pagedkv.transfer import to_device
+from pagedkv.kernels.transfer import to_device
 
 logger = logging.getLogger("pagedkv.runner")
 

@@ -15,9 +15,9 @@ import torch
 
 from pagedkv_core import _core
 from pagedkv.runner.penalties import apply_biases_and_penalties
-from pagedkv.sampling_params import SamplingParams
-from pagedkv.structured_output import mask_disallowed_tokens
-from pagedkv.transfer import to_device
+from pagedkv.params.sampling import SamplingParams
+from pagedkv.params.structured_output import mask_disallowed_tokens
+from pagedkv.kernels.transfer import to_device
 
 
 @dataclass

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from pagedkv.pooling_params import PoolingParams
+from pagedkv.params.pooling import PoolingParams
 from pagedkv.runner.sampler import SamplingRow
 
 

@@ -9,13 +9,13 @@ import weakref
 from typing import AsyncIterator, Callable, Optional, TypeVar, Union
 
 from pagedkv.config import engine_config
-from pagedkv.engine import LLMEngine
-from pagedkv.engine_loop import EngineLoop
+from pagedkv.engine.llm_engine import LLMEngine
+from pagedkv.entrypoints.engine_loop import EngineLoop
 from pagedkv.errors import EngineStoppedError
-from pagedkv.lora import LoRARequest
+from pagedkv.params.lora_request import LoRARequest
 from pagedkv.outputs import ClassificationRequestOutput, EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
-from pagedkv.pooling_params import PoolingParams
-from pagedkv.sampling_params import SamplingParams
+from pagedkv.params.pooling import PoolingParams
+from pagedkv.params.sampling import SamplingParams
 
 Result = TypeVar("Result")
 

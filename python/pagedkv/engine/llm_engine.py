@@ -17,22 +17,22 @@ from typing import Optional, Union
 import torch
 
 from pagedkv_core._core import Scheduler, SchedulerConfig
-from pagedkv.beam_search import BeamSearch
+from pagedkv.engine.beam_search import BeamSearch
 from pagedkv.config import EngineConfig
 from pagedkv.errors import DuplicateRequestError, PromptTooLongError, UnknownRequestError
 from pagedkv_core.kv_events import ZmqEventPublisher
 from pagedkv.runner.sampler import SamplingRow, all_plain, changes_logits
 from pagedkv.runner.step_messages import ModelRunnerOutput, PendingOutput, PromptLogprobsRequest, StepRequests
-from pagedkv.lora import LoRARequest
+from pagedkv.params.lora_request import LoRARequest
 from pagedkv.runner.model_runner import ModelRunner
-from pagedkv.ngram_proposer import propose_ngram_drafts
+from pagedkv.engine.ngram_proposer import propose_ngram_drafts
 from pagedkv.outputs import CompletionOutput, PoolingRequestOutput, RequestMetrics, RequestOutput
-from pagedkv.pooling_params import PoolingParams
-from pagedkv.request_state import RequestState, SequenceState
-from pagedkv.sampling_params import SamplingParams, check_unicode
-from pagedkv.structured_output import GrammarCompiler
+from pagedkv.params.pooling import PoolingParams
+from pagedkv.engine.request_state import RequestState, SequenceState
+from pagedkv.params.sampling import SamplingParams, check_unicode
+from pagedkv.params.structured_output import GrammarCompiler
 
-logger = logging.getLogger("pagedkv.engine")
+logger = logging.getLogger("pagedkv.engine.llm_engine")
 
 # Rough device speeds for the swap-vs-recompute cost model (see rust/sched/preemption.rs).
 _FLOPS = {"cpu": 50e9, "cuda": 200e12}

@@ -14,10 +14,10 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from pagedkv.errors import DuplicateRequestError, EngineStoppedError, OverloadedError, PromptTooLongError
-from pagedkv.server.body_limit import BodyTooLargeError
-from pagedkv.server.protocol import RequestFieldError
+from pagedkv.entrypoints.server.body_limit import BodyTooLargeError
+from pagedkv.entrypoints.server.protocol import RequestFieldError
 
-logger = logging.getLogger("pagedkv.server")
+logger = logging.getLogger("pagedkv.entrypoints.server")
 
 # Engine ValueErrors that start with one of these name a sampling field; others are about the prompt.
 SAMPLING_FIELDS = frozenset({"logit_bias", "stop_token_ids", "n", "structured_outputs", "priority", "allowed_token_ids",

@@ -12,7 +12,7 @@ from typing import Sequence, Union
 import torch
 
 from pagedkv.outputs import PoolingRequestOutput
-from pagedkv.pooling_params import PoolingParams
+from pagedkv.params.pooling import PoolingParams
 
 
 def score_pairs(text_1: Union[str, Sequence[str]], text_2: Union[str, Sequence[str]]) -> list[tuple[str, str]]:

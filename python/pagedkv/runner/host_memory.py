@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 
-logger = logging.getLogger("pagedkv.host_memory")
+logger = logging.getLogger("pagedkv.runner.host_memory")
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _REUSE_UP_TO = 1 << 30  # allocations up to 1 GiB come from (and go back to) the heap

@@ -21,15 +21,15 @@ from fastapi import FastAPI, Request
 
 from pagedkv import __version__
 from pagedkv.config import EngineConfig
-from pagedkv.engine import LLMEngine
+from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.errors import InvalidConfigError
-from pagedkv.server.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES, BodySizeLimit
-from pagedkv.server.errors import error_response, install_error_handlers
-from pagedkv.server.openapi import ERROR_RESPONSES, install_openapi
-from pagedkv.server.routes import admin, completions, pooling, responses, tokenization
-from pagedkv.server.serving import ServingContext
+from pagedkv.entrypoints.server.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES, BodySizeLimit
+from pagedkv.entrypoints.server.errors import error_response, install_error_handlers
+from pagedkv.entrypoints.server.openapi import ERROR_RESPONSES, install_openapi
+from pagedkv.entrypoints.server.routes import admin, completions, pooling, responses, tokenization
+from pagedkv.entrypoints.server.serving import ServingContext
 
-logger = logging.getLogger("pagedkv.server")
+logger = logging.getLogger("pagedkv.entrypoints.server")
 
 # The one route --api-key leaves open: load balancers and orchestrators probe it.
 UNGUARDED_ROUTES = frozenset({"/health"})

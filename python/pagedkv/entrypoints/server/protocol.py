@@ -14,8 +14,8 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator, with_config
 from typing_extensions import TypedDict
 
-from pagedkv.sampling_params import MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_STRINGS, SamplingParams, check_unicode
-from pagedkv.structured_output import StructuredOutputsParams
+from pagedkv.params.sampling import MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_STRINGS, SamplingParams, check_unicode
+from pagedkv.params.structured_output import StructuredOutputsParams
 
 
 class RequestFieldError(Exception):

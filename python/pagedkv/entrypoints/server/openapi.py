@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 from fastapi import FastAPI
 from pydantic import BaseModel, Field
 
-from pagedkv.server.protocol import FunctionTool, ResponsesNamedToolChoice, TextConfig
+from pagedkv.entrypoints.server.protocol import FunctionTool, ResponsesNamedToolChoice, TextConfig
 
 FinishReason = Optional[str]  # "stop", "length", "tool_calls", "abort"; None while a stream runs
 

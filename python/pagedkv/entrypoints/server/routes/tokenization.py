@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends
 
-from pagedkv.sampling_params import check_unicode
-from pagedkv.server.errors import APIError
-from pagedkv.server.openapi import DetokenizeResponse, TokenizeResponse, answer
-from pagedkv.server.protocol import DetokenizeRequest, TokenizeRequest
-from pagedkv.server.serving import ServingContext, serving
+from pagedkv.params.sampling import check_unicode
+from pagedkv.entrypoints.server.errors import APIError
+from pagedkv.entrypoints.server.openapi import DetokenizeResponse, TokenizeResponse, answer
+from pagedkv.entrypoints.server.protocol import DetokenizeRequest, TokenizeRequest
+from pagedkv.entrypoints.server.serving import ServingContext, serving
 
 router = APIRouter()
 

@@ -7,12 +7,12 @@ import uuid
 
 from fastapi import APIRouter, Depends, Request
 
-from pagedkv.pooling_params import PoolingParams
-from pagedkv.scoring import score_pairs, scores_of, scoring_requests
-from pagedkv.server.errors import APIError
-from pagedkv.server.openapi import ClassificationList, EmbeddingList, RerankList, ScoreList, answer
-from pagedkv.server.protocol import ClassificationRequest, EmbeddingRequest, RerankRequest, ScoreRequest
-from pagedkv.server.serving import ServingContext, make_params, serving
+from pagedkv.params.pooling import PoolingParams
+from pagedkv.entrypoints.scoring import score_pairs, scores_of, scoring_requests
+from pagedkv.entrypoints.server.errors import APIError
+from pagedkv.entrypoints.server.openapi import ClassificationList, EmbeddingList, RerankList, ScoreList, answer
+from pagedkv.entrypoints.server.protocol import ClassificationRequest, EmbeddingRequest, RerankRequest, ScoreRequest
+from pagedkv.entrypoints.server.serving import ServingContext, make_params, serving
 
 router = APIRouter()
 
@@ -67,7 +67,7 @@ async def rerank(body: RerankRequest, request: Request, context: ServingContext 
 
 async def scored(context: ServingContext, request: Request, pairs_of, prefix: str, priority: int,
                  served: str) -> tuple[list[float], int]:
-    """(a score per pair (pagedkv.scoring), prompt tokens computed), or a 400 naming what is wrong."""
+    """(a score per pair (pagedkv.entrypoints.scoring), prompt tokens computed), or a 400 naming what is wrong."""
     try:
         pairs = pairs_of()
         prompts, params = scoring_requests(pairs, context.tokenizer, context.model_info.num_labels)

@@ -18,8 +18,9 @@ from typing import Optional
 import torch
 
 from pagedkv.errors import InvalidConfigError
+from pagedkv.params.lora_request import LoRARequest
 
-logger = logging.getLogger("pagedkv.lora")
+logger = logging.getLogger("pagedkv.runner.lora")
 
 # PEFT module name -> (our fused module, which of its parts): q/k/v share qkv_proj, gate/up
 # gate_up_proj; None: the whole module (Phi-3's checkpoints, and so its adapters, hold them fused).
@@ -32,16 +33,6 @@ _TARGETS = {
 }
 _STACKS_KEPT = 8  # adapter sets whose stacked matrices are kept
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
-
-
-@dataclass(frozen=True)
-class LoRARequest:
-    """The adapter one request runs with: a name (the server's model name), an id unique per
-    adapter (> 0), and the PEFT directory holding it."""
-
-    lora_name: str
-    lora_int_id: int
-    lora_path: str
 
 
 @dataclass

@@ -9,10 +9,10 @@ from typing import Optional
 
 from fastapi import APIRouter, Depends, Request
 
-from pagedkv.server.openapi import ChatCompletion, Completion, streamed_answer
-from pagedkv.server.protocol import ChatCompletionRequest, CompletionRequest
-from pagedkv.server.serving import ServingContext, make_params, merged, serving, streamed_output_kind, with_tools
-from pagedkv.server.tools import ToolCalling
+from pagedkv.entrypoints.server.openapi import ChatCompletion, Completion, streamed_answer
+from pagedkv.entrypoints.server.protocol import ChatCompletionRequest, CompletionRequest
+from pagedkv.entrypoints.server.serving import ServingContext, make_params, merged, serving, streamed_output_kind, with_tools
+from pagedkv.entrypoints.server.tools import ToolCalling
 
 router = APIRouter()
 

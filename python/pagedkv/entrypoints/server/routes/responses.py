@@ -6,10 +6,10 @@ import dataclasses
 
 from fastapi import APIRouter, Depends, Request
 
-from pagedkv.server.openapi import ResponseBody, streamed_answer
-from pagedkv.server.protocol import ResponsesRequest
-from pagedkv.server.responses_api import ResponseState, usage as responses_usage
-from pagedkv.server.serving import (ServingContext, make_params, next_output, serving, streamed_output_kind,
+from pagedkv.entrypoints.server.openapi import ResponseBody, streamed_answer
+from pagedkv.entrypoints.server.protocol import ResponsesRequest
+from pagedkv.entrypoints.server.responses_api import ResponseState, usage as responses_usage
+from pagedkv.entrypoints.server.serving import (ServingContext, make_params, next_output, serving, streamed_output_kind,
                                      with_tools)
 
 router = APIRouter()

@@ -15,14 +15,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from pagedkv.engine import LLMEngine
+from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.errors import EngineStoppedError, OverloadedError, TensorParallelError
-from pagedkv.lora import LoRARequest
+from pagedkv.params.lora_request import LoRARequest
 from pagedkv.outputs import PoolingRequestOutput, RequestOutput
-from pagedkv.pooling_params import PoolingParams
-from pagedkv.sampling_params import SamplingParams
+from pagedkv.params.pooling import PoolingParams
+from pagedkv.params.sampling import SamplingParams
 
-logger = logging.getLogger("pagedkv.server")
+logger = logging.getLogger("pagedkv.entrypoints.server")
 
 
 @dataclass

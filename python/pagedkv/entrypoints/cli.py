@@ -58,8 +58,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from pagedkv.llm import LLM
-    from pagedkv.sampling_params import SamplingParams
+    from pagedkv.entrypoints.llm import LLM
+    from pagedkv.params.sampling import SamplingParams
 
     llm = LLM(**dataclasses.asdict(engine_config(args)))
     params = SamplingParams(
@@ -85,7 +85,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _structured_outputs(args: argparse.Namespace):
-    from pagedkv.structured_output import StructuredOutputsParams
+    from pagedkv.params.structured_output import StructuredOutputsParams
 
     if args.json_schema is None and args.regex is None:
         return None
@@ -121,7 +121,7 @@ def _print_summary(engine, outputs, elapsed: float) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from pagedkv.server.app import DEFAULT_MAX_REQUEST_BODY_BYTES, serve
+    from pagedkv.entrypoints.server.app import DEFAULT_MAX_REQUEST_BODY_BYTES, serve
 
     chat_template = args.chat_template
     if chat_template is not None and os.path.isfile(chat_template):

@@ -24,7 +24,7 @@ import logging
 
 import torch
 
-logger = logging.getLogger("pagedkv.loader")
+logger = logging.getLogger("pagedkv.models.loader")
 
 # AWQ packs output columns 0-7 of each int32 in this order, 4 bits each from the lowest.
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)

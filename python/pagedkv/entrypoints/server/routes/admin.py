@@ -10,14 +10,14 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from pagedkv import __version__
-from pagedkv.lora import LoRARequest
-from pagedkv.server.errors import APIError
-from pagedkv.server.openapi import ModelList, StatusResponse, VersionResponse, answer
-from pagedkv.server.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
-from pagedkv.server.responses import ResponseBuilder
-from pagedkv.server.serving import ServingContext, serving
+from pagedkv.params.lora_request import LoRARequest
+from pagedkv.entrypoints.server.errors import APIError
+from pagedkv.entrypoints.server.openapi import ModelList, StatusResponse, VersionResponse, answer
+from pagedkv.entrypoints.server.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+from pagedkv.entrypoints.server.responses import ResponseBuilder
+from pagedkv.entrypoints.server.serving import ServingContext, serving
 
-logger = logging.getLogger("pagedkv.server")
+logger = logging.getLogger("pagedkv.entrypoints.server")
 
 router = APIRouter()
 lora_router = APIRouter()

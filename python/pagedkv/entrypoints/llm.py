@@ -8,11 +8,11 @@ from typing import Optional, Sequence, Union
 
 from tqdm.auto import tqdm
 
-from pagedkv.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from pagedkv.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedkv.config import engine_config
-from pagedkv.engine import LLMEngine, prompt_of
+from pagedkv.engine.llm_engine import LLMEngine, prompt_of
 from pagedkv.errors import OverloadedError
-from pagedkv.lora import LoRARequest
+from pagedkv.params.lora_request import LoRARequest
 from pagedkv.outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
@@ -20,9 +20,9 @@ from pagedkv.outputs import (
     ScoringOutput,
     ScoringRequestOutput,
 )
-from pagedkv.pooling_params import PoolingParams
-from pagedkv.scoring import score_pairs, scores_of, scoring_requests
-from pagedkv.sampling_params import SamplingParams
+from pagedkv.params.pooling import PoolingParams
+from pagedkv.entrypoints.scoring import score_pairs, scores_of, scoring_requests
+from pagedkv.params.sampling import SamplingParams
 
 Prompt = Union[str, list[int]]
 

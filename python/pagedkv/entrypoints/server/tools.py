@@ -25,7 +25,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from pagedkv.structured_output import StructuredOutputsParams
+from pagedkv.params.structured_output import StructuredOutputsParams
 
 PARSERS = ("hermes", "llama3_json", "mistral", "openai")
 _HERMES_TAG = "<tool_call>"

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
-from pagedkv.structured_output import StructuredOutputsParams
+from pagedkv.params.structured_output import StructuredOutputsParams
 
 # Bounds on the lists a client sends, checked here and declared in the server's request models.
 MAX_STOP_STRINGS = 64  # stop strings, and stop token ids

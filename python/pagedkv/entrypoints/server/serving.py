@@ -18,19 +18,19 @@ from typing import AsyncIterator, Callable, Optional, TypeVar, Union
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from pagedkv.async_llm import AsyncLLM, RequestStream
-from pagedkv.engine import LLMEngine
+from pagedkv.entrypoints.async_llm import AsyncLLM, RequestStream
+from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.errors import EngineStoppedError, OverloadedError
-from pagedkv.lora import LoRARequest
+from pagedkv.params.lora_request import LoRARequest
 from pagedkv.outputs import PoolingRequestOutput, RequestOutput
-from pagedkv.server.errors import APIError, submit_error
-from pagedkv.server.metrics import ServerMetrics
-from pagedkv.server.reasoning import ReasoningParser
-from pagedkv.server.responses import ResponseBuilder
-from pagedkv.server.tools import PARSERS as TOOL_CALL_PARSERS
-from pagedkv.server.tools import ToolCalling
+from pagedkv.entrypoints.server.errors import APIError, submit_error
+from pagedkv.entrypoints.server.metrics import ServerMetrics
+from pagedkv.entrypoints.server.reasoning import ReasoningParser
+from pagedkv.entrypoints.server.responses import ResponseBuilder
+from pagedkv.entrypoints.server.tools import PARSERS as TOOL_CALL_PARSERS
+from pagedkv.entrypoints.server.tools import ToolCalling
 
-logger = logging.getLogger("pagedkv.server")
+logger = logging.getLogger("pagedkv.entrypoints.server")
 
 Params = TypeVar("Params")
 

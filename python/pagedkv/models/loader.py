@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from pagedkv import quantized_checkpoints
+from pagedkv.models import quantized_checkpoints
 from pagedkv.layers.classifier import SequenceClassifier
 from pagedkv.models import registry
 from pagedkv.models.registry import Traits
@@ -27,7 +27,7 @@ from pagedkv.parallel.sharding import CheckpointShard
 if TYPE_CHECKING:
     from pagedkv.models.llama import LlamaForCausalLM
 
-logger = logging.getLogger("pagedkv.loader")
+logger = logging.getLogger("pagedkv.models.loader")
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # The non-language parts of image-text checkpoints, as the first or second component of a weight's name

@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
-from pagedkv.detokenizer import DetokenizerState, detokenize_final, detokenize_incrementally
+from pagedkv.engine.detokenizer import DetokenizerState, detokenize_final, detokenize_incrementally
 from pagedkv.outputs import (
     ClassificationOutput,
     ClassificationRequestOutput,
@@ -16,8 +16,8 @@ from pagedkv.outputs import (
     RequestMetrics,
     RequestOutput,
 )
-from pagedkv.pooling_params import PoolingParams
-from pagedkv.sampling_params import SamplingParams
+from pagedkv.params.pooling import PoolingParams
+from pagedkv.params.sampling import SamplingParams
 
 
 @dataclass

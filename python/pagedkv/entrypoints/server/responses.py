@@ -11,8 +11,8 @@ import uuid
 from typing import AsyncIterator, Optional
 
 from pagedkv.outputs import ClassificationRequestOutput, CompletionOutput, EmbeddingRequestOutput, RequestOutput
-from pagedkv.server.reasoning import ReasoningParser
-from pagedkv.server.tools import ToolCalling
+from pagedkv.entrypoints.server.reasoning import ReasoningParser
+from pagedkv.entrypoints.server.tools import ToolCalling
 
 
 def sse(payload: dict) -> str:

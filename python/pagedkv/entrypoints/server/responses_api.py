@@ -13,8 +13,8 @@ import time
 import uuid
 from typing import Optional
 
-from pagedkv.server.reasoning import ReasoningParser
-from pagedkv.server.tools import ToolCalling
+from pagedkv.entrypoints.server.reasoning import ReasoningParser
+from pagedkv.entrypoints.server.tools import ToolCalling
 
 
 def _id(prefix: str) -> str:
