@@ -1,4 +1,4 @@
-"""The package's layering (docs/architecture.md, "Python engine": the table of parts): each
+"""The package's layering (docs/architecture.md, "Python: python/pagedkv/, bottom to top"): each
 part imports only the parts below it. Imports under `if TYPE_CHECKING:` are annotations only
 and do not count."""
 
