@@ -5,7 +5,6 @@ Nothing is fetched."""
 
 from __future__ import annotations
 
-import functools
 import glob
 import importlib.util
 import logging
@@ -17,7 +16,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from pagedkv.models import quantized_checkpoints
+from pagedkv.models import gguf_cache, quantized_checkpoints
 from pagedkv.layers.classifier import SequenceClassifier
 from pagedkv.models import registry
 from pagedkv.models.registry import Traits
@@ -77,6 +76,17 @@ def _split_gguf(model: str | None, gguf_file: str | None) -> tuple[str, str | No
     return model, gguf_file
 
 
+def _readable(model: str | None, gguf_file: str | None) -> tuple[str, str | None]:
+    """(directory, GGUF file or None) to read the checkpoint from: a GGUF file's converted
+    entry in the cache where it has one (models/gguf_cache.py), else as given."""
+    directory, gguf = _split_gguf(model, gguf_file)
+    if gguf is not None and os.path.isdir(directory):
+        entry = gguf_cache.converted(os.path.join(directory, gguf))
+        if entry is not None:
+            return entry, None
+    return directory, gguf
+
+
 class ModelSpec(NamedTuple):
     hf_config: object  # of the language model, for an image-text checkpoint
     model_class: type
@@ -89,7 +99,7 @@ def model_spec(model: str | None, gguf_file: str | None) -> ModelSpec:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoConfig
 
-    directory, gguf = _split_gguf(model, gguf_file)
+    directory, gguf = _readable(model, gguf_file)
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"model directory {directory!r} does not exist (no hub downloads)")
     hf_config = AutoConfig.from_pretrained(directory, gguf_file=gguf)
@@ -111,7 +121,8 @@ def load(model: str | None, gguf_file: str | None, tokenizer: str | None, dtype,
     weights instead of the checkpoint's (load_format="dummy"), from its config alone."""
     from transformers import AutoTokenizer
 
-    directory, gguf = _split_gguf(model, gguf_file)
+    given_directory, given_gguf = _split_gguf(model, gguf_file)
+    directory, gguf = _readable(model, gguf_file)
     hf_config, model_class, traits, multimodal = model_spec(model, gguf_file)
     if multimodal:
         logger.info("%s is an image-text model: serving its language model on text prompts", hf_config.model_type)
@@ -176,7 +187,7 @@ def load(model: str | None, gguf_file: str | None, tokenizer: str | None, dtype,
         raise
     generation_config = load_generation_config(directory, gguf)
     eos = _eos_token_ids(hf_config, generation_config, tok)
-    name = os.path.basename(os.path.join(directory, gguf or "").rstrip("/")) or directory
+    name = os.path.basename(os.path.join(given_directory, given_gguf or "").rstrip("/")) or given_directory
     return LoadedModel(net, tok, hf_config, eos, name, generation_config)
 
 
@@ -266,10 +277,8 @@ def safetensors_layers(directory: str, shard: CheckpointShard | None = None) -> 
         yield group
 
 
-@functools.lru_cache(maxsize=1)
 def _dequantized_gguf(path: str) -> dict[str, torch.Tensor]:
-    """float32 HF-named weights of a GGUF file; kept for the process (engines built again in
-    tests and benchmarks skip the seconds of dequantization)."""
+    """float32 HF-named weights of a GGUF file the cache does not hold."""
     from transformers import AutoModelForCausalLM
 
     logger.info("dequantizing %s", path)
