@@ -34,6 +34,15 @@ def smollm2_hf_model(smollm2):
 
 
 @pytest.fixture(scope="session")
+def smollm2_hf_tokenizer(smollm2):
+    """HF transformers' own reading of SmolLM2's tokenizer from the GGUF file."""
+    from transformers import AutoTokenizer
+
+    directory, name = smollm2
+    return AutoTokenizer.from_pretrained(directory, gguf_file=name)
+
+
+@pytest.fixture(scope="session")
 def smollm2_runner(smollm2):
     """Our ModelRunner on SmolLM2 in float32 with a small cache (64 blocks of 16 tokens)."""
     from pagedkv.config import EngineConfig

@@ -18,11 +18,8 @@ def smollm2_dir() -> str:
 
 
 @pytest.fixture(scope="module")
-def hf_model():
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(smollm2_dir(), gguf_file=GGUF_NAME, dtype=torch.float32)
-    return model.eval()
+def hf_model(smollm2_hf_model):
+    return smollm2_hf_model
 
 
 @pytest.fixture(scope="module")

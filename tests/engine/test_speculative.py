@@ -25,13 +25,8 @@ def prompts():
 
 
 @pytest.fixture(scope="module")
-def references(prompts, smollm2_hf_model):
-    from transformers import AutoTokenizer
-
-    from pagedkv.models.loader import default_model_path
-
-    directory, name = default_model_path()
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+def references(prompts, smollm2_hf_model, smollm2_hf_tokenizer):
+    tokenizer = smollm2_hf_tokenizer
     expected = []
     for prompt in prompts:
         ids = tokenizer.encode(prompt)

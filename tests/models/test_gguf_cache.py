@@ -88,7 +88,7 @@ def test_loads_at_once_convert_once(cache):
     assert len(set(results)) == 1 and len(calls) == 1
 
 
-def test_the_embedded_models_entry_holds_what_transformers_reads(smollm2, smollm2_hf_model):
+def test_the_embedded_models_entry_holds_what_transformers_reads(smollm2, smollm2_hf_model, smollm2_hf_tokenizer):
     """Whatever process made the entry, it equals transformers' own reading of the GGUF now:
     every weight (the tied LM head once), the config and the tokenizer."""
     from safetensors.torch import load_file
@@ -109,7 +109,7 @@ def test_the_embedded_models_entry_holds_what_transformers_reads(smollm2, smollm
     config = {k: v for k, v in AutoConfig.from_pretrained(entry).to_dict().items() if k not in ignored}
     assert config == {k: v for k, v in smollm2_hf_model.config.to_dict().items() if k not in ignored}
 
-    ours, theirs = AutoTokenizer.from_pretrained(entry), AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    ours, theirs = AutoTokenizer.from_pretrained(entry), smollm2_hf_tokenizer
     texts = ["The capital of France is", "def fibonacci(n):\n    return n", "naïve café, 東京 🙂 <|im_end|>"]
     assert [ours.encode(text) for text in texts] == [theirs.encode(text) for text in texts]
     chat = [{"role": "user", "content": "Hi there"}]

@@ -14,11 +14,8 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def tokenizer(smollm2):
-    from transformers import AutoTokenizer
-
-    directory, name = smollm2
-    return AutoTokenizer.from_pretrained(directory, gguf_file=name)
+def tokenizer(smollm2_hf_tokenizer):
+    return smollm2_hf_tokenizer
 
 
 @pytest.mark.parametrize("text", TEXTS)
