@@ -29,6 +29,8 @@ def client(server):
 def test_models_health_and_metrics(server, client):
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     assert [model.id for model in client.models.list().data] == [server.engine.model_name]
+    card = httpx.get(server.url + "/v1/models").json()["data"][0]
+    assert card["root"] == (server.engine.config.model or server.engine.model_name) and card["parent"] is None
     text = httpx.get(server.url + "/metrics").text
     for name in ("pagedkv_kv_blocks_used_device", "pagedkv_kv_usage_percent_cpu", "pagedkv_requests_waiting",
                  "pagedkv_preemptions_total", "pagedkv_prefix_cache_hit_rate", "pagedkv_time_to_first_token_seconds",

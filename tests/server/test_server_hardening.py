@@ -108,6 +108,11 @@ BAD_REQUESTS = [
                              '{"schema": {"properties": {"a": {"$ref": "file:///etc/passwd"}}}}}}', "structured_outputs"),
     ("/v1/completions", '{"prompt": "w5", "guided_grammar": "root ::= ("}', "structured_outputs"),
     ("/v1/completions", '{"prompt": "w5", "guided_json": "{not json"}', "structured_outputs"),
+    # A priority beyond the scheduler's 64 bits; stream_options without a stream (vLLM refuses both).
+    ("/v1/completions", f'{{"prompt": "w5", "priority": {2**63}}}', "priority"),
+    ("/v1/embeddings", f'{{"input": "w5", "priority": {-2**63 - 1}}}', "priority"),
+    ("/v1/completions", '{"prompt": "w5", "stream_options": {"include_usage": true}}', "stream_options"),
+    ("/v1/chat/completions", f'{{"messages": {MESSAGES}, "stream": false, "stream_options": {{}}}}', "stream_options"),
 ]
 
 
@@ -119,6 +124,17 @@ def test_a_malformed_request_is_a_400_naming_its_field(server, route, body, para
     error = response.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error", error
     assert error["message"]
+
+
+def test_a_cross_site_page_cannot_reset_the_prefix_cache(server):
+    """A browser sends a page's body-less POST elsewhere without a preflight (CSRF); it names the
+    page's origin, which curl and SDKs never send."""
+    url = server.url + "/reset_prefix_cache"
+    for headers in ({"origin": "http://elsewhere.example"}, {"sec-fetch-site": "cross-site"}):
+        response = httpx.post(url, headers=headers, timeout=30)
+        assert response.status_code == 403 and response.json()["error"]["type"] == "permission_error", response.text
+    assert httpx.post(url, timeout=30).status_code == 200
+    assert httpx.post(url, headers={"origin": server.url}, timeout=30).status_code == 200
 
 
 def test_the_server_serves_after_every_malformed_request(server):

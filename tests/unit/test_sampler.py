@@ -58,6 +58,16 @@ def test_sampling_follows_the_softmax_distribution():
     assert set(counts) <= {0, 1, 2}
 
 
+@pytest.mark.parametrize("temperature", [1e-45, 1e-6, 9.9e-6])
+def test_a_temperature_below_1e_5_is_greedy(temperature):
+    """vLLM's rule: dividing by such a temperature overflows the logits to infinities, and a draw
+    over them would be uniform among the best tokens (or NaN)."""
+    logits = random_logits(6)
+    results = Sampler()(logits, [row(i, seed=i, temperature=temperature) for i in range(6)])
+    assert [r.token_id for r in results] == logits.argmax(-1).tolist()
+    assert SamplingParams(temperature=1e-5).temperature == 1e-5  # (from 1e-5 on, sampled as asked)
+
+
 def test_top_k_1_and_tiny_top_p_are_greedy():
     logits = random_logits(6)
     greedy = logits.argmax(-1).tolist()

@@ -11,6 +11,9 @@ from pagedkv.params.structured_output import StructuredOutputsParams
 # Bounds on the lists a client sends, checked here and declared in the server's request models.
 MAX_STOP_STRINGS = 64  # stop strings, and stop token ids
 MAX_LOGIT_BIAS_ENTRIES = 1024
+# Temperatures below this sample greedily (vLLM's _SAMPLING_EPS): dividing logits by them
+# overflows to infinities, which would make the draw uniform over the tied tokens.
+GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
 @dataclass
@@ -72,6 +75,8 @@ class SamplingParams:
         if self.beam_width is None:
             self.beam_width = self.n
         self._validate()
+        if self.temperature < GREEDY_BELOW_TEMPERATURE:
+            self.temperature = 0.0
 
     def _validate(self) -> None:
         def fail(name: str, value: object, rule: str) -> None:

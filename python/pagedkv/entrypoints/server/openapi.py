@@ -281,7 +281,8 @@ class RerankList(BaseModel):
 
 # -- the rest ----------------------------------------------------------------------------------
 class ModelCard(BaseModel):
-    """A served model: the base model, or a LoRA adapter (with `root` and `parent`)."""
+    """A served model: the base model (`root` its checkpoint), or a LoRA adapter (`root` its
+    directory, `parent` the base model)."""
 
     id: str
     object: Literal["model"]

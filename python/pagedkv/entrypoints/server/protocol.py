@@ -192,6 +192,10 @@ class StreamOptions(_Part):
     include_usage: bool = False
 
 
+# The scheduler orders requests by a signed 64-bit priority (smaller first).
+Priority = Annotated[int, Field(ge=-(2**63), lt=2**63)]
+
+
 # -- completions and chat ----------------------------------------------------------------------
 class _Sampling(_Request):
     model: Optional[str] = None
@@ -224,7 +228,7 @@ class _Sampling(_Request):
     allowed_token_ids: Optional[list[int]] = None
     bad_words: Optional[list[str]] = None
     truncate_prompt_tokens: Optional[int] = None
-    priority: int = 0  # with --scheduling-policy priority: smaller is served first
+    priority: Priority = 0  # with --scheduling-policy priority: smaller is served first
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_* fields.
     response_format: Optional[ResponseFormat] = None
     structured_outputs: Optional[StructuredOutputsBody] = None
@@ -232,6 +236,12 @@ class _Sampling(_Request):
     guided_regex: Optional[str] = None
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise RequestFieldError("stream_options", "stream_options can only be given with stream=true")
+        return self
 
     def sampling_params(self, logprobs: Optional[int], default_max_tokens: int,
                         defaults: Optional[dict] = None) -> SamplingParams:
@@ -350,7 +360,7 @@ class EmbeddingRequest(_Request):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Optional[int] = None
     user: Optional[str] = None
-    priority: int = 0
+    priority: Priority = 0
 
     def inputs(self) -> list[Union[str, list[int]]]:
         return _prompt_list(self.input, "input")
@@ -363,7 +373,7 @@ class ClassificationRequest(_Request):
     input: Union[str, list[str], list[int], list[list[int]]]
     use_activation: bool = True  # False: the raw scores (a reward model's reward)
     user: Optional[str] = None
-    priority: int = 0
+    priority: Priority = 0
 
     def inputs(self) -> list[Union[str, list[int]]]:
         return _prompt_list(self.input, "input")
@@ -375,7 +385,7 @@ class ScoreRequest(_Request):
     model: Optional[str] = None
     text_1: Union[str, list[str]]
     text_2: Union[str, list[str]]
-    priority: int = 0
+    priority: Priority = 0
 
 
 class RerankRequest(_Request):
@@ -385,7 +395,7 @@ class RerankRequest(_Request):
     query: str
     documents: list[str]
     top_n: Optional[int] = Field(default=None, ge=0)  # None or 0: all of them
-    priority: int = 0
+    priority: Priority = 0
 
 
 # -- tokenizer and adapters --------------------------------------------------------------------

@@ -45,6 +45,8 @@ class ServingContext:
         if tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {tool_call_parser!r}")
         self.model_name = served_model_name or engine.model_name
+        # (vLLM's card `root`: the checkpoint the model was loaded from; the embedded model's file name)
+        self.model_root = engine.config.model or engine.model_name
         self.adapters = {name: LoRARequest(name, index + 1, path)
                          for index, (name, path) in enumerate((lora_modules or {}).items())}
         if self.model_name in self.adapters:

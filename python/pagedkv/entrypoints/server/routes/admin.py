@@ -5,8 +5,9 @@
 from __future__ import annotations
 
 import logging
+from urllib.parse import urlsplit
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from pagedkv import __version__
@@ -19,8 +20,22 @@ from pagedkv.entrypoints.server.serving import ServingContext, serving
 
 logger = logging.getLogger("pagedkv.entrypoints.server")
 
+
+
+def same_site_only(request: Request) -> None:
+    """The routes that change the server's state answer 403 to a browser's cross-site request: a
+    page elsewhere can send a body-less POST without a CORS preflight (CSRF). Browsers name the
+    page's origin (`Origin`, `Sec-Fetch-Site`); clients that are not browsers (curl, SDKs) send
+    neither and are served as before."""
+    origin = request.headers.get("origin")
+    cross_origin = origin is not None and urlsplit(origin).netloc != request.headers.get("host")
+    if cross_origin or request.headers.get("sec-fetch-site") == "cross-site":
+        raise APIError(403, f"{request.url.path} does not answer cross-site requests (origin {origin!r})",
+                       "permission_error", None)
+
+
 router = APIRouter()
-lora_router = APIRouter()
+lora_router = APIRouter(dependencies=[Depends(same_site_only)])
 
 
 @router.get("/health", responses={**answer(StatusResponse),
@@ -34,7 +49,7 @@ async def health(context: ServingContext = Depends(serving)):
 @router.get("/v1/models", responses=answer(ModelList))
 async def models(context: ServingContext = Depends(serving)):
     card = {"id": context.model_name, "object": "model", "created": 0, "owned_by": "pagedkv",
-            "max_model_len": context.max_model_len}
+            "root": context.model_root, "parent": None, "max_model_len": context.max_model_len}
     lora_cards = [{"id": name, "object": "model", "created": 0, "owned_by": "pagedkv", "root": adapter.lora_path,
                    "parent": context.model_name, "max_model_len": context.max_model_len}
                   for name, adapter in context.adapters.items()]
@@ -46,7 +61,7 @@ async def metrics(context: ServingContext = Depends(serving)):
     return Response(context.metrics.render(), media_type="text/plain; version=0.0.4")
 
 
-@router.post("/reset_prefix_cache", responses=answer(StatusResponse))
+@router.post("/reset_prefix_cache", responses=answer(StatusResponse), dependencies=[Depends(same_site_only)])
 async def reset_prefix_cache(context: ServingContext = Depends(serving)):
     """vLLM's: forgets every cached prefix (after a weight update); 409 while requests run."""
     if not await context.client.reset_prefix_cache():
