@@ -233,7 +233,12 @@ def test_chat_streams_logprobs(client, server):
             streamed += chunk.choices[0].logprobs.content
     assert [entry.token for entry in streamed] == [entry.token for entry in full] and full
     assert [entry.logprob for entry in streamed] == pytest.approx([entry.logprob for entry in full], abs=1e-4)
-    assert all(len(entry.top_logprobs) <= 2 for entry in streamed)
+    assert [[top.token for top in entry.top_logprobs] for entry in streamed] == \
+        [[top.token for top in entry.top_logprobs] for entry in full]
+    for entry in full:  # greedy: the sampled token and the next most likely, most likely first
+        assert [top.token for top in entry.top_logprobs][:1] == [entry.token] and len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert bytes(entry.bytes).decode("utf-8", "replace") == entry.token
 
 
 def test_structured_outputs_through_response_format_and_guided_fields(client, server):

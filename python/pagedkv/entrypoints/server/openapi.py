@@ -78,12 +78,14 @@ class Completion(BaseModel):
 
 class TopLogprob(BaseModel):
     token: str
-    logprob: float
+    logprob: float  # (-9999.0 stands for minus infinity, as in vLLM: JSON has no infinities)
+    bytes: Optional[list[int]] = None
 
 
 class TokenLogprob(BaseModel):
     token: str
     logprob: Optional[float]
+    bytes: Optional[list[int]] = None
     top_logprobs: list[TopLogprob]
 
 

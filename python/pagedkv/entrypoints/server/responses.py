@@ -32,9 +32,10 @@ class ResponseBuilder:
     async def stream_chunks(
         self, request_id: str, outputs: AsyncIterator[tuple[int, RequestOutput]], num_prompts: int, created: int,
         chat: bool, include_usage: bool, n: int, echo: bool, tools: Optional[ToolCalling] = None,
+        top_logprobs: int = 0,
     ) -> AsyncIterator[str]:
         """SSE chunks of (prompt index, output) pairs as they arrive (each output what is new:
-        output_kind "delta"), then usage and [DONE]."""
+        output_kind "delta"), then usage and [DONE]. `top_logprobs`: chat's, per token."""
         num_choices = n * num_prompts
         choices_so_far: dict[int, _ChoiceSoFar] = {}
         prompt_tokens: dict[int, int] = {}  # per prompt, of the finished ones
@@ -52,7 +53,7 @@ class ResponseBuilder:
                 if so_far is None:
                     so_far = choices_so_far[index] = _ChoiceSoFar(len(self.prompt_text(output)) if echo else 0)
                 so_far.receive(completion, keep_text=chat and (self.reasoning is not None or tools is not None))
-                choice = (self._chat_chunk(index, completion, so_far, tools) if chat
+                choice = (self._chat_chunk(index, completion, so_far, tools, top_logprobs) if chat
                           else self._completion_chunk(index, output, completion, so_far, echo))
                 if choice is not None:
                     choices.append(choice)
@@ -91,7 +92,8 @@ class ResponseBuilder:
             so_far.text_offset = offset + sum(len(token) for token in new_tokens)
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": completion.finish_reason}
 
-    def _chat_chunk(self, index: int, completion, so_far: _ChoiceSoFar, tools: Optional[ToolCalling]) -> Optional[dict]:
+    def _chat_chunk(self, index: int, completion, so_far: _ChoiceSoFar, tools: Optional[ToolCalling],
+                    top_logprobs: int) -> Optional[dict]:
         """A chat choice's next chunk, or None when nothing new can go out yet: new reasoning,
         new content (with tools: up to a possible call; calls go out whole at the end) and the
         logprobs of the tokens received since the last chunk. Without a reasoning parser or tools,
@@ -122,7 +124,7 @@ class ResponseBuilder:
         if not delta and not finished:
             return None
         pending = so_far.take_pending(completion)
-        logprobs = None if tools is not None else self.chat_logprobs(pending)
+        logprobs = None if tools is not None else self.chat_logprobs(pending, top_logprobs=top_logprobs)
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
 
     def split_reasoning(self, text: str, finished: bool = True) -> tuple[str, str]:
@@ -174,7 +176,7 @@ class ResponseBuilder:
                 "usage": pooling_usage(num_tokens)}
 
     def full_response(self, request_id: str, outputs: list, created: int, chat: bool, n: int, echo: bool,
-                      tools: Optional[ToolCalling] = None) -> dict:
+                      tools: Optional[ToolCalling] = None, top_logprobs: int = 0) -> dict:
         choices = []
         for prompt_index, output in enumerate(outputs):
             prefix = self.prompt_text(output) if echo else ""
@@ -191,7 +193,7 @@ class ResponseBuilder:
                     if calls:
                         message["tool_calls"] = calls
                     choice = {"index": index, "message": message, "finish_reason": reason,
-                              "logprobs": self.chat_logprobs(completion)}
+                              "logprobs": self.chat_logprobs(completion, top_logprobs=top_logprobs)}
                 else:
                     choice = {"index": index, "text": prefix + completion.text, "finish_reason": completion.finish_reason,
                               "logprobs": self.completion_logprobs(output, completion, 0, echo, echo)}
@@ -226,17 +228,24 @@ class ResponseBuilder:
         add(completion.token_ids[first_token:], completion.logprobs[first_token:], text_offset)
         return parts
 
-    def chat_logprobs(self, completion, first_token: int = 0):
+    def chat_logprobs(self, completion, first_token: int = 0, top_logprobs: int = 0):
+        """Chat logprobs of tokens first_token.. of a completion: each token's, and `top_logprobs`
+        candidates: the sampled token, then the most likely others (vLLM's order; for a greedy
+        token the k most likely)."""
         if completion.logprobs is None:
             return None
         decode = self.tokenizer.decode
+
+        def described(token_id: int, logprob: float) -> dict:
+            text = decode([token_id])
+            return {"token": text, "logprob": max(logprob, -9999.0), "bytes": list(text.encode("utf-8", "replace"))}
+
         content = []
         for entry, token in zip(completion.logprobs[first_token:], completion.token_ids[first_token:]):
-            content.append({
-                "token": decode([token]),
-                "logprob": entry.get(token),
-                "top_logprobs": [{"token": decode([t]), "logprob": lp} for t, lp in entry.items() if t != token],
-            })
+            others = sorted((item for item in entry.items() if item[0] != token), key=lambda item: -item[1])
+            candidates = ([(token, entry[token])] if token in entry else []) + others
+            content.append({**described(token, entry.get(token, -9999.0)),
+                            "top_logprobs": [described(*candidate) for candidate in candidates[:top_logprobs]]})
         return {"content": content}
 
     def usage(self, outputs: list) -> dict:

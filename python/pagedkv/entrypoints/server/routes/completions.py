@@ -55,7 +55,8 @@ async def run(context: ServingContext, request: Request, prompts: list, params, 
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         chunks = builder.stream_chunks(request_id, merged(streams), len(streams), created, chat, include_usage,
-                                       params.n, echo, tools)
+                                       params.n, echo, tools, top_logprobs=params.logprobs or 0)
         return context.event_stream(streams, chunks)
     finals = await context.final_outputs(request, streams)
-    return builder.full_response(request_id, finals, created, chat, params.n, echo, tools)
+    return builder.full_response(request_id, finals, created, chat, params.n, echo, tools,
+                                 top_logprobs=params.logprobs or 0)
