@@ -344,6 +344,32 @@ def test_streamed_auto_tool_calls_hold_back_the_tagged_text():
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
+@pytest.mark.parametrize("chat", [True, False])
+def test_a_finished_sample_ends_once_while_the_others_stream(chat):
+    """n = 2: sample 0 ends at the first step and stays in its request's later (delta) outputs,
+    with nothing new; its finish_reason goes out once."""
+    from pagedkv.outputs import CompletionOutput, RequestOutput
+    from pagedkv.entrypoints.server.responses import ResponseBuilder
+
+    async def outputs():
+        for step in range(3):
+            first = CompletionOutput(index=0, text="a" if step == 0 else "", token_ids=[1] if step == 0 else [],
+                                     finish_reason="length")
+            second = CompletionOutput(index=1, text="b", token_ids=[2], finish_reason="stop" if step == 2 else None)
+            yield 0, RequestOutput("r", "p", [1, 2], [first, second], finished=step == 2)
+
+    async def collect():
+        builder = ResponseBuilder(tokenizer=None, model_name="m")
+        return [json.loads(chunk[6:]) async for chunk in builder.stream_chunks(
+            "r", outputs(), 1, 0, chat=chat, include_usage=False, n=2, echo=False) if chunk.startswith("data: {")]
+
+    choices = [choice for chunk in asyncio.run(collect()) for choice in chunk["choices"]]
+    ends = [(choice["index"], choice["finish_reason"]) for choice in choices if choice["finish_reason"]]
+    assert ends == [(0, "length"), (1, "stop")]
+    text = "content" if chat else "text"
+    assert "".join(c.get("delta", c).get(text) or "" for c in choices if c["index"] == 1) == "bbb"
+
+
 @pytest.mark.parametrize(
     "body, param",
     [

@@ -52,11 +52,14 @@ class ResponseBuilder:
                 so_far = choices_so_far.get(index)
                 if so_far is None:
                     so_far = choices_so_far[index] = _ChoiceSoFar(len(self.prompt_text(output)) if echo else 0)
+                elif so_far.finished:  # (with n > 1 a finished sample stays in its request's outputs)
+                    continue
                 so_far.receive(completion, keep_text=chat and (self.reasoning is not None or tools is not None))
                 choice = (self._chat_chunk(index, completion, so_far, tools, top_logprobs) if chat
                           else self._completion_chunk(index, output, completion, so_far, echo))
                 if choice is not None:
                     choices.append(choice)
+                    so_far.finished = choice["finish_reason"] is not None
             if choices:
                 yield sse({"id": request_id, "object": kind, "created": created, "model": self.model_name, "choices": choices})
             if output.finished:
@@ -281,6 +284,7 @@ class _ChoiceSoFar:
     def __init__(self, text_offset: int):
         self.text_offset = text_offset
         self.started = False
+        self.finished = False  # (its finish_reason went out)
         self.num_tokens = 0
         self.reasoning_sent = self.content_sent = 0
         self.text = ""  # (kept only where a parser reads it)
