@@ -3,6 +3,7 @@ reproduction an outside tester found, on a live loopback server."""
 
 import json
 import re
+import socket
 import threading
 import time
 
@@ -13,12 +14,13 @@ from pagedkv.runner.host_memory import return_freed_memory
 from support.live_server import LiveServer
 
 BODY_LIMIT = 8 << 20
+BODY_PAUSE = 1.0
 
 
 @pytest.fixture(scope="module")
 def server():
     live = LiveServer(num_device_blocks=64, max_model_len=256, max_num_seqs=4,
-                      app_options={"max_request_body_bytes": BODY_LIMIT})
+                      app_options={"max_request_body_bytes": BODY_LIMIT, "request_body_pause_seconds": BODY_PAUSE})
     yield live
     live.stop()
 
@@ -78,6 +80,76 @@ def test_an_oversize_body_gets_413_without_being_held(server):
     return_freed_memory()  # (what was freed is not held: glibc may keep it for reuse, and RSS with it)
     assert rss_bytes() - before < 2 * BODY_LIMIT  # (each body was 6x the bound)
     assert_idle_and_serving(server)
+
+
+def raw_request(server, head: bytes, body: bytes, wait: float) -> tuple[bytes, float]:
+    """Sends a request's head and (part of) its body by hand; (the answer, seconds until it came)."""
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=wait) as connection:
+        connection.sendall(head + b"\r\n\r\n" + body)
+        started, answer = time.monotonic(), b""
+        while b"\r\n\r\n" not in answer:
+            part = connection.recv(65536)
+            if not part:
+                break
+            answer += part
+        return answer, time.monotonic() - started
+
+
+def test_a_body_that_stops_arriving_gets_408_and_others_are_served(server):
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100"
+    held = []
+    thread = threading.Thread(target=lambda: held.append(raw_request(server, head, b'{"prompt": "w', 30)))
+    thread.start()
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200  # (while that body is pending)
+    thread.join()
+    answer, seconds = held[0]
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert BODY_PAUSE <= seconds < BODY_PAUSE + 10
+    assert_idle_and_serving(server)
+
+
+@pytest.fixture(params=["h11", "httptools"])
+def framing_server(request):
+    """The body bounds alone, around an app that answers 200, under each of uvicorn's HTTP parsers
+    (httptools is what `uvicorn[standard]` installs; h11 refuses two framings itself)."""
+    import uvicorn
+    from starlette.responses import PlainTextResponse
+
+    from pagedkv.entrypoints.server.body_limit import BodySizeLimit
+
+    async def app(scope, receive, send):
+        if scope["type"] == "http":
+            await PlainTextResponse("ok")(scope, receive, send)
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    config = uvicorn.Config(BodySizeLimit(app, max_bytes=1 << 20), host="127.0.0.1", port=port, http=request.param,
+                            log_level="warning", lifespan="off")
+    live = uvicorn.Server(config)
+    thread = threading.Thread(target=live.run, daemon=True)
+    thread.start()
+    while not live.started:
+        time.sleep(0.01)
+
+    class Address:
+        url = f"http://127.0.0.1:{port}"
+
+    yield Address
+    live.should_exit = True
+    thread.join()
+
+
+def test_a_request_framed_two_ways_is_refused(framing_server):
+    """Content-Length and Transfer-Encoding together: which one a proxy in front believed is
+    unknowable, so the rest of the connection could be another request (smuggling)."""
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 6\r\nTransfer-Encoding: chunked")
+    answer, _ = raw_request(framing_server, head, b"0\r\n\r\n", 30)
+    assert answer.startswith(b"HTTP/1.1 400"), answer[:200]
+    answer, _ = raw_request(framing_server, head.replace(b"\r\nTransfer-Encoding: chunked", b""), b"{}    ", 30)
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
 
 
 def test_health_answers_while_megabytes_are_tokenized(server):

@@ -23,7 +23,7 @@ from pagedkv import __version__
 from pagedkv.config import EngineConfig
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.errors import InvalidConfigError
-from pagedkv.entrypoints.server.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES, BodySizeLimit
+from pagedkv.entrypoints.server.body_limit import BODY_PAUSE_SECONDS, DEFAULT_MAX_REQUEST_BODY_BYTES, BodySizeLimit
 from pagedkv.entrypoints.server.errors import error_response, install_error_handlers
 from pagedkv.entrypoints.server.openapi import ERROR_RESPONSES, install_openapi
 from pagedkv.entrypoints.server.routes import admin, completions, pooling, responses, tokenization
@@ -39,11 +39,13 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
                api_key: Optional[str] = None, lora_modules: Optional[dict[str, str]] = None,
                allow_runtime_lora_updating: bool = False, reasoning_parser: Optional[str] = None,
                tool_call_parser: str = "hermes",
-               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
+               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+               request_body_pause_seconds: float = BODY_PAUSE_SECONDS) -> FastAPI:
     """The app around an engine; an AsyncLLM steps it for the app's lifetime. `chat_template`
     (Jinja) replaces the tokenizer's own, e.g. for a base model that has none. `api_key`: /v1
     routes (all but /health) answer 401 unless the request carries `Authorization: Bearer <api_key>`; an
-    empty key is an InvalidConfigError. Bodies longer than `max_request_body_bytes` get 413.
+    empty key is an InvalidConfigError. Bodies longer than `max_request_body_bytes` get 413, bodies
+    that pause longer than `request_body_pause_seconds` 408.
     `lora_modules` ({name: PEFT directory}, engine with enable_lora): each adapter is served as a
     model of its own name, loaded now. `allow_runtime_lora_updating` adds vLLM's
     /v1/load_lora_adapter and /v1/unload_lora_adapter (adapters from the server's disk).
@@ -63,7 +65,7 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
     app.state.serving = context
     app.state.engine_failure = None  # (what `serve` exits non-zero for)
     install_openapi(app)
-    app.add_middleware(BodySizeLimit, max_bytes=max_request_body_bytes)
+    app.add_middleware(BodySizeLimit, max_bytes=max_request_body_bytes, pause_seconds=request_body_pause_seconds)
     if api_key is not None:
         require_api_key(app, api_key)
     install_error_handlers(app)

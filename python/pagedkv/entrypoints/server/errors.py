@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from pagedkv.errors import DuplicateRequestError, EngineStoppedError, OverloadedError, PromptTooLongError
-from pagedkv.entrypoints.server.body_limit import BodyTooLargeError
+from pagedkv.entrypoints.server.body_limit import RefusedBodyError
 from pagedkv.entrypoints.server.protocol import RequestFieldError
 
 logger = logging.getLogger("pagedkv.entrypoints.server")
@@ -69,8 +69,8 @@ def install_error_handlers(app: FastAPI) -> None:
     async def api_error(_: Request, error: APIError):
         return error_response(error.status, error.message, error.type, error.param, error.code, error.headers)
 
-    @app.exception_handler(BodyTooLargeError)
-    async def body_too_large(_: Request, error: BodyTooLargeError):
+    @app.exception_handler(RefusedBodyError)
+    async def refused_body(_: Request, error: RefusedBodyError):
         return error.response()
 
     @app.exception_handler(RequestValidationError)
