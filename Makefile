@@ -45,9 +45,12 @@ FAST_TESTS := tests/core tests/unit tests/kernels/test_torch_ref_attention.py te
 test-fast: test-rust
 	$(PYTHON) -m pytest -q --durations=5 $(FAST_TESTS)
 
-# (tests/core runs in test-core-alone, against the core wheel alone)
+# (tests/core runs in test-core-alone, against the core wheel alone.) After the run, each tier's
+# minutes (scripts/test_tiers.py). TIER_MINUTES below: the last full run on the 2-core CI machine.
 test-python:
-	$(PYTHON) -m pytest -q --durations=15 --ignore=tests/core
+	mkdir -p build
+	$(PYTHON) -m pytest -q --durations=15 --ignore=tests/core --junitxml=build/pytest.xml
+	$(PYTHON) scripts/test_tiers.py build/pytest.xml
 
 # The core as another stack installs it: its wheel alone in a fresh venv (numpy, no torch, no
 # pagedkv engine), running the core's tests and the README's scheduler example.
