@@ -10,7 +10,7 @@ import pytest
 from pagedkv.outputs import CompletionOutput, RequestOutput
 from pagedkv.entrypoints.server.openapi import ChatCompletion
 from pagedkv.entrypoints.server.reasoning import ReasoningParser
-from pagedkv.entrypoints.server.responses import ResponseBuilder
+from pagedkv.entrypoints.server.responses import ReplyOptions, ResponseBuilder
 from pagedkv.entrypoints.server.tools import ToolCalling
 
 CASES = {  # reply -> (reasoning, content) per parser
@@ -95,7 +95,7 @@ def streamed_chat_chunks(reply: str, cuts: list[int], reasoning_parser: str, too
         builder = ResponseBuilder(tokenizer=None, model_name="m", reasoning=ReasoningParser(reasoning_parser))
         tools = ToolCalling.from_request([WEATHER], "auto", tool_call_parser)
         return [json.loads(chunk[6:]) async for chunk in builder.stream_chunks(
-            "r", outputs(), 1, 0, chat=True, include_usage=False, n=1, echo=False, tools=tools)
+            "r", outputs(), 1, 0, ReplyOptions(chat=True, tools=tools))
             if chunk.startswith("data: {")]
 
     return asyncio.run(collect())

@@ -241,6 +241,36 @@ def test_chat_streams_logprobs(client, server):
         assert bytes(entry.bytes).decode("utf-8", "replace") == entry.token
 
 
+def test_token_ids_whole_and_streamed_as_vllm_returns_them(client, server):
+    """vLLM's return_token_ids: the prompt's ids and each choice's (end-of-sequence token
+    included), whole and streamed (the prompt's in the first chunk only); null when not asked."""
+    model, tokenizer = server.engine.model_name, server.engine.tokenizer
+    messages = [{"role": "user", "content": "Name a fruit."}]
+    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0,
+                                          extra_body={"return_token_ids": True})
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert tokenizer.decode(chat.prompt_token_ids) == prompt
+    assert tokenizer.decode(chat.choices[0].token_ids, skip_special_tokens=True) == chat.choices[0].message.content
+    chunks = list(client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0,
+                                                 stream=True, extra_body={"return_token_ids": True}))
+    assert chunks[0].prompt_token_ids == chat.prompt_token_ids
+    assert all("prompt_token_ids" not in chunk.model_dump() for chunk in chunks[1:])
+    assert [t for chunk in chunks[1:] for t in chunk.choices[0].token_ids] == chat.choices[0].token_ids
+    plain = client.chat.completions.create(model=model, messages=messages, max_tokens=2)
+    assert plain.prompt_token_ids is None and plain.choices[0].token_ids is None
+
+    args = dict(model=model, prompt="Count: one, two,", max_tokens=6, temperature=0, logprobs=1)
+    whole = client.completions.create(**args, extra_body={"return_token_ids": True, "return_tokens_as_token_ids": True})
+    choice = whole.choices[0]
+    assert choice.prompt_token_ids == tokenizer.encode("Count: one, two,")
+    assert [f"token_id:{t}" for t in choice.token_ids] == choice.logprobs.tokens
+    assert all(key.startswith("token_id:") for top in choice.logprobs.top_logprobs for key in top)
+    streamed = list(client.completions.create(**args, stream=True, extra_body={"return_token_ids": True}))
+    assert streamed[0].choices[0].prompt_token_ids == choice.prompt_token_ids
+    assert [t for chunk in streamed for t in chunk.choices[0].token_ids] == choice.token_ids
+    assert client.completions.create(**args).choices[0].token_ids is None
+
+
 def test_structured_outputs_through_response_format_and_guided_fields(client, server):
     model = server.engine.model_name
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}}, "required": ["city"]}
@@ -316,7 +346,7 @@ def test_hermes_tool_calls_are_parsed_in_auto_mode():
 
 def test_streamed_auto_tool_calls_hold_back_the_tagged_text():
     from pagedkv.outputs import CompletionOutput, RequestOutput
-    from pagedkv.entrypoints.server.responses import ResponseBuilder
+    from pagedkv.entrypoints.server.responses import ReplyOptions, ResponseBuilder
     from pagedkv.entrypoints.server.tools import ToolCalling
 
     steps = ["Let me", "Let me check. <tool", "Let me check. <tool_call>{\"name\": \"get_wea",
@@ -333,7 +363,7 @@ def test_streamed_auto_tool_calls_hold_back_the_tagged_text():
         builder = ResponseBuilder(tokenizer=None, model_name="m")
         tools = ToolCalling.from_request([WEATHER], "auto")
         return [json.loads(chunk[6:]) async for chunk in builder.stream_chunks(
-            "r", outputs(), 1, 0, chat=True, include_usage=False, n=1, echo=False, tools=tools)
+            "r", outputs(), 1, 0, ReplyOptions(chat=True, tools=tools))
             if chunk.startswith("data: {")]
 
     chunks = asyncio.run(collect())[1:]  # (after the role chunk)
@@ -349,7 +379,7 @@ def test_a_finished_sample_ends_once_while_the_others_stream(chat):
     """n = 2: sample 0 ends at the first step and stays in its request's later (delta) outputs,
     with nothing new; its finish_reason goes out once."""
     from pagedkv.outputs import CompletionOutput, RequestOutput
-    from pagedkv.entrypoints.server.responses import ResponseBuilder
+    from pagedkv.entrypoints.server.responses import ReplyOptions, ResponseBuilder
 
     async def outputs():
         for step in range(3):
@@ -361,7 +391,7 @@ def test_a_finished_sample_ends_once_while_the_others_stream(chat):
     async def collect():
         builder = ResponseBuilder(tokenizer=None, model_name="m")
         return [json.loads(chunk[6:]) async for chunk in builder.stream_chunks(
-            "r", outputs(), 1, 0, chat=chat, include_usage=False, n=2, echo=False) if chunk.startswith("data: {")]
+            "r", outputs(), 1, 0, ReplyOptions(chat=chat, n=2)) if chunk.startswith("data: {")]
 
     choices = [choice for chunk in asyncio.run(collect()) for choice in chunk["choices"]]
     ends = [(choice["index"], choice["finish_reason"]) for choice in choices if choice["finish_reason"]]

@@ -63,6 +63,8 @@ class CompletionChoice(BaseModel):
     text: str
     finish_reason: FinishReason
     logprobs: Optional[CompletionLogprobs]
+    prompt_token_ids: Optional[list[int]] = None  # (return_token_ids)
+    token_ids: Optional[list[int]] = None  # (return_token_ids)
 
 
 class Completion(BaseModel):
@@ -119,6 +121,7 @@ class ChatCompletionChoice(BaseModel):
     message: ChatCompletionMessage
     finish_reason: FinishReason
     logprobs: Optional[ChatLogprobs]
+    token_ids: Optional[list[int]] = None  # (return_token_ids)
 
 
 class ChatCompletion(BaseModel):
@@ -128,6 +131,7 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: Usage
+    prompt_token_ids: Optional[list[int]] = None  # (return_token_ids)
 
 
 # -- Responses API -----------------------------------------------------------------------------

@@ -229,6 +229,8 @@ class _Sampling(_Request):
     bad_words: Optional[list[str]] = None
     truncate_prompt_tokens: Optional[int] = None
     priority: Priority = 0  # with --scheduling-policy priority: smaller is served first
+    return_token_ids: Optional[bool] = None  # the prompt's and each choice's token ids in the reply
+    return_tokens_as_token_ids: Optional[bool] = None  # logprobs name tokens "token_id:<id>"
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_* fields.
     response_format: Optional[ResponseFormat] = None
     structured_outputs: Optional[StructuredOutputsBody] = None

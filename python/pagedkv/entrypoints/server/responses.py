@@ -15,6 +15,20 @@ from pagedkv.entrypoints.server.reasoning import ReasoningParser
 from pagedkv.entrypoints.server.tools import ToolCalling
 
 
+@dataclasses.dataclass(frozen=True)
+class ReplyOptions:
+    """What one request asks of its reply's shape."""
+
+    chat: bool
+    n: int = 1  # samples per prompt: choice i * n + j is sample j of prompt i
+    echo: bool = False  # prompts before their choices (completions)
+    include_usage: bool = False  # a streamed usage chunk at the end
+    tools: Optional[ToolCalling] = None
+    top_logprobs: int = 0  # chat: candidates per token
+    token_ids: bool = False  # vLLM's return_token_ids: the prompt's and each choice's token ids
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
+
+
 def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
@@ -29,23 +43,33 @@ class ResponseBuilder:
         self.model_name = model_name
         self.reasoning = reasoning
 
-    async def stream_chunks(
-        self, request_id: str, outputs: AsyncIterator[tuple[int, RequestOutput]], num_prompts: int, created: int,
-        chat: bool, include_usage: bool, n: int, echo: bool, tools: Optional[ToolCalling] = None,
-        top_logprobs: int = 0,
-    ) -> AsyncIterator[str]:
+    async def stream_chunks(self, request_id: str, outputs: AsyncIterator[tuple[int, RequestOutput]], num_prompts: int,
+                            created: int, options: ReplyOptions) -> AsyncIterator[str]:
         """SSE chunks of (prompt index, output) pairs as they arrive (each output what is new:
-        output_kind "delta"), then usage and [DONE]. `top_logprobs`: chat's, per token."""
+        output_kind "delta"), then usage and [DONE]."""
+        chat, n, echo, tools = options.chat, options.n, options.echo, options.tools
         num_choices = n * num_prompts
         choices_so_far: dict[int, _ChoiceSoFar] = {}
         prompt_tokens: dict[int, int] = {}  # per prompt, of the finished ones
         cached_tokens: dict[int, int] = {}
         kind = "chat.completion.chunk" if chat else "text_completion"
-        if chat:
+        role_pending = chat  # (chat's first chunk: the role)
+
+        def role_chunk(prompt_token_ids: Optional[list[int]]) -> str:
             first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None} for i in range(num_choices)]
-            yield sse({"id": request_id, "object": kind, "created": created, "model": self.model_name, "choices": first})
+            chunk = {"id": request_id, "object": kind, "created": created, "model": self.model_name, "choices": first}
+            if prompt_token_ids is not None:  # (vLLM: in the first chunk only)
+                chunk["prompt_token_ids"] = prompt_token_ids
+            return sse(chunk)
+
+        if role_pending and not options.token_ids:
+            yield role_chunk(None)
+            role_pending = False
         async for prompt_index, output in outputs:
+            if role_pending:  # (return_token_ids: the role chunk carries the prompt's ids)
+                yield role_chunk(output.prompt_token_ids)
+                role_pending = False
             choices = []
             for completion in output.outputs:
                 index = prompt_index * n + completion.index
@@ -55,8 +79,8 @@ class ResponseBuilder:
                 elif so_far.finished:  # (with n > 1 a finished sample stays in its request's outputs)
                     continue
                 so_far.receive(completion, keep_text=chat and (self.reasoning is not None or tools is not None))
-                choice = (self._chat_chunk(index, completion, so_far, tools, top_logprobs) if chat
-                          else self._completion_chunk(index, output, completion, so_far, echo))
+                choice = (self._chat_chunk(index, completion, so_far, options) if chat
+                          else self._completion_chunk(index, output, completion, so_far, options))
                 if choice is not None:
                     choices.append(choice)
                     so_far.finished = choice["finish_reason"] is not None
@@ -66,7 +90,7 @@ class ResponseBuilder:
                 prompt_tokens[prompt_index] = len(output.prompt_token_ids)
                 cached_tokens[prompt_index] = num_cached_tokens(output)
                 if len(prompt_tokens) == num_prompts:
-                    if include_usage:
+                    if options.include_usage:
                         num_generated = sum(so_far.num_tokens for so_far in choices_so_far.values())
                         usage = self.usage_of(sum(prompt_tokens.values()), num_generated, sum(cached_tokens.values()))
                         yield sse({"id": request_id, "object": kind, "created": created, "model": self.model_name,
@@ -75,10 +99,11 @@ class ResponseBuilder:
                     return
 
     def _completion_chunk(self, index: int, output: RequestOutput, completion, so_far: _ChoiceSoFar,
-                          echo: bool) -> Optional[dict]:
+                          options: ReplyOptions) -> Optional[dict]:
         """A completion choice's next chunk: its new text (after the prompt, the first, with
         `echo`) and the logprobs of the tokens received since the last chunk; None while there is
         no text to send (a character split across tokens)."""
+        echo = options.echo
         text = completion.text
         first_chunk = not so_far.started
         if echo and first_chunk:
@@ -88,19 +113,25 @@ class ResponseBuilder:
         so_far.started = True
         pending = so_far.take_pending(completion)
         offset = so_far.text_offset
-        logprobs = self.completion_logprobs(output, pending, 0, echo, echo and first_chunk, offset)
+        logprobs = self.completion_logprobs(output, pending, 0, echo, echo and first_chunk, offset,
+                                            options.tokens_as_ids)
         if logprobs is not None:
             # (offsets carry over from chunk to chunk: recomputing them would decode every earlier token)
             new_tokens = logprobs["tokens"][len(logprobs["tokens"]) - len(pending.token_ids):]
             so_far.text_offset = offset + sum(len(token) for token in new_tokens)
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": completion.finish_reason}
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": completion.finish_reason}
+        if options.token_ids:
+            choice["token_ids"] = pending.token_ids
+            if first_chunk:
+                choice["prompt_token_ids"] = output.prompt_token_ids
+        return choice
 
-    def _chat_chunk(self, index: int, completion, so_far: _ChoiceSoFar, tools: Optional[ToolCalling],
-                    top_logprobs: int) -> Optional[dict]:
+    def _chat_chunk(self, index: int, completion, so_far: _ChoiceSoFar, options: ReplyOptions) -> Optional[dict]:
         """A chat choice's next chunk, or None when nothing new can go out yet: new reasoning,
         new content (with tools: up to a possible call; calls go out whole at the end) and the
         logprobs of the tokens received since the last chunk. Without a reasoning parser or tools,
         the new text is the new content as it is (nothing reads the whole reply)."""
+        tools = options.tools
         finished = completion.finish_reason is not None
         delta: dict = {}
         reason = completion.finish_reason
@@ -127,8 +158,11 @@ class ResponseBuilder:
         if not delta and not finished:
             return None
         pending = so_far.take_pending(completion)
-        logprobs = None if tools is not None else self.chat_logprobs(pending, top_logprobs=top_logprobs)
-        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+        logprobs = None if tools is not None else self.chat_logprobs(pending, 0, options)
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+        if options.token_ids:
+            choice["token_ids"] = pending.token_ids
+        return choice
 
     def split_reasoning(self, text: str, finished: bool = True) -> tuple[str, str]:
         """(reasoning, content) of a chat reply: all content without a reasoning parser."""
@@ -178,8 +212,8 @@ class ResponseBuilder:
         return {"id": "rerank-" + uuid.uuid4().hex, "model": self.model_name, "results": ranked,
                 "usage": pooling_usage(num_tokens)}
 
-    def full_response(self, request_id: str, outputs: list, created: int, chat: bool, n: int, echo: bool,
-                      tools: Optional[ToolCalling] = None, top_logprobs: int = 0) -> dict:
+    def full_response(self, request_id: str, outputs: list, created: int, options: ReplyOptions) -> dict:
+        chat, n, echo, tools = options.chat, options.n, options.echo, options.tools
         choices = []
         for prompt_index, output in enumerate(outputs):
             prefix = self.prompt_text(output) if echo else ""
@@ -196,22 +230,35 @@ class ResponseBuilder:
                     if calls:
                         message["tool_calls"] = calls
                     choice = {"index": index, "message": message, "finish_reason": reason,
-                              "logprobs": self.chat_logprobs(completion, top_logprobs=top_logprobs)}
+                              "logprobs": self.chat_logprobs(completion, 0, options)}
                 else:
                     choice = {"index": index, "text": prefix + completion.text, "finish_reason": completion.finish_reason,
-                              "logprobs": self.completion_logprobs(output, completion, 0, echo, echo)}
+                              "logprobs": self.completion_logprobs(output, completion, 0, echo, echo,
+                                                                   tokens_as_ids=options.tokens_as_ids),
+                              "prompt_token_ids": output.prompt_token_ids if options.token_ids else None}
+                choice["token_ids"] = completion.token_ids if options.token_ids else None
                 choices.append(choice)
-        return {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": created,
-                "model": self.model_name, "choices": choices, "usage": self.usage(outputs)}
+        response = {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": created,
+                    "model": self.model_name, "choices": choices, "usage": self.usage(outputs)}
+        if chat:  # (one prompt)
+            response["prompt_token_ids"] = outputs[0].prompt_token_ids if options.token_ids and outputs else None
+        return response
+
+    def token_text(self, tokens_as_ids: bool):
+        """How logprobs name a token: its text, or "token_id:<id>" (return_tokens_as_token_ids)."""
+        if tokens_as_ids:
+            return lambda token_ids: f"token_id:{token_ids[0]}"
+        return self.tokenizer.decode
 
     def completion_logprobs(self, output: RequestOutput, completion, first_token: int, echo: bool,
-                            with_prompt: bool, text_offset: Optional[int] = None) -> Optional[dict]:
+                            with_prompt: bool, text_offset: Optional[int] = None,
+                            tokens_as_ids: bool = False) -> Optional[dict]:
         """OpenAI completion logprobs of tokens first_token.. of a completion, after the prompt's
         (from output.prompt_logprobs) when `with_prompt`. `text_offset` is token first_token's
         offset in the choice's text (by default: computed, after the prompt text with `echo`)."""
         if completion.logprobs is None:
             return None
-        decode = self.tokenizer.decode
+        decode = self.token_text(tokens_as_ids)
         parts: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
 
         def add(token_ids: list[int], entries: list, offset: int) -> None:
@@ -231,13 +278,13 @@ class ResponseBuilder:
         add(completion.token_ids[first_token:], completion.logprobs[first_token:], text_offset)
         return parts
 
-    def chat_logprobs(self, completion, first_token: int = 0, top_logprobs: int = 0):
-        """Chat logprobs of tokens first_token.. of a completion: each token's, and `top_logprobs`
-        candidates: the sampled token, then the most likely others (vLLM's order; for a greedy
-        token the k most likely)."""
+    def chat_logprobs(self, completion, first_token: int, options: ReplyOptions):
+        """Chat logprobs of tokens first_token.. of a completion: each token's, and
+        `options.top_logprobs` candidates: the sampled token, then the most likely others (vLLM's
+        order; for a greedy token the k most likely)."""
         if completion.logprobs is None:
             return None
-        decode = self.tokenizer.decode
+        decode, top_logprobs = self.token_text(options.tokens_as_ids), options.top_logprobs
 
         def described(token_id: int, logprob: float) -> dict:
             text = decode([token_id])

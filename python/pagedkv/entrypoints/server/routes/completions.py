@@ -11,6 +11,7 @@ from fastapi import APIRouter, Depends, Request
 
 from pagedkv.entrypoints.server.openapi import ChatCompletion, Completion, streamed_answer
 from pagedkv.entrypoints.server.protocol import ChatCompletionRequest, CompletionRequest
+from pagedkv.entrypoints.server.responses import ReplyOptions
 from pagedkv.entrypoints.server.serving import ServingContext, make_params, merged, serving, streamed_output_kind, with_tools
 from pagedkv.entrypoints.server.tools import ToolCalling
 
@@ -51,12 +52,12 @@ async def run(context: ServingContext, request: Request, prompts: list, params, 
     streams = await context.submit(request_ids, prompts, params, body.priority, served, chat,
                                    check_context_room=body.max_tokens is not None)
     created = int(time.time())
-    echo = bool(getattr(body, "echo", False))
+    options = ReplyOptions(chat=chat, n=params.n, echo=bool(getattr(body, "echo", False)),
+                           include_usage=body.stream_options is not None and body.stream_options.include_usage,
+                           tools=tools, top_logprobs=params.logprobs or 0, token_ids=bool(body.return_token_ids),
+                           tokens_as_ids=bool(body.return_tokens_as_token_ids))
     if body.stream:
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        chunks = builder.stream_chunks(request_id, merged(streams), len(streams), created, chat, include_usage,
-                                       params.n, echo, tools, top_logprobs=params.logprobs or 0)
+        chunks = builder.stream_chunks(request_id, merged(streams), len(streams), created, options)
         return context.event_stream(streams, chunks)
     finals = await context.final_outputs(request, streams)
-    return builder.full_response(request_id, finals, created, chat, params.n, echo, tools,
-                                 top_logprobs=params.logprobs or 0)
+    return builder.full_response(request_id, finals, created, options)
