@@ -61,8 +61,8 @@ class DecodeGraphs:
     longest context the static block tables can hold.
     """
 
-    def __init__(self, model, kv_cache, backend: AttentionBackend, *, max_batch_size: int, max_model_len: int, block_size: int,
-                 hidden_size: int, dtype: torch.dtype, device: torch.device, capture=None):
+    def __init__(self, model, kv_cache, backend: AttentionBackend, *, max_batch_size: int, max_model_len: int,
+                 block_size: int, hidden_size: int, dtype: torch.dtype, device: torch.device, capture=None):
         if not backend.supports_cuda_graphs:
             raise ValueError(f"the {backend.name!r} attention backend cannot run inside CUDA graphs; use 'cuda'")
         self.model, self.kv_cache, self.backend = model, kv_cache, backend

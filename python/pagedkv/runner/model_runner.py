@@ -330,7 +330,8 @@ class ModelRunner:
             lora = None
             if adapters:
                 lora = lora_batch(self.lora_registry, adapters, step.query_lens.tolist(), self.device)
-            hidden = self.model(input_ids, positions, StepContext.build(metadata, self.kv_cache, self.backend, lora))
+            context = StepContext.build(metadata, self.kv_cache, self.backend, lora)
+            hidden = self.model(input_ids, positions, context)
             starts = metadata.query_start_loc_host
             all_hidden = {seq_id: hidden[starts[i]:starts[i + 1]]
                           for i, seq_id in enumerate(step.seq_ids) if seq_id in hidden_for}
