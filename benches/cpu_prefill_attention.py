@@ -17,7 +17,7 @@ import time
 import torch
 
 from pagedkv.attention.cpu import paged_prefill_attention
-from pagedkv.attention.torch_ref import _prefill_one
+from pagedkv.attention.torch_ref import prefill_one
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_LAYERS = 9, 3, 64, 16, 30
 
@@ -45,7 +45,7 @@ def calls(prompt_len: int, dtype: torch.dtype):
     scale = HEAD_DIM**-0.5
 
     def reference():
-        return _prefill_one(query, key_cache, value_cache, table, prompt_len, scale)
+        return prefill_one(query, key_cache, value_cache, table, prompt_len, scale)
 
     def rust():
         return paged_prefill_attention(query, key_cache, value_cache, table[None], starts, contexts, scale)

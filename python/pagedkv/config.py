@@ -16,6 +16,9 @@ _PREEMPTION_MODES = ("auto", "swap", "recompute")
 _SCHEDULING_POLICIES = ("fcfs", "priority")
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+# The names of pagedkv.attention.registry.BACKENDS, and auto (this module imports no torch, so
+# it lists them; tests/unit/test_attention_backends.py keeps the two in step).
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "cuda")
 
 
 @dataclass
@@ -207,8 +210,8 @@ class EngineConfig:
             fail("kv_events_replay_endpoint", self.kv_events_replay_endpoint, "None unless kv_events_endpoint is set")
         if self.load_format not in ("auto", "dummy"):
             fail("load_format", self.load_format, "auto or dummy")
-        if self.attention_backend not in ("auto", "torch", "cpu", "cuda"):
-            fail("attention_backend", self.attention_backend, "auto, torch, cpu or cuda")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            fail("attention_backend", self.attention_backend, f"one of {ATTENTION_BACKENDS}")
 
     @property
     def is_cuda(self) -> bool:

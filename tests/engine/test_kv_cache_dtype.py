@@ -12,7 +12,7 @@ import torch
 import pagedkv.attention.cpu as cpu_attention
 from pagedkv import LLM, EngineConfig, InvalidConfigError, SamplingParams
 from pagedkv.attention import AttentionMetadata
-from pagedkv.attention.torch_ref import _decode_batch, paged_attention_ref, to_cache_dtype, write_kv
+from pagedkv.attention.torch_ref import decode_batch, paged_attention_ref, to_cache_dtype, write_kv
 from pagedkv.runner.kv_cache import KVCache
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
@@ -59,7 +59,7 @@ def test_rust_kernels_match_the_reference_on_float8_caches(dtype):
     contexts = torch.tensor([1, 77, 190], dtype=torch.int32)
     query = torch.randn(3, 9, 64, generator=generator)
     out = cpu_attention.paged_decode_attention(query, key_cache, value_cache, tables, contexts, 0.125)
-    want = _decode_batch(query.double(), key_cache, value_cache, tables, contexts, 190, 0.125)
+    want = decode_batch(query.double(), key_cache, value_cache, tables, contexts, 190, 0.125)
     assert (out.double() - want).abs().max() < 1e-5 * want.abs().max()
 
     # Prefill chunks after cached prefixes of 0, 40 and 3 tokens, through the whole backend.

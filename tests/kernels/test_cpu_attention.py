@@ -5,7 +5,7 @@ import torch
 
 from pagedkv.attention import AttentionMetadata, get_backend
 from pagedkv.attention.cpu import CpuAttentionBackend, paged_decode_attention, paged_prefill_attention
-from pagedkv.attention.torch_ref import TorchRefBackend, _decode_batch, _prefill_one
+from pagedkv.attention.torch_ref import TorchRefBackend, decode_batch, prefill_one
 
 
 def block_major(num_blocks, num_kv_heads, block_size, head_dim, generator, dtype=torch.float32):
@@ -26,7 +26,7 @@ def test_rust_decode_matches_the_reference(num_heads, num_kv_heads, head_dim, bl
     tables = torch.stack([torch.randperm(40, generator=generator)[:width] for _ in contexts]).int()
     query = torch.randn((len(contexts), num_heads, head_dim), generator=generator).to(dtype)
     got = paged_decode_attention(query, key_cache, value_cache, tables, contexts, head_dim**-0.5)
-    want = _decode_batch(query.double(), key_cache.double(), value_cache.double(), tables, contexts, 150, head_dim**-0.5)
+    want = decode_batch(query.double(), key_cache.double(), value_cache.double(), tables, contexts, 150, head_dim**-0.5)
     assert got.dtype == dtype
     tolerance = {"atol": 1e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
     assert torch.allclose(got.double(), want, **tolerance)
@@ -97,7 +97,7 @@ def test_rust_prefill_matches_the_reference(num_heads, num_kv_heads, head_dim, b
     assert got.dtype == dtype
     for b, context in enumerate(contexts):
         rows = slice(int(starts[b]), int(starts[b + 1]))
-        want = _prefill_one(query[rows].double(), key_cache.double(), value_cache.double(), tables[b], context, scale)
+        want = prefill_one(query[rows].double(), key_cache.double(), value_cache.double(), tables[b], context, scale)
         tolerance = {"atol": 1e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
         assert torch.allclose(got[rows].double(), want, **tolerance), f"sequence {b}"
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from pagedkv.attention import AttentionMetadata, TorchRefBackend
+from pagedkv.attention import AttentionMetadata, StepContext, TorchRefBackend
 from pagedkv.runner.kv_cache import KVCache
 from pagedkv.models.loader import load
 
@@ -27,7 +27,8 @@ def prefill_all_positions(model, token_ids: list[int], block_table: list[int], b
         context_lens_host=[num_tokens],
     )
     with torch.inference_mode():
-        hidden = model(torch.tensor(token_ids), torch.arange(num_tokens), metadata, cache, TorchRefBackend())
+        context = StepContext.build(metadata, cache, TorchRefBackend())
+        hidden = model(torch.tensor(token_ids), torch.arange(num_tokens), context)
         return model.compute_logits(hidden)
 
 

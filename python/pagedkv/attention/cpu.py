@@ -6,7 +6,8 @@ tensors first) and split their work over torch's CPU threads. Caches of float32,
 (the fast CPU dtype where the CPU has AVX512-BF16: half the bytes to read, float32 math) or
 float8 (`kv_cache_dtype="fp8"`: a quarter of float32's bytes, read with float32 queries);
 float16 caches, head dims other than 64/128/256 in prefill, and CPUs without AVX2 go through
-the torch reference.
+the torch reference (its public functions: `paged_attention_ref`, `decode_batch`, `write_kv`,
+`copy_blocks`).
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from typing import Optional
 import torch
 
 from pagedkv_core import _core
+from pagedkv.attention import torch_ref
 from pagedkv.attention.metadata import AttentionMetadata
-from pagedkv.attention.torch_ref import TorchRefBackend, _decode_batch, paged_attention_ref
 
 
 logger = logging.getLogger("pagedkv.attention")
@@ -150,7 +151,7 @@ def _sinks(sinks: Optional[torch.Tensor], num_heads: int) -> Optional[torch.Tens
 def _decode(query, key_cache, value_cache, block_tables, context_lens, max_context_len: int, scale: float,
             sliding_window: Optional[int], logit_softcap: Optional[float], sinks: Optional[torch.Tensor]):
     if key_cache.dtype not in CACHE_DTYPES:
-        return _decode_batch(query, key_cache, value_cache, block_tables, context_lens, max_context_len, scale,
+        return torch_ref.decode_batch(query, key_cache, value_cache, block_tables, context_lens, max_context_len, scale,
                              sliding_window, logit_softcap, sinks)
     return paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, scale, sliding_window,
                                   logit_softcap, sinks)
@@ -164,8 +165,18 @@ def _prefill(query, key_cache, value_cache, block_tables, query_start_loc, conte
                                    sliding_window, logit_softcap, sinks)
 
 
-class CpuAttentionBackend(TorchRefBackend):
+class CpuAttentionBackend:
+    """The torch reference's attention with decode and prefill in Rust (AttentionBackend); writes
+    and copies blocks as the reference does."""
+
     name = "cpu"
+    supports_cuda_graphs = False
+
+    @classmethod
+    def check_supported(cls, device: str, head_dim: Optional[int]) -> None:
+        """CPU tensors only."""
+        if device.startswith("cuda"):
+            raise ValueError("attention_backend='cpu' runs on the CPU; use 'cuda' or 'torch' on a GPU")
 
     def __init__(self):
         isa, on_openmp_team = _core.cpu_attention_build()
@@ -174,9 +185,19 @@ class CpuAttentionBackend(TorchRefBackend):
         # Without SIMD (the portable build) torch's SDPA is the faster prefill.
         self._prefill = _prefill if isa != "Portable" else None
 
+    def prepare(self, metadata: AttentionMetadata) -> None:
+        """Nothing to do once per step."""
+
+    def write_kv(self, key_cache, value_cache, key, value, slot_mapping) -> None:
+        torch_ref.write_kv(key_cache, value_cache, key, value, slot_mapping)
+
     def forward(self, query, key_cache, value_cache, metadata: AttentionMetadata, scale: float,
                 sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None,
                 sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return paged_attention_ref(query, key_cache, value_cache, metadata, scale, decode=_decode,
-                                   prefill=self._prefill, sliding_window=sliding_window, logit_softcap=logit_softcap,
-                                   sinks=sinks)
+        """As TorchRefBackend.forward, the decode rows and prefill chunks through the Rust kernels."""
+        return torch_ref.paged_attention_ref(query, key_cache, value_cache, metadata, scale, decode=_decode,
+                                             prefill=self._prefill, sliding_window=sliding_window,
+                                             logit_softcap=logit_softcap, sinks=sinks)
+
+    def copy_blocks(self, kv_cache, pairs) -> None:
+        torch_ref.copy_blocks(kv_cache, pairs)

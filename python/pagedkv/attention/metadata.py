@@ -29,6 +29,9 @@ class AttentionMetadata:
     context_lens_host: Optional[list[int]]
     # int32 [T]: each token's sequence, when the runner keeps it on the device (decode graphs).
     seq_index: Optional[torch.Tensor] = None
+    # (seq_index, context_lens) per query token, int32 on the device: set once per step by the
+    # `prepare` of backends that read it (cuda.py), shared by every layer.
+    token_layout: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     @property
     def num_seqs(self) -> int:

@@ -1,5 +1,9 @@
 """The reference paged attention in plain torch (CPU and GPU): gathers K/V through the block
-tables. It is the oracle the CUDA kernels are tested against, and the CPU engine's backend."""
+tables. It is the oracle the CUDA kernels are tested against, and the `torch` backend.
+
+Its functions are public: the `cpu` backend runs `paged_attention_ref` with its own decode and
+prefill (falling back to `decode_batch` and `prefill_one` where its kernels have no case), and
+writes and copies blocks with `write_kv` and `copy_blocks`."""
 
 from __future__ import annotations
 
@@ -56,7 +60,7 @@ def paged_attention_ref(
     `sliding_window` positions, where given), the scaled logits soft-capped to
     `logit_softcap * tanh(logit / logit_softcap)` where given (Gemma 2); `sinks` ([Hq] logits,
     GPT-OSS's attention sinks) join each head's softmax as keys of zero value. `decode` replaces
-    the batched decode part (same arguments as `_decode_batch`); `prefill`, when it returns a
+    the batched decode part (same arguments as `decode_batch`); `prefill`, when it returns a
     tensor, the per-sequence prefill loop (query rows of the prefill chunks, caches, their block
     tables, query_start_loc and context_lens, scale, sliding_window, logit_softcap, sinks; None:
     not supported)."""
@@ -76,13 +80,13 @@ def paged_attention_ref(
     for b in range(num_prefills if prefilled is None else 0):
         begin, end = starts[b], starts[b + 1]
         context_len = metadata.context_lens_host[b]
-        output[begin:end] = _prefill_one(
+        output[begin:end] = prefill_one(
             query[begin:end], key_cache, value_cache, metadata.block_tables[b], context_len, scale, sliding_window,
             logit_softcap, sinks,
         )
     if metadata.num_decode_tokens:
         first = starts[num_prefills]
-        output[first:] = (decode or _decode_batch)(
+        output[first:] = (decode or decode_batch)(
             query[first:],
             key_cache,
             value_cache,
@@ -97,9 +101,11 @@ def paged_attention_ref(
     return output
 
 
-def _prefill_one(query, key_cache, value_cache, block_table, context_len: int, scale: float,
-                 sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None,
-                 sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+def prefill_one(query, key_cache, value_cache, block_table, context_len: int, scale: float,
+                sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None,
+                sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """One sequence's new tokens, query [q, Hq, D] -> [q, Hq, D]: the last q of its `context_len`
+    cached tokens, each over the positions up to its own (options as `paged_attention_ref`)."""
     num_queries = query.shape[0]
     keys = gather_context(key_cache, block_table, context_len).to(query.dtype)
     values = gather_context(value_cache, block_table, context_len).to(query.dtype)
@@ -131,10 +137,11 @@ def _prefill_one(query, key_cache, value_cache, block_table, context_len: int, s
     return out.transpose(0, 1)
 
 
-def _decode_batch(query, key_cache, value_cache, block_tables, context_lens, max_context_len: int, scale: float,
-                  sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None,
-                  sinks: Optional[torch.Tensor] = None):
-    """One query token per sequence, all sequences at once (no Python loop).
+def decode_batch(query, key_cache, value_cache, block_tables, context_lens, max_context_len: int, scale: float,
+                 sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None,
+                 sinks: Optional[torch.Tensor] = None):
+    """query [B, Hq, D] -> [B, Hq, D]: one query token per sequence over its first
+    context_lens[b] cached tokens, all sequences at once (no Python loop).
 
     The gathered K/V stay block-shaped ([B, n, Hkv, bs, D], one index_select each, no permuted
     copy): scores are batched over (sequence, block, kv head) and the softmax runs over the
@@ -183,9 +190,17 @@ def copy_blocks(kv_cache: torch.Tensor, pairs: torch.Tensor) -> None:
 
 
 class TorchRefBackend:
-    """The attention backend built on the reference functions above."""
+    """The attention backend built on the reference functions above (AttentionBackend)."""
 
     name = "torch"
+    supports_cuda_graphs = False  # (its prefill and decode loops read the host lists)
+
+    @classmethod
+    def check_supported(cls, device: str, head_dim: Optional[int]) -> None:
+        """Runs anywhere torch does."""
+
+    def prepare(self, metadata: AttentionMetadata) -> None:
+        """Nothing to do once per step."""
 
     def write_kv(self, key_cache, value_cache, key, value, slot_mapping) -> None:
         write_kv(key_cache, value_cache, key, value, slot_mapping)

@@ -8,6 +8,8 @@ from typing import Optional
 
 from torch import nn
 
+from pagedkv.attention.step_context import StepContext
+
 
 class PreNormBlock(nn.Module):
     """x + attn(norm_1(x)), then that + mlp(norm_2(that)) (StarCoder2, GPT-2, OPT, OLMo 1,
@@ -21,9 +23,9 @@ class PreNormBlock(nn.Module):
         self.input_layernorm, self.self_attn = input_layernorm, self_attn
         self.post_attention_layernorm, self.mlp = post_attention_layernorm, mlp
 
-    def forward(self, hidden, cos_sin, metadata, kv_cache, backend, lora=None):
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos_sin, metadata, kv_cache, backend, lora)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden), lora)
+    def forward(self, hidden, cos_sin, context: StepContext):
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos_sin, context)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden), context.lora)
 
 
 class ParallelBlock(nn.Module):
@@ -38,8 +40,8 @@ class ParallelBlock(nn.Module):
         self.input_layernorm, self.self_attn, self.mlp = input_layernorm, self_attn, mlp
         self.post_attention_layernorm = post_attention_layernorm
 
-    def forward(self, hidden, cos_sin, metadata, kv_cache, backend, lora=None):
+    def forward(self, hidden, cos_sin, context: StepContext):
         normalized = self.input_layernorm(hidden)
-        attended = self.self_attn(normalized, cos_sin, metadata, kv_cache, backend, lora)
+        attended = self.self_attn(normalized, cos_sin, context)
         mlp_input = normalized if self.post_attention_layernorm is None else self.post_attention_layernorm(hidden)
-        return hidden + attended + self.mlp(mlp_input, lora)
+        return hidden + attended + self.mlp(mlp_input, context.lora)

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedkv.attention.step_context import StepContext
 from pagedkv.layers.activation import silu_and_mul
 from pagedkv.layers.fused_moe import SparseMoE
 from pagedkv.layers.rms_norm import RMSNorm
@@ -78,7 +79,7 @@ class MLAAttention(nn.Module):
         self.kv_b_proj = nn.Linear(self.latent_dim, self.num_heads * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, hidden, bias=bias)
 
-    def forward(self, hidden, cos_sin, metadata, kv_cache, backend, lora=None):
+    def forward(self, hidden, cos_sin, context: StepContext):
         num_tokens = hidden.shape[0]
         if self.q_lora_rank is None:
             query = self.q_proj(hidden)
@@ -94,9 +95,7 @@ class MLAAttention(nn.Module):
         q_latent = torch.einsum("thn,hnl->thl", q_nope, w_uk)
         query = torch.cat([q_latent, q_pe], -1)
         key = torch.cat([latent.unsqueeze(1), k_pe], -1)
-        key_cache, value_cache = kv_cache.layer(self.layer_index)
-        backend.write_kv(key_cache, value_cache, key, key, metadata.slot_mapping)
-        out = backend.forward(query, key_cache, value_cache, metadata, self.scale, None, None, None)
+        out = context.attend(self.layer_index, query, key, key, self.scale)
         latent_out = out.reshape(num_tokens, self.num_heads, self.head_dim)[..., : self.latent_dim]
         values = torch.einsum("thl,hvl->thv", latent_out, w_uv)
         return self.o_proj(values.reshape(num_tokens, self.num_heads * self.v_dim))

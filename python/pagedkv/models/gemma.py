@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedkv.attention.step_context import StepContext
 from pagedkv.layers.activation import gated_activation
 from pagedkv.models.llama import LlamaAttention, LlamaMLP, PlainLayersForCausalLM
 from pagedkv.models.registry import Traits
@@ -56,13 +57,13 @@ class GemmaDecoderLayer(nn.Module):
         if self.sandwich_norms:
             self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
 
-    def forward(self, hidden, cos_sin, metadata, kv_cache, backend, lora=None):
-        attended = self.self_attn(self.input_layernorm(hidden), cos_sin, metadata, kv_cache, backend, lora)
+    def forward(self, hidden, cos_sin, context: StepContext):
+        attended = self.self_attn(self.input_layernorm(hidden), cos_sin, context)
         if not self.sandwich_norms:  # Gemma 1: Llama's layout, post_attention_layernorm feeds the MLP
             hidden = hidden + attended
-            return hidden + self.mlp(self.post_attention_layernorm(hidden), lora)
+            return hidden + self.mlp(self.post_attention_layernorm(hidden), context.lora)
         hidden = hidden + self.post_attention_layernorm(attended)
-        fed = self.mlp(self.pre_feedforward_layernorm(hidden), lora)
+        fed = self.mlp(self.pre_feedforward_layernorm(hidden), context.lora)
         return hidden + self.post_feedforward_layernorm(fed)
 
 

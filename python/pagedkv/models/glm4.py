@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from pagedkv.attention.step_context import StepContext
 from pagedkv.layers.rms_norm import RMSNorm
 from pagedkv.models.llama import LlamaAttention, LlamaMLP, PlainLayersForCausalLM
 from pagedkv.models.registry import Traits
@@ -26,10 +27,10 @@ class Glm4DecoderLayer(nn.Module):
         self.input_layernorm, self.post_self_attn_layernorm = norm(), norm()
         self.post_attention_layernorm, self.post_mlp_layernorm = norm(), norm()
 
-    def forward(self, hidden, cos_sin, metadata, kv_cache, backend, lora=None):
-        attended = self.self_attn(self.input_layernorm(hidden), cos_sin, metadata, kv_cache, backend, lora)
+    def forward(self, hidden, cos_sin, context: StepContext):
+        attended = self.self_attn(self.input_layernorm(hidden), cos_sin, context)
         hidden = hidden + self.post_self_attn_layernorm(attended)
-        return hidden + self.post_mlp_layernorm(self.mlp(self.post_attention_layernorm(hidden), lora))
+        return hidden + self.post_mlp_layernorm(self.mlp(self.post_attention_layernorm(hidden), context.lora))
 
 
 class Glm4ForCausalLM(PlainLayersForCausalLM):

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedkv.attention.metadata import AttentionMetadata
+from pagedkv.attention.step_context import StepContext
 from pagedkv.layers.activation import silu_and_mul
 from pagedkv.layers.fused_moe import is_moe_layer, sparse_moe
 from pagedkv.layers.rms_norm import RMSNorm
@@ -95,8 +95,9 @@ class LlamaAttention(nn.Module):
             self.q_norm = self.k_norm = None
         self.clip_qkv = getattr(hf_config, "clip_qkv", None)  # OLMoE's
 
-    def forward(self, hidden, cos_sin, metadata: AttentionMetadata, kv_cache, backend, lora=None):
+    def forward(self, hidden, cos_sin, context: StepContext):
         num_tokens = hidden.shape[0]
+        lora = context.lora
         qkv = self.qkv_proj(hidden)
         if lora is not None:
             lora.add(self.layer_index, "qkv_proj", hidden, qkv)
@@ -109,10 +110,8 @@ class LlamaAttention(nn.Module):
                                                  self.rope_interleaved)
         else:
             query, key, value = split_heads(qkv, self.num_heads, self.num_kv_heads, self.head_dim)
-        key_cache, value_cache = kv_cache.layer(self.layer_index)
-        backend.write_kv(key_cache, value_cache, key, value, metadata.slot_mapping)
-        out = backend.forward(query, key_cache, value_cache, metadata, self.scale, self.sliding_window,
-                              self.logit_softcap, self.sinks)
+        out = context.attend(self.layer_index, query, key, value, self.scale, self.sliding_window, self.logit_softcap,
+                             self.sinks)
         out = out.reshape(num_tokens, self.q_size)
         projected = self.o_proj(out)
         if lora is not None:
@@ -169,27 +168,28 @@ class LlamaDecoderLayer(nn.Module):
         else:
             self.mlp = LlamaMLP(hf_config, layer_index)
 
-    def forward(self, hidden, residual, cos_sin, metadata, kv_cache, backend, lora=None):
+    def forward(self, hidden, residual, cos_sin, context: StepContext):
         """(hidden, residual) -> the next layer's (hidden, residual), whose sum is this layer's
         output (vLLM's form: each norm adds the residual in, fused on the CPU)."""
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, cos_sin, metadata, kv_cache, backend, lora)
+        hidden = self.self_attn(hidden, cos_sin, context)
         if self.residual_multiplier != 1.0:
             hidden = hidden * self.residual_multiplier
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         # LoRA adapters never target experts (refused when they load)
-        hidden = self.mlp(hidden) if self.is_moe else self.mlp(hidden, lora)
+        hidden = self.mlp(hidden) if self.is_moe else self.mlp(hidden, context.lora)
         if self.residual_multiplier != 1.0:
             hidden = hidden * self.residual_multiplier
         return hidden, residual
 
 
 class LlamaForCausalLM(nn.Module):
-    """forward(input_ids [T], positions [T], metadata, kv_cache, backend, lora) -> hidden [T, H];
-    `lora` (a pagedkv.runner.lora.LoRABatch) adds the step's adapters' updates to the projections."""
+    """forward(input_ids [T], positions [T], context) -> hidden [T, H]; `context` (a StepContext)
+    holds the step's attention metadata, KV cache and attention backend, and its LoRA adapters
+    (a pagedkv.runner.lora.LoRABatch, or None), which add their updates to the projections."""
 
     # What a variant of the family swaps (Gemma's and OLMo's: their decoder layers and norm); the
     # decoder layer is a class or a function building one from (hf_config, traits, layer_index)
@@ -231,12 +231,12 @@ class LlamaForCausalLM(nn.Module):
         layer_types = self.hf_config.layer_types
         return [sliding if layer_type == "sliding_attention" else full for layer_type in layer_types]
 
-    def forward(self, input_ids, positions, metadata: AttentionMetadata, kv_cache, backend, lora=None) -> torch.Tensor:
+    def forward(self, input_ids, positions, context: StepContext) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
         if self.embedding_multiplier != 1.0:
             hidden = hidden * self.embedding_multiplier
         for layer, cos_sin in zip(self.layers, self.layer_rotations(positions)):
-            hidden, residual = layer(hidden, residual, cos_sin, metadata, kv_cache, backend, lora)
+            hidden, residual = layer(hidden, residual, cos_sin, context)
         return self.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -363,10 +363,10 @@ class PlainLayersForCausalLM(LlamaForCausalLM):
     def own_weights(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | list]:
         return super().own_weights(self.renamed(state))
 
-    def forward(self, input_ids, positions, metadata: AttentionMetadata, kv_cache, backend, lora=None) -> torch.Tensor:
+    def forward(self, input_ids, positions, context: StepContext) -> torch.Tensor:
         hidden = self.embed(input_ids, positions)
         for layer, cos_sin in zip(self.layers, self.layer_rotations(positions)):
-            hidden = layer(hidden, cos_sin, metadata, kv_cache, backend, lora)
+            hidden = layer(hidden, cos_sin, context)
         return self.norm(hidden)
 
 

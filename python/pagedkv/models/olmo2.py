@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from pagedkv.attention.step_context import StepContext
 from pagedkv.layers.rms_norm import RMSNorm
 from pagedkv.models.llama import LlamaAttention, LlamaMLP, PlainLayersForCausalLM
 from pagedkv.models.registry import Traits
@@ -27,10 +28,10 @@ class Olmo2DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.post_feedforward_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
 
-    def forward(self, hidden, cos_sin, metadata, kv_cache, backend, lora=None):
-        attended = self.self_attn(hidden, cos_sin, metadata, kv_cache, backend, lora)
+    def forward(self, hidden, cos_sin, context: StepContext):
+        attended = self.self_attn(hidden, cos_sin, context)
         hidden = hidden + self.post_attention_layernorm(attended)
-        return hidden + self.post_feedforward_layernorm(self.mlp(hidden, lora))
+        return hidden + self.post_feedforward_layernorm(self.mlp(hidden, context.lora))
 
 
 class Olmo2ForCausalLM(PlainLayersForCausalLM):

@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from pagedkv.attention.metadata import AttentionMetadata
+from pagedkv.attention import AttentionBackend, AttentionMetadata, StepContext
 
 logger = logging.getLogger("pagedkv.runner.cuda_graphs")
 
@@ -61,9 +61,9 @@ class DecodeGraphs:
     longest context the static block tables can hold.
     """
 
-    def __init__(self, model, kv_cache, backend, *, max_batch_size: int, max_model_len: int, block_size: int,
-                 hidden_size: int, dtype: torch.dtype, device: torch.device, capture=None):
-        if not getattr(backend, "supports_cuda_graphs", False):
+    def __init__(self, model, kv_cache, backend: AttentionBackend, *, max_batch_size: int, max_model_len: int,
+                 block_size: int, hidden_size: int, dtype: torch.dtype, device: torch.device, capture=None):
+        if not backend.supports_cuda_graphs:
             raise ValueError(f"the {backend.name!r} attention backend cannot run inside CUDA graphs; use 'cuda'")
         self.model, self.kv_cache, self.backend = model, kv_cache, backend
         self.batch_sizes = graph_batch_sizes(max_batch_size)
@@ -102,7 +102,8 @@ class DecodeGraphs:
             context_lens_host=None,
             seq_index=self.seq_index[:size],
         )
-        self.hidden[:size] = self.model(self.input_ids[:size], self.positions[:size], metadata, self.kv_cache, self.backend)
+        context = StepContext.build(metadata, self.kv_cache, self.backend)
+        self.hidden[:size] = self.model(self.input_ids[:size], self.positions[:size], context)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
             block_tables: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from pagedkv_core._core import PLACEHOLDER_TOKEN
-from pagedkv.attention import AttentionMetadata, get_backend
+from pagedkv.attention import AttentionMetadata, StepContext, get_backend
 from pagedkv.config import EngineConfig
 from pagedkv.runner.cuda_graphs import DecodeGraphs
 from pagedkv.errors import EngineStoppedError, InvalidConfigError, TensorParallelError
@@ -141,7 +141,7 @@ class ModelRunner:
                 logger.info("CUDA graphs off: tensor-parallel steps run eagerly (their all-reduces are not captured)")
             elif any(layer.is_moe for layer in self.model.layers):
                 logger.info("CUDA graphs off: a mixture-of-experts step sizes its expert matmuls on the host")
-            elif not getattr(self.backend, "supports_cuda_graphs", False):
+            elif not self.backend.supports_cuda_graphs:
                 logger.info("CUDA graphs off: the %r attention backend reads host-side metadata", self.backend.name)
             else:
                 self.capture_decode_graphs()
@@ -330,7 +330,8 @@ class ModelRunner:
             lora = None
             if adapters:
                 lora = lora_batch(self.lora_registry, adapters, step.query_lens.tolist(), self.device)
-            hidden = self.model(input_ids, positions, metadata, self.kv_cache, self.backend, lora)
+            context = StepContext.build(metadata, self.kv_cache, self.backend, lora)
+            hidden = self.model(input_ids, positions, context)
             starts = metadata.query_start_loc_host
             all_hidden = {seq_id: hidden[starts[i]:starts[i + 1]]
                           for i, seq_id in enumerate(step.seq_ids) if seq_id in hidden_for}
