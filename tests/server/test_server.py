@@ -39,6 +39,43 @@ def test_models_health_and_metrics(server, client):
         assert name in text
 
 
+def vllm_samples(server) -> dict:
+    """{(sample name, finished_reason label or None): value} of the vllm: metrics /metrics shows."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    return {(sample.name, sample.labels.get("finished_reason")): sample.value
+            for family in text_string_to_metric_families(text) if family.name.startswith("vllm:")
+            for sample in family.samples}
+
+
+def test_vllms_metric_names_count_what_vllms_count(client, server):
+    """vLLM's own metrics test's names (EXPECTED_METRICS_V1 of tests/entrypoints/openai/test_metrics.py,
+    less vllm:iteration_tokens_total) and its counts: per request, its prompt and generated tokens."""
+    model, tokenizer = server.engine.model_name, server.engine.tokenizer
+    prompt = tokenizer.encode("Hello my name is Robert and I love magic")
+    before = vllm_samples(server)
+    for _ in range(3):
+        client.completions.create(model=model, prompt=prompt, max_tokens=5, extra_body={"ignore_eos": True})
+    after = vllm_samples(server)
+    grew = lambda name, label=None: after[(name, label)] - before.get((name, label), 0)  # noqa: E731
+    assert grew("vllm:prompt_tokens_total") == 3 * len(prompt) and grew("vllm:generation_tokens_total") == 15
+    assert grew("vllm:request_success_total", "length") == 3
+    assert grew("vllm:request_prompt_tokens_sum") == 3 * len(prompt)
+    assert grew("vllm:request_generation_tokens_sum") == 15 and grew("vllm:request_params_max_tokens_sum") == 15
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
+                 "request_inference_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
+                 "time_per_output_token_seconds", "request_params_n", "request_prompt_tokens"):
+        assert grew(f"vllm:{name}_count") == 3, name
+    assert grew("vllm:inter_token_latency_seconds_count") == 3 * 4
+    names = {name for name, _ in after}
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
+                 "vllm:cache_config_info", "vllm:request_success_total"):
+        assert name in names, name
+    assert after[("vllm:num_requests_running", None)] == 0 and after[("vllm:kv_cache_usage_perc", None)] == 0
+
+
 def test_token_counters_and_request_latency_histograms(client, server):
     names = ("pagedkv_prompt_tokens_total", "pagedkv_generation_tokens_total",
              "pagedkv_e2e_request_latency_seconds_count", "pagedkv_request_queue_time_seconds_count")

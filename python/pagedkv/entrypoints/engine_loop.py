@@ -245,9 +245,16 @@ class EngineLoop:
             if stream.delta:  # (counted across the outputs)
                 num_tokens += stream.num_tokens
             if stream.num_tokens == 0 and num_tokens and output.metrics.time_to_first_token is not None:
-                self.metrics.time_to_first_token.observe(output.metrics.time_to_first_token)
+                self.metrics.observe_first_token(output.metrics.time_to_first_token)
+                timing = output.metrics
+                if output.finished and num_tokens > 1 and timing.finished_time is not None:
+                    # (a reply delivered whole: its tokens' intervals are known only in sum, so each
+                    # counts as their mean, as a client that streamed it would have seen on average)
+                    mean = (timing.finished_time - timing.first_token_time) / (num_tokens - 1)
+                    for _ in range(num_tokens - 1):
+                        self.metrics.observe_inter_token(mean)
             elif num_tokens > stream.num_tokens and stream.last_token_time is not None:
-                self.metrics.inter_token_latency.observe((now - stream.last_token_time) / (num_tokens - stream.num_tokens))
+                self.metrics.observe_inter_token((now - stream.last_token_time) / (num_tokens - stream.num_tokens))
             stream.last_token_time, stream.num_tokens = now, num_tokens
             if output.finished:
                 self.metrics.observe_finished(output, num_tokens)

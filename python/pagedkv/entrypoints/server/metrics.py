@@ -1,5 +1,6 @@
 """Prometheus metrics of the server: KV pool gauges, scheduler counters (read from the engine
-loop's stats snapshot at scrape time), latency histograms and finished requests by reason."""
+loop's stats snapshot at scrape time), latency histograms and finished requests by reason;
+vLLM's names beside them (vllm_metrics.py)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,15 @@ from typing import Optional
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from pagedkv.entrypoints.server.vllm_metrics import VLLMMetrics
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class ServerMetrics:
-    def __init__(self, stats_source):
-        """`stats_source()` returns the latest engine stats dict."""
+    def __init__(self, stats_source, model_name: str = "", max_model_len: int = 2048,
+                 cache_config: Optional[dict] = None):
+        """`stats_source()` returns the latest engine stats dict; the rest labels vLLM's metrics."""
         self.registry = CollectorRegistry()
         self.time_to_first_token = Histogram(
             "pagedkv_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=self.registry
@@ -36,13 +40,28 @@ class ServerMetrics:
             "pagedkv_e2e_request_latency_seconds", "Arrival to finish", buckets=_LATENCY_BUCKETS, registry=self.registry
         )
         self.registry.register(_EngineCollector(stats_source))
+        self.vllm = VLLMMetrics(self.registry, model_name, max_model_len, stats_source, cache_config or {})
+
+    def observe_first_token(self, seconds: float) -> None:
+        self.time_to_first_token.observe(seconds)
+        self.vllm.time_to_first_token.observe(seconds)
+
+    def observe_inter_token(self, seconds: float) -> None:
+        self.inter_token_latency.observe(seconds)
+        self.vllm.inter_token_latency.observe(seconds)
+
+    def observe_params(self, n: int, max_tokens: Optional[int]) -> None:
+        """A request the server queued (vLLM's request_params_*)."""
+        self.vllm.observe_params(n, max_tokens)
 
     def observe_finished(self, output, num_generated_tokens: Optional[int] = None) -> None:
         """Counts a finished request (a RequestOutput with `finished`, or an embedding);
         `num_generated_tokens`: its samples' tokens where `output` holds only the last ones (delta)."""
+        reason = "stop"
         if isinstance(output.outputs, list):
             for completion in output.outputs:
                 self.requests_finished.labels(completion.finish_reason or "abort").inc()
+            reason = next((c.finish_reason for c in output.outputs if c.finish_reason), "abort")
             if num_generated_tokens is None:
                 num_generated_tokens = sum(len(completion.token_ids) for completion in output.outputs)
             self.generation_tokens.inc(num_generated_tokens)
@@ -50,6 +69,7 @@ class ServerMetrics:
             self.requests_finished.labels("stop").inc()
         self.prompt_tokens.inc(len(output.prompt_token_ids))
         metrics = output.metrics
+        self.vllm.observe_finished(reason, len(output.prompt_token_ids), num_generated_tokens or 0, metrics)
         if metrics.first_scheduled_time is not None:
             self.queue_time.observe(metrics.first_scheduled_time - metrics.arrival_time)
         if metrics.finished_time is not None:

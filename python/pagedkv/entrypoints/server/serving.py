@@ -64,7 +64,12 @@ class ServingContext:
         self.supports_lora = engine.config.enable_lora
         self.builders = {name: ResponseBuilder(self.tokenizer, name, self.reasoning)
                          for name in (self.model_name, *self.adapters)}
-        self.metrics = ServerMetrics(lambda: self.client.stats() if self.client is not None else {})
+        stats = engine.stats()
+        cache_config = {"block_size": engine.config.block_size, "num_gpu_blocks": stats["num_device_blocks"],
+                        "num_cpu_blocks": stats["num_cpu_blocks"], "cache_dtype": engine.config.kv_cache_dtype,
+                        "enable_prefix_caching": engine.config.enable_prefix_caching}
+        self.metrics = ServerMetrics(lambda: self.client.stats() if self.client is not None else {}, self.model_name,
+                                     self.max_model_len, cache_config)
         self.draining = False
         self.client: Optional[AsyncLLM] = None  # (from `start` to `stop`)
         self._engine: Optional[LLMEngine] = engine
@@ -143,10 +148,13 @@ class ServingContext:
         """Queues one engine request per prompt (all or none), with the adapter `served` names if
         it is one; a refusal is the answer `submit_error` makes of it."""
         try:
-            return await self.client.add_requests(list(zip(request_ids, prompts)), params, priority,
-                                                  self.adapters.get(served), check_context_room)
+            streams = await self.client.add_requests(list(zip(request_ids, prompts)), params, priority,
+                                                     self.adapters.get(served), check_context_room)
         except Exception as error:
             raise submit_error(error, chat, prompt_field) from error
+        for _ in streams:
+            self.metrics.observe_params(getattr(params, "n", 1), getattr(params, "max_tokens", None))
+        return streams
 
     @contextlib.contextmanager
     def aborting_unfinished(self, streams: list[RequestStream]):
