@@ -146,12 +146,18 @@ def test_the_server_serves_each_adapter_as_a_model(adapters, references, prompts
 
     from support.live_server import LiveServer
 
-    live = LiveServer(enable_lora=True, num_device_blocks=128, max_model_len=256,
-                      lora_modules={"every": adapters["every"].lora_path})
+    from pagedkv.entrypoints.cli import parse_lora_module
+
+    # (the adapters as `--lora-modules` gives them: vLLM's NAME=PATH and JSON forms)
+    modules = dict([parse_lora_module(f"every={adapters['every'].lora_path}"),
+                    parse_lora_module(json.dumps({"name": "qv", "path": adapters["qv"].lora_path,
+                                                  "base_model_name": "smollm2-base"}))])
+    live = LiveServer(enable_lora=True, num_device_blocks=128, max_model_len=256, lora_modules=modules)
     try:
         cards = httpx.get(live.url + "/v1/models", timeout=10).json()["data"]
         base = live.engine.model_name
-        assert [(card["id"], card.get("parent")) for card in cards] == [(base, None), ("every", base)]
+        assert [(card["id"], card.get("parent"), card.get("root")) for card in cards][1:] == \
+            [("every", base, adapters["every"].lora_path), ("qv", "smollm2-base", adapters["qv"].lora_path)]
         body = {"prompt": prompts[0], "max_tokens": MAX_NEW_TOKENS, "temperature": 0}
         for model, key in ((base, None), ("every", "every")):
             response = httpx.post(live.url + "/v1/completions", json={**body, "model": model}, timeout=120).json()

@@ -7,6 +7,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from pagedkv.entrypoints.cli import build_parser, main
 from pagedkv.config import EngineConfig
@@ -96,3 +97,23 @@ def test_an_empty_api_key_is_a_configuration_error(capsys, monkeypatch):
     monkeypatch.setenv("PAGEDKV_API_KEY", "")
     assert main(["serve", "--num-device-blocks", "16"]) == 2
     assert "api_key must be a non-empty string" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("sql=/adapters/sql", ("sql", "/adapters/sql")),
+    ('{"name": "sql", "path": "/adapters/sql"}', ("sql", {"path": "/adapters/sql", "base_model_name": None})),
+    ('{"name": "sql", "path": "/a", "base_model_name": "llama"}', ("sql", {"path": "/a", "base_model_name": "llama"})),
+])
+def test_lora_modules_take_vllms_two_forms(text, expected):
+    from pagedkv.entrypoints.cli import parse_lora_module
+
+    assert parse_lora_module(text) == expected
+
+
+@pytest.mark.parametrize("text", ["sql", "=/a", '{"name": "sql"}', '{"name": "sql", "path": 3}', "{not json",
+                                  '{"name": "s", "path": "/a", "base_model_name": 1}'])
+def test_a_bad_lora_module_is_refused_by_name(text):
+    from pagedkv.entrypoints.cli import parse_lora_module
+
+    with pytest.raises(ValueError, match="--lora-modules"):
+        parse_lora_module(text)

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import sys
 import time
 import typing
+from typing import Union
 
 from pagedkv.config import EngineConfig
 
@@ -120,6 +122,28 @@ def _print_summary(engine, outputs, elapsed: float) -> None:
         print(f"{name:<{width}}  {value}")
 
 
+def parse_lora_module(text: str) -> tuple[str, Union[str, dict]]:
+    """One --lora-modules value, in either of vLLM's forms: NAME=PATH, or JSON
+    {"name": ..., "path": ..., "base_model_name": ...} (the last optional: the adapter's model card
+    names it as its parent). (name, path) or (name, {"path", "base_model_name"})."""
+    if text.lstrip().startswith("{"):
+        try:
+            module = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"--lora-modules: {text!r} is not valid JSON ({error})") from None
+        if not isinstance(module, dict) or not all(isinstance(module.get(key), str) and module[key]
+                                                   for key in ("name", "path")):
+            raise ValueError(f"--lora-modules JSON needs string fields name and path, got {text!r}")
+        base = module.get("base_model_name")
+        if base is not None and not isinstance(base, str):
+            raise ValueError(f"--lora-modules: base_model_name must be a string, got {base!r}")
+        return module["name"], {"path": module["path"], "base_model_name": base}
+    name, separator, path = text.partition("=")
+    if not separator or not name or not path:
+        raise ValueError(f"--lora-modules takes NAME=PATH pairs or JSON objects, got {text!r}")
+    return name, path
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from pagedkv.entrypoints.server.app import DEFAULT_MAX_REQUEST_BODY_BYTES, serve
 
@@ -127,12 +151,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if chat_template is not None and os.path.isfile(chat_template):
         with open(chat_template, encoding="utf-8") as file:
             chat_template = file.read()
-    lora_modules = {}
-    for module in args.lora_modules:
-        name, separator, path = module.partition("=")
-        if not separator or not name or not path:
-            raise SystemExit(f"--lora-modules takes NAME=PATH pairs, got {module!r}")
-        lora_modules[name] = path
+    try:
+        lora_modules = dict(parse_lora_module(module) for module in args.lora_modules)
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
     return serve(engine_config(args), host=args.host, port=args.port, served_model_name=args.served_model_name,
                  chat_template=chat_template, api_key=args.api_key, lora_modules=lora_modules,
                  allow_runtime_lora_updating=args.allow_runtime_lora_updating, reasoning_parser=args.reasoning_parser,
@@ -166,7 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--chat-template", default=None,
                        help="Jinja chat template (a file or the template itself; default: the tokenizer's)")
     serve.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
-                       help="LoRA adapters (PEFT directories) served as models of these names; turns --enable-lora on")
+                       help="LoRA adapters (PEFT directories) served as models of these names, as NAME=PATH or "
+                            "JSON {\"name\", \"path\", \"base_model_name\"}; turns --enable-lora on")
     serve.add_argument("--allow-runtime-lora-updating", action="store_true",
                        default=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
                        help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter load adapters from this "

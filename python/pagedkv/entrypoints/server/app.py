@@ -15,7 +15,7 @@ import hmac
 import logging
 import signal
 from contextlib import asynccontextmanager
-from typing import Optional
+from typing import Optional, Union
 
 from fastapi import FastAPI, Request
 
@@ -36,7 +36,7 @@ UNGUARDED_ROUTES = frozenset({"/health"})
 
 
 def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_template: Optional[str] = None,
-               api_key: Optional[str] = None, lora_modules: Optional[dict[str, str]] = None,
+               api_key: Optional[str] = None, lora_modules: Optional[dict[str, Union[str, dict]]] = None,
                allow_runtime_lora_updating: bool = False, reasoning_parser: Optional[str] = None,
                tool_call_parser: str = "hermes",
                max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
@@ -46,7 +46,7 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
     routes (all but /health) answer 401 unless the request carries `Authorization: Bearer <api_key>`; an
     empty key is an InvalidConfigError. Bodies longer than `max_request_body_bytes` get 413, bodies
     that pause longer than `request_body_pause_seconds` 408.
-    `lora_modules` ({name: PEFT directory}, engine with enable_lora): each adapter is served as a
+    `lora_modules` ({name: PEFT directory, or {"path", "base_model_name"}}, engine with enable_lora): each adapter is served as a
     model of its own name, loaded now. `allow_runtime_lora_updating` adds vLLM's
     /v1/load_lora_adapter and /v1/unload_lora_adapter (adapters from the server's disk).
     `reasoning_parser` ("deepseek_r1", "qwen3", "openai_gptoss"): chat replies' think blocks become

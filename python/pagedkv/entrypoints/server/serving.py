@@ -40,15 +40,20 @@ class ServingContext:
     engine that `start` hands to the engine client, the only caller of the engine from then on."""
 
     def __init__(self, engine: LLMEngine, served_model_name: Optional[str] = None, chat_template: Optional[str] = None,
-                 lora_modules: Optional[dict[str, str]] = None, reasoning_parser: Optional[str] = None,
+                 lora_modules: Optional[dict[str, Union[str, dict]]] = None, reasoning_parser: Optional[str] = None,
                  tool_call_parser: str = "hermes"):
         if tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {tool_call_parser!r}")
         self.model_name = served_model_name or engine.model_name
         # (vLLM's card `root`: the checkpoint the model was loaded from; the embedded model's file name)
         self.model_root = engine.config.model or engine.model_name
-        self.adapters = {name: LoRARequest(name, index + 1, path)
-                         for index, (name, path) in enumerate((lora_modules or {}).items())}
+        modules = {name: module if isinstance(module, dict) else {"path": module}
+                   for name, module in (lora_modules or {}).items()}
+        self.adapters = {name: LoRARequest(name, index + 1, module["path"])
+                         for index, (name, module) in enumerate(modules.items())}
+        # (vLLM's card `parent`: the base model, as the module names it or as served)
+        self.adapter_parents = {name: module.get("base_model_name") or self.model_name
+                                for name, module in modules.items()}
         if self.model_name in self.adapters:
             raise ValueError(f"LoRA module name {self.model_name!r} is the base model's served name")
         for adapter in self.adapters.values():

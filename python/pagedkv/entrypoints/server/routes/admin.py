@@ -51,7 +51,7 @@ async def models(context: ServingContext = Depends(serving)):
     card = {"id": context.model_name, "object": "model", "created": 0, "owned_by": "pagedkv",
             "root": context.model_root, "parent": None, "max_model_len": context.max_model_len}
     lora_cards = [{"id": name, "object": "model", "created": 0, "owned_by": "pagedkv", "root": adapter.lora_path,
-                   "parent": context.model_name, "max_model_len": context.max_model_len}
+                   "parent": context.adapter_parents.get(name, context.model_name), "max_model_len": context.max_model_len}
                   for name, adapter in context.adapters.items()]
     return {"object": "list", "data": [card, *lora_cards]}
 
