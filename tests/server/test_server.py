@@ -105,6 +105,36 @@ def test_streamed_usage_and_token_counters_count_every_step(client, server):
     assert texts == [choice.text for choice in full.choices]
 
 
+def test_continuous_usage_stats_give_usage_so_far_in_every_chunk(client, server):
+    """vLLM's stream_options.continuous_usage_stats: each chunk carries the usage so far."""
+    args = dict(model=server.engine.model_name, prompt="Count: one, two,", max_tokens=6, temperature=0,
+                extra_body={"ignore_eos": True})
+    chunks = list(client.completions.create(stream=True, **args, stream_options={
+        "include_usage": True, "continuous_usage_stats": True}))
+    with_text = [chunk for chunk in chunks if chunk.choices]
+    assert all(chunk.usage is not None for chunk in chunks)
+    counts = [chunk.usage.completion_tokens for chunk in with_text]
+    assert counts == sorted(counts) and counts[-1] == chunks[-1].usage.completion_tokens == 6
+    assert {chunk.usage.prompt_tokens for chunk in chunks} == {chunks[-1].usage.prompt_tokens}
+    plain = list(client.completions.create(stream=True, **args, stream_options={"include_usage": True}))
+    assert [chunk.usage is not None for chunk in plain] == [False] * (len(plain) - 1) + [True]
+
+
+def test_force_include_usage_ends_every_stream_with_usage():
+    """--enable-force-include-usage: a stream that did not ask for usage still ends with it."""
+    from pagedkv.entrypoints.cli import build_parser
+
+    assert build_parser().parse_args(["serve", "--enable-force-include-usage"]).enable_force_include_usage
+    live = LiveServer(num_device_blocks=32, max_model_len=128, app_options={"enable_force_include_usage": True})
+    try:
+        forced = OpenAI(base_url=live.url + "/v1", api_key="unused", timeout=60, max_retries=0)
+        chunks = list(forced.completions.create(model=live.engine.model_name, prompt="Hi", max_tokens=3, stream=True,
+                                                extra_body={"ignore_eos": True}))
+        assert chunks[-1].usage.completion_tokens == 3 and all(chunk.usage is None for chunk in chunks[:-1])
+    finally:
+        live.stop()
+
+
 def test_completions_streamed_equals_non_streamed(client, server):
     model = server.engine.model_name
     args = dict(model=model, prompt="The three primary colors are", max_tokens=24, temperature=0)

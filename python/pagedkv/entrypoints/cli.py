@@ -160,7 +160,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                  allow_runtime_lora_updating=args.allow_runtime_lora_updating, reasoning_parser=args.reasoning_parser,
                  tool_call_parser=args.tool_call_parser, max_request_body_bytes=(DEFAULT_MAX_REQUEST_BODY_BYTES if args.max_request_body_bytes is None
                                          else args.max_request_body_bytes),
-                 shutdown_grace_seconds=args.shutdown_grace_seconds)
+                 shutdown_grace_seconds=args.shutdown_grace_seconds,
+                 enable_force_include_usage=args.enable_force_include_usage)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -190,6 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                        help="LoRA adapters (PEFT directories) served as models of these names, as NAME=PATH or "
                             "JSON {\"name\", \"path\", \"base_model_name\"}; turns --enable-lora on")
+    serve.add_argument("--enable-force-include-usage", action="store_true",
+                       help="every streamed answer ends with a usage chunk, whether the request asked or not")
     serve.add_argument("--allow-runtime-lora-updating", action="store_true",
                        default=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
                        help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter load adapters from this "

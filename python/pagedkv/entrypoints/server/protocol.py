@@ -190,6 +190,7 @@ class StructuredOutputsBody(TypedDict, total=False):
 
 class StreamOptions(_Part):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # (vLLM's: with include_usage, usage so far in every chunk)
 
 
 # The scheduler orders requests by a signed 64-bit priority (smaller first).

@@ -23,6 +23,7 @@ class ReplyOptions:
     n: int = 1  # samples per prompt: choice i * n + j is sample j of prompt i
     echo: bool = False  # prompts before their choices (completions)
     include_usage: bool = False  # a streamed usage chunk at the end
+    continuous_usage: bool = False  # usage so far in every streamed chunk (stream_options.continuous_usage_stats)
     tools: Optional[ToolCalling] = None
     top_logprobs: int = 0  # chat: candidates per token
     token_ids: bool = False  # vLLM's return_token_ids: the prompt's and each choice's token ids
@@ -52,6 +53,7 @@ class ResponseBuilder:
         choices_so_far: dict[int, _ChoiceSoFar] = {}
         prompt_tokens: dict[int, int] = {}  # per prompt, of the finished ones
         cached_tokens: dict[int, int] = {}
+        prompts_seen: dict[int, int] = {}  # per prompt that has output, its tokens (continuous usage)
         kind = "chat.completion.chunk" if chat else "text_completion"
         role_pending = chat  # (chat's first chunk: the role)
 
@@ -85,7 +87,13 @@ class ResponseBuilder:
                     choices.append(choice)
                     so_far.finished = choice["finish_reason"] is not None
             if choices:
-                yield sse({"id": request_id, "object": kind, "created": created, "model": self.model_name, "choices": choices})
+                chunk = {"id": request_id, "object": kind, "created": created, "model": self.model_name,
+                         "choices": choices}
+                if options.continuous_usage:
+                    prompts_seen[prompt_index] = len(output.prompt_token_ids)
+                    num_generated = sum(so_far.num_tokens for so_far in choices_so_far.values())
+                    chunk["usage"] = self.usage_of(sum(prompts_seen.values()), num_generated)
+                yield sse(chunk)
             if output.finished:
                 prompt_tokens[prompt_index] = len(output.prompt_token_ids)
                 cached_tokens[prompt_index] = num_cached_tokens(output)

@@ -41,7 +41,7 @@ class ServingContext:
 
     def __init__(self, engine: LLMEngine, served_model_name: Optional[str] = None, chat_template: Optional[str] = None,
                  lora_modules: Optional[dict[str, Union[str, dict]]] = None, reasoning_parser: Optional[str] = None,
-                 tool_call_parser: str = "hermes"):
+                 tool_call_parser: str = "hermes", force_include_usage: bool = False):
         if tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {tool_call_parser!r}")
         self.model_name = served_model_name or engine.model_name
@@ -59,6 +59,7 @@ class ServingContext:
         for adapter in self.adapters.values():
             engine.add_lora(adapter)  # (a bad adapter stops the server from starting, not a request)
         self.chat_template = chat_template
+        self.force_include_usage = force_include_usage  # (--enable-force-include-usage: every stream ends with usage)
         self.tool_call_parser = tool_call_parser
         self.reasoning = ReasoningParser(reasoning_parser) if reasoning_parser else None
         self.tokenizer = engine.tokenizer

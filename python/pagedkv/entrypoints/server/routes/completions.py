@@ -52,8 +52,11 @@ async def run(context: ServingContext, request: Request, prompts: list, params, 
     streams = await context.submit(request_ids, prompts, params, body.priority, served, chat,
                                    check_context_room=body.max_tokens is not None)
     created = int(time.time())
-    options = ReplyOptions(chat=chat, n=params.n, echo=bool(getattr(body, "echo", False)),
-                           include_usage=body.stream_options is not None and body.stream_options.include_usage,
+    stream_options = body.stream_options
+    include_usage = context.force_include_usage or (stream_options is not None and stream_options.include_usage)
+    options = ReplyOptions(chat=chat, n=params.n, echo=bool(getattr(body, "echo", False)), include_usage=include_usage,
+                           continuous_usage=include_usage and stream_options is not None
+                           and stream_options.continuous_usage_stats,
                            tools=tools, top_logprobs=params.logprobs or 0, token_ids=bool(body.return_token_ids),
                            tokens_as_ids=bool(body.return_tokens_as_token_ids))
     if body.stream:
