@@ -120,19 +120,37 @@ def test_continuous_usage_stats_give_usage_so_far_in_every_chunk(client, server)
     assert [chunk.usage is not None for chunk in plain] == [False] * (len(plain) - 1) + [True]
 
 
-def test_force_include_usage_ends_every_stream_with_usage():
+@pytest.fixture(scope="module")
+def flagged_server():
+    """A server with the options that are off by default."""
+    live = LiveServer(num_device_blocks=32, max_model_len=128, app_options={
+        "enable_force_include_usage": True, "enable_tokenizer_info_endpoint": True})
+    yield live
+    live.stop()
+
+
+def test_force_include_usage_ends_every_stream_with_usage(flagged_server):
     """--enable-force-include-usage: a stream that did not ask for usage still ends with it."""
     from pagedkv.entrypoints.cli import build_parser
 
-    assert build_parser().parse_args(["serve", "--enable-force-include-usage"]).enable_force_include_usage
-    live = LiveServer(num_device_blocks=32, max_model_len=128, app_options={"enable_force_include_usage": True})
-    try:
-        forced = OpenAI(base_url=live.url + "/v1", api_key="unused", timeout=60, max_retries=0)
-        chunks = list(forced.completions.create(model=live.engine.model_name, prompt="Hi", max_tokens=3, stream=True,
-                                                extra_body={"ignore_eos": True}))
-        assert chunks[-1].usage.completion_tokens == 3 and all(chunk.usage is None for chunk in chunks[:-1])
-    finally:
-        live.stop()
+    flags = build_parser().parse_args(["serve", "--enable-force-include-usage", "--enable-tokenizer-info-endpoint"])
+    assert flags.enable_force_include_usage and flags.enable_tokenizer_info_endpoint
+    forced = OpenAI(base_url=flagged_server.url + "/v1", api_key="unused", timeout=60, max_retries=0)
+    chunks = list(forced.completions.create(model=flagged_server.engine.model_name, prompt="Hi", max_tokens=3,
+                                            stream=True, extra_body={"ignore_eos": True}))
+    assert chunks[-1].usage.completion_tokens == 3 and all(chunk.usage is None for chunk in chunks[:-1])
+
+
+def test_tokenizer_info_and_token_strings(flagged_server, server):
+    """vLLM's /tokenizer_info (only where enabled) and /tokenize's return_token_strs."""
+    info = httpx.get(flagged_server.url + "/tokenizer_info", timeout=10).json()
+    tokenizer = flagged_server.engine.tokenizer
+    assert info["tokenizer_class"] == type(tokenizer).__name__ and info["chat_template"] == tokenizer.chat_template
+    assert httpx.get(server.url + "/tokenizer_info", timeout=10).status_code == 404
+    body = {"prompt": "Hello there, naïve café", "return_token_strs": True}
+    answer = httpx.post(server.url + "/tokenize", json=body, timeout=30).json()
+    assert answer["token_strs"] == tokenizer.convert_ids_to_tokens(answer["tokens"]) and len(answer["tokens"]) > 3
+    assert "token_strs" not in httpx.post(server.url + "/tokenize", json={"prompt": "Hi"}, timeout=30).json()
 
 
 def test_completions_streamed_equals_non_streamed(client, server):

@@ -161,7 +161,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                  tool_call_parser=args.tool_call_parser, max_request_body_bytes=(DEFAULT_MAX_REQUEST_BODY_BYTES if args.max_request_body_bytes is None
                                          else args.max_request_body_bytes),
                  shutdown_grace_seconds=args.shutdown_grace_seconds,
-                 enable_force_include_usage=args.enable_force_include_usage)
+                 enable_force_include_usage=args.enable_force_include_usage,
+                 enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -191,6 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                        help="LoRA adapters (PEFT directories) served as models of these names, as NAME=PATH or "
                             "JSON {\"name\", \"path\", \"base_model_name\"}; turns --enable-lora on")
+    serve.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                       help="GET /tokenizer_info: the tokenizer's configuration and chat template")
     serve.add_argument("--enable-force-include-usage", action="store_true",
                        help="every streamed answer ends with a usage chunk, whether the request asked or not")
     serve.add_argument("--allow-runtime-lora-updating", action="store_true",

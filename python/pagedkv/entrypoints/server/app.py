@@ -41,13 +41,14 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
                tool_call_parser: str = "hermes",
                max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
                request_body_pause_seconds: float = BODY_PAUSE_SECONDS,
-               enable_force_include_usage: bool = False) -> FastAPI:
+               enable_force_include_usage: bool = False, enable_tokenizer_info_endpoint: bool = False) -> FastAPI:
     """The app around an engine; an AsyncLLM steps it for the app's lifetime. `chat_template`
     (Jinja) replaces the tokenizer's own, e.g. for a base model that has none. `api_key`: /v1
     routes (all but /health) answer 401 unless the request carries `Authorization: Bearer <api_key>`; an
     empty key is an InvalidConfigError. Bodies longer than `max_request_body_bytes` get 413, bodies
     that pause longer than `request_body_pause_seconds` 408. `enable_force_include_usage`: every
-    stream ends with a usage chunk, asked for or not (vLLM's flag).
+    stream ends with a usage chunk, asked for or not (vLLM's flag). `enable_tokenizer_info_endpoint`
+    adds vLLM's GET /tokenizer_info (off by default, as in vLLM: it shows the tokenizer's setup).
     `lora_modules` ({name: PEFT directory, or {"path", "base_model_name"}}, engine with enable_lora): each adapter is served as a
     model of its own name, loaded now. `allow_runtime_lora_updating` adds vLLM's
     /v1/load_lora_adapter and /v1/unload_lora_adapter (adapters from the server's disk).
@@ -76,6 +77,8 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
         app.include_router(router)
     if allow_runtime_lora_updating:
         app.include_router(admin.lora_router)
+    if enable_tokenizer_info_endpoint:
+        app.include_router(tokenization.info_router)
     return app
 
 
@@ -111,7 +114,7 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, serve
           lora_modules: Optional[dict[str, Union[str, dict]]] = None, allow_runtime_lora_updating: bool = False,
           reasoning_parser: Optional[str] = None, tool_call_parser: str = "hermes",
           max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, shutdown_grace_seconds: float = 10.0,
-          enable_force_include_usage: bool = False) -> int:
+          enable_force_include_usage: bool = False, enable_tokenizer_info_endpoint: bool = False) -> int:
     """Builds the engine and runs uvicorn until SIGINT/SIGTERM: stops accepting, lets in-flight
     requests finish for `shutdown_grace_seconds`, aborts the rest (ServingContext.drain), and
     returns 0. `lora_modules` and `allow_runtime_lora_updating` turn enable_lora on."""
@@ -147,7 +150,8 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, serve
         config = dataclasses.replace(config, enable_lora=True)
     app = create_app(LLMEngine(config), served_model_name, chat_template, api_key, lora_modules,
                      allow_runtime_lora_updating, reasoning_parser, tool_call_parser, max_request_body_bytes,
-                     enable_force_include_usage=enable_force_include_usage)
+                     enable_force_include_usage=enable_force_include_usage,
+                     enable_tokenizer_info_endpoint=enable_tokenizer_info_endpoint)
     # uvicorn's own bound on the drain comes after ours: by then every request has ended.
     Server(uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=shutdown_grace_seconds + 5,
                           log_level="info")).run()

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal, Optional, Union
 
 from fastapi import FastAPI
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from pagedkv.entrypoints.server.protocol import FunctionTool, ResponsesNamedToolChoice, TextConfig
 
@@ -308,6 +308,14 @@ class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: Optional[list[str]] = None  # (return_token_strs)
+
+
+class TokenizerInfoResponse(BaseModel):
+    """The tokenizer's configuration (its init arguments), class and chat template."""
+
+    model_config = ConfigDict(extra="allow")
+    tokenizer_class: str
 
 
 class DetokenizeResponse(BaseModel):

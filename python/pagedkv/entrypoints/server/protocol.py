@@ -411,6 +411,7 @@ class TokenizeRequest(_Request):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    return_token_strs: Optional[bool] = False  # the tokens' vocabulary strings too, as `token_strs`
 
 
 class DetokenizeRequest(_Request):

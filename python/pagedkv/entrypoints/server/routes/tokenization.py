@@ -1,4 +1,5 @@
-"""vLLM's /tokenize (a prompt, or chat messages through the template) and /detokenize."""
+"""vLLM's /tokenize (a prompt, or chat messages through the template), /detokenize, and
+(`info_router`, with enable_tokenizer_info_endpoint) /tokenizer_info."""
 
 from __future__ import annotations
 
@@ -6,11 +7,12 @@ from fastapi import APIRouter, Depends
 
 from pagedkv.params.sampling import check_unicode
 from pagedkv.entrypoints.server.errors import APIError
-from pagedkv.entrypoints.server.openapi import DetokenizeResponse, TokenizeResponse, answer
+from pagedkv.entrypoints.server.openapi import DetokenizeResponse, TokenizeResponse, TokenizerInfoResponse, answer
 from pagedkv.entrypoints.server.protocol import DetokenizeRequest, TokenizeRequest
 from pagedkv.entrypoints.server.serving import ServingContext, serving
 
 router = APIRouter()
+info_router = APIRouter()
 
 
 @router.post("/tokenize", responses=answer(TokenizeResponse))
@@ -28,7 +30,10 @@ async def tokenize(body: TokenizeRequest, context: ServingContext = Depends(serv
         raise APIError(400, str(error), "invalid_request_error", "prompt")
     tokens = await context.client.run_in_worker(
         lambda: context.tokenizer.encode(text, add_special_tokens=body.add_special_tokens))
-    return {"count": len(tokens), "max_model_len": context.max_model_len, "tokens": tokens}
+    answer = {"count": len(tokens), "max_model_len": context.max_model_len, "tokens": tokens}
+    if body.return_token_strs:
+        answer["token_strs"] = context.tokenizer.convert_ids_to_tokens(tokens)
+    return answer
 
 
 @router.post("/detokenize", responses=answer(DetokenizeResponse))
@@ -38,3 +43,25 @@ async def detokenize(body: DetokenizeRequest, context: ServingContext = Depends(
     if any(not 0 <= token < vocab_size for token in body.tokens):
         raise APIError(400, f"tokens must be token ids in [0, {vocab_size})", "invalid_request_error", "tokens")
     return {"prompt": await context.client.run_in_worker(context.tokenizer.decode, body.tokens)}
+
+
+@info_router.get("/tokenizer_info", responses=answer(TokenizerInfoResponse))
+async def tokenizer_info(context: ServingContext = Depends(serving)):
+    """vLLM's: the tokenizer's init arguments (JSON values only), its class, name and chat template."""
+    tokenizer = context.tokenizer
+    config = {name: value for name, value in (getattr(tokenizer, "init_kwargs", None) or {}).items()
+              if name not in ("tokenizer_object", "added_tokens_decoder") and _is_json(value)}
+    config["name_or_path"] = getattr(tokenizer, "name_or_path", "")
+    config["tokenizer_class"] = type(tokenizer).__name__
+    template = context.chat_template or getattr(tokenizer, "chat_template", None)
+    if template:
+        config["chat_template"] = template
+    return config
+
+
+def _is_json(value) -> bool:
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_is_json(item) for item in value)
+    return isinstance(value, dict) and all(isinstance(key, str) and _is_json(item) for key, item in value.items())
