@@ -153,6 +153,22 @@ def test_tokenizer_info_and_token_strings(flagged_server, server):
     assert "token_strs" not in httpx.post(server.url + "/tokenize", json={"prompt": "Hi"}, timeout=30).json()
 
 
+def test_sagemakers_ping_and_invocations(server):
+    """vLLM's SageMaker routes: /ping is /health; /invocations serves a body as the first route
+    whose request it is."""
+    for method in ("GET", "POST"):
+        assert httpx.request(method, server.url + "/ping", timeout=10).json() == {"status": "ok"}
+    invoke = lambda body: httpx.post(server.url + "/invocations", json=body, timeout=60)  # noqa: E731
+    chat = invoke({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}).json()
+    assert chat["object"] == "chat.completion" and chat["usage"]["completion_tokens"] >= 1
+    assert invoke({"prompt": "Hi", "max_tokens": 2}).json()["object"] == "text_completion"
+    embedded = invoke({"input": "Hi"}).json()["data"][0]["embedding"]
+    assert len(embedded) == server.engine.model_info.hidden_size
+    refused = invoke({"what": "nothing"})
+    assert refused.status_code == 400 and "ChatCompletionRequest" in refused.json()["error"]["message"]
+    assert invoke({"prompt": "Hi", "max_tokens": 0}).status_code == 400
+
+
 def test_completions_streamed_equals_non_streamed(client, server):
     model = server.engine.model_name
     args = dict(model=model, prompt="The three primary colors are", max_tokens=24, temperature=0)
@@ -637,9 +653,11 @@ def test_an_api_key_guards_the_v1_routes():
             assert response.status_code == 401, headers
             assert response.json()["error"]["code"] == "invalid_api_key"
         assert httpx.get(live.url + "/v1/models", timeout=10).status_code == 401
-        assert httpx.get(live.url + "/health", timeout=10).status_code == 200  # probes need no key
+        for probe in ("/health", "/ping"):  # probes need no key
+            assert httpx.get(live.url + probe, timeout=10).status_code == 200
         for path, json_body in (("/tokenize", {"prompt": "Hello"}), ("/detokenize", {"tokens": [1, 2]}),
-                                ("/classify", {"input": "Hello"})):  # every other route asks for the key
+                                ("/classify", {"input": "Hello"}), ("/invocations", {"prompt": "Hi", "max_tokens": 1})):
+            # (every other route asks for the key)
             assert httpx.post(live.url + path, json=json_body, timeout=10).status_code == 401, path
             response = httpx.post(live.url + path, json=json_body, headers={"Authorization": "Bearer s3cret"}, timeout=30)
             assert response.status_code != 401, path
