@@ -431,6 +431,35 @@ def test_tool_calls_for_a_named_or_required_tool_choice(client, server):
     assert reply.choices[0].message.content
 
 
+def test_required_tools_with_defs_and_a_named_call_cut_by_max_tokens(client, server):
+    """vLLM's cases: tool schemas that refer to their own $defs work under "required" (the
+    definitions move to the combined schema's root); a named call cut off by max_tokens is still
+    the call (finish_reason "length"), not content."""
+    model = server.engine.model_name
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    place = {"type": "function", "function": {"name": "get_forecast", "parameters": {
+        "type": "object", "properties": {"where": {"$ref": "#/$defs/place"}}, "required": ["where"],
+        "$defs": {"place": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                            "required": ["city"]}}}}}
+    required = client.chat.completions.create(model=model, messages=messages, tools=[place, WEATHER], max_tokens=80,
+                                              temperature=0, tool_choice="required")
+    for call in required.choices[0].message.tool_calls:
+        arguments = json.loads(call.function.arguments)
+        assert isinstance((arguments["where"]["city"] if call.function.name == "get_forecast" else arguments["city"]),
+                          str)
+    clash = dict(TIME, function=dict(TIME["function"], parameters=dict(TIME["function"]["parameters"],
+                                                                       **{"$defs": {"place": {"type": "string"}}})))
+    response = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
+        "messages": messages, "tools": [place, clash], "tool_choice": "required", "max_tokens": 5})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "tools"
+    cut = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER], max_tokens=3, temperature=0,
+                                         tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = cut.choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.function.arguments.startswith("{")
+
+
 def test_hermes_tool_calls_are_parsed_in_auto_mode():
     from pagedkv.entrypoints.server.tools import ToolCalling
 

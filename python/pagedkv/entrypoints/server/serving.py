@@ -254,7 +254,11 @@ def with_tools(params, tools: Optional[ToolCalling], structured_fields: str):
         if params.structured_outputs is not None:
             raise APIError(400, f"tool_choice required or a named function cannot be combined with "
                            f"{structured_fields}", "invalid_request_error", "tool_choice")
-        return dataclasses.replace(params, structured_outputs=tools.constraint())
+        try:
+            constraint = tools.constraint()
+        except ValueError as error:
+            raise APIError(400, str(error), "invalid_request_error", "tools") from error
+        return dataclasses.replace(params, structured_outputs=constraint)
     if tools.parser != "hermes":
         return dataclasses.replace(params, skip_special_tokens=False)
     return params

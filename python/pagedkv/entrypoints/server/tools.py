@@ -78,12 +78,19 @@ class ToolCalling:
         if isinstance(self.choice, dict):
             return StructuredOutputsParams(json=self.functions[self.choice["name"]])
         if self.choice == "required":
-            calls = [
-                {"type": "object", "properties": {"name": {"type": "string", "enum": [name]}, "parameters": schema},
-                 "required": ["name", "parameters"]}
-                for name, schema in self.functions.items()
-            ]
-            return StructuredOutputsParams(json={"type": "array", "minItems": 1, "items": {"anyOf": calls}})
+            calls, definitions = [], {}
+            for name, schema in self.functions.items():
+                # (each tool's $defs move to the root, where its "#/$defs/..." references now point)
+                schema = dict(schema)
+                for key, definition in schema.pop("$defs", {}).items():
+                    if definitions.setdefault(key, definition) != definition:
+                        raise ValueError(f"tools define $defs {key!r} twice, differently")
+                calls.append({"type": "object", "required": ["name", "parameters"],
+                              "properties": {"name": {"type": "string", "enum": [name]}, "parameters": schema}})
+            combined = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+            if definitions:
+                combined["$defs"] = definitions
+            return StructuredOutputsParams(json=combined)
         return None
 
     def streamable_len(self, text: str) -> int:
@@ -115,13 +122,10 @@ class ToolCalling:
         return ("" if self.constrained else (content or "")[sent:].strip()), calls, reason
 
     def parse(self, text: str, finish_reason: Optional[str]) -> tuple[Optional[str], list[dict], Optional[str]]:
-        """(content, tool calls, finish_reason) of a finished output. Text that does not parse
-        (cut off by max_tokens, say) stays content, with no tool calls."""
+        """(content, tool calls, finish_reason) of a finished output. A named function's call is
+        its text, whole or cut off by max_tokens (finish_reason "length" says so, as in vLLM);
+        otherwise text that does not parse stays content, with no tool calls."""
         if isinstance(self.choice, dict):
-            try:
-                json.loads(text)
-            except ValueError:
-                return text, [], finish_reason
             return None, [_call(self.choice["name"], text)], finish_reason
         if self.choice == "required":
             try:
