@@ -460,6 +460,30 @@ def test_required_tools_with_defs_and_a_named_call_cut_by_max_tokens(client, ser
     assert call.function.name == "get_weather" and call.function.arguments.startswith("{")
 
 
+def test_chat_continues_the_final_message_echoes_it_and_takes_custom_roles(client, server):
+    """vLLM's continue_final_message (the prompt ends inside the last assistant message), echo
+    (that message's text before the reply) and roles beyond OpenAI's five."""
+    model, tokenizer = server.engine.model_name, server.engine.tokenizer
+    messages = [{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": "My favourite fruit is"}]
+    reply = client.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0, extra_body={
+        "continue_final_message": True, "add_generation_prompt": False, "echo": True})
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+    assert prompt.rstrip().endswith("My favourite fruit is")
+    plain = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0,
+                                      extra_body={"add_special_tokens": False})
+    assert reply.choices[0].message.content == "My favourite fruit is" + plain.choices[0].text
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(
+        model=model, messages=messages, max_tokens=6, temperature=0, stream=True, extra_body={
+            "continue_final_message": True, "add_generation_prompt": False, "echo": True}) if chunk.choices)
+    assert streamed == reply.choices[0].message.content
+    response = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
+        "messages": messages, "continue_final_message": True, "max_tokens": 2})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "continue_final_message"
+    narrated = client.chat.completions.create(model=model, max_tokens=2, messages=[
+        {"role": "narrator", "content": "A quiet morning."}, {"role": "user", "content": "Hi"}])
+    assert narrated.choices[0].message.content is not None
+
+
 def test_hermes_tool_calls_are_parsed_in_auto_mode():
     from pagedkv.entrypoints.server.tools import ToolCalling
 

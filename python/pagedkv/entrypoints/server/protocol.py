@@ -112,7 +112,8 @@ class ChatMessage(_Part):
 
     model_config = ConfigDict(extra="allow")
 
-    role: Literal["system", "user", "assistant", "tool", "developer"]
+    # OpenAI's roles, or any other a chat template knows (vLLM's custom roles)
+    role: Annotated[str, Field(min_length=1, max_length=64)]
     content: Optional[Union[str, list[ContentPart]]] = None
     name: Optional[str] = None
     tool_calls: Optional[list[ToolCall]] = None
@@ -343,6 +344,22 @@ class ChatCompletionRequest(_Sampling):
     tools: Optional[list[ChatTool]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None  # template variables, e.g. {"enable_thinking": false}
+    # vLLM's: the reply continues the last (assistant) message, or starts a new one; `echo` puts
+    # that last assistant message's text before the reply's.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    echo: bool = False
+
+    @model_validator(mode="after")
+    def _one_way_to_start_the_reply(self):
+        if self.continue_final_message and self.add_generation_prompt:
+            raise RequestFieldError("continue_final_message", "continue_final_message needs add_generation_prompt=false")
+        return self
+
+    def echoed_text(self) -> str:
+        """With `echo`, the last message's text when it is the assistant's (what the reply continues)."""
+        last = self.messages[-1]
+        return last.text() if self.echo and last.role == "assistant" else ""
 
     def chat_logprobs(self) -> Optional[int]:
         return (self.top_logprobs or 0) if self.logprobs else None

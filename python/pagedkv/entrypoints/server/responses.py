@@ -22,6 +22,7 @@ class ReplyOptions:
     chat: bool
     n: int = 1  # samples per prompt: choice i * n + j is sample j of prompt i
     echo: bool = False  # prompts before their choices (completions)
+    chat_echo: str = ""  # chat with echo: the last assistant message's text, before each reply's
     include_usage: bool = False  # a streamed usage chunk at the end
     continuous_usage: bool = False  # usage so far in every streamed chunk (stream_options.continuous_usage_stats)
     tools: Optional[ToolCalling] = None
@@ -58,7 +59,7 @@ class ResponseBuilder:
         role_pending = chat  # (chat's first chunk: the role)
 
         def role_chunk(prompt_token_ids: Optional[list[int]]) -> str:
-            first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+            first = [{"index": i, "delta": {"role": "assistant", "content": options.chat_echo}, "logprobs": None,
                       "finish_reason": None} for i in range(num_choices)]
             chunk = {"id": request_id, "object": kind, "created": created, "model": self.model_name, "choices": first}
             if prompt_token_ids is not None:  # (vLLM: in the first chunk only)
@@ -232,6 +233,8 @@ class ResponseBuilder:
                     calls, reason = [], completion.finish_reason
                     if tools is not None:
                         content, calls, reason = tools.parse(content, completion.finish_reason)
+                    if options.chat_echo:
+                        content = options.chat_echo + (content or "")
                     message = {"role": "assistant", "content": content}
                     if self.reasoning is not None:
                         message["reasoning_content"] = message["reasoning"] = reasoning or None

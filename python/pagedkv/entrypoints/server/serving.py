@@ -124,15 +124,17 @@ class ServingContext:
         raise APIError(404, f"model {name!r} does not exist; this server serves {served}",
                        "invalid_request_error", "model", "model_not_found")
 
-    async def chat_prompt(self, messages, add_generation_prompt: bool, tools=None, template_kwargs=None) -> str:
+    async def chat_prompt(self, messages, add_generation_prompt: bool, tools=None, template_kwargs=None,
+                          continue_final_message: bool = False) -> str:
         """The prompt text, rendered on the worker pool (megabytes of messages or thousands of
         tools take seconds); `template_kwargs` reach the template as variables (e.g. Qwen3's
-        enable_thinking)."""
+        enable_thinking); `continue_final_message`: the prompt ends inside the last message."""
         turns = [message.template_fields() for message in messages]
         try:
             return await self.client.run_in_worker(lambda: self.tokenizer.apply_chat_template(
                 turns, tools=tools, chat_template=self.chat_template, tokenize=False,
-                add_generation_prompt=add_generation_prompt, **(template_kwargs or {})))
+                add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                **(template_kwargs or {})))
         except OverloadedError:
             raise
         except Exception as error:

@@ -36,8 +36,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, contex
     chat_tools, tool_choice = body.chat_tools()
     tools = context.tool_calling(chat_tools, tool_choice)
     params = context.with_reasoning(with_tools(params, tools, "structured outputs (response_format, guided_*)"))
-    prompt = await context.chat_prompt(body.messages, True, chat_tools if tools is not None else None,
-                                       body.chat_template_kwargs)
+    prompt = await context.chat_prompt(body.messages, body.add_generation_prompt,
+                                       chat_tools if tools is not None else None, body.chat_template_kwargs,
+                                       body.continue_final_message)
     return await run(context, request, [prompt], params, body, served, chat=True, tools=tools)
 
 
@@ -54,7 +55,8 @@ async def run(context: ServingContext, request: Request, prompts: list, params, 
     created = int(time.time())
     stream_options = body.stream_options
     include_usage = context.force_include_usage or (stream_options is not None and stream_options.include_usage)
-    options = ReplyOptions(chat=chat, n=params.n, echo=bool(getattr(body, "echo", False)), include_usage=include_usage,
+    options = ReplyOptions(chat=chat, n=params.n, echo=not chat and body.echo, include_usage=include_usage,
+                           chat_echo=body.echoed_text() if chat else "",
                            continuous_usage=include_usage and stream_options is not None
                            and stream_options.continuous_usage_stats,
                            tools=tools, top_logprobs=params.logprobs or 0, token_ids=bool(body.return_token_ids),
