@@ -117,3 +117,34 @@ def test_a_bad_lora_module_is_refused_by_name(text):
 
     with pytest.raises(ValueError, match="--lora-modules"):
         parse_lora_module(text)
+
+
+def test_serve_on_a_unix_socket_behind_a_root_path(tmp_path):
+    """--uds: the server answers on a Unix socket, not on host and port; --root-path: the prefix a
+    proxy strips is where /openapi.json says the routes are."""
+    import os
+    import subprocess
+    import sys
+
+    path = str(tmp_path / "pagedkv.sock")
+    process = subprocess.Popen([sys.executable, "-m", "pagedkv.entrypoints.cli", "serve", "--uds", path, "--root-path", "/behind/proxy",
+                                "--num-device-blocks", "32", "--max-model-len", "128"],
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    try:
+        with httpx.Client(transport=httpx.HTTPTransport(uds=path), base_url="http://pagedkv", timeout=60) as client:
+            deadline = time.monotonic() + 180
+            while True:
+                assert process.poll() is None and time.monotonic() < deadline, "server did not come up"
+                try:
+                    if os.path.exists(path) and client.get("/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.5)
+            answer = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).json()
+            assert answer["usage"]["completion_tokens"] >= 1
+            assert client.get("/openapi.json").json()["servers"] == [{"url": "/behind/proxy"}]
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0

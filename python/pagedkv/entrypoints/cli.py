@@ -162,7 +162,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                          else args.max_request_body_bytes),
                  shutdown_grace_seconds=args.shutdown_grace_seconds,
                  enable_force_include_usage=args.enable_force_include_usage,
-                 enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint)
+                 enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint, root_path=args.root_path,
+                 uds=args.uds)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -186,6 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    serve.add_argument("--uds", default=None, metavar="PATH", help="serve on this Unix socket instead of host and port")
+    serve.add_argument("--root-path", default="", metavar="PREFIX",
+                       help="the path prefix a proxy in front strips (links and /openapi.json name it)")
     serve.add_argument("--served-model-name", default=None, help="model name in the API (default: file name)")
     serve.add_argument("--chat-template", default=None,
                        help="Jinja chat template (a file or the template itself; default: the tokenizer's)")

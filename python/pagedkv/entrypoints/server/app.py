@@ -115,10 +115,13 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, serve
           lora_modules: Optional[dict[str, Union[str, dict]]] = None, allow_runtime_lora_updating: bool = False,
           reasoning_parser: Optional[str] = None, tool_call_parser: str = "hermes",
           max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, shutdown_grace_seconds: float = 10.0,
-          enable_force_include_usage: bool = False, enable_tokenizer_info_endpoint: bool = False) -> int:
+          enable_force_include_usage: bool = False, enable_tokenizer_info_endpoint: bool = False,
+          root_path: str = "", uds: Optional[str] = None) -> int:
     """Builds the engine and runs uvicorn until SIGINT/SIGTERM: stops accepting, lets in-flight
     requests finish for `shutdown_grace_seconds`, aborts the rest (ServingContext.drain), and
-    returns 0. `lora_modules` and `allow_runtime_lora_updating` turn enable_lora on."""
+    returns 0. `lora_modules` and `allow_runtime_lora_updating` turn enable_lora on. `uds`: a Unix
+    socket path to serve on instead of host and port. `root_path`: the path prefix a proxy in
+    front strips (links and /openapi.json name it)."""
     import uvicorn
 
     check_api_key(api_key)  # (before the model loads)
@@ -154,7 +157,8 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, serve
                      enable_force_include_usage=enable_force_include_usage,
                      enable_tokenizer_info_endpoint=enable_tokenizer_info_endpoint)
     # uvicorn's own bound on the drain comes after ours: by then every request has ended.
-    Server(uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=shutdown_grace_seconds + 5,
+    Server(uvicorn.Config(app, host=host, port=port, uds=uds, root_path=root_path,
+                          timeout_graceful_shutdown=shutdown_grace_seconds + 5,
                           log_level="info")).run()
     failure = app.state.engine_failure
     if failure is not None:
