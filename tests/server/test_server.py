@@ -484,6 +484,31 @@ def test_chat_continues_the_final_message_echoes_it_and_takes_custom_roles(clien
     assert narrated.choices[0].message.content is not None
 
 
+def test_prompt_logprobs_in_completions_and_chat(client, server):
+    """vLLM's prompt_logprobs: per prompt token (the first has none) the token and the k most
+    likely, keyed by id, with rank and decoded text; the token's own logprob is what echo's
+    logprobs give it."""
+    model, tokenizer = server.engine.model_name, server.engine.tokenizer
+    prompt = "The capital of France is Paris"
+    answer = httpx.post(server.url + "/v1/completions", timeout=60, json={
+        "model": model, "prompt": prompt, "max_tokens": 1, "prompt_logprobs": 2}).json()
+    entries, ids = answer["choices"][0]["prompt_logprobs"], tokenizer.encode(prompt)
+    assert len(entries) == len(ids) and entries[0] is None
+    echoed = client.completions.create(model=model, prompt=prompt, max_tokens=1, echo=True, logprobs=2)
+    for position, (token_id, entry) in enumerate(zip(ids[1:], entries[1:]), 1):
+        assert str(token_id) in entry and entry[str(token_id)]["decoded_token"] == tokenizer.decode([token_id])
+        assert entry[str(token_id)]["logprob"] == pytest.approx(echoed.choices[0].logprobs.token_logprobs[position],
+                                                                abs=1e-3)
+        top = sorted((candidate for candidate in entry.values() if candidate["rank"] is not None),
+                     key=lambda candidate: candidate["rank"])
+        assert [candidate["rank"] for candidate in top][:2] == [1, 2] and len(entry) in (2, 3)
+        assert top[0]["logprob"] >= top[1]["logprob"]
+    chat = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "prompt_logprobs": 1}).json()
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) > 3
+    assert client.completions.create(model=model, prompt=prompt, max_tokens=1).choices[0].prompt_logprobs is None
+
+
 def test_hermes_tool_calls_are_parsed_in_auto_mode():
     from pagedkv.entrypoints.server.tools import ToolCalling
 

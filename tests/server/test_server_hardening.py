@@ -302,6 +302,7 @@ SERVED_REQUESTS = {
         {"prompt": "w5 w6", "max_tokens": 2, "n": 2, "logprobs": MAX_LOGPROBS, "echo": True},
         {"prompt": [[5, 6], [7]], "max_tokens": 2, "stop": ["x"]},
         {"prompt": "w5", "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True}},
+        {"prompt": "w5 w6", "max_tokens": 2, "prompt_logprobs": 1, "return_token_ids": True},
     ],
     ("POST", "/v1/chat/completions"): [
         {"messages": CHAT, "max_tokens": 2, "logprobs": True, "top_logprobs": 2},
@@ -309,6 +310,7 @@ SERVED_REQUESTS = {
             "name": "f", "parameters": {"type": "object"}}}],
          "tool_choice": {"type": "function", "function": {"name": "f"}}},
         {"messages": CHAT, "max_tokens": 2, "stream": True},
+        {"messages": CHAT, "max_tokens": 2, "prompt_logprobs": 1, "return_token_ids": True},
     ],
     ("POST", "/v1/responses"): [
         {"input": "w5", "instructions": "be brief", "max_output_tokens": 2, "metadata": {"k": "v"}},

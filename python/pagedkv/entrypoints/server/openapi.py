@@ -58,6 +58,14 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
+class PromptLogprob(BaseModel):
+    """A prompt token's candidate: keyed by its token id."""
+
+    logprob: float
+    rank: Optional[int] = None  # (1 = the most likely; unknown for the prompt's token when not among the k)
+    decoded_token: str
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
@@ -65,6 +73,7 @@ class CompletionChoice(BaseModel):
     logprobs: Optional[CompletionLogprobs]
     prompt_token_ids: Optional[list[int]] = None  # (return_token_ids)
     token_ids: Optional[list[int]] = None  # (return_token_ids)
+    prompt_logprobs: Optional[list[Optional[dict[str, PromptLogprob]]]] = None  # (prompt_logprobs)
 
 
 class Completion(BaseModel):
@@ -132,6 +141,7 @@ class ChatCompletion(BaseModel):
     choices: list[ChatCompletionChoice]
     usage: Usage
     prompt_token_ids: Optional[list[int]] = None  # (return_token_ids)
+    prompt_logprobs: Optional[list[Optional[dict[str, PromptLogprob]]]] = None  # (prompt_logprobs)
 
 
 # -- Responses API -----------------------------------------------------------------------------

@@ -231,6 +231,7 @@ class _Sampling(_Request):
     bad_words: Optional[list[str]] = None
     truncate_prompt_tokens: Optional[int] = None
     priority: Priority = 0  # with --scheduling-policy priority: smaller is served first
+    prompt_logprobs: Optional[int] = Field(default=None, ge=0)  # per prompt token: its logprob and k candidates
     return_token_ids: Optional[bool] = None  # the prompt's and each choice's token ids in the reply
     return_tokens_as_token_ids: Optional[bool] = None  # logprobs name tokens "token_id:<id>"
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_* fields.
@@ -284,6 +285,7 @@ class _Sampling(_Request):
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
     def structured(self) -> Optional[StructuredOutputsParams]:
@@ -317,8 +319,8 @@ class CompletionRequest(_Sampling):
 
     def completion_params(self, defaults: Optional[dict] = None) -> SamplingParams:
         params = self.sampling_params(self.logprobs, 16, defaults)
-        if self.echo and self.logprobs is not None:  # as in vLLM: the prompt's logprobs come first
-            params.prompt_logprobs = self.logprobs
+        if self.echo and self.logprobs is not None and self.prompt_logprobs is None:
+            params.prompt_logprobs = self.logprobs  # (as in vLLM: echo's logprobs start with the prompt's)
         return params
 
     def prompts(self) -> list[Union[str, list[int]]]:

@@ -29,6 +29,7 @@ class ReplyOptions:
     top_logprobs: int = 0  # chat: candidates per token
     token_ids: bool = False  # vLLM's return_token_ids: the prompt's and each choice's token ids
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
+    prompt_logprobs: Optional[int] = None  # vLLM's prompt_logprobs: candidates per prompt token, in the reply
 
 
 def sse(payload: dict) -> str:
@@ -248,12 +249,35 @@ class ResponseBuilder:
                                                                    tokens_as_ids=options.tokens_as_ids),
                               "prompt_token_ids": output.prompt_token_ids if options.token_ids else None}
                 choice["token_ids"] = completion.token_ids if options.token_ids else None
+                if not chat:
+                    choice["prompt_logprobs"] = self.prompt_logprobs(output, options)
                 choices.append(choice)
         response = {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": created,
                     "model": self.model_name, "choices": choices, "usage": self.usage(outputs)}
-        if chat:  # (one prompt)
-            response["prompt_token_ids"] = outputs[0].prompt_token_ids if options.token_ids and outputs else None
+        if chat and outputs:  # (one prompt)
+            response["prompt_token_ids"] = outputs[0].prompt_token_ids if options.token_ids else None
+            response["prompt_logprobs"] = self.prompt_logprobs(outputs[0], options)
         return response
+
+    def prompt_logprobs(self, output: RequestOutput, options: ReplyOptions) -> Optional[list]:
+        """vLLM's prompt_logprobs: per prompt token (the first has none) {token id: {logprob,
+        rank, decoded_token}} of the token and the k most likely; a rank where known (the token's
+        own, when it is not among the k, is not)."""
+        if options.prompt_logprobs is None or output.prompt_logprobs is None:
+            return None
+        decode, k = self.token_text(options.tokens_as_ids), options.prompt_logprobs
+        described = []
+        for token_id, entry in zip(output.prompt_token_ids, output.prompt_logprobs):
+            if entry is None:
+                described.append(None)
+                continue
+            ranked = sorted(entry.items(), key=lambda item: -item[1])
+            among_k = len(entry) <= k or token_id not in entry
+            ranks = {candidate: rank for rank, (candidate, _) in enumerate(ranked, 1)
+                     if among_k or candidate != token_id}
+            described.append({str(candidate): {"logprob": max(logprob, -9999.0), "rank": ranks.get(candidate),
+                                               "decoded_token": decode([candidate])} for candidate, logprob in ranked})
+        return described
 
     def token_text(self, tokens_as_ids: bool):
         """How logprobs name a token: its text, or "token_id:<id>" (return_tokens_as_token_ids)."""
