@@ -138,3 +138,8 @@ def test_streamed_function_calls_follow_the_text_before_them():
     final = payloads[-1]["response"]
     assert [item["type"] for item in final["output"]] == ["reasoning", "message", "function_call"]
     assert json.loads(final["output"][2]["arguments"]) == {"city": "Oslo"}
+    call = [p for p in payloads if p["type"].startswith("response.function_call") or
+            (p["type"].startswith("response.output_item") and p["item"]["type"] == "function_call")]
+    assert [p["type"] for p in call] == ["response.output_item.added", "response.function_call_arguments.delta",
+                                         "response.function_call_arguments.done", "response.output_item.done"]
+    assert call[0]["item"]["arguments"] == "" and call[1]["delta"] == final["output"][2]["arguments"]

@@ -89,7 +89,12 @@ class ResponseState:
                         "name": call["function"]["name"], "arguments": call["function"]["arguments"]}
                 index = len(self.items)
                 self.items.append(item)
-                events.append(self.event("response.output_item.added", output_index=index, item=item))
+                # (as OpenAI streams a call: the item opens empty, its arguments arrive as deltas,
+                # here one, since calls are read from the whole reply)
+                events.append(self.event("response.output_item.added", output_index=index,
+                                         item={**item, "arguments": "", "status": "in_progress"}))
+                events.append(self.event("response.function_call_arguments.delta", item_id=item["id"],
+                                         output_index=index, delta=item["arguments"]))
                 events.append(self.event("response.function_call_arguments.done", item_id=item["id"],
                                          output_index=index, arguments=item["arguments"]))
                 events.append(self.event("response.output_item.done", output_index=index, item=item))
