@@ -5,6 +5,7 @@ preemption, prefix caching and forks; bad adapters are clear errors that leave n
 
 import copy
 import json
+import shutil
 
 import pytest
 import torch
@@ -198,7 +199,19 @@ def test_the_server_loads_and_unloads_adapters_at_runtime(adapters, references, 
         again = post("/v1/load_lora_adapter", lora_name="qv", lora_path=adapters["qv"].lora_path)
         assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"]
         missing = post("/v1/load_lora_adapter", lora_name="gone", lora_path=str(tmp_path / "nowhere"))
-        assert missing.status_code == 400 and "adapter_config.json" in missing.json()["error"]["message"]
+        assert missing.status_code == 404 and "No adapter found" in missing.json()["error"]["message"]
+        empty = tmp_path / "empty"
+        empty.mkdir()
+        incomplete = post("/v1/load_lora_adapter", lora_name="gone", lora_path=str(empty))
+        assert incomplete.status_code == 400 and "adapter_config.json" in incomplete.json()["error"]["message"]
+        damaged = tmp_path / "damaged"
+        shutil.copytree(adapters["qv"].lora_path, damaged)
+        (damaged / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00not a header")
+        corrupt = post("/v1/load_lora_adapter", lora_name="gone", lora_path=str(damaged))
+        assert corrupt.status_code == 400 and corrupt.json()["error"]["param"] == "lora_path", corrupt.text
+        (damaged / "adapter_config.json").write_text("{not json")
+        corrupt = post("/v1/load_lora_adapter", lora_name="gone", lora_path=str(damaged))
+        assert corrupt.status_code == 400 and "not readable JSON" in corrupt.json()["error"]["message"]
         assert [card["id"] for card in httpx.get(live.url + "/v1/models", timeout=10).json()["data"]][1:] == ["qv"]
         assert live.metric("pagedkv_lora_adapters_loaded") == 1
         body = {"prompt": prompts[0], "max_tokens": MAX_NEW_TOKENS, "temperature": 0, "model": "qv"}

@@ -157,8 +157,13 @@ def load_adapter(request: LoRARequest, model, max_lora_rank: int, dtype, device)
         if not os.path.isfile(required):
             raise InvalidConfigError(f"LoRA adapter {request.lora_name!r}: {required} does not exist "
                                      "(a PEFT directory needs adapter_config.json and adapter_model.safetensors)")
-    with open(config_path) as file:
-        config = json.load(file)
+    try:
+        with open(config_path) as file:
+            config = json.load(file)
+    except (OSError, ValueError) as error:
+        raise InvalidConfigError(f"LoRA adapter {request.lora_name!r}: {config_path} is not readable JSON ({error})") from None
+    if not isinstance(config, dict):
+        raise InvalidConfigError(f"LoRA adapter {request.lora_name!r}: {config_path} is not a JSON object")
     _check_config(request.lora_name, config, max_lora_rank)
     rank, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
@@ -166,7 +171,12 @@ def load_adapter(request: LoRARequest, model, max_lora_rank: int, dtype, device)
     from safetensors.torch import load_file
 
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for key, tensor in load_file(weights_path).items():
+    try:
+        weights = load_file(weights_path)
+    except Exception as error:  # (safetensors' own error type for a damaged file)
+        raise InvalidConfigError(f"LoRA adapter {request.lora_name!r}: {weights_path} is not a readable "
+                                 f"safetensors file ({error})") from None
+    for key, tensor in weights.items():
         match = _KEY.search(key)
         if match is None or match.group(2) not in _TARGETS:
             raise InvalidConfigError(f"LoRA adapter {request.lora_name!r}: weight {key!r} is not a LoRA update of "

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from urllib.parse import urlsplit
 
 from fastapi import APIRouter, Depends, Request
@@ -75,6 +76,9 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, context: ServingContex
     if name == context.model_name or name in context.adapters:
         raise APIError(400, f"The lora adapter '{name}' has already been loaded.", "invalid_request_error",
                        "lora_name")
+    if not os.path.isdir(body.lora_path):  # (vLLM's NotFoundError, a 404)
+        raise APIError(404, f"No adapter found at {body.lora_path!r}: no such directory", "invalid_request_error",
+                       "lora_path", "adapter_not_found")
     next_id = max((known.lora_int_id for known in context.adapters.values()), default=0) + 1
     adapter = LoRARequest(name, next_id, body.lora_path)
     try:
