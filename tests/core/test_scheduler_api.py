@@ -288,7 +288,7 @@ def test_update_rejects_bad_input_and_changes_nothing():
         scheduler.update([a, b], [7])
     with pytest.raises(pagedkv_core.UnknownSequenceError):
         scheduler.update([a, 99], [7, 8])
-    with pytest.raises(pagedkv_core.InvalidStateError, match="appended to twice"):
+    with pytest.raises(pagedkv_core.InvalidStateError, match="not sampled"):
         scheduler.update([a, a], [7, 8])
     with pytest.raises(pagedkv_core.InvalidStateError, match="both appended to and finished"):
         scheduler.update([a], [7], [a])

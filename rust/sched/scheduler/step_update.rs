@@ -39,6 +39,11 @@ impl Scheduler {
     /// in). Everything is checked first: an error changes nothing. Returns the ids of the forked
     /// children, in the order of `update.forks`.
     pub fn close_step(&mut self, update: &StepUpdate) -> Result<Vec<SeqId>> {
+        if update.fills.is_empty() && update.accepted.is_empty() && update.forks.is_empty() && update.drafts.is_empty()
+        {
+            self.append_and_finish(update.appends, update.finished)?;
+            return Ok(Vec::new());
+        }
         self.check_step_update(update)?;
         let fills: (Vec<SeqId>, Vec<u32>) = update.fills.iter().copied().unzip();
         self.fill_placeholders(&fills.0, &fills.1)?;
@@ -66,6 +71,34 @@ impl Scheduler {
             }
         }
         Ok(children)
+    }
+
+    /// The common step's report, appends and finishes alone, without a separate checking pass:
+    /// each append checks its sequence (a second token for one fails: the first has no KV yet),
+    /// and on an error the tokens appended so far are taken back.
+    fn append_and_finish(&mut self, appends: &[(SeqId, u32)], finished: &[SeqId]) -> Result<()> {
+        for (index, &seq_id) in finished.iter().enumerate() {
+            self.group_of_seq(seq_id)?;
+            if appends.iter().any(|&(appended, _)| appended == seq_id) {
+                return Err(Error::InvalidState(format!("sequence {seq_id} is both appended to and finished")));
+            }
+            if finished[..index].contains(&seq_id) {
+                return Err(Error::InvalidState(format!("sequence {seq_id} is finished twice")));
+            }
+        }
+        for (index, &(seq_id, token)) in appends.iter().enumerate() {
+            if let Err(error) = self.append_token(seq_id, token) {
+                for &(appended, _) in &appends[..index] {
+                    let group_id = self.group_by_seq[&appended];
+                    self.groups[group_id].seq_mut(appended).unwrap().tokens.pop();
+                }
+                return Err(error);
+            }
+        }
+        for &seq_id in finished {
+            self.finish_sequence(seq_id)?;
+        }
+        Ok(())
     }
 
     /// Whether `close_step` can apply all of `update`: what each part checks in its own call,
