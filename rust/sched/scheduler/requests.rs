@@ -95,36 +95,9 @@ impl Scheduler {
     /// `append_token`, then speculative `drafts` after it: the next step computes them all in one
     /// multi-token decode (never split across steps), and `accept_drafts` keeps the verified ones.
     pub fn append_token_with_drafts(&mut self, seq_id: SeqId, token: u32, drafts: &[u32]) -> Result<()> {
-        let group_id = self.group_of_seq(seq_id)?;
-        let max_model_len = self.max_model_len;
-        if 1 + drafts.len() > self.config.max_num_batched_tokens {
-            return Err(Error::InvalidState(format!(
-                "{} drafts do not fit max_num_batched_tokens={}",
-                drafts.len(),
-                self.config.max_num_batched_tokens
-            )));
-        }
-        let group = &mut self.groups[group_id];
-        if group.state != GroupState::Running {
-            return Err(Error::InvalidState(format!("sequence {seq_id} is not running")));
-        }
-        let seq = group.seq_mut(seq_id).unwrap();
-        if !seq.is_active() {
-            return Err(Error::InvalidState(format!("sequence {seq_id} is finished")));
-        }
-        if seq.num_computed != seq.len() {
-            return Err(Error::InvalidState(format!(
-                "sequence {seq_id} has {} tokens without KV; it was not sampled in the last step",
-                seq.num_uncomputed()
-            )));
-        }
-        if seq.len() + 1 + drafts.len() > max_model_len {
-            return Err(Error::InvalidState(format!(
-                "sequence {seq_id} has {} tokens: {} more exceed max_model_len={max_model_len}",
-                seq.len(),
-                1 + drafts.len()
-            )));
-        }
+        self.check_append(seq_id, None, drafts.len())?;
+        let group_id = self.group_by_seq[&seq_id];
+        let seq = self.groups[group_id].seq_mut(seq_id).unwrap();
         seq.tokens.push(token);
         seq.tokens.extend_from_slice(drafts);
         seq.num_draft = drafts.len();

@@ -194,7 +194,7 @@ impl Scheduler {
 
     /// What `append_token_with_drafts` checks, for a sequence whose length is `settled_len` once
     /// its drafts are settled (None: as it stands).
-    fn check_append(&self, seq_id: SeqId, settled_len: Option<usize>, num_drafts: usize) -> Result<()> {
+    pub(super) fn check_append(&self, seq_id: SeqId, settled_len: Option<usize>, num_drafts: usize) -> Result<()> {
         let group = &self.groups[self.group_of_seq(seq_id)?];
         let seq = group.seq(seq_id).unwrap();
         let (len, num_computed) = settled_len.map_or((seq.len(), seq.num_computed), |len| (len, len));
