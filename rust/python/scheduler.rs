@@ -13,7 +13,8 @@ use crate::device::Device;
 use crate::sched::config::{SchedulerConfig, SchedulingPolicy};
 use crate::sched::preemption::PreemptionMode;
 use crate::sched::scheduler::{
-    ScheduledSequence as RustScheduledSequence, Scheduler as RustScheduler, SchedulerOutput as RustSchedulerOutput,
+    Fork, ScheduledSequence as RustScheduledSequence, Scheduler as RustScheduler,
+    SchedulerOutput as RustSchedulerOutput, StepUpdate,
 };
 
 /// `SchedulerConfig(**options)`: the struct of `sched/config.rs` (its fields are the attributes),
@@ -473,43 +474,50 @@ impl Scheduler {
         Ok(SchedulerOutput::from_rust(out, Some(scheduler)))
     }
 
-    /// Closes a step in one call: appends `token_ids[i]` to `seq_ids[i]`, then ends `finished`.
-    /// Checks everything first: an error changes nothing.
-    #[pyo3(signature = (seq_ids, token_ids, finished=None))]
+    /// Closes a step in one call (`Scheduler::close_step`): fills placeholders, keeps accepted
+    /// drafts, forks (`forks`: (parent, child's first token, whether the child ends with it)),
+    /// appends `token_ids[i]` to `seq_ids[i]` (then `draft_token_ids[seq_id]` after it), then ends
+    /// `finished`. Checks everything first: an error changes nothing. Returns the children's ids.
+    #[pyo3(signature = (seq_ids, token_ids, finished=None, *, draft_token_ids=None, accepted_drafts=None,
+                        forks=None, fill_seq_ids=None, fill_token_ids=None))]
+    #[allow(clippy::too_many_arguments)]
     fn update(
         &mut self,
         seq_ids: &Bound<'_, PyAny>,
         token_ids: &Bound<'_, PyAny>,
         finished: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<()> {
-        let (seq_ids, token_ids) = (int_column(seq_ids)?, int_column(token_ids)?);
-        if seq_ids.len() != token_ids.len() {
-            return Err(exceptions::InvalidStateError::new_err(format!(
-                "{} seq_ids but {} token_ids",
-                seq_ids.len(),
-                token_ids.len()
-            )));
-        }
-        let invalid =
-            |what: &str, value: i64| exceptions::InvalidStateError::new_err(format!("invalid {what} {value}"));
-        let appends = seq_ids
-            .iter()
-            .zip(&token_ids)
-            .map(|(&seq, &token)| {
-                Ok((
-                    u64::try_from(seq).map_err(|_| invalid("seq_id", seq))?,
-                    u32::try_from(token).map_err(|_| invalid("token id", token))?,
-                ))
-            })
-            .collect::<PyResult<Vec<_>>>()?;
+        draft_token_ids: Option<std::collections::HashMap<u64, Vec<u32>>>,
+        accepted_drafts: Option<std::collections::HashMap<u64, usize>>,
+        forks: Option<Vec<(u64, u32, bool)>>,
+        fill_seq_ids: Option<&Bound<'_, PyAny>>,
+        fill_token_ids: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Vec<u64>> {
+        let appends = pairs(seq_ids, token_ids)?;
         let finished = match finished {
-            Some(finished) => int_column(finished)?
-                .into_iter()
-                .map(|seq| u64::try_from(seq).map_err(|_| invalid("seq_id", seq)))
-                .collect::<PyResult<Vec<_>>>()?,
+            Some(finished) => seq_id_column(finished)?,
             None => Vec::new(),
         };
-        call(|| self.inner.update(&appends, &finished))
+        let fills = match (fill_seq_ids, fill_token_ids) {
+            (Some(seq_ids), Some(token_ids)) => pairs(seq_ids, token_ids)?,
+            (None, None) => Vec::new(),
+            _ => return Err(exceptions::InvalidStateError::new_err("fill_seq_ids and fill_token_ids go together")),
+        };
+        let forks: Vec<Fork> = forks
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(parent, token, finished)| Fork { parent, token, finished })
+            .collect();
+        let drafts: Vec<(u64, Vec<u32>)> = draft_token_ids.unwrap_or_default().into_iter().collect();
+        let accepted: Vec<(u64, usize)> = accepted_drafts.unwrap_or_default().into_iter().collect();
+        let update = StepUpdate {
+            fills: &fills,
+            accepted: &accepted,
+            forks: &forks,
+            appends: &appends,
+            drafts: &drafts,
+            finished: &finished,
+        };
+        call(|| self.inner.close_step(&update))
     }
 
     /// Asynchronous scheduling: a placeholder for each sequence's token still being sampled.
@@ -636,6 +644,29 @@ impl Scheduler {
         dict.set_item("num_steps", stats.num_steps)?;
         Ok(dict)
     }
+}
+
+/// (sequence, token id) pairs from two columns of equal length.
+fn pairs(seq_ids: &Bound<'_, PyAny>, token_ids: &Bound<'_, PyAny>) -> PyResult<Vec<(u64, u32)>> {
+    let (seq_ids, token_ids) = (int_column(seq_ids)?, int_column(token_ids)?);
+    if seq_ids.len() != token_ids.len() {
+        return Err(exceptions::InvalidStateError::new_err(format!(
+            "{} seq_ids but {} token_ids",
+            seq_ids.len(),
+            token_ids.len()
+        )));
+    }
+    let invalid = |what: &str, value: i64| exceptions::InvalidStateError::new_err(format!("invalid {what} {value}"));
+    seq_ids
+        .iter()
+        .zip(&token_ids)
+        .map(|(&seq, &token)| {
+            Ok((
+                u64::try_from(seq).map_err(|_| invalid("seq_id", seq))?,
+                u32::try_from(token).map_err(|_| invalid("token id", token))?,
+            ))
+        })
+        .collect()
 }
 
 fn seq_id_column(seq_ids: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {

@@ -21,9 +21,11 @@ use crate::sched::sequence::{GroupState, PendingTable, SeqStatus, Sequence, Sequ
 mod output;
 mod preempting;
 mod requests;
+mod step_update;
 
 use output::{Rows, SequenceWork};
 pub use output::{ScheduledSequence, SchedulerOutput};
+pub use step_update::{Fork, StepUpdate};
 
 pub use crate::kv::block_table::PLACEHOLDER_TOKEN;
 

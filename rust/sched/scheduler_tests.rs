@@ -3,7 +3,7 @@
 use crate::errors::Error;
 use crate::sched::config::{SchedulerConfig, SchedulingPolicy};
 use crate::sched::preemption::PreemptionMode;
-use crate::sched::scheduler::{Scheduler, SchedulerOutput};
+use crate::sched::scheduler::{Fork, Scheduler, SchedulerOutput, StepUpdate};
 
 fn config(num_device_blocks: usize, num_cpu_blocks: usize) -> SchedulerConfig {
     SchedulerConfig {
@@ -861,6 +861,76 @@ fn update_closes_a_step_in_one_call_or_changes_nothing() {
     assert!(s.update(&[(a, 9)], &[]).is_err(), "a's token 7 has no KV yet: it was not sampled again");
     let out = s.schedule();
     assert_eq!(out.scheduled.iter().map(|seq| (seq.start, seq.end)).collect::<Vec<_>>(), [(3, 4), (3, 4)]);
+    check(&s);
+}
+
+/// The closing call's other parts (drafts kept, forks, drafts after a token, finishes) are as
+/// atomic as its appends: given anything it cannot do, it changes nothing; else forks share the
+/// parent's blocks as it stood before its own token, and it returns the children's ids.
+#[test]
+fn close_step_takes_drafts_forks_and_finishes_in_one_call_or_changes_nothing() {
+    let mut s = Scheduler::new(config(16, 0)).unwrap();
+    let a = s.add_request("a", prompt(6, 1), None).unwrap();
+    let b = s.add_request("b", prompt(3, 2), None).unwrap();
+    let c = s.add_request("c", prompt(3, 3), None).unwrap();
+    s.schedule();
+    s.append_token_with_drafts(b, 9, &[10, 11]).unwrap();
+    s.append_token(c, 5).unwrap();
+    s.schedule(); // b computes its drafts, c its token
+    let before = (s.stats(), (s.sequence_len(a).unwrap(), s.sequence_len(b).unwrap(), s.sequence_len(c).unwrap()));
+    let fork = |parent, token, finished| Fork { parent, token, finished };
+    let drafts = [(b, vec![12, 13])];
+    let (fork_a, fork_unknown) = ([fork(a, 2, false)], [fork(99, 1, false)]);
+    let (c_drafts, too_many_drafts) = ([(c, vec![1])], [(c, (0..64).collect::<Vec<u32>>())]);
+    let refused = |s: &mut Scheduler, update: StepUpdate| {
+        assert!(s.close_step(&update).is_err(), "{update:?}");
+        let now = (s.stats(), (s.sequence_len(a).unwrap(), s.sequence_len(b).unwrap(), s.sequence_len(c).unwrap()));
+        assert_eq!(now, before, "{update:?} changed something");
+    };
+    refused(&mut s, StepUpdate { accepted: &[(b, 3)], ..Default::default() }); // more than drafted
+    refused(&mut s, StepUpdate { accepted: &[(b, 1), (b, 1)], ..Default::default() }); // twice
+    refused(&mut s, StepUpdate { forks: &fork_unknown, ..Default::default() });
+    refused(&mut s, StepUpdate { forks: &fork_a, finished: &[77], ..Default::default() }); // unknown finish
+    refused(&mut s, StepUpdate { appends: &[(a, 1)], drafts: &c_drafts, ..Default::default() }); // c not appended
+    refused(&mut s, StepUpdate { appends: &[(a, 1)], finished: &[a], forks: &fork_a, ..Default::default() });
+    refused(&mut s, StepUpdate { finished: &[c, c], ..Default::default() }); // twice
+    refused(&mut s, StepUpdate { appends: &[(a, 1), (a, 2)], forks: &fork_a, ..Default::default() }); // twice
+    refused(&mut s, StepUpdate { fills: &[(a, 4)], forks: &fork_a, ..Default::default() }); // no placeholder
+    let drafts_too_many =
+        StepUpdate { appends: &[(a, 1), (c, 2)], drafts: &too_many_drafts, forks: &fork_a, ..Default::default() };
+    refused(&mut s, drafts_too_many);
+    let mut limited = config(16, 0);
+    limited.max_num_seqs = 2;
+    let mut small = Scheduler::new(limited).unwrap();
+    let p = small.add_request("p", prompt(3, 1), None).unwrap();
+    small.schedule();
+    let two_forks = [fork(p, 1, false), fork(p, 2, false)];
+    assert!(small.close_step(&StepUpdate { forks: &two_forks, ..Default::default() }).is_err(), "3 > max_num_seqs");
+    // (a parent that ends in the same call leaves room for its children)
+    let children = small.close_step(&StepUpdate { forks: &two_forks, finished: &[p], ..Default::default() }).unwrap();
+    assert_eq!(children.len(), 2);
+
+    let forks = [fork(a, 7, false), fork(a, 8, true)];
+    let children = s
+        .close_step(&StepUpdate {
+            accepted: &[(b, 1)], // keeps 9, 10
+            forks: &forks,       // from a's 6 prompt tokens
+            appends: &[(a, 6), (b, 14)],
+            drafts: &drafts, // b: 14 then drafts 12, 13
+            finished: &[c],
+            ..Default::default()
+        })
+        .unwrap();
+    let (kept, ended) = (children[0], children[1]);
+    assert_eq!(s.sequence_len(a).unwrap(), 7);
+    assert_eq!(s.sequence_len(kept).unwrap(), 7, "the child forked before a's token, then got its own");
+    assert!(s.append_token(ended, 1).is_err(), "a child ending with its first token is finished");
+    assert_eq!(s.sequence_len(b).unwrap(), 3 + 2 + 1 + 2);
+    assert!(s.sequence_len(c).is_err());
+    let out = s.schedule();
+    let kept_step = out.scheduled.iter().find(|seq| seq.seq_id == kept).unwrap();
+    assert_eq!(out.token_ids(kept_step), [7]);
+    assert_eq!(out.blocks_to_copy.len(), 1, "the shared partial block is copied on write, as after `fork`");
     check(&s);
 }
 

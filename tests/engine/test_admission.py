@@ -143,7 +143,7 @@ def test_a_request_whose_building_raises_anything_is_never_registered(engine, mo
     def broken(*args):
         raise TypeError("tokenizer exploded")
 
-    monkeypatch.setattr(engine, "_bad_words_token_ids", broken)
+    monkeypatch.setattr(engine.input_processor, "bad_words_token_ids", broken)
     for _ in range(engine.config.max_num_seqs + 1):  # (each orphan used to keep a running slot)
         with pytest.raises(TypeError):
             engine.add_request("broken", PROMPT, SamplingParams(bad_words=["w3"]))

@@ -70,8 +70,8 @@ def test_plain_booking_ends_every_request_as_record_token_does(tiny_qwen2_dir, m
 
 
 class RefusingOnce:
-    """The engine's scheduler, whose `refuse_at`-th call of `refused` (`update`,
-    `fill_placeholders`: a step's closing calls) for more than one sequence raises, changing nothing."""
+    """The engine's scheduler, whose `refuse_at`-th call of `refused` (`update`: a step's closing
+    call) for more than one sequence raises, changing nothing."""
 
     def __init__(self, scheduler, refused: str, refuse_at: int):
         self._scheduler, self._refused, self._calls, self._refuse_at = scheduler, refused, 0, refuse_at
@@ -82,17 +82,17 @@ class RefusingOnce:
         if name != self._refused:
             return attribute
 
-        def closing_call(seq_ids, *args):
-            if len(seq_ids) > 1:
+        def closing_call(seq_ids, *args, **kwargs):
+            if len(seq_ids) + len(kwargs.get("fill_seq_ids") or ()) > 1:
                 self._calls += 1
                 if self._calls == self._refuse_at:
                     self.refused = True
                     raise RuntimeError(f"{name} refused")
-            return attribute(seq_ids, *args)
+            return attribute(seq_ids, *args, **kwargs)
         return closing_call
 
 
-@pytest.mark.parametrize("refused, async_scheduling", [("update", False), ("fill_placeholders", True)])
+@pytest.mark.parametrize("refused, async_scheduling", [("update", False), ("update", True)])
 def test_a_refused_closing_call_books_the_step_one_sequence_at_a_time(tiny_qwen2_dir, refused, async_scheduling):
     """Every token reaches the scheduler all the same: the outputs are the same, and so are the
     blocks the prefix cache holds (a generated token left a placeholder would change their hashes)."""
@@ -115,3 +115,54 @@ def test_a_refused_closing_call_books_the_step_one_sequence_at_a_time(tiny_qwen2
     engine.scheduler = refusing = RefusingOnce(engine.scheduler, refused, refuse_at=3)
     assert outputs_and_cached_tokens(engine) == reference
     assert refusing.refused
+
+
+class CountingReports:
+    """The engine's scheduler, recording each call that reports a step's results back."""
+
+    REPORTS = ("update", "fork", "append_token", "accept_drafts", "finish_sequence", "fill_placeholders")
+
+    def __init__(self, scheduler):
+        self._scheduler, self.calls = scheduler, []
+
+    def __getattr__(self, name):
+        attribute = getattr(self._scheduler, name)
+        if name not in self.REPORTS:
+            return attribute
+
+        def report(*args, **kwargs):
+            self.calls.append((name, kwargs))
+            return attribute(*args, **kwargs)
+        return report
+
+
+def test_a_step_reports_its_tokens_drafts_forks_beams_and_finishes_in_one_call(tiny_qwen2_dir):
+    """The step closes with one scheduler call whatever it booked: n > 1 samples forking at their
+    first token, beams forking and ending, verified drafts, finished sequences."""
+    engine = LLMEngine(EngineConfig(model=tiny_qwen2_dir, dtype="float32", num_device_blocks=64,
+                                    max_model_len=MAX_MODEL_LEN, max_num_seqs=16, num_speculative_tokens=3,
+                                    prompt_lookup_min=1))
+    engine.scheduler = counting = CountingReports(engine.scheduler)
+    repeating = [5, 6, 7, 8] * 4
+    engine.add_request("drafts", repeating, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    engine.add_request("samples", [9, 10, 11], SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=6))
+    engine.add_request("beams", [12, 13, 14, 15], SamplingParams(n=2, use_beam_search=True, beam_width=3,
+                                                                 temperature=0, max_tokens=5))
+    engine.add_request("short", [16, 17], SamplingParams(max_tokens=1))
+    reported = {"forks": 0, "accepted_drafts": 0, "draft_token_ids": 0, "finished": 0}
+    finals = {}
+    for _ in range(100):
+        if not engine.has_unfinished_requests():
+            break
+        counting.calls = []
+        for output in engine.step():
+            if output.finished:
+                finals[output.request_id] = output
+        assert [name for name, _ in counting.calls] == ["update"], counting.calls
+        (_, kwargs), = counting.calls
+        for part in reported:
+            reported[part] += bool(kwargs.get(part))
+        engine.scheduler.check_invariants()
+    assert sorted(finals) == ["beams", "drafts", "samples", "short"]
+    assert len(finals["samples"].outputs) == 3 and len(finals["beams"].outputs) == 2
+    assert all(reported.values()), reported

@@ -193,10 +193,25 @@ class Scheduler:
         prompt can never fit, OverloadedError when the waiting queue is full."""
     def schedule(self) -> SchedulerOutput:
         """Plan one step (releases the GIL)."""
-    def update(self, seq_ids: Sequence[int], token_ids: Sequence[int], finished: Sequence[int] = ...) -> None:
-        """Closes a step in one call: appends token_ids[i] to seq_ids[i] (each sampled in the last
-        step), then ends the `finished` sequences. Checks everything first: an error
-        (InvalidStateError, UnknownSequenceError) changes nothing."""
+    def update(
+        self,
+        seq_ids: Sequence[int],
+        token_ids: Sequence[int],
+        finished: Sequence[int] = ...,
+        *,
+        draft_token_ids: Optional[dict[int, list[int]]] = ...,
+        accepted_drafts: Optional[dict[int, int]] = ...,
+        forks: Optional[Sequence[tuple[int, int, bool]]] = ...,
+        fill_seq_ids: Optional[Sequence[int]] = ...,
+        fill_token_ids: Optional[Sequence[int]] = ...,
+    ) -> list[int]:
+        """Closes a step in one call, in this order: fills placeholders (fill_token_ids[i] for the
+        one ending fill_seq_ids[i]), keeps accepted_drafts[seq_id] of each sequence's drafts,
+        forks (parent, child's first token, whether the child ends with it: each parent as it
+        stands before its own token, its blocks shared copy-on-write), appends token_ids[i] to
+        seq_ids[i] (each sampled in the last step; then draft_token_ids[seq_id] after it), then
+        ends the `finished` sequences. Checks everything first: an error (InvalidStateError,
+        UnknownSequenceError) changes nothing. Returns the forked children's seq ids, in order."""
     def append_placeholders(self, seq_ids: Sequence[int]) -> None:
         """Asynchronous scheduling: appends PLACEHOLDER_TOKEN to each sequence (each sampled in the
         last step) for the token its step is still sampling, so the next step can be planned; its

@@ -1,5 +1,6 @@
 """Beam search over the paged cache: beams are sequences of one group; a beam with several
-surviving continuations is forked (its blocks shared), a beam with none is freed at once.
+surviving continuations is forked (its blocks shared), a beam with none is freed at once. A
+step's search says what it wants done (`BeamMoves`); the engine's closing call does it.
 
 The selection follows HF transformers' `_beam_search` (top 2k candidates over all beams, finished
 hypotheses scored by logprob / generated_len ** length_penalty, early stop once no running beam
@@ -24,6 +25,20 @@ class Hypothesis:
 
 
 @dataclass
+class BeamMoves:
+    """What one beam-search step asks of the scheduler: `appends` (seq_id, token) continue beams
+    on their own sequences; `forks` (parent seq_id, token) start beams on copies of a parent as
+    it stood before its own token; `finished` sequences end. `beams`: the running beams after the
+    step, in order: (seq_id, or None for a fork's child, the index of that fork in `forks`,
+    generated tokens, cumulative logprob)."""
+
+    appends: list[tuple[int, int]] = field(default_factory=list)
+    forks: list[tuple[int, int]] = field(default_factory=list)
+    finished: list[int] = field(default_factory=list)
+    beams: list[tuple[Optional[int], int, list[int], float]] = field(default_factory=list)
+
+
+@dataclass
 class BeamSearch:
     """State of one beam-search request between steps."""
 
@@ -38,9 +53,10 @@ class BeamSearch:
     finished: list[Hypothesis] = field(default_factory=list)
     done: bool = False
 
-    def step(self, seq_ids: list[int], logits: torch.Tensor, scheduler) -> None:
+    def step(self, seq_ids: list[int], logits: torch.Tensor) -> BeamMoves:
         """Advances every running beam by one token. `logits` [len(seq_ids), vocab] are the rows of
-        the running beams. Forks and frees sequences through `scheduler`; sets `done` at the end."""
+        the running beams. Returns the forks, appends and finishes that carry it out (`settle`
+        takes the forks' new ids); sets `done` at the end."""
         log_probs = torch.log_softmax(logits.float(), dim=-1)
         prior = torch.tensor([self.running[seq_id][1] for seq_id in seq_ids], dtype=log_probs.dtype)
         scores = (log_probs + prior[:, None]).reshape(-1)
@@ -68,43 +84,45 @@ class BeamSearch:
                 new_running.append((parent, token, score))
 
         if at_length_limit or not new_running:
-            self._finish_all(scheduler)
-            return
+            return self._finish_all()
         # Early stop (HF's default heuristic): the best running beam, penalized at the current
         # length, cannot beat the worst of a full set of finished hypotheses.
         best_running = new_running[0][2] / (generated_len**self.length_penalty)
         if len(self.finished) >= self.beam_width and best_running <= self._worst_kept_score():
-            self._finish_all(scheduler)
-            return
-        self._reassign(new_running, scheduler)
+            return self._finish_all()
+        return self._reassign(new_running)
 
     def _worst_kept_score(self) -> float:
         return self.finished[-1].score if len(self.finished) >= self.beam_width else float("-inf")
 
-    def _reassign(self, new_running: list[tuple[int, int, float]], scheduler) -> None:
+    def _reassign(self, new_running: list[tuple[int, int, float]]) -> BeamMoves:
         """Maps the chosen continuations onto sequences: the first child of a parent continues the
         parent's sequence, further children fork it, parents without children are freed."""
         children: dict[int, list[tuple[int, float]]] = {}
         for parent, token, score in new_running:
             children.setdefault(parent, []).append((token, score))
-        running: dict[int, tuple[list[int], float]] = {}
+        moves = BeamMoves()
         for parent, (tokens, _) in self.running.items():
             continuations = children.get(parent)
             if not continuations:
-                scheduler.finish_sequence(parent)
+                moves.finished.append(parent)
                 continue
-            # Fork before appending so every child starts from the parent's tokens.
-            targets = [parent] + [scheduler.fork(parent) for _ in continuations[1:]]
-            for seq_id, (token, score) in zip(targets, continuations):
-                scheduler.append_token(seq_id, token)
-                running[seq_id] = (tokens + [token], score)
-        self.running = running
+            (token, score), forked = continuations[0], continuations[1:]
+            moves.appends.append((parent, token))
+            moves.beams.append((parent, -1, tokens + [token], score))
+            for token, score in forked:  # (each child starts from the parent's tokens)
+                moves.beams.append((None, len(moves.forks), tokens + [token], score))
+                moves.forks.append((parent, token))
+        return moves
 
-    def _finish_all(self, scheduler) -> None:
-        for seq_id in self.running:
-            scheduler.finish_sequence(seq_id)
-        self.running = {}
+    def _finish_all(self) -> BeamMoves:
         self.done = True
+        return BeamMoves(finished=list(self.running))
+
+    def settle(self, moves: BeamMoves, child_ids: list[int]) -> None:
+        """The running beams once `moves` are done: `child_ids[i]` is the sequence of `moves.forks[i]`."""
+        self.running = {seq_id if seq_id is not None else child_ids[fork]: (tokens, score)
+                        for seq_id, fork, tokens, score in moves.beams}
 
     def outputs(self, tokenizer, skip_special_tokens: bool) -> list[CompletionOutput]:
         best = self.finished[: self.num_outputs]

@@ -95,36 +95,9 @@ impl Scheduler {
     /// `append_token`, then speculative `drafts` after it: the next step computes them all in one
     /// multi-token decode (never split across steps), and `accept_drafts` keeps the verified ones.
     pub fn append_token_with_drafts(&mut self, seq_id: SeqId, token: u32, drafts: &[u32]) -> Result<()> {
-        let group_id = self.group_of_seq(seq_id)?;
-        let max_model_len = self.max_model_len;
-        if 1 + drafts.len() > self.config.max_num_batched_tokens {
-            return Err(Error::InvalidState(format!(
-                "{} drafts do not fit max_num_batched_tokens={}",
-                drafts.len(),
-                self.config.max_num_batched_tokens
-            )));
-        }
-        let group = &mut self.groups[group_id];
-        if group.state != GroupState::Running {
-            return Err(Error::InvalidState(format!("sequence {seq_id} is not running")));
-        }
-        let seq = group.seq_mut(seq_id).unwrap();
-        if !seq.is_active() {
-            return Err(Error::InvalidState(format!("sequence {seq_id} is finished")));
-        }
-        if seq.num_computed != seq.len() {
-            return Err(Error::InvalidState(format!(
-                "sequence {seq_id} has {} tokens without KV; it was not sampled in the last step",
-                seq.num_uncomputed()
-            )));
-        }
-        if seq.len() + 1 + drafts.len() > max_model_len {
-            return Err(Error::InvalidState(format!(
-                "sequence {seq_id} has {} tokens: {} more exceed max_model_len={max_model_len}",
-                seq.len(),
-                1 + drafts.len()
-            )));
-        }
+        self.check_append(seq_id, None, drafts.len())?;
+        let group_id = self.group_by_seq[&seq_id];
+        let seq = self.groups[group_id].seq_mut(seq_id).unwrap();
         seq.tokens.push(token);
         seq.tokens.extend_from_slice(drafts);
         seq.num_draft = drafts.len();
@@ -133,30 +106,10 @@ impl Scheduler {
 
     /// Closes a step in one call: appends `appends` (sequence, sampled token), then ends the
     /// `finished` sequences. Everything is checked first (known, running, sampled in the last
-    /// step, so each at most once), and an error changes nothing. Speculative drafts and forks
-    /// keep their own calls (`append_token_with_drafts`, `fork`).
+    /// step, so each at most once), and an error changes nothing. `close_step` takes the rest of
+    /// a step's report as well (placeholders filled, drafts, forks).
     pub fn update(&mut self, appends: &[(SeqId, u32)], finished: &[SeqId]) -> Result<()> {
-        for &seq_id in finished {
-            self.group_of_seq(seq_id)?;
-            if appends.iter().any(|&(appended, _)| appended == seq_id) {
-                return Err(Error::InvalidState(format!("sequence {seq_id} is both appended to and finished")));
-            }
-        }
-        // Each append checks its sequence (a second token for one fails: the first has no KV
-        // yet); on an error the tokens appended so far are taken back.
-        for (index, &(seq_id, token)) in appends.iter().enumerate() {
-            if let Err(error) = self.append_token(seq_id, token) {
-                for &(appended, _) in &appends[..index] {
-                    let group_id = self.group_by_seq[&appended];
-                    self.groups[group_id].seq_mut(appended).unwrap().tokens.pop();
-                }
-                return Err(error);
-            }
-        }
-        for &seq_id in finished {
-            self.finish_sequence(seq_id)?;
-        }
-        Ok(())
+        self.close_step(&StepUpdate { appends, finished, ..StepUpdate::default() }).map(|_| ())
     }
 
     /// Asynchronous scheduling: appends a placeholder (`PLACEHOLDER_TOKEN`) to each sequence in
@@ -230,9 +183,24 @@ impl Scheduler {
 
     /// A new sequence in the same group sharing every block of `parent` (n > 1, beam search).
     pub fn fork(&mut self, parent: SeqId) -> Result<SeqId> {
-        let group_id = self.group_of_seq(parent)?;
-        let child = self.new_seq_id();
-        let group = &mut self.groups[group_id];
+        self.check_fork(parent)?;
+        let group = &self.groups[self.group_of_seq(parent)?];
+        // A group's sequences decode together: more than a step holds would never run again.
+        let limit = self.config.max_num_seqs.min(self.config.max_num_batched_tokens);
+        if group.num_active() >= limit {
+            return Err(Error::InvalidState(format!(
+                "a group of {} sequences exceeds max_num_seqs={} or max_num_batched_tokens={}",
+                group.num_active() + 1,
+                self.config.max_num_seqs,
+                self.config.max_num_batched_tokens
+            )));
+        }
+        self.fork_unlimited(parent)
+    }
+
+    /// Whether `parent` can be forked, its group's size aside: running, and sampled since its prefill.
+    pub(super) fn check_fork(&self, parent: SeqId) -> Result<()> {
+        let group = &self.groups[self.group_of_seq(parent)?];
         if group.state != GroupState::Running {
             return Err(Error::InvalidState(format!("sequence {parent} is not running")));
         }
@@ -245,17 +213,15 @@ impl Scheduler {
                 "sequence {parent} has not sampled since its prefill; fork after it does"
             )));
         }
-        // A group's sequences decode together: more than a step holds would never run again.
-        let limit = self.config.max_num_seqs.min(self.config.max_num_batched_tokens);
-        if group.num_active() >= limit {
-            return Err(Error::InvalidState(format!(
-                "a group of {} sequences exceeds max_num_seqs={} or max_num_batched_tokens={}",
-                group.num_active() + 1,
-                self.config.max_num_seqs,
-                self.config.max_num_batched_tokens
-            )));
-        }
-        let mut seq = parent_seq.clone();
+        Ok(())
+    }
+
+    /// `fork` once `check_fork` and the group's size were checked.
+    pub(super) fn fork_unlimited(&mut self, parent: SeqId) -> Result<SeqId> {
+        let group_id = self.group_of_seq(parent)?;
+        let child = self.new_seq_id();
+        let group = &mut self.groups[group_id];
+        let mut seq = group.seq(parent).unwrap().clone();
         seq.id = child;
         seq.row = None; // its own row, with its whole table, at its first step
         self.blocks.fork(parent, child)?;
