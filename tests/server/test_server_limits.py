@@ -152,13 +152,17 @@ def test_a_request_framed_two_ways_is_refused(framing_server):
     assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
 
 
-def test_health_answers_while_megabytes_are_tokenized(server):
+def test_health_answers_while_megabytes_are_rendered_then_refused(server):
+    """5 MB of chat text: rendered through the chat template on the worker pool (/health answers
+    meanwhile), then refused before it is tokenized; /tokenize refuses it at once (a text that
+    long cannot fit the context), where it returned millions of tokens."""
     text = "All work and no play makes Jack a dull boy. " * (5_000_000 // 45)  # 5 MB
     result = {}
-    tokenizing = threading.Thread(target=lambda: result.update(response=httpx.post(
-        server.url + "/tokenize", json={"prompt": text}, timeout=300)))
-    tokenizing.start()
-    time.sleep(0.5)  # (parsed and in the tokenizer by now)
+    chatting = threading.Thread(target=lambda: result.update(response=httpx.post(
+        server.url + "/v1/chat/completions", timeout=300,
+        json={"messages": [{"role": "user", "content": text}], "max_tokens": 2})))
+    chatting.start()
+    time.sleep(0.3)  # (parsed and in the template by now)
     latencies = []
     with httpx.Client(timeout=10) as http:
         for _ in range(10):
@@ -166,16 +170,15 @@ def test_health_answers_while_megabytes_are_tokenized(server):
             assert http.get(server.url + "/health").status_code == 200
             latencies.append(time.monotonic() - started)
             time.sleep(0.05)
-    assert tokenizing.is_alive(), "tokenizing finished too soon to show anything"
     assert max(latencies) < 0.1, latencies
-    # A prompt far longer than the context is refused before it is tokenized.
+    chatting.join(300)
+    response = result["response"]
+    assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
     started = time.monotonic()
-    response = httpx.post(server.url + "/v1/chat/completions", timeout=60,
-                          json={"messages": [{"role": "user", "content": text}], "max_tokens": 2})
+    response = httpx.post(server.url + "/tokenize", json={"prompt": text}, timeout=60)
     assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
     assert time.monotonic() - started < 5
-    tokenizing.join(300)
-    assert result["response"].status_code == 200
+    assert httpx.post(server.url + "/tokenize", json={"prompt": "w5 w6"}, timeout=10).json()["count"] > 0
 
 
 def test_an_abandoned_non_streaming_request_is_aborted(server):

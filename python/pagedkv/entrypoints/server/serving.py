@@ -66,6 +66,8 @@ class ServingContext:
         # The model's facts the routes need, read once here (the engine then belongs to the loop thread).
         self.model_info = engine.model_info
         self.max_model_len = engine.max_model_len
+        # (a text longer than this cannot fit max_model_len: refused before it is tokenized)
+        self.max_prompt_chars = engine.input_processor.max_prompt_chars
         self.generation_defaults = engine.generation_defaults
         self.supports_lora = engine.config.enable_lora
         self.builders = {name: ResponseBuilder(self.tokenizer, name, self.reasoning)

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 from fastapi import APIRouter, Depends
 
 from pagedkv.params.sampling import check_unicode
@@ -24,6 +26,10 @@ async def tokenize(body: TokenizeRequest, context: ServingContext = Depends(serv
         text = await context.chat_prompt(body.messages, body.add_generation_prompt, None, body.chat_template_kwargs)
     else:
         text = body.prompt
+    if len(text) > context.max_prompt_chars:  # (bounded work: not millions of tokens returned)
+        raise APIError(400, f"prompt: {len(text)} characters are more than max_model_len={context.max_model_len} "
+                       f"tokens of this tokenizer can span ({context.max_prompt_chars})", "invalid_request_error",
+                       "prompt", "context_length_exceeded")
     try:
         check_unicode(text, "prompt")
     except ValueError as error:
@@ -40,9 +46,16 @@ async def tokenize(body: TokenizeRequest, context: ServingContext = Depends(serv
 async def detokenize(body: DetokenizeRequest, context: ServingContext = Depends(serving)):
     context.check_model(body.model)
     vocab_size = context.model_info.vocab_size
-    if any(not 0 <= token < vocab_size for token in body.tokens):
+
+    def decoded() -> Optional[str]:  # (on the worker pool: a long list takes the loop's time otherwise)
+        if any(not 0 <= token < vocab_size for token in body.tokens):
+            return None
+        return context.tokenizer.decode(body.tokens)
+
+    text = await context.client.run_in_worker(decoded)
+    if text is None:
         raise APIError(400, f"tokens must be token ids in [0, {vocab_size})", "invalid_request_error", "tokens")
-    return {"prompt": await context.client.run_in_worker(context.tokenizer.decode, body.tokens)}
+    return {"prompt": text}
 
 
 @info_router.get("/tokenizer_info", responses=answer(TokenizerInfoResponse))
