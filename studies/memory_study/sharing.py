@@ -146,7 +146,10 @@ def step_beams(scheduler: Scheduler, sampled, searches: dict[str, BeamSearch], f
         request = request_of[seq_ids[0]]
         logits = random_logits(len(seq_ids), generator)
         before = set(search.running)
-        search.step(seq_ids, logits, scheduler)
+        moves = search.step(seq_ids, logits)
+        children = scheduler.update([seq_id for seq_id, _ in moves.appends], [token for _, token in moves.appends],
+                                    finished=moves.finished, forks=[(parent, token, False) for parent, token in moves.forks])
+        search.settle(moves, children)
         for seq_id in set(search.running) - before:
             final_len[seq_id], request_of[seq_id] = final_len[seq_ids[0]], request
         for seq_id in before - set(search.running):
