@@ -637,16 +637,20 @@ def test_malformed_json_and_unknown_model(server):
 
 
 def test_disconnect_mid_stream_frees_blocks(server):
-    body = {"prompt": "Count from one to one thousand:", "max_tokens": 400, "temperature": 0, "stream": True}
+    # (ignore_eos: the stream is surely still running when the client leaves)
+    body = {"prompt": "Count from one to one thousand:", "max_tokens": 400, "temperature": 0, "stream": True,
+            "ignore_eos": True}
     with httpx.Client(timeout=30) as http:
         with http.stream("POST", server.url + "/v1/completions", json=body) as response:
             for line in response.iter_lines():
                 if line.startswith("data: ") and json.loads(line[6:])["choices"]:
+                    # (checked here, connected: leaving the loop closes the connection, as a
+                    # client that goes away does)
+                    deadline = time.monotonic() + 5  # (the metrics read the engine loop's last stats snapshot)
+                    while server.metric("pagedkv_kv_blocks_used_device") == 0:
+                        assert time.monotonic() < deadline, "a running stream holds no blocks"
+                        time.sleep(0.05)
                     break
-            deadline = time.monotonic() + 5  # (the metrics read the engine loop's last stats snapshot)
-            while server.metric("pagedkv_kv_blocks_used_device") == 0:
-                assert time.monotonic() < deadline, "a running stream holds no blocks"
-                time.sleep(0.05)
     # The client is gone: the request is aborted and its blocks are freed.
     deadline = time.monotonic() + 20
     while server.metric("pagedkv_kv_blocks_used_device") > 0 or server.metric("pagedkv_requests_running") > 0:
