@@ -46,7 +46,9 @@ test-fast: test-rust
 	$(PYTHON) -m pytest -q --durations=5 $(FAST_TESTS)
 
 # (tests/core runs in test-core-alone, against the core wheel alone.) After the run, each tier's
-# minutes (scripts/test_tiers.py). TIER_MINUTES below: the last full run on the 2-core CI machine.
+# minutes (scripts/test_tiers.py). The last full run (fresh clone, 2-core AVX2 machine, 2026-11-28):
+# tests/engine 12.6, tests/kernels 6.9 (6.3 of them the NVRTC compile of every sm_90 instantiation on
+# a fresh cache), tests/server 4.4, tests/models 3.7, tests/unit 0.4: pytest 28 min, make test 33 min.
 test-python:
 	mkdir -p build
 	$(PYTHON) -m pytest -q --durations=15 --ignore=tests/core --junitxml=build/pytest.xml
