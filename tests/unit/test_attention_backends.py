@@ -8,7 +8,8 @@ import torch
 
 from pagedkv.attention import BACKENDS, AttentionBackend, AttentionMetadata, StepContext, TorchRefBackend, get_backend
 from pagedkv.attention.cuda import CudaAttentionBackend
-from pagedkv.config import ATTENTION_BACKENDS, EngineConfig
+from pagedkv import LLM
+from pagedkv.config import EngineConfig
 from pagedkv.errors import InvalidConfigError
 
 PROTOCOL_METHODS = ("check_supported", "prepare", "write_kv", "forward", "copy_blocks")
@@ -60,14 +61,21 @@ def test_a_new_backend_is_one_registry_line(monkeypatch):
 
     monkeypatch.setitem(BACKENDS, "echo", EchoBackend)
     assert type(get_backend("echo", "cpu")) is EchoBackend
+    assert EngineConfig(attention_backend="echo").attention_backend == "echo"
 
 
-def test_the_config_accepts_the_registered_names():
-    assert set(ATTENTION_BACKENDS) == {"auto", *BACKENDS}
-    for name in ATTENTION_BACKENDS:
+def test_the_registry_alone_decides_which_names_are_backends(monkeypatch):
+    """The config takes any name; the registry refuses an unknown one, naming the known ones, and
+    the runner asks it before loading the model."""
+    for name in ("auto", *BACKENDS):
         EngineConfig(attention_backend=name)
     with pytest.raises(InvalidConfigError, match="attention_backend"):
-        EngineConfig(attention_backend="flash")
+        EngineConfig(attention_backend="")
+    with pytest.raises(InvalidConfigError, match="attention_backend must be one of 'auto', 'torch'.*got 'flash'"):
+        get_backend("flash", "cpu")
+    monkeypatch.setattr("pagedkv.runner.model_runner.load", lambda *args, **kwargs: pytest.fail("loaded"))
+    with pytest.raises(InvalidConfigError, match="got 'flash'"):
+        LLM(model="no-such-model", attention_backend="flash")
 
 
 def mixed_step_metadata() -> AttentionMetadata:

@@ -1,7 +1,7 @@
 """The attention backends by name (`EngineConfig.attention_backend`), and the choice of 'auto'.
 
 A new backend is a module of this folder whose class satisfies AttentionBackend (backend.py)
-and one line in BACKENDS (and its name in config.py's list of accepted values).
+and one line in BACKENDS.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from pagedkv.attention.backend import AttentionBackend
 from pagedkv.attention.cpu import CpuAttentionBackend
 from pagedkv.attention.cuda import CudaAttentionBackend
 from pagedkv.attention.torch_ref import TorchRefBackend
+from pagedkv.errors import InvalidConfigError
 
 logger = logging.getLogger("pagedkv.attention")
 
@@ -47,9 +48,14 @@ def get_backend(name: str, device: str, head_dim: Optional[int] = None) -> Atten
     dim on this device; raises where it cannot run there (its `check_supported`)."""
     if name == "auto":
         name = auto_backend_name(device, head_dim)
-    backend_class = BACKENDS.get(name)
-    if backend_class is None:
-        names = ", ".join(repr(known) for known in ("auto", *BACKENDS))
-        raise ValueError(f"attention_backend must be one of {names}, got {name!r}")
+    check_backend_name(name)
+    backend_class = BACKENDS[name]
     backend_class.check_supported(device, head_dim)
     return backend_class()
+
+
+def check_backend_name(name: str) -> None:
+    """Raises InvalidConfigError unless `name` is 'auto' or a registered backend's."""
+    if name != "auto" and name not in BACKENDS:
+        names = ", ".join(repr(known) for known in ("auto", *BACKENDS))
+        raise InvalidConfigError(f"attention_backend must be one of {names}, got {name!r}")

@@ -10,11 +10,15 @@ from __future__ import annotations
 import ctypes
 import functools
 import glob
+import hashlib
+import json
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pagedkv.errors import PagedKVError
+from pagedkv.kernels import sources
 
 
 class KernelCompileError(PagedKVError):
@@ -85,6 +89,26 @@ def compile_to_cubin(source: str, name: str, name_expressions: list[str], option
         return lowered
     finally:
         nvrtc.nvrtcDestroyProgram(ctypes.byref(program))
+
+
+def compile_instantiations(instantiations: dict[str, list[str]], arch: str) -> dict[str, str]:
+    """Compiles each source's template instantiations for `arch` (e.g. "sm_90"), two programs at a
+    time, the big attention source cut into programs of 80; returns every expression's lowered name."""
+    options = [f"--gpu-architecture={arch}", f"-I{sources.cuda_source_dir()}", *sources.COMPILE_OPTIONS]
+    chunks = [(source, expressions[begin : begin + 80])
+              for source, expressions in instantiations.items() for begin in range(0, len(expressions), 80)]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = pool.map(lambda chunk: compile_to_cubin(sources.read_source(chunk[0]), chunk[0], chunk[1], options),
+                           chunks)
+        return {expression: name for result in results for expression, name in result.items()}
+
+
+def compile_key(arch: str) -> str:
+    """What a whole compile for `arch` vouches for: these sources (headers included), this NVRTC,
+    these options and instantiations."""
+    facts = [sources.digest(), list(nvrtc_version()), arch, list(sources.COMPILE_OPTIONS),
+             sorted(e for expressions in sources.all_instantiations().values() for e in expressions)]
+    return hashlib.sha256(json.dumps(facts).encode()).hexdigest()[:16]
 
 
 def _log(program) -> str:

@@ -13,6 +13,7 @@ import torch
 
 from pagedkv_core._core import PLACEHOLDER_TOKEN
 from pagedkv.attention import AttentionMetadata, StepContext, get_backend
+from pagedkv.attention.registry import check_backend_name
 from pagedkv.config import EngineConfig
 from pagedkv.runner.cuda_graphs import DecodeGraphs
 from pagedkv.errors import EngineStoppedError, InvalidConfigError, TensorParallelError
@@ -75,6 +76,7 @@ class ModelRunner:
 
     def _build(self) -> None:
         config = self.config
+        check_backend_name(config.attention_backend)  # (before minutes of loading)
         with using_group(self.group):
             loaded = load(config.model, config.gguf_file, config.tokenizer, self.dtype, self.device,
                           config.max_model_len, dummy=config.load_format == "dummy")
