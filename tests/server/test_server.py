@@ -696,6 +696,17 @@ def test_overload_gives_503_or_correct_completions_and_frees_everything():
         assert live.metric("pagedkv_kv_blocks_used_device") == 0
         assert live.metric("pagedkv_requests_running") == 0 and live.metric("pagedkv_requests_waiting") == 0
         assert httpx.get(live.url + "/health").status_code == 200
+        # A batch larger than the waiting queue could never be queued at once: not 503 ("retry
+        # later") but 400 naming the limit; a batch that fits is served.
+        response = httpx.post(live.url + "/v1/completions", timeout=60, json={"prompt": [prompt] * 5, "max_tokens": 2})
+        assert response.status_code == 400 and "max_waiting_requests=4" in response.json()["error"]["message"]
+        response = httpx.post(live.url + "/v1/completions", timeout=60, json={"prompt": [prompt] * 4, "max_tokens": 2})
+        assert response.status_code == 200 and len(response.json()["choices"]) == 4
+        for extra in ({}, {"use_beam_search": True}):  # more samples or beams than can ever run together
+            response = httpx.post(live.url + "/v1/completions", timeout=60,
+                                  json={"prompt": prompt, "max_tokens": 2, "n": 5, **extra})
+            assert response.status_code == 400 and response.json()["error"]["param"] == "n"
+            assert "max_num_seqs=4" in response.json()["error"]["message"]
     finally:
         live.stop()
 

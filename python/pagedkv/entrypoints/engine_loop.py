@@ -93,6 +93,10 @@ class EngineLoop:
         is refused too (SamplingParams.check_context_room)."""
         loop = asyncio.get_running_loop()
         self._check_open()
+        max_waiting = self.engine.config.max_waiting_requests
+        if len(requests) > max_waiting:  # (all or none: such a batch would be refused forever, not "later")
+            raise ValueError(f"a batch of {len(requests)} prompts can never be queued at once: "
+                             f"max_waiting_requests={max_waiting}")
 
         def prepare(request_id: str, prompt):
             request = self.engine.prepare_request(request_id, prompt, params, priority=priority,
