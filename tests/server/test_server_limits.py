@@ -181,6 +181,36 @@ def test_health_answers_while_megabytes_are_rendered_then_refused(server):
     assert httpx.post(server.url + "/tokenize", json={"prompt": "w5 w6"}, timeout=10).json()["count"] > 0
 
 
+@pytest.mark.parametrize("route, field", [("/v1/completions", "prompt"), ("/v1/embeddings", "input"),
+                                          ("/detokenize", "tokens")])
+def test_megabytes_of_token_ids_are_parsed_and_checked_off_the_event_loop(server, route, field, monkeypatch):
+    """A large body is parsed and validated on a worker thread, never on the loop (it stalled
+    /health and every stream 6-18 s); a bad value deep in it is still refused by name."""
+    from pagedkv.entrypoints.server import protocol
+
+    checked_on = []  # (the threads the request model's validation ran on)
+    check = protocol.check_json_values
+    monkeypatch.setattr(protocol, "check_json_values",
+                        lambda body: (checked_on.append(threading.current_thread()), check(body))[1])
+    token_ids = list(range(100, 1100)) * 800  # 800,000 ids, ~4 MB: above max_model_len, under the body limit
+    body = {field: token_ids} if route == "/detokenize" else {field: token_ids, "max_tokens": 2}
+    response = httpx.post(server.url + route, json=body, timeout=120)
+    assert response.status_code == (200 if route == "/detokenize" else 400)
+    assert checked_on and server.thread not in checked_on  # (uvicorn's loop runs on server.thread)
+    bad = dict(body, **{field: token_ids[:-1] + [float("nan")]})
+    response = httpx.post(server.url + route, content=json.dumps(bad), timeout=120,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 400 and response.json()["error"]["param"] == field
+    small = httpx.post(server.url + route, content=json.dumps(body)[:1000], timeout=60,
+                       headers={"content-type": "application/json"})
+    response = httpx.post(server.url + route, content=json.dumps(body)[:-1], timeout=120,  # (cut: not JSON)
+                          headers={"content-type": "application/json"})
+    assert response.status_code == small.status_code == 400
+    error, small_error = response.json()["error"], small.json()["error"]
+    assert error["message"].endswith(": JSON decode error") and small_error["message"].endswith(": JSON decode error")
+    assert {**error, "message": ""} == {**small_error, "message": ""}  # (the same answer, but for the position)
+
+
 def test_an_abandoned_non_streaming_request_is_aborted(server):
     body = {"prompt": "Count to a thousand:", "max_tokens": 200, "ignore_eos": True}
     for _ in range(3):

@@ -31,26 +31,32 @@ class RequestFieldError(Exception):
 def check_json_values(body: Any) -> None:
     """Raises RequestFieldError for the first string in a parsed JSON body that is not valid
     Unicode, or number that is not finite (JSON's NaN, Infinity, 1e999), wherever it is,
-    free-form JSON (schemas, tool parameters) included. (Iterative: any depth of nesting.)"""
-    pending = [(body, "", "")]  # (value, its path, the top-level field it is in)
+    free-form JSON (schemas, tool parameters) included. (Iterative: any depth of nesting; a
+    path is spelled only for the value refused, so millions of token ids cost a fraction of a second.)"""
+    pending = [(body, (), "")]  # (value, the keys and indices leading to it, the top-level field it is in)
     while pending:
-        value, path, field = pending.pop()
+        value, keys, field = pending.pop()
         if isinstance(value, str):
             try:
-                check_unicode(value, path or "body")
+                check_unicode(value, _path(keys))
             except ValueError as error:
                 raise RequestFieldError(field, str(error)) from None
         elif isinstance(value, float) and not math.isfinite(value):
-            raise RequestFieldError(field, f"{path or 'body'} must be a finite number, got {value!r}")
+            raise RequestFieldError(field, f"{_path(keys)} must be a finite number, got {value!r}")
         elif isinstance(value, dict):
             for key, item in value.items():
                 try:
                     check_unicode(str(key), "key")
                 except ValueError:
-                    raise RequestFieldError(field or "body", f"{path or 'body'} has a key that is not valid Unicode") from None
-                pending.append((item, f"{path}.{key}" if path else str(key), field or str(key)))
+                    raise RequestFieldError(field or "body", f"{_path(keys)} has a key that is not valid Unicode") from None
+                pending.append((item, (*keys, key), field or str(key)))
         elif isinstance(value, list):
-            pending.extend((item, f"{path}.{index}", field) for index, item in enumerate(value))
+            pending.extend((item, (*keys, index), field) for index, item in enumerate(value)
+                           if type(item) is not int)  # (ints are always fine: skip token ids fast)
+
+
+def _path(keys: tuple) -> str:
+    return ".".join(map(str, keys)) or "body"
 
 
 class _Part(BaseModel):
@@ -311,9 +317,14 @@ class _Sampling(_Request):
             raise ValueError(f"logit_bias must be keyed by token ids, got {list(self.logit_bias)!r}") from None
 
 
+# A prompt: text, token ids, or a batch of either. Token ids are tried first and the members in
+# this order (pydantic's "smart" union tried every member on every element: 4 s for 2.8M ids).
+PromptInput = Annotated[Union[list[int], str, list[str], list[list[int]]], Field(union_mode="left_to_right")]
+
+
 class CompletionRequest(_Sampling):
     # One prompt (text or token ids) or a batch of them: choice i * n + j is sample j of prompt i.
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    prompt: PromptInput
     logprobs: Optional[int] = Field(default=None, ge=0)  # (at most the engine's max_logprobs)
     echo: bool = False  # prepend the prompt (and with logprobs, its tokens' logprobs) to each choice
 
@@ -378,7 +389,7 @@ class EmbeddingRequest(_Request):
     """OpenAI's /v1/embeddings: one input (text or token ids) or a batch of them."""
 
     model: Optional[str] = None
-    input: Union[str, list[str], list[int], list[list[int]]]
+    input: PromptInput
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Optional[int] = None
     user: Optional[str] = None
@@ -392,7 +403,7 @@ class ClassificationRequest(_Request):
     """vLLM's /classify: one input (text or token ids) or a batch of them."""
 
     model: Optional[str] = None
-    input: Union[str, list[str], list[int], list[list[int]]]
+    input: PromptInput
     use_activation: bool = True  # False: the raw scores (a reward model's reward)
     user: Optional[str] = None
     priority: Priority = 0

@@ -11,6 +11,7 @@ from urllib.parse import urlsplit
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from pagedkv.entrypoints.server.json_body import OffLoopJSONRoute
 from pagedkv import __version__
 from pagedkv.params.lora_request import LoRARequest
 from pagedkv.entrypoints.server.errors import APIError
@@ -35,8 +36,8 @@ def same_site_only(request: Request) -> None:
                        "permission_error", None)
 
 
-router = APIRouter()
-lora_router = APIRouter(dependencies=[Depends(same_site_only)])
+router = APIRouter(route_class=OffLoopJSONRoute)
+lora_router = APIRouter(dependencies=[Depends(same_site_only)], route_class=OffLoopJSONRoute)
 
 
 @router.get("/health", responses={**answer(StatusResponse),

@@ -9,13 +9,14 @@ from typing import Optional
 
 from fastapi import APIRouter, Depends, Request
 
+from pagedkv.entrypoints.server.json_body import OffLoopJSONRoute
 from pagedkv.entrypoints.server.openapi import ChatCompletion, Completion, streamed_answer
 from pagedkv.entrypoints.server.protocol import ChatCompletionRequest, CompletionRequest
 from pagedkv.entrypoints.server.responses import ReplyOptions
 from pagedkv.entrypoints.server.serving import ServingContext, make_params, merged, serving, streamed_output_kind, with_tools
 from pagedkv.entrypoints.server.tools import ToolCalling
 
-router = APIRouter()
+router = APIRouter(route_class=OffLoopJSONRoute)
 
 
 @router.post("/v1/completions", responses=streamed_answer(Completion))

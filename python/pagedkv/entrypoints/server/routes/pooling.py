@@ -7,6 +7,7 @@ import uuid
 
 from fastapi import APIRouter, Depends, Request
 
+from pagedkv.entrypoints.server.json_body import OffLoopJSONRoute
 from pagedkv.params.pooling import PoolingParams
 from pagedkv.entrypoints.scoring import score_pairs, scores_of, scoring_requests
 from pagedkv.entrypoints.server.errors import APIError
@@ -14,7 +15,7 @@ from pagedkv.entrypoints.server.openapi import ClassificationList, EmbeddingList
 from pagedkv.entrypoints.server.protocol import ClassificationRequest, EmbeddingRequest, RerankRequest, ScoreRequest
 from pagedkv.entrypoints.server.serving import ServingContext, make_params, serving
 
-router = APIRouter()
+router = APIRouter(route_class=OffLoopJSONRoute)
 
 
 @router.post("/v1/embeddings", responses=answer(EmbeddingList))

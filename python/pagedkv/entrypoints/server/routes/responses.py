@@ -6,13 +6,14 @@ import dataclasses
 
 from fastapi import APIRouter, Depends, Request
 
+from pagedkv.entrypoints.server.json_body import OffLoopJSONRoute
 from pagedkv.entrypoints.server.openapi import ResponseBody, streamed_answer
 from pagedkv.entrypoints.server.protocol import ResponsesRequest
 from pagedkv.entrypoints.server.responses_api import ResponseState, usage as responses_usage
 from pagedkv.entrypoints.server.serving import (ServingContext, make_params, next_output, serving, streamed_output_kind,
                                      with_tools)
 
-router = APIRouter()
+router = APIRouter(route_class=OffLoopJSONRoute)
 
 
 @router.post("/v1/responses", responses=streamed_answer(ResponseBody))

@@ -8,13 +8,14 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 from pydantic import ValidationError
 
+from pagedkv.entrypoints.server.json_body import OffLoopJSONRoute
 from pagedkv.entrypoints.server.errors import APIError
 from pagedkv.entrypoints.server.protocol import (ChatCompletionRequest, ClassificationRequest, CompletionRequest,
                                                  EmbeddingRequest, RerankRequest, ScoreRequest)
 from pagedkv.entrypoints.server.routes import admin, completions, pooling
 from pagedkv.entrypoints.server.serving import ServingContext, serving
 
-router = APIRouter()
+router = APIRouter(route_class=OffLoopJSONRoute)
 
 # In vLLM's order: the first request type a body validates as takes it.
 INVOCATIONS = ((ChatCompletionRequest, completions.chat_completions), (CompletionRequest, completions.completions),

@@ -7,14 +7,15 @@ from typing import Optional
 
 from fastapi import APIRouter, Depends
 
+from pagedkv.entrypoints.server.json_body import OffLoopJSONRoute
 from pagedkv.params.sampling import check_unicode
 from pagedkv.entrypoints.server.errors import APIError
 from pagedkv.entrypoints.server.openapi import DetokenizeResponse, TokenizeResponse, TokenizerInfoResponse, answer
 from pagedkv.entrypoints.server.protocol import DetokenizeRequest, TokenizeRequest
 from pagedkv.entrypoints.server.serving import ServingContext, serving
 
-router = APIRouter()
-info_router = APIRouter()
+router = APIRouter(route_class=OffLoopJSONRoute)
+info_router = APIRouter(route_class=OffLoopJSONRoute)
 
 
 @router.post("/tokenize", responses=answer(TokenizeResponse))

@@ -1,0 +1,59 @@
+"""Large JSON bodies are parsed and validated on a worker thread: megabytes of token ids took
+seconds of json.loads and of validating every value on the event loop, where every stream and
+/health waited for them (FastAPI parses and validates the body on the loop before the handler)."""
+
+from __future__ import annotations
+
+import json
+
+import orjson
+from typing import Any, Callable
+
+from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+
+# Bodies up to this size are parsed on the loop, as FastAPI does: a worker-thread hop costs more.
+OFF_LOOP_BYTES = 256 << 10
+
+
+class OffLoopJSONRoute(APIRoute):
+    """An APIRoute whose large JSON body becomes its request model on a worker thread. FastAPI then
+    finds the model where it reads the parsed body (Starlette's cache of `request.json()`) and
+    accepts it as it is; a body that does not parse or validate is refused with FastAPI's own
+    errors (RequestValidationError) or the request model's (RequestFieldError)."""
+
+    def get_route_handler(self) -> Callable:
+        handler = super().get_route_handler()
+        # (Only a body that is one request model: FastAPI takes a model instance for that as it is.)
+        one_model = self.body_field is not None and not getattr(self, "_embed_body_fields", True)
+
+        async def parse_large_body_off_loop(request: Request) -> Any:
+            if one_model and "json" in request.headers.get("content-type", "json"):
+                body = await request.body()
+                if len(body) > OFF_LOOP_BYTES:
+                    parsed = await run_in_threadpool(self._parse_and_validate, body)
+                    if parsed is not None:
+                        request._json = parsed
+            return await handler(request)
+
+        return parse_large_body_off_loop
+
+    def _parse_and_validate(self, body: bytes) -> Any:
+        """The body as the route's request model; None where FastAPI should refuse it itself (not
+        UTF-8, nested too deep: it finds out as early in the body as this did)."""
+        try:
+            parsed = orjson.loads(body)
+        except orjson.JSONDecodeError:  # (or JSON's extensions Python reads, NaN and 1e999; ints past 64 bits)
+            try:
+                parsed = json.loads(body)
+            except json.JSONDecodeError as error:  # (FastAPI's error for it, word for word)
+                raise RequestValidationError([{"type": "json_invalid", "loc": ("body", error.pos), "ctx": {"error": error.msg},
+                                               "msg": "JSON decode error", "input": {}}], body=error.doc) from None
+            except (ValueError, RecursionError):
+                return None
+        value, errors = self.body_field.validate(parsed, {}, loc=("body",))
+        if errors:
+            raise RequestValidationError(errors, body=parsed)
+        return value
