@@ -297,7 +297,7 @@ RERANK = {"query": "w5", "documents": ["w6 w7", "w8"], "top_n": 1}
 # answers can hold, logprobs, echo, several choices and prompts, base64 embeddings, a tool call.
 SERVED_REQUESTS = {
     ("GET", "/health"): [None], ("GET", "/v1/models"): [None], ("GET", "/metrics"): [None],
-    ("GET", "/version"): [None], ("POST", "/reset_prefix_cache"): [None],
+    ("GET", "/version"): [None], ("GET", "/load"): [None], ("POST", "/reset_prefix_cache"): [None],
     ("POST", "/v1/completions"): [
         {"prompt": "w5 w6", "max_tokens": 2, "n": 2, "logprobs": MAX_LOGPROBS, "echo": True},
         {"prompt": [[5, 6], [7]], "max_tokens": 2, "stop": ["x"]},

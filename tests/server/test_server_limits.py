@@ -20,7 +20,8 @@ BODY_PAUSE = 1.0
 @pytest.fixture(scope="module")
 def server():
     live = LiveServer(num_device_blocks=64, max_model_len=256, max_num_seqs=4,
-                      app_options={"max_request_body_bytes": BODY_LIMIT, "request_body_pause_seconds": BODY_PAUSE})
+                      app_options={"max_request_body_bytes": BODY_LIMIT, "request_body_pause_seconds": BODY_PAUSE,
+                                   "enable_server_load_tracking": True})
     yield live
     live.stop()
 
@@ -217,3 +218,43 @@ def test_an_abandoned_non_streaming_request_is_aborted(server):
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
     assert_idle_and_serving(server)
+
+
+def test_load_counts_requests_in_flight_and_orca_headers_report_the_cache(server):
+    """vLLM's GET /load (requests in flight on the engine's routes, a stream until its last byte)
+    and its ORCA header `endpoint-load-metrics` for requests that ask for it."""
+    def load() -> int:
+        return httpx.get(server.url + "/load", timeout=10).json()["server_load"]
+
+    assert load() == 0
+    body = {"prompt": "Count to a thousand:", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as stream:
+        lines = stream.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        assert load() == 1
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as second:
+            second_lines = second.iter_lines()  # (held: a dropped line iterator closes its connection)
+            assert next(line for line in second_lines if line.startswith("data: "))
+            assert load() == 2
+    deadline = time.monotonic() + 20
+    while load() != 0:
+        assert time.monotonic() < deadline, "left streams were still counted"
+        time.sleep(0.1)
+    assert httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": -1}).status_code == 400
+    assert load() == 0
+
+    plain = {"prompt": "Hello", "max_tokens": 2}
+    answer = httpx.post(server.url + "/v1/completions", json=plain, timeout=60)
+    assert "endpoint-load-metrics" not in answer.headers
+    answer = httpx.post(server.url + "/v1/completions", json=plain, timeout=60,
+                        headers={"endpoint-load-metrics-format": "text"})
+    fields = dict(part.split("=") for part in answer.headers["endpoint-load-metrics"].removeprefix("TEXT ").split(", "))
+    assert set(fields) == {"named_metrics.kv_cache_usage_perc", "named_metrics.num_requests_waiting"}
+    assert 0.0 <= float(fields["named_metrics.kv_cache_usage_perc"]) <= 1.0
+    answer = httpx.post(server.url + "/v1/chat/completions", timeout=60, headers={"endpoint-load-metrics-format": "JSON"},
+                        json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+    report = json.loads(answer.headers["endpoint-load-metrics"].removeprefix("JSON "))
+    assert set(report["named_metrics"]) == {"kv_cache_usage_perc", "num_requests_waiting"}
+    answer = httpx.post(server.url + "/v1/completions", json=plain, timeout=60,
+                        headers={"endpoint-load-metrics-format": "binary"})
+    assert answer.status_code == 200 and "endpoint-load-metrics" not in answer.headers

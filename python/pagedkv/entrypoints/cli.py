@@ -162,7 +162,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                          else args.max_request_body_bytes),
                  shutdown_grace_seconds=args.shutdown_grace_seconds,
                  enable_force_include_usage=args.enable_force_include_usage,
-                 enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint, root_path=args.root_path,
+                 enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+                 enable_server_load_tracking=args.enable_server_load_tracking, root_path=args.root_path,
                  uds=args.uds)
 
 
@@ -198,6 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "JSON {\"name\", \"path\", \"base_model_name\"}; turns --enable-lora on")
     serve.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                        help="GET /tokenizer_info: the tokenizer's configuration and chat template")
+    serve.add_argument("--enable-server-load-tracking", action="store_true",
+                       help="GET /load counts the requests in flight on the routes that use the engine")
     serve.add_argument("--enable-force-include-usage", action="store_true",
                        help="every streamed answer ends with a usage chunk, whether the request asked or not")
     serve.add_argument("--allow-runtime-lora-updating", action="store_true",

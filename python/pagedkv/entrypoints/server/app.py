@@ -27,6 +27,7 @@ from pagedkv.entrypoints.server.body_limit import BODY_PAUSE_SECONDS, DEFAULT_MA
 from pagedkv.entrypoints.server.errors import error_response, install_error_handlers
 from pagedkv.entrypoints.server.openapi import ERROR_RESPONSES, install_openapi
 from pagedkv.entrypoints.server.routes import admin, completions, pooling, responses, sagemaker, tokenization
+from pagedkv.entrypoints.server.load_reports import LoadReports, ServerLoad
 from pagedkv.entrypoints.server.serving import ServingContext
 
 logger = logging.getLogger("pagedkv.entrypoints.server")
@@ -41,7 +42,8 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
                tool_call_parser: str = "hermes",
                max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
                request_body_pause_seconds: float = BODY_PAUSE_SECONDS,
-               enable_force_include_usage: bool = False, enable_tokenizer_info_endpoint: bool = False) -> FastAPI:
+               enable_force_include_usage: bool = False, enable_tokenizer_info_endpoint: bool = False,
+               enable_server_load_tracking: bool = False) -> FastAPI:
     """The app around an engine; an AsyncLLM steps it for the app's lifetime. `chat_template`
     (Jinja) replaces the tokenizer's own, e.g. for a base model that has none. `api_key`: /v1
     routes (all but /health) answer 401 unless the request carries `Authorization: Bearer <api_key>`; an
@@ -49,6 +51,7 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
     that pause longer than `request_body_pause_seconds` 408. `enable_force_include_usage`: every
     stream ends with a usage chunk, asked for or not (vLLM's flag). `enable_tokenizer_info_endpoint`
     adds vLLM's GET /tokenizer_info (off by default, as in vLLM: it shows the tokenizer's setup).
+    `enable_server_load_tracking`: GET /load counts the requests in flight (vLLM's; server/load_reports.py).
     `lora_modules` ({name: PEFT directory, or {"path", "base_model_name"}}, engine with enable_lora): each adapter is served as a
     model of its own name, loaded now. `allow_runtime_lora_updating` adds vLLM's
     /v1/load_lora_adapter and /v1/unload_lora_adapter (adapters from the server's disk).
@@ -68,7 +71,10 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
     # must not keep its engine alive.
     app.state.serving = context
     app.state.engine_failure = None  # (what `serve` exits non-zero for)
+    app.state.server_load = ServerLoad(enable_server_load_tracking)
     install_openapi(app)
+    app.add_middleware(LoadReports, load=app.state.server_load,
+                       stats_source=lambda: context.client.stats() if context.client is not None else {})
     app.add_middleware(BodySizeLimit, max_bytes=max_request_body_bytes, pause_seconds=request_body_pause_seconds)
     if api_key is not None:
         require_api_key(app, api_key)
@@ -116,7 +122,7 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, serve
           reasoning_parser: Optional[str] = None, tool_call_parser: str = "hermes",
           max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, shutdown_grace_seconds: float = 10.0,
           enable_force_include_usage: bool = False, enable_tokenizer_info_endpoint: bool = False,
-          root_path: str = "", uds: Optional[str] = None) -> int:
+          enable_server_load_tracking: bool = False, root_path: str = "", uds: Optional[str] = None) -> int:
     """Builds the engine and runs uvicorn until SIGINT/SIGTERM: stops accepting, lets in-flight
     requests finish for `shutdown_grace_seconds`, aborts the rest (ServingContext.drain), and
     returns 0. `lora_modules` and `allow_runtime_lora_updating` turn enable_lora on. `uds`: a Unix
@@ -155,7 +161,8 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, serve
     app = create_app(LLMEngine(config), served_model_name, chat_template, api_key, lora_modules,
                      allow_runtime_lora_updating, reasoning_parser, tool_call_parser, max_request_body_bytes,
                      enable_force_include_usage=enable_force_include_usage,
-                     enable_tokenizer_info_endpoint=enable_tokenizer_info_endpoint)
+                     enable_tokenizer_info_endpoint=enable_tokenizer_info_endpoint,
+                     enable_server_load_tracking=enable_server_load_tracking)
     # uvicorn's own bound on the drain comes after ours: by then every request has ended.
     Server(uvicorn.Config(app, host=host, port=port, uds=uds, root_path=root_path,
                           timeout_graceful_shutdown=shutdown_grace_seconds + 5,

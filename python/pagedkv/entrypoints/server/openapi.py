@@ -336,6 +336,10 @@ class StatusResponse(BaseModel):
     status: str
 
 
+class ServerLoadResponse(BaseModel):
+    server_load: int
+
+
 class VersionResponse(BaseModel):
     version: str
 

@@ -15,7 +15,7 @@ from pagedkv.entrypoints.server.json_body import OffLoopJSONRoute
 from pagedkv import __version__
 from pagedkv.params.lora_request import LoRARequest
 from pagedkv.entrypoints.server.errors import APIError
-from pagedkv.entrypoints.server.openapi import ModelList, StatusResponse, VersionResponse, answer
+from pagedkv.entrypoints.server.openapi import ModelList, ServerLoadResponse, StatusResponse, VersionResponse, answer
 from pagedkv.entrypoints.server.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from pagedkv.entrypoints.server.responses import ResponseBuilder
 from pagedkv.entrypoints.server.serving import ServingContext, serving
@@ -56,6 +56,13 @@ async def models(context: ServingContext = Depends(serving)):
                    "parent": context.adapter_parents.get(name, context.model_name), "max_model_len": context.max_model_len}
                   for name, adapter in context.adapters.items()]
     return {"object": "list", "data": [card, *lora_cards]}
+
+
+@router.get("/load", responses=answer(ServerLoadResponse))
+async def load(request: Request):
+    """vLLM's: the requests in flight on the routes that use the engine (0 unless the server runs
+    with --enable-server-load-tracking)."""
+    return {"server_load": request.app.state.server_load.in_flight}
 
 
 @router.get("/metrics", response_class=PlainTextResponse)
