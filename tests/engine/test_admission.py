@@ -126,9 +126,13 @@ def test_logprobs_beyond_max_logprobs_are_refused_by_name_and_at_it_served(engin
     monkeypatch.setattr(engine.config, "max_logprobs", -1)  # (-1: as many as the vocabulary has)
     with pytest.raises(ValueError, match=rf"^logprobs must be at most {vocab_size} \(the vocabulary size\)"):
         engine.add_request("refused", PROMPT, SamplingParams(logprobs=vocab_size + 1))
-    engine.add_request("whole-vocabulary", PROMPT, SamplingParams(logprobs=vocab_size, max_tokens=1))
-    [output] = run_until_idle(engine).values()
-    assert len(output.outputs[0].logprobs[0]) == vocab_size
+    for logprobs in (vocab_size, -1):  # (-1: vLLM's "the whole vocabulary")
+        engine.add_request("whole-vocabulary", PROMPT, SamplingParams(logprobs=logprobs, max_tokens=1))
+        [output] = run_until_idle(engine).values()
+        assert len(output.outputs[0].logprobs[0]) == vocab_size
+    monkeypatch.setattr(engine.config, "max_logprobs", 3)
+    with pytest.raises(ValueError, match=r"^prompt_logprobs must be at most 3 \(max_logprobs\), got -1 \(the whole"):
+        engine.add_request("refused", PROMPT, SamplingParams(prompt_logprobs=-1))
 
 
 @pytest.mark.parametrize("max_logprobs", [-2, 1.5, None])

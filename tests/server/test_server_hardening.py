@@ -176,6 +176,10 @@ def test_logprobs_at_the_servers_maximum_are_served(server):
                           timeout=60)
     message = f"logprobs must be at most {MAX_LOGPROBS} (max_logprobs), got {MAX_LOGPROBS + 1}"
     assert response.json()["error"]["message"] == message
+    response = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={  # (-1: the whole vocabulary)
+        "messages": [{"role": "user", "content": "w5"}], "logprobs": True, "top_logprobs": -1})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "top_logprobs"
+    assert "--max-logprobs -1" in response.json()["error"]["message"]
 
 
 def hold_the_engine(loop, until) -> threading.Thread:

@@ -102,8 +102,8 @@ class SamplingParams:
             fail("min_tokens", self.min_tokens, f"an integer in [0, max_tokens={self.max_tokens}]")
         for name in ("logprobs", "prompt_logprobs"):  # (their limit is the engine's: see check_logprobs)
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 0):
-                fail(name, value, "None or an integer >= 0")
+            if value is not None and (not isinstance(value, int) or value < -1):
+                fail(name, value, "None, an integer >= 0, or -1 (the whole vocabulary)")
         if not -2 <= self.presence_penalty <= 2:
             fail("presence_penalty", self.presence_penalty, "in [-2, 2]")
         if not -2 <= self.frequency_penalty <= 2:
@@ -170,14 +170,20 @@ class SamplingParams:
     def check_logprobs(self, max_logprobs: int, vocab_size: int) -> None:
         """Raises ValueError naming logprobs or prompt_logprobs if it asks for more candidates
         per token than the engine allows: `max_logprobs` (EngineConfig.max_logprobs; -1 = the
-        vocabulary size) and never more than `vocab_size`."""
+        vocabulary size) and never more than `vocab_size`. A request's -1 (the whole vocabulary)
+        becomes `vocab_size` here."""
         if max_logprobs == -1 or max_logprobs > vocab_size:
             limit, source = vocab_size, "the vocabulary size"
         else:
             limit, source = max_logprobs, "max_logprobs"
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and value > limit:
+            if value == -1:  # (vLLM's: the whole vocabulary, which max_logprobs must allow)
+                if limit < vocab_size:
+                    raise ValueError(f"{name} must be at most {limit} ({source}), got -1 (the whole vocabulary, "
+                                     f"{vocab_size}); serve with --max-logprobs -1 to allow it")
+                setattr(self, name, vocab_size)
+            elif value is not None and value > limit:
                 raise ValueError(f"{name} must be at most {limit} ({source}), got {value}")
 
     @property

@@ -237,7 +237,7 @@ class _Sampling(_Request):
     bad_words: Optional[list[str]] = None
     truncate_prompt_tokens: Optional[int] = None
     priority: Priority = 0  # with --scheduling-policy priority: smaller is served first
-    prompt_logprobs: Optional[int] = Field(default=None, ge=0)  # per prompt token: its logprob and k candidates
+    prompt_logprobs: Optional[int] = Field(default=None, ge=-1)  # per prompt token: its logprob and k candidates (-1: all)
     return_token_ids: Optional[bool] = None  # the prompt's and each choice's token ids in the reply
     return_tokens_as_token_ids: Optional[bool] = None  # logprobs name tokens "token_id:<id>"
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_* fields.
@@ -325,7 +325,7 @@ PromptInput = Annotated[Union[list[int], str, list[str], list[list[int]]], Field
 class CompletionRequest(_Sampling):
     # One prompt (text or token ids) or a batch of them: choice i * n + j is sample j of prompt i.
     prompt: PromptInput
-    logprobs: Optional[int] = Field(default=None, ge=0)  # (at most the engine's max_logprobs)
+    logprobs: Optional[int] = Field(default=None, ge=-1)  # (at most the engine's max_logprobs; -1: the vocabulary)
     echo: bool = False  # prepend the prompt (and with logprobs, its tokens' logprobs) to each choice
 
     def completion_params(self, defaults: Optional[dict] = None) -> SamplingParams:
@@ -352,7 +352,7 @@ def _prompt_list(prompt, field: str) -> list[Union[str, list[int]]]:
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
-    top_logprobs: Optional[int] = Field(default=None, ge=0)  # (at most the engine's max_logprobs)
+    top_logprobs: Optional[int] = Field(default=None, ge=-1)  # (at most the engine's max_logprobs; -1: the vocabulary)
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
     tools: Optional[list[ChatTool]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
