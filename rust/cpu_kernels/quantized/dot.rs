@@ -94,20 +94,22 @@ pub fn dot_row_scalar(ty: GgmlType, row: &[u8], activations: &QuantizedActivatio
     acc.finish(ty)
 }
 
-/// The same sum on the widest path this CPU runs (`use_simd` false: the scalar reference).
+/// The same sums for the tokens whose activations start at `first_blocks`, on the widest path this
+/// CPU runs (`use_simd` false: the scalar reference). Reading the row once for several tokens is
+/// what makes more than one token cheaper than one call each.
 #[inline]
-pub fn dot_row(
+pub fn dot_rows<const T: usize>(
     ty: GgmlType,
     row: &[u8],
     activations: &QuantizedActivations,
-    first_block: usize,
+    first_blocks: [usize; T],
     use_simd: bool,
-) -> f32 {
+) -> [f32; T] {
     #[cfg(target_arch = "x86_64")]
     if use_simd {
         // SAFETY: callers pass use_simd only where `Isa::best()` is not Portable (AVX2, FMA, F16C).
-        return unsafe { super::x86::dot_row_avx2(ty, row, activations, first_block) };
+        return unsafe { super::x86::dot_rows_avx2(ty, row, activations, first_blocks) };
     }
     let _ = use_simd;
-    dot_row_scalar(ty, row, activations, first_block)
+    first_blocks.map(|first_block| dot_row_scalar(ty, row, activations, first_block))
 }

@@ -1,7 +1,7 @@
 //! The small-M linear layer over weights kept as GGUF blocks, and their dequantization.
 
 use super::activations::{quantize_activations, ActivationScheme};
-use super::dot::dot_row;
+use super::dot::dot_rows;
 use super::formats::{dequantize_block, GgmlType};
 use crate::cpu_kernels::layer_ops::for_row_chunks;
 use crate::cpu_kernels::simd::Isa;
@@ -9,6 +9,8 @@ use crate::errors::{Error, Result};
 
 /// Output features one thread claims at a time: a few KB of weights, enough to amortize the claim.
 const ROWS_PER_CHUNK: usize = 16;
+/// Tokens that share one read of a weight row (4 accumulators fit AVX2's 16 registers).
+const TOKENS_PER_PASS: usize = 4;
 
 fn invalid(field: &'static str, message: String) -> Result<()> {
     Err(Error::InvalidConfig { field, message })
@@ -64,11 +66,20 @@ pub(crate) fn quantized_linear_on(
         for row in rows {
             let weights = &weight[row * row_bytes..(row + 1) * row_bytes];
             let row_bias = bias.map_or(0.0, |bias| bias[row]);
-            for token in 0..m {
-                let value = dot_row(ty, weights, &activations, token * blocks_per_row, use_simd) + row_bias;
-                // SAFETY: token < m and row < n, so inside `out`; each row (output column) belongs
-                // to one chunk, claimed by one thread, so no element is written twice.
-                unsafe { columns.write(token * n + row, value) };
+            let write = |token: usize, value: f32| {
+                // SAFETY: token < m and row < n, so inside `out`; each row (output column)
+                // belongs to one chunk, claimed by one thread, so no element is written twice.
+                unsafe { columns.write(token * n + row, value + row_bias) };
+            };
+            let mut token = 0;
+            while token + TOKENS_PER_PASS <= m {
+                let first_blocks = std::array::from_fn(|t| (token + t) * blocks_per_row);
+                let values: [f32; TOKENS_PER_PASS] = dot_rows(ty, weights, &activations, first_blocks, use_simd);
+                values.into_iter().enumerate().for_each(|(t, value)| write(token + t, value));
+                token += TOKENS_PER_PASS;
+            }
+            for token in token..m {
+                write(token, dot_rows(ty, weights, &activations, [token * blocks_per_row], use_simd)[0]);
             }
         }
     });
