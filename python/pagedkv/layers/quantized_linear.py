@@ -16,11 +16,12 @@ from pagedkv_core import _core
 
 GGML_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
 
-# Largest token count the kernel takes; above it, dequantize + F.linear. Measured with
-# benches/quantized_linear.py on the 2-core AVX2 dev machine (shared, noisy) for SmolLM2's shapes
-# (576 -> 576, 576 -> 1536, 1536 -> 576, 576 -> 49152): see CROSSOVER_NOTE below.
-MAX_KERNEL_TOKENS = 16
-CROSSOVER_NOTE = "set from the benchmark run"
+# Largest token count the kernel takes; above it, dequantize + F.linear. benches/quantized_linear.py
+# on the 2-core AVX2 dev machine (1 thread, shared with other jobs, so noisy), Q4_1: the kernel
+# beats dequantize + F.linear up to M = 4 on every SmolLM2 shape (q/o 576x576: 168 vs 306 us at
+# M = 4) and loses from M = 16 on the decoder's shapes (gate/up 1536x576: 1555 vs 1112 us), while the
+# 49152-row LM head holds out to M ~ 64; 8 sits between the two measured points.
+MAX_KERNEL_TOKENS = 8
 
 
 def row_bytes(ggml_type: str, in_features: int) -> int:
