@@ -135,6 +135,7 @@ pub(crate) fn q6_k_value(block: &[u8], e: usize) -> u8 {
 }
 
 /// Writes the `ty.block_len()` values of one block.
+#[inline(always)]
 pub fn dequantize_block(ty: GgmlType, block: &[u8], out: &mut [f32]) {
     match ty {
         GgmlType::Q4_0 | GgmlType::Q4_1 => {
@@ -158,19 +159,27 @@ pub fn dequantize_block(ty: GgmlType, block: &[u8], out: &mut [f32]) {
         }
         GgmlType::Q4_K => {
             let (d, dmin, scales, quants) = (f16_at(block, 0), f16_at(block, 2), &block[4..16], &block[16..144]);
-            for (j, value) in out[..256].iter_mut().enumerate() {
-                let sub_block = j / 32;
+            for (sub_block, values) in out[..256].chunks_exact_mut(32).enumerate() {
                 let (scale, min) = q4_k_scale_min(sub_block, scales);
-                let byte = quants[32 * (sub_block / 2) + j % 32];
-                let q = if sub_block % 2 == 0 { byte & 0xf } else { byte >> 4 };
-                *value = (d * scale as f32) * q as f32 - dmin * min as f32;
+                let (scale, min) = (d * scale as f32, dmin * min as f32);
+                let shift = 4 * (sub_block % 2);
+                for (value, &byte) in values.iter_mut().zip(&quants[32 * (sub_block / 2)..]) {
+                    *value = scale * ((byte >> shift) & 0xf) as f32 - min;
+                }
             }
         }
         GgmlType::Q6_K => {
             let d = f16_at(block, 208);
-            for (e, value) in out[..256].iter_mut().enumerate() {
-                let scale = block[192 + e / 16] as i8;
-                *value = (d * scale as f32) * (q6_k_value(block, e) as i32 - 32) as f32;
+            for (chunk, values) in out[..256].chunks_exact_mut(32).enumerate() {
+                let (half, quarter) = (chunk / 4, chunk % 4);
+                let low = &block[64 * half + 32 * (quarter % 2)..][..32];
+                let high = &block[128 + 32 * half..][..32];
+                let (low_shift, high_shift) = (4 * (quarter / 2), 2 * quarter);
+                for (l, value) in values.iter_mut().enumerate() {
+                    let q = ((low[l] >> low_shift) & 0xf) | (((high[l] >> high_shift) & 3) << 4);
+                    let scale = block[192 + 2 * chunk + l / 16] as i8;
+                    *value = (d * scale as f32) * (q as i32 - 32) as f32;
+                }
             }
         }
     }

@@ -4,7 +4,7 @@ use super::activations::{quantize_activations, ActivationScheme};
 use super::dot::dot_rows;
 use super::formats::{dequantize_block, GgmlType};
 use crate::cpu_kernels::layer_ops::for_row_chunks;
-use crate::cpu_kernels::simd::Isa;
+use crate::cpu_kernels::simd::{with_isa, Isa};
 use crate::errors::{Error, Result};
 
 /// Output features one thread claims at a time: a few KB of weights, enough to amortize the claim.
@@ -116,10 +116,17 @@ pub fn dequantize(ty: GgmlType, blocks: &[u8], out: &mut [f32], num_threads: usi
         .chunks(BLOCKS_PER_CHUNK * ty.block_bytes())
         .zip(out.chunks_mut(BLOCKS_PER_CHUNK * ty.block_len()))
         .collect();
+    let isa = Isa::best();
     for_row_chunks(chunks, num_threads, |(blocks, out): (&[u8], &mut [f32])| {
-        for (block, values) in blocks.chunks_exact(ty.block_bytes()).zip(out.chunks_exact_mut(ty.block_len())) {
-            dequantize_block(ty, block, values);
-        }
+        with_isa(
+            isa,
+            #[inline(always)]
+            || {
+                for (block, values) in blocks.chunks_exact(ty.block_bytes()).zip(out.chunks_exact_mut(ty.block_len())) {
+                    dequantize_block(ty, block, values);
+                }
+            },
+        )
     });
     Ok(())
 }
