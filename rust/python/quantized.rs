@@ -5,6 +5,7 @@ use pyo3::prelude::*;
 
 use super::errors::{call, to_py_err};
 use crate::cpu_kernels::quantized::{self, GgmlType};
+use crate::cpu_kernels::simd::Isa;
 
 /// (elements, bytes) of one block of `ggml_type` ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K").
 #[pyfunction]
@@ -43,7 +44,7 @@ fn quantized_linear_cpu(
                     bias.map(|bias| std::slice::from_raw_parts(bias as *const f32, n)),
                 )
             };
-            quantized::quantized_linear(out, x, weight, bias, ty, (m, n, k), num_threads)
+            quantized::quantized_linear(out, x, weight, bias, ty, (m, n, k), num_threads, Isa::best())
         })
     })
 }

@@ -20,7 +20,7 @@ fn invalid(field: &'static str, message: String) -> Result<()> {
 /// `ty` blocks (`[n, row_bytes]` bytes, GGUF's layout). x is quantized to 8 bits per block first
 /// (`ActivationScheme::for_weights`), and each output is an integer dot product per block
 /// (llama.cpp's scheme); bias, if any, is added last. Work is split over `n` on torch's thread
-/// team.
+/// team. `isa`: `Isa::best()`, or `Isa::Portable` for the scalar reference (the same bits).
 #[allow(clippy::too_many_arguments)]
 pub fn quantized_linear(
     out: &mut [f32],
@@ -30,21 +30,9 @@ pub fn quantized_linear(
     ty: GgmlType,
     (m, n, k): (usize, usize, usize),
     num_threads: usize,
+    isa: Isa,
 ) -> Result<()> {
-    quantized_linear_on(out, x, weight, bias, ty, (m, n, k), num_threads, Isa::best() != Isa::Portable)
-}
-
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn quantized_linear_on(
-    out: &mut [f32],
-    x: &[f32],
-    weight: &[u8],
-    bias: Option<&[f32]>,
-    ty: GgmlType,
-    (m, n, k): (usize, usize, usize),
-    num_threads: usize,
-    use_simd: bool,
-) -> Result<()> {
+    let use_simd = isa != Isa::Portable;
     let row_bytes = ty.row_bytes(k)?;
     if weight.len() != n * row_bytes {
         invalid("weight", format!("has {} bytes, want {n} rows of {row_bytes} ({} {})", weight.len(), k, ty.name()))?;
@@ -182,16 +170,16 @@ mod tests {
             let weight = random_blocks(ty, n * k / ty.block_len(), &mut random);
             let x: Vec<f32> = (0..m * k).map(|_| random.uniform() * 3.0).collect();
             let bias: Vec<f32> = (0..n).map(|_| random.uniform()).collect();
-            let run = |use_simd: bool, threads: usize| {
+            let run = |isa: Isa, threads: usize| {
                 let mut out = vec![0f32; m * n];
-                quantized_linear_on(&mut out, &x, &weight, Some(&bias), ty, (m, n, k), threads, use_simd).unwrap();
+                quantized_linear(&mut out, &x, &weight, Some(&bias), ty, (m, n, k), threads, isa).unwrap();
                 out
             };
-            let reference = run(false, 1);
+            let reference = run(Isa::Portable, 1);
             if Isa::best() != Isa::Portable {
-                assert_eq!(run(true, 1), reference, "{ty:?}");
+                assert_eq!(run(Isa::best(), 1), reference, "{ty:?}");
             }
-            assert_eq!(run(Isa::best() != Isa::Portable, 3), reference, "{ty:?} threaded");
+            assert_eq!(run(Isa::best(), 3), reference, "{ty:?} threaded");
         }
     }
 
@@ -203,7 +191,7 @@ mod tests {
             let weight = random_blocks(ty, n * k / ty.block_len(), &mut random);
             let x: Vec<f32> = (0..m * k).map(|_| random.uniform()).collect();
             let mut out = vec![0f32; m * n];
-            quantized_linear(&mut out, &x, &weight, None, ty, (m, n, k), 2).unwrap();
+            quantized_linear(&mut out, &x, &weight, None, ty, (m, n, k), 2, Isa::best()).unwrap();
             let w = dequantized(ty, &weight);
             for token in 0..m {
                 let row_x = &x[token * k..(token + 1) * k];
@@ -227,10 +215,25 @@ mod tests {
     fn bad_shapes_are_errors_not_panics() {
         let weight = vec![0u8; 2 * 20];
         let mut out = vec![0f32; 2];
-        assert!(quantized_linear(&mut out, &[0.0; 32], &weight, None, GgmlType::Q4_1, (1, 2, 32), 1).is_ok());
-        assert!(quantized_linear(&mut out, &[0.0; 30], &weight, None, GgmlType::Q4_1, (1, 2, 30), 1).is_err());
-        assert!(quantized_linear(&mut out, &[0.0; 32], &weight[1..], None, GgmlType::Q4_1, (1, 2, 32), 1).is_err());
-        assert!(quantized_linear(&mut out, &[0.0; 32], &weight, Some(&[0.0]), GgmlType::Q4_1, (1, 2, 32), 1).is_err());
+        assert!(
+            quantized_linear(&mut out, &[0.0; 32], &weight, None, GgmlType::Q4_1, (1, 2, 32), 1, Isa::best()).is_ok()
+        );
+        assert!(
+            quantized_linear(&mut out, &[0.0; 30], &weight, None, GgmlType::Q4_1, (1, 2, 30), 1, Isa::best()).is_err()
+        );
+        assert!(quantized_linear(&mut out, &[0.0; 32], &weight[1..], None, GgmlType::Q4_1, (1, 2, 32), 1, Isa::best())
+            .is_err());
+        assert!(quantized_linear(
+            &mut out,
+            &[0.0; 32],
+            &weight,
+            Some(&[0.0]),
+            GgmlType::Q4_1,
+            (1, 2, 32),
+            1,
+            Isa::best()
+        )
+        .is_err());
         assert!(dequantize(GgmlType::Q4_1, &weight[1..], &mut [0.0; 64], 1).is_err());
         assert!(dequantize(GgmlType::Q4_1, &weight, &mut [0.0; 63], 1).is_err());
     }
