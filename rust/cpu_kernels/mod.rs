@@ -8,5 +8,6 @@ pub mod fp8;
 pub mod layer_ops;
 pub mod openmp_team;
 pub mod prefill_attention;
+pub mod quantized;
 pub mod sampling;
 pub mod simd;

@@ -5,6 +5,7 @@ mod block_manager;
 mod errors;
 mod kernels;
 mod kv_events;
+mod quantized;
 mod scheduler;
 
 use pyo3::prelude::*;
@@ -15,6 +16,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     block_manager::register(m)?;
     kv_events::register(m)?;
     kernels::register(m)?;
+    quantized::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -432,6 +432,36 @@ def sample_rows_cpu(
     (1 - uniform) of the kept total; per-row settings float32 [rows, 4] (temperature, top_k,
     top_p, min_p) and uniform float32 [rows]. Internal: used by `pagedkv.runner.sampler`."""
 
+def ggml_block_size(ggml_type: Literal["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"]) -> tuple[int, int]:
+    """(elements, bytes) of one GGUF block of `ggml_type`."""
+
+def quantized_linear_cpu(
+    out: int,
+    x: int,
+    weight: int,
+    weight_bytes: int,
+    bias: int | None,
+    ggml_type: Literal["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"],
+    shape: tuple[int, int, int],
+    num_threads: int,
+) -> None:
+    """out [m, n] float32 = x [m, k] float32 @ dequantize(weight)^T (+ bias [n] float32), weight
+    `weight_bytes` bytes of GGUF blocks, n rows of k elements; x is quantized to 8 bits per block
+    as llama.cpp does and each dot product is integer per block. Raises InvalidConfigError on a
+    k that is not whole blocks or a byte count that is not n rows. Internal: use
+    `pagedkv.layers.quantized_linear`, which checks the tensors."""
+
+def dequantize_cpu(
+    out: int,
+    out_len: int,
+    blocks: int,
+    blocks_bytes: int,
+    ggml_type: Literal["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"],
+    num_threads: int,
+) -> None:
+    """out (out_len float32) = the values of `blocks_bytes` bytes of GGUF blocks. Internal: use
+    `pagedkv.layers.quantized_linear.dequantize`."""
+
 class BlockStored:
     """Full blocks became cached in `medium` ('GPU': the device pool, 'CPU': the CPU prefix tier).
     block_hashes[i] holds token_ids[i * block_size:(i + 1) * block_size] and is the child of

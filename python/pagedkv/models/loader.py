@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from pagedkv.models import gguf_cache, quantized_checkpoints
+from pagedkv.models import gguf_cache, gguf_quantized, quantized_checkpoints
 from pagedkv.layers.classifier import SequenceClassifier
 from pagedkv.models import registry
 from pagedkv.models.registry import Traits
@@ -115,10 +115,12 @@ def model_spec(model: str | None, gguf_file: str | None) -> ModelSpec:
 
 
 def load(model: str | None, gguf_file: str | None, tokenizer: str | None, dtype, device, max_positions: int | None,
-         dummy: bool = False):
+         dummy: bool = False, quantized_gguf: bool = False):
     """Builds our model from the checkpoint's config and weights; returns a LoadedModel. Under
     tensor parallelism (parallel.using_group) the model is this rank's shard. `dummy`: random
-    weights instead of the checkpoint's (load_format="dummy"), from its config alone."""
+    weights instead of the checkpoint's (load_format="dummy"), from its config alone.
+    `quantized_gguf`: a GGUF's quantized linear weights stay GGUF blocks (models/gguf_quantized.py;
+    float32 on one CPU only)."""
     from transformers import AutoTokenizer
 
     given_directory, given_gguf = _split_gguf(model, gguf_file)
@@ -176,6 +178,11 @@ def load(model: str | None, gguf_file: str | None, tokenizer: str | None, dtype,
         net.load_hf_weights(model_weights())
     net.classifier = sequence_classifier(hf_config, classifier_weights)
     net = net.to(device=device, dtype=dtype).eval()
+    if quantized_gguf and given_gguf is not None and not dummy:
+        if str(device) == "cpu" and dtype == torch.float32 and tp.size == 1:
+            gguf_quantized.keep_quantized(net, os.path.join(given_directory, given_gguf), hf_config)
+        else:
+            logger.warning("gguf_weights='quantized' needs float32 on one CPU: weights dequantized")
 
     tokenizer_source, tokenizer_gguf = _split_gguf(tokenizer, None) if tokenizer else (directory, gguf)
     try:

@@ -79,7 +79,8 @@ class ModelRunner:
         check_backend_name(config.attention_backend)  # (before minutes of loading)
         with using_group(self.group):
             loaded = load(config.model, config.gguf_file, config.tokenizer, self.dtype, self.device,
-                          config.max_model_len, dummy=config.load_format == "dummy")
+                          config.max_model_len, dummy=config.load_format == "dummy",
+                          quantized_gguf=config.gguf_weights == "quantized")
         self.model, self.tokenizer, self.hf_config = loaded.model, loaded.tokenizer, loaded.hf_config
         if not config.is_cuda:
             reuse_freed_memory()  # (after loading: the checkpoint's transient copies went back to the system)

@@ -1,0 +1,94 @@
+"""A linear layer whose weight stays in GGUF's quantized blocks (`rust/cpu_kernels/quantized/`).
+
+For a few tokens (decode) the forward pass is the core's kernel: activations quantized to 8 bits
+per block as llama.cpp does, integer dot products per block, weights streamed once at 4-8 bits.
+For many tokens (prefill) it dequantizes the weight and calls F.linear, whose float32 GEMM
+then wins: the dequantized weight is a temporary, so memory stays at the quantized size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedkv_core import _core
+
+GGML_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
+
+# Largest token count the kernel takes; above it, dequantize + F.linear. benches/quantized_linear.py
+# on the 2-core AVX2 dev machine (1 thread, shared with other jobs, so noisy), Q4_1: the kernel
+# beats dequantize + F.linear up to M = 4 on every SmolLM2 shape (q/o 576x576: 168 vs 306 us at
+# M = 4) and loses from M = 16 on the decoder's shapes (gate/up 1536x576: 1555 vs 1112 us), while the
+# 49152-row LM head holds out to M ~ 64; 8 sits between the two measured points.
+MAX_KERNEL_TOKENS = 8
+
+
+def row_bytes(ggml_type: str, in_features: int) -> int:
+    """Bytes of one weight row of `in_features` elements in `ggml_type` blocks."""
+    block_len, block_bytes = _core.ggml_block_size(ggml_type)
+    if in_features <= 0 or in_features % block_len:
+        raise ValueError(f"in_features={in_features} is not a positive multiple of {ggml_type}'s block of {block_len}")
+    return in_features // block_len * block_bytes
+
+
+def dequantize(blocks: torch.Tensor, ggml_type: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """The float32 tensor of `shape` whose values `blocks` (uint8, GGUF's layout, row-major) hold."""
+    if blocks.dtype != torch.uint8 or blocks.device.type != "cpu" or not blocks.is_contiguous():
+        raise ValueError(f"blocks must be a contiguous uint8 CPU tensor, got {blocks.dtype} on {blocks.device}")
+    out = torch.empty(shape, dtype=torch.float32)
+    _core.dequantize_cpu(
+        out.data_ptr(), out.numel(), blocks.data_ptr(), blocks.numel(), ggml_type, torch.get_num_threads()
+    )
+    return out
+
+
+def quantized_linear(
+    x: torch.Tensor, blocks: torch.Tensor, ggml_type: str, out_features: int, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [..., K] float32 @ dequantize(blocks)^T (+ bias) with the core's kernel: blocks uint8
+    [out_features, K / block_len * block_bytes]."""
+    in_features = x.shape[-1]
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"x must be a float32 CPU tensor, got {x.dtype} on {x.device}")
+    if blocks.dtype != torch.uint8 or blocks.device.type != "cpu" or not blocks.is_contiguous():
+        raise ValueError(f"blocks must be a contiguous uint8 CPU tensor, got {blocks.dtype} on {blocks.device}")
+    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (out_features,) or not bias.is_contiguous()):
+        raise ValueError(f"bias must be contiguous float32 [{out_features}], got {bias.dtype} {tuple(bias.shape)}")
+    rows = x.reshape(-1, in_features).contiguous()
+    out = torch.empty(rows.shape[0], out_features, dtype=torch.float32)
+    _core.quantized_linear_cpu(
+        out.data_ptr(), rows.data_ptr(), blocks.data_ptr(), blocks.numel(),
+        None if bias is None else bias.data_ptr(), ggml_type,
+        (rows.shape[0], out_features, in_features), torch.get_num_threads(),
+    )  # fmt: skip
+    return out.reshape(*x.shape[:-1], out_features)
+
+
+class QuantizedLinear(nn.Module):
+    """y = x @ W^T (+ bias) with W [out_features, in_features] kept as GGUF blocks: the buffer
+    `blocks` uint8 [out_features, bytes_per_row] (a GGUF tensor's bytes as stored) and its
+    `ggml_type` (Q4_0, Q4_1, Q8_0, Q4_K or Q6_K). Float32 CPU activations only."""
+
+    def __init__(self, in_features: int, out_features: int, ggml_type: str, bias: bool = False):
+        super().__init__()
+        if ggml_type not in GGML_TYPES:
+            raise ValueError(f"ggml_type must be one of {', '.join(GGML_TYPES)}, got {ggml_type!r}")
+        self.in_features, self.out_features, self.ggml_type = in_features, out_features, ggml_type
+        shape = (out_features, row_bytes(ggml_type, in_features))
+        self.register_buffer("blocks", torch.zeros(shape, dtype=torch.uint8))
+        self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized float32 weight [out_features, in_features] (a new tensor each call)."""
+        return dequantize(self.blocks, self.ggml_type, (self.out_features, self.in_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        num_tokens = x.numel() // self.in_features
+        if num_tokens <= MAX_KERNEL_TOKENS:
+            return quantized_linear(x, self.blocks, self.ggml_type, self.out_features, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, ggml_type={self.ggml_type}, bias={self.bias is not None}"

@@ -1,0 +1,78 @@
+"""A Llama-family GGUF's quantized linear weights kept as GGUF blocks (EngineConfig
+gguf_weights="quantized"): after the usual load, each decoder layer's nn.Linear whose GGUF
+tensors are all one kept type (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) becomes a QuantizedLinear over
+those tensors' raw bytes, read from the file's memory map with gguf-py.
+
+Each swap is checked, not trusted: the blocks must dequantize to exactly the float32 weight
+just loaded (transformers dequantizes with gguf-py, the same float32 operations), which also
+proves the row order (llama.cpp stores q and k rows permuted for its rotary layout; the
+permutation is undone here as transformers does). A layer that differs keeps its float weight.
+Embeddings and the LM head stay float32.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+from torch import nn
+
+from pagedkv.layers.quantized_linear import GGML_TYPES, QuantizedLinear
+
+logger = logging.getLogger("pagedkv.models.gguf_quantized")
+
+# our module (under layers[i]) -> its GGUF tensors (under blk.{i}.), in row order
+LLAMA_LINEARS = {
+    "self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"),
+    "self_attn.o_proj": ("attn_output",),
+    "mlp.gate_up_proj": ("ffn_gate", "ffn_up"),
+    "mlp.down_proj": ("ffn_down",),
+}
+
+
+def unpermute_rows(blocks: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's q/k row order back to HF's (transformers' reverse_permute_weights)."""
+    rows = blocks.shape[0]
+    return blocks.reshape(num_heads, rows // num_heads // 2, 2, -1).swapaxes(1, 2).reshape(blocks.shape)
+
+
+def keep_quantized(net: nn.Module, gguf_path: str, hf_config) -> int:
+    """Replaces the decoder layers' linears by QuantizedLinear where the GGUF keeps them
+    quantized and the blocks match the loaded weight exactly; returns how many were replaced."""
+    import gguf
+
+    tensors = {t.name: t for t in gguf.GGUFReader(gguf_path).tensors}
+    num_heads, num_kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
+    replaced = 0
+    for index, layer in enumerate(getattr(net, "layers", [])):
+        for module_path, parts in LLAMA_LINEARS.items():
+            parent_path, _, attribute = module_path.rpartition(".")
+            parent = layer.get_submodule(parent_path)
+            linear = getattr(parent, attribute, None)
+            found = [tensors.get(f"blk.{index}.{part}.weight") for part in parts]
+            if not isinstance(linear, nn.Linear) or None in found:
+                continue
+            types = {t.tensor_type.name for t in found}
+            if len(types) != 1 or not types <= set(GGML_TYPES):
+                continue
+            blocks = []
+            for part, tensor in zip(parts, found):
+                data = np.asarray(tensor.data)
+                if part in ("attn_q", "attn_k"):
+                    data = unpermute_rows(data, num_heads if part == "attn_q" else num_kv_heads)
+                blocks.append(data)
+            quantized = QuantizedLinear(linear.in_features, linear.out_features, types.pop(), bias=linear.bias is not None)
+            rows = np.concatenate(blocks)
+            if rows.shape != tuple(quantized.blocks.shape):
+                continue
+            quantized.blocks.copy_(torch.from_numpy(rows))
+            if linear.bias is not None:
+                quantized.bias.data.copy_(linear.bias.data)
+            if not torch.equal(quantized.weight, linear.weight.data):
+                logger.warning("layers.%d.%s: GGUF blocks differ from the loaded weight; kept float32", index, module_path)
+                continue
+            setattr(parent, attribute, quantized)
+            replaced += 1
+    logger.info("kept %d linear layers as GGUF blocks (%s)", replaced, gguf_path)
+    return replaced

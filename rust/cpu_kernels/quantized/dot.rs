@@ -1,0 +1,115 @@
+//! One weight row times one row of quantized activations: the scalar reference, and the float
+//! combination every path shares.
+//!
+//! Each block's integer products are summed into 8 int32 lanes, lane l holding the elements whose
+//! position within their 32 is 4l..4l+3 (scaled by their sub-block's scale in the K-quants): what
+//! AVX2's maddubs + madd leave in a register. These sums are exact integers, so every path gets
+//! the same ones. The floats are then combined in one fixed order: per lane,
+//! `acc[l] = acc[l] + scale * lanes[l]` (f32, multiply then add, no fused multiply-add) with scale =
+//! the weight block's d times the activation block's d; a separate running `mins` for Q4_1's
+//! m * s and Q4_K's (dmin * d) * sum(min * bsum); the result is
+//! `((acc0 + acc4) + (acc2 + acc6)) + ((acc1 + acc5) + (acc3 + acc7))` plus (Q4_1) or minus (Q4_K)
+//! `mins`. So the AVX2 path's result equals this reference's bit for bit.
+
+use super::activations::QuantizedActivations;
+use super::formats::{f16_at, q4_k_scale_min, q6_k_value, GgmlType};
+
+/// The float accumulators of one dot product.
+#[derive(Default)]
+pub(crate) struct Accumulators {
+    pub lanes: [f32; 8],
+    pub mins: f32,
+}
+
+impl Accumulators {
+    #[inline(always)]
+    fn add_block(&mut self, scale: f32, lanes: [i32; 8]) {
+        for (acc, lane) in self.lanes.iter_mut().zip(lanes) {
+            *acc += scale * lane as f32;
+        }
+    }
+
+    /// The lanes summed in the fixed tree order, then the mins term.
+    #[inline(always)]
+    pub fn finish(&self, ty: GgmlType) -> f32 {
+        let a = self.lanes;
+        let total = ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+        match ty {
+            GgmlType::Q4_1 => total + self.mins,
+            GgmlType::Q4_K => total - self.mins,
+            _ => total,
+        }
+    }
+}
+
+/// Σ over a weight row of `ty` blocks (`row`) times quantized activations starting at block
+/// `first_block` of `activations`: the scalar reference.
+pub fn dot_row_scalar(ty: GgmlType, row: &[u8], activations: &QuantizedActivations, first_block: usize) -> f32 {
+    let mut acc = Accumulators::default();
+    let block_len = ty.block_len();
+    for (b, block) in row.chunks_exact(ty.block_bytes()).enumerate() {
+        let a = first_block + b;
+        let quants = &activations.quants[a * block_len..(a + 1) * block_len];
+        let act_scale = activations.scales[a];
+        let mut lanes = [0i32; 8];
+        let lane = |e: usize| (e % 32) / 4;
+        match ty {
+            GgmlType::Q4_0 | GgmlType::Q4_1 => {
+                let (nibbles, offset) = if ty == GgmlType::Q4_1 { (&block[4..20], 0) } else { (&block[2..18], 8) };
+                for (j, &byte) in nibbles.iter().enumerate() {
+                    lanes[lane(j)] += ((byte & 0xf) as i32 - offset) * quants[j] as i32;
+                    lanes[lane(j + 16)] += ((byte >> 4) as i32 - offset) * quants[j + 16] as i32;
+                }
+                if ty == GgmlType::Q4_1 {
+                    acc.mins += f16_at(block, 2) * activations.sums[a];
+                }
+            }
+            GgmlType::Q8_0 => {
+                for (e, (&w, &x)) in block[2..34].iter().zip(quants).enumerate() {
+                    lanes[lane(e)] += (w as i8) as i32 * x as i32;
+                }
+            }
+            GgmlType::Q4_K => {
+                let (scales, nibbles) = (&block[4..16], &block[16..144]);
+                for (e, &x) in quants.iter().enumerate() {
+                    let sub_block = e / 32;
+                    let byte = nibbles[32 * (sub_block / 2) + e % 32];
+                    let q = if sub_block % 2 == 0 { byte & 0xf } else { byte >> 4 };
+                    lanes[lane(e)] += q4_k_scale_min(sub_block, scales).0 as i32 * (q as i32 * x as i32);
+                }
+                let sums_of_16 = &activations.sums_of_16[16 * a..16 * (a + 1)];
+                let mins: i32 = (0..16).map(|j| sums_of_16[j] * q4_k_scale_min(j / 2, scales).1 as i32).sum();
+                acc.mins += (f16_at(block, 2) * act_scale) * mins as f32;
+            }
+            GgmlType::Q6_K => {
+                for (e, &x) in quants.iter().enumerate() {
+                    let scale = block[192 + e / 16] as i8 as i32;
+                    lanes[lane(e)] += scale * ((q6_k_value(block, e) as i32 - 32) * x as i32);
+                }
+            }
+        }
+        let weight_scale = f16_at(block, if ty == GgmlType::Q6_K { 208 } else { 0 });
+        acc.add_block(weight_scale * act_scale, lanes);
+    }
+    acc.finish(ty)
+}
+
+/// The same sums for the tokens whose activations start at `first_blocks`, on the widest path this
+/// CPU runs (`use_simd` false: the scalar reference). Reading the row once for several tokens is
+/// what makes more than one token cheaper than one call each.
+#[inline]
+pub fn dot_rows<const T: usize>(
+    ty: GgmlType,
+    row: &[u8],
+    activations: &QuantizedActivations,
+    first_blocks: [usize; T],
+    use_simd: bool,
+) -> [f32; T] {
+    #[cfg(target_arch = "x86_64")]
+    if use_simd {
+        // SAFETY: callers pass use_simd only where `Isa::best()` is not Portable (AVX2, FMA, F16C).
+        return unsafe { super::x86::dot_rows_avx2(ty, row, activations, first_blocks) };
+    }
+    let _ = use_simd;
+    first_blocks.map(|first_block| dot_row_scalar(ty, row, activations, first_block))
+}

@@ -1,0 +1,240 @@
+//! The small-M linear layer over weights kept as GGUF blocks, and their dequantization.
+
+use super::activations::{quantize_activations, ActivationScheme};
+use super::dot::dot_rows;
+use super::formats::{dequantize_block, GgmlType};
+use crate::cpu_kernels::layer_ops::for_row_chunks;
+use crate::cpu_kernels::simd::{with_isa, Isa};
+use crate::errors::{Error, Result};
+
+/// Output features one thread claims at a time: a few KB of weights, enough to amortize the claim.
+const ROWS_PER_CHUNK: usize = 16;
+/// Tokens that share one read of a weight row (4 accumulators fit AVX2's 16 registers).
+const TOKENS_PER_PASS: usize = 4;
+
+fn invalid(field: &'static str, message: String) -> Result<()> {
+    Err(Error::InvalidConfig { field, message })
+}
+
+/// out `[m, n]` = x `[m, k]` @ dequantize(weight)^T + bias, with weight `n` rows of `k / block_len`
+/// `ty` blocks (`[n, row_bytes]` bytes, GGUF's layout). x is quantized to 8 bits per block first
+/// (`ActivationScheme::for_weights`), and each output is an integer dot product per block
+/// (llama.cpp's scheme); bias, if any, is added last. Work is split over `n` on torch's thread
+/// team. `isa`: `Isa::best()`, or `Isa::Portable` for the scalar reference (the same bits).
+#[allow(clippy::too_many_arguments)]
+pub fn quantized_linear(
+    out: &mut [f32],
+    x: &[f32],
+    weight: &[u8],
+    bias: Option<&[f32]>,
+    ty: GgmlType,
+    (m, n, k): (usize, usize, usize),
+    num_threads: usize,
+    isa: Isa,
+) -> Result<()> {
+    let use_simd = isa != Isa::Portable;
+    let row_bytes = ty.row_bytes(k)?;
+    if weight.len() != n * row_bytes {
+        invalid("weight", format!("has {} bytes, want {n} rows of {row_bytes} ({} {})", weight.len(), k, ty.name()))?;
+    }
+    if x.len() != m * k {
+        invalid("x", format!("has {} elements, want {m} x {k}", x.len()))?;
+    }
+    if out.len() != m * n {
+        invalid("out", format!("has {} elements, want {m} x {n}", out.len()))?;
+    }
+    if let Some(bias) = bias.filter(|bias| bias.len() != n) {
+        invalid("bias", format!("has {} elements, want {n}", bias.len()))?;
+    }
+    let activations = quantize_activations(ActivationScheme::for_weights(ty), x);
+    let blocks_per_row = k / ty.block_len();
+    let columns = SharedColumns(out.as_mut_ptr());
+    let chunks: Vec<_> = (0..n).step_by(ROWS_PER_CHUNK).map(|start| start..(start + ROWS_PER_CHUNK).min(n)).collect();
+    for_row_chunks(chunks, num_threads, |rows: std::ops::Range<usize>| {
+        for row in rows {
+            let weights = &weight[row * row_bytes..(row + 1) * row_bytes];
+            let row_bias = bias.map_or(0.0, |bias| bias[row]);
+            let write = |token: usize, value: f32| {
+                // SAFETY: token < m and row < n, so inside `out`; each row (output column)
+                // belongs to one chunk, claimed by one thread, so no element is written twice.
+                unsafe { columns.write(token * n + row, value + row_bias) };
+            };
+            let mut token = 0;
+            while token + TOKENS_PER_PASS <= m {
+                let first_blocks = std::array::from_fn(|t| (token + t) * blocks_per_row);
+                let values: [f32; TOKENS_PER_PASS] = dot_rows(ty, weights, &activations, first_blocks, use_simd);
+                values.into_iter().enumerate().for_each(|(t, value)| write(token + t, value));
+                token += TOKENS_PER_PASS;
+            }
+            for token in token..m {
+                write(token, dot_rows(ty, weights, &activations, [token * blocks_per_row], use_simd)[0]);
+            }
+        }
+    });
+    Ok(())
+}
+
+/// `out`'s pointer, shared by the threads that write its disjoint columns.
+struct SharedColumns(*mut f32);
+// SAFETY: the threads write disjoint elements (see `quantized_linear_on`).
+unsafe impl Sync for SharedColumns {}
+
+impl SharedColumns {
+    /// # Safety
+    /// `index` is inside the slice, and no other thread touches that element.
+    unsafe fn write(&self, index: usize, value: f32) {
+        self.0.add(index).write(value)
+    }
+}
+
+/// out = the float32 values of `blocks` (whole `ty` blocks), on up to `num_threads` threads.
+pub fn dequantize(ty: GgmlType, blocks: &[u8], out: &mut [f32], num_threads: usize) -> Result<()> {
+    if !blocks.len().is_multiple_of(ty.block_bytes()) {
+        invalid(
+            "blocks",
+            format!("has {} bytes, not whole {} blocks of {}", blocks.len(), ty.name(), ty.block_bytes()),
+        )?;
+    }
+    let num_blocks = blocks.len() / ty.block_bytes();
+    if out.len() != num_blocks * ty.block_len() {
+        invalid("out", format!("has {} elements, want {num_blocks} blocks of {}", out.len(), ty.block_len()))?;
+    }
+    const BLOCKS_PER_CHUNK: usize = 256;
+    let chunks: Vec<_> = blocks
+        .chunks(BLOCKS_PER_CHUNK * ty.block_bytes())
+        .zip(out.chunks_mut(BLOCKS_PER_CHUNK * ty.block_len()))
+        .collect();
+    let isa = Isa::best();
+    for_row_chunks(chunks, num_threads, |(blocks, out): (&[u8], &mut [f32])| {
+        with_isa(
+            isa,
+            #[inline(always)]
+            || {
+                for (block, values) in blocks.chunks_exact(ty.block_bytes()).zip(out.chunks_exact_mut(ty.block_len())) {
+                    dequantize_block(ty, block, values);
+                }
+            },
+        )
+    });
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu_kernels::quantized::formats::f32_to_f16;
+
+    /// A deterministic generator (xorshift), so tests need no crate.
+    struct Random(u64);
+    impl Random {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+        fn uniform(&mut self) -> f32 {
+            (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+        }
+    }
+
+    /// Random blocks with sane f16 scales (small positive d, dmin; Q6_K's int8 scales any).
+    fn random_blocks(ty: GgmlType, num_blocks: usize, random: &mut Random) -> Vec<u8> {
+        let mut bytes: Vec<u8> = (0..num_blocks * ty.block_bytes()).map(|_| random.next() as u8).collect();
+        for block in bytes.chunks_exact_mut(ty.block_bytes()) {
+            let mut half =
+                |offset: usize, value: f32| block[offset..offset + 2].copy_from_slice(&f32_to_f16(value).to_le_bytes());
+            match ty {
+                GgmlType::Q6_K => half(208, 0.01 * (1.0 + random.uniform())),
+                GgmlType::Q4_1 | GgmlType::Q4_K => {
+                    half(0, 0.02 * (1.0 + random.uniform()));
+                    half(2, 0.02 * random.uniform());
+                }
+                _ => half(0, 0.02 * (1.0 + random.uniform())),
+            }
+        }
+        bytes
+    }
+
+    fn dequantized(ty: GgmlType, weight: &[u8]) -> Vec<f32> {
+        let mut values = vec![0f32; weight.len() / ty.block_bytes() * ty.block_len()];
+        dequantize(ty, weight, &mut values, 2).unwrap();
+        values
+    }
+
+    #[test]
+    fn avx2_equals_the_scalar_reference_bit_for_bit() {
+        let mut random = Random(0x9e37_79b9_7f4a_7c15);
+        for ty in GgmlType::ALL {
+            let (m, n, k) = (5, 7, 2 * 256);
+            let weight = random_blocks(ty, n * k / ty.block_len(), &mut random);
+            let x: Vec<f32> = (0..m * k).map(|_| random.uniform() * 3.0).collect();
+            let bias: Vec<f32> = (0..n).map(|_| random.uniform()).collect();
+            let run = |isa: Isa, threads: usize| {
+                let mut out = vec![0f32; m * n];
+                quantized_linear(&mut out, &x, &weight, Some(&bias), ty, (m, n, k), threads, isa).unwrap();
+                out
+            };
+            let reference = run(Isa::Portable, 1);
+            if Isa::best() != Isa::Portable {
+                assert_eq!(run(Isa::best(), 1), reference, "{ty:?}");
+            }
+            assert_eq!(run(Isa::best(), 3), reference, "{ty:?} threaded");
+        }
+    }
+
+    #[test]
+    fn matches_float64_on_the_dequantized_weights_within_activation_rounding() {
+        let mut random = Random(42);
+        for ty in GgmlType::ALL {
+            let (m, n, k) = (3, 9, 512);
+            let weight = random_blocks(ty, n * k / ty.block_len(), &mut random);
+            let x: Vec<f32> = (0..m * k).map(|_| random.uniform()).collect();
+            let mut out = vec![0f32; m * n];
+            quantized_linear(&mut out, &x, &weight, None, ty, (m, n, k), 2, Isa::best()).unwrap();
+            let w = dequantized(ty, &weight);
+            for token in 0..m {
+                let row_x = &x[token * k..(token + 1) * k];
+                // Rounding x to 8 bits moves each element by at most half a step (amax / 254 per block).
+                let step_bound = row_x
+                    .chunks(ty.block_len())
+                    .map(|block| block.iter().fold(0f32, |amax, value| amax.max(value.abs())) as f64 / 254.0)
+                    .fold(0.0, f64::max);
+                for row in 0..n {
+                    let row_w = &w[row * k..(row + 1) * k];
+                    let exact: f64 = row_x.iter().zip(row_w).map(|(&a, &b)| a as f64 * b as f64).sum();
+                    let bound = 1.01 * step_bound * row_w.iter().map(|&v| v.abs() as f64).sum::<f64>() + 1e-3;
+                    let got = out[token * n + row] as f64;
+                    assert!((got - exact).abs() <= bound, "{ty:?} [{token}, {row}]: {got} vs {exact} (bound {bound})");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn bad_shapes_are_errors_not_panics() {
+        let weight = vec![0u8; 2 * 20];
+        let mut out = vec![0f32; 2];
+        assert!(
+            quantized_linear(&mut out, &[0.0; 32], &weight, None, GgmlType::Q4_1, (1, 2, 32), 1, Isa::best()).is_ok()
+        );
+        assert!(
+            quantized_linear(&mut out, &[0.0; 30], &weight, None, GgmlType::Q4_1, (1, 2, 30), 1, Isa::best()).is_err()
+        );
+        assert!(quantized_linear(&mut out, &[0.0; 32], &weight[1..], None, GgmlType::Q4_1, (1, 2, 32), 1, Isa::best())
+            .is_err());
+        assert!(quantized_linear(
+            &mut out,
+            &[0.0; 32],
+            &weight,
+            Some(&[0.0]),
+            GgmlType::Q4_1,
+            (1, 2, 32),
+            1,
+            Isa::best()
+        )
+        .is_err());
+        assert!(dequantize(GgmlType::Q4_1, &weight[1..], &mut [0.0; 64], 1).is_err());
+        assert!(dequantize(GgmlType::Q4_1, &weight, &mut [0.0; 63], 1).is_err());
+    }
+}

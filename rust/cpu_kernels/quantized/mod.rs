@@ -1,0 +1,13 @@
+//! GGUF weights kept quantized: ggml's block formats, the 8-bit activations llama.cpp pairs with
+//! each, their integer dot products (a scalar reference and AVX2, the same sums), and the small-M
+//! linear layer built on them.
+
+pub mod activations;
+pub mod dot;
+pub mod formats;
+pub mod linear;
+#[cfg(target_arch = "x86_64")]
+mod x86;
+
+pub use formats::GgmlType;
+pub use linear::{dequantize, quantized_linear};

@@ -1,0 +1,143 @@
+//! The AVX2 dot products: the scalar reference's integer lanes (dot.rs) from maddubs + madd, and
+//! its float combination in the same order. One weight row is read once for up to `T` tokens:
+//! each 32 weights are unpacked once and meet every token's activations.
+
+use std::arch::x86_64::*;
+
+use super::activations::QuantizedActivations;
+use super::dot::Accumulators;
+use super::formats::{q4_k_scale_min, GgmlType};
+
+/// `dot::dot_row_scalar` for the tokens whose activations start at `first_blocks`, bit for bit.
+///
+/// # Safety
+/// The CPU must run AVX2, FMA and F16C; `row` holds whole blocks and `activations` holds each
+/// `first_blocks[t]` plus that many blocks.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_rows_avx2<const T: usize>(
+    ty: GgmlType,
+    row: &[u8],
+    activations: &QuantizedActivations,
+    first_blocks: [usize; T],
+) -> [f32; T] {
+    // One inlined copy per format, so that each inner loop is compiled for its constant format.
+    match ty {
+        GgmlType::Q4_0 => dot_rows(GgmlType::Q4_0, row, activations, first_blocks),
+        GgmlType::Q4_1 => dot_rows(GgmlType::Q4_1, row, activations, first_blocks),
+        GgmlType::Q8_0 => dot_rows(GgmlType::Q8_0, row, activations, first_blocks),
+        GgmlType::Q4_K => dot_rows(GgmlType::Q4_K, row, activations, first_blocks),
+        GgmlType::Q6_K => dot_rows(GgmlType::Q6_K, row, activations, first_blocks),
+    }
+}
+
+#[inline(always)]
+unsafe fn dot_rows<const T: usize>(
+    ty: GgmlType,
+    row: &[u8],
+    activations: &QuantizedActivations,
+    first_blocks: [usize; T],
+) -> [f32; T] {
+    let (block_len, block_bytes) = (ty.block_len(), ty.block_bytes());
+    let num_blocks = row.len() / block_bytes;
+    for first in first_blocks {
+        assert!(
+            activations.scales.len() >= first + num_blocks
+                && activations.quants.len() >= (first + num_blocks) * block_len
+        );
+    }
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [_mm256_setzero_ps(); T];
+    let mut mins = [0f32; T];
+    for (b, block) in row.chunks_exact(block_bytes).enumerate() {
+        let mut lanes = [_mm256_setzero_si256(); T];
+        for chunk in 0..block_len / 32 {
+            let (q, scales) = weight_chunk(ty, block, chunk, ones);
+            for (t, lanes) in lanes.iter_mut().enumerate() {
+                let x =
+                    _mm256_loadu_si256(activations.quants.as_ptr().add((first_blocks[t] + b) * block_len + 32 * chunk)
+                        as *const __m256i);
+                let products = match ty {
+                    // maddubs takes |w| unsigned and x with w's sign (|w| <= 128, |x| <= 127: pairs
+                    // stay below int16's limit).
+                    GgmlType::Q4_0 | GgmlType::Q8_0 => {
+                        _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q))
+                    }
+                    GgmlType::Q4_1 | GgmlType::Q4_K => _mm256_maddubs_epi16(q, x),
+                    // (q - 32) * x as q * x - 32 * x: each maddubs pair fits int16, so does the difference.
+                    GgmlType::Q6_K => {
+                        _mm256_sub_epi16(_mm256_maddubs_epi16(q, x), _mm256_maddubs_epi16(_mm256_set1_epi8(32), x))
+                    }
+                };
+                *lanes = _mm256_add_epi32(*lanes, _mm256_madd_epi16(products, scales));
+            }
+        }
+        let weight_scale = half(block, if ty == GgmlType::Q6_K { 208 } else { 0 });
+        let q4_k_mins = (ty == GgmlType::Q4_K)
+            .then(|| std::array::from_fn::<i32, 8, _>(|j| q4_k_scale_min(j, &block[4..16]).1 as i32));
+        for t in 0..T {
+            let a = first_blocks[t] + b;
+            let act_scale = *activations.scales.get_unchecked(a);
+            if ty == GgmlType::Q4_1 {
+                mins[t] += half(block, 2) * *activations.sums.get_unchecked(a);
+            } else if let Some(block_mins) = q4_k_mins {
+                let sums_of_16 = activations.sums_of_16.get_unchecked(16 * a..16 * (a + 1));
+                let integer: i32 = (0..16).map(|j| sums_of_16[j] * block_mins[j / 2]).sum();
+                mins[t] += (half(block, 2) * act_scale) * integer as f32;
+            }
+            let scale = _mm256_set1_ps(weight_scale * act_scale);
+            acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(scale, _mm256_cvtepi32_ps(lanes[t])));
+        }
+    }
+    std::array::from_fn(|t| {
+        let mut lanes = [0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), acc[t]);
+        Accumulators { lanes, mins: mins[t] }.finish(ty)
+    })
+}
+
+/// Weights `32 * chunk..32 * chunk + 32` of a block in element order (signed for Q4_0 and Q8_0,
+/// unsigned otherwise), and the int16 scale of each pair of them (1 where a block has one scale).
+#[inline(always)]
+unsafe fn weight_chunk(ty: GgmlType, block: &[u8], chunk: usize, ones: __m256i) -> (__m256i, __m256i) {
+    let low_nibbles = _mm256_set1_epi8(0xf);
+    let at = |offset: usize| block.as_ptr().add(offset);
+    match ty {
+        GgmlType::Q4_0 | GgmlType::Q4_1 => {
+            let packed = _mm_loadu_si128(at(if ty == GgmlType::Q4_1 { 4 } else { 2 }) as *const __m128i);
+            // Low nibbles are elements 0-15, high 16-31: one register in element order.
+            let q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), low_nibbles);
+            (if ty == GgmlType::Q4_0 { _mm256_sub_epi8(q, _mm256_set1_epi8(8)) } else { q }, ones)
+        }
+        GgmlType::Q8_0 => (_mm256_loadu_si256(at(2) as *const __m256i), ones),
+        GgmlType::Q4_K => {
+            let packed = _mm256_loadu_si256(at(16 + 32 * (chunk / 2)) as *const __m256i);
+            let q = if chunk.is_multiple_of(2) { packed } else { _mm256_srli_epi16(packed, 4) };
+            let scale = q4_k_scale_min(chunk, &block[4..16]).0 as i16;
+            (_mm256_and_si256(q, low_nibbles), _mm256_set1_epi16(scale))
+        }
+        GgmlType::Q6_K => {
+            let (half_block, quarter) = (chunk / 4, chunk % 4);
+            let low = _mm256_loadu_si256(at(64 * half_block + 32 * (quarter % 2)) as *const __m256i);
+            let low = if quarter < 2 { low } else { _mm256_srli_epi16(low, 4) };
+            let high = _mm256_loadu_si256(at(128 + 32 * half_block) as *const __m256i);
+            let high = match quarter {
+                0 => high,
+                1 => _mm256_srli_epi16(high, 2),
+                2 => _mm256_srli_epi16(high, 4),
+                _ => _mm256_srli_epi16(high, 6),
+            };
+            let high = _mm256_and_si256(high, _mm256_set1_epi8(3));
+            let q = _mm256_or_si256(_mm256_and_si256(low, low_nibbles), _mm256_slli_epi16(high, 4));
+            // int16 lanes 0-7 hold elements 0-15 (scale 2 * chunk), lanes 8-15 elements 16-31.
+            let scale = |i: usize| _mm_set1_epi16(block[192 + 2 * chunk + i] as i8 as i16);
+            (q, _mm256_set_m128i(scale(1), scale(0)))
+        }
+    }
+}
+
+/// A little-endian f16 of the block, widened by F16C (exact, as `formats::f16_to_f32`).
+#[inline(always)]
+unsafe fn half(block: &[u8], offset: usize) -> f32 {
+    let bits = u16::from_le_bytes([block[offset], block[offset + 1]]);
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+}
