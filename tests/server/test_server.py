@@ -76,6 +76,25 @@ def test_vllms_metric_names_count_what_vllms_count(client, server):
     assert after[("vllm:num_requests_running", None)] == 0 and after[("vllm:kv_cache_usage_perc", None)] == 0
 
 
+@pytest.mark.parametrize("value", [0.0, 0.003, 0.07, 1.0, 5000.0])
+def test_observing_many_at_once_equals_observing_each(value):
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from pagedkv.entrypoints.server.metrics import observe_many
+
+    registry = CollectorRegistry()
+    once = Histogram("once", "", ["model"], buckets=(0.001, 0.01, 0.1, 1.0), registry=registry).labels("m")
+    each = Histogram("each", "", ["model"], buckets=(0.001, 0.01, 0.1, 1.0), registry=registry).labels("m")
+    observe_many(once, value, 37)
+    for _ in range(37):
+        each.observe(value)
+    samples = {metric.name: {(s.name.removeprefix(metric.name), s.labels.get("le")): s.value for s in metric.samples
+                             if not s.name.endswith("_created")} for metric in registry.collect()}
+    assert samples["once"].keys() == samples["each"].keys()
+    for key, value_once in samples["once"].items():  # (the sum: one product against 37 additions)
+        assert value_once == pytest.approx(samples["each"][key], rel=1e-12), key
+
+
 def test_token_counters_and_request_latency_histograms(client, server):
     names = ("pagedkv_prompt_tokens_total", "pagedkv_generation_tokens_total",
              "pagedkv_e2e_request_latency_seconds_count", "pagedkv_request_queue_time_seconds_count")

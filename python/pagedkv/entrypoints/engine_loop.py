@@ -255,8 +255,7 @@ class EngineLoop:
                     # (a reply delivered whole: its tokens' intervals are known only in sum, so each
                     # counts as their mean, as a client that streamed it would have seen on average)
                     mean = (timing.finished_time - timing.first_token_time) / (num_tokens - 1)
-                    for _ in range(num_tokens - 1):
-                        self.metrics.observe_inter_token(mean)
+                    self.metrics.observe_inter_token(mean, num_tokens - 1)
             elif num_tokens > stream.num_tokens and stream.last_token_time is not None:
                 self.metrics.observe_inter_token((now - stream.last_token_time) / (num_tokens - stream.num_tokens))
             stream.last_token_time, stream.num_tokens = now, num_tokens
