@@ -1,6 +1,7 @@
 """OpenAI's Responses API (/v1/responses) through the openai client: the same reply as chat
 completions, streamed events that add up to the whole response, function tools, reasoning items,
-structured text formats, and clear 400s for what a stateless server cannot do."""
+structured text formats, stored responses read back and continued, and clear 400s for what the
+server cannot do."""
 
 import json
 
@@ -111,12 +112,12 @@ def test_text_format_json_schema_constrains_the_reply(client):
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"input": "Hi", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": "Hi", "background": True}, "background"),
     ({"input": [{"type": "image_generation_call"}]}, "input"),
     ({"input": "Hi", "tools": [{"type": "web_search"}]}, "tools"),
     ({"input": "Hi", "max_output_tokens": 0}, "max_output_tokens"),
 ])
-def test_what_a_stateless_server_cannot_do_is_a_400_naming_the_field(live, body, param):
+def test_what_the_server_cannot_do_is_a_400_naming_the_field(live, body, param):
     response = httpx.post(live.url + "/v1/responses", json=body, timeout=30)
     assert response.status_code == 400
     assert response.json()["error"]["param"] == param
@@ -143,3 +144,31 @@ def test_streamed_function_calls_follow_the_text_before_them():
     assert [p["type"] for p in call] == ["response.output_item.added", "response.function_call_arguments.delta",
                                          "response.function_call_arguments.done", "response.output_item.done"]
     assert call[0]["item"]["arguments"] == "" and call[1]["delta"] == final["output"][2]["arguments"]
+
+
+def test_a_stored_response_is_read_back_and_continued(client, live):
+    """store (the default): GET /v1/responses/{id} gives the response as answered (streamed ones
+    too), and previous_response_id puts its conversation, input and output, before the new input:
+    the prompt is exactly the one of the whole conversation sent at once (its instructions are not
+    carried over)."""
+    model = client.models.list().data[0].id
+    first = client.responses.create(model=model, instructions="Be brief.", input="My name is Ada.", max_output_tokens=8,
+                                    temperature=0)
+    assert first.store and client.responses.retrieve(first.id).model_dump() == first.model_dump()
+    second = client.responses.create(model=model, input="What is my name?", previous_response_id=first.id,
+                                     max_output_tokens=8, temperature=0)
+    assert second.previous_response_id == first.id
+    whole = client.responses.create(model=model, max_output_tokens=8, temperature=0, store=False, input=[
+        {"role": "user", "content": "My name is Ada."}, {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "What is my name?"}])
+    assert second.usage.input_tokens == whole.usage.input_tokens and second.output_text == whole.output_text
+    assert httpx.get(live.url + f"/v1/responses/{whole.id}", timeout=10).status_code == 404  # (store=False)
+
+    events = list(client.responses.create(model=model, input="Count: one, two,", max_output_tokens=6, temperature=0,
+                                          stream=True))
+    streamed = events[-1].response  # (response.incomplete here: cut by max_output_tokens)
+    assert client.responses.retrieve(streamed.id).model_dump() == streamed.model_dump()
+    for response in (httpx.get(live.url + "/v1/responses/resp_unknown", timeout=10),
+                     httpx.post(live.url + "/v1/responses", timeout=30,
+                                json={"input": "Hi", "previous_response_id": "resp_unknown"})):
+        assert response.status_code == 404 and "resp_unknown" in response.json()["error"]["message"]

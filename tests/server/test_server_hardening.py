@@ -330,8 +330,9 @@ SERVED_REQUESTS = {
     ("POST", "/tokenize"): [{"prompt": "w5 w6"}, {"messages": CHAT}],
     ("POST", "/detokenize"): [{"tokens": [5, 6]}],
 }
-# Operations this server refuses whatever the body: its model is no sequence classifier.
-UNSERVED = {("POST", "/classify"), ("POST", "/v1/classify")}
+# Operations this server refuses whatever the body (its model is no sequence classifier), or
+# without a stored response's id (tests/server/test_responses_api.py reads stored ones back).
+UNSERVED = {("POST", "/classify"), ("POST", "/v1/classify"), ("GET", "/v1/responses/{response_id}")}
 
 
 def test_the_document_declares_every_answer(server):

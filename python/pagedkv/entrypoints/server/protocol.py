@@ -541,8 +541,9 @@ class TextConfig(_Part):
 
 
 class ResponsesRequest(_Sampling):
-    """OpenAI's Responses API (/v1/responses), stateless: `instructions` and the `input` items
-    become chat messages; flat function tools and `text.format` map to their chat equivalents."""
+    """OpenAI's Responses API (/v1/responses): `instructions`, a stored previous response's turns
+    and the `input` items become chat messages; flat function tools and `text.format` map to their
+    chat equivalents."""
 
     input: Union[str, list[InputItem]]
     instructions: Optional[str] = None
@@ -550,15 +551,27 @@ class ResponsesRequest(_Sampling):
     tools: Optional[list[FunctionTool]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], ResponsesNamedToolChoice]] = None
     text: Optional[TextConfig] = None
-    previous_response_id: Optional[str] = None
+    previous_response_id: Optional[str] = None  # a stored response this one continues
+    store: bool = True  # kept for GET /v1/responses/{id} and previous_response_id (server/responses_store.py)
+    background: bool = False  # (refused: a response is answered while its request waits)
     metadata: Optional[Annotated[dict[str, str], Field(max_length=16)]] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
 
-    def messages(self) -> list[ChatMessage]:
-        """The conversation as chat messages. Raises ValueError naming the field."""
+    def messages(self, history: list[ChatMessage] = ()) -> list[ChatMessage]:
+        """The conversation as chat messages: instructions, `history` (a previous response's turns)
+        and the input. Raises ValueError naming the field."""
         turns = [ChatMessage(role="system", content=self.instructions)] if self.instructions else []
+        turns += history
+        input_turns = self.input_messages()
+        if not turns + input_turns:
+            raise ValueError("input must hold at least one message")
+        return turns + input_turns
+
+    def input_messages(self) -> list[ChatMessage]:
+        """The input items as chat messages."""
         if isinstance(self.input, str):
-            return turns + [ChatMessage(role="user", content=self.input)]
+            return [ChatMessage(role="user", content=self.input)]
+        turns = []
         for item in self.input:
             if isinstance(item, MessageItem):
                 turns.append(ChatMessage(role=item.role, content=item.text()))
@@ -567,8 +580,6 @@ class ResponsesRequest(_Sampling):
                 turns.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
             elif isinstance(item, FunctionCallOutputItem):
                 turns.append(ChatMessage(role="tool", content=item.output, tool_call_id=item.call_id))
-        if not turns:
-            raise ValueError("input must hold at least one message")
         return turns
 
     def chat_tools(self) -> tuple[Optional[list[dict]], Optional[Union[str, dict]]]:
@@ -581,9 +592,9 @@ class ResponsesRequest(_Sampling):
         return tools or None, choice
 
     def responses_params(self, default_max_tokens: int, defaults: Optional[dict] = None) -> SamplingParams:
-        if self.previous_response_id is not None:
-            raise ValueError("previous_response_id is not supported: responses are not stored; send the "
-                             "conversation in input")
+        if self.background:
+            raise ValueError("background must be false: pagedkv answers a response while its request waits "
+                             "(stream it to see it grow)")
         if self.n != 1:
             raise ValueError(f"n must be 1 for responses, got {self.n}")
         fmt = self.text.format if self.text is not None else None

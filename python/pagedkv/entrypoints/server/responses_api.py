@@ -13,6 +13,7 @@ import time
 import uuid
 from typing import Optional
 
+from pagedkv.entrypoints.server.protocol import ChatMessage, FunctionCall, ToolCall
 from pagedkv.entrypoints.server.reasoning import ReasoningParser
 from pagedkv.entrypoints.server.tools import ToolCalling
 
@@ -42,8 +43,16 @@ class ResponseState:
             "incomplete_details": incomplete, "error": None, "output": self.items,
             "instructions": request.instructions, "max_output_tokens": request.max_output_tokens,
             "temperature": request.temperature, "top_p": request.top_p, "metadata": request.metadata or {},
-            "parallel_tool_calls": True, **request.echoed_fields(), "store": False, "usage": usage,
+            "parallel_tool_calls": True, **request.echoed_fields(), "store": request.store,
+            "previous_response_id": request.previous_response_id, "background": False, "usage": usage,
         }
+
+    def reply_messages(self) -> list[ChatMessage]:
+        """The reply as chat turns (for a stored conversation): its text, then its tool calls."""
+        text = "".join(item["content"][0]["text"] for item in self.items if item["type"] == "message")
+        calls = [ToolCall(id=item["call_id"], function=FunctionCall(name=item["name"], arguments=item["arguments"]))
+                 for item in self.items if item["type"] == "function_call"]
+        return [ChatMessage(role="assistant", content=text or None, tool_calls=calls or None)]
 
     def complete(self, text: str, finish_reason: Optional[str], usage: dict) -> dict:
         """The whole response of a finished reply."""
@@ -101,7 +110,8 @@ class ResponseState:
         return events
 
     def finish(self, finish_reason: Optional[str], usage: dict) -> list[str]:
-        body = self.body("completed", finish_reason, usage)
+        """The closing event; `final_body` keeps the response it carries."""
+        body = self.final_body = self.body("completed", finish_reason, usage)
         kind = "response.incomplete" if body["status"] == "incomplete" else "response.completed"
         return [self.event(kind, response=body)]
 

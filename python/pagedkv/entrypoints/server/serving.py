@@ -27,6 +27,7 @@ from pagedkv.entrypoints.server.errors import APIError, submit_error
 from pagedkv.entrypoints.server.metrics import ServerMetrics
 from pagedkv.entrypoints.server.reasoning import ReasoningParser
 from pagedkv.entrypoints.server.responses import ResponseBuilder
+from pagedkv.entrypoints.server.responses_store import ResponseStore
 from pagedkv.entrypoints.server.tools import PARSERS as TOOL_CALL_PARSERS
 from pagedkv.entrypoints.server.tools import ToolCalling
 
@@ -76,6 +77,7 @@ class ServingContext:
         cache_config = {"block_size": engine.config.block_size, "num_gpu_blocks": stats["num_device_blocks"],
                         "num_cpu_blocks": stats["num_cpu_blocks"], "cache_dtype": engine.config.kv_cache_dtype,
                         "enable_prefix_caching": engine.config.enable_prefix_caching}
+        self.responses_store = ResponseStore()  # (/v1/responses with store)
         self.metrics = ServerMetrics(lambda: self.client.stats() if self.client is not None else {}, self.model_name,
                                      self.max_model_len, cache_config)
         self.draining = False

@@ -7,7 +7,8 @@ import dataclasses
 from fastapi import APIRouter, Depends, Request
 
 from pagedkv.entrypoints.server.json_body import OffLoopJSONRoute
-from pagedkv.entrypoints.server.openapi import ResponseBody, streamed_answer
+from pagedkv.entrypoints.server.errors import APIError
+from pagedkv.entrypoints.server.openapi import ResponseBody, answer, streamed_answer
 from pagedkv.entrypoints.server.protocol import ResponsesRequest
 from pagedkv.entrypoints.server.responses_api import ResponseState, usage as responses_usage
 from pagedkv.entrypoints.server.serving import (ServingContext, make_params, next_output, serving, streamed_output_kind,
@@ -18,11 +19,20 @@ router = APIRouter(route_class=OffLoopJSONRoute)
 
 @router.post("/v1/responses", responses=streamed_answer(ResponseBody))
 async def responses(body: ResponsesRequest, request: Request, context: ServingContext = Depends(serving)):
-    """OpenAI's Responses API, stateless (store is always false), whole or streamed as events."""
+    """OpenAI's Responses API, whole or streamed as events; stored (`store`, the default) to be read
+    back or continued by `previous_response_id`."""
     served = context.check_model(body.model)
     params = make_params(lambda: body.responses_params(max(1, context.max_model_len // 2),
                                                        context.generation_defaults))
-    messages = make_params(body.messages)
+    history = []
+    if body.previous_response_id is not None:
+        previous = context.responses_store.get(body.previous_response_id)
+        if previous is None:
+            raise APIError(404, f"previous_response_id {body.previous_response_id!r} names no stored response",
+                           "invalid_request_error", "previous_response_id")
+        history = previous.conversation
+    messages = make_params(lambda: body.messages(history))
+    conversation = history + make_params(body.input_messages)  # (instructions are not carried over)
     chat_tools, tool_choice = make_params(body.chat_tools)
     tools = context.tool_calling(chat_tools, tool_choice)
     params = context.with_reasoning(with_tools(params, tools, "text.format"))
@@ -44,10 +54,27 @@ async def responses(body: ResponsesRequest, request: Request, context: ServingCo
             text = "".join(response.update(reply, completion.finish_reason, output.finished))
             if text:
                 yield text
-        yield "".join(response.finish(completion.finish_reason, responses_usage(output, num_tokens)))
+        final = response.finish(completion.finish_reason, responses_usage(output, num_tokens))
+        store(response.final_body)
+        yield "".join(final)
+
+    def store(whole: dict) -> None:
+        if body.store:
+            context.responses_store.put(response.id, whole, conversation + response.reply_messages())
 
     if body.stream:
         return context.event_stream([stream], events())
     [output] = await context.final_outputs(request, [stream])
     completion = output.outputs[0]
-    return response.complete(completion.text, completion.finish_reason, responses_usage(output))
+    whole = response.complete(completion.text, completion.finish_reason, responses_usage(output))
+    store(whole)
+    return whole
+
+
+@router.get("/v1/responses/{response_id}", responses=answer(ResponseBody))
+async def stored_response(response_id: str, context: ServingContext = Depends(serving)):
+    """A response created with `store` (the newest 1024 are kept, in memory)."""
+    stored = context.responses_store.get(response_id)
+    if stored is None:
+        raise APIError(404, f"no stored response {response_id!r}", "invalid_request_error", "response_id")
+    return stored.body
