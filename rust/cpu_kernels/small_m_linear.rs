@@ -224,6 +224,12 @@ mod x86 {
         let body = k - k % 8;
         let mut i = 0;
         while i < body {
+            // The same place in the next tile's rows (NR * k on): without it a decode step's
+            // bfloat16 weights streamed ~25% slower on one AVX2 core (float32: no change measured).
+            // (A prefetch past the last tile never faults; wrapping_add keeps its address legal.)
+            for c in 0..NR {
+                _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(c * k + i + NR * k) as *const i8);
+            }
             let w_lanes: [__m256; NR] = std::array::from_fn(|c| load8(w.add(c * k + i)));
             for (r, acc_row) in acc.iter_mut().enumerate() {
                 let x_lanes = _mm256_loadu_ps(x.add(r * k + i));

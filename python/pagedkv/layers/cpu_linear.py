@@ -14,33 +14,36 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedkv_core import _core
+from pagedkv.config import cpu_has_native_bfloat16
 
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
-# Rows up to which the kernel beats F.linear. Measured with benches/cpu_linear.py on SmolLM2-135M's
-# shapes (2 AVX2 cores, torch 2.x's oneDNN/MKL): MAX_KERNEL_ROWS_BY_DTYPE is filled in below.
-MAX_KERNEL_ROWS = {torch.float32: 16, torch.bfloat16: 64}
+# Rows up to which the kernel runs, by dtype; measured with benches/cpu_linear.py --threads 1 on
+# SmolLM2-135M's shapes on a 2-core AVX2 machine (no AVX-512), torch 2.15: float32 at 16 rows the
+# kernel's speed-up is 0.90-1.46x by shape and ahead summed over a layer; at 32 rows 0.82-1.28x, behind.
+# bfloat16: torch's bfloat16 GEMM is emulated without AVX512-BF16 / AMX, 4-5x slower than the kernel
+# at every size measured (1 to 512 rows). With those instructions (config.cpu_has_native_bfloat16)
+# torch's bfloat16 GEMM is the fast one: float32's limit there, not measured.
+MAX_KERNEL_ROWS = {torch.float32: 16, torch.bfloat16: 16 if cpu_has_native_bfloat16() else 512}
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias), through the kernel where it is faster (`supports`)."""
-    if not supports(x, weight, bias):
-        return F.linear(x, weight, bias)
-    return small_m_linear(x, weight, bias)
+    if supports(x, weight, bias):
+        return small_m_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-    """Whether `linear` runs the kernel: CPU tensors of one float32/bfloat16 dtype, a contiguous
-    weight, and at most MAX_KERNEL_ROWS rows."""
+    """Whether `linear` runs the kernel: CPU tensors of one float32/bfloat16 dtype and at most
+    MAX_KERNEL_ROWS rows. (Per call on every layer, so the cheapest checks only.)"""
     dtype = x.dtype
+    max_rows = MAX_KERNEL_ROWS.get(dtype, 0)
     return (
-        x.device.type == "cpu"
-        and dtype in DTYPES
+        x.is_cpu
         and weight.dtype == dtype
-        and weight.dim() == 2
-        and weight.is_contiguous()
-        and (bias is None or (bias.dtype == dtype and bias.is_contiguous()))
-        and x.numel() // max(1, x.shape[-1]) <= MAX_KERNEL_ROWS[dtype]
+        and (bias is None or bias.dtype == dtype)
+        and x.numel() <= max_rows * x.shape[-1]
     )
 
 
@@ -51,24 +54,38 @@ def small_m_linear(
     number of rows; x float32 or bfloat16, weight and bias float32 or bfloat16, all on the CPU.
     `portable` runs the kernel's code without SIMD (tests). Raises ValueError naming the tensor
     that does not fit."""
-    _check(x.device.type == weight.device.type == "cpu", f"tensors must be on the CPU, got {x.device} and {weight.device}")
-    _check(x.dtype in DTYPES and weight.dtype in DTYPES, f"dtypes must be float32 or bfloat16, got {x.dtype} and {weight.dtype}")
-    _check(weight.dim() == 2 and x.dim() >= 1 and x.shape[-1] == weight.shape[1],
-           f"x {tuple(x.shape)} does not fit weight {tuple(weight.shape)} (want x [..., K], weight [N, K])")
-    out_features, in_features = weight.shape
-    if bias is not None:
-        _check(bias.shape == (out_features,) and bias.dtype == weight.dtype,
-               f"bias {tuple(bias.shape)} {bias.dtype} does not fit weight {tuple(weight.shape)} {weight.dtype}")
-        bias = bias.contiguous()
-    rows = x.reshape(-1, in_features).contiguous()
-    weight = weight.contiguous()
+    out_features, in_features = weight.shape if weight.dim() == 2 else (-1, -1)
+    fits = (
+        x.dtype in DTYPES
+        and weight.dtype in DTYPES
+        and x.is_cpu
+        and weight.is_cpu
+        and x.dim() >= 1
+        and x.shape[-1] == in_features
+        and (bias is None or (bias.shape == (out_features,) and bias.dtype == weight.dtype and bias.is_cpu))
+    )
+    if not fits:
+        _refuse(x, weight, bias)
+    # (a decode step makes ~100 of these calls: the common 2-D contiguous case skips the reshapes)
+    rows = (x if x.dim() == 2 else x.reshape(-1, in_features)).contiguous()
+    weight, bias = weight.contiguous(), None if bias is None else bias.contiguous()  # (kept alive for the call)
     out = x.new_empty(rows.shape[0], out_features)
     _core.small_m_linear_cpu(
         out.data_ptr(), rows.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
         (rows.shape[0], in_features, out_features), torch.get_num_threads(), DTYPES[x.dtype],
         DTYPES[weight.dtype], portable,
     )  # fmt: skip
-    return out.view(*x.shape[:-1], out_features)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], out_features)
+
+
+def _refuse(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    if not (x.is_cpu and weight.is_cpu and (bias is None or bias.is_cpu)):
+        raise ValueError(f"tensors must be on the CPU, got x on {x.device} and weight on {weight.device}")
+    if x.dtype not in DTYPES or weight.dtype not in DTYPES:
+        raise ValueError(f"x and weight must be float32 or bfloat16, got {x.dtype} and {weight.dtype}")
+    if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"x {tuple(x.shape)} does not fit weight {tuple(weight.shape)} (want x [..., K], weight [N, K])")
+    raise ValueError(f"bias {tuple(bias.shape)} {bias.dtype} does not fit weight {tuple(weight.shape)} {weight.dtype}")
 
 
 class CpuLinear(nn.Linear):
@@ -86,8 +103,3 @@ def use_cpu_linear(model: nn.Module) -> None:
             module.__class__ = CpuLinear
     if hasattr(model, "lm_head_linear"):
         model.lm_head_linear = linear
-
-
-def _check(condition: bool, message: str) -> None:
-    if not condition:
-        raise ValueError(message)
