@@ -40,7 +40,7 @@ test-rust:
 # (scheduler, block manager, persistent batch, stubs, KV cache, sampler, detokenizer) and the CPU
 # attention and layer kernels.
 FAST_TESTS := tests/core tests/unit tests/kernels/test_torch_ref_attention.py tests/kernels/test_cpu_attention.py \
-	tests/kernels/test_cpu_fused_layers.py
+	tests/kernels/test_cpu_fused_layers.py tests/kernels/test_cpu_small_m_linear.py
 
 test-fast: test-rust
 	$(PYTHON) -m pytest -q --durations=5 $(FAST_TESTS)

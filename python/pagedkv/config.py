@@ -150,6 +150,10 @@ class EngineConfig:
     (beams, speculative decoding, logprobs, penalties, biases, structured output, prompt
     logprobs, pooling) and tensor-parallel steps run synchronously. Off by default until it has
     been measured on a GPU; on a CPU it only reorders work."""
+    cpu_linear_kernel: bool = True
+    """On the CPU, linear layers and the LM head with few rows (decode steps) run in Rust
+    (pagedkv.layers.cpu_linear: each weight read once, near the memory bandwidth) instead of
+    torch's matrix products; False leaves every one to torch (baselines)."""
     enforce_eager: bool = False
     """True launches every decode kernel from Python. False (the default) captures CUDA graphs
     of decode steps at start-up where they apply (cuda device and attention backend, no

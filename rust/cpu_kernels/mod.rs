@@ -1,6 +1,6 @@
 //! The CPU engine's kernels: paged decode and prefill attention read K/V in place through the
-//! block table; the elementwise layers are fused; `simd` and `fp8` are their element types, and
-//! `openmp_team` runs them on torch's thread team.
+//! block table; the elementwise layers are fused; `small_m_linear` is the decode steps' matrix products;
+//! `simd` and `fp8` are their element types, and `openmp_team` runs them on torch's thread team.
 
 pub mod argmax;
 pub mod decode_attention;
@@ -11,3 +11,4 @@ pub mod prefill_attention;
 pub mod quantized;
 pub mod sampling;
 pub mod simd;
+pub mod small_m_linear;

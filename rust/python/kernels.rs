@@ -11,6 +11,7 @@ use crate::cpu_kernels::layer_ops;
 use crate::cpu_kernels::prefill_attention::paged_prefill_attention;
 use crate::cpu_kernels::sampling::{self, RowSampling};
 use crate::cpu_kernels::simd::{Bf16, Isa};
+use crate::cpu_kernels::small_m_linear::{small_m_linear_with, LinearShape};
 
 /// The kernels' shape from Python's tuple (batch, num_heads, num_kv_heads, head_dim,
 /// block_size, num_blocks, block_stride, table_width), sliding window (0: none) and logit soft
@@ -259,6 +260,43 @@ fn rotary_cpu(
     })))
 }
 
+/// out `[rows, out_features]` = x `[rows, in_features]` @ weight`[out_features, in_features]`^T
+/// (+ bias `[out_features]`), CPU tensors given by data pointer: x and out of `dtype`, weight and
+/// bias of `weight_dtype` ("float32" or "bfloat16" each); `shape` is (rows, in_features,
+/// out_features). `portable` skips the SIMD path (tests). Internal: `pagedkv.layers.cpu_linear`
+/// checks the tensors first.
+#[pyfunction]
+#[pyo3(signature = (out, x, weight, bias, shape, num_threads, dtype, weight_dtype, portable = false))]
+#[allow(clippy::too_many_arguments)]
+fn small_m_linear_cpu(
+    py: Python<'_>,
+    out: usize,
+    x: usize,
+    weight: usize,
+    bias: Option<usize>,
+    shape: (usize, usize, usize),
+    num_threads: usize,
+    dtype: &str,
+    weight_dtype: &str,
+    portable: bool,
+) -> PyResult<()> {
+    let (rows, in_features, out_features) = shape;
+    let shape = LinearShape { rows, in_features, out_features };
+    let isa = if portable { Isa::Portable } else { Isa::best() };
+    with_element!(dtype, E => with_element!(weight_dtype, W => py.detach(|| call(|| {
+        // SAFETY: live, contiguous CPU tensors of these shapes and dtypes; `out` is fresh.
+        let (out, x, weight, bias) = unsafe {
+            (
+                std::slice::from_raw_parts_mut(out as *mut E, rows * out_features),
+                std::slice::from_raw_parts(x as *const E, rows * in_features),
+                std::slice::from_raw_parts(weight as *const W, out_features * in_features),
+                bias.map(|bias| std::slice::from_raw_parts(bias as *const W, out_features)),
+            )
+        };
+        small_m_linear_with(isa, out, x, weight, bias, shape, num_threads)
+    }))))
+}
+
 /// out `[rows]` int64 = argmax of each row of logits `[rows, width]` of `dtype` ("float32" or
 /// "bfloat16"), CPU tensors given by data pointer. Internal: `pagedkv.runner.sampler.argmax_rows`
 /// checks the tensors first.
@@ -345,5 +383,6 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(sample_rows_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(rms_norm_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(silu_and_mul_cpu, m)?)?;
-    m.add_function(wrap_pyfunction!(rotary_cpu, m)?)
+    m.add_function(wrap_pyfunction!(rotary_cpu, m)?)?;
+    m.add_function(wrap_pyfunction!(small_m_linear_cpu, m)?)
 }

@@ -409,6 +409,22 @@ def rotary_cpu(
     (num_tokens, row_width, num_heads, head_dim), cos/sin [num_tokens, head_dim]. Internal: use
     `pagedkv.layers.cpu_fused.rotary_`."""
 
+def small_m_linear_cpu(
+    out: int,
+    x: int,
+    weight: int,
+    bias: int | None,
+    shape: tuple[int, int, int],
+    num_threads: int,
+    dtype: Literal["float32", "bfloat16"],
+    weight_dtype: Literal["float32", "bfloat16"],
+    portable: bool = False,
+) -> None:
+    """out [rows, out_features] = x [rows, in_features] @ weight [out_features, in_features]^T
+    (+ bias [out_features]); shape is (rows, in_features, out_features), x and out of `dtype`,
+    weight and bias of `weight_dtype`; `portable` skips the SIMD path. Internal: use
+    `pagedkv.layers.cpu_linear.linear`."""
+
 def argmax_rows_cpu(
     out: int, logits: int, rows_width: tuple[int, int], num_threads: int,
     dtype: Literal["float32", "bfloat16"] = "float32",

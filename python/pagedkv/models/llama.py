@@ -195,6 +195,8 @@ class LlamaForCausalLM(nn.Module):
     # decoder layer is a class or a function building one from (hf_config, traits, layer_index)
     decoder_layer_class = LlamaDecoderLayer
     norm_class = RMSNorm
+    # The LM head's product (layers.cpu_linear.use_cpu_linear swaps in the CPU kernel's)
+    lm_head_linear = staticmethod(F.linear)
 
     def __init__(self, hf_config, traits: Traits, max_positions: int, dtype: torch.dtype):
         super().__init__()
@@ -241,7 +243,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        logits = F.linear(hidden, weight).float()
+        logits = self.lm_head_linear(hidden, weight).float()
         return logits if self.logits_scaling == 1.0 else logits / self.logits_scaling
 
     def compute_narrow_logits(self, hidden: torch.Tensor, order_only: bool = False) -> torch.Tensor:
@@ -254,7 +256,7 @@ class LlamaForCausalLM(nn.Module):
         if type(self).compute_logits is not LlamaForCausalLM.compute_logits or not (
                 scaling == 1.0 or (order_only and scaling > 0)):
             return self.compute_logits(hidden)
-        return F.linear(hidden, self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight)
+        return self.lm_head_linear(hidden, self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight)
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Loads a whole HF state dict (a GGUF file's, transformers' in memory): load_hf_weights

@@ -9,7 +9,6 @@ embedding on part of each head (40% in Phi-2). Checkpoint names map onto the ung
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedkv.layers.ungated_mlp import UngatedMLP
@@ -52,4 +51,4 @@ class PhiForCausalLM(PlainLayersForCausalLM):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.tie_word_embeddings:
             return super().compute_logits(hidden)
-        return F.linear(hidden, self.lm_head.weight, self.lm_head.bias).float()
+        return self.lm_head_linear(hidden, self.lm_head.weight, self.lm_head.bias).float()

@@ -16,6 +16,7 @@ from pagedkv.attention import AttentionMetadata, StepContext, get_backend
 from pagedkv.attention.registry import check_backend_name
 from pagedkv.config import EngineConfig
 from pagedkv.runner.cuda_graphs import DecodeGraphs
+from pagedkv.layers.cpu_linear import use_cpu_linear
 from pagedkv.errors import EngineStoppedError, InvalidConfigError, TensorParallelError
 from pagedkv.runner.host_memory import return_freed_memory, reuse_freed_memory
 from pagedkv.runner.kv_cache import KVCache
@@ -82,6 +83,8 @@ class ModelRunner:
                           config.max_model_len, dummy=config.load_format == "dummy",
                           quantized_gguf=config.gguf_weights == "quantized")
         self.model, self.tokenizer, self.hf_config = loaded.model, loaded.tokenizer, loaded.hf_config
+        if not config.is_cuda and config.cpu_linear_kernel:
+            use_cpu_linear(self.model)
         if not config.is_cuda:
             reuse_freed_memory()  # (after loading: the checkpoint's transient copies went back to the system)
         self.eos_token_ids, self.model_name = loaded.eos_token_ids, loaded.name

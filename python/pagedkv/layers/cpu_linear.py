@@ -1,0 +1,105 @@
+"""The CPU models' linear layers and LM head at decode sizes: `rust/cpu_kernels/small_m_linear.rs`
+reads each weight row once for all of a step's rows, near the memory bandwidth, where torch's
+matrix-vector products reach well under half of it. Above `MAX_KERNEL_ROWS` rows torch's GEMM
+(which reuses each weight many times from cache) is faster and runs instead.
+
+`use_cpu_linear(model)` turns it on for a loaded CPU model (the runner calls it unless
+`EngineConfig.cpu_linear_kernel` is False); CUDA models and other dtypes keep torch's code.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedkv_core import _core
+from pagedkv.config import cpu_has_native_bfloat16
+
+DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+
+# Rows up to which the kernel runs, by dtype; measured with benches/cpu_linear.py --threads 1 on
+# SmolLM2-135M's shapes on a 2-core AVX2 machine (no AVX-512), torch 2.15: float32 at 16 rows the
+# kernel's speed-up is 0.90-1.46x by shape and ahead summed over a layer; at 32 rows 0.82-1.28x, behind.
+# bfloat16: torch's bfloat16 GEMM is emulated without AVX512-BF16 / AMX, 4-5x slower than the kernel
+# at every size measured (1 to 512 rows). With those instructions (config.cpu_has_native_bfloat16)
+# torch's bfloat16 GEMM is the fast one: float32's limit there, not measured.
+MAX_KERNEL_ROWS = {torch.float32: 16, torch.bfloat16: 16 if cpu_has_native_bfloat16() else 512}
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias), through the kernel where it is faster (`supports`)."""
+    if supports(x, weight, bias):
+        return small_m_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether `linear` runs the kernel: CPU tensors of one float32/bfloat16 dtype and at most
+    MAX_KERNEL_ROWS rows. (Per call on every layer, so the cheapest checks only.)"""
+    dtype = x.dtype
+    max_rows = MAX_KERNEL_ROWS.get(dtype, 0)
+    return (
+        x.is_cpu
+        and weight.dtype == dtype
+        and (bias is None or bias.dtype == dtype)
+        and x.numel() <= max_rows * x.shape[-1]
+    )
+
+
+def small_m_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, portable: bool = False
+) -> torch.Tensor:
+    """x [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N] in x's dtype, by the kernel at any
+    number of rows; x float32 or bfloat16, weight and bias float32 or bfloat16, all on the CPU.
+    `portable` runs the kernel's code without SIMD (tests). Raises ValueError naming the tensor
+    that does not fit."""
+    out_features, in_features = weight.shape if weight.dim() == 2 else (-1, -1)
+    fits = (
+        x.dtype in DTYPES
+        and weight.dtype in DTYPES
+        and x.is_cpu
+        and weight.is_cpu
+        and x.dim() >= 1
+        and x.shape[-1] == in_features
+        and (bias is None or (bias.shape == (out_features,) and bias.dtype == weight.dtype and bias.is_cpu))
+    )
+    if not fits:
+        _refuse(x, weight, bias)
+    # (a decode step makes ~100 of these calls: the common 2-D contiguous case skips the reshapes)
+    rows = (x if x.dim() == 2 else x.reshape(-1, in_features)).contiguous()
+    weight, bias = weight.contiguous(), None if bias is None else bias.contiguous()  # (kept alive for the call)
+    out = x.new_empty(rows.shape[0], out_features)
+    _core.small_m_linear_cpu(
+        out.data_ptr(), rows.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+        (rows.shape[0], in_features, out_features), torch.get_num_threads(), DTYPES[x.dtype],
+        DTYPES[weight.dtype], portable,
+    )  # fmt: skip
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], out_features)
+
+
+def _refuse(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    if not (x.is_cpu and weight.is_cpu and (bias is None or bias.is_cpu)):
+        raise ValueError(f"tensors must be on the CPU, got x on {x.device} and weight on {weight.device}")
+    if x.dtype not in DTYPES or weight.dtype not in DTYPES:
+        raise ValueError(f"x and weight must be float32 or bfloat16, got {x.dtype} and {weight.dtype}")
+    if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"x {tuple(x.shape)} does not fit weight {tuple(weight.shape)} (want x [..., K], weight [N, K])")
+    raise ValueError(f"bias {tuple(bias.shape)} {bias.dtype} does not fit weight {tuple(weight.shape)} {weight.dtype}")
+
+
+class CpuLinear(nn.Linear):
+    """nn.Linear whose forward is `linear` (same parameters, state dict and LoRA targets)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+def use_cpu_linear(model: nn.Module) -> None:
+    """Routes a CPU model's nn.Linear layers (the LM head too: `model.lm_head_linear`) through
+    `linear`; subclasses of nn.Linear (another layer's own forward) are left alone."""
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = CpuLinear
+    if hasattr(model, "lm_head_linear"):
+        model.lm_head_linear = linear
