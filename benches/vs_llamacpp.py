@@ -5,8 +5,8 @@ made from it by `llama-quantize --allow-requantize`, cached in --cache-dir) and 
 sequences B (--parallel), both engines prefill B random 128-token prompts and then decode 128 tokens
 per sequence on --threads threads:
 
-- llama.cpp: `llama-batched-bench -npp 128 -ntg 128 -npl B,... -t T -tb T -c Bmax*256 --output-format
-  jsonl`, unchanged otherwise (its own batch sizes, flash-attention choice and warm-up); we read its
+- llama.cpp: `llama-batched-bench -npp 128 -ntg 128 -npl B -c B*256 -t T -tb T --output-format jsonl`,
+  one process per B, unchanged otherwise (its own batch sizes, flash-attention choice and warm-up); we read its
   S_PP = B*PP / T_PP (one decode of all prompts) and S_TG = B*TG / T_TG (TG decode calls of B tokens).
 - pagedkv: one process per weight variant loads `LLM(model=<gguf dir>, gguf_file=...)`, warms up on one
   short request, then per B adds B requests of fixed random token ids (seeded), greedy, ignore_eos,
@@ -138,14 +138,19 @@ def run_measured(command: list[str]) -> tuple[str, int]:
 
 
 def run_llama_cpp(batched_bench: str, gguf: str, batches: list[int], threads: int) -> dict:
-    command = [batched_bench, "-m", gguf, "-c", str(max(batches) * (PROMPT_LEN + NEW_TOKENS)),
-               "-npp", str(PROMPT_LEN), "-ntg", str(NEW_TOKENS), "-npl", ",".join(map(str, batches)),
-               "-t", str(threads), "-tb", str(threads), "--output-format", "jsonl"]
-    text, peak_rss = run_measured(command)
-    rows = [json.loads(line) for line in text.splitlines() if line.startswith("{") and '"speed_tg"' in line]
-    speeds = {row["pl"]: (row["speed_pp"], row["speed_tg"]) for row in rows}
-    if sorted(speeds) != sorted(batches):  # (batched-bench skips a B whose KV does not fit -c, silently)
-        sys.exit(f"llama-batched-bench reported B = {sorted(speeds)}, not {batches}:\n{text[-3000:]}")
+    """One batched-bench process per B, its context sized to that B (a context sized for the largest B
+    would make every smaller B's decode attend over the whole, mostly empty, cache)."""
+    speeds, peak_rss = {}, 0
+    for num_seqs in batches:
+        command = [batched_bench, "-m", gguf, "-c", str(num_seqs * (PROMPT_LEN + NEW_TOKENS)), "-npp", str(PROMPT_LEN),
+                   "-ntg", str(NEW_TOKENS), "-npl", str(num_seqs), "-t", str(threads), "-tb", str(threads),
+                   "--output-format", "jsonl"]
+        text, peak = run_measured(command)
+        rows = [json.loads(line) for line in text.splitlines() if line.startswith("{") and '"speed_tg"' in line]
+        if [row["pl"] for row in rows] != [num_seqs]:  # (batched-bench skips a B whose KV does not fit -c, silently)
+            sys.exit(f"llama-batched-bench reported no row for B = {num_seqs}:\n{text[-3000:]}")
+        speeds[num_seqs] = (rows[0]["speed_pp"], rows[0]["speed_tg"])
+        peak_rss = max(peak_rss, peak)
     return {"speeds": speeds, "peak_rss": peak_rss}
 
 
