@@ -52,7 +52,7 @@ import time
 from pathlib import Path
 
 PROMPT_LEN, NEW_TOKENS = 128, 128
-DEFAULT_LLAMA_CPP_DIR = "/work/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin"
+DEFAULT_LLAMA_CPP_DIR = str(Path.home() / ".cache" / "pagedkv" / "llama.cpp" / "build" / "bin")
 BUILD_HELP = """llama.cpp's {missing} not found in {directory}. Build it (CPU only) and pass --llama-cpp-dir or set
 $LLAMA_CPP_DIR to its build/bin:
     git clone https://github.com/ggml-org/llama.cpp && cd llama.cpp   # or the llama-cpp-python sdist's vendor/llama.cpp
