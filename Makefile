@@ -46,9 +46,11 @@ test-fast: test-rust
 	$(PYTHON) -m pytest -q --durations=5 $(FAST_TESTS)
 
 # (tests/core runs in test-core-alone, against the core wheel alone.) After the run, each tier's
-# minutes (scripts/test_tiers.py). The last full run (fresh clone, 2-core AVX2 machine, 2026-11-28):
-# tests/engine 12.6, tests/kernels 6.9 (6.3 of them the NVRTC compile of every sm_90 instantiation on
-# a fresh cache), tests/server 4.4, tests/models 3.7, tests/unit 0.4: pytest 28 min, make test 33 min.
+# minutes (scripts/test_tiers.py). The last full run (fresh clone, 2-core AVX2 machine, 2026-11-28,
+# its first 17 minutes beside a llama.cpp benchmark on the same cores): tests/engine 19.9,
+# tests/server 4.7, tests/models 4.3, tests/kernels 0.7 (the NVRTC compile trusts
+# tests/kernels/compiled_kernels.json), tests/unit 0.4: pytest 30 min, make test 37 min, using ~1.05
+# cores on average (tests are mostly single-threaded Python).
 test-python:
 	mkdir -p build
 	$(PYTHON) -m pytest -q --durations=15 --ignore=tests/core --junitxml=build/pytest.xml
