@@ -251,19 +251,8 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cpu_kernels::decode_attention::tests::pseudo_random;
     use crate::cpu_kernels::simd::Bf16;
-
-    fn pseudo_random(len: usize, seed: u64) -> Vec<f32> {
-        let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-        (0..len)
-            .map(|_| {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
-                (state % 20_001) as f32 / 10_000.0 - 1.0
-            })
-            .collect()
-    }
 
     /// The float64 reference of the values as the kernel reads them.
     fn reference<E: Element, W: Element>(x: &[E], weight: &[W], bias: Option<&[W]>, shape: LinearShape) -> Vec<f64> {
