@@ -6,7 +6,10 @@
 #   sampler     tests/gpu/test_gpu_sampler.py (the sampler on CUDA against the CPU's; needs no model)
 #   engine      tests/gpu (engine with both backends, CUDA graphs, swap, sampler; needs the model)
 #   tests       kernels, then engine
-#   attention   benches/attention.py      swap   benches/swap.py
+#   lifecycle   tests/engine/test_engine_lifecycle.py's CUDA case (memory back to its baseline after shutdown)
+#   attention   benches/attention.py ($ATTENTION_ARGS)      swap   benches/swap.py
+#   roofline    benches/decode_roofline.py: a Llama-3.1-8B shape (dummy weights, CUDA graphs) at batch 1-256
+#               against the HBM roofline, synchronous then async scheduling (needs the model's tokenizer)
 #   attention-fp8  benches/attention.py --kv-cache-dtype fp8_e4m3 (the float8 cache path)
 #   throughput  benches/throughput.py --device cuda --dtype bfloat16 (eager, CUDA graphs, HF)
 #   step        benches/step_overhead.py --device cuda against the baseline build (a wheel in
@@ -54,22 +57,32 @@ for stage in "${stages[@]}"; do
                      | tee "$results/sampler.txt" | tail -n 30 ;;
         engine) python3 -m pytest -q -rs "$repo/tests/gpu" -p no:cacheprovider 2>&1 | tee "$results/engine.txt" \
                     | tail -n 80 ;;
-        tests) bash "$repo/scripts/gpu_check.sh" kernels engine ;;
-        attention) python3 "$repo/benches/attention.py" 2>&1 | tee "$results/attention.txt" ;;
-        attention-fp8) python3 "$repo/benches/attention.py" --kv-cache-dtype fp8_e4m3 2>&1 \
+        lifecycle) python3 -m pytest -q -rs "$repo/tests/engine/test_engine_lifecycle.py" -k cuda -p no:cacheprovider \
+                       2>&1 | tee "$results/lifecycle.txt" | tail -n 20 ;;
+        tests) bash "$repo/scripts/gpu_check.sh" kernels engine lifecycle ;;
+        attention) python3 "$repo/benches/attention.py" ${ATTENTION_ARGS:-} 2>&1 | tee "$results/attention.txt" ;;
+        roofline) for mode in "" --async-scheduling; do
+                      python3 "$repo/benches/decode_roofline.py" --device cuda $mode 2>&1 | grep -v "it/s" \
+                          | tee -a "$results/roofline.txt"
+                  done ;;
+        attention-fp8) python3 "$repo/benches/attention.py" ${ATTENTION_ARGS:-} --kv-cache-dtype fp8_e4m3 2>&1 \
                            | tee "$results/attention-fp8.txt" ;;
         swap) python3 "$repo/benches/swap.py" 2>&1 | tee "$results/swap.txt" ;;
         throughput) python3 "$repo/benches/throughput.py" --device cuda --dtype bfloat16 2>&1 | grep -v "it/s" \
                         | tee "$results/throughput.txt" ;;
-        step)
-            for wheel in "$bundle"/baseline/*.whl; do
-                python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-                    --target /tmp/site-baseline "$wheel" || exit 1
-            done
-            cp -r /tmp/site/. /tmp/site-baseline-deps 2>/dev/null; rm -rf /tmp/site-baseline-deps/pagedkv*
-            printf '#!/bin/sh\nPYTHONPATH=/tmp/site-baseline:/tmp/site-baseline-deps exec python3 "$@"\n' > /tmp/python-baseline
-            chmod +x /tmp/python-baseline
-            python3 "$repo/benches/step_overhead.py" --device cuda --baseline-python /tmp/python-baseline \
+        step)  # (against the baseline build when gpu_bundle.sh made one: BASELINE=<commit>)
+            baseline=()
+            if ls "$bundle"/baseline/*.whl >/dev/null 2>&1; then
+                for wheel in "$bundle"/baseline/*.whl; do
+                    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+                        --target /tmp/site-baseline "$wheel" || exit 1
+                done
+                cp -r /tmp/site/. /tmp/site-baseline-deps 2>/dev/null; rm -rf /tmp/site-baseline-deps/pagedkv*
+                printf '#!/bin/sh\nPYTHONPATH=/tmp/site-baseline:/tmp/site-baseline-deps exec python3 "$@"\n' > /tmp/python-baseline
+                chmod +x /tmp/python-baseline
+                baseline=(--baseline-python /tmp/python-baseline)
+            fi
+            python3 "$repo/benches/step_overhead.py" --device cuda --dtype bfloat16 "${baseline[@]}" \
                 --cases "${STEP_CASES:-tiny:64,tiny:256,tiny:1024,smollm2:64,smollm2:256}" 2>&1 | tee "$results/step.txt" ;;
         throughput256)
             for python in python3 /tmp/python-baseline; do
@@ -83,6 +96,6 @@ for stage in "${stages[@]}"; do
                   | grep -v "it/s" | tee "$results/busy.txt"
               python3 "$repo/benches/gpu_busy.py" --device cuda --batch-sizes 64 256 --trace-dir "$results" \
                   --async-scheduling 2>&1 | grep -v "it/s" | tee -a "$results/busy.txt" ;;
-        *) echo "unknown stage $stage (kernels, sampler, engine, tests, attention, attention-fp8, swap, throughput, step, throughput256, busy)"; exit 2 ;;
+        *) echo "unknown stage $stage (kernels, sampler, engine, lifecycle, tests, roofline, attention, attention-fp8, swap, throughput, step, throughput256, busy)"; exit 2 ;;
     esac
 done

@@ -11,7 +11,13 @@ import torch
 
 from pagedkv import LLM, AsyncLLM, LLMEngine, SamplingParams
 
-from test_tensor_parallel import tiny_llama_dir  # noqa: F401 (the fixture)
+from support.tiny_models import save_biased_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_dir(tmp_path_factory) -> str:
+    return save_biased_tiny_llama(tmp_path_factory.mktemp("tiny_llama_lifecycle"))
+
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 PROMPTS = [{"prompt_token_ids": [5, 6, 7, 8, 9] * 3}, {"prompt_token_ids": [30 + i for i in range(40)]}]
@@ -49,7 +55,7 @@ def generate_and_drop(model_dir: str, tensor_parallel_size: int) -> list:
     return tokens
 
 
-def test_tensor_parallel_engines_dropped_in_a_loop_leave_nothing_behind(tiny_llama_dir):  # noqa: F811
+def test_tensor_parallel_engines_dropped_in_a_loop_leave_nothing_behind(tiny_llama_dir):
     reference = generate_and_drop(tiny_llama_dir, 1)
     for index in range(3):
         assert generate_and_drop(tiny_llama_dir, 2) == reference
@@ -62,7 +68,7 @@ def test_tensor_parallel_engines_dropped_in_a_loop_leave_nothing_behind(tiny_lla
     assert resident_bytes() <= 1.1 * first_rss
 
 
-def test_engines_are_context_managers_and_shutdown_is_idempotent(tiny_llama_dir):  # noqa: F811
+def test_engines_are_context_managers_and_shutdown_is_idempotent(tiny_llama_dir):
     baseline = leftovers()
     with LLM(tiny_llama_dir, dtype="float32", tensor_parallel_size=2, num_device_blocks=64) as llm:
         first = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
@@ -82,7 +88,7 @@ def test_engines_are_context_managers_and_shutdown_is_idempotent(tiny_llama_dir)
     assert [list(o.outputs[0].token_ids) for o in first] == generate_and_drop(tiny_llama_dir, 1)
 
 
-def test_a_dropped_async_engine_stops_its_loop_and_ranks(tiny_llama_dir):  # noqa: F811
+def test_a_dropped_async_engine_stops_its_loop_and_ranks(tiny_llama_dir):
     baseline = leftovers()
     async_llm = AsyncLLM(tiny_llama_dir, dtype="float32", tensor_parallel_size=2, num_device_blocks=64)
     assert leftovers()["processes"] == baseline["processes"] + 1
@@ -91,7 +97,7 @@ def test_a_dropped_async_engine_stops_its_loop_and_ranks(tiny_llama_dir):  # noq
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_cuda_memory_returns_after_shutdown(tiny_llama_dir):  # noqa: F811
+def test_cuda_memory_returns_after_shutdown(tiny_llama_dir):
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     with LLM(tiny_llama_dir, device="cuda", dtype="bfloat16") as llm:

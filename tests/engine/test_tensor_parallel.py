@@ -21,23 +21,12 @@ from pagedkv.errors import InvalidConfigError, TensorParallelError
 
 from support.checkpoints import save_tiny_checkpoint
 from support.live_server import served
+from support.tiny_models import save_biased_tiny_llama
 
 
 @pytest.fixture(scope="module")
 def tiny_llama_dir(tmp_path_factory) -> str:
-    """A 2-layer random Llama, 4 query / 2 KV heads, biased attention (o_proj too) and MLP."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         attention_bias=True, mlp_bias=True, tie_word_embeddings=False, eos_token_id=2, bos_token_id=1)
-    torch.manual_seed(1)
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # random biases, so a bias added on every rank (or on none) would show
-        for name, parameter in model.named_parameters():
-            if name.endswith("bias"):
-                parameter.normal_(std=0.3)
-    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny_llama_tp"), model)
+    return save_biased_tiny_llama(tmp_path_factory.mktemp("tiny_llama_tp"))
 
 
 PROMPTS = [[5, 6, 7, 8, 9] * 3, [10, 11, 12] * 9, [30 + i for i in range(40)], [5, 6, 7, 8, 9] * 3 + [77, 78]]

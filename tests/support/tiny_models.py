@@ -25,6 +25,23 @@ def randomize_norms(model, low: float, high: float) -> None:
                 parameter.uniform_(low, high)
 
 
+def save_biased_tiny_llama(directory) -> str:
+    """A 2-layer random Llama, 4 query / 2 KV heads, biased attention (o_proj too) and MLP (the
+    tensor-parallel tests' model: random biases, so a bias added on every rank, or on none, shows)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         attention_bias=True, mlp_bias=True, tie_word_embeddings=False, eos_token_id=2, bos_token_id=1)
+    torch.manual_seed(1)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias"):
+                parameter.normal_(std=0.3)
+    return save_tiny_checkpoint(directory, model)
+
+
 LLAMA_SHAPE = dict(vocab_size=256, hidden_size=128, intermediate_size=192, num_hidden_layers=2, num_attention_heads=2,
                    num_key_value_heads=1, max_position_embeddings=512, eos_token_id=2, bos_token_id=1, pad_token_id=0)
 """The shape most tiny dense models share: 2 layers, 2 query heads and 1 KV head of 64."""

@@ -165,7 +165,9 @@ def load(model: str | None, gguf_file: str | None, tokenizer: str | None, dtype,
     # Parameters are allocated once, in the engine's dtype, and loading copies (and rounds) each
     # checkpoint tensor into place, a decoder layer at a time: the host holds the model and one
     # layer's tensors, never the whole checkpoint beside it, nor a float32 copy of the model.
-    net = net.to(dtype=dtype).to_empty(device="cpu")
+    # Dummy weights are drawn where they will live: an 8B model's draws take seconds on a GPU
+    # and most of a minute on a host's one generator thread.
+    net = net.to(dtype=dtype).to_empty(device=device if dummy else "cpu")
     net.compute_buffers(positions, dtype)
     if dummy:
         logger.info("load_format=dummy: random weights of %s's shapes, no checkpoint read", hf_config.model_type)
@@ -200,8 +202,8 @@ def load(model: str | None, gguf_file: str | None, tokenizer: str | None, dtype,
 
 def fill_dummy_weights(net: torch.nn.Module, seed: int = 0) -> None:
     """Every weight random in [-1e-3, 1e-3] (vLLM's dummy range: activations stay small and finite
-    through any depth), norms' scales 1. Each tensor's draws are seeded by its name, so runs agree
-    and tensor-parallel ranks hold the same replicated tensors."""
+    through any depth), norms' scales 1. Each tensor's draws are seeded by its name, so runs on one
+    kind of device agree and tensor-parallel ranks hold the same replicated tensors."""
     with torch.no_grad():
         for name, tensor in net.state_dict(keep_vars=True).items():
             module, _, kind = name.rpartition(".")
@@ -210,8 +212,9 @@ def fill_dummy_weights(net: torch.nn.Module, seed: int = 0) -> None:
             elif "norm" in module.rpartition(".")[2] and kind == "weight":
                 tensor.fill_(1.0)
             else:
-                generator = torch.Generator().manual_seed(seed + zlib.crc32(name.encode()))
-                tensor.copy_(torch.empty(tensor.shape).uniform_(-1e-3, 1e-3, generator=generator))
+                generator = torch.Generator(tensor.device).manual_seed(seed + zlib.crc32(name.encode()))
+                draws = torch.empty(tensor.shape, device=tensor.device).uniform_(-1e-3, 1e-3, generator=generator)
+                tensor.copy_(draws)
 
 
 def is_sequence_classifier(hf_config) -> bool:

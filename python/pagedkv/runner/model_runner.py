@@ -227,6 +227,11 @@ class ModelRunner:
         self.failure = self.failure or EngineStoppedError("the engine was shut down")
         gc.collect()  # (the model's modules hold reference cycles: free their tensors now)
         if self.config.is_cuda and torch.cuda.is_available():
+            # cuBLAS's per-stream workspaces (33 MiB on an H200) are tensors of torch's allocator,
+            # kept for the process; the next engine's first matmul makes them again.
+            clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+            if clear_workspaces is not None:
+                clear_workspaces()
             torch.cuda.empty_cache()
         return_freed_memory()
 
