@@ -45,15 +45,14 @@ FAST_TESTS := tests/core tests/unit tests/kernels/test_torch_ref_attention.py te
 test-fast: test-rust
 	$(PYTHON) -m pytest -q --durations=5 $(FAST_TESTS)
 
-# (tests/core runs in test-core-alone, against the core wheel alone.) After the run, each tier's
-# minutes (scripts/test_tiers.py). The last full run (fresh clone, 2-core AVX2 machine, 2026-11-28,
-# its first 17 minutes beside a llama.cpp benchmark on the same cores): tests/engine 19.9,
-# tests/server 4.7, tests/models 4.3, tests/kernels 0.7 (the NVRTC compile trusts
-# tests/kernels/compiled_kernels.json), tests/unit 0.4: pytest 30 min, make test 37 min, using ~1.05
-# cores on average (tests are mostly single-threaded Python).
+# (tests/core runs in test-core-alone, against the core wheel alone.) The files are shared out over
+# PYTEST_WORKERS processes (pytest-xdist; a file's tests stay together, so its module fixtures load
+# once). After the run, each tier's minutes of test time (scripts/test_tiers.py).
+PYTEST_WORKERS ?= $(shell n=$$(nproc); echo $$((n < 4 ? n : 4)))
 test-python:
 	mkdir -p build
-	$(PYTHON) -m pytest -q --durations=15 --ignore=tests/core --junitxml=build/pytest.xml
+	$(PYTHON) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=15 --ignore=tests/core \
+		--junitxml=build/pytest.xml
 	$(PYTHON) scripts/test_tiers.py build/pytest.xml
 
 # The core as another stack installs it: its wheel alone in a fresh venv (numpy, no torch, no

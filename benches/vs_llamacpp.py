@@ -17,7 +17,7 @@ per sequence on --threads threads:
   Weight variants: Q4_1 and Q8_0 with the linears kept quantized (gguf_weights="quantized", float32
   activations) or dequantized to float32; BF16 in bfloat16 or float32. By default (sized for about 10
   minutes on 2 quiet cores): Q4_1 both, Q8_0 quantized, BF16 in the engine's automatic dtype (bfloat16 on CPUs with
-  native bfloat16 math, float32 elsewhere); `--variants all` runs all six. Before the repeats pagedkv
+  native bfloat16 math, float32 elsewhere); `--variants all` runs all eight (quantized-float-head: the LM head from its float32 weight). Before the repeats pagedkv
   loads each GGUF once, untimed: a file's first load converts it into pagedkv's GGUF cache
   (models/gguf_cache.py), which the timed loads then read.
 
@@ -62,6 +62,8 @@ $LLAMA_CPP_DIR to its build/bin:
 # pagedkv's weight variants: name -> (EngineConfig.gguf_weights, dtype, the formats it runs)
 VARIANTS = {
     "quantized": ("quantized", "float32", ("Q4_1", "Q8_0")),
+    # (the same with the LM head read from its float32 weight, as before the head kept its blocks)
+    "quantized-float-head": ("quantized", "float32", ("Q4_1", "Q8_0")),
     "float32": ("dequantized", "float32", ("Q4_1", "Q8_0", "BF16")),
     "bfloat16": ("dequantized", "bfloat16", ("BF16",)),
 }
@@ -163,6 +165,10 @@ def pagedkv_worker(gguf: str, variant: str, batches: list[int], threads: int) ->
 
     torch.set_num_threads(threads)
     gguf_weights, dtype, _ = VARIANTS[variant]
+    if variant == "quantized-float-head":
+        from pagedkv.models import gguf_quantized
+
+        gguf_quantized.keep_lm_head_quantized = lambda net, tensors: None
     longest = max(batches, default=1)
     blocks_per_seq = -(-(PROMPT_LEN + NEW_TOKENS + 1) // 16)
     llm = LLM(model=os.path.dirname(gguf), gguf_file=os.path.basename(gguf), gguf_weights=gguf_weights, dtype=dtype,
@@ -286,7 +292,8 @@ def main() -> None:
                 for phase in (1, 0):  # decode, then prefill
                     ratios = [m[phase] / t[phase] for m, t in zip(mine, theirs)]
                     cells += [span([t[phase] for t in theirs]), span([m[phase] for m in mine]), span(ratios, 2) + "x"]
-                print(f"| {fmt} | {num_seqs} | {VARIANTS[name][0]} {VARIANTS[name][1]} | " + " | ".join(cells) + " |")
+                label = f"{VARIANTS[name][0]} {VARIANTS[name][1]}" + (", float32 LM head" if name.endswith("float-head") else "")
+                print(f"| {fmt} | {num_seqs} | {label} | " + " | ".join(cells) + " |")
 
     print(f"\ncopy bandwidth: {bandwidth:.1f} GB/s (torch copy_ of 512 MiB, read + write, best of 5)")
     if 1 in args.parallel:

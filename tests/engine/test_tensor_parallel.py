@@ -196,6 +196,8 @@ def assert_no_worker_left(seconds: float = 15) -> None:
 
 
 def any_worker_running() -> bool:
+    """A rank of this test session (under pytest-xdist: this worker's) still running."""
+    session = f"PYTEST_XDIST_WORKER={os.environ.get('PYTEST_XDIST_WORKER', '')}".encode()
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
@@ -203,9 +205,11 @@ def any_worker_running() -> bool:
                     command = cmdline.read()
                 with open(f"/proc/{entry}/stat") as stat:
                     state = stat.read().rsplit(")", 1)[1].split()[0]
+                with open(f"/proc/{entry}/environ", "rb") as environ:  # (inherited by the ranks)
+                    ours = "PYTEST_XDIST_WORKER" not in os.environ or session in environ.read().split(b"\0")
             except OSError:
                 continue
-            if b"pagedkv.parallel.workers" in command and state != "Z":
+            if b"pagedkv.parallel.workers" in command and state != "Z" and ours:
                 return True
     return False
 

@@ -11,7 +11,7 @@ import torch
 from support.hf_parity import prefill_all_positions
 
 from pagedkv.layers import quantized_linear
-from pagedkv.layers.quantized_linear import QuantizedLinear
+from pagedkv.layers.quantized_linear import QuantizedLinear, QuantizedLMHeadProduct
 
 LOGIT_TOLERANCE = 2.5  # absolute; logits reach |35| (std ~7); measured 1.57 at most, 8 of 8 prompts equal
 PROMPTS = [
@@ -40,10 +40,11 @@ def quantized_runner():
 @pytest.fixture
 def kernel_for_every_token(monkeypatch):
     monkeypatch.setattr(quantized_linear, "MAX_KERNEL_TOKENS", 1 << 30)
+    monkeypatch.setattr(quantized_linear, "MAX_HEAD_KERNEL_TOKENS", 1 << 30)
 
 
 def logits(runner, tokens: list[int]) -> torch.Tensor:
-    return prefill_all_positions(runner.model, tokens, [0, 1, 2, 3], block_size=16, num_blocks=4)
+    return prefill_all_positions(runner.model, tokens, list(range(8)), block_size=16, num_blocks=8)
 
 
 def test_every_decoder_linear_is_kept_quantized_and_decodes_to_the_loaded_weight(quantized_runner, smollm2_runner):
@@ -54,6 +55,18 @@ def test_every_decoder_linear_is_kept_quantized_and_decodes_to_the_loaded_weight
     for name, module in kept[:8]:
         assert torch.equal(module.weight, dequantized.get_submodule(name).weight)
     assert not any(isinstance(m, torch.nn.Linear) for m in quantized.layers.modules())
+
+
+def test_the_lm_head_reads_the_tied_embedding_tables_blocks(quantized_runner, smollm2_runner):
+    head = quantized_runner.model.lm_head_linear
+    assert isinstance(head, QuantizedLMHeadProduct) and head.ggml_type == "Q8_0"  # (the file's token_embd)
+    assert torch.equal(quantized_linear.dequantize(head.blocks, "Q8_0", (head.vocab_size, 576)),
+                       smollm2_runner.model.embed_tokens.weight)
+    hidden = torch.randn(3, 576)
+    kernel = head(hidden, quantized_runner.model.embed_tokens.weight)
+    exact = hidden.double() @ smollm2_runner.model.embed_tokens.weight.double().T
+    # (8-bit activations: within a few hundredths of a logit of the float64 product)
+    assert (kernel.double() - exact).abs().max() < 0.05 * exact.abs().max()
 
 
 def test_logits_close_and_greedy_tokens_mostly_equal(quantized_runner, smollm2_runner, kernel_for_every_token):
@@ -74,6 +87,7 @@ def test_logits_close_and_greedy_tokens_mostly_equal(quantized_runner, smollm2_r
 
 
 def test_prefill_above_the_crossover_gives_the_dequantized_models_logits(quantized_runner, smollm2_runner):
-    tokens = smollm2_runner.tokenizer.encode("The capital of France is Paris, and the capital of Italy is") * 2
-    assert len(tokens) > quantized_linear.MAX_KERNEL_TOKENS
+    tokens = smollm2_runner.tokenizer.encode("The capital of France is Paris, and the capital of Italy is") * 6
+    assert quantized_linear.MAX_HEAD_KERNEL_TOKENS >= quantized_linear.MAX_KERNEL_TOKENS
+    assert quantized_linear.MAX_HEAD_KERNEL_TOKENS < len(tokens) <= 128
     assert torch.equal(logits(quantized_runner, tokens), logits(smollm2_runner, tokens))

@@ -15,6 +15,7 @@ from torch import nn
 
 from pagedkv_core import _core
 from pagedkv.config import cpu_has_native_bfloat16
+from pagedkv.layers.quantized_linear import QuantizedLMHeadProduct
 
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
@@ -97,9 +98,10 @@ class CpuLinear(nn.Linear):
 
 def use_cpu_linear(model: nn.Module) -> None:
     """Routes a CPU model's nn.Linear layers (the LM head too: `model.lm_head_linear`) through
-    `linear`; subclasses of nn.Linear (another layer's own forward) are left alone."""
+    `linear`; subclasses of nn.Linear (another layer's own forward) and an LM head kept as GGUF
+    blocks are left alone."""
     for module in model.modules():
         if type(module) is nn.Linear:
             module.__class__ = CpuLinear
-    if hasattr(model, "lm_head_linear"):
+    if hasattr(model, "lm_head_linear") and not isinstance(model.lm_head_linear, QuantizedLMHeadProduct):
         model.lm_head_linear = linear

@@ -22,6 +22,9 @@ GGML_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
 # M = 4) and loses from M = 16 on the decoder's shapes (gate/up 1536x576: 1555 vs 1112 us), while the
 # 49152-row LM head holds out to M ~ 64; 8 sits between the two measured points.
 MAX_KERNEL_TOKENS = 8
+# The LM head's: its 49,152 rows keep the kernel ahead to M ~ 64 (same bench). A step's head reads
+# only the rows it samples, so this covers every decode step of up to 64 sequences.
+MAX_HEAD_KERNEL_TOKENS = 64
 
 
 def row_bytes(ggml_type: str, in_features: int) -> int:
@@ -92,3 +95,18 @@ class QuantizedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, ggml_type={self.ggml_type}, bias={self.bias is not None}"
+
+
+class QuantizedLMHeadProduct:
+    """`model.lm_head_linear` (called as F.linear(hidden, weight, bias)) over the LM head's GGUF
+    blocks: up to MAX_HEAD_KERNEL_TOKENS rows through the kernel, which streams the blocks (a Q8_0
+    head is 3.8x fewer bytes than its float32 weight); more rows through F.linear on the float
+    weight passed in (the same values: the model keeps it for its embedding lookups)."""
+
+    def __init__(self, blocks: torch.Tensor, ggml_type: str, vocab_size: int):
+        self.blocks, self.ggml_type, self.vocab_size = blocks, ggml_type, vocab_size
+
+    def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if hidden.numel() // hidden.shape[-1] <= MAX_HEAD_KERNEL_TOKENS and hidden.dtype == torch.float32:
+            return quantized_linear(hidden, self.blocks, self.ggml_type, self.vocab_size, bias)
+        return F.linear(hidden, weight, bias)

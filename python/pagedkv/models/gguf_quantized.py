@@ -7,7 +7,9 @@ Each swap is checked, not trusted: the blocks must dequantize to exactly the flo
 just loaded (transformers dequantizes with gguf-py, the same float32 operations), which also
 proves the row order (llama.cpp stores q and k rows permuted for its rotary layout; the
 permutation is undone here as transformers does). A layer that differs keeps its float weight.
-Embeddings and the LM head stay float32.
+The LM head (the tied embedding table's blocks, or `output`'s) is read from its blocks too
+(layers.quantized_linear.QuantizedLMHeadProduct), checked the same way; the embedding table
+stays float32 for the lookups.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from pagedkv.layers.quantized_linear import GGML_TYPES, QuantizedLinear
+from pagedkv.layers.quantized_linear import GGML_TYPES, QuantizedLinear, QuantizedLMHeadProduct, dequantize
 
 logger = logging.getLogger("pagedkv.models.gguf_quantized")
 
@@ -74,5 +76,24 @@ def keep_quantized(net: nn.Module, gguf_path: str, hf_config) -> int:
                 continue
             setattr(parent, attribute, quantized)
             replaced += 1
-    logger.info("kept %d linear layers as GGUF blocks (%s)", replaced, gguf_path)
+    head = keep_lm_head_quantized(net, tensors)
+    logger.info("kept %d linear layers%s as GGUF blocks (%s)", replaced, f" and the {head} LM head" if head else "",
+                gguf_path)
     return replaced
+
+
+def keep_lm_head_quantized(net: nn.Module, tensors: dict) -> str | None:
+    """Points `net.lm_head_linear` at the LM head's GGUF blocks when they are of a kept type and
+    dequantize to exactly the head's loaded weight; returns their type (None: left float32)."""
+    tied = bool(getattr(net, "tie_word_embeddings", False))
+    tensor = tensors.get("token_embd.weight" if tied else "output.weight")
+    weight = net.embed_tokens.weight if tied else getattr(getattr(net, "lm_head", None), "weight", None)
+    if tensor is None or weight is None or tensor.tensor_type.name not in GGML_TYPES or not hasattr(net, "lm_head_linear"):
+        return None
+    ggml_type = tensor.tensor_type.name
+    blocks = torch.from_numpy(np.ascontiguousarray(tensor.data)).clone()
+    if not torch.equal(dequantize(blocks, ggml_type, tuple(weight.shape)), weight.data):
+        logger.warning("the LM head's GGUF blocks differ from the loaded weight; kept float32")
+        return None
+    net.lm_head_linear = QuantizedLMHeadProduct(blocks, ggml_type, weight.shape[0])
+    return ggml_type

@@ -186,7 +186,7 @@ def load(model: str | None, gguf_file: str | None, tokenizer: str | None, dtype,
         else:
             logger.warning("gguf_weights='quantized' needs float32 on one CPU: weights dequantized")
 
-    tokenizer_source, tokenizer_gguf = _split_gguf(tokenizer, None) if tokenizer else (directory, gguf)
+    tokenizer_source, tokenizer_gguf = _readable(tokenizer, None) if tokenizer else (directory, gguf)
     try:
         tok = AutoTokenizer.from_pretrained(tokenizer_source, gguf_file=tokenizer_gguf)
     except (OSError, ValueError) as error:
