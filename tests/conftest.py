@@ -10,6 +10,11 @@ from support.checkpoints import save_tiny_checkpoint
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Under pytest-xdist each worker gets its share of the cores (the servers and ranks it starts too):
+# torch's default of every core per process makes the workers' threads fight over them.
+_XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+if _XDIST_WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _XDIST_WORKERS)))
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -58,3 +63,10 @@ def tiny_qwen2_dir(tmp_path_factory) -> str:
     from support.tiny_models import tiny_qwen2
 
     return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny_qwen2"), tiny_qwen2())
+
+
+def pytest_configure(config):
+    if _XDIST_WORKERS > 1:
+        import torch
+
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
