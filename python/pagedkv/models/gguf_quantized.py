@@ -91,7 +91,7 @@ def keep_lm_head_quantized(net: nn.Module, tensors: dict) -> str | None:
     if tensor is None or weight is None or tensor.tensor_type.name not in GGML_TYPES or not hasattr(net, "lm_head_linear"):
         return None
     ggml_type = tensor.tensor_type.name
-    blocks = torch.from_numpy(np.ascontiguousarray(tensor.data)).clone()
+    blocks = torch.from_numpy(np.array(tensor.data, order="C"))  # (a writable copy of the mapped file)
     if not torch.equal(dequantize(blocks, ggml_type, tuple(weight.shape)), weight.data):
         logger.warning("the LM head's GGUF blocks differ from the loaded weight; kept float32")
         return None
