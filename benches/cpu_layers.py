@@ -1,6 +1,7 @@
-"""The CPU's fused layers (rust/cpu_kernels/layer_ops.rs) against the same layers' torch ops, same run, on
-SmolLM2-135M's shapes (hidden 576, MLP 1536, 9 query + 3 KV heads of 64) for a decode batch and
-a prefill chunk. Prints one table: median microseconds per call and the speed-up.
+"""The CPU's fused layers (rust/cpu_kernels/layer_ops.rs) and its KV write (kv_write.rs) against the
+same work in torch ops, same run, on SmolLM2-135M's shapes (hidden 576, MLP 1536, 9 query + 3 KV
+heads of 64) for decode batches and a prefill chunk. Prints one table: median microseconds per
+call and the speed-up.
 
     python benches/cpu_layers.py [--threads N]
 """
@@ -13,6 +14,8 @@ import time
 
 import torch
 
+from pagedkv.attention import cpu as cpu_attention
+from pagedkv.attention import torch_ref
 from pagedkv.layers import cpu_fused
 from pagedkv.layers.activation import silu_and_mul
 from pagedkv.layers.rms_norm import RMSNorm
@@ -64,6 +67,15 @@ def main(argv=None) -> None:
                 fused = median_us(call)
                 dtype_name = str(dtype).removeprefix("torch.")
                 print(f"| {name} | {dtype_name} | {num_tokens} | {unfused:.0f} | {fused:.0f} | {unfused / fused:.2f}x |")
+        for num_tokens in (1, 64, 2048):
+            caches = [torch.zeros(num_tokens // 16 + 8, KV_HEADS, 16, HEAD_DIM, dtype=dtype) for _ in range(2)]
+            rows = [torch.randn(num_tokens, KV_HEADS, HEAD_DIM, dtype=dtype) for _ in range(2)]
+            slots = torch.randperm(caches[0].shape[0] * 16)[:num_tokens]
+            unfused = median_us(lambda: torch_ref.write_kv(*caches, *rows, slots))
+            fused = median_us(lambda: cpu_attention.write_kv(*caches, *rows, slots))
+            dtype_name = str(dtype).removeprefix("torch.")
+            print(f"| KV write (k and v) | {dtype_name} | {num_tokens} | {unfused:.0f} | {fused:.0f} | "
+                  f"{unfused / fused:.2f}x |")
 
 
 if __name__ == "__main__":

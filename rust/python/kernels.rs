@@ -7,6 +7,7 @@ use super::errors::{call, exceptions};
 use crate::cpu_kernels::argmax;
 use crate::cpu_kernels::decode_attention::{paged_decode_attention, DecodeShape};
 use crate::cpu_kernels::fp8::{Fp8E4m3, Fp8E5m2};
+use crate::cpu_kernels::kv_write;
 use crate::cpu_kernels::layer_ops;
 use crate::cpu_kernels::prefill_attention::paged_prefill_attention;
 use crate::cpu_kernels::sampling::{self, RowSampling};
@@ -182,6 +183,38 @@ fn paged_prefill_attention_cpu(
 
 /// Residual add + RMSNorm in place over `[rows, width]` CPU tensors given by data pointer.
 /// Internal: `pagedkv.layers.cpu_fused` checks the tensors first.
+/// A step's keys or values `[len(slots), heads, head]` written into the cache `[num_blocks, heads,
+/// block_size, head]` at `slots` (int64); CPU tensors given by data pointer, elements of
+/// `element_bytes` bytes. Internal: `pagedkv.attention.cpu.write_kv` checks the tensors first.
+#[pyfunction]
+fn write_kv_cpu(
+    py: Python<'_>,
+    cache: usize,
+    rows: usize,
+    slots: usize,
+    num_tokens: usize,
+    cache_shape: (usize, usize, usize, usize),
+    element_bytes: usize,
+) -> PyResult<()> {
+    let (num_blocks, num_heads, block_size, head_size) = cache_shape;
+    let shape = kv_write::CacheShape { num_blocks, num_heads, block_size, head_size, element_bytes };
+    let (cache_bytes, row_bytes) =
+        (num_blocks * num_heads * block_size * head_size * element_bytes, num_heads * head_size * element_bytes);
+    py.detach(|| {
+        call(|| {
+            // SAFETY: live, contiguous, distinct CPU tensors of these shapes (caller-checked).
+            let (cache, rows, slots) = unsafe {
+                (
+                    std::slice::from_raw_parts_mut(cache as *mut u8, cache_bytes),
+                    std::slice::from_raw_parts(rows as *const u8, num_tokens * row_bytes),
+                    std::slice::from_raw_parts(slots as *const i64, num_tokens),
+                )
+            };
+            kv_write::write_kv(cache, rows, slots, shape)
+        })
+    })
+}
+
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
 fn rms_norm_cpu(
@@ -384,5 +417,6 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(rms_norm_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(silu_and_mul_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(rotary_cpu, m)?)?;
-    m.add_function(wrap_pyfunction!(small_m_linear_cpu, m)?)
+    m.add_function(wrap_pyfunction!(small_m_linear_cpu, m)?)?;
+    m.add_function(wrap_pyfunction!(write_kv_cpu, m)?)
 }

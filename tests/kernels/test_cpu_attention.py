@@ -6,6 +6,7 @@ import torch
 from pagedkv.attention import AttentionMetadata, get_backend
 from pagedkv.attention.cpu import CpuAttentionBackend, paged_decode_attention, paged_prefill_attention
 from pagedkv.attention.torch_ref import TorchRefBackend, decode_batch, prefill_one
+from pagedkv.attention.torch_ref import write_kv as torch_ref_write_kv
 
 
 def block_major(num_blocks, num_kv_heads, block_size, head_dim, generator, dtype=torch.float32):
@@ -213,3 +214,31 @@ def test_attention_sinks_match_a_dense_computation(backend, window):
     assert torch.allclose(got.double(), want, atol=1e-5, rtol=1e-4)
     without = backend().forward(query, key_cache, value_cache, metadata, 0.125, sliding_window=window)
     assert not torch.allclose(without, got, atol=1e-2)
+
+
+@pytest.mark.parametrize("key_dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                   (torch.bfloat16, torch.float8_e4m3fn)])
+def test_cpu_write_kv_writes_what_the_reference_writes(key_dtype, cache_dtype):
+    """The Rust scatter (same element type) and the reference's conversion path (float8) alike."""
+    generator = torch.Generator().manual_seed(0)
+    num_blocks, heads, block_size, head = 6, 3, 16, 64
+    ours = [torch.zeros(num_blocks, heads, block_size, head, dtype=cache_dtype) for _ in range(2)]
+    reference = [cache.clone() for cache in ours]
+    slots = torch.randperm(num_blocks * block_size, generator=generator)[:21].to(torch.int64)
+    key, value = (torch.randn(21, heads, head, generator=generator).to(key_dtype) for _ in range(2))
+    CpuAttentionBackend().write_kv(*ours, key, value, slots)
+    torch_ref_write_kv(*reference, key, value, slots)
+    for mine, theirs in zip(ours, reference):
+        assert torch.equal(mine.view(torch.uint8), theirs.view(torch.uint8))
+    assert ours[0].view(torch.uint8).any()
+
+
+def test_cpu_write_kv_skips_padding_slots_and_refuses_slots_past_the_cache():
+    key_cache, value_cache = torch.zeros(2, 1, 4, 8), torch.zeros(2, 1, 4, 8)
+    rows = torch.ones(2, 1, 8)
+    backend = CpuAttentionBackend()
+    backend.write_kv(key_cache, value_cache, rows, rows, torch.tensor([-1, 5]))
+    assert key_cache[1, 0, 1].eq(1).all() and key_cache.sum() == 8 and value_cache.sum() == 8
+    with pytest.raises(Exception, match="slot 8 is past the cache's 8 slots"):
+        backend.write_kv(key_cache, value_cache, rows * 2, rows * 2, torch.tensor([0, 8]))
+    assert key_cache.sum() == 8  # (nothing written)

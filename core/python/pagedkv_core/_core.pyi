@@ -374,6 +374,19 @@ def cpu_attention_build() -> tuple[str, bool]:
     """(instruction set, runs on an OpenMP team) of the CPU decode attention in this process:
     "Avx512", "Avx2Fma" or "Portable"; True when torch's libgomp team runs it."""
 
+def write_kv_cpu(
+    cache: int,
+    rows: int,
+    slots: int,
+    num_tokens: int,
+    cache_shape: tuple[int, int, int, int],
+    element_bytes: int,
+) -> None:
+    """Writes rows [num_tokens, heads, head] into the cache [num_blocks, heads, block_size, head]
+    at slots (int64; a negative slot is skipped, one past the cache an error); CPU tensors given
+    by data pointer, elements of element_bytes bytes. Internal: use
+    `pagedkv.attention.cpu.write_kv`, which checks the tensors."""
+
 def rms_norm_cpu(
     hidden: int,
     residual: int | None,

@@ -165,6 +165,22 @@ def _prefill(query, key_cache, value_cache, block_tables, query_start_loc, conte
                                    sliding_window, logit_softcap, sinks)
 
 
+def write_kv(key_cache, value_cache, key, value, slot_mapping) -> None:
+    """torch_ref.write_kv's scatter in one Rust call per cache (torch's index_put costs ~50 us a
+    layer at one token); keys and values already in the caches' element type. Others through the
+    reference, which converts them."""
+    same_type = key.dtype == key_cache.dtype and value.dtype == value_cache.dtype
+    if not (same_type and key.is_contiguous() and value.is_contiguous() and key_cache.is_contiguous()
+            and value_cache.is_contiguous() and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
+            and key.shape[1:] == (key_cache.shape[1], key_cache.shape[3]) and value.shape == key.shape
+            and value_cache.shape == key_cache.shape and slot_mapping.shape == (key.shape[0],)):
+        torch_ref.write_kv(key_cache, value_cache, key, value, slot_mapping)
+        return
+    for cache, rows in ((key_cache, key), (value_cache, value)):
+        _core.write_kv_cpu(cache.data_ptr(), rows.data_ptr(), slot_mapping.data_ptr(), rows.shape[0],
+                           tuple(cache.shape), cache.element_size())
+
+
 class CpuAttentionBackend:
     """The torch reference's attention with decode and prefill in Rust (AttentionBackend); writes
     and copies blocks as the reference does."""
@@ -189,7 +205,7 @@ class CpuAttentionBackend:
         """Nothing to do once per step."""
 
     def write_kv(self, key_cache, value_cache, key, value, slot_mapping) -> None:
-        torch_ref.write_kv(key_cache, value_cache, key, value, slot_mapping)
+        write_kv(key_cache, value_cache, key, value, slot_mapping)
 
     def forward(self, query, key_cache, value_cache, metadata: AttentionMetadata, scale: float,
                 sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None,
