@@ -47,7 +47,10 @@ test-fast: test-rust
 
 # (tests/core runs in test-core-alone, against the core wheel alone.) The files are shared out over
 # PYTEST_WORKERS processes (pytest-xdist; a file's tests stay together, so its module fixtures load
-# once). After the run, each tier's minutes of test time (scripts/test_tiers.py).
+# once) and each worker its share of the cores (tests/conftest.py). After the run, each tier's
+# minutes of test time (scripts/test_tiers.py). The last fresh-clone run (2-core AVX2 machine,
+# 2026-11-28, commit 1799f86): tests/engine 11.8, tests/server 5.1, tests/models 5.0, tests/kernels
+# 0.6, tests/unit 0.5 minutes of test time; pytest 12.1 min on 2 workers, make test 16.9 min.
 PYTEST_WORKERS ?= $(shell n=$$(nproc); echo $$((n < 4 ? n : 4)))
 test-python:
 	mkdir -p build

@@ -56,15 +56,9 @@ def prompts(smollm2_hf_model):
 
 
 @pytest.fixture(scope="module")
-def references(smollm2_hf_model, adapters, prompts):
+def references(smollm2_hf_model, smollm2_hf_tokenizer, adapters, prompts):
     """{adapter name or None: HF greedy tokens of every prompt}."""
-    from transformers import AutoTokenizer
-
-    from pagedkv.models.loader import default_model_path
-
-    directory, name = default_model_path()
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
-    token_ids = [tokenizer.encode(prompt) for prompt in prompts]
+    token_ids = [smollm2_hf_tokenizer.encode(prompt) for prompt in prompts]
     models = {None: smollm2_hf_model, **{key: merged(smollm2_hf_model, request.lora_path)
                                          for key, request in adapters.items()}}
     return {key: [hf_greedy(model, ids) for ids in token_ids] for key, model in models.items()}
