@@ -184,9 +184,11 @@ fn paged_prefill_attention_cpu(
 /// Residual add + RMSNorm in place over `[rows, width]` CPU tensors given by data pointer.
 /// Internal: `pagedkv.layers.cpu_fused` checks the tensors first.
 /// A step's keys or values `[len(slots), heads, head]` written into the cache `[num_blocks, heads,
-/// block_size, head]` at `slots` (int64); CPU tensors given by data pointer, elements of
+/// block_size, head]` at `slots` (int64); CPU tensors given by data pointer and element strides
+/// (cache block, row token, row head; contiguous within a block and a head), elements of
 /// `element_bytes` bytes. Internal: `pagedkv.attention.cpu.write_kv` checks the tensors first.
 #[pyfunction]
+#[allow(clippy::too_many_arguments)]
 fn write_kv_cpu(
     py: Python<'_>,
     cache: usize,
@@ -194,23 +196,25 @@ fn write_kv_cpu(
     slots: usize,
     num_tokens: usize,
     cache_shape: (usize, usize, usize, usize),
+    strides: (usize, usize, usize),
     element_bytes: usize,
 ) -> PyResult<()> {
     let (num_blocks, num_heads, block_size, head_size) = cache_shape;
     let shape = kv_write::CacheShape { num_blocks, num_heads, block_size, head_size, element_bytes };
-    let (cache_bytes, row_bytes) =
-        (num_blocks * num_heads * block_size * head_size * element_bytes, num_heads * head_size * element_bytes);
+    let strides = kv_write::Strides { cache_block: strides.0, row_token: strides.1, row_head: strides.2 };
+    let (cache_bytes, rows_bytes) = kv_write::spans(shape, strides, num_tokens);
     py.detach(|| {
         call(|| {
-            // SAFETY: live, contiguous, distinct CPU tensors of these shapes (caller-checked).
+            // SAFETY: live CPU tensors spanning these bytes from their data pointers, the rows apart
+            // from the cache (caller-checked).
             let (cache, rows, slots) = unsafe {
                 (
                     std::slice::from_raw_parts_mut(cache as *mut u8, cache_bytes),
-                    std::slice::from_raw_parts(rows as *const u8, num_tokens * row_bytes),
+                    std::slice::from_raw_parts(rows as *const u8, rows_bytes),
                     std::slice::from_raw_parts(slots as *const i64, num_tokens),
                 )
             };
-            kv_write::write_kv(cache, rows, slots, shape)
+            kv_write::write_kv(cache, rows, slots, shape, strides)
         })
     })
 }

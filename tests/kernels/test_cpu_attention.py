@@ -242,3 +242,21 @@ def test_cpu_write_kv_skips_padding_slots_and_refuses_slots_past_the_cache():
     with pytest.raises(Exception, match="slot 8 is past the cache's 8 slots"):
         backend.write_kv(key_cache, value_cache, rows * 2, rows * 2, torch.tensor([0, 8]))
     assert key_cache.sum() == 8  # (nothing written)
+
+
+def test_cpu_write_kv_takes_the_engines_strided_views():
+    """A layer's view of the block-major cache and keys/values sliced out of the qkv projection:
+    the Rust path writes what the reference writes, and the other layers stay untouched."""
+    from pagedkv.runner.kv_cache import KVCache
+
+    generator = torch.Generator().manual_seed(1)
+    ours, reference = (KVCache(3, 2, 32, 16, 5, 0, torch.float32, "cpu") for _ in range(2))
+    qkv = torch.randn(7, (4 + 2 * 2) * 32, generator=generator)
+    key = qkv[:, 4 * 32 : 6 * 32].view(7, 2, 32)
+    value = qkv[:, 6 * 32 :].view(7, 2, 32)
+    assert not key.is_contiguous() and not ours.layer(1)[0].is_contiguous()
+    slots = torch.tensor([3, 17, 18, 40, 79, 0, 64])
+    CpuAttentionBackend().write_kv(*ours.layer(1), key, value, slots)
+    torch_ref_write_kv(*reference.layer(1), key, value, slots)
+    assert torch.equal(ours.device_cache, reference.device_cache)
+    assert ours.layer(1)[0].any() and not ours.layer(0)[0].any() and not ours.layer(2)[1].any()

@@ -380,11 +380,13 @@ def write_kv_cpu(
     slots: int,
     num_tokens: int,
     cache_shape: tuple[int, int, int, int],
+    strides: tuple[int, int, int],
     element_bytes: int,
 ) -> None:
     """Writes rows [num_tokens, heads, head] into the cache [num_blocks, heads, block_size, head]
     at slots (int64; a negative slot is skipped, one past the cache an error); CPU tensors given
-    by data pointer, elements of element_bytes bytes. Internal: use
+    by data pointer and element strides (cache block, row token, row head; contiguous within a
+    block and a head), elements of element_bytes bytes. Internal: use
     `pagedkv.attention.cpu.write_kv`, which checks the tensors."""
 
 def rms_norm_cpu(

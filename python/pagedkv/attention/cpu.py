@@ -167,18 +167,26 @@ def _prefill(query, key_cache, value_cache, block_tables, query_start_loc, conte
 
 def write_kv(key_cache, value_cache, key, value, slot_mapping) -> None:
     """torch_ref.write_kv's scatter in one Rust call per cache (torch's index_put costs ~50 us a
-    layer at one token); keys and values already in the caches' element type. Others through the
-    reference, which converts them."""
-    same_type = key.dtype == key_cache.dtype and value.dtype == value_cache.dtype
-    if not (same_type and key.is_contiguous() and value.is_contiguous() and key_cache.is_contiguous()
-            and value_cache.is_contiguous() and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
-            and key.shape[1:] == (key_cache.shape[1], key_cache.shape[3]) and value.shape == key.shape
-            and value_cache.shape == key_cache.shape and slot_mapping.shape == (key.shape[0],)):
+    layer at one token); keys and values already in the caches' element type, as the engine's
+    views lay them out (a layer's blocks strided in the block-major cache, rows strided in the qkv
+    projection). Others through the reference, which converts them."""
+    num_tokens = key.shape[0]
+    if not (slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() and slot_mapping.shape == (num_tokens,)
+            and _scatters(key_cache, key) and _scatters(value_cache, value)):
         torch_ref.write_kv(key_cache, value_cache, key, value, slot_mapping)
         return
     for cache, rows in ((key_cache, key), (value_cache, value)):
-        _core.write_kv_cpu(cache.data_ptr(), rows.data_ptr(), slot_mapping.data_ptr(), rows.shape[0],
-                           tuple(cache.shape), cache.element_size())
+        _core.write_kv_cpu(cache.data_ptr(), rows.data_ptr(), slot_mapping.data_ptr(), num_tokens, tuple(cache.shape),
+                           (cache.stride(0), rows.stride(0), rows.stride(1)), cache.element_size())
+
+
+def _scatters(cache: torch.Tensor, rows: torch.Tensor) -> bool:
+    """Whether the Rust write takes rows [T, H, D] into cache [blocks, H, block_size, D]."""
+    _, heads, block_size, head_size = cache.shape
+    return (rows.dtype == cache.dtype and rows.dim() == 3 and tuple(rows.shape[1:]) == (heads, head_size)
+            and rows.stride(2) == 1 and rows.stride(1) >= head_size and rows.stride(0) >= 0
+            and cache.stride()[1:] == (block_size * head_size, head_size, 1)
+            and cache.stride(0) >= heads * block_size * head_size)
 
 
 class CpuAttentionBackend:
