@@ -18,6 +18,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from host_bandwidth import host_copy_bandwidth
+
 from pagedkv.layers.cpu_linear import small_m_linear
 
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 576, 1536, 9, 3, 64, 49152
@@ -29,18 +31,6 @@ SHAPES = {  # name: (out_features N, in_features K)
     "lm_head": (VOCAB, HIDDEN),
 }
 ROWS = (1, 2, 4, 8, 16, 32, 64)
-
-
-def copy_bandwidth() -> float:
-    """Bytes read + written per second by a 512 MB torch copy, best of 3."""
-    source = torch.ones(512 << 20, dtype=torch.uint8)
-    target = torch.empty_like(source)
-    best = float("inf")
-    for _ in range(4):  # (the first touches the pages)
-        started = time.perf_counter()
-        target.copy_(source)
-        best = min(best, time.perf_counter() - started)
-    return 2 * source.numel() / best
 
 
 def alternating_medians(first, second) -> tuple[float, float]:
@@ -60,7 +50,7 @@ def alternating_medians(first, second) -> tuple[float, float]:
 
 
 def shapes_table() -> None:
-    bandwidth = copy_bandwidth()
+    bandwidth = host_copy_bandwidth(timed_copies=3)
     print(f"{torch.get_num_threads()} threads; copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + written); "
           "median µs per call, torch F.linear vs ours, same run, calls alternating")
     print("| shape | N x K | dtype | M | torch µs | ours µs | speed-up | ours GB/s | of copy bw |")

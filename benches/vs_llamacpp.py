@@ -105,18 +105,12 @@ def gguf_tensor_bytes(path: str) -> int:
 
 
 def copy_bandwidth(threads: int) -> float:
-    """GB/s of a torch copy_ of 512 MiB (read + write bytes), best of 5."""
+    """GB/s of a torch copy_ of 512 MiB (read + write bytes), best of 5, on `threads` threads."""
     import torch
+    from host_bandwidth import host_copy_bandwidth
 
     torch.set_num_threads(threads)
-    source = torch.ones(512 << 20, dtype=torch.uint8)
-    target = torch.empty_like(source)
-    best = float("inf")
-    for _ in range(6):  # (the first touches the pages)
-        started = time.perf_counter()
-        target.copy_(source)
-        best = min(best, time.perf_counter() - started)
-    return 2 * source.numel() / best / 1e9
+    return host_copy_bandwidth(timed_copies=5) / 1e9
 
 
 def run_measured(command: list[str]) -> tuple[str, int]:
