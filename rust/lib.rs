@@ -2,7 +2,8 @@
 //!
 //! Four parts, one folder each; plain Rust types, tested by `cargo test`:
 //! - [`kv`]: the memory manager. Block pools (device and CPU swap), block tables, refcounts and
-//!   copy-on-write, the prefix cache and its CPU offload tier, all owned by [`BlockManager`].
+//!   copy-on-write, KV-cache groups (one table per group for models mixing sliding-window and
+//!   full layers), the prefix cache and its CPU offload tier, all owned by [`BlockManager`].
 //! - [`sched`]: continuous batching over it. Sequence groups, the step plan, preemption by swap
 //!   or recompute, and [`SchedulerConfig`].
 //! - [`cpu_kernels`]: the CPU engine's paged attention and fused layers.
@@ -22,7 +23,7 @@
 //! // The model computes K/V for tokens 0..5, written to these slots of the paged cache, and
 //! // samples the next token after the last one.
 //! assert_eq!((step.start, step.end, step.sample), (0, 5, true));
-//! assert_eq!(out.slot_mapping(step).len(), 5);
+//! assert_eq!(out.slot_mapping(step, 0).len(), 5); // (slots in KV-cache group 0, the only one)
 //! scheduler.append_token(seq, 42).unwrap();
 //! scheduler.finish_sequence(seq).unwrap(); // its blocks are free again
 //! assert_eq!(scheduler.stats().num_free_device_blocks, 8);

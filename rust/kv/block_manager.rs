@@ -1,6 +1,12 @@
-//! The device pool, the CPU swap pool and every sequence's block table: allocation on demand,
-//! fork with copy-on-write, prefix-cache reuse (device, and optionally the CPU tier), swap between
-//! the pools, and the watermark.
+//! The device pool, the CPU swap pool and every sequence's block tables (one per KV-cache group):
+//! allocation on demand, fork with copy-on-write, prefix-cache reuse (device, and optionally the
+//! CPU tier), swap between the pools, and the watermark.
+//!
+//! KV-cache groups (vLLM V1's hybrid allocator): a model whose layers mix attention kinds (Gemma
+//! 3's sliding-window and full layers) splits its layers into groups of equal size, each group of
+//! one kind. A pool block holds one group's layers for `block_size` tokens, so every group draws
+//! from the same pool; each sequence has one table per group, and a windowed group's table
+//! releases the blocks behind its window while a full group's keeps them all.
 
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use smallvec::SmallVec;
@@ -8,10 +14,10 @@ use smallvec::SmallVec;
 use crate::device::Device;
 use crate::errors::{Error, Result};
 use crate::kv::block_pool::{BlockId, BlockPool};
-use crate::kv::block_table::{block_index, block_offset, BlockTable, PLACEHOLDER_TOKEN};
+use crate::kv::block_table::{block_index, block_offset, BlockTable, SeqTables, PLACEHOLDER_TOKEN};
 use crate::kv::events::{KvEvent, KvEventLog};
 use crate::kv::offload_tier::OffloadTier;
-use crate::kv::prefix_cache::{BlockHash, BlockHasher, CachedBlock, PrefixCache};
+use crate::kv::prefix_cache::{BlockHash, BlockHasher, CachedBlock, PrefixCache, MAX_KV_GROUPS};
 
 mod prefix_hits;
 mod swap;
@@ -25,13 +31,18 @@ pub type SeqId = u64;
 /// A block copy the KV cache must perform: (source block, destination block).
 pub type BlockCopy = (BlockId, BlockId);
 
-/// What `append_slots_for_step` did to one sequence's table.
+/// The copy-on-write copies one append makes: one per KV-cache group whose shared partial last
+/// block it wrote (at most one group's worth in models with one group).
+pub type BlockCopies = SmallVec<[BlockCopy; 1]>;
+
+/// What `append_slots_for_step` did to one sequence's tables.
 pub struct StepSlots<'a> {
-    /// The copy-on-write copy to perform before the step, if the shared last block was written.
-    pub copy: Option<BlockCopy>,
-    pub table: &'a BlockTable,
-    /// First logical block not reported to the step consumer before (`table.blocks[table_from..]`
-    /// is new or remapped; equal to the table's length when nothing changed).
+    /// The copy-on-write copies to perform before the step (a shared last block was written).
+    pub copies: BlockCopies,
+    /// The sequence's tables, one per KV-cache group.
+    pub tables: &'a [BlockTable],
+    /// First logical block not reported to the step consumer before (`blocks[table_from..]` of
+    /// every group's table is new or remapped; equal to the tables' length when nothing changed).
     pub table_from: usize,
 }
 
@@ -46,13 +57,14 @@ pub struct BlockManager {
     cpu_tier: OffloadTier,
     enable_prefix_caching: bool,
     watermark_blocks: usize,
-    /// Positions every layer attends back to, counting its own (0: all); see `set_sliding_window`.
-    sliding_window: usize,
+    /// Each KV-cache group's attention window, counting the position itself (0: full attention);
+    /// see `set_kv_groups`. One group unless set.
+    windows: SmallVec<[usize; 2]>,
     /// Names full blocks, keyed by the prefix cache's root seed.
     hasher: BlockHasher,
     /// The cached blocks' changes since the owner last took them (off unless enabled).
     events: KvEventLog,
-    tables: HashMap<SeqId, BlockTable>,
+    tables: HashMap<SeqId, SeqTables>,
 }
 
 impl BlockManager {
@@ -88,7 +100,7 @@ impl BlockManager {
             cpu_tier: OffloadTier::default(),
             enable_prefix_caching,
             watermark_blocks: (watermark * num_device_blocks as f64).ceil() as usize,
-            sliding_window: 0,
+            windows: smallvec::smallvec![0],
             hasher: BlockHasher::new(0),
             events: KvEventLog::default(),
             tables: HashMap::default(),
@@ -109,11 +121,39 @@ impl BlockManager {
     }
 
     /// For models whose every layer attends only to the last `window` positions (counting its
-    /// own; 0 = no window): a sequence about to compute position p no longer needs the blocks
-    /// wholly before p + 1 - window, so they are released as it advances (full ones stay in the
-    /// prefix cache) and its live blocks stay within its window plus the step's new tokens.
+    /// own; 0 = no window): one KV-cache group of that window (`set_kv_groups(&[window])`).
     pub fn set_sliding_window(&mut self, window: usize) {
-        self.sliding_window = window;
+        self.windows = smallvec::smallvec![window];
+    }
+
+    /// The model's KV-cache groups, by each one's attention window (counting the position itself;
+    /// 0: full attention), e.g. `[0, 1024, 1024, 1024, 1024, 1024]` for Gemma 3's one full layer
+    /// per five windowed ones. Each sequence then holds one table per group over the shared pool.
+    /// In a windowed group, a sequence about to compute position p no longer needs the blocks
+    /// wholly before p + 1 - window: they are released as it advances (full ones stay in the
+    /// prefix cache), so its live blocks stay within the window plus the step's new tokens.
+    /// Only while no sequence holds blocks: an error otherwise, changing nothing.
+    pub fn set_kv_groups(&mut self, windows: &[usize]) -> Result<()> {
+        if windows.is_empty() || windows.len() > MAX_KV_GROUPS {
+            return Err(Error::InvalidConfig {
+                field: "kv_group_windows",
+                message: format!("needs 1 to {MAX_KV_GROUPS} groups, got {}", windows.len()),
+            });
+        }
+        if !self.tables.is_empty() {
+            return Err(Error::InvalidState("KV-cache groups can only be set while no sequence holds blocks".into()));
+        }
+        self.windows = windows.into();
+        Ok(())
+    }
+
+    /// Each KV-cache group's attention window (0: full attention), in group order.
+    pub fn kv_group_windows(&self) -> &[usize] {
+        &self.windows
+    }
+
+    pub fn num_kv_groups(&self) -> usize {
+        self.windows.len()
     }
 
     /// Roots the prefix cache's block names at `seed` (0 until set). A secret seed keeps names
@@ -148,21 +188,17 @@ impl BlockManager {
         self.events.take()
     }
 
-    /// The external names (`BlockHash::external`) of the blocks cached in one tier, sorted: what
-    /// a consumer of every KV event holds for that tier.
-    pub fn cached_block_hashes(&self, device: Device) -> Vec<u64> {
+    /// The external names (`BlockHash::external`) of one KV-cache group's blocks cached in one
+    /// tier, sorted: what a consumer of every KV event holds for that tier and group.
+    pub fn cached_block_hashes(&self, device: Device, group: usize) -> Vec<u64> {
         let cache = match device {
             Device::Gpu => &self.cache,
             Device::Cpu => self.cpu_tier.cache(),
         };
-        let mut hashes: Vec<u64> = cache.entries().map(|entry| entry.hash.external()).collect();
+        let mut hashes: Vec<u64> =
+            cache.entries().filter(|entry| entry.hash.group() == group).map(|entry| entry.hash.external()).collect();
         hashes.sort_unstable();
         hashes
-    }
-
-    #[inline]
-    fn first_needed_block(&self, next_position: usize) -> usize {
-        first_needed_block(next_position, self.sliding_window, self.block_size)
     }
 
     pub fn cpu_tier(&self) -> &OffloadTier {
@@ -235,12 +271,19 @@ impl BlockManager {
         self.tables.contains_key(&seq)
     }
 
+    /// The sequence's table of KV-cache group 0 (its only one, in models with one group).
     pub fn table(&self, seq: SeqId) -> Result<&BlockTable> {
-        self.tables.get(&seq).ok_or(Error::UnknownSequence(seq))
+        self.seq_tables(seq).map(|tables| &tables[0])
     }
 
+    /// The sequence's tables, one per KV-cache group.
+    pub fn seq_tables(&self, seq: SeqId) -> Result<&[BlockTable]> {
+        self.tables.get(&seq).map(|tables| tables.as_slice()).ok_or(Error::UnknownSequence(seq))
+    }
+
+    /// Every table of every sequence (one per KV-cache group each).
     pub fn tables(&self) -> impl Iterator<Item = (&SeqId, &BlockTable)> {
-        self.tables.iter()
+        self.tables.iter().flat_map(|(seq, tables)| tables.iter().map(move |table| (seq, table)))
     }
 
     fn pool(&self, device: Device) -> &BlockPool {
@@ -250,9 +293,15 @@ impl BlockManager {
         }
     }
 
-    /// Blocks needed to hold `num_tokens` tokens.
+    /// Blocks one table needs to hold `num_tokens` tokens.
     pub fn blocks_for_tokens(&self, num_tokens: usize) -> usize {
         num_tokens.div_ceil(self.block_size)
+    }
+
+    /// Blocks a new sequence takes to compute its first `num_tokens` tokens in one step: a table
+    /// of that many in every KV-cache group (a window releases nothing before the next step).
+    pub fn blocks_to_start(&self, num_tokens: usize) -> usize {
+        self.windows.len() * self.blocks_for_tokens(num_tokens)
     }
 
     /// Whether `num_blocks` new blocks can be taken for an admission (prefill, swap-in) while
@@ -271,187 +320,221 @@ impl BlockManager {
     /// takes from the free pool, in that order: the one exact count used for decode growth,
     /// chunked prefills and preemption. A partially filled last block shared by `r` tables costs a
     /// copy-on-write for each of the first `r - 1` appenders only (the last writes in place); a
-    /// partial block with room needs nothing. Blocks the sliding window releases count as soon as
-    /// their sequence's turn comes (a block another table shares is not counted as freed), so the
-    /// result is the fewest free blocks that let every append succeed in turn.
+    /// partial block with room needs nothing. Blocks a window releases count as soon as their
+    /// table's turn comes (a block another table shares is not counted as freed), so the result is
+    /// the fewest free blocks that let every append succeed in turn (each sequence's KV-cache
+    /// groups in group order, as `append_slots` takes them).
     pub fn blocks_needed_to_append_group(&self, appends: &[(SeqId, usize)]) -> Result<usize> {
         let mut copies_of: SmallVec<[(BlockId, u32); 4]> = SmallVec::new();
         let (mut balance, mut needed) = (0isize, 0isize);
         for &(seq, num_tokens) in appends {
-            let table = self.table(seq)?;
-            if table.device != Device::Gpu {
+            let tables = self.seq_tables(seq)?;
+            if tables[0].device != Device::Gpu {
                 return Err(Error::InvalidState(format!("sequence {seq} is swapped out; swap it in before appending")));
             }
             if num_tokens == 0 {
                 continue;
             }
-            let release_to = self.first_needed_block(table.num_tokens).clamp(table.num_released, table.blocks.len());
-            balance -= blocks_freed_by_release(table, &self.gpu, release_to) as isize;
-            balance += table.new_blocks_for(num_tokens, self.block_size) as isize;
-            if table.last_block_partial(self.block_size) {
-                let last = *table.blocks.last().unwrap();
-                balance += copy_on_write(&mut copies_of, last, self.gpu.refcount(last)) as isize;
+            for (table, &window) in tables.iter().zip(&self.windows) {
+                let release_to = first_needed_block(table.num_tokens, window, self.block_size)
+                    .clamp(table.num_released, table.blocks.len());
+                balance -= blocks_freed_by_release(table, &self.gpu, release_to) as isize;
+                balance += table.new_blocks_for(num_tokens, self.block_size) as isize;
+                if table.last_block_partial(self.block_size) {
+                    let last = *table.blocks.last().unwrap();
+                    balance += copy_on_write(&mut copies_of, last, self.gpu.refcount(last)) as isize;
+                }
+                needed = needed.max(balance);
             }
-            needed = needed.max(balance);
         }
         Ok(needed as usize)
     }
 
-    /// Device blocks that rebuilding sequences by recompute holds once done: for each, its blocks
-    /// less the full blocks it shares with the sibling it forks from (`(num_tokens, shared_len)`
-    /// in sibling order, `shared_len` 0 for a sequence that forks from none). A partial shared
-    /// block is counted again: the forking sequence writes into a copy of it.
+    /// Device blocks that rebuilding sequences by recompute holds once done, in the KV-cache
+    /// groups of full attention (a windowed group's blocks are bounded by its window, not by the
+    /// length): for each, its blocks less the full blocks it shares with the sibling it forks from
+    /// (`(num_tokens, shared_len)` in sibling order, `shared_len` 0 for a sequence that forks from
+    /// none). A partial shared block is counted again: the forking sequence writes into a copy.
     pub fn blocks_to_rebuild(&self, seqs: &[(usize, usize)]) -> usize {
-        seqs.iter()
-            .map(|&(num_tokens, shared_len)| self.blocks_for_tokens(num_tokens) - shared_len / self.block_size)
-            .sum()
+        let num_full_groups = self.windows.iter().filter(|&&window| window == 0).count();
+        num_full_groups
+            * seqs
+                .iter()
+                .map(|&(num_tokens, shared_len)| self.blocks_for_tokens(num_tokens) - shared_len / self.block_size)
+                .sum::<usize>()
     }
 
-    /// Makes room for `tokens` after the sequence's current tokens. When the partially filled
-    /// last block is shared, it is copied first (copy-on-write) and the copy is returned.
-    /// Blocks that fill up get their content hash (and enter the prefix cache).
-    pub fn append_slots(&mut self, seq: SeqId, tokens: &[u32]) -> Result<Option<BlockCopy>> {
-        self.grow(seq, tokens).map(|(copy, _)| copy)
+    /// Makes room for `tokens` after the sequence's current tokens, in every KV-cache group. When
+    /// a partially filled last block is shared, it is copied first (copy-on-write) and the copies
+    /// are returned. Blocks that fill up get their content hash (and enter the prefix cache).
+    pub fn append_slots(&mut self, seq: SeqId, tokens: &[u32]) -> Result<BlockCopies> {
+        self.grow(seq, tokens).map(|(copies, _)| copies)
     }
 
     /// `append_slots` for the scheduler's hot path (one table lookup): also returns the updated
-    /// table and takes its unreported blocks (`BlockTable::take_unreported`).
+    /// tables and takes their unreported blocks (`BlockTable::take_unreported`).
     pub fn append_slots_for_step(&mut self, seq: SeqId, tokens: &[u32]) -> Result<StepSlots<'_>> {
-        let (copy, table) = self.grow(seq, tokens)?;
-        let table_from = table.take_unreported();
-        Ok(StepSlots { copy, table, table_from })
+        let (copies, tables) = self.grow(seq, tokens)?;
+        let mut table_from = usize::MAX;
+        for table in tables.iter_mut() {
+            table_from = table_from.min(table.take_unreported());
+        }
+        Ok(StepSlots { copies, tables, table_from })
     }
 
-    fn grow(&mut self, seq: SeqId, tokens: &[u32]) -> Result<(Option<BlockCopy>, &mut BlockTable)> {
-        let (window, block_size) = (self.sliding_window, self.block_size);
-        let table = self.tables.get_mut(&seq).ok_or(Error::UnknownSequence(seq))?;
-        if table.device != Device::Gpu {
+    fn grow(&mut self, seq: SeqId, tokens: &[u32]) -> Result<(BlockCopies, &mut SeqTables)> {
+        if self.windows.len() > 1 && !tokens.is_empty() {
+            // Checked for all groups first, so that a failure changes nothing.
+            let needed = self.blocks_needed_to_append(seq, tokens.len())?;
+            if needed > self.gpu.num_free() {
+                return Err(Error::OutOfBlocks { device: Device::Gpu, needed, free: self.gpu.num_free() });
+            }
+        }
+        let BlockManager {
+            block_size,
+            gpu,
+            cpu,
+            cache,
+            cpu_tier,
+            enable_prefix_caching,
+            windows,
+            hasher,
+            events,
+            tables,
+            ..
+        } = self;
+        let block_size = *block_size;
+        let tables = tables.get_mut(&seq).ok_or(Error::UnknownSequence(seq))?;
+        if tables[0].device != Device::Gpu {
             return Err(Error::InvalidState(format!("sequence {seq} is swapped out; swap it in before appending")));
         }
-        let release_to = if window == 0 {
-            table.num_released
-        } else {
-            first_needed_block(table.num_tokens, window, block_size).clamp(table.num_released, table.blocks.len())
-        };
-        // A partial last block this table alone holds may still be named after the full block it
-        // was cut from (truncated while another table shared it, which let go since): it is about
-        // to be written in place, so it stops serving that name first.
-        if !tokens.is_empty() && table.last_block_partial(block_size) {
-            let last = *table.blocks.last().unwrap();
-            if self.gpu.refcount(last) == 1 && self.gpu.hash(last).is_some() {
-                forget_name(&mut self.gpu, &mut self.cache, &mut self.events, last);
+        let mut copies = BlockCopies::new();
+        for (group, (table, &window)) in tables.iter_mut().zip(windows.iter()).enumerate() {
+            let release_to = if window == 0 {
+                table.num_released
+            } else {
+                first_needed_block(table.num_tokens, window, block_size).clamp(table.num_released, table.blocks.len())
+            };
+            // A partial last block this table alone holds may still be named after the full block it
+            // was cut from (truncated while another table shared it, which let go since): it is about
+            // to be written in place, so it stops serving that name first.
+            if !tokens.is_empty() && table.last_block_partial(block_size) {
+                let last = *table.blocks.last().unwrap();
+                if gpu.refcount(last) == 1 && gpu.hash(last).is_some() {
+                    forget_name(gpu, cache, events, last);
+                }
             }
-        }
-        // The decode step's usual case, fifteen times in sixteen: one token lands in the unshared,
-        // partially filled last block without filling it. Nothing to allocate, copy or hash.
-        if let [token] = tokens {
-            let offset = block_offset(table.num_tokens, self.block_size);
-            if offset != 0 && offset + 1 < self.block_size && self.gpu.refcount(*table.blocks.last().unwrap()) == 1 {
-                if release_to > table.num_released {
-                    release_blocks_before(table, &mut self.gpu, release_to);
+            // The decode step's usual case, fifteen times in sixteen: one token lands in the unshared,
+            // partially filled last block without filling it. Nothing to allocate, copy or hash.
+            if let [token] = tokens {
+                let offset = block_offset(table.num_tokens, block_size);
+                if offset != 0 && offset + 1 < block_size && gpu.refcount(*table.blocks.last().unwrap()) == 1 {
+                    if release_to > table.num_released {
+                        release_blocks_before(table, gpu, release_to);
+                    }
+                    table.num_tokens += 1;
+                    if *enable_prefix_caching {
+                        table.tokens.push(*token);
+                    }
+                    continue;
+                }
+            }
+            let cow =
+                !tokens.is_empty() && table.last_block_partial(block_size) && gpu.refcount(*table.blocks.last().unwrap()) > 1;
+            let needed = table.new_blocks_for(tokens.len(), block_size) + cow as usize;
+            let freed = blocks_freed_by_release(table, gpu, release_to);
+            if needed > gpu.num_free() + freed {
+                let needed = needed - freed;
+                return Err(Error::OutOfBlocks { device: Device::Gpu, needed, free: gpu.num_free() });
+            }
+            release_blocks_before(table, gpu, release_to);
+            if cow {
+                let last = *table.blocks.last().unwrap();
+                let fresh = allocate_evicting(gpu, cache, cpu, cpu_tier, events)?;
+                gpu.release(last);
+                *table.blocks.last_mut().unwrap() = fresh;
+                table.num_reported = table.num_reported.min(table.blocks.len() - 1);
+                copies.push((last, fresh));
+            }
+            for &token in tokens {
+                if !table.last_block_partial(block_size) {
+                    let block = allocate_evicting(gpu, cache, cpu, cpu_tier, events)?;
+                    table.blocks.push(block);
                 }
                 table.num_tokens += 1;
-                if self.enable_prefix_caching {
-                    table.tokens.push(*token);
-                }
-                return Ok((None, table));
-            }
-        }
-        let cow = !tokens.is_empty()
-            && table.last_block_partial(self.block_size)
-            && self.gpu.refcount(*table.blocks.last().unwrap()) > 1;
-        let needed = table.new_blocks_for(tokens.len(), self.block_size) + cow as usize;
-        let freed = blocks_freed_by_release(table, &self.gpu, release_to);
-        if needed > self.gpu.num_free() + freed {
-            let needed = needed - freed;
-            return Err(Error::OutOfBlocks { device: Device::Gpu, needed, free: self.gpu.num_free() });
-        }
-        release_blocks_before(table, &mut self.gpu, release_to);
-        let mut copy = None;
-        if cow {
-            let last = *table.blocks.last().unwrap();
-            let fresh =
-                allocate_evicting(&mut self.gpu, &mut self.cache, &mut self.cpu, &mut self.cpu_tier, &mut self.events)?;
-            self.gpu.release(last);
-            *table.blocks.last_mut().unwrap() = fresh;
-            table.num_reported = table.num_reported.min(table.blocks.len() - 1);
-            copy = Some((last, fresh));
-        }
-        for &token in tokens {
-            if !table.last_block_partial(block_size) {
-                let block = allocate_evicting(
-                    &mut self.gpu,
-                    &mut self.cache,
-                    &mut self.cpu,
-                    &mut self.cpu_tier,
-                    &mut self.events,
-                )?;
-                table.blocks.push(block);
-            }
-            table.num_tokens += 1;
-            if self.enable_prefix_caching {
-                table.tokens.push(token);
-                if table.tokens.len() == (table.hashes.len() + 1) * block_size {
-                    let parent = table.hashes.last().copied();
-                    let block_tokens = &table.tokens[table.tokens.len() - block_size..];
-                    let hash = self.hasher.block_hash(parent, block_tokens, table.extra_key);
-                    table.hashes.push(hash);
-                    if block_tokens.contains(&PLACEHOLDER_TOKEN) {
-                        continue; // (named once its token is filled in: fill_token)
+                if *enable_prefix_caching {
+                    table.tokens.push(token);
+                    if table.tokens.len() == (table.hashes.len() + 1) * block_size {
+                        let parent = table.hashes.last().copied();
+                        let block_tokens = &table.tokens[table.tokens.len() - block_size..];
+                        let hash = hasher.block_hash(parent, block_tokens, table.extra_key);
+                        table.hashes.push(hash);
+                        if block_tokens.contains(&PLACEHOLDER_TOKEN) {
+                            continue; // (named once its token is filled in: fill_token)
+                        }
+                        let entry = CachedBlock {
+                            hash: hash.in_group(group),
+                            parent: parent.map(|parent| parent.in_group(group)),
+                            block: *table.blocks.last().unwrap(),
+                            tokens: block_tokens.into(),
+                            extra_key: table.extra_key,
+                        };
+                        cache_on_device(gpu, cache, cpu, cpu_tier, events, entry);
                     }
-                    let entry = CachedBlock {
-                        hash,
-                        parent,
-                        block: *table.blocks.last().unwrap(),
-                        tokens: block_tokens.into(),
-                        extra_key: table.extra_key,
-                    };
-                    cache_on_device(
-                        &mut self.gpu,
-                        &mut self.cache,
-                        &mut self.cpu,
-                        &mut self.cpu_tier,
-                        &mut self.events,
-                        entry,
-                    );
                 }
             }
         }
-        Ok((copy, table))
+        Ok((copies, tables))
     }
 
     /// The token at `position` of `seq` became `tokens[position]` (a placeholder filled in, see
     /// `Scheduler::fill_placeholders`): the partial last block's copy of it changes, or, when it
     /// sits in a full block, that block's hash and the ones chained after it do, and the device's
-    /// cache entries move to the new hashes. (A swapped-out table's hashes change with no cache
-    /// entries moved: its blocks are then only missed by lookups, never wrongly matched.)
+    /// cache entries move to the new hashes (in every KV-cache group). (A swapped-out table's
+    /// hashes change with no cache entries moved: its blocks are then only missed by lookups,
+    /// never wrongly matched.)
     pub fn fill_token(&mut self, seq: SeqId, position: usize, tokens: &[u32]) -> Result<()> {
         if !self.enable_prefix_caching {
             return Ok(());
         }
         let block_size = self.block_size;
-        let table = self.tables.get_mut(&seq).ok_or(Error::UnknownSequence(seq))?;
-        if position >= table.num_tokens {
-            return Ok(()); // (not appended to the table yet: hashed with its real value later)
-        }
-        table.tokens[position] = tokens[position];
-        if position >= table.hashes.len() * block_size {
-            return Ok(()); // (in the partial last block: hashed once it fills up)
-        }
-        for index in position / block_size..table.hashes.len() {
-            let parent = index.checked_sub(1).map(|parent| table.hashes[parent]);
-            let block_tokens = &tokens[index * block_size..(index + 1) * block_size];
-            let hash = self.hasher.block_hash(parent, block_tokens, table.extra_key);
-            let stale = std::mem::replace(&mut table.hashes[index], hash);
-            if table.device != Device::Gpu || index < table.num_released {
-                continue;
+        let tables = self.tables.get_mut(&seq).ok_or(Error::UnknownSequence(seq))?;
+        for (group, table) in tables.iter_mut().enumerate() {
+            if position >= table.num_tokens {
+                return Ok(()); // (not appended to the table yet: hashed with its real value later)
             }
-            let block = table.blocks[index];
-            if self.gpu.hash(block) == Some(stale) {
-                forget_name(&mut self.gpu, &mut self.cache, &mut self.events, block);
+            table.tokens[position] = tokens[position];
+            if position >= table.hashes.len() * block_size {
+                continue; // (in the partial last block: hashed once it fills up)
             }
-            let entry = CachedBlock { hash, parent, block, tokens: block_tokens.into(), extra_key: table.extra_key };
-            cache_on_device(&mut self.gpu, &mut self.cache, &mut self.cpu, &mut self.cpu_tier, &mut self.events, entry);
+            for index in position / block_size..table.hashes.len() {
+                let parent = index.checked_sub(1).map(|parent| table.hashes[parent]);
+                let block_tokens = &tokens[index * block_size..(index + 1) * block_size];
+                let hash = self.hasher.block_hash(parent, block_tokens, table.extra_key);
+                let stale = std::mem::replace(&mut table.hashes[index], hash);
+                if table.device != Device::Gpu || index < table.num_released {
+                    continue;
+                }
+                let block = table.blocks[index];
+                if self.gpu.hash(block) == Some(stale.in_group(group)) {
+                    forget_name(&mut self.gpu, &mut self.cache, &mut self.events, block);
+                }
+                let entry = CachedBlock {
+                    hash: hash.in_group(group),
+                    parent: parent.map(|parent| parent.in_group(group)),
+                    block,
+                    tokens: block_tokens.into(),
+                    extra_key: table.extra_key,
+                };
+                cache_on_device(
+                    &mut self.gpu,
+                    &mut self.cache,
+                    &mut self.cpu,
+                    &mut self.cpu_tier,
+                    &mut self.events,
+                    entry,
+                );
+            }
         }
         Ok(())
     }
@@ -462,44 +545,46 @@ impl BlockManager {
     /// rewritten), unless another sequence shares it: then the next append copies it first.
     pub fn truncate(&mut self, seq: SeqId, tokens: &[u32]) -> Result<()> {
         let block_size = self.block_size;
-        let table = self.tables.get_mut(&seq).ok_or(Error::UnknownSequence(seq))?;
-        if table.device != Device::Gpu {
+        let tables = self.tables.get_mut(&seq).ok_or(Error::UnknownSequence(seq))?;
+        if tables[0].device != Device::Gpu {
             return Err(Error::InvalidState(format!("sequence {seq} is swapped out; swap it in before truncating")));
         }
         let new_len = tokens.len();
-        if new_len > table.num_tokens {
+        if new_len > tables[0].num_tokens {
             return Err(Error::InvalidState(format!(
                 "cannot truncate sequence {seq} to {new_len} tokens: it has {}",
-                table.num_tokens
+                tables[0].num_tokens
             )));
         }
         let keep = new_len.div_ceil(block_size);
-        let already_released = table.num_released.saturating_sub(keep);
-        for block in table.blocks.drain(keep..).skip(already_released) {
-            self.gpu.release(block);
-        }
-        table.num_released = table.num_released.min(keep);
-        table.num_reported = table.num_reported.min(keep);
-        let full = new_len / block_size;
-        if table.hashes.len() > full {
-            if keep > full && full >= table.num_released {
-                let block = table.blocks[full];
-                if self.gpu.refcount(block) == 1 {
-                    forget_name(&mut self.gpu, &mut self.cache, &mut self.events, block);
-                }
+        for table in tables.iter_mut() {
+            let already_released = table.num_released.saturating_sub(keep);
+            for block in table.blocks.drain(keep..).skip(already_released) {
+                self.gpu.release(block);
             }
-            table.hashes.truncate(full);
+            table.num_released = table.num_released.min(keep);
+            table.num_reported = table.num_reported.min(keep);
+            let full = new_len / block_size;
+            if table.hashes.len() > full {
+                if keep > full && full >= table.num_released {
+                    let block = table.blocks[full];
+                    if self.gpu.refcount(block) == 1 {
+                        forget_name(&mut self.gpu, &mut self.cache, &mut self.events, block);
+                    }
+                }
+                table.hashes.truncate(full);
+            }
+            if self.enable_prefix_caching {
+                table.tokens.clear();
+                table.tokens.extend_from_slice(tokens);
+            }
+            table.num_tokens = new_len;
         }
-        if self.enable_prefix_caching {
-            table.tokens.clear();
-            table.tokens.extend_from_slice(tokens);
-        }
-        table.num_tokens = new_len;
         Ok(())
     }
 
     /// Room for one more token (the standalone form of `append_slots`).
-    pub fn append_token(&mut self, seq: SeqId, token: u32) -> Result<Option<BlockCopy>> {
+    pub fn append_token(&mut self, seq: SeqId, token: u32) -> Result<BlockCopies> {
         self.append_slots(seq, &[token])
     }
 
@@ -510,21 +595,23 @@ impl BlockManager {
         self.truncate(child, tokens)
     }
 
-    /// `child` shares every block of `parent` (refcount + 1 each).
+    /// `child` shares every block of `parent` (refcount + 1 each), in every KV-cache group.
     pub fn fork(&mut self, parent: SeqId, child: SeqId) -> Result<()> {
         if self.tables.contains_key(&child) {
             return Err(Error::DuplicateSequence(child));
         }
-        let mut table = self.table(parent)?.clone();
-        table.num_reported = 0; // the consumer has never seen the child
-        let pool = match table.device {
+        let mut tables: SeqTables = self.seq_tables(parent)?.into();
+        let pool = match tables[0].device {
             Device::Gpu => &mut self.gpu,
             Device::Cpu => &mut self.cpu,
         };
-        for &block in table.live_blocks() {
-            pool.retain(block);
+        for table in tables.iter_mut() {
+            table.num_reported = 0; // the consumer has never seen the child
+            for &block in table.live_blocks() {
+                pool.retain(block);
+            }
         }
-        self.tables.insert(child, table);
+        self.tables.insert(child, tables);
         Ok(())
     }
 
@@ -532,13 +619,15 @@ impl BlockManager {
     /// ones first (released first, as vLLM does): a prefix's head, which every later prompt
     /// sharing any of it needs, stays longest.
     pub fn free(&mut self, seq: SeqId) -> Result<()> {
-        let table = self.tables.remove(&seq).ok_or(Error::UnknownSequence(seq))?;
-        let pool = match table.device {
+        let tables = self.tables.remove(&seq).ok_or(Error::UnknownSequence(seq))?;
+        let pool = match tables[0].device {
             Device::Gpu => &mut self.gpu,
             Device::Cpu => &mut self.cpu,
         };
-        for &block in table.live_blocks().iter().rev() {
-            pool.release(block);
+        for table in &tables {
+            for &block in table.live_blocks().iter().rev() {
+                pool.release(block);
+            }
         }
         Ok(())
     }
@@ -549,7 +638,7 @@ impl BlockManager {
         for device in [Device::Gpu, Device::Cpu] {
             let pool = self.pool(device);
             let mut holders = vec![0u32; pool.num_blocks()];
-            for table in self.tables.values().filter(|table| table.device == device) {
+            for (_, table) in self.tables().filter(|(_, table)| table.device == device) {
                 for &block in table.live_blocks() {
                     holders[block as usize] += 1;
                 }
@@ -641,7 +730,7 @@ fn copy_on_write(copies_of: &mut SmallVec<[(BlockId, u32); 4]>, block: BlockId, 
 }
 
 /// The first block that a sequence whose next computed position is `next_position` still reads,
-/// under a sliding window of `window` positions (0: none, so block 0).
+/// in a KV-cache group with a window of `window` positions (0: full attention, so block 0).
 #[inline]
 fn first_needed_block(next_position: usize, window: usize, block_size: usize) -> usize {
     if window == 0 {
@@ -662,7 +751,7 @@ fn allocate_evicting(
     let allocation = gpu.allocate()?;
     if let Some(hash) = allocation.evicted_hash {
         if let Some(evicted) = cache.remove(hash, allocation.block) {
-            events.removed(hash.external(), Device::Gpu);
+            events.removed(hash, Device::Gpu);
             tier.offload(cpu, allocation.block, evicted, events);
         }
     }
@@ -673,7 +762,7 @@ fn allocate_evicting(
 fn forget_name(gpu: &mut BlockPool, cache: &mut PrefixCache, events: &mut KvEventLog, block: BlockId) {
     if let Some(hash) = gpu.hash(block) {
         if cache.remove(hash, block).is_some() {
-            events.removed(hash.external(), Device::Gpu);
+            events.removed(hash, Device::Gpu);
         }
         gpu.clear_hash(block);
     }
@@ -700,7 +789,7 @@ fn cache_on_device(
     if cache.insert(entry) {
         gpu.set_hash(block, hash);
         if let Some(tokens) = tokens {
-            events.stored(hash.external(), parent.map(BlockHash::external), &tokens, extra_key, Device::Gpu);
+            events.stored(hash, parent, &tokens, extra_key, Device::Gpu);
         }
     }
 }

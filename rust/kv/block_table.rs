@@ -1,5 +1,7 @@
 //! One sequence's logical -> physical block map, with the hash chain of its full blocks.
 
+use smallvec::SmallVec;
+
 use crate::device::Device;
 use crate::kv::block_pool::BlockId;
 use crate::kv::prefix_cache::BlockHash;
@@ -8,6 +10,11 @@ use crate::kv::prefix_cache::BlockHash;
 /// vocabulary reaches it; prompts holding it are refused). A block holding one is not named in the
 /// prefix cache until the token is filled in (`BlockManager::fill_token`).
 pub const PLACEHOLDER_TOKEN: u32 = u32::MAX;
+
+/// A sequence's block tables, one per KV-cache group (`BlockManager::set_kv_groups`), in group
+/// order. Each maps the same logical blocks to physical blocks of the one shared pool; they differ
+/// only in which blocks each group's attention window has released.
+pub type SeqTables = SmallVec<[BlockTable; 1]>;
 
 /// Logical block `i` of a sequence lives in physical block `blocks[i]` of the pool named by
 /// `device`. `num_tokens` slots are in use; only the last block can be partially filled.
@@ -22,8 +29,8 @@ pub struct BlockTable {
     /// hashed once it fills up, a full block's name its cache entry again after a swap-in.
     pub tokens: Vec<u32>,
     pub extra_key: Option<u64>,
-    /// Leading blocks released because sliding-window attention will never read them again
-    /// (`BlockManager::set_sliding_window`): `blocks[..num_released]` keep the ids they had, which
+    /// Leading blocks released because the group's sliding-window attention will never read them
+    /// again (`BlockManager::set_kv_groups`): `blocks[..num_released]` keep the ids they had, which
     /// may since hold other sequences' KV, and are held by nobody. Live blocks are the rest.
     pub num_released: usize,
     /// Leading blocks the step consumer already holds as they are: the scheduler reports only

@@ -8,6 +8,7 @@
 //! a consumer can name blocks its own way (Dynamo's indexer hashes the tokens).
 
 use crate::device::Device;
+use crate::kv::prefix_cache::BlockHash;
 
 /// One change to the cached blocks of a tier.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -23,9 +24,11 @@ pub enum KvEvent {
         /// The prefix-cache extra key (adapter and cache salt), None for plain prompts.
         extra_key: Option<u64>,
         medium: Device,
+        /// The KV-cache group whose blocks these are (vLLM's `group_idx`; 0 with one group).
+        group: usize,
     },
     /// Cached blocks left the tier (evicted, or their content became stale).
-    BlockRemoved { block_hashes: Vec<u64>, medium: Device },
+    BlockRemoved { block_hashes: Vec<u64>, medium: Device, group: usize },
     /// Every tier was emptied (`reset_prefix_cache`).
     AllBlocksCleared,
 }
@@ -47,20 +50,30 @@ impl KvEventLog {
     }
 
     /// A block became cached. Joins the last event when it continues that event's chain.
-    pub fn stored(&mut self, hash: u64, parent: Option<u64>, tokens: &[u32], extra_key: Option<u64>, medium: Device) {
+    pub fn stored(
+        &mut self,
+        hash: BlockHash,
+        parent: Option<BlockHash>,
+        tokens: &[u32],
+        extra_key: Option<u64>,
+        medium: Device,
+    ) {
         if !self.enabled {
             return;
         }
+        let (group, hash, parent) = (hash.group(), hash.external(), parent.map(BlockHash::external));
         if let Some(KvEvent::BlockStored {
             block_hashes,
             token_ids,
             block_size,
             extra_key: last_extra_key,
             medium: last_medium,
+            group: last_group,
             ..
         }) = self.events.last_mut()
         {
             if *last_medium == medium
+                && *last_group == group
                 && *last_extra_key == extra_key
                 && *block_size == tokens.len()
                 && parent.is_some()
@@ -78,21 +91,26 @@ impl KvEventLog {
             block_size: tokens.len(),
             extra_key,
             medium,
+            group,
         });
     }
 
-    /// A cached block left its tier. Joins the last event when that removed blocks of the same tier.
-    pub fn removed(&mut self, hash: u64, medium: Device) {
+    /// A cached block left its tier. Joins the last event when that removed blocks of the same
+    /// tier and group.
+    pub fn removed(&mut self, hash: BlockHash, medium: Device) {
         if !self.enabled {
             return;
         }
-        if let Some(KvEvent::BlockRemoved { block_hashes, medium: last_medium }) = self.events.last_mut() {
-            if *last_medium == medium {
-                block_hashes.push(hash);
+        let group = hash.group();
+        if let Some(KvEvent::BlockRemoved { block_hashes, medium: last_medium, group: last_group }) =
+            self.events.last_mut()
+        {
+            if *last_medium == medium && *last_group == group {
+                block_hashes.push(hash.external());
                 return;
             }
         }
-        self.events.push(KvEvent::BlockRemoved { block_hashes: vec![hash], medium });
+        self.events.push(KvEvent::BlockRemoved { block_hashes: vec![hash.external()], medium, group });
     }
 
     pub fn cleared(&mut self) {
@@ -119,10 +137,14 @@ impl KvEventLog {
 mod tests {
     use super::*;
 
+    fn h(value: u128) -> BlockHash {
+        BlockHash(value)
+    }
+
     #[test]
     fn nothing_is_kept_until_enabled() {
         let mut log = KvEventLog::default();
-        log.stored(1, None, &[1, 2], None, Device::Gpu);
+        log.stored(h(1), None, &[1, 2], None, Device::Gpu);
         log.cleared();
         assert!(log.take().is_empty());
     }
@@ -131,13 +153,13 @@ mod tests {
     fn a_chain_of_stores_is_one_event_and_removes_of_a_tier_join() {
         let mut log = KvEventLog::default();
         log.enable();
-        log.stored(1, None, &[1, 2], None, Device::Gpu);
-        log.stored(2, Some(1), &[3, 4], None, Device::Gpu);
-        log.stored(3, Some(9), &[5, 6], None, Device::Gpu); // another chain
-        log.stored(4, Some(3), &[7, 8], None, Device::Cpu); // another tier
-        log.removed(1, Device::Gpu);
-        log.removed(2, Device::Gpu);
-        log.removed(4, Device::Cpu);
+        log.stored(h(1), None, &[1, 2], None, Device::Gpu);
+        log.stored(h(2), Some(h(1)), &[3, 4], None, Device::Gpu);
+        log.stored(h(3), Some(h(9)), &[5, 6], None, Device::Gpu); // another chain
+        log.stored(h(4), Some(h(3)), &[7, 8], None, Device::Cpu); // another tier
+        log.removed(h(1), Device::Gpu);
+        log.removed(h(2), Device::Gpu);
+        log.removed(h(4), Device::Cpu);
         log.cleared();
         let events = log.take();
         assert_eq!(
@@ -149,15 +171,30 @@ mod tests {
                 block_size: 2,
                 extra_key: None,
                 medium: Device::Gpu,
+                group: 0,
             }
         );
         assert!(
             matches!(&events[1], KvEvent::BlockStored { block_hashes, parent_block_hash: Some(9), .. } if *block_hashes == vec![3])
         );
         assert!(matches!(&events[2], KvEvent::BlockStored { medium: Device::Cpu, .. }));
-        assert_eq!(events[3], KvEvent::BlockRemoved { block_hashes: vec![1, 2], medium: Device::Gpu });
-        assert_eq!(events[4], KvEvent::BlockRemoved { block_hashes: vec![4], medium: Device::Cpu });
+        assert_eq!(events[3], KvEvent::BlockRemoved { block_hashes: vec![1, 2], medium: Device::Gpu, group: 0 });
+        assert_eq!(events[4], KvEvent::BlockRemoved { block_hashes: vec![4], medium: Device::Cpu, group: 0 });
         assert_eq!(events[5], KvEvent::AllBlocksCleared);
         assert!(log.take().is_empty());
+    }
+
+    #[test]
+    fn events_carry_the_kv_group_and_do_not_join_across_groups() {
+        let mut log = KvEventLog::default();
+        log.enable();
+        log.stored(h(1), None, &[1, 2], None, Device::Gpu);
+        log.stored(h(2).in_group(1), Some(h(1).in_group(1)), &[3, 4], None, Device::Gpu);
+        log.removed(h(1), Device::Gpu);
+        log.removed(h(2).in_group(1), Device::Gpu);
+        let events = log.take();
+        assert_eq!(events.len(), 4);
+        assert!(matches!(&events[1], KvEvent::BlockStored { block_hashes, parent_block_hash: Some(1), group: 1, .. } if *block_hashes == vec![2]));
+        assert_eq!(events[3], KvEvent::BlockRemoved { block_hashes: vec![2], medium: Device::Gpu, group: 1 });
     }
 }

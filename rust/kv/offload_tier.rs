@@ -62,7 +62,7 @@ impl OffloadTier {
         let allocation = cpu.allocate()?;
         if let Some(hash) = allocation.evicted_hash {
             if self.cache.remove(hash, allocation.block).is_some() {
-                events.removed(hash.external(), Device::Cpu);
+                events.removed(hash, Device::Cpu);
             }
         }
         Ok(allocation.block)
@@ -87,8 +87,7 @@ impl OffloadTier {
             return;
         }
         cpu.set_hash(cpu_block, entry.hash);
-        let parent = entry.parent.map(BlockHash::external);
-        events.stored(entry.hash.external(), parent, &entry.tokens, entry.extra_key, Device::Cpu);
+        events.stored(entry.hash, entry.parent, &entry.tokens, entry.extra_key, Device::Cpu);
         self.pinned.push(cpu_block); // the allocation's reference, dropped next step
         self.offloads.push((device_block, cpu_block));
         self.num_offloaded += 1;
@@ -100,7 +99,7 @@ impl OffloadTier {
         let Some(block) = self.cache.lookup(hash) else { return };
         self.cache.remove(hash, block);
         cpu.clear_hash(block);
-        events.removed(hash.external(), Device::Cpu);
+        events.removed(hash, Device::Cpu);
     }
 
     /// Holds a prefix hit's CPU block until the next step. Pin every hit of a prompt before

@@ -9,6 +9,10 @@
 //! with the same seed agree on names. Outside consumers see a 64-bit part of each name
 //! (`BlockHash::external`, the KV events' block hash): a collision there can only confuse a
 //! router's index, never what this cache serves.
+//!
+//! KV-cache groups (`BlockManager::set_kv_groups`) each cache their own blocks for the same
+//! prefix: a group's entry is named by the chain's hash with the group in its top byte
+//! (`BlockHash::in_group`), so the external name stays the chain's and the group rides along.
 
 use std::hash::Hasher;
 
@@ -21,11 +25,31 @@ use crate::kv::block_pool::BlockId;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, PartialOrd, Ord)]
 pub struct BlockHash(pub u128);
 
+/// Most KV-cache groups a model can have: a group's index is the top byte of its blocks' names.
+pub const MAX_KV_GROUPS: usize = 256;
+
+const GROUP_SHIFT: u32 = 120;
+
 impl BlockHash {
-    /// The 64-bit name outside consumers see (vLLM's `ExternalBlockHash` as an integer).
+    /// The 64-bit name outside consumers see (vLLM's `ExternalBlockHash` as an integer): the same
+    /// for every KV-cache group's block of one prefix.
     #[inline]
     pub fn external(self) -> u64 {
         self.0 as u64
+    }
+
+    /// This name as KV-cache group `group`'s: the chain's hash (group 0's) with the group in its
+    /// top byte. Hashes in block tables are the chain's; the cache and the pool hold these.
+    #[inline]
+    pub fn in_group(self, group: usize) -> BlockHash {
+        debug_assert!(group < MAX_KV_GROUPS);
+        BlockHash(self.0 & !(0xff << GROUP_SHIFT) | (group as u128) << GROUP_SHIFT)
+    }
+
+    /// The KV-cache group this name belongs to (see `in_group`).
+    #[inline]
+    pub fn group(self) -> usize {
+        (self.0 >> GROUP_SHIFT) as usize
     }
 
     /// The map's key. The `colliding-block-hashes` test build keeps 3 bits of it, so that lookups
@@ -33,10 +57,12 @@ impl BlockHash {
     /// exact (`no_sequence_reads_kv_computed_for_another_prefix` in block_manager.rs, run by `make test`).
     #[inline]
     fn map_key(self) -> u64 {
+        // Groups' names of one prefix share their low bits: the group is mixed in (none for group 0).
+        let key = self.0 as u64 ^ (self.group() as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
         if cfg!(feature = "colliding-block-hashes") {
-            self.0 as u64 & 7
+            key & 7
         } else {
-            self.0 as u64
+            key
         }
     }
 }
@@ -74,7 +100,7 @@ impl BlockHasher {
             }
             None => hasher.write_u8(0),
         }
-        BlockHash(hasher.finish128().as_u128())
+        BlockHash(hasher.finish128().as_u128()).in_group(0)
     }
 
     /// The hash of every full block of `tokens`, in order.
@@ -195,6 +221,20 @@ mod tests {
         let seeded = BlockHasher::new(12345).block_hashes(&[1, 2, 3, 4, 5, 6, 7, 8], 4, None);
         assert!(seeded[0] != a[0] && seeded[1] != a[1], "every name depends on the root seed");
         assert!(a[0].0 >> 64 != 0 && a[0].0 as u64 != 0, "names use all 128 bits");
+    }
+
+    #[test]
+    fn a_groups_name_keeps_the_external_name_and_tells_its_group() {
+        let hash = BlockHasher::new(3).block_hashes(&[1, 2, 3, 4], 4, None)[0];
+        assert_eq!(hash.group(), 0);
+        let named = hash.in_group(5);
+        assert_eq!((named.group(), named.external()), (5, hash.external()));
+        assert_ne!(named, hash);
+        assert_eq!(named.in_group(0), hash);
+        let mut cache = PrefixCache::default();
+        assert!(cache.insert(entry(hash.0, 1, &[1])));
+        assert!(cache.insert(entry(named.0, 2, &[1])), "each group caches its own block of a prefix");
+        assert_eq!((cache.lookup(hash), cache.lookup(named)), (Some(1), Some(2)));
     }
 
     #[test]

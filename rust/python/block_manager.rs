@@ -20,7 +20,7 @@ impl BlockManager {
     #[allow(clippy::too_many_arguments)] // (Python's keyword arguments)
     #[pyo3(signature = (
         num_device_blocks, num_cpu_blocks, block_size=16, enable_prefix_caching=false, watermark=0.0, sliding_window=0,
-        hash_seed=0, enable_kv_events=false,
+        hash_seed=0, enable_kv_events=false, kv_group_windows=None,
     ))]
     fn new(
         num_device_blocks: usize,
@@ -31,11 +31,20 @@ impl BlockManager {
         sliding_window: usize,
         hash_seed: u64,
         enable_kv_events: bool,
+        kv_group_windows: Option<Vec<usize>>,
     ) -> PyResult<Self> {
         let mut inner = call(|| {
             RustBlockManager::new(num_device_blocks, num_cpu_blocks, block_size, enable_prefix_caching, watermark)
         })?;
-        inner.set_sliding_window(sliding_window);
+        match kv_group_windows {
+            Some(windows) if sliding_window > 0 => {
+                return Err(exceptions::InvalidConfigError::new_err(format!(
+                    "sliding_window: set either sliding_window (one group) or kv_group_windows={windows:?}, not both"
+                )))
+            }
+            Some(windows) => call(|| inner.set_kv_groups(&windows))?,
+            None => inner.set_sliding_window(sliding_window),
+        }
         call(|| inner.set_hash_seed(hash_seed))?;
         if enable_kv_events {
             call(|| inner.enable_kv_events())?;
@@ -48,12 +57,12 @@ impl BlockManager {
         call(|| self.inner.allocate(seq_id, &token_ids, extra_key))
     }
 
-    fn append_token(&mut self, seq_id: u64, token_id: u32) -> PyResult<Option<(u32, u32)>> {
-        call(|| self.inner.append_token(seq_id, token_id))
+    fn append_token(&mut self, seq_id: u64, token_id: u32) -> PyResult<Vec<(u32, u32)>> {
+        call(|| self.inner.append_token(seq_id, token_id).map(|copies| copies.into_vec()))
     }
 
-    fn append_slots(&mut self, seq_id: u64, token_ids: Vec<u32>) -> PyResult<Option<(u32, u32)>> {
-        call(|| self.inner.append_slots(seq_id, &token_ids))
+    fn append_slots(&mut self, seq_id: u64, token_ids: Vec<u32>) -> PyResult<Vec<(u32, u32)>> {
+        call(|| self.inner.append_slots(seq_id, &token_ids).map(|copies| copies.into_vec()))
     }
 
     fn fork(&mut self, parent_seq_id: u64, child_seq_id: u64) -> PyResult<()> {
@@ -72,16 +81,23 @@ impl BlockManager {
         call(|| self.inner.swap_in(&seq_ids))
     }
 
-    fn block_table(&self, seq_id: u64) -> PyResult<Vec<u32>> {
-        call(|| Ok(self.inner.table(seq_id)?.blocks.clone()))
+    #[pyo3(signature = (seq_id, group=0))]
+    fn block_table(&self, seq_id: u64, group: usize) -> PyResult<Vec<u32>> {
+        call(|| Ok(group_table(&self.inner, seq_id, group)?.blocks.clone()))
     }
 
     fn num_tokens(&self, seq_id: u64) -> PyResult<usize> {
         call(|| Ok(self.inner.table(seq_id)?.num_tokens))
     }
 
-    fn num_released_blocks(&self, seq_id: u64) -> PyResult<usize> {
-        call(|| Ok(self.inner.table(seq_id)?.num_released))
+    #[pyo3(signature = (seq_id, group=0))]
+    fn num_released_blocks(&self, seq_id: u64, group: usize) -> PyResult<usize> {
+        call(|| Ok(group_table(&self.inner, seq_id, group)?.num_released))
+    }
+
+    #[getter]
+    fn kv_group_windows(&self) -> Vec<usize> {
+        self.inner.kv_group_windows().to_vec()
     }
 
     fn is_swapped(&self, seq_id: u64) -> PyResult<bool> {
@@ -105,9 +121,9 @@ impl BlockManager {
         kv_events::to_python(py, self.inner.take_kv_events())
     }
 
-    #[pyo3(signature = (on_device=true))]
-    fn cached_block_hashes(&self, on_device: bool) -> Vec<u64> {
-        self.inner.cached_block_hashes(if on_device { Device::Gpu } else { Device::Cpu })
+    #[pyo3(signature = (on_device=true, group=0))]
+    fn cached_block_hashes(&self, on_device: bool, group: usize) -> Vec<u64> {
+        self.inner.cached_block_hashes(if on_device { Device::Gpu } else { Device::Cpu }, group)
     }
 
     fn reset_prefix_cache(&mut self) -> bool {
@@ -162,4 +178,16 @@ pub(crate) fn refcount(blocks: &RustBlockManager, block: u32, on_device: bool) -
 
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<BlockManager>()
+}
+
+/// One KV-cache group's table of a sequence (an error for a group the manager does not have).
+pub(super) fn group_table(
+    manager: &RustBlockManager,
+    seq_id: u64,
+    group: usize,
+) -> crate::errors::Result<&crate::kv::block_table::BlockTable> {
+    manager.seq_tables(seq_id)?.get(group).ok_or_else(|| crate::errors::Error::InvalidConfig {
+        field: "group",
+        message: format!("there are {} KV-cache groups, got group {group}", manager.num_kv_groups()),
+    })
 }

@@ -125,7 +125,7 @@ impl ScheduledSequence {
             token_ids: out.token_ids(seq).to_vec(),
             block_table: block_table.to_vec(),
             block_table_from: seq.block_table_from,
-            slot_mapping: out.slot_mapping(seq).to_vec(),
+            slot_mapping: out.slot_mapping(seq, 0).to_vec(),
             sample: seq.sample,
             row: seq.row,
         })
@@ -175,6 +175,13 @@ impl SchedulerOutput {
     #[getter]
     fn num_scheduled(&self) -> usize {
         self.inner.scheduled.len()
+    }
+
+    /// KV-cache groups: `slot_mapping` holds each group's slots in turn, the block tables one
+    /// table per group.
+    #[getter]
+    fn num_kv_groups(&self) -> usize {
+        self.inner.num_kv_groups
     }
 
     #[getter]
@@ -564,8 +571,9 @@ impl Scheduler {
         call(|| self.inner.sequence_len(seq_id))
     }
 
-    fn block_table(&self, seq_id: u64) -> PyResult<Vec<u32>> {
-        call(|| Ok(self.inner.block_manager().table(seq_id)?.blocks.clone()))
+    #[pyo3(signature = (seq_id, group=0))]
+    fn block_table(&self, seq_id: u64, group: usize) -> PyResult<Vec<u32>> {
+        call(|| Ok(super::block_manager::group_table(self.inner.block_manager(), seq_id, group)?.blocks.clone()))
     }
 
     fn is_swapped(&self, seq_id: u64) -> PyResult<bool> {
@@ -589,9 +597,9 @@ impl Scheduler {
         kv_events::to_python(py, self.inner.take_kv_events())
     }
 
-    #[pyo3(signature = (on_device=true))]
-    fn cached_block_hashes(&self, on_device: bool) -> Vec<u64> {
-        self.inner.block_manager().cached_block_hashes(if on_device { Device::Gpu } else { Device::Cpu })
+    #[pyo3(signature = (on_device=true, group=0))]
+    fn cached_block_hashes(&self, on_device: bool, group: usize) -> Vec<u64> {
+        self.inner.block_manager().cached_block_hashes(if on_device { Device::Gpu } else { Device::Cpu }, group)
     }
 
     #[getter]

@@ -67,8 +67,13 @@ pub struct SchedulerConfig {
     pub long_prefill_token_threshold: usize,
     /// The model's attention window when every layer has one (Mistral's `sliding_window`): each
     /// token attends to the last `sliding_window` positions, its own included. Blocks before a
-    /// sequence's window are released as it advances; 0 = no window.
+    /// sequence's window are released as it advances; 0 = no window. (One KV-cache group; models
+    /// that mix layer kinds set `kv_group_windows` instead.)
     pub sliding_window: usize,
+    /// The model's KV-cache groups (`BlockManager::set_kv_groups`), by each group's attention
+    /// window (0: full attention): each sequence holds one table per group over the shared pool,
+    /// and a windowed group keeps only its window's blocks. Empty: one group of `sliding_window`.
+    pub kv_group_windows: Vec<usize>,
     /// Root of the prefix cache's block names (see prefix_cache.rs): a secret random value keeps
     /// them from being computed, and collisions crafted, outside the engine.
     pub prefix_caching_hash_seed: u64,
@@ -105,6 +110,7 @@ impl Default for SchedulerConfig {
             enable_chunked_prefill: true,
             long_prefill_token_threshold: 0,
             sliding_window: 0,
+            kv_group_windows: Vec::new(),
             prefix_caching_hash_seed: 0,
             enable_kv_events: false,
             preemption_mode: PreemptionMode::Auto,
@@ -129,7 +135,27 @@ impl SchedulerConfig {
         }
     }
 
+    /// Each KV-cache group's window: `kv_group_windows`, or one group of `sliding_window`.
+    pub fn group_windows(&self) -> Vec<usize> {
+        if self.kv_group_windows.is_empty() {
+            vec![self.sliding_window]
+        } else {
+            self.kv_group_windows.clone()
+        }
+    }
+
+    /// Whether some KV-cache group attends within a window (its blocks are released as it goes).
+    pub fn has_windowed_group(&self) -> bool {
+        self.group_windows().iter().any(|&window| window > 0)
+    }
+
     pub fn validate(&self) -> Result<()> {
+        if !self.kv_group_windows.is_empty() && self.sliding_window > 0 {
+            return Err(Error::InvalidConfig {
+                field: "sliding_window",
+                message: "set either sliding_window (one group) or kv_group_windows, not both".into(),
+            });
+        }
         let positive = [
             ("block_size", self.block_size),
             ("num_device_blocks", self.num_device_blocks),
@@ -179,25 +205,37 @@ impl SchedulerConfig {
     }
 
     /// The longest sequence that can be served: `max_model_len`, or less when the device pool
-    /// cannot hold that many tokens. Under a sliding window with chunked prefill a sequence only
-    /// ever holds its window and one step's chunk, so a pool that holds those serves any length.
+    /// cannot hold that many tokens in every KV-cache group. With chunked prefill a windowed
+    /// group's table only ever holds its window and one step's chunk, so when every group is
+    /// windowed, a pool that holds those serves any length; a full group's table grows with the
+    /// length.
     pub fn effective_max_model_len(&self) -> usize {
-        if self.sliding_window > 0
-            && self.enable_chunked_prefill
-            && self.num_device_blocks >= self.max_windowed_blocks()
-        {
+        let windows = self.group_windows();
+        let (mut windowed_blocks, mut full_groups) = (0, 0);
+        for &window in &windows {
+            if window > 0 && self.enable_chunked_prefill {
+                windowed_blocks += self.max_windowed_blocks(window);
+            } else {
+                full_groups += 1;
+            }
+        }
+        if windowed_blocks > self.num_device_blocks {
+            // (the windowed tables alone do not fit: bound by the length every table can reach)
+            return self.max_model_len.min(self.num_device_blocks / windows.len() * self.block_size);
+        }
+        if full_groups == 0 {
             return self.max_model_len;
         }
-        self.max_model_len.min(self.num_device_blocks * self.block_size)
+        self.max_model_len.min((self.num_device_blocks - windowed_blocks) / full_groups * self.block_size)
     }
 
-    /// Most blocks a sequence holds under the sliding window: the window's positions before the
-    /// next computed one, plus one step's chunk, at any alignment to the blocks.
-    fn max_windowed_blocks(&self) -> usize {
+    /// Most blocks a sequence's table holds under a window of `window` positions: the window's
+    /// positions before the next computed one, plus one step's chunk, at any alignment to the blocks.
+    fn max_windowed_blocks(&self, window: usize) -> usize {
         let mut chunk = self.max_num_batched_tokens;
         if self.long_prefill_token_threshold > 0 {
             chunk = chunk.min(self.long_prefill_token_threshold);
         }
-        (self.sliding_window - 1 + chunk).div_ceil(self.block_size) + 1
+        (window - 1 + chunk).div_ceil(self.block_size) + 1
     }
 }

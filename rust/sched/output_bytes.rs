@@ -10,14 +10,15 @@ use crate::errors::{Error, Result};
 use crate::kv::block_manager::BlockCopy;
 use crate::sched::scheduler::{ScheduledSequence, SchedulerOutput};
 
-const FORMAT_VERSION: u64 = 1;
+const FORMAT_VERSION: u64 = 2;
 /// Words each scheduled sequence takes.
-const SEQUENCE_WORDS: usize = 11;
+const SEQUENCE_WORDS: usize = 12;
 
 impl SchedulerOutput {
     pub fn to_bytes(&self) -> Vec<u8> {
         let mut out = Writer(Vec::new());
         out.word(FORMAT_VERSION);
+        out.word(self.num_kv_groups as u64);
         out.word(self.scheduled.len() as u64);
         for seq in &self.scheduled {
             out.word(seq.seq_id);
@@ -27,6 +28,7 @@ impl SchedulerOutput {
             out.word(seq.sample as u64);
             out.range(&seq.token_range);
             out.word(seq.block_table_from as u64);
+            out.word(seq.num_blocks as u64);
             out.range(&seq.block_range);
             out.word(seq.row as u64);
         }
@@ -52,6 +54,7 @@ impl SchedulerOutput {
         if version != FORMAT_VERSION {
             return Err(invalid(format!("format version {version}, expected {FORMAT_VERSION}")));
         }
+        let num_kv_groups = input.usize()?;
         let num_scheduled = input.len(SEQUENCE_WORDS)?;
         let mut scheduled = Vec::with_capacity(num_scheduled);
         for _ in 0..num_scheduled {
@@ -63,6 +66,7 @@ impl SchedulerOutput {
                 sample: input.flag()?,
                 token_range: input.range()?,
                 block_table_from: input.usize()?,
+                num_blocks: input.usize()?,
                 block_range: input.range()?,
                 row: u32::try_from(input.word()?).map_err(|_| invalid("a row past u32".into()))?,
             });
@@ -79,12 +83,18 @@ impl SchedulerOutput {
         if input.at != bytes.len() {
             return Err(invalid(format!("{} bytes past the end of the step", bytes.len() - input.at)));
         }
-        if slot_mapping.len() != token_ids.len() {
-            return Err(invalid(format!("{} slots for {} tokens", slot_mapping.len(), token_ids.len())));
+        if num_kv_groups == 0 || num_kv_groups.checked_mul(token_ids.len()) != Some(slot_mapping.len()) {
+            return Err(invalid(format!(
+                "{} slots for {} tokens in {num_kv_groups} KV-cache groups",
+                slot_mapping.len(),
+                token_ids.len()
+            )));
         }
         if let Some(seq) = scheduled.iter().find(|seq| {
             seq.token_range.end > token_ids.len()
                 || seq.block_range.end > block_table_updates.len()
+                || seq.block_table_from > seq.num_blocks
+                || num_kv_groups.checked_mul(seq.num_blocks - seq.block_table_from) != Some(seq.block_range.len())
                 || seq.start > seq.end
                 || seq.token_range.len() != seq.end - seq.start
         }) {
@@ -103,6 +113,7 @@ impl SchedulerOutput {
             scheduled,
             token_ids,
             slot_mapping,
+            num_kv_groups,
             block_table_updates,
             blocks_to_swap_in,
             blocks_to_swap_out,

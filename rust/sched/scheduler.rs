@@ -113,7 +113,7 @@ impl Scheduler {
         if config.enable_cpu_prefix_cache {
             blocks.enable_cpu_prefix_cache()?;
         }
-        blocks.set_sliding_window(config.sliding_window);
+        blocks.set_kv_groups(&config.group_windows())?;
         blocks.set_hash_seed(config.prefix_caching_hash_seed)?;
         if config.enable_kv_events {
             blocks.enable_kv_events()?;
@@ -173,7 +173,7 @@ impl Scheduler {
     pub fn schedule(&mut self) -> SchedulerOutput {
         self.counters.steps += 1;
         self.blocks.begin_step();
-        let mut out = SchedulerOutput::default();
+        let mut out = SchedulerOutput::new(self.blocks.num_kv_groups());
         let mut budget = self.config.max_num_batched_tokens;
         let expected = self.running.len() + 8;
         out.token_ids.reserve(expected);
@@ -261,6 +261,7 @@ impl Scheduler {
             out.scheduled.append(&mut decodes);
             out.put_flat_arrays_in_scheduled_order();
         }
+        out.finish_slot_mapping();
         out
     }
 
@@ -531,7 +532,7 @@ impl Scheduler {
         let Ok(slots) = self.blocks.append_slots_for_step(seq.id, token) else {
             return false;
         };
-        self.counters.blocks_copied += slots.copy.is_some() as u64;
+        self.counters.blocks_copied += slots.copies.len() as u64;
         let row = *seq.row.get_or_insert_with(|| self.rows.take());
         let work = SequenceWork { seq_id: seq.id, start: position, is_prefill: false, sample: true, row };
         decodes.push(out.record(work, token, &slots, self.config.block_size));
@@ -556,7 +557,7 @@ impl Scheduler {
             let is_prefill = seq.in_prefill();
             let new_tokens = &seq.tokens[start..end];
             let slots = self.blocks.append_slots_for_step(seq_id, new_tokens).expect("blocks were checked");
-            self.counters.blocks_copied += slots.copy.is_some() as u64;
+            self.counters.blocks_copied += slots.copies.len() as u64;
             let row = *seq.row.get_or_insert_with(|| self.rows.take());
             let scheduled = out.record(
                 SequenceWork { seq_id, start, is_prefill, sample: end == seq.len(), row },

@@ -65,15 +65,15 @@ fn prefill_then_decode() {
     assert_eq!((step.start, step.end), (0, 6));
     assert_eq!(out.token_ids(step), prompt(6, 1));
     let table = out.block_table_update(step).to_vec();
-    assert_eq!((step.block_table_from, step.num_blocks()), (0, 2), "a new sequence reports its whole table");
+    assert_eq!((step.block_table_from, step.num_blocks), (0, 2), "a new sequence reports its whole table");
     assert_eq!(table, s.block_table(seq).unwrap());
-    assert_eq!(out.slot_mapping(step)[5], (table[1] * 4 + 1) as i64);
+    assert_eq!(out.slot_mapping(step, 0)[5], (table[1] * 4 + 1) as i64);
     s.append_token(seq, 42).unwrap();
     let out = s.schedule();
     let step = &out.scheduled[0];
     assert!(!step.is_prefill && step.sample);
     assert_eq!((step.start, step.end, out.token_ids(step).to_vec()), (6, 7, vec![42]));
-    assert_eq!((step.block_table_from, step.num_blocks()), (2, 2), "position 6 fits the last block");
+    assert_eq!((step.block_table_from, step.num_blocks), (2, 2), "position 6 fits the last block");
     assert!(out.block_table_update(step).is_empty());
     assert!(matches!(s.append_token(seq, 1), Ok(())));
     assert!(matches!(s.append_token(seq, 1), Err(Error::InvalidState(_))), "KV of the last token not computed yet");
@@ -485,7 +485,7 @@ fn random_workload_keeps_invariants_and_frees_everything() {
                 assert_eq!(table.as_slice(), s.block_table(seq.seq_id).unwrap(), "{mode:?} {policy:?} step {steps}");
             }
             out.write_block_tables(&mut flat_tables, WIDTH).unwrap();
-            let num_blocks = out.scheduled.iter().map(|seq| seq.num_blocks()).max().unwrap_or(0);
+            let num_blocks = out.scheduled.iter().map(|seq| seq.num_blocks).max().unwrap_or(0);
             let mut gathered = vec![0i32; out.scheduled.len() * num_blocks];
             out.gather_block_tables(&flat_tables, WIDTH, &mut gathered, num_blocks).unwrap();
             for (i, seq) in out.scheduled.iter().enumerate() {
@@ -683,7 +683,7 @@ impl SimulatedCache {
             self.device[dst as usize] = self.device[src as usize].clone();
         }
         for seq in &out.scheduled {
-            for (position, &slot) in (seq.start..seq.end).zip(out.slot_mapping(seq)) {
+            for (position, &slot) in (seq.start..seq.end).zip(out.slot_mapping(seq, 0)) {
                 let slot = slot as usize;
                 self.device[slot / self.block_size][slot % self.block_size] = Some(tokens[&seq.seq_id][position]);
             }

@@ -14,23 +14,26 @@ impl BlockManager {
         let mut copies_of: SmallVec<[(BlockId, u32); 4]> = SmallVec::new();
         let mut needed = 0;
         for &(seq, num_tokens) in appends {
-            let table = self.table(seq)?;
-            if table.device != Device::Cpu {
+            let tables = self.seq_tables(seq)?;
+            if tables[0].device != Device::Cpu {
                 return Err(Error::InvalidState(format!("sequence {seq} is not in the cpu pool")));
             }
-            for (index, &block) in table.blocks.iter().enumerate().skip(table.num_released) {
-                if seen.insert(block) {
-                    let cached = table.hashes.get(index).and_then(|&hash| self.cache.lookup(hash));
-                    needed += cached.is_none_or(|device_block| self.gpu.refcount(device_block) == 0) as usize;
+            for (group, table) in tables.iter().enumerate() {
+                for (index, &block) in table.blocks.iter().enumerate().skip(table.num_released) {
+                    if seen.insert(block) {
+                        let cached =
+                            table.hashes.get(index).and_then(|&hash| self.cache.lookup(hash.in_group(group)));
+                        needed += cached.is_none_or(|device_block| self.gpu.refcount(device_block) == 0) as usize;
+                    }
                 }
-            }
-            if num_tokens == 0 {
-                continue;
-            }
-            needed += table.new_blocks_for(num_tokens, self.block_size);
-            if table.last_block_partial(self.block_size) {
-                let last = *table.blocks.last().unwrap();
-                needed += copy_on_write(&mut copies_of, last, self.cpu.refcount(last)) as usize;
+                if num_tokens == 0 {
+                    continue;
+                }
+                needed += table.new_blocks_for(num_tokens, self.block_size);
+                if table.last_block_partial(self.block_size) {
+                    let last = *table.blocks.last().unwrap();
+                    needed += copy_on_write(&mut copies_of, last, self.cpu.refcount(last)) as usize;
+                }
             }
         }
         Ok(needed)
@@ -40,11 +43,13 @@ impl BlockManager {
         let mut seen = HashSet::default();
         let mut unique = Vec::new();
         for &seq in seqs {
-            let table = self.table(seq)?;
-            if table.device != device {
+            let tables = self.seq_tables(seq)?;
+            if tables[0].device != device {
                 return Err(Error::InvalidState(format!("sequence {seq} is not in the {device} pool")));
             }
-            unique.extend(table.live_blocks().iter().copied().filter(|block| seen.insert(*block)));
+            for table in tables {
+                unique.extend(table.live_blocks().iter().copied().filter(|block| seen.insert(*block)));
+            }
         }
         Ok(unique)
     }
@@ -69,26 +74,27 @@ impl BlockManager {
             HashMap::with_capacity_and_hasher(unique.len(), Default::default());
         let mut copies = Vec::with_capacity(unique.len());
         for &seq in seqs {
-            let table = self.tables.get_mut(&seq).unwrap();
-            let num_released = table.num_released;
-            for block in table.blocks[num_released..].iter_mut() {
-                let cpu_block = match mapping.get(block) {
-                    Some(&cpu_block) => {
-                        self.cpu.retain(cpu_block);
-                        cpu_block
-                    }
-                    None => {
-                        let cpu_block = self.cpu_tier.allocate(&mut self.cpu, &mut self.events)?;
-                        mapping.insert(*block, cpu_block);
-                        copies.push((*block, cpu_block));
-                        cpu_block
-                    }
-                };
-                self.gpu.release(*block);
-                *block = cpu_block;
+            for table in self.tables.get_mut(&seq).unwrap().iter_mut() {
+                let num_released = table.num_released;
+                for block in table.blocks[num_released..].iter_mut() {
+                    let cpu_block = match mapping.get(block) {
+                        Some(&cpu_block) => {
+                            self.cpu.retain(cpu_block);
+                            cpu_block
+                        }
+                        None => {
+                            let cpu_block = self.cpu_tier.allocate(&mut self.cpu, &mut self.events)?;
+                            mapping.insert(*block, cpu_block);
+                            copies.push((*block, cpu_block));
+                            cpu_block
+                        }
+                    };
+                    self.gpu.release(*block);
+                    *block = cpu_block;
+                }
+                table.device = Device::Cpu;
+                table.num_reported = 0;
             }
-            table.device = Device::Cpu;
-            table.num_reported = 0;
         }
         Ok(copies)
     }
@@ -110,63 +116,64 @@ impl BlockManager {
             HashMap::with_capacity_and_hasher(unique.len(), Default::default());
         let mut copies = Vec::with_capacity(unique.len());
         for &seq in seqs {
-            let table = self.tables.get_mut(&seq).unwrap();
-            let num_released = table.num_released;
-            for (index, block) in table.blocks.iter_mut().enumerate().skip(num_released) {
-                let device_block = match mapping.get(block) {
-                    Some(&device_block) => {
-                        self.gpu.retain(device_block);
-                        device_block
-                    }
-                    None => {
-                        let hash = table.hashes.get(index).copied();
-                        let cached = hash.and_then(|hash| self.cache.lookup(hash));
-                        let device_block = match cached {
-                            Some(device_block) => {
-                                self.gpu.retain(device_block);
-                                device_block
-                            }
-                            None => {
-                                let device_block = allocate_evicting(
-                                    &mut self.gpu,
-                                    &mut self.cache,
-                                    &mut self.cpu,
-                                    &mut self.cpu_tier,
-                                    &mut self.events,
-                                )?;
-                                copies.push((*block, device_block));
-                                let block_tokens =
-                                    table.tokens.get(index * self.block_size..(index + 1) * self.block_size);
-                                let unfilled = block_tokens.is_some_and(|tokens| tokens.contains(&PLACEHOLDER_TOKEN));
-                                if let (Some(hash), Some(block_tokens), false) = (hash, block_tokens, unfilled) {
-                                    let entry = CachedBlock {
-                                        hash,
-                                        parent: index.checked_sub(1).map(|parent| table.hashes[parent]),
-                                        block: device_block,
-                                        tokens: block_tokens.into(),
-                                        extra_key: table.extra_key,
-                                    };
-                                    cache_on_device(
+            for (group, table) in self.tables.get_mut(&seq).unwrap().iter_mut().enumerate() {
+                let num_released = table.num_released;
+                for (index, block) in table.blocks.iter_mut().enumerate().skip(num_released) {
+                    let device_block = match mapping.get(block) {
+                        Some(&device_block) => {
+                            self.gpu.retain(device_block);
+                            device_block
+                        }
+                        None => {
+                            let hash = table.hashes.get(index).map(|hash| hash.in_group(group));
+                            let cached = hash.and_then(|hash| self.cache.lookup(hash));
+                            let device_block = match cached {
+                                Some(device_block) => {
+                                    self.gpu.retain(device_block);
+                                    device_block
+                                }
+                                None => {
+                                    let device_block = allocate_evicting(
                                         &mut self.gpu,
                                         &mut self.cache,
                                         &mut self.cpu,
                                         &mut self.cpu_tier,
                                         &mut self.events,
-                                        entry,
-                                    );
+                                    )?;
+                                    copies.push((*block, device_block));
+                                    let block_tokens =
+                                        table.tokens.get(index * self.block_size..(index + 1) * self.block_size);
+                                    let unfilled = block_tokens.is_some_and(|tokens| tokens.contains(&PLACEHOLDER_TOKEN));
+                                    if let (Some(hash), Some(block_tokens), false) = (hash, block_tokens, unfilled) {
+                                        let entry = CachedBlock {
+                                            hash,
+                                            parent: index.checked_sub(1).map(|parent| table.hashes[parent].in_group(group)),
+                                            block: device_block,
+                                            tokens: block_tokens.into(),
+                                            extra_key: table.extra_key,
+                                        };
+                                        cache_on_device(
+                                            &mut self.gpu,
+                                            &mut self.cache,
+                                            &mut self.cpu,
+                                            &mut self.cpu_tier,
+                                            &mut self.events,
+                                            entry,
+                                        );
+                                    }
+                                    device_block
                                 }
-                                device_block
-                            }
-                        };
-                        mapping.insert(*block, device_block);
-                        device_block
-                    }
-                };
-                self.cpu_tier.release_after_swap_in(&mut self.cpu, *block);
-                *block = device_block;
+                            };
+                            mapping.insert(*block, device_block);
+                            device_block
+                        }
+                    };
+                    self.cpu_tier.release_after_swap_in(&mut self.cpu, *block);
+                    *block = device_block;
+                }
+                table.device = Device::Gpu;
+                table.num_reported = 0;
             }
-            table.device = Device::Gpu;
-            table.num_reported = 0;
         }
         Ok(copies)
     }

@@ -51,11 +51,11 @@ fn fork_shares_blocks_and_copy_on_write_copies_the_partial_block() {
     assert_eq!(bm.blocks_needed_to_append(2, 1).unwrap(), 1);
     let copy = bm.append_token(2, 7).unwrap();
     let child_last = *bm.table(2).unwrap().blocks.last().unwrap();
-    assert_eq!(copy, Some((shared[1], child_last)));
+    assert_eq!(copy.as_slice(), [(shared[1], child_last)]);
     assert_eq!(bm.refcount(shared[1], Device::Gpu), 1);
     assert_eq!(bm.refcount(shared[0], Device::Gpu), 2, "the full block stays shared");
     // The parent now owns its last block alone and writes in place.
-    assert_eq!(bm.append_token(1, 8).unwrap(), None);
+    assert!(bm.append_token(1, 8).unwrap().is_empty());
     bm.check_invariants().unwrap();
     bm.free(1).unwrap();
     bm.free(2).unwrap();
@@ -67,7 +67,7 @@ fn fork_of_a_full_last_block_needs_no_copy() {
     let mut bm = manager(8, 0, false);
     bm.allocate(1, &tokens(8), None).unwrap();
     bm.fork(1, 2).unwrap();
-    assert_eq!(bm.append_token(2, 1).unwrap(), None);
+    assert!(bm.append_token(2, 1).unwrap().is_empty());
     assert_eq!(bm.table(2).unwrap().blocks.len(), 3);
     bm.check_invariants().unwrap();
 }
@@ -154,7 +154,7 @@ fn reset_prefix_cache_forgets_both_tiers_only_when_no_sequence_holds_blocks() {
     assert!(bm.reset_prefix_cache());
     assert_eq!((bm.num_cached_device_blocks(), bm.num_cached_cpu_blocks()), (0, 0));
     assert_eq!((bm.num_free_device_blocks(), bm.num_free_cpu_blocks()), (4, 4));
-    assert_eq!(bm.peek_prefix_hits(&tokens(9), None), PrefixHits::default());
+    assert_eq!(bm.peek_prefix_hits(&tokens(9), None).blocks(), 0);
     bm.check_invariants().unwrap();
     // Caching goes on afterwards.
     bm.allocate(4, &tokens(9), None).unwrap();
@@ -174,13 +174,13 @@ fn truncate_drops_rejected_tokens_and_the_names_of_blocks_left_partial() {
     bm.check_invariants().unwrap();
     let mut kept = tokens(6);
     kept.extend([7, 7]);
-    assert_eq!(bm.append_slots(1, &[7, 7]).unwrap(), None, "written in place");
+    assert!(bm.append_slots(1, &[7, 7]).unwrap().is_empty(), "written in place");
     assert_eq!(bm.peek_prefix_hits(&[&kept[..], &[1]].concat(), None).device, 2, "named by its new content");
     // A block the truncation leaves partial but another sequence shares keeps its name, and
     // the next append copies it.
     bm.fork(1, 2).unwrap();
     bm.truncate(1, &kept[..6]).unwrap();
-    assert!(bm.append_slots(1, &[9]).unwrap().is_some());
+    assert_eq!(bm.append_slots(1, &[9]).unwrap().len(), 1);
     assert_eq!(bm.peek_prefix_hits(&[&kept[..], &[1]].concat(), None).device, 2);
     bm.check_invariants().unwrap();
     assert!(matches!(bm.truncate(1, &tokens(12)), Err(Error::InvalidState(_))));
@@ -303,7 +303,7 @@ fn released_full_blocks_stay_cached_but_a_new_sequence_takes_only_hits_in_its_wi
     // Same 16-token prompt: blocks 0..3 hit (never the last token); its first computed position
     // is 12, which reads 7..=12, so hit block 0 is not taken and hit block 1 is revived.
     let hits = bm.peek_prefix_hits(&tokens(16), None);
-    assert_eq!(hits, PrefixHits { released: 1, device: 2, revived: 1, cpu: 0 });
+    assert_eq!(hits, PrefixHits { length: 3, released: 1, device: 2, revived: 1, cpu: 0, num_groups: 1 });
     let free_before = bm.num_free_device_blocks();
     assert_eq!(bm.blocks_needed_to_allocate(&tokens(16), None), 2);
     assert_eq!(bm.allocate(2, &tokens(16), None).unwrap(), 12);
@@ -353,14 +353,14 @@ fn under_a_window_a_prompt_hits_the_cache_without_its_evicted_first_blocks() {
     bm.allocate(2, &tokens(100)[92..], None).unwrap();
     bm.free(2).unwrap();
     let hits = bm.peek_prefix_hits(&prompt, None);
-    assert_eq!(hits, PrefixHits { released: 3, device: 2, revived: 2, cpu: 0 });
+    assert_eq!(hits, PrefixHits { length: 5, released: 3, device: 2, revived: 2, cpu: 0, num_groups: 1 });
     assert_eq!(bm.allocate(3, &prompt, None).unwrap(), 20);
     assert_eq!(bm.table(3).unwrap().live_blocks().len(), 3, "hit blocks 3 and 4, and block 5 for the last token");
     bm.check_invariants().unwrap();
     // Without a window the same cache yields nothing: block 0 is gone.
     bm.free(3).unwrap();
     bm.set_sliding_window(0);
-    assert_eq!(bm.peek_prefix_hits(&prompt, None), PrefixHits::default());
+    assert_eq!(bm.peek_prefix_hits(&prompt, None).blocks(), 0);
 }
 
 #[test]
@@ -407,7 +407,7 @@ fn replay(bm: &mut BlockManager, view: &mut [std::collections::BTreeSet<u64>; 2]
                     assert!(view[(medium == Device::Cpu) as usize].insert(hash), "stored twice: {hash:x}");
                 }
             }
-            KvEvent::BlockRemoved { block_hashes, medium } => {
+            KvEvent::BlockRemoved { block_hashes, medium, .. } => {
                 for hash in block_hashes {
                     assert!(view[(medium == Device::Cpu) as usize].remove(&hash), "removed unknown {hash:x}");
                 }
@@ -416,7 +416,7 @@ fn replay(bm: &mut BlockManager, view: &mut [std::collections::BTreeSet<u64>; 2]
         }
     }
     for (tier, device) in view.iter().zip([Device::Gpu, Device::Cpu]) {
-        assert_eq!(tier.iter().copied().collect::<Vec<_>>(), bm.cached_block_hashes(device), "{device}");
+        assert_eq!(tier.iter().copied().collect::<Vec<_>>(), bm.cached_block_hashes(device, 0), "{device}");
     }
     bm.check_invariants().unwrap();
 }
@@ -441,7 +441,7 @@ fn events_mirror_both_tiers_through_eviction_offload_reload_and_reset() {
     let other: Vec<u32> = (500..516).collect();
     bm.allocate(2, &other, None).unwrap(); // takes every device block: the cached ones go to the CPU tier
     replay(&mut bm, &mut view);
-    assert_eq!(bm.cached_block_hashes(Device::Cpu).len(), 2);
+    assert_eq!(bm.cached_block_hashes(Device::Cpu, 0).len(), 2);
     bm.free(2).unwrap();
     assert_eq!(bm.allocate(3, &tokens(9), None).unwrap(), 8, "both blocks come back from the tier");
     replay(&mut bm, &mut view);
@@ -522,7 +522,7 @@ fn no_sequence_reads_kv_computed_for_another_prefix() {
                 {
                     let copy = bm.append_token(*seq, token).unwrap();
                     tier_copies(&mut bm, &mut device, &mut cpu);
-                    if let Some((src, dst)) = copy {
+                    if let Some(&(src, dst)) = copy.first() {
                         for offset in 0..4i64 {
                             if let Some(value) = device.get(&(src as i64 * 4 + offset)).copied() {
                                 device.insert(dst as i64 * 4 + offset, value);
@@ -623,7 +623,7 @@ fn a_block_holding_a_placeholder_is_named_once_the_token_is_filled_in() {
     let mut tokens = tokens(3);
     bm.allocate(1, &tokens, None).unwrap();
     bm.append_slots(1, &[PLACEHOLDER_TOKEN]).unwrap(); // fills block 0 with a token still being sampled
-    assert!(bm.take_kv_events().is_empty() && bm.cached_block_hashes(Device::Gpu).is_empty());
+    assert!(bm.take_kv_events().is_empty() && bm.cached_block_hashes(Device::Gpu, 0).is_empty());
     tokens.push(7);
     bm.fill_token(1, 3, &tokens).unwrap();
     let events = bm.take_kv_events();

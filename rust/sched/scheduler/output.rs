@@ -9,7 +9,8 @@ use super::*;
 /// so a step allocates a handful of vectors, not three per sequence.
 ///
 /// Block tables are reported as changes, the way a persistent batch consumes them: blocks
-/// `block_table_from..num_blocks` of the sequence's table are `out.block_table_update(seq)`, and
+/// `block_table_from..num_blocks` of the sequence's table are `out.block_table_update(seq)`
+/// (with several KV-cache groups, that range of every group's table, group after group), and
 /// blocks before `block_table_from` are what earlier steps reported. The first time a sequence
 /// is scheduled (and after a fork, swap-in or recompute) that is the whole table; in steady decode
 /// it is one block every `block_size` steps, or the last block after a copy-on-write. A consumer
@@ -28,7 +29,10 @@ pub struct ScheduledSequence {
     pub token_range: Range<usize>,
     /// First logical block reported in this step (see the type's doc).
     pub block_table_from: usize,
-    /// Range of this sequence's update in `SchedulerOutput::block_table_updates`.
+    /// Blocks in each of the sequence's tables after this step.
+    pub num_blocks: usize,
+    /// Range of this sequence's update in `SchedulerOutput::block_table_updates` (every KV-cache
+    /// group's `num_blocks - block_table_from` blocks, in group order).
     pub block_range: Range<usize>,
     /// The sequence's persistent-batch row: kept from its first step on the device until it
     /// leaves the device (finished, preempted, aborted), then reused. A sequence that takes a
@@ -41,11 +45,6 @@ impl ScheduledSequence {
     pub fn context_len(&self) -> usize {
         self.end
     }
-
-    /// Blocks in the sequence's table after this step.
-    pub fn num_blocks(&self) -> usize {
-        self.block_table_from + self.block_range.len()
-    }
 }
 
 /// Everything the model runner must do for one step. Prefills come before decodes.
@@ -54,8 +53,11 @@ pub struct SchedulerOutput {
     pub scheduled: Vec<ScheduledSequence>,
     /// All scheduled token ids, back to back in `scheduled` order (`token_range` of each sequence).
     pub token_ids: Vec<u32>,
-    /// Destination slot (block * block_size + offset) of each token in `token_ids`.
+    /// Destination slot (block * block_size + offset) of each token in `token_ids`, for each
+    /// KV-cache group in turn: group g's slots are `slot_mapping[g * T..(g + 1) * T]` (T tokens).
     pub slot_mapping: Vec<i64>,
+    /// KV-cache groups (`BlockManager::set_kv_groups`): each sequence has a table per group.
+    pub num_kv_groups: usize,
     /// All block-table updates, back to back (`block_range` of each sequence).
     pub block_table_updates: Vec<u32>,
     pub blocks_to_swap_in: Vec<BlockCopy>,
@@ -72,17 +74,29 @@ pub struct SchedulerOutput {
 }
 
 impl SchedulerOutput {
+    /// An empty step of a scheduler with `num_kv_groups` KV-cache groups.
+    pub fn new(num_kv_groups: usize) -> Self {
+        SchedulerOutput { num_kv_groups, ..Default::default() }
+    }
+
     pub fn token_ids(&self, seq: &ScheduledSequence) -> &[u32] {
         &self.token_ids[seq.token_range.clone()]
     }
 
-    pub fn slot_mapping(&self, seq: &ScheduledSequence) -> &[i64] {
-        &self.slot_mapping[seq.token_range.clone()]
+    /// The sequence's token slots in KV-cache group `group`'s blocks.
+    pub fn slot_mapping(&self, seq: &ScheduledSequence, group: usize) -> &[i64] {
+        let offset = group * self.token_ids.len();
+        &self.slot_mapping[offset + seq.token_range.start..offset + seq.token_range.end]
     }
 
-    /// Blocks `seq.block_table_from..seq.num_blocks()` of the sequence's table.
+    /// Blocks `seq.block_table_from..seq.num_blocks` of the sequence's tables, group after group.
     pub fn block_table_update(&self, seq: &ScheduledSequence) -> &[u32] {
         &self.block_table_updates[seq.block_range.clone()]
+    }
+
+    /// Rows of a persistent batch's tables (`tables.len() / width`, all KV-cache groups) per group.
+    fn rows_per_group(&self, tables_len: usize, width: usize) -> usize {
+        tables_len.checked_div(width).unwrap_or(0) / self.num_kv_groups.max(1)
     }
 
     pub fn is_empty(&self) -> bool {
@@ -90,24 +104,27 @@ impl SchedulerOutput {
     }
 
     /// Writes each sequence's block-table update into a persistent batch's tables, `width`
-    /// blocks a row (row `seq.row`, blocks from `block_table_from` on). Checks first: a row or
-    /// a table that does not fit writes nothing.
+    /// blocks a row (row `seq.row`, blocks from `block_table_from` on). With several KV-cache
+    /// groups the tables are the groups' tables one after another (group g's row r is row
+    /// `g * rows_per_group + r`). Checks first: a row or a table that does not fit writes nothing.
     pub fn write_block_tables(&self, tables: &mut [i32], width: usize) -> Result<()> {
-        let num_rows = tables.len().checked_div(width).unwrap_or(0);
-        if let Some(seq) = self.scheduled.iter().find(|seq| seq.row as usize >= num_rows || seq.num_blocks() > width) {
+        let num_rows = self.rows_per_group(tables.len(), width);
+        if let Some(seq) = self.scheduled.iter().find(|seq| seq.row as usize >= num_rows || seq.num_blocks > width) {
             return Err(Error::InvalidState(format!(
                 "sequence {} (row {}, {} blocks) does not fit block tables of {num_rows} rows x {width} blocks",
-                seq.seq_id,
-                seq.row,
-                seq.num_blocks()
+                seq.seq_id, seq.row, seq.num_blocks
             )));
         }
         for seq in &self.scheduled {
-            let start = seq.row as usize * width + seq.block_table_from;
-            for (slot, &block) in
-                tables[start..start + seq.block_range.len()].iter_mut().zip(self.block_table_update(seq))
-            {
-                *slot = block as i32;
+            let update_len = seq.num_blocks - seq.block_table_from;
+            if update_len == 0 {
+                continue;
+            }
+            for (group, update) in self.block_table_update(seq).chunks_exact(update_len).enumerate() {
+                let start = (group * num_rows + seq.row as usize) * width + seq.block_table_from;
+                for (slot, &block) in tables[start..start + update_len].iter_mut().zip(update) {
+                    *slot = block as i32;
+                }
             }
         }
         Ok(())
@@ -115,12 +132,15 @@ impl SchedulerOutput {
 
     /// The scheduled sequences' tables, in `scheduled` order, from a persistent batch's tables
     /// (`width` blocks a row): `out` holds `num_blocks` blocks per sequence (blocks past a
-    /// sequence's own are whatever its row holds there).
+    /// sequence's own are whatever its row holds there), each KV-cache group's sequences after
+    /// the previous group's.
     pub fn gather_block_tables(&self, tables: &[i32], width: usize, out: &mut [i32], num_blocks: usize) -> Result<()> {
-        let num_rows = tables.len().checked_div(width).unwrap_or(0);
-        if num_blocks > width || out.len() != self.scheduled.len() * num_blocks {
+        let num_rows = self.rows_per_group(tables.len(), width);
+        let num_groups = self.num_kv_groups.max(1);
+        if num_blocks > width || out.len() != num_groups * self.scheduled.len() * num_blocks {
             return Err(Error::InvalidState(format!(
-                "{num_blocks} blocks for {} sequences do not fit an output of {} blocks from rows of {width}",
+                "{num_blocks} blocks for {} sequences in {num_groups} KV-cache groups do not fit an output of {} \
+                 blocks from rows of {width}",
                 self.scheduled.len(),
                 out.len()
             )));
@@ -134,8 +154,9 @@ impl SchedulerOutput {
         if num_blocks == 0 {
             return Ok(());
         }
-        for (seq, out) in self.scheduled.iter().zip(out.chunks_exact_mut(num_blocks)) {
-            let start = seq.row as usize * width;
+        for (index, out) in out.chunks_exact_mut(num_blocks).enumerate() {
+            let (group, seq) = (index / self.scheduled.len(), &self.scheduled[index % self.scheduled.len()]);
+            let start = (group * num_rows + seq.row as usize) * width;
             out.copy_from_slice(&tables[start..start + num_blocks]);
         }
         Ok(())
@@ -149,7 +170,8 @@ impl SchedulerOutput {
         for seq in self.scheduled.iter_mut() {
             let tokens = token_ids.len()..token_ids.len() + seq.token_range.len();
             token_ids.extend_from_slice(&self.token_ids[seq.token_range.clone()]);
-            slot_mapping.extend_from_slice(&self.slot_mapping[seq.token_range.clone()]);
+            let groups = self.num_kv_groups.max(1);
+            slot_mapping.extend_from_slice(&self.slot_mapping[seq.token_range.start * groups..seq.token_range.end * groups]);
             seq.token_range = tokens;
             let blocks = updates.len()..updates.len() + seq.block_range.len();
             updates.extend_from_slice(&self.block_table_updates[seq.block_range.clone()]);
@@ -158,8 +180,10 @@ impl SchedulerOutput {
         (self.token_ids, self.slot_mapping, self.block_table_updates) = (token_ids, slot_mapping, updates);
     }
 
-    /// Appends one sequence's new tokens, their slots, its copy-on-write copy and its block-table
-    /// update (positions `start..start + tokens.len()`); returns its entry for `scheduled`.
+    /// Appends one sequence's new tokens, their slots, its copy-on-write copies and its block-table
+    /// update (positions `start..start + tokens.len()`); returns its entry for `scheduled`. Slots
+    /// are booked token by token, each token's in every KV-cache group (`finish_slot_mapping`
+    /// puts them group after group).
     #[inline(always)] // into the decode path, where most arguments are constants
     #[allow(clippy::too_many_arguments)]
     pub(super) fn record(
@@ -170,22 +194,27 @@ impl SchedulerOutput {
         block_size: usize,
     ) -> ScheduledSequence {
         let SequenceWork { seq_id, start, is_prefill, sample, row } = work;
-        if let Some(copy) = slots.copy {
-            self.blocks_to_copy.push(copy);
-        }
+        self.blocks_to_copy.extend_from_slice(&slots.copies);
         let end = start + tokens.len();
         let token_range = self.token_ids.len()..self.token_ids.len() + tokens.len();
-        if let [token] = tokens {
-            // A decode (the hot path): no slice-copy or iterator set-up for a single element.
-            self.token_ids.push(*token);
-            self.slot_mapping.push(slots.table.slot(start, block_size));
-        } else {
-            self.token_ids.extend_from_slice(tokens);
-            self.slot_mapping.extend((start..end).map(|pos| slots.table.slot(pos, block_size)));
+        match (tokens, slots.tables) {
+            // A decode in one group (the hot path): no slice-copy or iterator set-up.
+            ([token], [table]) => {
+                self.token_ids.push(*token);
+                self.slot_mapping.push(table.slot(start, block_size));
+            }
+            _ => {
+                self.token_ids.extend_from_slice(tokens);
+                for pos in start..end {
+                    self.slot_mapping.extend(slots.tables.iter().map(|table| table.slot(pos, block_size)));
+                }
+            }
         }
-        let update = &slots.table.blocks[slots.table_from..];
-        let block_range = self.block_table_updates.len()..self.block_table_updates.len() + update.len();
-        self.block_table_updates.extend_from_slice(update);
+        let num_blocks = slots.tables[0].blocks.len();
+        let update_start = self.block_table_updates.len();
+        for table in slots.tables {
+            self.block_table_updates.extend_from_slice(&table.blocks[slots.table_from..]);
+        }
         ScheduledSequence {
             seq_id,
             is_prefill,
@@ -194,9 +223,26 @@ impl SchedulerOutput {
             sample,
             token_range,
             block_table_from: slots.table_from,
-            block_range,
+            num_blocks,
+            block_range: update_start..self.block_table_updates.len(),
             row,
         }
+    }
+
+    /// Puts the step's slots group after group (they are booked token by token: `record`).
+    pub(super) fn finish_slot_mapping(&mut self) {
+        let groups = self.num_kv_groups;
+        if groups <= 1 {
+            return;
+        }
+        let num_tokens = self.token_ids.len();
+        let mut by_group = vec![0i64; self.slot_mapping.len()];
+        for (token, slots) in self.slot_mapping.chunks_exact(groups).enumerate() {
+            for (group, &slot) in slots.iter().enumerate() {
+                by_group[group * num_tokens + token] = slot;
+            }
+        }
+        self.slot_mapping = by_group;
     }
 }
 

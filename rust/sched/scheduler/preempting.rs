@@ -82,7 +82,7 @@ impl Scheduler {
     /// Queues a group whose blocks are freed to be computed again from its tokens, rebuilt with
     /// the sharing it had (`SequenceGroup::plan_rebuild`).
     pub(super) fn requeue_for_recompute(&mut self, group_id: GroupId) {
-        let windowed = self.config.sliding_window > 0;
+        let windowed = self.config.has_windowed_group();
         let group = &mut self.groups[group_id];
         for seq in group.seqs.iter_mut() {
             seq.reset_for_recompute();
@@ -100,11 +100,12 @@ impl Scheduler {
     }
 
     /// Why a waiting group can never run, even alone on the empty device pool, if it cannot: its
-    /// sequences, rebuilt with their sharing, hold more blocks than the pool has. (Under a sliding
-    /// window sequences hold only their windows, so length alone does not rule a group out.)
+    /// sequences, rebuilt with their sharing, hold more blocks in the full-attention KV-cache
+    /// groups than the pool has. (A windowed group's tables hold only their windows, so length
+    /// alone does not rule a group out there.)
     pub(super) fn never_fits(&self, group_id: GroupId) -> Option<String> {
         let group = &self.groups[group_id];
-        if self.config.sliding_window > 0 || group.seqs.len() == 1 {
+        if group.seqs.len() == 1 {
             return None; // (a single prompt was checked against the pool when it was added)
         }
         let needed = self.blocks.blocks_to_rebuild(&group.rebuild_shape());

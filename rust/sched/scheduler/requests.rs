@@ -43,7 +43,7 @@ impl Scheduler {
         if prompt.len() > self.max_model_len {
             // Fits max_model_len but not the pool: name the pool, which is the real limit.
             return Err(Error::PromptExceedsPool {
-                blocks_needed: self.blocks.blocks_for_tokens(prompt.len()),
+                blocks_needed: self.blocks.blocks_to_start(prompt.len()),
                 num_device_blocks: self.config.num_device_blocks,
                 block_size: self.config.block_size,
             });
