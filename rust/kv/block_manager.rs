@@ -19,6 +19,8 @@ use crate::kv::events::{KvEvent, KvEventLog};
 use crate::kv::offload_tier::OffloadTier;
 use crate::kv::prefix_cache::{BlockHash, BlockHasher, CachedBlock, PrefixCache, MAX_KV_GROUPS};
 
+#[cfg(test)]
+mod kv_group_tests;
 mod prefix_hits;
 mod swap;
 #[cfg(test)]
@@ -439,8 +441,9 @@ impl BlockManager {
                     continue;
                 }
             }
-            let cow =
-                !tokens.is_empty() && table.last_block_partial(block_size) && gpu.refcount(*table.blocks.last().unwrap()) > 1;
+            let cow = !tokens.is_empty()
+                && table.last_block_partial(block_size)
+                && gpu.refcount(*table.blocks.last().unwrap()) > 1;
             let needed = table.new_blocks_for(tokens.len(), block_size) + cow as usize;
             let freed = blocks_freed_by_release(table, gpu, release_to);
             if needed > gpu.num_free() + freed {
@@ -635,6 +638,29 @@ impl BlockManager {
     /// Checks the bookkeeping against the tables: every refcount equals the number of tables
     /// holding the block, free blocks are unreferenced, cached blocks are named in the cache.
     pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        let mut group_of: HashMap<(bool, BlockId), usize> = HashMap::default();
+        for (seq, tables) in &self.tables {
+            if tables.len() != self.windows.len() {
+                return Err(format!(
+                    "sequence {seq} has {} tables for {} KV-cache groups",
+                    tables.len(),
+                    self.windows.len()
+                ));
+            }
+            for (group, table) in tables.iter().enumerate() {
+                let first = &tables[0];
+                if (table.num_tokens, table.blocks.len(), table.device)
+                    != (first.num_tokens, first.blocks.len(), first.device)
+                {
+                    return Err(format!("sequence {seq}: the tables of groups 0 and {group} disagree"));
+                }
+                for &block in table.live_blocks() {
+                    if *group_of.entry((table.device == Device::Gpu, block)).or_insert(group) != group {
+                        return Err(format!("{} block {block} is held in two KV-cache groups", table.device));
+                    }
+                }
+            }
+        }
         for device in [Device::Gpu, Device::Cpu] {
             let pool = self.pool(device);
             let mut holders = vec![0u32; pool.num_blocks()];

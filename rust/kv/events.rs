@@ -194,7 +194,9 @@ mod tests {
         log.removed(h(2).in_group(1), Device::Gpu);
         let events = log.take();
         assert_eq!(events.len(), 4);
-        assert!(matches!(&events[1], KvEvent::BlockStored { block_hashes, parent_block_hash: Some(1), group: 1, .. } if *block_hashes == vec![2]));
+        assert!(
+            matches!(&events[1], KvEvent::BlockStored { block_hashes, parent_block_hash: Some(1), group: 1, .. } if *block_hashes == vec![2])
+        );
         assert_eq!(events[3], KvEvent::BlockRemoved { block_hashes: vec![2], medium: Device::Gpu, group: 1 });
     }
 }

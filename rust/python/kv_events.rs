@@ -75,7 +75,15 @@ pub(crate) fn to_python<'py>(py: Python<'py>, events: Vec<KvEvent>) -> PyResult<
     let list = PyList::empty(py);
     for event in events {
         match event {
-            KvEvent::BlockStored { block_hashes, parent_block_hash, token_ids, block_size, extra_key, medium, group } => {
+            KvEvent::BlockStored {
+                block_hashes,
+                parent_block_hash,
+                token_ids,
+                block_size,
+                extra_key,
+                medium,
+                group,
+            } => {
                 let stored = BlockStored {
                     block_hashes,
                     parent_block_hash,

@@ -646,10 +646,11 @@ fn a_newcomer_of_higher_priority_goes_before_a_swapped_group() {
 }
 
 /// The KV cache as the engine keeps it, one token id per slot, moved by the step's copies in the
-/// engine's order (swap-outs, swap-ins, copy-on-write), then written at the slot mapping.
+/// engine's order (swap-outs, swap-ins, copy-on-write), then written at the slot mapping of each
+/// KV-cache group (whose layers share the pool's blocks: a block belongs to one group at a time).
 pub(crate) struct SimulatedCache {
     block_size: usize,
-    sliding_window: usize,
+    windows: Vec<usize>,
     device: Vec<Vec<Option<u32>>>,
     cpu: Vec<Vec<Option<u32>>>,
 }
@@ -659,14 +660,14 @@ impl SimulatedCache {
         let blocks = |n| vec![vec![None; cfg.block_size]; n];
         SimulatedCache {
             block_size: cfg.block_size,
-            sliding_window: cfg.sliding_window,
+            windows: cfg.group_windows(),
             device: blocks(cfg.num_device_blocks),
             cpu: blocks(cfg.num_cpu_blocks),
         }
     }
 
-    /// Runs one step and checks that every scheduled sequence reads its own tokens back (those
-    /// its new tokens attend to, under a sliding window).
+    /// Runs one step and checks that every scheduled sequence reads its own tokens back in every
+    /// KV-cache group (those its new tokens attend to, in a windowed group).
     pub(crate) fn run(
         &mut self,
         s: &Scheduler,
@@ -682,19 +683,28 @@ impl SimulatedCache {
         for &(src, dst) in &out.blocks_to_copy {
             self.device[dst as usize] = self.device[src as usize].clone();
         }
-        for seq in &out.scheduled {
-            for (position, &slot) in (seq.start..seq.end).zip(out.slot_mapping(seq, 0)) {
-                let slot = slot as usize;
-                self.device[slot / self.block_size][slot % self.block_size] = Some(tokens[&seq.seq_id][position]);
+        assert_eq!(out.num_kv_groups, self.windows.len());
+        for group in 0..self.windows.len() {
+            for seq in &out.scheduled {
+                for (position, &slot) in (seq.start..seq.end).zip(out.slot_mapping(seq, group)) {
+                    let slot = slot as usize;
+                    self.device[slot / self.block_size][slot % self.block_size] = Some(tokens[&seq.seq_id][position]);
+                }
             }
         }
-        for seq in &out.scheduled {
-            let table = s.block_table(seq.seq_id).unwrap();
-            let first_read =
-                if self.sliding_window > 0 { (seq.start + 1).saturating_sub(self.sliding_window) } else { 0 };
-            for position in first_read..seq.end {
-                let read = self.device[table[position / self.block_size] as usize][position % self.block_size];
-                assert_eq!(read, Some(tokens[&seq.seq_id][position]), "seq {} position {position}", seq.seq_id);
+        for (group, &window) in self.windows.iter().enumerate() {
+            for seq in &out.scheduled {
+                let table = &s.block_manager().seq_tables(seq.seq_id).unwrap()[group].blocks;
+                let first_read = if window > 0 { (seq.start + 1).saturating_sub(window) } else { 0 };
+                for position in first_read..seq.end {
+                    let read = self.device[table[position / self.block_size] as usize][position % self.block_size];
+                    assert_eq!(
+                        read,
+                        Some(tokens[&seq.seq_id][position]),
+                        "seq {} position {position} group {group}",
+                        seq.seq_id
+                    );
+                }
             }
         }
     }
@@ -702,23 +712,36 @@ impl SimulatedCache {
 
 /// Random requests sharing prefixes, forks, swaps, recomputes, (with the CPU tier) offloads and
 /// reloads, and (speculating) drafts partly accepted: every step each sequence must read back
-/// exactly the tokens it holds (under a sliding window, those in its window, the rest released).
+/// exactly the tokens it holds in every KV-cache group (in a windowed group, those in its window,
+/// the rest released).
 #[test]
 fn random_workload_reads_back_every_token_through_all_the_copies() {
-    let cases = [
-        (PreemptionMode::Swap, false, false, 0),
-        (PreemptionMode::Swap, true, false, 0),
-        (PreemptionMode::Recompute, true, false, 0),
-        (PreemptionMode::Auto, true, false, 0),
-        (PreemptionMode::Swap, true, true, 0),
-        (PreemptionMode::Recompute, false, true, 0),
-        (PreemptionMode::Swap, true, false, 6),
-        (PreemptionMode::Recompute, true, true, 6),
-        (PreemptionMode::Auto, false, true, 9),
+    let cases: [(PreemptionMode, bool, bool, &[usize]); 13] = [
+        (PreemptionMode::Swap, false, false, &[0]),
+        (PreemptionMode::Swap, true, false, &[0]),
+        (PreemptionMode::Recompute, true, false, &[0]),
+        (PreemptionMode::Auto, true, false, &[0]),
+        (PreemptionMode::Swap, true, true, &[0]),
+        (PreemptionMode::Recompute, false, true, &[0]),
+        (PreemptionMode::Swap, true, false, &[6]),
+        (PreemptionMode::Recompute, true, true, &[6]),
+        (PreemptionMode::Auto, false, true, &[9]),
+        // Hybrid models: full and windowed groups over one pool.
+        (PreemptionMode::Swap, true, false, &[0, 6]),
+        (PreemptionMode::Recompute, true, true, &[6, 0, 6]),
+        (PreemptionMode::Auto, false, true, &[0, 9]),
+        (PreemptionMode::Auto, true, false, &[5, 0]),
     ];
-    for (mode, cpu_tier, speculate, sliding_window) in cases {
+    for (mode, cpu_tier, speculate, windows) in cases {
         let mut cfg = config(20, 16);
-        cfg.sliding_window = sliding_window;
+        if windows.len() == 1 {
+            cfg.sliding_window = windows[0];
+        } else {
+            cfg.kv_group_windows = windows.to_vec();
+            cfg.num_device_blocks *= windows.len();
+            cfg.num_cpu_blocks *= windows.len();
+        }
+        let (num_device_blocks, num_cpu_blocks) = (cfg.num_device_blocks, cfg.num_cpu_blocks);
         cfg.preemption_mode = mode;
         cfg.enable_prefix_caching = true;
         cfg.enable_cpu_prefix_cache = cpu_tier;
@@ -756,8 +779,21 @@ fn random_workload_reads_back_every_token_through_all_the_copies() {
                 }
             }
             cache.run(&s, &out, &tokens);
-            released_any |=
-                out.scheduled.iter().any(|seq| s.block_manager().table(seq.seq_id).unwrap().num_released > 0);
+            for seq in &out.scheduled {
+                let tables = s.block_manager().seq_tables(seq.seq_id).unwrap();
+                for (table, &window) in tables.iter().zip(windows) {
+                    let live = table.live_blocks().len();
+                    if window == 0 {
+                        assert_eq!(live, table.num_tokens.div_ceil(4), "a full group's table keeps every block");
+                    } else {
+                        // (the window before the first new token, plus this step's chunk of at most 16)
+                        assert!(live <= (window - 1 + 16).div_ceil(4) + 1, "{live} blocks under a window of {window}");
+                    }
+                }
+            }
+            released_any |= out.scheduled.iter().any(|seq| {
+                s.block_manager().seq_tables(seq.seq_id).unwrap().iter().any(|table| table.num_released > 0)
+            });
             for seq in out.scheduled.iter().filter(|seq| seq.sample) {
                 let pending = drafts.remove(&seq.seq_id).unwrap_or(0);
                 if pending > 0 {
@@ -794,9 +830,13 @@ fn random_workload_reads_back_every_token_through_all_the_copies() {
         }
         s.schedule(); // the last step's pins are released when the next one is planned
         let stats = s.stats();
-        assert_eq!((stats.num_free_device_blocks, stats.num_free_cpu_blocks), (20, 16), "{mode:?} {cpu_tier}");
-        assert!(stats.prefix_cache_hits > 0, "{mode:?} {cpu_tier}");
-        assert_eq!(released_any, sliding_window > 0, "blocks are released under a window only");
+        assert_eq!(
+            (stats.num_free_device_blocks, stats.num_free_cpu_blocks),
+            (num_device_blocks, num_cpu_blocks),
+            "{mode:?} {cpu_tier} {windows:?}"
+        );
+        assert!(stats.prefix_cache_hits > 0, "{mode:?} {cpu_tier} {windows:?}");
+        assert_eq!(released_any, windows.iter().any(|&window| window > 0), "blocks are released under a window only");
         if speculate {
             assert!(num_drafted > 0 && num_rejected > 0 && num_rejected < num_drafted);
         }

@@ -165,8 +165,9 @@ impl BlockManager {
             for (group, (table, found)) in tables.iter_mut().zip(&found_by_group).enumerate() {
                 // Released entries keep block 0: nothing reads them.
                 table.blocks = vec![0; found.len()];
-                table.num_released = first_needed_block(found.len() * self.block_size, self.windows[group], self.block_size)
-                    .min(found.len());
+                table.num_released =
+                    first_needed_block(found.len() * self.block_size, self.windows[group], self.block_size)
+                        .min(found.len());
                 for (index, at) in found.iter().enumerate() {
                     match *at {
                         Some(CachedAt::Device { block, .. }) => {

@@ -21,8 +21,7 @@ impl BlockManager {
             for (group, table) in tables.iter().enumerate() {
                 for (index, &block) in table.blocks.iter().enumerate().skip(table.num_released) {
                     if seen.insert(block) {
-                        let cached =
-                            table.hashes.get(index).and_then(|&hash| self.cache.lookup(hash.in_group(group)));
+                        let cached = table.hashes.get(index).and_then(|&hash| self.cache.lookup(hash.in_group(group)));
                         needed += cached.is_none_or(|device_block| self.gpu.refcount(device_block) == 0) as usize;
                     }
                 }
@@ -143,11 +142,14 @@ impl BlockManager {
                                     copies.push((*block, device_block));
                                     let block_tokens =
                                         table.tokens.get(index * self.block_size..(index + 1) * self.block_size);
-                                    let unfilled = block_tokens.is_some_and(|tokens| tokens.contains(&PLACEHOLDER_TOKEN));
+                                    let unfilled =
+                                        block_tokens.is_some_and(|tokens| tokens.contains(&PLACEHOLDER_TOKEN));
                                     if let (Some(hash), Some(block_tokens), false) = (hash, block_tokens, unfilled) {
                                         let entry = CachedBlock {
                                             hash,
-                                            parent: index.checked_sub(1).map(|parent| table.hashes[parent].in_group(group)),
+                                            parent: index
+                                                .checked_sub(1)
+                                                .map(|parent| table.hashes[parent].in_group(group)),
                                             block: device_block,
                                             tokens: block_tokens.into(),
                                             extra_key: table.extra_key,

@@ -171,7 +171,8 @@ impl SchedulerOutput {
             let tokens = token_ids.len()..token_ids.len() + seq.token_range.len();
             token_ids.extend_from_slice(&self.token_ids[seq.token_range.clone()]);
             let groups = self.num_kv_groups.max(1);
-            slot_mapping.extend_from_slice(&self.slot_mapping[seq.token_range.start * groups..seq.token_range.end * groups]);
+            slot_mapping
+                .extend_from_slice(&self.slot_mapping[seq.token_range.start * groups..seq.token_range.end * groups]);
             seq.token_range = tokens;
             let blocks = updates.len()..updates.len() + seq.block_range.len();
             updates.extend_from_slice(&self.block_table_updates[seq.block_range.clone()]);
