@@ -73,6 +73,11 @@ class EngineConfig:
     Beyond it a request is refused with a ValueError (HTTP 400) naming the field."""
     enable_prefix_caching: bool = True
     """Reuse KV blocks of identical prompt prefixes."""
+    disable_hybrid_kv_cache_manager: bool = False
+    """For models that mix sliding-window and full-attention layers (Gemma 2/3, GPT-OSS, OLMo 3,
+    Qwen's layer_types): False (the default) gives each kind of layer its own block tables
+    (KV-cache groups, runner/kv_groups.py), so windowed layers hold only their window's blocks;
+    True keeps every block for every layer, as vLLM's flag of that name does."""
     prefix_caching_hash_seed: Optional[int] = None
     """Root of the prefix cache's block names (hashes chained from it). None = a secret random seed
     per engine, as vLLM seeds its root from os.urandom: names cannot be computed outside the

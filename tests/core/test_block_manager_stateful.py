@@ -5,7 +5,8 @@ Besides the bookkeeping invariants, the machine simulates the KV cache itself: e
 live sequence must read back exactly its own tokens through its block table. Wrong sharing, a
 missed copy or a stale prefix-cache hit shows up as a wrong token. A second machine runs the same
 rules under a sliding window: blocks before each sequence's window are released, and the tokens
-in the window must still read back.
+in the window must still read back. A third has KV-cache groups, a full one and a windowed one
+over one pool: every sequence's tokens must read back through each group's table.
 """
 
 import pytest
@@ -23,24 +24,26 @@ token_lists = st.lists(st.integers(0, 2), min_size=1, max_size=14)
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
-    sliding_window = 0  # positions each token attends to (0: all)
+    windows = (0,)  # each KV-cache group's window: positions each token attends to (0: all)
 
     def __init__(self):
         super().__init__()
-        self.manager = BlockManager(NUM_DEVICE_BLOCKS, NUM_CPU_BLOCKS, BLOCK_SIZE, enable_prefix_caching=True,
-                                    sliding_window=self.sliding_window)
+        self.manager = BlockManager(NUM_DEVICE_BLOCKS * len(self.windows), NUM_CPU_BLOCKS * len(self.windows),
+                                    BLOCK_SIZE, enable_prefix_caching=True, kv_group_windows=list(self.windows))
         self.tokens: dict[int, list[int]] = {}  # the model: each live sequence's tokens
         self.device_slots: dict[int, int] = {}  # simulated device KV: slot -> token
         self.cpu_slots: dict[int, int] = {}
         self.next_seq = 0
 
     # -- helpers ---------------------------------------------------------------------------
-    def first_needed_position(self, seq: int) -> int:
-        """The first position the sequence's next token attends to (after its last append)."""
-        return max(0, len(self.tokens[seq]) - self.sliding_window) if self.sliding_window else 0
+    def first_needed_position(self, seq: int, group: int) -> int:
+        """The first position the sequence's next token attends to in `group` (after its last append)."""
+        window = self.windows[group]
+        return max(0, len(self.tokens[seq]) - window) if window else 0
 
     def live_blocks(self, seq: int) -> list[int]:
-        return self.manager.block_table(seq)[self.manager.num_released_blocks(seq):]
+        return [block for group in range(len(self.windows))
+                for block in self.manager.block_table(seq, group)[self.manager.num_released_blocks(seq, group):]]
 
     def on_device(self):
         return [seq for seq in self.tokens if not self.manager.is_swapped(seq)]
@@ -49,11 +52,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
         return [seq for seq in self.tokens if self.manager.is_swapped(seq)]
 
     def write(self, seq: int, first: int) -> None:
-        table = self.manager.block_table(seq)
-        for pos in range(first, len(self.tokens[seq])):
-            block = table[pos // BLOCK_SIZE]
-            assert self.manager.refcount(block) == 1, f"writing into shared block {block}"
-            self.device_slots[block * BLOCK_SIZE + pos % BLOCK_SIZE] = self.tokens[seq][pos]
+        for group in range(len(self.windows)):
+            table = self.manager.block_table(seq, group)
+            for pos in range(first, len(self.tokens[seq])):
+                block = table[pos // BLOCK_SIZE]
+                assert self.manager.refcount(block) == 1, f"writing into shared block {block}"
+                self.device_slots[block * BLOCK_SIZE + pos % BLOCK_SIZE] = self.tokens[seq][pos]
 
     @staticmethod
     def copy_block(src_slots, src, dst_slots, dst):
@@ -85,17 +89,18 @@ class BlockManagerMachine(RuleBasedStateMachine):
         seq = data.draw(st.sampled_from(self.on_device()))
         before = self.free_counts()
         try:
-            copy = self.manager.append_token(seq, token)
+            copies = self.manager.append_token(seq, token)
         except OutOfBlocksError:
             assert self.free_counts() == before
             return
-        if copy is not None:
-            src, dst = copy
+        assert len(copies) in (0, len(self.windows)), "a shared last block is shared in every group"
+        for src, dst in copies:
             self.copy_block(self.device_slots, src, self.device_slots, dst)
         self.tokens[seq].append(token)
         self.write(seq, len(self.tokens[seq]) - 1)
-        # Blocks wholly before the window are gone; the rest stay.
-        assert self.manager.num_released_blocks(seq) == self.first_needed_position(seq) // BLOCK_SIZE
+        # Blocks wholly before each group's window are gone; the rest stay.
+        for group in range(len(self.windows)):
+            assert self.manager.num_released_blocks(seq, group) == self.first_needed_position(seq, group) // BLOCK_SIZE
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
@@ -144,7 +149,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @invariant()
     def refcounts_match_tables(self):
         STEPS_RUN[0] += 1
-        holders = {True: [0] * NUM_DEVICE_BLOCKS, False: [0] * NUM_CPU_BLOCKS}
+        holders = {True: [0] * self.manager.num_device_blocks, False: [0] * self.manager.num_cpu_blocks}
         for seq in self.tokens:
             for block in self.live_blocks(seq):
                 holders[not self.manager.is_swapped(seq)][block] += 1
@@ -159,30 +164,37 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @invariant()
     def every_sequence_reads_back_its_tokens(self):
         for seq, tokens in self.tokens.items():
-            table = self.manager.block_table(seq)
             assert self.manager.num_tokens(seq) == len(tokens)
-            assert len(table) == -(-len(tokens) // BLOCK_SIZE)
             slots = self.cpu_slots if self.manager.is_swapped(seq) else self.device_slots
-            first = self.first_needed_position(seq)
-            assert self.manager.num_released_blocks(seq) <= first // BLOCK_SIZE
-            read = [slots.get(table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE) for pos in range(first, len(tokens))]
-            assert read == tokens[first:], f"sequence {seq} reads {read}, expected {tokens[first:]}"
+            for group in range(len(self.windows)):
+                table = self.manager.block_table(seq, group)
+                assert len(table) == -(-len(tokens) // BLOCK_SIZE)
+                first = self.first_needed_position(seq, group)
+                assert self.manager.num_released_blocks(seq, group) <= first // BLOCK_SIZE
+                read = [slots.get(table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
+                        for pos in range(first, len(tokens))]
+                assert read == tokens[first:], f"sequence {seq} group {group} reads {read}, expected {tokens[first:]}"
 
     def teardown(self):
         for seq in list(self.tokens):
             self.manager.free(seq)
-        assert self.manager.num_free_device_blocks == NUM_DEVICE_BLOCKS
-        assert self.manager.num_free_cpu_blocks == NUM_CPU_BLOCKS
+        assert self.manager.num_free_device_blocks == self.manager.num_device_blocks
+        assert self.manager.num_free_cpu_blocks == self.manager.num_cpu_blocks
 
 
 class WindowedBlockManagerMachine(BlockManagerMachine):
-    sliding_window = 6  # a window and a half of blocks of 4: whether a block goes depends on alignment
+    windows = (6,)  # a window and a half of blocks of 4: whether a block goes depends on alignment
+
+
+class HybridBlockManagerMachine(BlockManagerMachine):
+    windows = (0, 6)  # a full group and a windowed one (Gemma 3, GPT-OSS): one table each
 
 
 STEPS_RUN = [0]
 
 
-@pytest.mark.parametrize("machine", [BlockManagerMachine, WindowedBlockManagerMachine], ids=["full", "windowed"])
+@pytest.mark.parametrize("machine", [BlockManagerMachine, WindowedBlockManagerMachine, HybridBlockManagerMachine],
+                         ids=["full", "windowed", "hybrid"])
 def test_block_manager_state_machine_runs_at_least_10000_steps(machine):
     STEPS_RUN[0] = 0
     run_state_machine_as_test(machine, settings=settings(max_examples=300, stateful_step_count=80, deadline=None))

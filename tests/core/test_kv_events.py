@@ -16,10 +16,12 @@ from test_scheduler_stateful import BLOCK_SIZE, SchedulerMachine
 
 
 class EventMirror:
-    """What a router holds: the cached block names of each tier, built from the events alone."""
+    """What a router holds: the cached block names of each tier and KV-cache group, built from the
+    events alone."""
 
-    def __init__(self):
-        self.tiers = {"GPU": set(), "CPU": set()}
+    def __init__(self, num_groups: int = 1):
+        self.num_groups = num_groups
+        self.tiers = {(medium, group): set() for medium in ("GPU", "CPU") for group in range(num_groups)}
         self.tokens = {}  # name -> its block's tokens
 
     def apply(self, events):
@@ -27,22 +29,25 @@ class EventMirror:
         for event in events:
             kind = type(event).__name__.removesuffix("Wire")
             if kind == "BlockStored":
+                tier = self.tiers[event.medium, event.group_idx]
                 assert len(event.token_ids) == len(event.block_hashes) * event.block_size
                 for index, name in enumerate(event.block_hashes):
-                    assert name not in self.tiers[event.medium], f"{name:x} stored twice in {event.medium}"
-                    self.tiers[event.medium].add(name)
-                    self.tokens[name] = event.token_ids[index * event.block_size:(index + 1) * event.block_size]
+                    assert name not in tier, f"{name:x} stored twice in {event.medium}"
+                    tier.add(name)
+                    tokens = event.token_ids[index * event.block_size:(index + 1) * event.block_size]
+                    assert self.tokens.setdefault(name, tokens) == tokens, "each group's block of a name holds its tokens"
             elif kind == "BlockRemoved":
                 for name in event.block_hashes:
-                    self.tiers[event.medium].remove(name)  # (a KeyError: removed what was never stored)
+                    self.tiers[event.medium, event.group_idx].remove(name)  # (a KeyError: never stored)
             else:
                 assert kind == "AllBlocksCleared", event
                 for tier in self.tiers.values():
                     tier.clear()
 
     def check(self, cache):
-        assert sorted(self.tiers["GPU"]) == cache.cached_block_hashes(on_device=True)
-        assert sorted(self.tiers["CPU"]) == cache.cached_block_hashes(on_device=False)
+        for group in range(self.num_groups):
+            assert sorted(self.tiers["GPU", group]) == cache.cached_block_hashes(on_device=True, group=group)
+            assert sorted(self.tiers["CPU", group]) == cache.cached_block_hashes(on_device=False, group=group)
 
 
 class EventsMachine(SchedulerMachine):
@@ -50,7 +55,7 @@ class EventsMachine(SchedulerMachine):
 
     def __init__(self):
         super().__init__()
-        self.mirror = EventMirror()
+        self.mirror = EventMirror(len(self.windows))
 
     @precondition(lambda self: not self.tokens)
     @rule()
@@ -69,11 +74,15 @@ class RecomputeEventsMachine(EventsMachine):
 
 
 class WindowedEventsMachine(EventsMachine):
-    sliding_window = 6
+    windows = (6,)
 
 
-@pytest.mark.parametrize("machine", [EventsMachine, RecomputeEventsMachine, WindowedEventsMachine],
-                         ids=["swap", "recompute", "windowed"])
+class HybridEventsMachine(EventsMachine):
+    windows = (0, 6)
+
+
+@pytest.mark.parametrize("machine", [EventsMachine, RecomputeEventsMachine, WindowedEventsMachine, HybridEventsMachine],
+                         ids=["swap", "recompute", "windowed", "hybrid"])
 def test_a_consumer_of_the_events_holds_every_tier_s_cached_blocks(machine):
     run_state_machine_as_test(machine, settings=settings(max_examples=100, stateful_step_count=60, deadline=None))
 
@@ -149,6 +158,28 @@ def test_the_wire_format_is_vllm_s_and_replay_returns_missed_batches(tmp_path):
     replay.close(0)
 
 
+def test_a_hybrid_engine_s_events_carry_vllm_s_group_fields():
+    """With several KV-cache groups, stores and removals name their group, and stores its kind and
+    window, as vLLM's hybrid engines send them (fields past lora_name); one group sends none."""
+    from pagedkv_core.kv_events import event_as_array
+
+    manager = BlockManager(16, 0, block_size=4, enable_prefix_caching=True, enable_kv_events=True,
+                           kv_group_windows=[0, 8])
+    manager.allocate(1, list(range(9)))
+    stored = manager.take_kv_events()
+    assert [event.group_idx for event in stored] == [0, 1]
+    assert stored[0].block_hashes == stored[1].block_hashes, "one external name per prefix block"
+    full, windowed = (BlockStoredWire(*event_as_array(event, [0, 8])[1:]) for event in stored)
+    assert (full.group_idx, full.kind, full.window) == (0, "full_attention", None)
+    assert (windowed.group_idx, windowed.kind, windowed.window) == (1, "sliding_window", 8)
+    assert len(event_as_array(stored[0])) == 8, "one group: vLLM's fields up to lora_name only"
+    manager.free(1)
+    assert manager.reset_prefix_cache()
+    mirror = EventMirror(2)
+    mirror.apply(stored)
+    assert mirror.tiers["GPU", 1] == set(stored[1].block_hashes)
+
+
 def test_a_late_subscriber_catches_up_through_replay_and_holds_the_same_index(tmp_path):
     zmq = pytest.importorskip("zmq")
     msgspec = pytest.importorskip("msgspec")
@@ -189,13 +220,15 @@ def test_a_late_subscriber_catches_up_through_replay_and_holds_the_same_index(tm
 
 
 class BlockStoredWire:
-    def __init__(self, block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name=None):
+    def __init__(self, block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name=None,
+                 extra_keys=None, group_idx=0, kv_cache_spec_kind=None, kv_cache_spec_sliding_window=None):
         self.block_hashes, self.token_ids, self.block_size, self.medium = block_hashes, token_ids, block_size, medium
+        self.group_idx, self.kind, self.window = group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window
 
 
 class BlockRemovedWire:
-    def __init__(self, block_hashes, medium):
-        self.block_hashes, self.medium = block_hashes, medium
+    def __init__(self, block_hashes, medium, group_idx=0):
+        self.block_hashes, self.medium, self.group_idx = block_hashes, medium, group_idx
 
 
 class AllBlocksClearedWire:

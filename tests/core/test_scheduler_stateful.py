@@ -22,18 +22,19 @@ NUM_CPU_BLOCKS = 12
 
 
 class SchedulerMachine(RuleBasedStateMachine):
-    sliding_window = 0
+    windows = (0,)  # each KV-cache group's window (0: full attention)
     preemption_mode = "swap"
     enable_kv_events = False
 
     def __init__(self):
         super().__init__()
+        groups = len(self.windows)
         config = SchedulerConfig(
-            block_size=BLOCK_SIZE, num_device_blocks=NUM_DEVICE_BLOCKS, num_cpu_blocks=NUM_CPU_BLOCKS,
+            block_size=BLOCK_SIZE, num_device_blocks=NUM_DEVICE_BLOCKS * groups, num_cpu_blocks=NUM_CPU_BLOCKS * groups,
             max_num_seqs=6, max_num_batched_tokens=16, max_model_len=40, max_waiting_requests=64,
             enable_prefix_caching=True, enable_cpu_prefix_cache=True, preemption_mode=self.preemption_mode,
-            scheduling_policy="priority", watermark=0.0, sliding_window=self.sliding_window,
-            enable_kv_events=self.enable_kv_events,
+            scheduling_policy="priority", watermark=0.0, sliding_window=self.windows[0] if groups == 1 else 0,
+            kv_group_windows=list(self.windows) if groups > 1 else [], enable_kv_events=self.enable_kv_events,
         )
         self.scheduler = Scheduler(config)
         self.tokens: dict[int, list[int]] = {}  # each live sequence's tokens, as the engine knows them
@@ -77,15 +78,20 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.copy(self.cpu, cpu_block, self.device, device_block)
         for src, dst in out.blocks_to_copy:
             self.copy(self.device, src, self.device, dst)
-        for seq in out.scheduled:
+        assert out.num_kv_groups == len(self.windows)
+        slots, starts = out.slot_mapping.reshape(out.num_kv_groups, -1).tolist(), out.query_start_loc.tolist()
+        for index, seq in enumerate(out.scheduled):
             assert seq.token_ids == self.tokens[seq.seq_id][seq.start : seq.end]
-            for slot, token in zip(seq.slot_mapping, seq.token_ids):
-                self.device[slot] = token
+            for group_slots in slots:  # (each group's layers write their K/V)
+                for slot, token in zip(group_slots[starts[index]:starts[index + 1]], seq.token_ids):
+                    self.device[slot] = token
         for seq in out.scheduled:
-            first = max(0, seq.start + 1 - self.sliding_window) if self.sliding_window else 0
-            read = [self.device.get(seq.block_table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
-                    for pos in range(first, seq.end)]
-            assert read == self.tokens[seq.seq_id][first : seq.end], f"sequence {seq.seq_id} reads wrong KV"
+            for group, window in enumerate(self.windows):
+                table = self.scheduler.block_table(seq.seq_id, group)
+                first = max(0, seq.start + 1 - window) if window else 0
+                read = [self.device.get(table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
+                        for pos in range(first, seq.end)]
+                assert read == self.tokens[seq.seq_id][first : seq.end], f"sequence {seq.seq_id} reads wrong KV"
         self.sampled = [seq.seq_id for seq in out.scheduled if seq.sample and seq.seq_id in self.tokens]
 
     @precondition(lambda self: self.sampled)
@@ -142,14 +148,19 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.scheduler.abort(request_id)
         self.scheduler.schedule()  # releases the CPU blocks pinned for the last step's copies
         stats = self.scheduler.stats()
-        assert stats["num_free_device_blocks"] == NUM_DEVICE_BLOCKS
-        assert stats["num_free_cpu_blocks"] == NUM_CPU_BLOCKS
+        assert stats["num_free_device_blocks"] == stats["num_device_blocks"]
+        assert stats["num_free_cpu_blocks"] == stats["num_cpu_blocks"]
 
 
 class WindowedSchedulerMachine(SchedulerMachine):
-    sliding_window = 6
+    windows = (6,)
 
 
-@pytest.mark.parametrize("machine", [SchedulerMachine, WindowedSchedulerMachine], ids=["full", "windowed"])
+class HybridSchedulerMachine(SchedulerMachine):
+    windows = (6, 0)  # a windowed KV-cache group and a full one over one pool
+
+
+@pytest.mark.parametrize("machine", [SchedulerMachine, WindowedSchedulerMachine, HybridSchedulerMachine],
+                         ids=["full", "windowed", "hybrid"])
 def test_scheduler_state_machine(machine):
     run_state_machine_as_test(machine, settings=settings(max_examples=150, stateful_step_count=60, deadline=None))

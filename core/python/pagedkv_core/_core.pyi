@@ -33,6 +33,11 @@ class SchedulerConfig:
     """The model's attention window when every layer has one (0: none): blocks wholly before a
     sequence's window are released as it advances, so with chunked prefill a sequence holds at
     most its window plus one step's chunk and may be longer than the pool."""
+    kv_group_windows: list[int]
+    """KV-cache groups of a model that mixes layer kinds (Gemma 3: [0, 1024, 1024, 1024, 1024,
+    1024]), each group's window (0: full attention): a sequence holds one block table per group
+    over the shared pool, and a windowed group's table keeps only its window's blocks. Empty (the
+    default): one group of `sliding_window`. Steps then carry every group's slots and tables."""
     prefix_caching_hash_seed: int
     """Key of the prefix cache's 128-bit block names (0 here; the engine passes a secret random one)."""
     enable_kv_events: bool
@@ -67,6 +72,7 @@ class SchedulerConfig:
         enable_chunked_prefill: bool = True,
         long_prefill_token_threshold: int = 0,
         sliding_window: int = 0,
+        kv_group_windows: list[int] = [],
         prefix_caching_hash_seed: int = 0,
         enable_kv_events: bool = False,
         preemption_mode: str = "auto",
@@ -100,7 +106,8 @@ class ScheduledSequence:
     keeps a persistent block-table tensor rewrites only `block_table[block_table_from:]`. It is 0
     the first time (and after a fork, swap-in or recompute), len(block_table) when nothing changed."""
     slot_mapping: list[int]
-    """Destination slot (block * block_size + offset) of each new token's K/V."""
+    """Destination slot (block * block_size + offset) of each new token's K/V (KV-cache group 0's;
+    the step's `slot_mapping` column holds every group's)."""
     sample: bool
     """True when this step yields the sequence's next token (decode or last prefill chunk)."""
     row: int
@@ -117,12 +124,17 @@ class SchedulerOutput:
     `block_table_from`; flat over all scheduled tokens: `token_ids`, `slot_mapping` (sequence i's
     are `[query_start_loc[i]:query_start_loc[i + 1]]`); block tables as changes:
     `block_table_updates[block_table_update_loc[i]:block_table_update_loc[i + 1]]` replaces sequence
-    i's blocks from `block_table_from[i]` on."""
+    i's blocks from `block_table_from[i]` on.
+
+    With G KV-cache groups (`SchedulerConfig.kv_group_windows`), `slot_mapping` holds G * T slots,
+    group after group, and sequence i's update holds its blocks from `block_table_from[i]` on in
+    each group's table, group after group (all of one length)."""
 
     scheduled: list[ScheduledSequence]
     """The same step, one object per sequence (built on first read: read it before reporting; a
     step rebuilt by from_bytes has none and raises InvalidStateError)."""
     num_scheduled: int
+    num_kv_groups: int
     seq_ids: npt.NDArray[np.int64]
     rows: npt.NDArray[np.int64]
     starts: npt.NDArray[np.int64]
@@ -164,13 +176,14 @@ class SchedulerOutput:
     def is_empty(self) -> bool: ...
     def write_block_tables(self, tables: npt.NDArray[np.int32]) -> None:
         """Writes each scheduled sequence's block-table update into a persistent batch's tables,
-        a C-contiguous writable int32 array of [rows, width]: row `rows[i]`, blocks from
-        `block_table_from[i]` on. Raises InvalidStateError, writing nothing, if a row or a table
-        does not fit."""
+        a C-contiguous writable int32 array of [G * rows, width] (each KV-cache group's rows after
+        the previous group's): row `rows[i]` of each group, blocks from `block_table_from[i]` on.
+        Raises InvalidStateError, writing nothing, if a row or a table does not fit."""
     def gather_block_tables(self, tables: npt.NDArray[np.int32], out: npt.NDArray[np.int32]) -> None:
-        """out [num_scheduled, num_blocks] (C-contiguous int32, num_blocks <= the tables' width) =
-        each scheduled sequence's first num_blocks blocks from its row of `tables` (blocks past
-        its own table are whatever the row holds). Raises InvalidStateError if they do not fit."""
+        """out [G * num_scheduled, num_blocks] (C-contiguous int32, num_blocks <= the tables' width) =
+        each scheduled sequence's first num_blocks blocks from its row of `tables`, in each of the
+        G KV-cache groups in turn (blocks past its own table are whatever the row holds). Raises
+        InvalidStateError if they do not fit."""
     def to_bytes(self) -> bytes:
         """The whole step as bytes, for another process (the ranks of a tensor-parallel group);
         pickling a SchedulerOutput uses them."""
@@ -233,9 +246,10 @@ class Scheduler:
     def abort(self, request_id: str) -> None:
         """Drop a request in any state and free all its blocks."""
     def sequence_len(self, seq_id: int) -> int: ...
-    def block_table(self, seq_id: int) -> list[int]:
-        """The sequence's physical blocks (CPU blocks while swapped out); UnknownSequenceError
-        while it holds none (waiting, or about to be rebuilt after a recompute)."""
+    def block_table(self, seq_id: int, group: int = 0) -> list[int]:
+        """The sequence's physical blocks in KV-cache group `group`'s table (CPU blocks while
+        swapped out); UnknownSequenceError while it holds none (waiting, or about to be rebuilt
+        after a recompute)."""
     def is_swapped(self, seq_id: int) -> bool: ...
     def refcount(self, block: int, on_device: bool = True) -> int:
         """Block tables holding `block` of the device (or CPU) pool."""
@@ -247,9 +261,9 @@ class Scheduler:
         """The KV-cache events since the last call, oldest first (empty unless the config's
         enable_kv_events). Take them once per step, after `update`: replayed in order from the
         start they give exactly `cached_block_hashes` of each tier."""
-    def cached_block_hashes(self, on_device: bool = True) -> list[int]:
-        """Sorted 64-bit names (the events' block hashes) of the blocks cached on the device, or
-        in the CPU prefix tier."""
+    def cached_block_hashes(self, on_device: bool = True, group: int = 0) -> list[int]:
+        """Sorted 64-bit names (the events' block hashes) of KV-cache group `group`'s blocks
+        cached on the device, or in the CPU prefix tier."""
     @property
     def num_unfinished_requests(self) -> int: ...
     @property
@@ -264,7 +278,9 @@ class BlockManager:
     """Device and CPU block pools with per-sequence block tables, fork and copy-on-write,
     prefix caching by block content hash, swap between tiers. With `sliding_window` (positions
     each token attends to, its own included; 0 = all), appending to a sequence first releases its
-    blocks wholly before the window of its next position. `hash_seed`: the root the prefix cache's
+    blocks wholly before the window of its next position. `kv_group_windows` (instead of
+    `sliding_window`): one table per KV-cache group over the shared pool, each with its window (0:
+    full attention), as SchedulerConfig.kv_group_windows. `hash_seed`: the root the prefix cache's
     block names chain from."""
 
     def __init__(
@@ -277,23 +293,25 @@ class BlockManager:
         sliding_window: int = 0,
         hash_seed: int = 0,
         enable_kv_events: bool = False,
+        kv_group_windows: Optional[list[int]] = None,
     ) -> None: ...
     def allocate(self, seq_id: int, token_ids: list[int], extra_key: Optional[int] = None) -> int:
         """Blocks for a new sequence; returns the number of prefix-cache hit tokens."""
-    def append_token(self, seq_id: int, token_id: int) -> Optional[tuple[int, int]]:
-        """Room for one more token; returns (src, dst) when copy-on-write copied the last block."""
-    def append_slots(self, seq_id: int, token_ids: list[int]) -> Optional[tuple[int, int]]: ...
+    def append_token(self, seq_id: int, token_id: int) -> list[tuple[int, int]]:
+        """Room for one more token in every KV-cache group; returns the (src, dst) copies that
+        copy-on-write made of a shared last block (none, or one per group)."""
+    def append_slots(self, seq_id: int, token_ids: list[int]) -> list[tuple[int, int]]: ...
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None: ...
     def free(self, seq_id: int) -> None: ...
     def swap_out(self, seq_ids: list[int]) -> list[tuple[int, int]]:
         """Move the sequences' blocks to the CPU pool; returns (device, cpu) copies."""
     def swap_in(self, seq_ids: list[int]) -> list[tuple[int, int]]:
         """Move them back; returns (cpu, device) copies."""
-    def block_table(self, seq_id: int) -> list[int]:
-        """Physical block of each logical block; the first num_released_blocks entries are
-        released (stale ids that nothing reads)."""
-    def num_released_blocks(self, seq_id: int) -> int:
-        """Leading blocks released because the sliding window moved past them."""
+    def block_table(self, seq_id: int, group: int = 0) -> list[int]:
+        """Physical block of each logical block in KV-cache group `group`'s table; the first
+        num_released_blocks entries are released (stale ids that nothing reads)."""
+    def num_released_blocks(self, seq_id: int, group: int = 0) -> int:
+        """Leading blocks of the group's table released because its window moved past them."""
     def num_tokens(self, seq_id: int) -> int: ...
     def is_swapped(self, seq_id: int) -> bool: ...
     def refcount(self, block: int, on_device: bool = True) -> int: ...
@@ -301,12 +319,15 @@ class BlockManager:
     def check_invariants(self) -> None: ...
     def take_kv_events(self) -> list[KVCacheEvent]:
         """As Scheduler.take_kv_events (needs enable_kv_events)."""
-    def cached_block_hashes(self, on_device: bool = True) -> list[int]:
+    def cached_block_hashes(self, on_device: bool = True, group: int = 0) -> list[int]:
         """As Scheduler.cached_block_hashes."""
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached block; False, changing nothing, while any sequence holds blocks."""
     @property
     def block_size(self) -> int: ...
+    @property
+    def kv_group_windows(self) -> list[int]:
+        """Each KV-cache group's window (0: full attention); one entry with one group."""
     @property
     def num_device_blocks(self) -> int: ...
     @property
@@ -498,7 +519,8 @@ class BlockStored:
     block_hashes[i] holds token_ids[i * block_size:(i + 1) * block_size] and is the child of
     block_hashes[i - 1]; the first is the child of parent_block_hash (None: a prompt's first
     block). lora_id: the request's prefix-cache extra key (adapter and cache salt), else None.
-    The fields and their order are vLLM's."""
+    group_idx: the KV-cache group whose blocks these are (0 with one group; each group caches
+    its own block of a prefix under the same hash). The fields and their order are vLLM's."""
 
     block_hashes: list[int]
     parent_block_hash: Optional[int]
@@ -506,12 +528,15 @@ class BlockStored:
     block_size: int
     lora_id: Optional[int]
     medium: str
+    group_idx: int
 
 class BlockRemoved:
-    """Cached blocks left `medium` (evicted, moved to the other tier, or stale)."""
+    """Cached blocks of KV-cache group `group_idx` left `medium` (evicted, moved to the other
+    tier, or stale)."""
 
     block_hashes: list[int]
     medium: str
+    group_idx: int
 
 class AllBlocksCleared:
     """Every cached block of every tier was dropped (reset_prefix_cache)."""

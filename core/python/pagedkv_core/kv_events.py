@@ -8,7 +8,9 @@ hands them to a `ZmqEventPublisher`, which sends each step's batch from its own 
 - the payload is msgpack of `[timestamp, [event, ...], data_parallel_rank]`, each event an array
   led by its tag: `["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
   lora_id, medium, lora_name]`, `["BlockRemoved", block_hashes, medium]`, `["AllBlocksCleared"]`
-  (vLLM's msgspec structs with array_like=True);
+  (vLLM's msgspec structs with array_like=True); an engine with several KV-cache groups adds
+  vLLM's group fields: `extra_keys, group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window`
+  to a store, `group_idx` to a removal;
 - a ZMQ ROUTER replay socket answers a request frame holding an 8-byte big-endian sequence
   number with every buffered batch from it on, `(seq, payload)` each, then `(-1, b"")`.
 
@@ -32,23 +34,32 @@ logger = logging.getLogger(__name__)
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 
 
-def event_as_array(event) -> list:
-    """One event as vLLM's array_like msgspec struct writes it (tag first, fields in order)."""
+def event_as_array(event, kv_group_windows: Optional[Sequence[int]] = None) -> list:
+    """One event as vLLM's array_like msgspec struct writes it (tag first, fields in order). With
+    `kv_group_windows` (each KV-cache group's window, 0: full attention, for an engine with
+    several groups) the events name their group and its kind, as vLLM's hybrid engines do."""
     if isinstance(event, BlockStored):
-        return ["BlockStored", event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size,
-                event.lora_id, event.medium, None]
+        fields = ["BlockStored", event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size,
+                  event.lora_id, event.medium, None]
+        if kv_group_windows:
+            window = kv_group_windows[event.group_idx]
+            fields += [None, event.group_idx, "sliding_window" if window else "full_attention", window or None]
+        return fields
     if isinstance(event, BlockRemoved):
-        return ["BlockRemoved", event.block_hashes, event.medium]
+        fields = ["BlockRemoved", event.block_hashes, event.medium]
+        return fields + [event.group_idx] if kv_group_windows else fields
     if isinstance(event, AllBlocksCleared):
         return ["AllBlocksCleared"]
     raise TypeError(f"not a KV-cache event: {event!r}")
 
 
-def encode_batch(events: Sequence, timestamp: float, data_parallel_rank: Optional[int] = 0) -> bytes:
-    """A step's events as a `KVEventBatch` payload."""
+def encode_batch(events: Sequence, timestamp: float, data_parallel_rank: Optional[int] = 0,
+                 kv_group_windows: Optional[Sequence[int]] = None) -> bytes:
+    """A step's events as a `KVEventBatch` payload (`kv_group_windows`: see `event_as_array`)."""
     import msgspec
 
-    return msgspec.msgpack.encode([timestamp, [event_as_array(event) for event in events], data_parallel_rank])
+    encoded = [event_as_array(event, kv_group_windows) for event in events]
+    return msgspec.msgpack.encode([timestamp, encoded, data_parallel_rank])
 
 
 def _binds(endpoint: str) -> bool:
@@ -62,7 +73,8 @@ class ZmqEventPublisher:
     missed. `publish` never blocks the engine: a thread owns the sockets."""
 
     def __init__(self, endpoint: str, replay_endpoint: Optional[str] = None, topic: str = "",
-                 buffer_steps: int = 10_000, hwm: int = 100_000, data_parallel_rank: int = 0):
+                 buffer_steps: int = 10_000, hwm: int = 100_000, data_parallel_rank: int = 0,
+                 kv_group_windows: Optional[Sequence[int]] = None):
         try:
             import msgspec  # noqa: F401
             import zmq
@@ -84,6 +96,7 @@ class ZmqEventPublisher:
         self.endpoint, self.replay_endpoint = endpoint, replay_endpoint
         self._topic = topic.encode()
         self._data_parallel_rank = data_parallel_rank
+        self._kv_group_windows = tuple(kv_group_windows or ())
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._sequence_numbers = count()
@@ -141,7 +154,7 @@ class ZmqEventPublisher:
                 return
             timestamp, events = item
             try:
-                payload = encode_batch(events, timestamp, self._data_parallel_rank)
+                payload = encode_batch(events, timestamp, self._data_parallel_rank, self._kv_group_windows)
                 sequence_number = next(self._sequence_numbers)
                 self._pub.send_multipart((self._topic, sequence_number.to_bytes(8, "big"), payload))
                 self._buffer.append((sequence_number, payload))

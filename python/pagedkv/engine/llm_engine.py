@@ -65,7 +65,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self._scheduler_config())
         if self.config.kv_events_endpoint is not None:
             self.kv_events = ZmqEventPublisher(self.config.kv_events_endpoint, self.config.kv_events_replay_endpoint,
-                                               self.config.kv_events_topic)
+                                               self.config.kv_events_topic,
+                                               kv_group_windows=self.model_info.kv_group_windows)
             self._closing.publisher = self.kv_events
         self.max_model_len = self.scheduler.max_model_len
         self.books = Books(self.tokenizer)
@@ -92,6 +93,9 @@ class LLMEngine:
         if self.model_info.sliding_window:
             logger.info("every layer attends to the last %d positions: blocks before a sequence's window are "
                         "released as it advances", self.model_info.sliding_window)
+        elif self.model_info.kv_group_windows:
+            logger.info("KV-cache groups of windows %s (0: full attention): a windowed group's blocks before a "
+                        "sequence's window are released as it advances", list(self.model_info.kv_group_windows))
 
     def _scheduler_config(self) -> SchedulerConfig:
         config, runner = self.config, self.runner
@@ -113,6 +117,7 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             sliding_window=self.model_info.sliding_window,
+            kv_group_windows=list(self.model_info.kv_group_windows),
             prefix_caching_hash_seed=config.resolved_prefix_caching_hash_seed(),
             enable_kv_events=config.kv_events_endpoint is not None,
             preemption_mode=config.preemption_mode,

@@ -6,7 +6,8 @@ each), so launching them from Python, not the GPU, bounds eager decode. A graph 
 whole forward with one launch. Its inputs must live at fixed addresses: the static buffers
 below, sized for the largest batch. A step of B sequences fills their first B rows and replays
 the graph of the smallest captured size >= B; the padding rows write no K/V (slot -1) and read
-one token of whatever block their stale table row names, and their outputs are dropped.
+one token of whatever block their stale table row names, and their outputs are dropped. With
+several KV-cache groups, slots and tables are static per group.
 """
 
 from __future__ import annotations
@@ -66,15 +67,16 @@ class DecodeGraphs:
         if not backend.supports_cuda_graphs:
             raise ValueError(f"the {backend.name!r} attention backend cannot run inside CUDA graphs; use 'cuda'")
         self.model, self.kv_cache, self.backend = model, kv_cache, backend
+        self.num_groups = kv_cache.num_groups
         self.batch_sizes = graph_batch_sizes(max_batch_size)
         max_blocks = math.ceil(max_model_len / block_size)
         self.max_context_len = max_blocks * block_size
         int32 = dict(dtype=torch.int32, device=device)
         self.input_ids = torch.zeros(max_batch_size, dtype=torch.long, device=device)
         self.positions = torch.zeros(max_batch_size, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((max_batch_size,), -1, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((self.num_groups, max_batch_size), -1, dtype=torch.long, device=device)
         self.context_lens = torch.ones(max_batch_size, **int32)
-        self.block_tables = torch.zeros((max_batch_size, max_blocks), **int32)
+        self.block_tables = torch.zeros((self.num_groups, max_batch_size, max_blocks), **int32)
         self.query_start_loc = torch.arange(max_batch_size + 1, **int32)
         self.seq_index = torch.arange(max_batch_size, **int32)
         self.hidden = torch.zeros((max_batch_size, hidden_size), dtype=dtype, device=device)
@@ -93,8 +95,8 @@ class DecodeGraphs:
         metadata = AttentionMetadata(
             query_start_loc=self.query_start_loc[: size + 1],
             context_lens=self.context_lens[:size],
-            block_tables=self.block_tables[:size],
-            slot_mapping=self.slot_mapping[:size],
+            block_tables=self.block_tables[0, :size],
+            slot_mapping=self.slot_mapping[0, :size],
             max_query_len=1,
             max_context_len=self.max_context_len,
             num_decode_tokens=size,
@@ -102,23 +104,29 @@ class DecodeGraphs:
             context_lens_host=None,
             seq_index=self.seq_index[:size],
         )
-        context = StepContext.build(metadata, self.kv_cache, self.backend)
+        if self.num_groups == 1:
+            context = StepContext.build(metadata, self.kv_cache, self.backend)
+        else:
+            tables_and_slots = [(self.block_tables[group, :size], self.slot_mapping[group, :size])
+                                for group in range(self.num_groups)]
+            context = StepContext.build_groups(metadata, tables_and_slots, self.kv_cache, self.backend)
         self.hidden[:size] = self.model(self.input_ids[:size], self.positions[:size], context)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
             block_tables: torch.Tensor) -> torch.Tensor:
         """One decode step of len(input_ids) sequences (int64 ids, positions and slots, int32
-        tables [B, width], on any device); returns their hidden states [B, H] (a view of the static
-        output, valid until the next run)."""
+        tables [G * B, width], on any device; slots and tables of the G KV-cache groups one after
+        another); returns their hidden states [B, H] (a view of the static output, valid until the
+        next run)."""
         size = len(input_ids)
         graph_size = next(s for s in self.batch_sizes if s >= size)
         width = block_tables.shape[1]
         self.input_ids[:size].copy_(input_ids, non_blocking=True)
         self.positions[:size].copy_(positions, non_blocking=True)
-        self.slot_mapping[:size].copy_(slot_mapping, non_blocking=True)
+        self.slot_mapping[:, :size].copy_(slot_mapping.view(self.num_groups, size), non_blocking=True)
         self.context_lens[:size].copy_(self.positions[:size] + 1)
-        self.block_tables[:size, :width].copy_(block_tables, non_blocking=True)
-        self.slot_mapping[size:graph_size].fill_(-1)
+        self.block_tables[:, :size, :width].copy_(block_tables.view(self.num_groups, size, width), non_blocking=True)
+        self.slot_mapping[:, size:graph_size].fill_(-1)
         self.context_lens[size:graph_size].fill_(1)
         self.replays[graph_size]()
         self.num_replays[graph_size] += 1

@@ -2,24 +2,35 @@
 
 Layout (docs/architecture.md): one block-major tensor per device,
 `[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]`, so a block's K and V for every
-layer are one contiguous chunk. On CUDA the CPU side is pinned and swaps run on their own stream.
+layer are one contiguous chunk. With KV-cache groups (kv_groups.py) a block holds one group's
+layers, `[num_blocks, slots_per_block, 2, ...]`, and layer l lives in slot `layer_slot[l]`. On CUDA
+the CPU side is pinned and swaps run on their own stream.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from pagedkv.attention.torch_ref import as_bytes
+from pagedkv.runner.kv_groups import KVCacheGroups
 
 
 class KVCache:
-    def __init__(self, num_layers, num_kv_heads, head_dim, block_size, num_device_blocks, num_cpu_blocks, dtype, device):
+    def __init__(self, num_layers, num_kv_heads, head_dim, block_size, num_device_blocks, num_cpu_blocks, dtype, device,
+                 groups: Optional[KVCacheGroups] = None):
         self.block_size = block_size
-        shape = (num_layers, 2, num_kv_heads, block_size, head_dim)
+        self.groups = groups or KVCacheGroups.single(num_layers)
+        if len(self.groups.layer_slot) != num_layers:
+            raise ValueError(f"KV-cache groups of {len(self.groups.layer_slot)} layers for a model of {num_layers}")
+        self.layer_groups = self.groups.layer_group
+        shape = (self.groups.slots_per_block, 2, num_kv_heads, block_size, head_dim)
         self.device_cache = torch.zeros((num_device_blocks, *shape), dtype=dtype, device=device)
         self.is_cuda = self.device_cache.is_cuda
         self.cpu_cache = torch.zeros((num_cpu_blocks, *shape), dtype=dtype, pin_memory=self.is_cuda)
-        self._layers = [(self.device_cache[:, i, 0], self.device_cache[:, i, 1]) for i in range(num_layers)]
+        slots = [(self.device_cache[:, i, 0], self.device_cache[:, i, 1]) for i in range(self.groups.slots_per_block)]
+        self._layers = [slots[slot] for slot in self.groups.layer_slot]
         self.block_bytes = self.device_cache[0].numel() * self.device_cache.element_size()
         if self.is_cuda:
             self.swap_stream = torch.cuda.Stream(device=self.device_cache.device)
@@ -31,10 +42,16 @@ class KVCache:
 
     @staticmethod
     def bytes_per_block(num_layers, num_kv_heads, head_dim, block_size, dtype) -> int:
+        """Bytes of a block of `num_layers` layer slots (a KV-cache group's `slots_per_block`)."""
         return num_layers * 2 * num_kv_heads * block_size * head_dim * torch.finfo(dtype).bits // 8
 
+    @property
+    def num_groups(self) -> int:
+        return self.groups.num_groups
+
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(key_cache, value_cache) views of one layer: [num_blocks, Hkv, block_size, D]."""
+        """(key_cache, value_cache) views of one layer: [num_blocks, Hkv, block_size, D] (its slot
+        of every block; only its KV-cache group's blocks are its own)."""
         return self._layers[index]
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:

@@ -17,6 +17,8 @@ class ModelInfo:
     dtype: str  # of the weights, e.g. "bfloat16"
     attention_backend: str
     sliding_window: int  # every layer attends within this many positions; 0: some layer sees it all
+    # Each KV-cache group's window (0: full), for models mixing layer kinds (runner/kv_groups.py); () with one group
+    kv_group_windows: tuple[int, ...] = ()
     # A *ForSequenceClassification checkpoint's labels (it pools, it does not generate); 0 otherwise
     num_labels: int = 0
     class_labels: dict[int, str] = field(default_factory=dict)  # a classifier's id2label

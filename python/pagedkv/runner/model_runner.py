@@ -20,6 +20,7 @@ from pagedkv.layers.cpu_linear import use_cpu_linear
 from pagedkv.errors import EngineStoppedError, InvalidConfigError, TensorParallelError
 from pagedkv.runner.host_memory import return_freed_memory, reuse_freed_memory
 from pagedkv.runner.kv_cache import KVCache
+from pagedkv.runner.kv_groups import KVCacheGroups
 from pagedkv.models.loader import generation_defaults, load, load_generation_config, model_spec
 from pagedkv.runner.lora import LoRARegistry, lora_batch
 from pagedkv.parallel import SINGLE_PROCESS, TensorParallelGroup, using_group
@@ -96,7 +97,10 @@ class ModelRunner:
         attention = self.model.layers[0].self_attn
         self.backend = get_backend(config.attention_backend, config.device, attention.head_dim)
         num_layers = len(self.model.layers)
-        self.sliding_window = _common_sliding_window(self.model)
+        self.kv_groups = KVCacheGroups.for_layers(
+            [getattr(layer.self_attn, "sliding_window", None) for layer in self.model.layers],
+            hybrid=not config.disable_hybrid_kv_cache_manager)
+        self.sliding_window = self.kv_groups.windows[0] if self.kv_groups.num_groups == 1 else 0
         self.sampler = Sampler()
         self._sampled: Optional[tuple[np.ndarray, torch.Tensor]] = None  # (seq ids, tokens) of the last asynchronous step
         classifier = getattr(self.model, "classifier", None)
@@ -105,13 +109,14 @@ class ModelRunner:
             max_model_len=self.max_model_len, eos_token_ids=frozenset(self.eos_token_ids),
             num_parameters=self.num_parameters, dtype=str(self.dtype).removeprefix("torch."),
             attention_backend=self.backend.name, sliding_window=self.sliding_window,
+            kv_group_windows=self.kv_groups.windows if self.kv_groups.num_groups > 1 else (),
             num_labels=classifier.num_labels if classifier is not None else 0,
             class_labels={int(k): v for k, v in (getattr(self.hf_config, "id2label", None) or {}).items()}
             if classifier is not None else {},
             generation_defaults=self.generation_defaults,
         )
         self.block_bytes = KVCache.bytes_per_block(
-            num_layers, attention.num_kv_heads, attention.head_dim, config.block_size, self.kv_dtype
+            self.kv_groups.slots_per_block, attention.num_kv_heads, attention.head_dim, config.block_size, self.kv_dtype
         )
         # Every rank holds the same block numbers: they agree on the smallest pool.
         self.num_device_blocks = self.group.min(config.num_device_blocks or max(1, self._kv_budget() // self.block_bytes))
@@ -125,7 +130,11 @@ class ModelRunner:
             self.num_cpu_blocks,
             self.kv_dtype,
             self.device,
+            groups=self.kv_groups,
         )
+        if self.kv_groups.num_groups > 1:
+            logger.info("KV-cache groups: %s (a block holds one group's layers; windowed groups keep their window)",
+                        self.kv_groups.describe())
         logger.info(
             "KV cache: %d device blocks + %d CPU blocks of %d tokens, %.1f KiB each (%s, %s backend)",
             self.num_device_blocks,
@@ -136,7 +145,7 @@ class ModelRunner:
             self.backend.name,
         )
         self.batch = PersistentBatch(-(-self.max_model_len // config.block_size), self.device,
-                                     initial_rows=config.max_num_seqs)
+                                     initial_rows=config.max_num_seqs, num_kv_groups=self.kv_groups.num_groups)
         self.lora_registry = None
         if config.enable_lora:
             self.lora_registry = LoRARegistry(self.model, config.max_lora_rank, self.dtype, self.device,
@@ -423,9 +432,3 @@ class _StepColumns:
         self.num_blocks = -(-self.max_context_len // block_size)
         self.num_decodes = plan.num_decodes
 
-
-def _common_sliding_window(model) -> int:
-    """The window every attention layer stays within (the widest, where they differ), or 0 when
-    some layer attends to the whole context: the scheduler releases blocks before it."""
-    windows = [getattr(layer.self_attn, "sliding_window", None) for layer in model.layers]
-    return 0 if None in windows else max(windows)
