@@ -10,6 +10,8 @@ import shutil
 
 import pytest
 import torch
+from support.checkpoints import save_tiny_checkpoint
+from support.tiny_models import tiny_gemma3
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.attention.cuda import CudaAttentionBackend
@@ -45,6 +47,7 @@ def emulator(tmp_path_factory):
     code = sources.DTYPE_CODES[torch.float32]
     launcher.prepare([
         (sources.ATTENTION_SOURCE, sources.attention_kernel(code, code, 64, 16, sources.head_tile(3))),
+        (sources.ATTENTION_SOURCE, sources.attention_kernel(code, code, 64, 16, sources.head_tile(2))),  # tiny Gemma 3
         (sources.ATTENTION_SOURCE, sources.reduce_kernel(code, 64)),
         (sources.CACHE_OPS_SOURCE, sources.cache_kernel(code, code)),
         (sources.CACHE_OPS_SOURCE, sources.COPY_BLOCKS_KERNEL),
@@ -72,3 +75,31 @@ def test_backends_that_need_host_lists_are_refused(smollm2_runner):
     with pytest.raises(ValueError, match="cannot run inside CUDA graphs"):
         DecodeGraphs(runner.model, runner.kv_cache, runner.backend, max_batch_size=4, max_model_len=64,
                      block_size=16, hidden_size=576, dtype=torch.float32, device=runner.device)
+
+
+def test_decode_graphs_keep_each_kv_cache_group_s_slots_and_tables(tmp_path, emulator):
+    """A model with KV-cache groups (the tiny Gemma 3: two windowed layers, window 16, and a full
+    one): the graphs' static slots and tables of each group give the eager engine's tokens and
+    logprobs (the tiny model's greedy tokens barely depend on the context: its logprobs do), well
+    past the window, where the groups' tables differ."""
+    directory = save_tiny_checkpoint(tmp_path, tiny_gemma3())
+    generator = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(3, 256, (length,), generator=generator).tolist() for length in (30, 12, 45)]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=3) for n in (20, 25, 30)]
+    options = dict(OPTIONS, max_num_seqs=4, attention_backend="torch")
+
+    def run(llm):
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        return [(out.outputs[0].token_ids, [sorted(step.values()) for step in out.outputs[0].logprobs]) for out in outputs]
+
+    reference = run(LLM(directory, **options))
+    llm = LLM(directory, **options)
+    runner = llm.engine.runner
+    assert runner.kv_groups.num_groups == 3
+    runner.backend = CudaAttentionBackend(emulator)
+    runner.capture_decode_graphs(capture=replay_eagerly)
+    runner.kv_cache.device_cache.normal_()
+    for (tokens, logprobs), (expected_tokens, expected_logprobs) in zip(run(llm), reference):
+        assert tokens == expected_tokens
+        assert torch.allclose(torch.tensor(logprobs), torch.tensor(expected_logprobs), atol=1e-4)
+    assert sum(runner.decode_graphs.num_replays.values()) >= 25

@@ -5,7 +5,6 @@ groups on and off, against HF, under preemption and beside the pool's limit."""
 import pytest
 import torch
 from support.checkpoints import save_tiny_checkpoint
-from support.hf_parity import assert_greedy_generation_matches_hf
 from support.tiny_models import tiny_gemma3, tiny_gpt_oss
 
 from pagedkv import LLM, SamplingParams
@@ -48,16 +47,24 @@ HYBRID_MODELS = {"gemma3": tiny_gemma3, "gpt_oss": tiny_gpt_oss}
 
 
 @pytest.mark.parametrize("name", HYBRID_MODELS)
-def test_greedy_tokens_match_hf_with_groups_on_and_off_and_under_preemption(tmp_path, name):
+def test_greedy_tokens_and_logprobs_match_hf_with_groups_on_and_off_and_under_preemption(tmp_path, name):
     """Pools tight enough that the prompts preempt each other (groups on need less: their windowed
-    layers hold their window), then every run gives HF's greedy tokens and every block back."""
+    layers hold their window), then every run gives HF's greedy tokens and top logprobs (the tiny
+    models' greedy tokens barely depend on the context: their logprobs do) and every block back."""
     hf_model = HYBRID_MODELS[name]()
     directory = save_tiny_checkpoint(tmp_path, hf_model)
+    generator = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 256, (length,), generator=generator).tolist() for length in (20, 25, 30, 18)]
+    expected = [_hf_greedy(hf_model, prompt, 60) for prompt in prompts]
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True, logprobs=3)
     for disable, pool in ((False, 6), (True, 10)):
-        llm = assert_greedy_generation_matches_hf(
-            hf_model, directory, (20, 25, 30, 18), 60, seed=11, disable_hybrid_kv_cache_manager=disable,
-            num_device_blocks=None, kv_cache_memory_bytes=_bytes_of_blocks(hf_model, pool), max_num_seqs=4)
+        llm = LLM(directory, dtype="float32", max_num_batched_tokens=32, max_num_seqs=4,
+                  disable_hybrid_kv_cache_manager=disable, kv_cache_memory_bytes=_bytes_of_blocks(hf_model, pool))
         assert (llm.engine.runner.kv_groups.num_groups > 1) != disable
+        for output, (tokens, logprobs) in zip(llm.generate(prompts, params, use_tqdm=False), expected):
+            assert output.outputs[0].token_ids == tokens
+            ours = torch.tensor([sorted(step.values(), reverse=True) for step in output.outputs[0].logprobs])
+            assert torch.allclose(ours, logprobs, atol=2e-4), (ours - logprobs).abs().max()
         stats = llm.engine.scheduler.stats()
         assert stats["num_free_device_blocks"] == stats["num_device_blocks"], "every block comes back"
         assert stats["num_preemptions_swap"] + stats["num_preemptions_recompute"] > 0, "the pool is tight"
@@ -78,11 +85,22 @@ def test_a_hybrid_pool_serves_longer_sequences_than_every_layer_keeping_every_bl
     assert on.engine.runner.kv_groups.slots_per_block == 1
     assert on.engine.runner.num_device_blocks == 3 * off.engine.runner.num_device_blocks
     prompt = torch.randint(3, 256, (200,), generator=torch.Generator().manual_seed(4)).tolist()
+    tokens, logprobs = _hf_greedy(hf_model, prompt, 60)
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True, logprobs=3)
+    output = on.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert output.token_ids == tokens
+    ours = torch.tensor([sorted(step.values(), reverse=True) for step in output.logprobs])
+    assert torch.allclose(ours, logprobs, atol=2e-4)
+
+
+def _hf_greedy(hf_model, prompt: list[int], max_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """HF's greedy tokens and the top 3 logprobs of each step."""
     with torch.inference_mode():
-        expected = hf_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=60, min_new_tokens=60,
-                                     pad_token_id=0)[0, len(prompt):].tolist()
-    output = on.generate([prompt], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True), use_tqdm=False)[0]
-    assert output.outputs[0].token_ids == expected
+        out = hf_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_tokens,
+                                min_new_tokens=max_tokens, pad_token_id=0, output_logits=True,
+                                return_dict_in_generate=True)
+    logprobs = torch.cat(out.logits).float().log_softmax(-1).topk(3).values
+    return out.sequences[0, len(prompt):].tolist(), logprobs
 
 
 def _bytes_of_blocks(hf_model, num_blocks: int, block_size: int = 16) -> int:
