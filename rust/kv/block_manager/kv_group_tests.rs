@@ -123,3 +123,52 @@ fn groups_are_set_before_any_sequence_and_number_one_to_256() {
     assert!(matches!(bm.set_kv_groups(&[0, 4]), Err(Error::InvalidState(_))));
     assert_eq!(bm.kv_group_windows(), [0]);
 }
+
+/// vLLM's `test_prefill_hybrid_model` (tests/v1/core/test_prefix_caching.py) on our API: a full
+/// group and two windowed groups of 2 blocks, block size 16, a prompt of 3 full blocks and 7
+/// tokens cached, then blocks of some groups evicted, and the hit length every group can serve.
+#[test]
+fn vllm_hybrid_prefix_hits_after_evicting_some_groups_blocks() {
+    const BLOCK: usize = 16;
+    let common: Vec<u32> = (0..3).flat_map(|block| [block; BLOCK]).collect();
+    let prompt = |tail: u32, len: usize| [&common[..], &vec![tail; len]].concat();
+    let cached = || {
+        let mut bm = BlockManager::new(21, 0, BLOCK, true, 0.0).unwrap();
+        bm.set_kv_groups(&[0, 2 * BLOCK, 2 * BLOCK]).unwrap();
+        bm.allocate(0, &prompt(3, 7), None).unwrap();
+        assert_eq!(bm.seq_tables(0).unwrap().iter().map(|table| table.blocks.len()).collect::<Vec<_>>(), [4, 4, 4]);
+        // The common prefix hits in every group while the first request holds it; the windowed
+        // groups' tables skip block 0, which the first computed token (48) does not read.
+        assert_eq!(bm.allocate(1, &prompt(3, 5), None).unwrap(), 3 * BLOCK);
+        let tables = bm.seq_tables(1).unwrap();
+        assert_eq!(tables.iter().map(|table| table.num_released).collect::<Vec<_>>(), [0, 1, 1]);
+        for table in tables {
+            assert!(table.live_blocks()[..table.live_blocks().len() - 1]
+                .iter()
+                .all(|&block| bm.refcount(block, Device::Gpu) == 2));
+        }
+        bm.free(0).unwrap();
+        bm.free(1).unwrap();
+        bm
+    };
+    let hashes = BlockHasher::new(0).block_hashes(&common, BLOCK, None);
+    let cases: [(&[(usize, usize)], usize); 7] = [
+        (&[(0, 1), (0, 2)], 3), // blocks outside the window: the hit stays whole
+        (&[(0, 0)], 0),         // the full group's first block: no hit at all
+        (&[(2, 0), (2, 1), (2, 2)], 2),
+        (&[(2, 0)], 2),
+        (&[(2, 1)], 2),
+        (&[(2, 2)], 2),
+        (&[(2, 0), (0, 1), (0, 2)], 0), // full serves 2 blocks, the windows then need block 0
+    ];
+    for (evicted, hit_blocks) in cases {
+        let mut bm = cached();
+        for &(index, group) in evicted {
+            let block = bm.cache.lookup(hashes[index].in_group(group)).unwrap();
+            forget_name(&mut bm.gpu, &mut bm.cache, &mut bm.events, block);
+        }
+        assert_eq!(bm.peek_prefix_hits(&prompt(3, 5), None).blocks(), hit_blocks, "evicted {evicted:?}");
+        assert_eq!(bm.allocate(2, &prompt(3, 5), None).unwrap(), hit_blocks * BLOCK);
+        bm.check_invariants().unwrap();
+    }
+}
