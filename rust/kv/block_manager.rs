@@ -592,10 +592,28 @@ impl BlockManager {
     }
 
     /// `child` holds `tokens`, a prefix of `parent`'s, sharing the blocks that hold them (a
-    /// partial last one is copied on the child's first write).
+    /// partial last one is copied on the child's first write). An error, changing nothing, when
+    /// a window of the parent released blocks the child's next position reads (`can_fork_prefix`).
     pub fn fork_prefix(&mut self, parent: SeqId, child: SeqId, tokens: &[u32]) -> Result<()> {
+        if !self.can_fork_prefix(parent, tokens.len())? {
+            return Err(Error::InvalidState(format!(
+                "sequence {parent} released blocks that a fork of its first {} tokens reads",
+                tokens.len()
+            )));
+        }
         self.fork(parent, child)?;
         self.truncate(child, tokens)
+    }
+
+    /// Whether a fork of `parent`'s first `shared_len` tokens finds every block its next position
+    /// reads: in each windowed KV-cache group, the parent has released none of the blocks that
+    /// position's window covers (it may have, once it computed past `shared_len` + window).
+    pub fn can_fork_prefix(&self, parent: SeqId, shared_len: usize) -> Result<bool> {
+        let tables = self.seq_tables(parent)?;
+        Ok(tables
+            .iter()
+            .zip(&self.windows)
+            .all(|(table, &window)| table.num_released <= first_needed_block(shared_len, window, self.block_size)))
     }
 
     /// `child` shares every block of `parent` (refcount + 1 each), in every KV-cache group.

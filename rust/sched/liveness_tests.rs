@@ -1,6 +1,7 @@
 //! Liveness under pressure, model-checked by seeded random workloads: tiny pools (4-32 blocks of
-//! 1-16 tokens), swap / recompute / auto preemption, prefix caching on and off, requests that
-//! fork samples or beams and free siblings, aborts at any point. After every step the oracle
+//! 1-16 tokens per KV-cache group), one group or a hybrid model's full and windowed groups, swap /
+//! recompute / auto preemption, prefix caching on and off, requests that fork samples or beams and
+//! free siblings, aborts at any point. After every step the oracle
 //! checks the bookkeeping and that every sequence reads back its own tokens through all the
 //! copies; that some token is scheduled within a few steps whenever anything is unfinished; and
 //! that a request is dropped only when the oracle agrees it cannot run alone on the empty pool.
@@ -37,10 +38,17 @@ fn random_config(rng: &mut Rng) -> SchedulerConfig {
     let enable_chunked_prefill = rng.below(4) != 0;
     let max_model_len = 8 + rng.below(120) as usize;
     let max_num_batched_tokens = if enable_chunked_prefill { rng.pick(&[4, 8, 16, 64]) } else { max_model_len };
+    // A third of the workloads: a hybrid model's KV-cache groups (a full one among windowed ones).
+    let num_groups = rng.pick(&[1, 1, 1, 1, 2, 3]);
+    let kv_group_windows: Vec<usize> = match num_groups {
+        1 => Vec::new(),
+        _ => (0..num_groups).map(|group| if group == 1 { 0 } else { rng.pick(&[2, 5, 9]) }).collect(),
+    };
     SchedulerConfig {
         block_size,
-        num_device_blocks,
-        num_cpu_blocks: rng.pick(&[0, 4, 16, 64]),
+        num_device_blocks: num_device_blocks * num_groups,
+        num_cpu_blocks: rng.pick(&[0, 4, 16, 64]) * num_groups,
+        kv_group_windows,
         max_num_seqs: rng.pick(&[2, 4, 8]),
         max_num_batched_tokens,
         max_model_len,
@@ -65,12 +73,22 @@ struct Request {
     seqs: Vec<u64>,
 }
 
-/// An upper bound of the device blocks a request needs to take its next step alone: every
-/// sequence holds all its tokens, sharing only its prompt's full blocks with its siblings (forks
-/// happen after the prompt is computed, and rebuilding a group keeps at least that).
+/// An upper bound of the device blocks a request needs to take its next step alone, over its
+/// KV-cache groups: in each, every sequence holds all its tokens, sharing only its prompt's full
+/// blocks with its siblings (forks happen after the prompt is computed, and rebuilding a group
+/// keeps at least that); in a windowed group, also at most its window and one step's chunk each.
 fn blocks_alone(cfg: &SchedulerConfig, request: &Request, tokens: &HashMap<u64, Vec<u32>>) -> usize {
     let shared = request.prompt_len / cfg.block_size;
-    shared + request.seqs.iter().map(|seq| tokens[seq].len().div_ceil(cfg.block_size) - shared).sum::<usize>()
+    let all =
+        shared + request.seqs.iter().map(|seq| tokens[seq].len().div_ceil(cfg.block_size) - shared).sum::<usize>();
+    let chunk = if cfg.enable_chunked_prefill { cfg.max_num_batched_tokens } else { cfg.max_model_len };
+    cfg.group_windows()
+        .iter()
+        .map(|&window| match window {
+            0 => all,
+            _ => all.min(request.seqs.len() * ((window - 1 + chunk).div_ceil(cfg.block_size) + 1)),
+        })
+        .sum()
 }
 
 /// What a workload went through, summed over workloads to show the check covered it.
@@ -82,6 +100,8 @@ struct Coverage {
     /// Preemptions of groups with several sequences.
     group_preemptions: usize,
     drops: usize,
+    /// Workloads of hybrid models (several KV-cache groups).
+    hybrid_workloads: usize,
 }
 
 /// Runs one random workload to its end.
@@ -90,7 +110,8 @@ fn run_workload(seed: u64, coverage: &mut Coverage) {
     let cfg = random_config(&mut rng);
     let mut cache = SimulatedCache::new(&cfg);
     let mut s = Scheduler::new(cfg.clone()).unwrap();
-    let pool_tokens = cfg.num_device_blocks * cfg.block_size;
+    let pool_tokens = cfg.num_device_blocks / cfg.group_windows().len() * cfg.block_size;
+    coverage.hybrid_workloads += (cfg.group_windows().len() > 1) as usize;
     let fork_limit = cfg.max_num_seqs.min(cfg.max_num_batched_tokens);
     let num_requests = 4 + rng.below(10) as usize;
     let mut tokens: HashMap<u64, Vec<u32>> = HashMap::new();
@@ -190,9 +211,11 @@ fn random_workloads_never_stall_and_drop_only_what_cannot_fit_alone() {
     for seed in 0..600 {
         run_workload(seed, &mut coverage);
     }
-    let Coverage { steps, swaps, recomputes, group_preemptions, drops } = coverage;
+    let Coverage { steps, swaps, recomputes, group_preemptions, drops, hybrid_workloads } = coverage;
     eprintln!(
-        "{steps} steps, {swaps} swaps, {recomputes} recomputes, {group_preemptions} group preemptions, {drops} drops"
+        "{steps} steps, {swaps} swaps, {recomputes} recomputes, {group_preemptions} group preemptions, {drops} drops, \
+         {hybrid_workloads} hybrid workloads"
     );
     assert!(steps >= 20_000 && swaps > 100 && recomputes > 100 && group_preemptions > 100 && drops > 0);
+    assert!(hybrid_workloads > 100);
 }

@@ -172,3 +172,19 @@ fn vllm_hybrid_prefix_hits_after_evicting_some_groups_blocks() {
         bm.check_invariants().unwrap();
     }
 }
+
+#[test]
+fn a_fork_that_would_read_blocks_the_parent_s_window_released_is_refused() {
+    let mut bm = hybrid(32, 0, &[0, 4]);
+    let prompt = tokens(20, 100);
+    bm.allocate(1, &prompt, None).unwrap();
+    bm.append_token(1, 7).unwrap(); // position 20 reads 17..=20: the windowed table releases blocks 0..4
+    assert_eq!(bm.seq_tables(1).unwrap()[1].num_released, 4);
+    assert!(!bm.can_fork_prefix(1, 8).unwrap(), "position 8 reads 5..=8, in released block 1");
+    let free = bm.num_free_device_blocks();
+    assert!(matches!(bm.fork_prefix(1, 2, &prompt[..8]), Err(Error::InvalidState(_))));
+    assert!(!bm.contains(2) && bm.num_free_device_blocks() == free, "a refused fork changes nothing");
+    assert!(bm.can_fork_prefix(1, 20).unwrap());
+    bm.fork_prefix(1, 3, &prompt).unwrap();
+    bm.check_invariants().unwrap();
+}

@@ -82,19 +82,11 @@ impl Scheduler {
     /// Queues a group whose blocks are freed to be computed again from its tokens, rebuilt with
     /// the sharing it had (`SequenceGroup::plan_rebuild`).
     pub(super) fn requeue_for_recompute(&mut self, group_id: GroupId) {
-        let windowed = self.config.has_windowed_group();
         let group = &mut self.groups[group_id];
         for seq in group.seqs.iter_mut() {
             seq.reset_for_recompute();
         }
         group.plan_rebuild();
-        if windowed {
-            // A parent's window may have released blocks its fork would read: under a window every
-            // sequence takes a table of its own (prefix-cache hits still share full blocks).
-            for seq in group.seqs.iter_mut().filter(|seq| seq.pending.is_some()) {
-                seq.pending = None;
-            }
-        }
         group.state = GroupState::Waiting;
         enqueue(&mut self.waiting, &self.groups, group_id);
     }
@@ -120,8 +112,10 @@ impl Scheduler {
 
     /// Gives tables to the sequences of a rebuilt group whose turn has come: a sequence forks its
     /// parent once the parent's KV (computed in earlier steps) covers their shared prefix, and one
-    /// without a parent takes its own table. Once every sequence holds a table and has computed
-    /// all but its last token, the group samples again as one.
+    /// without a parent takes its own table, as does one whose parent's window already released
+    /// blocks it would read (a prefix-cache hit can start the parent past the shared prefix).
+    /// Once every sequence holds a table and has computed all but its last token, the group
+    /// samples again as one.
     pub(super) fn advance_rebuild(&mut self, group_id: GroupId) {
         let group = &mut self.groups[group_id];
         let mut progressed = true;
@@ -142,7 +136,10 @@ impl Scheduler {
                     continue;
                 }
                 let seq = &mut group.seqs[index];
-                seq.num_computed = match pending.parent {
+                let parent = pending.parent.filter(|&parent| {
+                    self.blocks.can_fork_prefix(parent, pending.shared_len).expect("the parent holds a table")
+                });
+                seq.num_computed = match parent {
                     None => self
                         .blocks
                         .allocate_prefix(seq.id, &seq.tokens, group.extra_key)
@@ -174,13 +171,19 @@ impl Scheduler {
         }
         let ending = group.seq(seq_id).unwrap();
         let (ending_pending, ending_computed) = (ending.pending, ending.num_computed);
+        let holds_table = self.blocks.contains(seq_id);
         let running = group.state == GroupState::Running;
         let group = &mut self.groups[group_id];
         for seq in group.seqs.iter_mut().filter(|seq| seq.is_active()) {
             let Some(pending) = seq.pending.filter(|pending| pending.parent == Some(seq_id)) else {
                 continue;
             };
-            if running && ending_pending.is_none() && ending_computed >= pending.shared_len {
+            if running
+                && ending_pending.is_none()
+                && ending_computed >= pending.shared_len
+                && holds_table
+                && self.blocks.can_fork_prefix(seq_id, pending.shared_len).unwrap_or(false)
+            {
                 let shared = &seq.tokens[..pending.shared_len];
                 self.blocks.fork_prefix(seq_id, seq.id, shared).expect("the parent holds the prefix");
                 seq.num_computed = pending.shared_len;
