@@ -377,10 +377,10 @@ impl BlockManager {
     /// tables and takes their unreported blocks (`BlockTable::take_unreported`).
     pub fn append_slots_for_step(&mut self, seq: SeqId, tokens: &[u32]) -> Result<StepSlots<'_>> {
         let (copies, tables) = self.grow(seq, tokens)?;
-        let mut table_from = usize::MAX;
-        for table in tables.iter_mut() {
-            table_from = table_from.min(table.take_unreported());
-        }
+        let table_from = match tables.as_mut_slice() {
+            [table] => table.take_unreported(),
+            tables => tables.iter_mut().map(BlockTable::take_unreported).min().unwrap_or(0),
+        };
         Ok(StepSlots { copies, tables, table_from })
     }
 

@@ -195,27 +195,32 @@ impl SchedulerOutput {
         block_size: usize,
     ) -> ScheduledSequence {
         let SequenceWork { seq_id, start, is_prefill, sample, row } = work;
-        self.blocks_to_copy.extend_from_slice(&slots.copies);
+        if !slots.copies.is_empty() {
+            self.blocks_to_copy.extend_from_slice(&slots.copies);
+        }
         let end = start + tokens.len();
         let token_range = self.token_ids.len()..self.token_ids.len() + tokens.len();
+        let update_start = self.block_table_updates.len();
         match (tokens, slots.tables) {
             // A decode in one group (the hot path): no slice-copy or iterator set-up.
             ([token], [table]) => {
                 self.token_ids.push(*token);
                 self.slot_mapping.push(table.slot(start, block_size));
+                if slots.table_from < table.blocks.len() {
+                    self.block_table_updates.extend_from_slice(&table.blocks[slots.table_from..]);
+                }
             }
             _ => {
                 self.token_ids.extend_from_slice(tokens);
                 for pos in start..end {
                     self.slot_mapping.extend(slots.tables.iter().map(|table| table.slot(pos, block_size)));
                 }
+                for table in slots.tables {
+                    self.block_table_updates.extend_from_slice(&table.blocks[slots.table_from..]);
+                }
             }
         }
         let num_blocks = slots.tables[0].blocks.len();
-        let update_start = self.block_table_updates.len();
-        for table in slots.tables {
-            self.block_table_updates.extend_from_slice(&table.blocks[slots.table_from..]);
-        }
         ScheduledSequence {
             seq_id,
             is_prefill,
