@@ -34,13 +34,13 @@ pub type SeqId = u64;
 pub type BlockCopy = (BlockId, BlockId);
 
 /// The copy-on-write copies one append makes: one per KV-cache group whose shared partial last
-/// block it wrote (at most one group's worth in models with one group).
+/// block it wrote (at most one in models with one group).
 pub type BlockCopies = SmallVec<[BlockCopy; 1]>;
 
 /// What `append_slots_for_step` did to one sequence's tables.
 pub struct StepSlots<'a> {
     /// The copy-on-write copies to perform before the step (a shared last block was written).
-    pub copies: BlockCopies,
+    pub copies: &'a [BlockCopy],
     /// The sequence's tables, one per KV-cache group.
     pub tables: &'a [BlockTable],
     /// First logical block not reported to the step consumer before (`blocks[table_from..]` of
@@ -61,12 +61,14 @@ pub struct BlockManager {
     watermark_blocks: usize,
     /// Each KV-cache group's attention window, counting the position itself (0: full attention);
     /// see `set_kv_groups`. One group unless set.
-    windows: SmallVec<[usize; 2]>,
+    windows: Vec<usize>,
     /// Names full blocks, keyed by the prefix cache's root seed.
     hasher: BlockHasher,
     /// The cached blocks' changes since the owner last took them (off unless enabled).
     events: KvEventLog,
     tables: HashMap<SeqId, SeqTables>,
+    /// The copy-on-write copies of the last append (`grow`), kept to spare the hot path an allocation.
+    step_copies: Vec<BlockCopy>,
 }
 
 impl BlockManager {
@@ -102,10 +104,11 @@ impl BlockManager {
             cpu_tier: OffloadTier::default(),
             enable_prefix_caching,
             watermark_blocks: (watermark * num_device_blocks as f64).ceil() as usize,
-            windows: smallvec::smallvec![0],
+            windows: vec![0],
             hasher: BlockHasher::new(0),
             events: KvEventLog::default(),
             tables: HashMap::default(),
+            step_copies: Vec::new(),
         })
     }
 
@@ -125,7 +128,7 @@ impl BlockManager {
     /// For models whose every layer attends only to the last `window` positions (counting its
     /// own; 0 = no window): one KV-cache group of that window (`set_kv_groups(&[window])`).
     pub fn set_sliding_window(&mut self, window: usize) {
-        self.windows = smallvec::smallvec![window];
+        self.windows = vec![window];
     }
 
     /// The model's KV-cache groups, by each one's attention window (counting the position itself;
@@ -145,7 +148,7 @@ impl BlockManager {
         if !self.tables.is_empty() {
             return Err(Error::InvalidState("KV-cache groups can only be set while no sequence holds blocks".into()));
         }
-        self.windows = windows.into();
+        self.windows = windows.to_vec();
         Ok(())
     }
 
@@ -370,21 +373,22 @@ impl BlockManager {
     /// a partially filled last block is shared, it is copied first (copy-on-write) and the copies
     /// are returned. Blocks that fill up get their content hash (and enter the prefix cache).
     pub fn append_slots(&mut self, seq: SeqId, tokens: &[u32]) -> Result<BlockCopies> {
-        self.grow(seq, tokens).map(|(copies, _)| copies)
+        self.grow(seq, tokens).map(|(copies, _)| copies.iter().copied().collect())
     }
 
     /// `append_slots` for the scheduler's hot path (one table lookup): also returns the updated
     /// tables and takes their unreported blocks (`BlockTable::take_unreported`).
     pub fn append_slots_for_step(&mut self, seq: SeqId, tokens: &[u32]) -> Result<StepSlots<'_>> {
         let (copies, tables) = self.grow(seq, tokens)?;
-        let table_from = match tables.as_mut_slice() {
+        let table_from = match &mut *tables {
             [table] => table.take_unreported(),
-            tables => tables.iter_mut().map(BlockTable::take_unreported).min().unwrap_or(0),
+            all => all.iter_mut().map(BlockTable::take_unreported).min().unwrap_or(0),
         };
         Ok(StepSlots { copies, tables, table_from })
     }
 
-    fn grow(&mut self, seq: SeqId, tokens: &[u32]) -> Result<(BlockCopies, &mut SeqTables)> {
+    /// `append_slots` on every table of `seq`; returns the copies (kept in `step_copies`) and the tables.
+    fn grow(&mut self, seq: SeqId, tokens: &[u32]) -> Result<(&[BlockCopy], &mut [BlockTable])> {
         if self.windows.len() > 1 && !tokens.is_empty() {
             // Checked for all groups first, so that a failure changes nothing.
             let needed = self.blocks_needed_to_append(seq, tokens.len())?;
@@ -403,91 +407,34 @@ impl BlockManager {
             hasher,
             events,
             tables,
+            step_copies,
             ..
         } = self;
-        let block_size = *block_size;
-        let tables = tables.get_mut(&seq).ok_or(Error::UnknownSequence(seq))?;
+        step_copies.clear();
+        let tables = tables.get_mut(&seq).ok_or(Error::UnknownSequence(seq))?.as_mut_slice();
         if tables[0].device != Device::Gpu {
             return Err(Error::InvalidState(format!("sequence {seq} is swapped out; swap it in before appending")));
         }
-        let mut copies = BlockCopies::new();
-        for (group, (table, &window)) in tables.iter_mut().zip(windows.iter()).enumerate() {
-            let release_to = if window == 0 {
-                table.num_released
-            } else {
-                first_needed_block(table.num_tokens, window, block_size).clamp(table.num_released, table.blocks.len())
-            };
-            // A partial last block this table alone holds may still be named after the full block it
-            // was cut from (truncated while another table shared it, which let go since): it is about
-            // to be written in place, so it stops serving that name first.
-            if !tokens.is_empty() && table.last_block_partial(block_size) {
-                let last = *table.blocks.last().unwrap();
-                if gpu.refcount(last) == 1 && gpu.hash(last).is_some() {
-                    forget_name(gpu, cache, events, last);
-                }
-            }
-            // The decode step's usual case, fifteen times in sixteen: one token lands in the unshared,
-            // partially filled last block without filling it. Nothing to allocate, copy or hash.
-            if let [token] = tokens {
-                let offset = block_offset(table.num_tokens, block_size);
-                if offset != 0 && offset + 1 < block_size && gpu.refcount(*table.blocks.last().unwrap()) == 1 {
-                    if release_to > table.num_released {
-                        release_blocks_before(table, gpu, release_to);
-                    }
-                    table.num_tokens += 1;
-                    if *enable_prefix_caching {
-                        table.tokens.push(*token);
-                    }
-                    continue;
-                }
-            }
-            let cow = !tokens.is_empty()
-                && table.last_block_partial(block_size)
-                && gpu.refcount(*table.blocks.last().unwrap()) > 1;
-            let needed = table.new_blocks_for(tokens.len(), block_size) + cow as usize;
-            let freed = blocks_freed_by_release(table, gpu, release_to);
-            if needed > gpu.num_free() + freed {
-                let needed = needed - freed;
-                return Err(Error::OutOfBlocks { device: Device::Gpu, needed, free: gpu.num_free() });
-            }
-            release_blocks_before(table, gpu, release_to);
-            if cow {
-                let last = *table.blocks.last().unwrap();
-                let fresh = allocate_evicting(gpu, cache, cpu, cpu_tier, events)?;
-                gpu.release(last);
-                *table.blocks.last_mut().unwrap() = fresh;
-                table.num_reported = table.num_reported.min(table.blocks.len() - 1);
-                copies.push((last, fresh));
-            }
-            for &token in tokens {
-                if !table.last_block_partial(block_size) {
-                    let block = allocate_evicting(gpu, cache, cpu, cpu_tier, events)?;
-                    table.blocks.push(block);
-                }
-                table.num_tokens += 1;
-                if *enable_prefix_caching {
-                    table.tokens.push(token);
-                    if table.tokens.len() == (table.hashes.len() + 1) * block_size {
-                        let parent = table.hashes.last().copied();
-                        let block_tokens = &table.tokens[table.tokens.len() - block_size..];
-                        let hash = hasher.block_hash(parent, block_tokens, table.extra_key);
-                        table.hashes.push(hash);
-                        if block_tokens.contains(&PLACEHOLDER_TOKEN) {
-                            continue; // (named once its token is filled in: fill_token)
-                        }
-                        let entry = CachedBlock {
-                            hash: hash.in_group(group),
-                            parent: parent.map(|parent| parent.in_group(group)),
-                            block: *table.blocks.last().unwrap(),
-                            tokens: block_tokens.into(),
-                            extra_key: table.extra_key,
-                        };
-                        cache_on_device(gpu, cache, cpu, cpu_tier, events, entry);
-                    }
+        let mut growth = TableGrowth {
+            block_size: *block_size,
+            enable_prefix_caching: *enable_prefix_caching,
+            hasher,
+            gpu,
+            cpu,
+            cache,
+            cpu_tier,
+            events,
+            copies: step_copies,
+        };
+        match &mut *tables {
+            [table] => growth.grow(table, 0, windows[0], tokens)?, // (the one-group hot path)
+            all => {
+                for (group, table) in all.iter_mut().enumerate() {
+                    growth.grow(table, group, windows[group], tokens)?;
                 }
             }
         }
-        Ok((copies, tables))
+        Ok((step_copies, tables))
     }
 
     /// The token at `position` of `seq` became `tokens[position]` (a placeholder filled in, see
@@ -733,6 +680,105 @@ impl BlockManager {
             != (0..self.cpu.num_blocks() as BlockId).filter(|b| self.cpu.hash(*b).is_some()).count()
         {
             return Err("the CPU tier names a block that holds no hash".into());
+        }
+        Ok(())
+    }
+}
+
+/// What appending to one table borrows from the block manager (`BlockManager::grow`).
+struct TableGrowth<'a> {
+    block_size: usize,
+    enable_prefix_caching: bool,
+    hasher: &'a BlockHasher,
+    gpu: &'a mut BlockPool,
+    cpu: &'a mut BlockPool,
+    cache: &'a mut PrefixCache,
+    cpu_tier: &'a mut OffloadTier,
+    events: &'a mut KvEventLog,
+    /// The copy-on-write copies made, in order.
+    copies: &'a mut Vec<BlockCopy>,
+}
+
+impl TableGrowth<'_> {
+    /// Appends `tokens` to KV-cache group `group`'s `table` (its window: `window`), which the
+    /// caller has checked fits.
+    #[inline(always)]
+    fn grow(&mut self, table: &mut BlockTable, group: usize, window: usize, tokens: &[u32]) -> Result<()> {
+        let TableGrowth { block_size, enable_prefix_caching, hasher, gpu, cpu, cache, cpu_tier, events, copies } = self;
+        let (block_size, enable_prefix_caching) = (*block_size, *enable_prefix_caching);
+        let release_to = if window == 0 {
+            table.num_released
+        } else {
+            first_needed_block(table.num_tokens, window, block_size).clamp(table.num_released, table.blocks.len())
+        };
+        // A partial last block this table alone holds may still be named after the full block it
+        // was cut from (truncated while another table shared it, which let go since): it is about
+        // to be written in place, so it stops serving that name first.
+        if !tokens.is_empty() && table.last_block_partial(block_size) {
+            let last = *table.blocks.last().unwrap();
+            if gpu.refcount(last) == 1 && gpu.hash(last).is_some() {
+                forget_name(gpu, cache, events, last);
+            }
+        }
+        // The decode step's usual case, fifteen times in sixteen: one token lands in the unshared,
+        // partially filled last block without filling it. Nothing to allocate, copy or hash.
+        if let [token] = tokens {
+            let offset = block_offset(table.num_tokens, block_size);
+            if offset != 0 && offset + 1 < block_size && gpu.refcount(*table.blocks.last().unwrap()) == 1 {
+                if release_to > table.num_released {
+                    release_blocks_before(table, gpu, release_to);
+                }
+                table.num_tokens += 1;
+                if enable_prefix_caching {
+                    table.tokens.push(*token);
+                }
+                return Ok(());
+            }
+        }
+        let cow = !tokens.is_empty()
+            && table.last_block_partial(block_size)
+            && gpu.refcount(*table.blocks.last().unwrap()) > 1;
+        let needed = table.new_blocks_for(tokens.len(), block_size) + cow as usize;
+        let freed = blocks_freed_by_release(table, gpu, release_to);
+        if needed > gpu.num_free() + freed {
+            let needed = needed - freed;
+            return Err(Error::OutOfBlocks { device: Device::Gpu, needed, free: gpu.num_free() });
+        }
+        release_blocks_before(table, gpu, release_to);
+        if cow {
+            let last = *table.blocks.last().unwrap();
+            let fresh = allocate_evicting(gpu, cache, cpu, cpu_tier, events)?;
+            gpu.release(last);
+            *table.blocks.last_mut().unwrap() = fresh;
+            table.num_reported = table.num_reported.min(table.blocks.len() - 1);
+            copies.push((last, fresh));
+        }
+        for &token in tokens {
+            if !table.last_block_partial(block_size) {
+                let block = allocate_evicting(gpu, cache, cpu, cpu_tier, events)?;
+                table.blocks.push(block);
+            }
+            table.num_tokens += 1;
+            if enable_prefix_caching {
+                table.tokens.push(token);
+                if table.tokens.len() == (table.hashes.len() + 1) * block_size {
+                    let parent = table.hashes.last().copied();
+                    let block_tokens = &table.tokens[table.tokens.len() - block_size..];
+                    let hash = hasher.block_hash(parent, block_tokens, table.extra_key);
+                    table.hashes.push(hash);
+                    if block_tokens.contains(&PLACEHOLDER_TOKEN) {
+                        continue; // (named once its token is filled in: fill_token)
+                    }
+                    let entry = CachedBlock {
+                        hash: hash.in_group(group),
+                        parent: parent.map(|parent| parent.in_group(group)),
+                        block: *table.blocks.last().unwrap(),
+                        tokens: block_tokens.into(),
+                        extra_key: table.extra_key,
+                    };
+                    cache_on_device(gpu, cache, cpu, cpu_tier, events, entry);
+                }
+            }
         }
         Ok(())
     }

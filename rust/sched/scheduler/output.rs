@@ -196,7 +196,7 @@ impl SchedulerOutput {
     ) -> ScheduledSequence {
         let SequenceWork { seq_id, start, is_prefill, sample, row } = work;
         if !slots.copies.is_empty() {
-            self.blocks_to_copy.extend_from_slice(&slots.copies);
+            self.blocks_to_copy.extend_from_slice(slots.copies);
         }
         let end = start + tokens.len();
         let token_range = self.token_ids.len()..self.token_ids.len() + tokens.len();
