@@ -175,3 +175,36 @@ def test_other_architectures_on_the_gpu_equal_the_cpu_engine(tmp_path, architect
                   num_device_blocks=64, enforce_eager=False)
         results.append([out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)])
     assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_gpu_kv_cache_groups_equal_the_cpu_engine(tmp_path, enforce_eager):
+    """A hybrid model (the tiny Gemma 3: windowed and full layers, KV-cache groups) on the CUDA
+    kernels, eager and in decode graphs, under swap preemption: the CPU engine's tokens and
+    logprobs."""
+    from support.checkpoints import save_tiny_checkpoint
+    from support.tiny_models import tiny_gemma3
+
+    from pagedkv import LLM, SamplingParams
+
+    directory = save_tiny_checkpoint(tmp_path, tiny_gemma3())
+    generator = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(3, 256, (length,), generator=generator).tolist() for length in (30, 12, 45, 70)]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=3)
+
+    def run(**options):
+        llm = LLM(directory, dtype="float32", max_model_len=256, max_num_seqs=4, **options)
+        assert llm.engine.runner.kv_groups.num_groups == 3
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        return llm, [(out.outputs[0].token_ids, [sorted(step.values()) for step in out.outputs[0].logprobs])
+                     for out in outputs]
+
+    _, reference = run(device="cpu", num_device_blocks=256)
+    llm, results = run(device="cuda", attention_backend="cuda", enforce_eager=enforce_eager, num_device_blocks=24,
+                       preemption_mode="swap", watermark=0.0, swap_space_bytes=16 << 20)
+    for (tokens, logprobs), (expected_tokens, expected_logprobs) in zip(results, reference):
+        assert tokens == expected_tokens
+        assert torch.allclose(torch.tensor(logprobs), torch.tensor(expected_logprobs), atol=1e-3)
+    if not enforce_eager:
+        assert sum(llm.engine.runner.decode_graphs.num_replays.values()) > 0
+    assert llm.engine.stats()["num_preemptions_swap"] > 0
