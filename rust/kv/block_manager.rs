@@ -7,6 +7,10 @@
 //! one kind. A pool block holds one group's layers for `block_size` tokens, so every group draws
 //! from the same pool; each sequence has one table per group, and a windowed group's table
 //! releases the blocks behind its window while a full group's keeps them all.
+//!
+//! Here: the manager, its settings and reads, fill-in, truncation, fork and free. Appending
+//! (`growth`), a new sequence's prefix-cache start (`prefix_hits`), swap (`swap`) and the
+//! bookkeeping checks (`invariants`) have files of their own.
 
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use smallvec::SmallVec;
@@ -19,6 +23,8 @@ use crate::kv::events::{KvEvent, KvEventLog};
 use crate::kv::offload_tier::OffloadTier;
 use crate::kv::prefix_cache::{BlockHash, BlockHasher, CachedBlock, PrefixCache, MAX_KV_GROUPS};
 
+mod growth;
+mod invariants;
 #[cfg(test)]
 mod kv_group_tests;
 mod prefix_hits;
@@ -315,46 +321,6 @@ impl BlockManager {
         self.gpu.num_free() >= num_blocks + self.watermark_blocks
     }
 
-    /// Device blocks that appending `num_tokens` tokens to `seq` takes (see
-    /// `blocks_needed_to_append_group`).
-    pub fn blocks_needed_to_append(&self, seq: SeqId, num_tokens: usize) -> Result<usize> {
-        self.blocks_needed_to_append_group(&[(seq, num_tokens)])
-    }
-
-    /// Device blocks that appending `appends` (sequence, tokens) to running sequences of one group
-    /// takes from the free pool, in that order: the one exact count used for decode growth,
-    /// chunked prefills and preemption. A partially filled last block shared by `r` tables costs a
-    /// copy-on-write for each of the first `r - 1` appenders only (the last writes in place); a
-    /// partial block with room needs nothing. Blocks a window releases count as soon as their
-    /// table's turn comes (a block another table shares is not counted as freed), so the result is
-    /// the fewest free blocks that let every append succeed in turn (each sequence's KV-cache
-    /// groups in group order, as `append_slots` takes them).
-    pub fn blocks_needed_to_append_group(&self, appends: &[(SeqId, usize)]) -> Result<usize> {
-        let mut copies_of: SmallVec<[(BlockId, u32); 4]> = SmallVec::new();
-        let (mut balance, mut needed) = (0isize, 0isize);
-        for &(seq, num_tokens) in appends {
-            let tables = self.seq_tables(seq)?;
-            if tables[0].device != Device::Gpu {
-                return Err(Error::InvalidState(format!("sequence {seq} is swapped out; swap it in before appending")));
-            }
-            if num_tokens == 0 {
-                continue;
-            }
-            for (table, &window) in tables.iter().zip(&self.windows) {
-                let release_to = first_needed_block(table.num_tokens, window, self.block_size)
-                    .clamp(table.num_released, table.blocks.len());
-                balance -= blocks_freed_by_release(table, &self.gpu, release_to) as isize;
-                balance += table.new_blocks_for(num_tokens, self.block_size) as isize;
-                if table.last_block_partial(self.block_size) {
-                    let last = *table.blocks.last().unwrap();
-                    balance += copy_on_write(&mut copies_of, last, self.gpu.refcount(last)) as isize;
-                }
-                needed = needed.max(balance);
-            }
-        }
-        Ok(needed as usize)
-    }
-
     /// Device blocks that rebuilding sequences by recompute holds once done, in the KV-cache
     /// groups of full attention (a windowed group's blocks are bounded by its window, not by the
     /// length): for each, its blocks less the full blocks it shares with the sibling it forks from
@@ -367,74 +333,6 @@ impl BlockManager {
                 .iter()
                 .map(|&(num_tokens, shared_len)| self.blocks_for_tokens(num_tokens) - shared_len / self.block_size)
                 .sum::<usize>()
-    }
-
-    /// Makes room for `tokens` after the sequence's current tokens, in every KV-cache group. When
-    /// a partially filled last block is shared, it is copied first (copy-on-write) and the copies
-    /// are returned. Blocks that fill up get their content hash (and enter the prefix cache).
-    pub fn append_slots(&mut self, seq: SeqId, tokens: &[u32]) -> Result<BlockCopies> {
-        self.grow(seq, tokens).map(|(copies, _)| copies.iter().copied().collect())
-    }
-
-    /// `append_slots` for the scheduler's hot path (one table lookup): also returns the updated
-    /// tables and takes their unreported blocks (`BlockTable::take_unreported`).
-    pub fn append_slots_for_step(&mut self, seq: SeqId, tokens: &[u32]) -> Result<StepSlots<'_>> {
-        let (copies, tables) = self.grow(seq, tokens)?;
-        let table_from = match &mut *tables {
-            [table] => table.take_unreported(),
-            all => all.iter_mut().map(BlockTable::take_unreported).min().unwrap_or(0),
-        };
-        Ok(StepSlots { copies, tables, table_from })
-    }
-
-    /// `append_slots` on every table of `seq`; returns the copies (kept in `step_copies`) and the tables.
-    fn grow(&mut self, seq: SeqId, tokens: &[u32]) -> Result<(&[BlockCopy], &mut [BlockTable])> {
-        if self.windows.len() > 1 && !tokens.is_empty() {
-            // Checked for all groups first, so that a failure changes nothing.
-            let needed = self.blocks_needed_to_append(seq, tokens.len())?;
-            if needed > self.gpu.num_free() {
-                return Err(Error::OutOfBlocks { device: Device::Gpu, needed, free: self.gpu.num_free() });
-            }
-        }
-        let BlockManager {
-            block_size,
-            gpu,
-            cpu,
-            cache,
-            cpu_tier,
-            enable_prefix_caching,
-            windows,
-            hasher,
-            events,
-            tables,
-            step_copies,
-            ..
-        } = self;
-        step_copies.clear();
-        let tables = tables.get_mut(&seq).ok_or(Error::UnknownSequence(seq))?.as_mut_slice();
-        if tables[0].device != Device::Gpu {
-            return Err(Error::InvalidState(format!("sequence {seq} is swapped out; swap it in before appending")));
-        }
-        let mut growth = TableGrowth {
-            block_size: *block_size,
-            enable_prefix_caching: *enable_prefix_caching,
-            hasher,
-            gpu,
-            cpu,
-            cache,
-            cpu_tier,
-            events,
-            copies: step_copies,
-        };
-        match &mut *tables {
-            [table] => growth.grow(table, 0, windows[0], tokens)?, // (the one-group hot path)
-            all => {
-                for (group, table) in all.iter_mut().enumerate() {
-                    growth.grow(table, group, windows[group], tokens)?;
-                }
-            }
-        }
-        Ok((step_copies, tables))
     }
 
     /// The token at `position` of `seq` became `tokens[position]` (a placeholder filled in, see
@@ -599,224 +497,6 @@ impl BlockManager {
         }
         Ok(())
     }
-
-    /// Checks the bookkeeping against the tables: every refcount equals the number of tables
-    /// holding the block, free blocks are unreferenced, cached blocks are named in the cache.
-    pub fn check_invariants(&self) -> std::result::Result<(), String> {
-        let mut group_of: HashMap<(bool, BlockId), usize> = HashMap::default();
-        for (seq, tables) in &self.tables {
-            if tables.len() != self.windows.len() {
-                return Err(format!(
-                    "sequence {seq} has {} tables for {} KV-cache groups",
-                    tables.len(),
-                    self.windows.len()
-                ));
-            }
-            for (group, table) in tables.iter().enumerate() {
-                let first = &tables[0];
-                if (table.num_tokens, table.blocks.len(), table.device)
-                    != (first.num_tokens, first.blocks.len(), first.device)
-                {
-                    return Err(format!("sequence {seq}: the tables of groups 0 and {group} disagree"));
-                }
-                for &block in table.live_blocks() {
-                    if *group_of.entry((table.device == Device::Gpu, block)).or_insert(group) != group {
-                        return Err(format!("{} block {block} is held in two KV-cache groups", table.device));
-                    }
-                }
-            }
-        }
-        for device in [Device::Gpu, Device::Cpu] {
-            let pool = self.pool(device);
-            let mut holders = vec![0u32; pool.num_blocks()];
-            for (_, table) in self.tables().filter(|(_, table)| table.device == device) {
-                for &block in table.live_blocks() {
-                    holders[block as usize] += 1;
-                }
-            }
-            if device == Device::Cpu {
-                for &block in self.cpu_tier.pinned() {
-                    holders[block as usize] += 1;
-                }
-            }
-            let mut zero = 0;
-            for (block, &count) in holders.iter().enumerate() {
-                let refcount = pool.refcount(block as BlockId);
-                if refcount != count {
-                    return Err(format!(
-                        "{device} block {block}: refcount {refcount}, held by {count} tables and pins"
-                    ));
-                }
-                zero += (count == 0) as usize;
-            }
-            if zero != pool.num_free() {
-                return Err(format!("{device} pool: {zero} unreferenced blocks but {} free", pool.num_free()));
-            }
-        }
-        for block in 0..self.gpu.num_blocks() as BlockId {
-            if let Some(hash) = self.gpu.hash(block) {
-                if self.cache.lookup(hash) != Some(block) {
-                    return Err(format!("device block {block} has hash {hash:x?} but the cache does not name it"));
-                }
-            }
-        }
-        for entry in self.cache.entries() {
-            let (hash, block) = (entry.hash, entry.block);
-            if self.gpu.hash(block) != Some(hash) {
-                return Err(format!("the cache names device block {block} by {hash:x?}, a hash it does not hold"));
-            }
-            if self.cpu_tier.cache().get(hash).is_some() {
-                return Err(format!("{hash:x?} is cached on the device and in the CPU tier"));
-            }
-        }
-        for block in 0..self.cpu.num_blocks() as BlockId {
-            if let Some(hash) = self.cpu.hash(block) {
-                if self.cpu_tier.cache().lookup(hash) != Some(block) {
-                    return Err(format!("CPU block {block} has hash {hash:x?} but the CPU tier does not name it"));
-                }
-            }
-        }
-        if self.cpu_tier.cache().len()
-            != (0..self.cpu.num_blocks() as BlockId).filter(|b| self.cpu.hash(*b).is_some()).count()
-        {
-            return Err("the CPU tier names a block that holds no hash".into());
-        }
-        Ok(())
-    }
-}
-
-/// What appending to one table borrows from the block manager (`BlockManager::grow`).
-struct TableGrowth<'a> {
-    block_size: usize,
-    enable_prefix_caching: bool,
-    hasher: &'a BlockHasher,
-    gpu: &'a mut BlockPool,
-    cpu: &'a mut BlockPool,
-    cache: &'a mut PrefixCache,
-    cpu_tier: &'a mut OffloadTier,
-    events: &'a mut KvEventLog,
-    /// The copy-on-write copies made, in order.
-    copies: &'a mut Vec<BlockCopy>,
-}
-
-impl TableGrowth<'_> {
-    /// Appends `tokens` to KV-cache group `group`'s `table` (its window: `window`), which the
-    /// caller has checked fits.
-    #[inline(always)]
-    fn grow(&mut self, table: &mut BlockTable, group: usize, window: usize, tokens: &[u32]) -> Result<()> {
-        let TableGrowth { block_size, enable_prefix_caching, hasher, gpu, cpu, cache, cpu_tier, events, copies } = self;
-        let (block_size, enable_prefix_caching) = (*block_size, *enable_prefix_caching);
-        let release_to = if window == 0 {
-            table.num_released
-        } else {
-            first_needed_block(table.num_tokens, window, block_size).clamp(table.num_released, table.blocks.len())
-        };
-        // A partial last block this table alone holds may still be named after the full block it
-        // was cut from (truncated while another table shared it, which let go since): it is about
-        // to be written in place, so it stops serving that name first.
-        if !tokens.is_empty() && table.last_block_partial(block_size) {
-            let last = *table.blocks.last().unwrap();
-            if gpu.refcount(last) == 1 && gpu.hash(last).is_some() {
-                forget_name(gpu, cache, events, last);
-            }
-        }
-        // The decode step's usual case, fifteen times in sixteen: one token lands in the unshared,
-        // partially filled last block without filling it. Nothing to allocate, copy or hash.
-        if let [token] = tokens {
-            let offset = block_offset(table.num_tokens, block_size);
-            if offset != 0 && offset + 1 < block_size && gpu.refcount(*table.blocks.last().unwrap()) == 1 {
-                if release_to > table.num_released {
-                    release_blocks_before(table, gpu, release_to);
-                }
-                table.num_tokens += 1;
-                if enable_prefix_caching {
-                    table.tokens.push(*token);
-                }
-                return Ok(());
-            }
-        }
-        let cow = !tokens.is_empty()
-            && table.last_block_partial(block_size)
-            && gpu.refcount(*table.blocks.last().unwrap()) > 1;
-        let needed = table.new_blocks_for(tokens.len(), block_size) + cow as usize;
-        let freed = blocks_freed_by_release(table, gpu, release_to);
-        if needed > gpu.num_free() + freed {
-            let needed = needed - freed;
-            return Err(Error::OutOfBlocks { device: Device::Gpu, needed, free: gpu.num_free() });
-        }
-        release_blocks_before(table, gpu, release_to);
-        if cow {
-            let last = *table.blocks.last().unwrap();
-            let fresh = allocate_evicting(gpu, cache, cpu, cpu_tier, events)?;
-            gpu.release(last);
-            *table.blocks.last_mut().unwrap() = fresh;
-            table.num_reported = table.num_reported.min(table.blocks.len() - 1);
-            copies.push((last, fresh));
-        }
-        for &token in tokens {
-            if !table.last_block_partial(block_size) {
-                let block = allocate_evicting(gpu, cache, cpu, cpu_tier, events)?;
-                table.blocks.push(block);
-            }
-            table.num_tokens += 1;
-            if enable_prefix_caching {
-                table.tokens.push(token);
-                if table.tokens.len() == (table.hashes.len() + 1) * block_size {
-                    let parent = table.hashes.last().copied();
-                    let block_tokens = &table.tokens[table.tokens.len() - block_size..];
-                    let hash = hasher.block_hash(parent, block_tokens, table.extra_key);
-                    table.hashes.push(hash);
-                    if block_tokens.contains(&PLACEHOLDER_TOKEN) {
-                        continue; // (named once its token is filled in: fill_token)
-                    }
-                    let entry = CachedBlock {
-                        hash: hash.in_group(group),
-                        parent: parent.map(|parent| parent.in_group(group)),
-                        block: *table.blocks.last().unwrap(),
-                        tokens: block_tokens.into(),
-                        extra_key: table.extra_key,
-                    };
-                    cache_on_device(gpu, cache, cpu, cpu_tier, events, entry);
-                }
-            }
-        }
-        Ok(())
-    }
-}
-
-/// Releases `table`'s live blocks before logical block `release_to` (the sliding window moved past).
-#[inline]
-fn release_blocks_before(table: &mut BlockTable, gpu: &mut BlockPool, release_to: usize) {
-    for &block in &table.blocks[table.num_released..release_to] {
-        gpu.release(block);
-    }
-    table.num_released = release_to;
-}
-
-/// The device blocks `release_blocks_before` would free: those no other table shares.
-#[inline]
-fn blocks_freed_by_release(table: &BlockTable, gpu: &BlockPool, release_to: usize) -> usize {
-    table.blocks[table.num_released..release_to].iter().filter(|&&block| gpu.refcount(block) == 1).count()
-}
-
-/// Whether the next append into partial block `block`, held by `refcount` tables, copies it: the
-/// appenders before it in this count (`copies_of`) each copied it and dropped a reference, and
-/// once one reference is left the appender writes in place.
-#[inline]
-fn copy_on_write(copies_of: &mut SmallVec<[(BlockId, u32); 4]>, block: BlockId, refcount: u32) -> bool {
-    if refcount <= 1 {
-        return false;
-    }
-    let copies = match copies_of.iter_mut().find(|(shared, _)| *shared == block) {
-        Some((_, copies)) => copies,
-        None => {
-            copies_of.push((block, 0));
-            &mut copies_of.last_mut().unwrap().1
-        }
-    };
-    let copies_now = refcount - *copies > 1;
-    *copies += copies_now as u32;
-    copies_now
 }
 
 /// The first block that a sequence whose next computed position is `next_position` still reads,

@@ -2,6 +2,7 @@
 //! back (full blocks still cached on the device are shared in place, not copied), and the exact
 //! count of device blocks a swap-in takes.
 
+use super::growth::copy_on_write;
 use super::*;
 
 impl BlockManager {
