@@ -367,13 +367,7 @@ impl BlockManager {
                 if self.gpu.hash(block) == Some(stale.in_group(group)) {
                     forget_name(&mut self.gpu, &mut self.cache, &mut self.events, block);
                 }
-                let entry = CachedBlock {
-                    hash: hash.in_group(group),
-                    parent: parent.map(|parent| parent.in_group(group)),
-                    block,
-                    tokens: block_tokens.into(),
-                    extra_key: table.extra_key,
-                };
+                let entry = CachedBlock::in_chain(&table.hashes, index, group, block, block_tokens, table.extra_key);
                 cache_on_device(
                     &mut self.gpu,
                     &mut self.cache,

@@ -127,6 +127,27 @@ pub struct CachedBlock {
     pub extra_key: Option<u64>,
 }
 
+impl CachedBlock {
+    /// Block `index` of a prefix whose hash chain is `chain`, cached as KV-cache group `group`'s
+    /// block `block`, holding `tokens`.
+    pub fn in_chain(
+        chain: &[BlockHash],
+        index: usize,
+        group: usize,
+        block: BlockId,
+        tokens: &[u32],
+        extra_key: Option<u64>,
+    ) -> Self {
+        CachedBlock {
+            hash: chain[index].in_group(group),
+            parent: index.checked_sub(1).map(|parent| chain[parent].in_group(group)),
+            block,
+            tokens: tokens.into(),
+            extra_key,
+        }
+    }
+}
+
 /// name -> cached block, with query/hit counters (counted in blocks).
 #[derive(Debug, Clone, Default)]
 pub struct PrefixCache {

@@ -146,6 +146,7 @@ def parse_lora_module(text: str) -> tuple[str, Union[str, dict]]:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from pagedkv.entrypoints.server.app import DEFAULT_MAX_REQUEST_BODY_BYTES, serve
+    from pagedkv.entrypoints.server.header_timeout import DEFAULT_REQUEST_HEADER_TIMEOUT_SECONDS
 
     chat_template = args.chat_template
     if chat_template is not None and os.path.isfile(chat_template):
@@ -161,6 +162,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                  tool_call_parser=args.tool_call_parser, max_request_body_bytes=(DEFAULT_MAX_REQUEST_BODY_BYTES if args.max_request_body_bytes is None
                                          else args.max_request_body_bytes),
                  shutdown_grace_seconds=args.shutdown_grace_seconds,
+                 request_header_timeout_seconds=(DEFAULT_REQUEST_HEADER_TIMEOUT_SECONDS if args.request_header_timeout is None
+                                                 else args.request_header_timeout),
                  enable_force_include_usage=args.enable_force_include_usage,
                  enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
                  enable_server_load_tracking=args.enable_server_load_tracking, root_path=args.root_path,
@@ -218,6 +221,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "$PAGEDKV_API_KEY, else none; an empty key is an error)")
     serve.add_argument("--max-request-body-bytes", type=int, default=None,
                        help="larger request bodies get HTTP 413 (default: 33554432, 32 MiB)")
+    serve.add_argument("--request-header-timeout", type=float, default=None,
+                       help="a connection whose request line and headers have not all arrived this many seconds "
+                            "after it opened (or after the next request's first bytes) gets HTTP 408 and is closed "
+                            "(default: 15)")
     serve.add_argument("--shutdown-grace-seconds", type=float, default=10.0,
                        help="at SIGTERM, in-flight requests may finish for this long; the rest are aborted "
                             "(streams end with finish_reason abort and [DONE]) (default: %(default)s)")

@@ -198,13 +198,8 @@ impl TableGrowth<'_> {
                     if block_tokens.contains(&PLACEHOLDER_TOKEN) {
                         continue; // (named once its token is filled in: fill_token)
                     }
-                    let entry = CachedBlock {
-                        hash: hash.in_group(group),
-                        parent: parent.map(|parent| parent.in_group(group)),
-                        block: *table.blocks.last().unwrap(),
-                        tokens: block_tokens.into(),
-                        extra_key: table.extra_key,
-                    };
+                    let (index, block) = (table.hashes.len() - 1, *table.blocks.last().unwrap());
+                    let entry = CachedBlock::in_chain(&table.hashes, index, group, block, block_tokens, table.extra_key);
                     cache_on_device(gpu, cache, cpu, cpu_tier, events, entry);
                 }
             }

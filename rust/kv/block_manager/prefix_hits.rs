@@ -191,13 +191,8 @@ impl BlockManager {
                     &mut self.events,
                 )?;
                 self.cpu_tier.reload(cpu_block, block);
-                let entry = CachedBlock {
-                    hash: hashes[index].in_group(group),
-                    parent: index.checked_sub(1).map(|parent| hashes[parent].in_group(group)),
-                    block,
-                    tokens: tokens[index * self.block_size..(index + 1) * self.block_size].into(),
-                    extra_key,
-                };
+                let block_tokens = &tokens[index * self.block_size..(index + 1) * self.block_size];
+                let entry = CachedBlock::in_chain(&hashes, index, group, block, block_tokens, extra_key);
                 cache_on_device(
                     &mut self.gpu,
                     &mut self.cache,

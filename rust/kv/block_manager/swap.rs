@@ -145,16 +145,15 @@ impl BlockManager {
                                         table.tokens.get(index * self.block_size..(index + 1) * self.block_size);
                                     let unfilled =
                                         block_tokens.is_some_and(|tokens| tokens.contains(&PLACEHOLDER_TOKEN));
-                                    if let (Some(hash), Some(block_tokens), false) = (hash, block_tokens, unfilled) {
-                                        let entry = CachedBlock {
-                                            hash,
-                                            parent: index
-                                                .checked_sub(1)
-                                                .map(|parent| table.hashes[parent].in_group(group)),
-                                            block: device_block,
-                                            tokens: block_tokens.into(),
-                                            extra_key: table.extra_key,
-                                        };
+                                    if let (Some(_), Some(block_tokens), false) = (hash, block_tokens, unfilled) {
+                                        let entry = CachedBlock::in_chain(
+                                            &table.hashes,
+                                            index,
+                                            group,
+                                            device_block,
+                                            block_tokens,
+                                            table.extra_key,
+                                        );
                                         cache_on_device(
                                             &mut self.gpu,
                                             &mut self.cache,

@@ -23,6 +23,7 @@ from pagedkv import __version__
 from pagedkv.config import EngineConfig
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.errors import InvalidConfigError
+from pagedkv.entrypoints.server.header_timeout import DEFAULT_REQUEST_HEADER_TIMEOUT_SECONDS, header_timeout_protocol
 from pagedkv.entrypoints.server.body_limit import BODY_PAUSE_SECONDS, DEFAULT_MAX_REQUEST_BODY_BYTES, BodySizeLimit
 from pagedkv.entrypoints.server.errors import error_response, install_error_handlers
 from pagedkv.entrypoints.server.openapi import ERROR_RESPONSES, install_openapi
@@ -122,17 +123,22 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, serve
           reasoning_parser: Optional[str] = None, tool_call_parser: str = "hermes",
           max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, shutdown_grace_seconds: float = 10.0,
           enable_force_include_usage: bool = False, enable_tokenizer_info_endpoint: bool = False,
-          enable_server_load_tracking: bool = False, root_path: str = "", uds: Optional[str] = None) -> int:
+          enable_server_load_tracking: bool = False, root_path: str = "", uds: Optional[str] = None,
+          request_header_timeout_seconds: float = DEFAULT_REQUEST_HEADER_TIMEOUT_SECONDS) -> int:
     """Builds the engine and runs uvicorn until SIGINT/SIGTERM: stops accepting, lets in-flight
     requests finish for `shutdown_grace_seconds`, aborts the rest (ServingContext.drain), and
     returns 0. `lora_modules` and `allow_runtime_lora_updating` turn enable_lora on. `uds`: a Unix
     socket path to serve on instead of host and port. `root_path`: the path prefix a proxy in
-    front strips (links and /openapi.json name it)."""
+    front strips (links and /openapi.json name it). A request head (request line and headers) not
+    all arrived `request_header_timeout_seconds` after its connection opened (or after its first
+    bytes on a kept-alive connection) gets 408 and its connection closes (header_timeout.py)."""
     import uvicorn
 
     check_api_key(api_key)  # (before the model loads)
     if shutdown_grace_seconds < 0:
         raise InvalidConfigError(f"shutdown_grace_seconds must be >= 0, got {shutdown_grace_seconds!r}")
+    if not request_header_timeout_seconds > 0:
+        raise InvalidConfigError(f"request_header_timeout_seconds must be > 0, got {request_header_timeout_seconds!r}")
 
     class Server(uvicorn.Server):
         @contextlib.contextmanager
@@ -166,6 +172,7 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, serve
     # uvicorn's own bound on the drain comes after ours: by then every request has ended.
     Server(uvicorn.Config(app, host=host, port=port, uds=uds, root_path=root_path,
                           timeout_graceful_shutdown=shutdown_grace_seconds + 5,
+                          http=header_timeout_protocol(request_header_timeout_seconds),
                           log_level="info")).run()
     failure = app.state.engine_failure
     if failure is not None:
