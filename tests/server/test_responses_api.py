@@ -1,9 +1,10 @@
 """OpenAI's Responses API (/v1/responses) through the openai client: the same reply as chat
 completions, streamed events that add up to the whole response, function tools, reasoning items,
-structured text formats, stored responses read back and continued, and clear 400s for what the
-server cannot do."""
+structured text formats, stored responses read back and continued, background responses polled
+and cancelled, and clear 400s for what the server cannot do."""
 
 import json
+import time
 
 import httpx
 import pytest
@@ -112,7 +113,8 @@ def test_text_format_json_schema_constrains_the_reply(client):
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"input": "Hi", "background": True}, "background"),
+    ({"input": "Hi", "background": True, "store": False}, "background"),
+    ({"input": "Hi", "background": True, "stream": True}, "background"),
     ({"input": [{"type": "image_generation_call"}]}, "input"),
     ({"input": "Hi", "tools": [{"type": "web_search"}]}, "tools"),
     ({"input": "Hi", "max_output_tokens": 0}, "max_output_tokens"),
@@ -172,3 +174,35 @@ def test_a_stored_response_is_read_back_and_continued(client, live):
                      httpx.post(live.url + "/v1/responses", timeout=30,
                                 json={"input": "Hi", "previous_response_id": "resp_unknown"})):
         assert response.status_code == 404 and "resp_unknown" in response.json()["error"]["message"]
+
+
+def test_a_background_response_is_polled_to_its_end_and_another_is_cancelled(client, live):
+    """background: answered at once ("queued"), then GET /v1/responses/{id} shows it made, with the
+    reply a foreground request gets; POST .../cancel stops one still being made (its engine request
+    aborted, its blocks freed) and leaves it "cancelled"; ended, foreground and unknown responses
+    cannot be cancelled."""
+    model = client.models.list().data[0].id
+    options = dict(model=model, input="Count: one, two,", max_output_tokens=8, temperature=0)
+    queued = client.responses.create(**options, background=True)
+    assert (queued.status, queued.background, queued.output) == ("queued", True, [])
+    deadline = time.monotonic() + 60
+    while (polled := client.responses.retrieve(queued.id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline, "the background response never ended"
+        time.sleep(0.05)
+    foreground = client.responses.create(**options, store=False)
+    assert polled.status == foreground.status and polled.output_text == foreground.output_text
+    assert polled.usage.output_tokens == foreground.usage.output_tokens
+
+    running = client.responses.create(model=model, input="Tell a long story.", max_output_tokens=400, temperature=0,
+                                      background=True)
+    cancelled = client.responses.cancel(running.id)
+    assert cancelled.status == "cancelled" and client.responses.retrieve(running.id).status == "cancelled"
+    for response_id, status in ((running.id, 400), (queued.id, 400), (foreground.id, 404), ("resp_unknown", 404)):
+        answer = httpx.post(live.url + f"/v1/responses/{response_id}/cancel", timeout=10)
+        assert answer.status_code == status, (response_id, answer.text)
+    stored_foreground = client.responses.create(**options)
+    assert httpx.post(live.url + f"/v1/responses/{stored_foreground.id}/cancel", timeout=10).status_code == 400
+    deadline = time.monotonic() + 30
+    while live.metric("pagedkv_requests_running") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert live.metric("pagedkv_requests_running") == 0, "the cancelled response's request was aborted"

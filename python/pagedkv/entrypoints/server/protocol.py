@@ -553,7 +553,7 @@ class ResponsesRequest(_Sampling):
     text: Optional[TextConfig] = None
     previous_response_id: Optional[str] = None  # a stored response this one continues
     store: bool = True  # kept for GET /v1/responses/{id} and previous_response_id (server/responses_store.py)
-    background: bool = False  # (refused: a response is answered while its request waits)
+    background: bool = False  # answered at once ("queued"), then read back by GET /v1/responses/{id}
     metadata: Optional[Annotated[dict[str, str], Field(max_length=16)]] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
 
@@ -592,9 +592,11 @@ class ResponsesRequest(_Sampling):
         return tools or None, choice
 
     def responses_params(self, default_max_tokens: int, defaults: Optional[dict] = None) -> SamplingParams:
-        if self.background:
-            raise ValueError("background must be false: pagedkv answers a response while its request waits "
-                             "(stream it to see it grow)")
+        if self.background and not self.store:
+            raise ValueError("background needs store=true: a background response is read back from the store")
+        if self.background and self.stream:
+            raise ValueError("background with stream is not supported: stream it, or poll a background response "
+                             "with GET /v1/responses/{id}")
         if self.n != 1:
             raise ValueError(f"n must be 1 for responses, got {self.n}")
         fmt = self.text.format if self.text is not None else None

@@ -44,7 +44,7 @@ class ResponseState:
             "instructions": request.instructions, "max_output_tokens": request.max_output_tokens,
             "temperature": request.temperature, "top_p": request.top_p, "metadata": request.metadata or {},
             "parallel_tool_calls": True, **request.echoed_fields(), "store": request.store,
-            "previous_response_id": request.previous_response_id, "background": False, "usage": usage,
+            "previous_response_id": request.previous_response_id, "background": request.background, "usage": usage,
         }
 
     def reply_messages(self) -> list[ChatMessage]:

@@ -1,9 +1,12 @@
 """Stored responses of OpenAI's Responses API: a response created with `store` (the default) can
 be read back (GET /v1/responses/{id}) and continued (`previous_response_id`: its conversation,
-input and output, comes before the new input). Kept in memory, the newest `max_entries` only."""
+input and output, comes before the new input). Kept in memory, the newest `max_entries` only. A
+`background` response is stored at once (status "queued") and again as it ends; its task is kept
+here until then, so that POST /v1/responses/{id}/cancel can stop it."""
 
 from __future__ import annotations
 
+import asyncio
 from collections import OrderedDict
 from typing import NamedTuple, Optional
 
@@ -21,6 +24,7 @@ class ResponseStore:
     def __init__(self, max_entries: int = DEFAULT_MAX_STORED_RESPONSES):
         self.max_entries = max_entries
         self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
+        self.running: dict[str, asyncio.Task] = {}  # background responses not ended yet
 
     def put(self, response_id: str, body: dict, conversation: list) -> None:
         self._responses[response_id] = StoredResponse(body, conversation)

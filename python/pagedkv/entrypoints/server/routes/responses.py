@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import logging
 
 from fastapi import APIRouter, Depends, Request
 
@@ -15,12 +17,14 @@ from pagedkv.entrypoints.server.serving import (ServingContext, make_params, nex
                                      with_tools)
 
 router = APIRouter(route_class=OffLoopJSONRoute)
+logger = logging.getLogger("pagedkv.entrypoints.server")
 
 
 @router.post("/v1/responses", responses=streamed_answer(ResponseBody))
 async def responses(body: ResponsesRequest, request: Request, context: ServingContext = Depends(serving)):
     """OpenAI's Responses API, whole or streamed as events; stored (`store`, the default) to be read
-    back or continued by `previous_response_id`."""
+    back or continued by `previous_response_id`. A `background` response is answered at once
+    ("queued") and made while the client polls it (GET /v1/responses/{id}) or cancels it."""
     served = context.check_model(body.model)
     params = make_params(lambda: body.responses_params(max(1, context.max_model_len // 2),
                                                        context.generation_defaults))
@@ -64,6 +68,8 @@ async def responses(body: ResponsesRequest, request: Request, context: ServingCo
 
     if body.stream:
         return context.event_stream([stream], events())
+    if body.background:
+        return make_in_background(context, response, stream, store)
     [output] = await context.final_outputs(request, [stream])
     completion = output.outputs[0]
     whole = response.complete(completion.text, completion.finish_reason, responses_usage(output))
@@ -78,3 +84,48 @@ async def stored_response(response_id: str, context: ServingContext = Depends(se
     if stored is None:
         raise APIError(404, f"no stored response {response_id!r}", "invalid_request_error", "response_id")
     return stored.body
+
+
+def make_in_background(context: ServingContext, response: ResponseState, stream, store) -> dict:
+    """Stores the response as "queued", makes it in a task of its own (stored again, as
+    "in_progress", then as it ends: completed, incomplete, cancelled or failed) and returns the
+    queued body."""
+    queued = response.body("queued")
+    store(queued)
+
+    async def make() -> None:
+        with context.aborting_unfinished([stream]):  # (a cancel aborts the engine request)
+            try:
+                store(response.body("in_progress"))
+                output = None
+                while output is None or not output.finished:
+                    output = await next_output(stream)
+                completion = output.outputs[0]
+                store(response.complete(completion.text, completion.finish_reason, responses_usage(output)))
+            except asyncio.CancelledError:
+                store(response.body("cancelled"))
+            except Exception as error:  # (the engine stopped, a failed step): the poller sees it
+                logger.warning("background response %s failed: %s", response.id, error)
+                store({**response.body("failed"), "error": {"code": "server_error", "message": str(error)}})
+            finally:
+                context.responses_store.running.pop(response.id, None)
+
+    context.responses_store.running[response.id] = asyncio.get_running_loop().create_task(make())
+    return queued
+
+
+@router.post("/v1/responses/{response_id}/cancel", responses=answer(ResponseBody))
+async def cancel_response(response_id: str, context: ServingContext = Depends(serving)):
+    """Stops a background response still being made; answers it as stored then ("cancelled")."""
+    stored = context.responses_store.get(response_id)
+    if stored is None:
+        raise APIError(404, f"no stored response {response_id!r}", "invalid_request_error", "response_id")
+    if not stored.body["background"]:
+        raise APIError(400, "only a background response can be cancelled", "invalid_request_error", "response_id")
+    task = context.responses_store.running.get(response_id)
+    if task is None:
+        raise APIError(400, f"response {response_id!r} has already ended ({stored.body['status']})",
+                       "invalid_request_error", "response_id")
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    return context.responses_store.get(response_id).body
