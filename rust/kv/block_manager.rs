@@ -23,6 +23,33 @@ use crate::kv::events::{KvEvent, KvEventLog};
 use crate::kv::offload_tier::OffloadTier;
 use crate::kv::prefix_cache::{BlockHash, BlockHasher, CachedBlock, PrefixCache, MAX_KV_GROUPS};
 
+/// `allocate_evicting` and `cache_on_device` on a manager's own pools and caches, where one of its
+/// tables is borrowed too (a method would borrow the whole manager).
+macro_rules! allocate_evicting {
+    ($manager:expr) => {
+        allocate_evicting(
+            &mut $manager.gpu,
+            &mut $manager.cache,
+            &mut $manager.cpu,
+            &mut $manager.cpu_tier,
+            &mut $manager.events,
+        )
+    };
+}
+
+macro_rules! cache_on_device {
+    ($manager:expr, $entry:expr) => {
+        cache_on_device(
+            &mut $manager.gpu,
+            &mut $manager.cache,
+            &mut $manager.cpu,
+            &mut $manager.cpu_tier,
+            &mut $manager.events,
+            $entry,
+        )
+    };
+}
+
 mod growth;
 mod invariants;
 #[cfg(test)]
@@ -368,14 +395,7 @@ impl BlockManager {
                     forget_name(&mut self.gpu, &mut self.cache, &mut self.events, block);
                 }
                 let entry = CachedBlock::in_chain(&table.hashes, index, group, block, block_tokens, table.extra_key);
-                cache_on_device(
-                    &mut self.gpu,
-                    &mut self.cache,
-                    &mut self.cpu,
-                    &mut self.cpu_tier,
-                    &mut self.events,
-                    entry,
-                );
+                cache_on_device!(self, entry);
             }
         }
         Ok(())

@@ -199,7 +199,8 @@ impl TableGrowth<'_> {
                         continue; // (named once its token is filled in: fill_token)
                     }
                     let (index, block) = (table.hashes.len() - 1, *table.blocks.last().unwrap());
-                    let entry = CachedBlock::in_chain(&table.hashes, index, group, block, block_tokens, table.extra_key);
+                    let entry =
+                        CachedBlock::in_chain(&table.hashes, index, group, block, block_tokens, table.extra_key);
                     cache_on_device(gpu, cache, cpu, cpu_tier, events, entry);
                 }
             }

@@ -183,24 +183,11 @@ impl BlockManager {
                 }
             }
             for (group, index, cpu_block) in reloads {
-                let block = allocate_evicting(
-                    &mut self.gpu,
-                    &mut self.cache,
-                    &mut self.cpu,
-                    &mut self.cpu_tier,
-                    &mut self.events,
-                )?;
+                let block = allocate_evicting!(self)?;
                 self.cpu_tier.reload(cpu_block, block);
                 let block_tokens = &tokens[index * self.block_size..(index + 1) * self.block_size];
                 let entry = CachedBlock::in_chain(&hashes, index, group, block, block_tokens, extra_key);
-                cache_on_device(
-                    &mut self.gpu,
-                    &mut self.cache,
-                    &mut self.cpu,
-                    &mut self.cpu_tier,
-                    &mut self.events,
-                    entry,
-                );
+                cache_on_device!(self, entry);
                 tables[group].blocks[index] = block;
             }
             for table in tables.iter_mut() {

@@ -133,13 +133,7 @@ impl BlockManager {
                                     device_block
                                 }
                                 None => {
-                                    let device_block = allocate_evicting(
-                                        &mut self.gpu,
-                                        &mut self.cache,
-                                        &mut self.cpu,
-                                        &mut self.cpu_tier,
-                                        &mut self.events,
-                                    )?;
+                                    let device_block = allocate_evicting!(self)?;
                                     copies.push((*block, device_block));
                                     let block_tokens =
                                         table.tokens.get(index * self.block_size..(index + 1) * self.block_size);
@@ -154,14 +148,7 @@ impl BlockManager {
                                             block_tokens,
                                             table.extra_key,
                                         );
-                                        cache_on_device(
-                                            &mut self.gpu,
-                                            &mut self.cache,
-                                            &mut self.cpu,
-                                            &mut self.cpu_tier,
-                                            &mut self.events,
-                                            entry,
-                                        );
+                                        cache_on_device!(self, entry);
                                     }
                                     device_block
                                 }

@@ -80,10 +80,15 @@ async def responses(body: ResponsesRequest, request: Request, context: ServingCo
 @router.get("/v1/responses/{response_id}", responses=answer(ResponseBody))
 async def stored_response(response_id: str, context: ServingContext = Depends(serving)):
     """A response created with `store` (the newest 1024 are kept, in memory)."""
+    return stored_or_404(context, response_id).body
+
+
+def stored_or_404(context: ServingContext, response_id: str):
+    """The stored response `response_id`, else a 404 naming it."""
     stored = context.responses_store.get(response_id)
     if stored is None:
         raise APIError(404, f"no stored response {response_id!r}", "invalid_request_error", "response_id")
-    return stored.body
+    return stored
 
 
 def make_in_background(context: ServingContext, response: ResponseState, stream, store) -> dict:
@@ -117,9 +122,7 @@ def make_in_background(context: ServingContext, response: ResponseState, stream,
 @router.post("/v1/responses/{response_id}/cancel", responses=answer(ResponseBody))
 async def cancel_response(response_id: str, context: ServingContext = Depends(serving)):
     """Stops a background response still being made; answers it as stored then ("cancelled")."""
-    stored = context.responses_store.get(response_id)
-    if stored is None:
-        raise APIError(404, f"no stored response {response_id!r}", "invalid_request_error", "response_id")
+    stored = stored_or_404(context, response_id)
     if not stored.body["background"]:
         raise APIError(400, "only a background response can be cancelled", "invalid_request_error", "response_id")
     task = context.responses_store.running.get(response_id)
