@@ -121,14 +121,16 @@ def test_a_bad_lora_module_is_refused_by_name(text):
 
 def test_serve_on_a_unix_socket_behind_a_root_path(tmp_path):
     """--uds: the server answers on a Unix socket, not on host and port; --root-path: the prefix a
-    proxy strips is where /openapi.json says the routes are."""
+    proxy strips is where /openapi.json says the routes are; --request-header-timeout: a request
+    head that stops arriving gets 408 and its connection closes."""
     import os
+    import socket
     import subprocess
     import sys
 
     path = str(tmp_path / "pagedkv.sock")
     process = subprocess.Popen([sys.executable, "-m", "pagedkv.entrypoints.cli", "serve", "--uds", path, "--root-path", "/behind/proxy",
-                                "--num-device-blocks", "32", "--max-model-len", "128"],
+                                "--num-device-blocks", "32", "--max-model-len", "128", "--request-header-timeout", "1"],
                                env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)
     try:
@@ -145,6 +147,15 @@ def test_serve_on_a_unix_socket_behind_a_root_path(tmp_path):
             answer = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).json()
             assert answer["usage"]["completion_tokens"] >= 1
             assert client.get("/openapi.json").json()["servers"] == [{"url": "/behind/proxy"}]
+        with socket.socket(socket.AF_UNIX) as connection:
+            connection.connect(path)
+            connection.settimeout(30)
+            started = time.monotonic()
+            connection.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # (the head never ends)
+            received = b""
+            while chunk := connection.recv(4096):
+                received += chunk
+            assert received.startswith(b"HTTP/1.1 408") and time.monotonic() - started < 10
     finally:
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0
