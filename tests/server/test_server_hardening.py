@@ -331,8 +331,10 @@ SERVED_REQUESTS = {
     ("POST", "/detokenize"): [{"tokens": [5, 6]}],
 }
 # Operations this server refuses whatever the body (its model is no sequence classifier), or
-# without a stored response's id (tests/server/test_responses_api.py reads stored ones back).
-UNSERVED = {("POST", "/classify"), ("POST", "/v1/classify"), ("GET", "/v1/responses/{response_id}")}
+# without a stored response's id (tests/server/test_responses_api.py reads stored ones back and
+# cancels background ones).
+UNSERVED = {("POST", "/classify"), ("POST", "/v1/classify"), ("GET", "/v1/responses/{response_id}"),
+            ("POST", "/v1/responses/{response_id}/cancel")}
 
 
 def test_the_document_declares_every_answer(server):

@@ -49,11 +49,11 @@ class StepContext:
                      kv_cache: KVCache, backend: AttentionBackend, lora: Optional[LoRABatch] = None) -> StepContext:
         """`build` with each KV-cache group's (block tables, slots) given apart (`metadata`'s own
         are not read)."""
-        groups = [replace(metadata, block_tables=tables, slot_mapping=slots) for tables, slots in tables_and_slots]
-        backend.prepare(groups[0])  # (what it derives is the same for every group: made once)
-        groups[1:] = [replace(groups[0], block_tables=group.block_tables, slot_mapping=group.slot_mapping)
-                      for group in groups[1:]]
-        return cls(groups[0], kv_cache, backend, lora, tuple(groups))
+        (first_tables, first_slots), *others = tables_and_slots
+        first = replace(metadata, block_tables=first_tables, slot_mapping=first_slots)
+        backend.prepare(first)  # (what it derives is the same for every group: made once)
+        groups = (first, *(replace(first, block_tables=tables, slot_mapping=slots) for tables, slots in others))
+        return cls(first, kv_cache, backend, lora, groups)
 
     def attend(self, layer_index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
                sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None,

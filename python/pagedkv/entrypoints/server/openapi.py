@@ -204,7 +204,7 @@ class ResponseBody(BaseModel):
     object: Literal["response"]
     created_at: float
     model: str
-    status: Literal["completed", "incomplete", "in_progress"]
+    status: Literal["completed", "incomplete", "in_progress", "queued", "cancelled", "failed"]
     incomplete_details: Optional[IncompleteDetails]
     error: Optional[dict[str, Any]]
     output: list[OutputItem]
