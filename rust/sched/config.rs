@@ -144,11 +144,6 @@ impl SchedulerConfig {
         }
     }
 
-    /// Whether some KV-cache group attends within a window (its blocks are released as it goes).
-    pub fn has_windowed_group(&self) -> bool {
-        self.group_windows().iter().any(|&window| window > 0)
-    }
-
     pub fn validate(&self) -> Result<()> {
         if !self.kv_group_windows.is_empty() && self.sliding_window > 0 {
             return Err(Error::InvalidConfig {

@@ -104,12 +104,9 @@ class DecodeGraphs:
             context_lens_host=None,
             seq_index=self.seq_index[:size],
         )
-        if self.num_groups == 1:
-            context = StepContext.build(metadata, self.kv_cache, self.backend)
-        else:
-            tables_and_slots = [(self.block_tables[group, :size], self.slot_mapping[group, :size])
-                                for group in range(self.num_groups)]
-            context = StepContext.build_groups(metadata, tables_and_slots, self.kv_cache, self.backend)
+        tables_and_slots = [(self.block_tables[group, :size], self.slot_mapping[group, :size])
+                            for group in range(self.num_groups)]
+        context = StepContext.build_groups(metadata, tables_and_slots, self.kv_cache, self.backend)
         self.hidden[:size] = self.model(self.input_ids[:size], self.positions[:size], context)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
