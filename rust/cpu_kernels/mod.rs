@@ -4,6 +4,7 @@
 
 pub mod argmax;
 pub mod decode_attention;
+pub mod decoder;
 pub mod fp8;
 pub mod kv_write;
 pub mod layer_ops;

@@ -2,6 +2,7 @@
 //! the core it binds. All logic lives in the plain Rust types.
 
 mod block_manager;
+mod decoder;
 mod errors;
 mod kernels;
 mod kv_events;
@@ -17,6 +18,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     kv_events::register(m)?;
     kernels::register(m)?;
     quantized::register(m)?;
+    decoder::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -514,6 +514,50 @@ def dequantize_cpu(
     """out (out_len float32) = the values of `blocks_bytes` bytes of GGUF blocks. Internal: use
     `pagedkv.layers.quantized_linear.dequantize`."""
 
+# (weight kind: "float32" or a GGUF type, weight address, weight bytes, bias address or None,
+# in_features, out_features)
+_LinearSpec = tuple[str, int, int, int | None, int, int]
+
+class CpuDecoder:
+    """A Llama model's decoder layers for CPU decode steps in one call (float32 activations and
+    cache): per layer residual + RMSNorm, qkv, rotary, K/V write, paged decode attention, o_proj,
+    residual + RMSNorm, gate_up, SiLU-and-mul, down, through the same kernels as the layer-by-layer
+    path. Holds addresses: the caller keeps the tensors alive. Internal: use
+    `pagedkv.models.llama_cpu_decode`, which checks the tensors."""
+
+    def __init__(
+        self,
+        shape: tuple[int, int, int, int, int, int, int, int],
+        rms_norm_eps: float,
+        attention_scale: float,
+        layers: list[tuple[int, _LinearSpec, _LinearSpec, int, _LinearSpec, _LinearSpec, int, int, int]],
+    ) -> None:
+        """shape: (hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size, block_size,
+        num_blocks, block_stride); each layer: (input norm address, qkv, o, post-attention norm
+        address, gate_up, down, key view offset, value view offset in cache elements, sliding
+        window or 0)."""
+
+    @property
+    def num_layers(self) -> int: ...
+    def forward(
+        self,
+        hidden: int,
+        residual: int,
+        cache: int,
+        cache_len: int,
+        cos_sin: tuple[int, int],
+        block_tables: int,
+        table_width: int,
+        context_lens: int,
+        slots: int,
+        num_tokens: int,
+        num_threads: int,
+    ) -> None:
+        """Every layer over hidden [T, hidden_size] float32 in place (residual [T, hidden_size]
+        written), each layer's new K/V written to its slot; cos/sin [T, head_dim] float32, block
+        tables int32 [T, table_width], context lengths int32 [T], slots int64 [T]. Raises
+        InvalidConfigError, writing nothing, on shapes, tables or slots that do not fit."""
+
 class BlockStored:
     """Full blocks became cached in `medium` ('GPU': the device pool, 'CPU': the CPU prefix tier).
     block_hashes[i] holds token_ids[i * block_size:(i + 1) * block_size] and is the child of

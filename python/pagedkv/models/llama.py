@@ -22,6 +22,7 @@ from pagedkv.layers.fused_moe import is_moe_layer, sparse_moe
 from pagedkv.layers.rms_norm import RMSNorm
 from pagedkv.layers.rotary_embedding import RotaryEmbedding, split_and_rotate, split_heads
 from pagedkv.layers.ungated_mlp import UngatedMLP
+from pagedkv.models import llama_cpu_decode
 from pagedkv.models.registry import Traits
 from pagedkv.parallel.group import current_group
 
@@ -237,8 +238,12 @@ class LlamaForCausalLM(nn.Module):
         hidden, residual = self.embed_tokens(input_ids), None
         if self.embedding_multiplier != 1.0:
             hidden = hidden * self.embedding_multiplier
-        for layer, cos_sin in zip(self.layers, self.layer_rotations(positions)):
-            hidden, residual = layer(hidden, residual, cos_sin, context)
+        one_call = llama_cpu_decode.decode_path(self, hidden, context)
+        if one_call is not None:
+            hidden, residual = one_call.forward(self, hidden, positions, context)
+        else:
+            for layer, cos_sin in zip(self.layers, self.layer_rotations(positions)):
+                hidden, residual = layer(hidden, residual, cos_sin, context)
         return self.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
