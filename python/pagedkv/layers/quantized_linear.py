@@ -17,11 +17,12 @@ from pagedkv_core import _core
 GGML_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
 
 # Largest token count the kernel takes; above it, dequantize + F.linear. benches/quantized_linear.py
-# on the 2-core AVX2 dev machine (1 thread, shared with other jobs, so noisy), Q4_1: the kernel
-# beats dequantize + F.linear up to M = 4 on every SmolLM2 shape (q/o 576x576: 168 vs 306 us at
-# M = 4) and loses from M = 16 on the decoder's shapes (gate/up 1536x576: 1555 vs 1112 us), while the
-# 49152-row LM head holds out to M ~ 64; 8 sits between the two measured points.
-MAX_KERNEL_TOKENS = 8
+# --threads 2 on the 2-core AVX2 dev machine (2026-11-28, after the f16-scale fix), Q4_1 / Q8_0: at
+# M = 16 the kernel and dequantize + F.linear are within ~15% on the decoder's shapes (gate/up 1536x576 656
+# vs 587 us, down 577 vs 553, q/o 260 vs 245; Q8_0 612 vs 732, 553 vs 743, 290 vs 358), at M = 32
+# the kernel is ~1.5x slower. At 16 a decode step also runs in one core call (models/llama_cpu_decode.py),
+# which saves more than the products' difference.
+MAX_KERNEL_TOKENS = 16
 # The LM head's: its 49,152 rows keep the kernel ahead to M ~ 64 (same bench). A step's head reads
 # only the rows it samples, so this covers every decode step of up to 64 sequences.
 MAX_HEAD_KERNEL_TOKENS = 64
