@@ -94,22 +94,23 @@ pub fn dot_row_scalar(ty: GgmlType, row: &[u8], activations: &QuantizedActivatio
     acc.finish(ty)
 }
 
-/// The same sums for the tokens whose activations start at `first_blocks`, on the widest path this
-/// CPU runs (`use_simd` false: the scalar reference). Reading the row once for several tokens is
-/// what makes more than one token cheaper than one call each.
+/// The same sums for `R` weight rows (of one length) and the tokens whose activations start at
+/// `first_blocks`, `[row][token]`, on the widest path this CPU runs (`use_simd` false: the scalar
+/// reference). Reading a row once for several tokens is what makes more than one token cheaper
+/// than one call each; several rows at one token let the sums overlap.
 #[inline]
-pub fn dot_rows<const T: usize>(
+pub fn dot_rows<const R: usize, const T: usize>(
     ty: GgmlType,
-    row: &[u8],
+    rows: [&[u8]; R],
     activations: &QuantizedActivations,
     first_blocks: [usize; T],
     use_simd: bool,
-) -> [f32; T] {
+) -> [[f32; T]; R] {
     #[cfg(target_arch = "x86_64")]
     if use_simd {
         // SAFETY: callers pass use_simd only where `Isa::best()` is not Portable (AVX2, FMA, F16C).
-        return unsafe { super::x86::dot_rows_avx2(ty, row, activations, first_blocks) };
+        return unsafe { super::x86::dot_rows_avx2(ty, rows, activations, first_blocks) };
     }
     let _ = use_simd;
-    first_blocks.map(|first_block| dot_row_scalar(ty, row, activations, first_block))
+    rows.map(|row| first_blocks.map(|first_block| dot_row_scalar(ty, row, activations, first_block)))
 }

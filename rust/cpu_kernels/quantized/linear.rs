@@ -51,23 +51,33 @@ pub fn quantized_linear(
     let columns = SharedColumns(out.as_mut_ptr());
     let chunks: Vec<_> = (0..n).step_by(ROWS_PER_CHUNK).map(|start| start..(start + ROWS_PER_CHUNK).min(n)).collect();
     for_row_chunks(chunks, num_threads, |rows: std::ops::Range<usize>| {
-        for row in rows {
-            let weights = &weight[row * row_bytes..(row + 1) * row_bytes];
-            let row_bias = bias.map_or(0.0, |bias| bias[row]);
-            let write = |token: usize, value: f32| {
-                // SAFETY: token < m and row < n, so inside `out`; each row (output column)
-                // belongs to one chunk, claimed by one thread, so no element is written twice.
-                unsafe { columns.write(token * n + row, value + row_bias) };
-            };
-            let mut token = 0;
-            while token + TOKENS_PER_PASS <= m {
-                let first_blocks = std::array::from_fn(|t| (token + t) * blocks_per_row);
-                let values: [f32; TOKENS_PER_PASS] = dot_rows(ty, weights, &activations, first_blocks, use_simd);
-                values.into_iter().enumerate().for_each(|(t, value)| write(token + t, value));
-                token += TOKENS_PER_PASS;
+        let weights = |row: usize| &weight[row * row_bytes..(row + 1) * row_bytes];
+        let write = |row: usize, token: usize, value: f32| {
+            // SAFETY: token < m and row < n, so inside `out`; each row (output column) belongs to
+            // one chunk, claimed by one thread, so no element is written twice.
+            unsafe { columns.write(token * n + row, value + bias.map_or(0.0, |bias| bias[row])) };
+        };
+        // Groups of TOKENS_PER_PASS tokens share each read of a row.
+        let whole_passes = m - m % TOKENS_PER_PASS;
+        for row in rows.clone() {
+            for token in (0..whole_passes).step_by(TOKENS_PER_PASS) {
+                let first_blocks: [usize; TOKENS_PER_PASS] = std::array::from_fn(|t| (token + t) * blocks_per_row);
+                let [values] = dot_rows(ty, [weights(row)], &activations, first_blocks, use_simd);
+                values.into_iter().enumerate().for_each(|(t, value)| write(row, token + t, value));
             }
-            for token in token..m {
-                write(token, dot_rows(ty, weights, &activations, [token * blocks_per_row], use_simd)[0]);
+        }
+        // The tokens left over (every token, at one) take rows in pairs, so that two sums overlap.
+        for token in whole_passes..m {
+            let first = [token * blocks_per_row];
+            let mut row = rows.start;
+            while row + 1 < rows.end {
+                let [[a], [b]] = dot_rows(ty, [weights(row), weights(row + 1)], &activations, first, use_simd);
+                write(row, token, a);
+                write(row + 1, token, b);
+                row += 2;
+            }
+            if row < rows.end {
+                write(row, token, dot_rows(ty, [weights(row)], &activations, first, use_simd)[0][0]);
             }
         }
     });

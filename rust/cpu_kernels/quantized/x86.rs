@@ -8,37 +8,40 @@ use super::activations::QuantizedActivations;
 use super::dot::Accumulators;
 use super::formats::{q4_k_scale_min, GgmlType};
 
-/// `dot::dot_row_scalar` for the tokens whose activations start at `first_blocks`, bit for bit.
+/// `dot::dot_row_scalar` of each of `R` weight rows (of one length) for the tokens whose
+/// activations start at `first_blocks`, bit for bit: `[row][token]`. Rows side by side give the
+/// core independent sums to overlap where there is one token.
 ///
 /// # Safety
-/// The CPU must run AVX2, FMA and F16C; `row` holds whole blocks and `activations` holds each
-/// `first_blocks[t]` plus that many blocks.
+/// The CPU must run AVX2, FMA and F16C; every row holds the same whole number of blocks and
+/// `activations` holds each `first_blocks[t]` plus that many blocks.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn dot_rows_avx2<const T: usize>(
+pub(crate) unsafe fn dot_rows_avx2<const R: usize, const T: usize>(
     ty: GgmlType,
-    row: &[u8],
+    rows: [&[u8]; R],
     activations: &QuantizedActivations,
     first_blocks: [usize; T],
-) -> [f32; T] {
+) -> [[f32; T]; R] {
     // One inlined copy per format, so that each inner loop is compiled for its constant format.
     match ty {
-        GgmlType::Q4_0 => dot_rows(GgmlType::Q4_0, row, activations, first_blocks),
-        GgmlType::Q4_1 => dot_rows(GgmlType::Q4_1, row, activations, first_blocks),
-        GgmlType::Q8_0 => dot_rows(GgmlType::Q8_0, row, activations, first_blocks),
-        GgmlType::Q4_K => dot_rows(GgmlType::Q4_K, row, activations, first_blocks),
-        GgmlType::Q6_K => dot_rows(GgmlType::Q6_K, row, activations, first_blocks),
+        GgmlType::Q4_0 => dot_rows(GgmlType::Q4_0, rows, activations, first_blocks),
+        GgmlType::Q4_1 => dot_rows(GgmlType::Q4_1, rows, activations, first_blocks),
+        GgmlType::Q8_0 => dot_rows(GgmlType::Q8_0, rows, activations, first_blocks),
+        GgmlType::Q4_K => dot_rows(GgmlType::Q4_K, rows, activations, first_blocks),
+        GgmlType::Q6_K => dot_rows(GgmlType::Q6_K, rows, activations, first_blocks),
     }
 }
 
 #[inline(always)]
-unsafe fn dot_rows<const T: usize>(
+unsafe fn dot_rows<const R: usize, const T: usize>(
     ty: GgmlType,
-    row: &[u8],
+    rows: [&[u8]; R],
     activations: &QuantizedActivations,
     first_blocks: [usize; T],
-) -> [f32; T] {
+) -> [[f32; T]; R] {
     let (block_len, block_bytes) = (ty.block_len(), ty.block_bytes());
-    let num_blocks = row.len() / block_bytes;
+    let num_blocks = rows[0].len() / block_bytes;
+    assert!(rows.iter().all(|row| row.len() == num_blocks * block_bytes));
     for first in first_blocks {
         assert!(
             activations.scales.len() >= first + num_blocks
@@ -46,54 +49,61 @@ unsafe fn dot_rows<const T: usize>(
         );
     }
     let ones = _mm256_set1_epi16(1);
-    let mut acc = [_mm256_setzero_ps(); T];
-    let mut mins = [0f32; T];
-    for (b, block) in row.chunks_exact(block_bytes).enumerate() {
-        let mut lanes = [_mm256_setzero_si256(); T];
-        for chunk in 0..block_len / 32 {
-            let (q, scales) = weight_chunk(ty, block, chunk, ones);
-            for (t, lanes) in lanes.iter_mut().enumerate() {
-                let x =
-                    _mm256_loadu_si256(activations.quants.as_ptr().add((first_blocks[t] + b) * block_len + 32 * chunk)
-                        as *const __m256i);
-                let products = match ty {
-                    // maddubs takes |w| unsigned and x with w's sign (|w| <= 128, |x| <= 127: pairs
-                    // stay below int16's limit).
-                    GgmlType::Q4_0 | GgmlType::Q8_0 => {
-                        _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q))
-                    }
-                    GgmlType::Q4_1 | GgmlType::Q4_K => _mm256_maddubs_epi16(q, x),
-                    // (q - 32) * x as q * x - 32 * x: each maddubs pair fits int16, so does the difference.
-                    GgmlType::Q6_K => {
-                        _mm256_sub_epi16(_mm256_maddubs_epi16(q, x), _mm256_maddubs_epi16(_mm256_set1_epi8(32), x))
-                    }
-                };
-                *lanes = _mm256_add_epi32(*lanes, _mm256_madd_epi16(products, scales));
+    let mut acc = [[_mm256_setzero_ps(); T]; R];
+    let mut mins = [[0f32; T]; R];
+    for b in 0..num_blocks {
+        for r in 0..R {
+            let block = rows[r].get_unchecked(b * block_bytes..(b + 1) * block_bytes);
+            let mut lanes = [_mm256_setzero_si256(); T];
+            for chunk in 0..block_len / 32 {
+                let (q, scales) = weight_chunk(ty, block, chunk, ones);
+                for (t, lanes) in lanes.iter_mut().enumerate() {
+                    let x = _mm256_loadu_si256(
+                        activations.quants.as_ptr().add((first_blocks[t] + b) * block_len + 32 * chunk)
+                            as *const __m256i,
+                    );
+                    let products = match ty {
+                        // maddubs takes |w| unsigned and x with w's sign (|w| <= 128, |x| <= 127:
+                        // pairs stay below int16's limit).
+                        GgmlType::Q4_0 | GgmlType::Q8_0 => {
+                            _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q))
+                        }
+                        GgmlType::Q4_1 | GgmlType::Q4_K => _mm256_maddubs_epi16(q, x),
+                        // (q - 32) * x as q * x - 32 * x: each maddubs pair fits int16, so does
+                        // the difference.
+                        GgmlType::Q6_K => {
+                            _mm256_sub_epi16(_mm256_maddubs_epi16(q, x), _mm256_maddubs_epi16(_mm256_set1_epi8(32), x))
+                        }
+                    };
+                    *lanes = _mm256_add_epi32(*lanes, _mm256_madd_epi16(products, scales));
+                }
             }
-        }
-        // (d, and m or dmin where the format has one; Q6_K's d is its last two bytes)
-        let (weight_scale, weight_min) =
-            if ty == GgmlType::Q6_K { (half_pair(block, 206).1, 0.0) } else { half_pair(block, 0) };
-        let q4_k_mins = (ty == GgmlType::Q4_K)
-            .then(|| std::array::from_fn::<i32, 8, _>(|j| q4_k_scale_min(j, &block[4..16]).1 as i32));
-        for t in 0..T {
-            let a = first_blocks[t] + b;
-            let act_scale = *activations.scales.get_unchecked(a);
-            if ty == GgmlType::Q4_1 {
-                mins[t] += weight_min * *activations.sums.get_unchecked(a);
-            } else if let Some(block_mins) = q4_k_mins {
-                let sums_of_16 = activations.sums_of_16.get_unchecked(16 * a..16 * (a + 1));
-                let integer: i32 = (0..16).map(|j| sums_of_16[j] * block_mins[j / 2]).sum();
-                mins[t] += (weight_min * act_scale) * integer as f32;
+            // (d, and m or dmin where the format has one; Q6_K's d is its last two bytes)
+            let (weight_scale, weight_min) =
+                if ty == GgmlType::Q6_K { (half_pair(block, 206).1, 0.0) } else { half_pair(block, 0) };
+            let q4_k_mins = (ty == GgmlType::Q4_K)
+                .then(|| std::array::from_fn::<i32, 8, _>(|j| q4_k_scale_min(j, &block[4..16]).1 as i32));
+            for t in 0..T {
+                let a = first_blocks[t] + b;
+                let act_scale = *activations.scales.get_unchecked(a);
+                if ty == GgmlType::Q4_1 {
+                    mins[r][t] += weight_min * *activations.sums.get_unchecked(a);
+                } else if let Some(block_mins) = q4_k_mins {
+                    let sums_of_16 = activations.sums_of_16.get_unchecked(16 * a..16 * (a + 1));
+                    let integer: i32 = (0..16).map(|j| sums_of_16[j] * block_mins[j / 2]).sum();
+                    mins[r][t] += (weight_min * act_scale) * integer as f32;
+                }
+                let scale = _mm256_set1_ps(weight_scale * act_scale);
+                acc[r][t] = _mm256_add_ps(acc[r][t], _mm256_mul_ps(scale, _mm256_cvtepi32_ps(lanes[t])));
             }
-            let scale = _mm256_set1_ps(weight_scale * act_scale);
-            acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(scale, _mm256_cvtepi32_ps(lanes[t])));
         }
     }
-    std::array::from_fn(|t| {
-        let mut lanes = [0f32; 8];
-        _mm256_storeu_ps(lanes.as_mut_ptr(), acc[t]);
-        Accumulators { lanes, mins: mins[t] }.finish(ty)
+    std::array::from_fn(|r| {
+        std::array::from_fn(|t| {
+            let mut lanes = [0f32; 8];
+            _mm256_storeu_ps(lanes.as_mut_ptr(), acc[r][t]);
+            Accumulators { lanes, mins: mins[r][t] }.finish(ty)
+        })
     })
 }
 
