@@ -15,9 +15,10 @@ per sequence on --threads threads:
   also samples the first token), T_TG from there to the last request's end: 128 decode steps of B
   tokens, as batched-bench's TG calls. S_PP = B*128 / T_PP, S_TG = B*128 / T_TG.
   Weight variants: Q4_1 and Q8_0 with the linears kept quantized (gguf_weights="quantized", float32
-  activations) or dequantized to float32; BF16 in bfloat16 or float32. By default (sized for about 10
-  minutes on 2 quiet cores): Q4_1 both, Q8_0 quantized, BF16 in the engine's automatic dtype (bfloat16 on CPUs with
-  native bfloat16 math, float32 elsewhere); `--variants all` runs all eight (quantized-float-head: the LM head from its float32 weight). Before the repeats pagedkv
+  activations) or dequantized to float32; BF16 in bfloat16 or float32, or kept bfloat16 beside float32
+  activations (`quantized`: gguf_weights="quantized" keeps a file's tensors as stored). By default (sized for about 10
+  minutes on 2 quiet cores): Q4_1 both, Q8_0 quantized, BF16 kept and in the engine's automatic dtype (bfloat16 on CPUs
+  with native bfloat16 math, float32 elsewhere); `--variants all` runs all eight (quantized-float-head: the LM head from its float32 weight). Before the repeats pagedkv
   loads each GGUF once, untimed: a file's first load converts it into pagedkv's GGUF cache
   (models/gguf_cache.py), which the timed loads then read.
 
@@ -61,13 +62,14 @@ $LLAMA_CPP_DIR to its build/bin:
     cmake --build build --target llama-batched-bench llama-quantize -j"""
 # pagedkv's weight variants: name -> (EngineConfig.gguf_weights, dtype, the formats it runs)
 VARIANTS = {
-    "quantized": ("quantized", "float32", ("Q4_1", "Q8_0")),
+    # (a BF16 file's linears stay bfloat16 beside float32 activations)
+    "quantized": ("quantized", "float32", ("Q4_1", "Q8_0", "BF16")),
     # (the same with the LM head read from its float32 weight, as before the head kept its blocks)
     "quantized-float-head": ("quantized", "float32", ("Q4_1", "Q8_0")),
     "float32": ("dequantized", "float32", ("Q4_1", "Q8_0", "BF16")),
     "bfloat16": ("dequantized", "bfloat16", ("BF16",)),
 }
-DEFAULT_VARIANTS = {"Q4_1": ["quantized", "float32"], "Q8_0": ["quantized"], "BF16": ["auto"]}
+DEFAULT_VARIANTS = {"Q4_1": ["quantized", "float32"], "Q8_0": ["quantized"], "BF16": ["auto", "quantized"]}
 
 
 def find_llama_cpp(directory: str) -> tuple[str, str]:
@@ -249,7 +251,7 @@ def main() -> None:
     if "default" in args.variants:  # (BF16's automatic dtype: what the engine picks on this CPU)
         from pagedkv.config import EngineConfig
 
-        DEFAULT_VARIANTS["BF16"] = [str(EngineConfig().torch_dtype()).removeprefix("torch.")]
+        DEFAULT_VARIANTS["BF16"] = [str(EngineConfig().torch_dtype()).removeprefix("torch."), "quantized"]
     variants = {fmt: [name for name in VARIANTS if fmt in VARIANTS[name][2] and
                       ("all" in args.variants or name in named or
                        ("default" in args.variants and name in DEFAULT_VARIANTS[fmt]))] for fmt in args.formats}
@@ -287,6 +289,8 @@ def main() -> None:
                     ratios = [m[phase] / t[phase] for m, t in zip(mine, theirs)]
                     cells += [span([t[phase] for t in theirs]), span([m[phase] for m in mine]), span(ratios, 2) + "x"]
                 label = f"{VARIANTS[name][0]} {VARIANTS[name][1]}" + (", float32 LM head" if name.endswith("float-head") else "")
+                if fmt == "BF16" and name == "quantized":
+                    label = "kept bfloat16, float32 activations"
                 print(f"| {fmt} | {num_seqs} | {label} | " + " | ".join(cells) + " |")
 
     print(f"\ncopy bandwidth: {bandwidth:.1f} GB/s (torch copy_ of 512 MiB, read + write, best of 5)")

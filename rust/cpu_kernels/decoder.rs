@@ -9,14 +9,16 @@ use crate::cpu_kernels::decode_attention::{check_paged_inputs, paged_decode_atte
 use crate::cpu_kernels::kv_write::{self, CacheShape, Strides};
 use crate::cpu_kernels::layer_ops::{rms_norm, rotary_in_place, silu_and_mul, RotaryShape};
 use crate::cpu_kernels::quantized::{quantized_linear, GgmlType};
-use crate::cpu_kernels::simd::Isa;
+use crate::cpu_kernels::simd::{Bf16, Isa};
 use crate::cpu_kernels::small_m_linear::{small_m_linear, LinearShape};
 use crate::errors::{Error, Result};
 
-/// A projection's weight `[out_features, in_features]`: float32, or GGUF blocks kept quantized.
+/// A projection's weight `[out_features, in_features]`: float32, bfloat16 (a BF16 GGUF's, beside
+/// float32 activations), or GGUF blocks kept quantized.
 #[derive(Debug, Clone, Copy)]
 pub enum LinearWeight<'a> {
     Float32(&'a [f32]),
+    BFloat16(&'a [Bf16]),
     Quantized(GgmlType, &'a [u8]),
 }
 
@@ -41,6 +43,11 @@ impl Linear<'_> {
                 LinearShape { rows, in_features: k, out_features: n },
                 num_threads,
             ),
+            LinearWeight::BFloat16(weight) => {
+                // (no bias: `check` refuses one, as the kernel would round it to bfloat16)
+                let shape = LinearShape { rows, in_features: k, out_features: n };
+                small_m_linear(out, x, weight, None, shape, num_threads)
+            }
             LinearWeight::Quantized(ty, blocks) => {
                 quantized_linear(out, x, blocks, self.bias, ty, (rows, n, k), num_threads, Isa::best())
             }
@@ -50,6 +57,7 @@ impl Linear<'_> {
     fn check(&self, name: &str, in_features: usize, out_features: usize) -> Result<()> {
         let weight_fits = match self.weight {
             LinearWeight::Float32(weight) => weight.len() == in_features * out_features,
+            LinearWeight::BFloat16(weight) => weight.len() == in_features * out_features,
             LinearWeight::Quantized(ty, blocks) => {
                 ty.row_bytes(in_features).is_ok_and(|row_bytes| blocks.len() == row_bytes * out_features)
             }
@@ -65,12 +73,16 @@ impl Linear<'_> {
         if self.bias.is_some_and(|bias| bias.len() != out_features) {
             return invalid(format!("{name}'s bias is not [{out_features}]"));
         }
+        if self.bias.is_some() && matches!(self.weight, LinearWeight::BFloat16(_)) {
+            return invalid(format!("{name}: bfloat16 weights take no bias here"));
+        }
         Ok(())
     }
 
     fn weight_len(&self) -> usize {
         match self.weight {
             LinearWeight::Float32(weight) => weight.len(),
+            LinearWeight::BFloat16(weight) => weight.len(),
             LinearWeight::Quantized(_, blocks) => blocks.len(),
         }
     }

@@ -7,8 +7,9 @@ use pyo3::prelude::*;
 use super::errors::{call, to_py_err};
 use crate::cpu_kernels::decoder::{decode_layers, DecodeBatch, DecoderLayer, DecoderShape, Linear, LinearWeight};
 use crate::cpu_kernels::quantized::GgmlType;
+use crate::cpu_kernels::simd::Bf16;
 
-/// (weight kind: "float32" or a GGUF type such as "Q4_1", weight address, weight bytes, bias
+/// (weight kind: "float32", "bfloat16" or a GGUF type such as "Q4_1", weight address, weight bytes, bias
 /// address (float32) or None, in_features, out_features).
 type LinearSpec = (String, usize, usize, Option<usize>, usize, usize);
 /// (input norm address, qkv, o, post-attention norm address, gate_up, down, key offset, value
@@ -18,6 +19,7 @@ type LayerSpec = (usize, LinearSpec, LinearSpec, usize, LinearSpec, LinearSpec, 
 #[derive(Clone, Copy)]
 enum WeightKind {
     Float32,
+    BFloat16,
     Quantized(GgmlType),
 }
 
@@ -35,6 +37,7 @@ impl LinearAddresses {
     fn new((kind, weight, weight_bytes, bias, in_features, out_features): LinearSpec) -> PyResult<Self> {
         let kind = match kind.as_str() {
             "float32" => WeightKind::Float32,
+            "bfloat16" => WeightKind::BFloat16,
             name => WeightKind::Quantized(GgmlType::from_name(name).map_err(to_py_err)?),
         };
         Ok(LinearAddresses { kind, weight, weight_bytes, bias, in_features, out_features })
@@ -46,6 +49,9 @@ impl LinearAddresses {
         let weight = match self.kind {
             WeightKind::Float32 => {
                 LinearWeight::Float32(std::slice::from_raw_parts(self.weight as *const f32, self.weight_bytes / 4))
+            }
+            WeightKind::BFloat16 => {
+                LinearWeight::BFloat16(std::slice::from_raw_parts(self.weight as *const Bf16, self.weight_bytes / 2))
             }
             WeightKind::Quantized(ty) => {
                 LinearWeight::Quantized(ty, std::slice::from_raw_parts(self.weight as *const u8, self.weight_bytes))

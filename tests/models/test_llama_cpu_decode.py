@@ -110,3 +110,48 @@ def test_bad_shapes_and_slots_are_errors_that_write_nothing():
     assert torch.equal(hidden, before) and not cache.any()
     run(decoder(qkv_rows=16), slot=4)
     assert cache.any() and not torch.equal(hidden, before)
+
+
+def test_bfloat16_weights_beside_float32_activations_give_the_layer_by_layer_bits(tiny_dirs, smollm2, monkeypatch):
+    """A BF16 GGUF's linears kept bfloat16 (layers.cpu_linear.BFloat16Linear), here made from the
+    tiny Llama's float32 ones: the one-call path reads them as the layers do."""
+    from pagedkv.layers.cpu_linear import BFloat16Linear
+
+    llm = engine("llama", tiny_dirs, smollm2)
+    for layer in llm.engine.runner.model.layers:
+        for parent, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"), (layer.mlp, "gate_up_proj"),
+                             (layer.mlp, "down_proj")):
+            linear = getattr(parent, name)
+            kept = BFloat16Linear(linear.in_features, linear.out_features)
+            kept.weight.copy_(linear.weight.detach())
+            setattr(parent, name, kept)
+    layer_by_layer, calls_off = generate(llm, False, monkeypatch)
+    one_call, calls_on = generate(llm, True, monkeypatch)
+    llm.shutdown()
+    assert calls_off == 0 and calls_on >= 20
+    assert one_call == layer_by_layer
+
+
+def test_a_bf16_gguf_tensor_is_kept_bfloat16_only_where_it_widens_to_the_loaded_weight():
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from pagedkv.layers.cpu_linear import BFloat16Linear
+    from pagedkv.models import gguf_quantized
+
+    weight = torch.randn(6, 4).bfloat16()
+    as_gguf = SimpleNamespace(data=weight.view(torch.uint8).numpy())  # (gguf-py gives BF16 rows as bytes)
+    parent = nn.Module()
+    parent.down_proj = nn.Linear(4, 6, bias=False)
+    with torch.no_grad():
+        parent.down_proj.weight.copy_(weight.float() + 1e-3)  # (not what the file holds)
+    assert gguf_quantized._keep_bfloat16(parent, "down_proj", parent.down_proj, [as_gguf], ("ffn_down",), (1, 1)) == 0
+    with torch.no_grad():
+        parent.down_proj.weight.copy_(weight.float())
+    assert gguf_quantized._keep_bfloat16(parent, "down_proj", parent.down_proj, [as_gguf], ("ffn_down",), (1, 1)) == 1
+    assert isinstance(parent.down_proj, BFloat16Linear) and torch.equal(parent.down_proj.weight, weight)
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(parent.down_proj(x), x @ weight.float().T)  # (kernel rows)
+    many = torch.randn(40, 4)
+    torch.testing.assert_close(parent.down_proj(many), many @ weight.float().T)  # (F.linear rows)

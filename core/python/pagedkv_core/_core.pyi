@@ -514,7 +514,7 @@ def dequantize_cpu(
     """out (out_len float32) = the values of `blocks_bytes` bytes of GGUF blocks. Internal: use
     `pagedkv.layers.quantized_linear.dequantize`."""
 
-# (weight kind: "float32" or a GGUF type, weight address, weight bytes, bias address or None,
+# (weight kind: "float32", "bfloat16" or a GGUF type, weight address, weight bytes, bias address or None,
 # in_features, out_features)
 _LinearSpec = tuple[str, int, int, int | None, int, int]
 

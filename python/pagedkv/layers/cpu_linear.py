@@ -96,6 +96,42 @@ class CpuLinear(nn.Linear):
         return linear(x, self.weight, self.bias)
 
 
+class BFloat16Linear(nn.Module):
+    """y = x @ W^T for float32 x with W kept in bfloat16 (a BF16 GGUF's linears as stored, on a CPU
+    whose engine computes in float32: half the bytes a decode step streams). Up to
+    MAX_KERNEL_ROWS[float32] rows through the kernel (float32 math on the widened weights); more
+    through F.linear on W widened to float32 (a temporary). No bias (the checkpoints that have one
+    keep float32 weights)."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.bfloat16))
+        self.bias = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and x.numel() <= MAX_KERNEL_ROWS[torch.float32] * self.in_features:
+            return small_m_linear(x, self.weight)
+        return F.linear(x, self.weight.to(x.dtype))
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, weight bfloat16"
+
+
+class BFloat16LMHeadProduct:
+    """`model.lm_head_linear` over a bfloat16 copy of the LM head (a BF16 GGUF's, the float32 weight
+    kept for the embedding lookups): up to MAX_KERNEL_ROWS[float32] rows through the kernel (half
+    the bytes), more through F.linear on the float weight passed in (the same values)."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+
+    def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if bias is None and hidden.dtype == torch.float32 and hidden.numel() <= MAX_KERNEL_ROWS[torch.float32] * hidden.shape[-1]:
+            return small_m_linear(hidden, self.weight)
+        return F.linear(hidden, weight, bias)
+
+
 def use_cpu_linear(model: nn.Module) -> None:
     """Routes a CPU model's nn.Linear layers (the LM head too: `model.lm_head_linear`) through
     `linear`; subclasses of nn.Linear (another layer's own forward) and an LM head kept as GGUF
@@ -103,5 +139,5 @@ def use_cpu_linear(model: nn.Module) -> None:
     for module in model.modules():
         if type(module) is nn.Linear:
             module.__class__ = CpuLinear
-    if hasattr(model, "lm_head_linear") and not isinstance(model.lm_head_linear, QuantizedLMHeadProduct):
+    if hasattr(model, "lm_head_linear") and not isinstance(model.lm_head_linear, (QuantizedLMHeadProduct, BFloat16LMHeadProduct)):
         model.lm_head_linear = linear

@@ -1,7 +1,9 @@
 """A Llama-family GGUF's quantized linear weights kept as GGUF blocks (EngineConfig
 gguf_weights="quantized"): after the usual load, each decoder layer's nn.Linear whose GGUF
 tensors are all one kept type (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) becomes a QuantizedLinear over
-those tensors' raw bytes, read from the file's memory map with gguf-py.
+those tensors' raw bytes, read from the file's memory map with gguf-py. BF16 tensors beside
+float32 activations stay bfloat16 (layers.cpu_linear.BFloat16Linear, the LM head's too: half
+the bytes of the float32 weights).
 
 Each swap is checked, not trusted: the blocks must dequantize to exactly the float32 weight
 just loaded (transformers dequantizes with gguf-py, the same float32 operations), which also
@@ -20,6 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from pagedkv.layers.cpu_linear import BFloat16Linear, BFloat16LMHeadProduct
 from pagedkv.layers.quantized_linear import GGML_TYPES, QuantizedLinear, QuantizedLMHeadProduct, dequantize
 
 logger = logging.getLogger("pagedkv.models.gguf_quantized")
@@ -56,6 +59,9 @@ def keep_quantized(net: nn.Module, gguf_path: str, hf_config) -> int:
             if not isinstance(linear, nn.Linear) or None in found:
                 continue
             types = {t.tensor_type.name for t in found}
+            if types == {"BF16"}:
+                replaced += _keep_bfloat16(parent, attribute, linear, found, parts, (num_heads, num_kv_heads))
+                continue
             if len(types) != 1 or not types <= set(GGML_TYPES):
                 continue
             blocks = []
@@ -82,13 +88,44 @@ def keep_quantized(net: nn.Module, gguf_path: str, hf_config) -> int:
     return replaced
 
 
+def _bfloat16_rows(tensor, part: str, heads: tuple[int, int]) -> torch.Tensor:
+    """A BF16 GGUF tensor's rows (gguf-py gives them as bytes) in HF's order, as bfloat16."""
+    data = np.asarray(tensor.data)
+    if part in ("attn_q", "attn_k"):
+        data = unpermute_rows(data, heads[0] if part == "attn_q" else heads[1])
+    return torch.from_numpy(np.ascontiguousarray(data)).view(torch.bfloat16)
+
+
+def _keep_bfloat16(parent: nn.Module, attribute: str, linear: nn.Linear, found: list, parts: tuple,
+                   heads: tuple[int, int]) -> int:
+    """Swaps a float32 linear for a BFloat16Linear over its BF16 GGUF tensors (unbiased ones, whose
+    widened values equal the loaded weight exactly); returns 1 if swapped."""
+    if linear.bias is not None or linear.weight.dtype != torch.float32:
+        return 0
+    kept = BFloat16Linear(linear.in_features, linear.out_features)
+    rows = torch.cat([_bfloat16_rows(tensor, part, heads) for part, tensor in zip(parts, found)])
+    if rows.shape != kept.weight.shape or not torch.equal(rows.float(), linear.weight.data):
+        return 0
+    kept.weight.copy_(rows)
+    setattr(parent, attribute, kept)
+    return 1
+
+
 def keep_lm_head_quantized(net: nn.Module, tensors: dict) -> str | None:
     """Points `net.lm_head_linear` at the LM head's GGUF blocks when they are of a kept type and
     dequantize to exactly the head's loaded weight; returns their type (None: left float32)."""
     tied = bool(getattr(net, "tie_word_embeddings", False))
     tensor = tensors.get("token_embd.weight" if tied else "output.weight")
     weight = net.embed_tokens.weight if tied else getattr(getattr(net, "lm_head", None), "weight", None)
-    if tensor is None or weight is None or tensor.tensor_type.name not in GGML_TYPES or not hasattr(net, "lm_head_linear"):
+    if tensor is None or weight is None or not hasattr(net, "lm_head_linear"):
+        return None
+    if tensor.tensor_type.name == "BF16" and weight.dtype == torch.float32:
+        rows = _bfloat16_rows(tensor, "", (0, 0))
+        if rows.shape != weight.shape or not torch.equal(rows.float(), weight.data):
+            return None
+        net.lm_head_linear = BFloat16LMHeadProduct(rows)
+        return "BF16"
+    if tensor.tensor_type.name not in GGML_TYPES:
         return None
     ggml_type = tensor.tensor_type.name
     blocks = torch.from_numpy(np.array(tensor.data, order="C"))  # (a writable copy of the mapped file)

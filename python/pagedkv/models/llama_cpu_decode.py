@@ -2,8 +2,8 @@
 
 At one token a layer of the embedded model costs ~70 Python and torch calls around ~0.4 ms of
 arithmetic, and those calls took about as long as the arithmetic. For a plain Llama model on the
-CPU (float32 activations and cache, linears on the CPU kernels: GGUF blocks kept quantized or
-float32 weights through `cpu_linear`, one KV-cache group, no LoRA, no tensor parallelism), a step
+CPU (float32 activations and cache, linears on the CPU kernels: GGUF blocks kept quantized, a BF16
+GGUF's bfloat16 weights, or float32 weights through `cpu_linear`, one KV-cache group, no LoRA, no tensor parallelism), a step
 whose tokens are all decodes runs every layer through the same kernels in one call instead: the
 same inputs in the same order, so the same bits. Anything else takes the layer-by-layer path.
 
@@ -20,7 +20,7 @@ from torch import nn
 from pagedkv_core import _core
 from pagedkv.layers import cpu_fused
 from pagedkv.layers.activation import silu_and_mul
-from pagedkv.layers.cpu_linear import MAX_KERNEL_ROWS, CpuLinear
+from pagedkv.layers.cpu_linear import MAX_KERNEL_ROWS, BFloat16Linear, CpuLinear
 from pagedkv.layers import quantized_linear
 from pagedkv.layers.quantized_linear import QuantizedLinear
 from pagedkv.layers.rms_norm import RMSNorm
@@ -74,7 +74,9 @@ class CpuDecodePath:
             return (linear.ggml_type, self._address(blocks), blocks.numel(), bias, linear.in_features,
                     linear.out_features)  # fmt: skip
         weight = linear.weight
-        return ("float32", self._address(weight), weight.numel() * 4, bias, linear.in_features, linear.out_features)
+        kind = "bfloat16" if weight.dtype == torch.bfloat16 else "float32"
+        return (kind, self._address(weight), weight.numel() * weight.element_size(), bias, linear.in_features,
+                linear.out_features)  # fmt: skip
 
     def forward(self, model: LlamaForCausalLM, hidden: torch.Tensor, positions: torch.Tensor,
                 context: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,6 +157,8 @@ def _linear_fits(linear: nn.Module) -> bool:
         return False
     if isinstance(linear, QuantizedLinear):
         return linear.blocks.is_contiguous()
+    if isinstance(linear, BFloat16Linear):
+        return linear.bias is None and linear.weight.is_contiguous()
     return type(linear) is CpuLinear and _plain_float32(linear.weight)
 
 
