@@ -132,7 +132,9 @@ def test_bfloat16_weights_beside_float32_activations_give_the_layer_by_layer_bit
     assert one_call == layer_by_layer
 
 
-def test_a_bf16_gguf_tensor_is_kept_bfloat16_only_where_it_widens_to_the_loaded_weight():
+def test_a_bf16_gguf_tensor_stays_bfloat16_unless_it_differs_from_the_checkpoint_weight():
+    """models/gguf_quantized.py swaps a linear for its kept module before the load, then checks it
+    against the float weight streaming past: equal, it stays; not, a float32 linear takes over."""
     from types import SimpleNamespace
 
     from torch import nn
@@ -141,17 +143,17 @@ def test_a_bf16_gguf_tensor_is_kept_bfloat16_only_where_it_widens_to_the_loaded_
     from pagedkv.models import gguf_quantized
 
     weight = torch.randn(6, 4).bfloat16()
-    as_gguf = SimpleNamespace(data=weight.view(torch.uint8).numpy())  # (gguf-py gives BF16 rows as bytes)
-    parent = nn.Module()
-    parent.down_proj = nn.Linear(4, 6, bias=False)
-    with torch.no_grad():
-        parent.down_proj.weight.copy_(weight.float() + 1e-3)  # (not what the file holds)
-    assert gguf_quantized._keep_bfloat16(parent, "down_proj", parent.down_proj, [as_gguf], ("ffn_down",), (1, 1)) == 0
-    with torch.no_grad():
-        parent.down_proj.weight.copy_(weight.float())
-    assert gguf_quantized._keep_bfloat16(parent, "down_proj", parent.down_proj, [as_gguf], ("ffn_down",), (1, 1)) == 1
-    assert isinstance(parent.down_proj, BFloat16Linear) and torch.equal(parent.down_proj.weight, weight)
-    x = torch.randn(3, 4)
-    torch.testing.assert_close(parent.down_proj(x), x @ weight.float().T)  # (kernel rows)
-    many = torch.randn(40, 4)
-    torch.testing.assert_close(parent.down_proj(many), many @ weight.float().T)  # (F.linear rows)
+    as_gguf = SimpleNamespace(data=weight.view(torch.uint8).numpy(), tensor_type=SimpleNamespace(name="BF16"))
+    for streamed, stays in ((weight.float(), True), (weight.float() + 1e-3, False)):
+        parent = nn.Module()
+        parent.down_proj = nn.Linear(4, 6, bias=False)
+        kept = gguf_quantized._kept_module(parent.down_proj, [as_gguf], ("ffn_down",), (1, 1))
+        assert isinstance(kept, BFloat16Linear) and torch.equal(kept.weight, weight)
+        parent.down_proj = kept
+        gguf_quantized._check(parent, "down_proj", kept, "layers.0.mlp.down_proj")(streamed)
+        assert (parent.down_proj is kept) == stays
+        assert torch.equal(parent.down_proj.weight.float(), streamed)
+        x, many = torch.randn(3, 4), torch.randn(40, 4)  # (the kernel's rows; F.linear's)
+        for rows in (x, many):
+            torch.testing.assert_close(parent.down_proj(rows), rows @ streamed.T)
+    assert kept.to(torch.float32).weight.dtype == torch.bfloat16  # (casting the model leaves the bits)

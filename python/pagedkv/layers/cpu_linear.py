@@ -106,8 +106,14 @@ class BFloat16Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.bfloat16))
+        # The bits as int16, so that casting the model to its float dtype (Module.to) leaves them be
+        self.register_buffer("weight_bits", torch.zeros(out_features, in_features, dtype=torch.int16))
         self.bias = None
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """[out_features, in_features] bfloat16 (a view of the bits: writes go through)."""
+        return self.weight_bits.view(torch.bfloat16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and x.numel() <= MAX_KERNEL_ROWS[torch.float32] * self.in_features:

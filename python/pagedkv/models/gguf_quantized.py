@@ -1,15 +1,18 @@
 """A Llama-family GGUF's quantized linear weights kept as GGUF blocks (EngineConfig
-gguf_weights="quantized"): after the usual load, each decoder layer's nn.Linear whose GGUF
+gguf_weights="quantized"). Before the weights load, each decoder layer's nn.Linear whose GGUF
 tensors are all one kept type (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) becomes a QuantizedLinear over
-those tensors' raw bytes, read from the file's memory map with gguf-py. BF16 tensors beside
+those tensors' raw bytes, read from the file's memory map with gguf-py; BF16 tensors beside
 float32 activations stay bfloat16 (layers.cpu_linear.BFloat16Linear, the LM head's too: half
-the bytes of the float32 weights).
+the bytes of the float32 weights). So the float32 linears are allocated but never written: a
+model whose float32 weights would not fit the host's memory loads as its blocks (the embedding
+table stays float32).
 
-Each swap is checked, not trusted: the blocks must dequantize to exactly the float32 weight
-just loaded (transformers dequantizes with gguf-py, the same float32 operations), which also
-proves the row order (llama.cpp stores q and k rows permuted for its rotary layout; the
-permutation is undone here as transformers does). A layer that differs keeps its float weight.
-The LM head (the tied embedding table's blocks, or `output`'s) is read from its blocks too
+Each swap is checked, not trusted: as the float weight a kept module stands for streams past
+during the load, the blocks must dequantize to exactly it (transformers dequantizes with gguf-py,
+the same float32 operations), which also proves the row order (llama.cpp stores q and k rows
+permuted for its rotary layout; the permutation is undone here as transformers does). A module
+that differs goes back to a float nn.Linear holding that weight. The LM head (the tied embedding
+table's blocks, or `output`'s) is read from its blocks too after the load
 (layers.quantized_linear.QuantizedLMHeadProduct), checked the same way; the embedding table
 stays float32 for the lookups.
 """
@@ -17,6 +20,7 @@ stays float32 for the lookups.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -42,50 +46,75 @@ def unpermute_rows(blocks: np.ndarray, num_heads: int) -> np.ndarray:
     return blocks.reshape(num_heads, rows // num_heads // 2, 2, -1).swapaxes(1, 2).reshape(blocks.shape)
 
 
-def keep_quantized(net: nn.Module, gguf_path: str, hf_config) -> int:
-    """Replaces the decoder layers' linears by QuantizedLinear where the GGUF keeps them
-    quantized and the blocks match the loaded weight exactly; returns how many were replaced."""
+def gguf_tensors(gguf_path: str) -> dict:
     import gguf
 
-    tensors = {t.name: t for t in gguf.GGUFReader(gguf_path).tensors}
-    num_heads, num_kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
-    replaced = 0
+    return {t.name: t for t in gguf.GGUFReader(gguf_path).tensors}
+
+
+def take_over_linears(net: nn.Module, tensors: dict, hf_config) -> dict[str, Callable]:
+    """Before the load (the float32 model's linears allocated, not yet written): replaces each
+    decoder-layer linear whose GGUF tensors are of one kept type by its kept module. Returns, per
+    replaced module, the name of the float weight the checkpoint gives for it
+    ("layers.3.self_attn.qkv_proj.weight") -> the check to run on that weight (or its fused parts)
+    as it streams past (`load_hf_weights`)."""
+    heads = (hf_config.num_attention_heads, hf_config.num_key_value_heads)
+    checks = {}
     for index, layer in enumerate(getattr(net, "layers", [])):
         for module_path, parts in LLAMA_LINEARS.items():
             parent_path, _, attribute = module_path.rpartition(".")
             parent = layer.get_submodule(parent_path)
             linear = getattr(parent, attribute, None)
             found = [tensors.get(f"blk.{index}.{part}.weight") for part in parts]
-            if not isinstance(linear, nn.Linear) or None in found:
+            if type(linear) is not nn.Linear or linear.weight.dtype != torch.float32 or None in found:
                 continue
-            types = {t.tensor_type.name for t in found}
-            if types == {"BF16"}:
-                replaced += _keep_bfloat16(parent, attribute, linear, found, parts, (num_heads, num_kv_heads))
-                continue
-            if len(types) != 1 or not types <= set(GGML_TYPES):
-                continue
-            blocks = []
-            for part, tensor in zip(parts, found):
-                data = np.asarray(tensor.data)
-                if part in ("attn_q", "attn_k"):
-                    data = unpermute_rows(data, num_heads if part == "attn_q" else num_kv_heads)
-                blocks.append(data)
-            quantized = QuantizedLinear(linear.in_features, linear.out_features, types.pop(), bias=linear.bias is not None)
-            rows = np.concatenate(blocks)
-            if rows.shape != tuple(quantized.blocks.shape):
-                continue
-            quantized.blocks.copy_(torch.from_numpy(rows))
-            if linear.bias is not None:
-                quantized.bias.data.copy_(linear.bias.data)
-            if not torch.equal(quantized.weight, linear.weight.data):
-                logger.warning("layers.%d.%s: GGUF blocks differ from the loaded weight; kept float32", index, module_path)
-                continue
-            setattr(parent, attribute, quantized)
-            replaced += 1
-    head = keep_lm_head_quantized(net, tensors)
-    logger.info("kept %d linear layers%s as GGUF blocks (%s)", replaced, f" and the {head} LM head" if head else "",
-                gguf_path)
-    return replaced
+            kept = _kept_module(linear, found, parts, heads)
+            if kept is not None:
+                setattr(parent, attribute, kept)
+                name = f"layers.{index}.{module_path}"
+                checks[f"{name}.weight"] = _check(parent, attribute, kept, name)
+    return checks
+
+
+def _kept_module(linear: nn.Linear, found: list, parts: tuple, heads: tuple[int, int]) -> nn.Module | None:
+    """The QuantizedLinear or BFloat16Linear over these GGUF tensors, or None where they are of
+    another type (or of several), or do not fit the linear's shape."""
+    types = {t.tensor_type.name for t in found}
+    if types == {"BF16"} and linear.bias is None:
+        kept = BFloat16Linear(linear.in_features, linear.out_features)
+        rows = torch.cat([_bfloat16_rows(tensor, part, heads) for part, tensor in zip(parts, found)])
+        if rows.shape != kept.weight.shape:
+            return None
+        kept.weight.copy_(rows)
+        return kept
+    if len(types) != 1 or not types <= set(GGML_TYPES):
+        return None
+    kept = QuantizedLinear(linear.in_features, linear.out_features, types.pop(), bias=linear.bias is not None)
+    blocks = []
+    for part, tensor in zip(parts, found):
+        data = np.asarray(tensor.data)
+        if part in ("attn_q", "attn_k"):
+            data = unpermute_rows(data, heads[0] if part == "attn_q" else heads[1])
+        blocks.append(data)
+    rows = np.concatenate(blocks)
+    if rows.shape != tuple(kept.blocks.shape):
+        return None
+    kept.blocks.copy_(torch.from_numpy(rows))
+    return kept
+
+
+def _check(parent: nn.Module, attribute: str, kept: nn.Module, name: str) -> Callable:
+    def check(value: torch.Tensor | list) -> None:
+        weight = torch.cat(value) if isinstance(value, list) else value
+        if torch.equal(kept.weight.float(), weight.float()):
+            return
+        logger.warning("%s: GGUF blocks differ from the checkpoint's weight; kept float32", name)
+        linear = nn.Linear(kept.in_features, kept.out_features, bias=False)
+        linear.weight = nn.Parameter(weight.float().clone(), requires_grad=False)
+        linear.bias = kept.bias  # (the one the load fills, before or after this)
+        setattr(parent, attribute, linear)
+
+    return check
 
 
 def _bfloat16_rows(tensor, part: str, heads: tuple[int, int]) -> torch.Tensor:
@@ -94,21 +123,6 @@ def _bfloat16_rows(tensor, part: str, heads: tuple[int, int]) -> torch.Tensor:
     if part in ("attn_q", "attn_k"):
         data = unpermute_rows(data, heads[0] if part == "attn_q" else heads[1])
     return torch.from_numpy(np.ascontiguousarray(data)).view(torch.bfloat16)
-
-
-def _keep_bfloat16(parent: nn.Module, attribute: str, linear: nn.Linear, found: list, parts: tuple,
-                   heads: tuple[int, int]) -> int:
-    """Swaps a float32 linear for a BFloat16Linear over its BF16 GGUF tensors (unbiased ones, whose
-    widened values equal the loaded weight exactly); returns 1 if swapped."""
-    if linear.bias is not None or linear.weight.dtype != torch.float32:
-        return 0
-    kept = BFloat16Linear(linear.in_features, linear.out_features)
-    rows = torch.cat([_bfloat16_rows(tensor, part, heads) for part, tensor in zip(parts, found)])
-    if rows.shape != kept.weight.shape or not torch.equal(rows.float(), linear.weight.data):
-        return 0
-    kept.weight.copy_(rows)
-    setattr(parent, attribute, kept)
-    return 1
 
 
 def keep_lm_head_quantized(net: nn.Module, tensors: dict) -> str | None:

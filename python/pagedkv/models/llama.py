@@ -276,16 +276,23 @@ class LlamaForCausalLM(nn.Module):
         weight_loader). A group must hold every tensor one of our weights is made of. Fails
         loudly, after the last group, on weights missing or left over."""
         targets = self.state_dict(keep_vars=True)
-        loaded, unexpected = set(), []
+        # Linears a GGUF's blocks stand for (models/gguf_quantized.py): their float weight is only
+        # checked against them as it streams past; their own state is already filled.
+        checks = self.__dict__.pop("kept_weight_checks", {})
+        loaded = {f"{name}.{state}" for name in (check.removesuffix(".weight") for check in checks)
+                  for state in ("blocks", "weight_bits")}
+        unexpected = []
         with torch.no_grad():
             for group in groups:
                 for name, value in self.own_weights(group).items():
-                    if name in targets:
+                    if name in checks:
+                        checks.pop(name)(value)
+                    elif name in targets:
                         fill_(targets[name], value, name)
                         loaded.add(name)
                     elif "rotary" not in name:
                         unexpected.append(name)
-        missing = [name for name in targets if name not in loaded]
+        missing = [name for name in targets if name not in loaded] + list(checks)
         if missing or unexpected:
             raise ValueError(f"checkpoint does not fit the model: missing {missing}, unexpected {unexpected}")
 

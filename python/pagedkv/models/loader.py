@@ -169,6 +169,14 @@ def load(model: str | None, gguf_file: str | None, tokenizer: str | None, dtype,
     # and most of a minute on a host's one generator thread.
     net = net.to(dtype=dtype).to_empty(device=device if dummy else "cpu")
     net.compute_buffers(positions, dtype)
+    kept_gguf = None
+    if quantized_gguf and given_gguf is not None and not dummy:
+        if str(device) == "cpu" and dtype == torch.float32 and tp.size == 1:
+            kept_gguf = gguf_quantized.gguf_tensors(os.path.join(given_directory, given_gguf))
+            # (before the load: the float32 linears it replaces are never written)
+            net.kept_weight_checks = gguf_quantized.take_over_linears(net, kept_gguf, hf_config)
+        else:
+            logger.warning("gguf_weights='quantized' needs float32 on one CPU: weights dequantized")
     if dummy:
         logger.info("load_format=dummy: random weights of %s's shapes, no checkpoint read", hf_config.model_type)
         fill_dummy_weights(net)
@@ -180,11 +188,11 @@ def load(model: str | None, gguf_file: str | None, tokenizer: str | None, dtype,
         net.load_hf_weights(model_weights())
     net.classifier = sequence_classifier(hf_config, classifier_weights)
     net = net.to(device=device, dtype=dtype).eval()
-    if quantized_gguf and given_gguf is not None and not dummy:
-        if str(device) == "cpu" and dtype == torch.float32 and tp.size == 1:
-            gguf_quantized.keep_quantized(net, os.path.join(given_directory, given_gguf), hf_config)
-        else:
-            logger.warning("gguf_weights='quantized' needs float32 on one CPU: weights dequantized")
+    if kept_gguf is not None:
+        kept = sum(type(module).__name__ in ("QuantizedLinear", "BFloat16Linear") for module in net.modules())
+        head = gguf_quantized.keep_lm_head_quantized(net, kept_gguf)
+        logger.info("kept %d linear layers%s as stored in %s", kept, f" and the {head} LM head" if head else "",
+                    given_gguf)
 
     tokenizer_source, tokenizer_gguf = _readable(tokenizer, None) if tokenizer else (directory, gguf)
     try:
