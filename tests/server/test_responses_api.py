@@ -70,6 +70,29 @@ def test_streamed_events_add_up_to_the_whole_response(client):
     assert events[-1].response.usage.output_tokens == whole.usage.output_tokens > 1  # (counted over every step)
 
 
+def test_logprobs_come_with_the_text_when_included_as_chat_completions_give_them(client):
+    model = client.models.list().data[0].id
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Name a fruit."}],
+                                          max_tokens=8, temperature=0, logprobs=True, top_logprobs=3)
+    expected = [(entry.token, entry.logprob, [top.token for top in entry.top_logprobs])
+                for entry in chat.choices[0].logprobs.content]
+    request = dict(model=model, input="Name a fruit.", max_output_tokens=8, temperature=0, top_logprobs=3)
+    response = client.responses.create(**request, include=["message.output_text.logprobs"])
+    [message] = response.output
+    got = [(entry.token, entry.logprob, [top.token for top in entry.top_logprobs]) for entry in message.content[0].logprobs]
+    # (the same tokens and candidates; logprobs to float32 noise: the second request reads the first's
+    # cached prefix, a differently batched prefill)
+    def same(a, b):
+        return [(t, c) for t, _, c in a] == [(t, c) for t, _, c in b] and all(
+            x == pytest.approx(y, abs=1e-4) for (_, x, _), (_, y, _) in zip(a, b))
+    assert same(got, expected) and len(got) == response.usage.output_tokens and response.top_logprobs == 3
+    events = list(client.responses.create(**request, include=["message.output_text.logprobs"], stream=True))
+    streamed = [(entry.token, entry.logprob, [top.token for top in entry.top_logprobs])
+                for event in events if event.type == "response.output_text.delta" for entry in event.logprobs]
+    assert same(streamed, expected)
+    assert client.responses.create(**request).output[0].content[0].logprobs == []  # (not included: none)
+
+
 def test_reasoning_items_come_before_the_message(client):
     model = client.models.list().data[0].id
     extra = {"guided_regex": "<think>[a-z]{2,8}( [a-z]{2,8}){0,2}</think>[A-Z][a-z]{2,10}"}

@@ -217,6 +217,7 @@ class ResponseBody(BaseModel):
     tools: list[FunctionTool]
     tool_choice: Union[Literal["none", "auto", "required"], ResponsesNamedToolChoice]
     text: TextConfig
+    top_logprobs: int
     store: bool
     usage: Optional[ResponseUsage]
 

@@ -556,6 +556,14 @@ class ResponsesRequest(_Sampling):
     background: bool = False  # answered at once ("queued"), then read back by GET /v1/responses/{id}
     metadata: Optional[Annotated[dict[str, str], Field(max_length=16)]] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    # "message.output_text.logprobs" in `include`: each output_text part carries its tokens'
+    # logprobs, with top_logprobs candidates each (vLLM's and OpenAI's)
+    include: Optional[list[str]] = None
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+
+    @property
+    def includes_logprobs(self) -> bool:
+        return bool(self.include) and "message.output_text.logprobs" in self.include
 
     def messages(self, history: list[ChatMessage] = ()) -> list[ChatMessage]:
         """The conversation as chat messages: instructions, `history` (a previous response's turns)
@@ -603,10 +611,11 @@ class ResponsesRequest(_Sampling):
         if isinstance(fmt, ResponsesJSONSchemaFormat):
             fmt = ResponseFormatJSONSchema(type="json_schema", json_schema=fmt)
         update = {"max_tokens": self.max_output_tokens, "response_format": fmt}
-        return self.model_copy(update=update).sampling_params(None, default_max_tokens, defaults)
+        logprobs = (self.top_logprobs or 0) if self.includes_logprobs else None
+        return self.model_copy(update=update).sampling_params(logprobs, default_max_tokens, defaults)
 
     def echoed_fields(self) -> dict:
         """tools, tool_choice and text as a response repeats them (JSON-ready)."""
         given = self.model_dump(include={"tools", "tool_choice", "text"}, exclude_none=True, by_alias=True)
         return {"tools": given.get("tools", []), "tool_choice": given.get("tool_choice", "auto"),
-                "text": given.get("text", {"format": {"type": "text"}})}
+                "text": given.get("text", {"format": {"type": "text"}}), "top_logprobs": self.top_logprobs or 0}

@@ -32,6 +32,9 @@ class ResponseState:
         self.sent = {"reasoning": 0, "content": 0}
         self.open_kind: Optional[str] = None  # the item still growing: "reasoning" or "message"
         self.sequence_number = 0
+        # Logprob entries of tokens whose text has not gone out yet (`include` asked for them): they
+        # join the next output_text delta, and the message's part
+        self.pending_logprobs: list[dict] = []
 
     # -- whole ------------------------------------------------------------------------------------
     def body(self, status: str, finish_reason: Optional[str] = None, usage: Optional[dict] = None) -> dict:
@@ -54,8 +57,9 @@ class ResponseState:
                  for item in self.items if item["type"] == "function_call"]
         return [ChatMessage(role="assistant", content=text or None, tool_calls=calls or None)]
 
-    def complete(self, text: str, finish_reason: Optional[str], usage: dict) -> dict:
-        """The whole response of a finished reply."""
+    def complete(self, text: str, finish_reason: Optional[str], usage: dict, logprobs: Optional[list] = None) -> dict:
+        """The whole response of a finished reply (`logprobs`: its tokens' entries, where asked)."""
+        self.pending_logprobs += logprobs or []
         for _ in self.update(text, finish_reason, finished=True):
             pass
         return self.body("completed", finish_reason, usage)
@@ -92,6 +96,10 @@ class ResponseState:
         if finished:
             if not calls and not any(item["type"] == "message" for item in self.items):
                 events += self._grow("message", "")  # an empty reply is still a message
+            messages = [item for item in self.items if item["type"] == "message"]
+            if messages and self.pending_logprobs:  # (tokens whose text came out as tool calls or reasoning)
+                messages[-1]["content"][0]["logprobs"] += self.pending_logprobs
+            self.pending_logprobs = []
             events += self._close()
             for call in calls:
                 item = {"type": "function_call", "id": _id("fc"), "call_id": call["id"], "status": "completed",
@@ -134,7 +142,10 @@ class ResponseState:
         item, index = self.items[-1], len(self.items) - 1
         item["content"][0]["text"] += delta
         kind_name = "reasoning_text" if kind == "reasoning" else "output_text"
-        extra = {} if kind == "reasoning" else {"logprobs": []}
+        extra = {}
+        if kind != "reasoning":
+            extra["logprobs"], self.pending_logprobs = self.pending_logprobs, []
+            item["content"][0]["logprobs"] += extra["logprobs"]
         events.append(self.event(f"response.{kind_name}.delta", item_id=item["id"], output_index=index,
                                  content_index=0, delta=delta, **extra))
         return events

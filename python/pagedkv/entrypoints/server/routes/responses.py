@@ -12,6 +12,7 @@ from pagedkv.entrypoints.server.json_body import OffLoopJSONRoute
 from pagedkv.entrypoints.server.errors import APIError
 from pagedkv.entrypoints.server.openapi import ResponseBody, answer, streamed_answer
 from pagedkv.entrypoints.server.protocol import ResponsesRequest
+from pagedkv.entrypoints.server.responses import ReplyOptions
 from pagedkv.entrypoints.server.responses_api import ResponseState, usage as responses_usage
 from pagedkv.entrypoints.server.serving import (ServingContext, make_params, next_output, serving, streamed_output_kind,
                                      with_tools)
@@ -43,6 +44,14 @@ async def responses(body: ResponsesRequest, request: Request, context: ServingCo
     prompt = await context.chat_prompt(messages, True, chat_tools if tools is not None else None,
                                        body.chat_template_kwargs)
     response = ResponseState(served, body, context.reasoning, tools)
+    builder, logprob_options = context.builders[served], ReplyOptions(chat=True, top_logprobs=body.top_logprobs or 0)
+
+    def logprobs_of(completion) -> list:
+        """The Responses API's logprob entries of a completion's tokens (the chat API's form)."""
+        if not body.includes_logprobs:
+            return []
+        return (builder.chat_logprobs(completion, 0, logprob_options) or {"content": []})["content"]
+
     params = dataclasses.replace(params, output_kind=streamed_output_kind(params) if body.stream else "final_only")
     [stream] = await context.submit([response.id], [prompt], params, body.priority, served, chat=False,
                                     prompt_field="input", check_context_room=body.max_output_tokens is not None)
@@ -55,6 +64,7 @@ async def responses(body: ResponsesRequest, request: Request, context: ServingCo
             completion = output.outputs[0]
             reply += completion.text
             num_tokens += len(completion.token_ids)
+            response.pending_logprobs += logprobs_of(completion)
             text = "".join(response.update(reply, completion.finish_reason, output.finished))
             if text:
                 yield text
@@ -69,10 +79,11 @@ async def responses(body: ResponsesRequest, request: Request, context: ServingCo
     if body.stream:
         return context.event_stream([stream], events())
     if body.background:
-        return make_in_background(context, response, stream, store)
+        return make_in_background(context, response, stream, store, logprobs_of)
     [output] = await context.final_outputs(request, [stream])
     completion = output.outputs[0]
-    whole = response.complete(completion.text, completion.finish_reason, responses_usage(output))
+    whole = response.complete(completion.text, completion.finish_reason, responses_usage(output),
+                              logprobs_of(completion))
     store(whole)
     return whole
 
@@ -91,7 +102,7 @@ def stored_or_404(context: ServingContext, response_id: str):
     return stored
 
 
-def make_in_background(context: ServingContext, response: ResponseState, stream, store) -> dict:
+def make_in_background(context: ServingContext, response: ResponseState, stream, store, logprobs_of) -> dict:
     """Stores the response as "queued", makes it in a task of its own (stored again, as
     "in_progress", then as it ends: completed, incomplete, cancelled or failed) and returns the
     queued body."""
@@ -106,7 +117,8 @@ def make_in_background(context: ServingContext, response: ResponseState, stream,
                 while output is None or not output.finished:
                     output = await next_output(stream)
                 completion = output.outputs[0]
-                store(response.complete(completion.text, completion.finish_reason, responses_usage(output)))
+                store(response.complete(completion.text, completion.finish_reason, responses_usage(output),
+                                        logprobs_of(completion)))
             except asyncio.CancelledError:
                 store(response.body("cancelled"))
             except Exception as error:  # (the engine stopped, a failed step): the poller sees it
