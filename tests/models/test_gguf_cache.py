@@ -88,13 +88,16 @@ def test_loads_at_once_convert_once(cache):
     assert len(set(results)) == 1 and len(calls) == 1
 
 
-def test_the_embedded_models_entry_holds_what_transformers_reads(smollm2, smollm2_hf_model, smollm2_hf_tokenizer):
+def test_the_embedded_models_entry_holds_what_transformers_reads(smollm2):
     """Whatever process made the entry, it equals transformers' own reading of the GGUF now:
-    every weight (the tied LM head once), the config and the tokenizer."""
+    every weight (the tied LM head once), the config and the tokenizer. (The reference fixtures
+    of the other tests read the entry: this test reads the GGUF itself.)"""
     from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     directory, name = smollm2
+    smollm2_hf_model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    smollm2_hf_tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
     entry, gguf = loader._readable(directory, name)
     assert gguf is None and entry.startswith(str(gguf_cache.cache_root()))
     saved = load_file(os.path.join(entry, "model.safetensors"))
