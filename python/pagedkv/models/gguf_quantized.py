@@ -90,13 +90,7 @@ def _kept_module(linear: nn.Linear, found: list, parts: tuple, heads: tuple[int,
     if len(types) != 1 or not types <= set(GGML_TYPES):
         return None
     kept = QuantizedLinear(linear.in_features, linear.out_features, types.pop(), bias=linear.bias is not None)
-    blocks = []
-    for part, tensor in zip(parts, found):
-        data = np.asarray(tensor.data)
-        if part in ("attn_q", "attn_k"):
-            data = unpermute_rows(data, heads[0] if part == "attn_q" else heads[1])
-        blocks.append(data)
-    rows = np.concatenate(blocks)
+    rows = np.concatenate([_hf_rows(tensor, part, heads) for part, tensor in zip(parts, found)])
     if rows.shape != tuple(kept.blocks.shape):
         return None
     kept.blocks.copy_(torch.from_numpy(rows))
@@ -117,12 +111,17 @@ def _check(parent: nn.Module, attribute: str, kept: nn.Module, name: str) -> Cal
     return check
 
 
-def _bfloat16_rows(tensor, part: str, heads: tuple[int, int]) -> torch.Tensor:
-    """A BF16 GGUF tensor's rows (gguf-py gives them as bytes) in HF's order, as bfloat16."""
+def _hf_rows(tensor, part: str = "", heads: tuple[int, int] = (1, 1)) -> np.ndarray:
+    """A GGUF tensor's rows (blocks, or a BF16 tensor's bytes, as gguf-py gives them) in HF's order."""
     data = np.asarray(tensor.data)
     if part in ("attn_q", "attn_k"):
         data = unpermute_rows(data, heads[0] if part == "attn_q" else heads[1])
-    return torch.from_numpy(np.ascontiguousarray(data)).view(torch.bfloat16)
+    return data
+
+
+def _bfloat16_rows(tensor, part: str = "", heads: tuple[int, int] = (1, 1)) -> torch.Tensor:
+    """A BF16 GGUF tensor's rows in HF's order, as bfloat16."""
+    return torch.from_numpy(np.ascontiguousarray(_hf_rows(tensor, part, heads))).view(torch.bfloat16)
 
 
 def keep_lm_head_quantized(net: nn.Module, tensors: dict) -> str | None:
@@ -134,7 +133,7 @@ def keep_lm_head_quantized(net: nn.Module, tensors: dict) -> str | None:
     if tensor is None or weight is None or not hasattr(net, "lm_head_linear"):
         return None
     if tensor.tensor_type.name == "BF16" and weight.dtype == torch.float32:
-        rows = _bfloat16_rows(tensor, "", (0, 0))
+        rows = _bfloat16_rows(tensor)
         if rows.shape != weight.shape or not torch.equal(rows.float(), weight.data):
             return None
         net.lm_head_linear = BFloat16LMHeadProduct(rows)

@@ -279,8 +279,8 @@ class LlamaForCausalLM(nn.Module):
         # Linears a GGUF's blocks stand for (models/gguf_quantized.py): their float weight is only
         # checked against them as it streams past; their own state is already filled.
         checks = self.__dict__.pop("kept_weight_checks", {})
-        loaded = {f"{name}.{state}" for name in (check.removesuffix(".weight") for check in checks)
-                  for state in ("blocks", "weight_bits")}
+        kept_modules = {name.removesuffix(".weight") for name in checks}
+        loaded = {name for name in targets if name.rpartition(".")[0] in kept_modules and not name.endswith(".bias")}
         unexpected = []
         with torch.no_grad():
             for group in groups:
