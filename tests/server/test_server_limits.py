@@ -87,8 +87,8 @@ def raw_request(server, head: bytes, body: bytes, wait: float) -> tuple[bytes, f
     """Sends a request's head and (part of) its body by hand; (the answer, seconds until it came)."""
     host, port = server.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=wait) as connection:
+        started, answer = time.monotonic(), b""  # before the send: the server's pause starts once the bytes arrive
         connection.sendall(head + b"\r\n\r\n" + body)
-        started, answer = time.monotonic(), b""
         while b"\r\n\r\n" not in answer:
             part = connection.recv(65536)
             if not part:
