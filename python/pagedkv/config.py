@@ -136,6 +136,11 @@ class EngineConfig:
     max_cpu_loras: Optional[int] = None
     """Adapters kept loaded; beyond it the least recently used one is dropped (requests running
     with it keep it) and loaded again when next named. None = every adapter stays."""
+    enable_prompt_embeds: bool = False
+    """Accept prompts given as embeddings (`{"prompt_embeds": tensor [length, hidden_size]}`, the
+    server's `prompt_embeds`) in place of token ids: they replace the token embedding lookup for
+    the prompt's positions (vLLM's flag). Off by default, as in vLLM: a client's tensor goes
+    straight into the model."""
     max_cached_grammars: int = 64
     """Compiled structured-output grammars kept for reuse (least recently used dropped first); each
     holds token masks, about 1 MiB for a small JSON schema."""

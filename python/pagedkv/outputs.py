@@ -59,6 +59,13 @@ class RequestOutput:
     # candidates plus the actual token; None for the first token (nothing predicts it).
     prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=0.0))
+    # The prompt's length: len(prompt_token_ids), or the rows of a prompt given as embeddings
+    # (whose prompt_token_ids are empty: it has none)
+    num_prompt_tokens: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.num_prompt_tokens is None:
+            self.num_prompt_tokens = len(self.prompt_token_ids)
 
 
 @dataclass

@@ -13,6 +13,7 @@ from typing import Optional, Union
 
 import torch
 
+from pagedkv.engine import prompt_embeds as embeds_input
 from pagedkv.engine.beam_search import BeamSearch
 from pagedkv.engine.request_state import RequestState, SequenceState
 from pagedkv.errors import PromptTooLongError
@@ -76,7 +77,12 @@ class InputProcessor:
         if priority != 0 and self.config.scheduling_policy != "priority":
             raise ValueError(f"priority must be 0 unless scheduling_policy is 'priority' (got {priority}; "
                              f"this engine runs {self.config.scheduling_policy!r})")
-        prompt_text, prompt_token_ids = self._prompt_tokens(prompt, params)
+        embeds = embeds_input.prompt_embeds_of(prompt)
+        if embeds is not None:
+            embeds = self._prompt_embeds(embeds, params, pooling)
+            prompt_text, prompt_token_ids = None, [embeds_input.PLACEHOLDER_TOKEN_ID] * embeds.shape[0]
+        else:
+            prompt_text, prompt_token_ids = self._prompt_tokens(prompt, params)
         vocab_size = self.model_info.vocab_size
         token_id_fields = (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids),
                            ("allowed_token_ids", params.allowed_token_ids or ()))
@@ -90,7 +96,8 @@ class InputProcessor:
         first = SequenceState(seq_id=-1, index=0, generator=self.generator(params, 0), matcher=self.matcher(grammar))
         metrics = RequestMetrics(arrival_time=arrival_time or time.monotonic(), num_prompt_tokens=len(prompt_token_ids))
         request = RequestState(request_id, prompt_text, prompt_token_ids, params, metrics, [first], pooling=pooling,
-                               bad_words_token_ids=self.bad_words_token_ids(params.bad_words), grammar=grammar)
+                               bad_words_token_ids=self.bad_words_token_ids(params.bad_words), grammar=grammar,
+                               prompt_embeds=embeds)
         request.allow_plain_booking(self.eos_token_ids, self.max_model_len)
         if params.use_beam_search:
             request.beam_search = BeamSearch(
@@ -101,7 +108,23 @@ class InputProcessor:
                 eos_token_ids=self.eos_token_ids,
                 ignore_eos=params.ignore_eos,
             )
-        return PreparedRequest(request, priority, lora_request, cache_key(params, lora_request))
+        embeds_key = None if embeds is None else embeds_input.digest(embeds)
+        return PreparedRequest(request, priority, lora_request, cache_key(params, lora_request, embeds_key))
+
+    def _prompt_embeds(self, embeds, params: SamplingParams, pooling: Optional[PoolingParams]) -> torch.Tensor:
+        """A prompt's embeddings checked (embeds_input.checked_prompt_embeds) and what they rule out."""
+        if not self.config.enable_prompt_embeds:
+            raise ValueError("prompt_embeds needs an engine built with enable_prompt_embeds=True (the server's "
+                             "--enable-prompt-embeds)")
+        if pooling is not None:
+            raise ValueError("prompt_embeds are for generation: pooling requests take text or token ids")
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not compatible with prompt_embeds: an embedded prompt has no "
+                             "tokens to score")
+        if self.config.tensor_parallel_size > 1:
+            raise ValueError("prompt_embeds is not supported with tensor_parallel_size > 1")
+        return embeds_input.checked_prompt_embeds(embeds, self.model_info.hidden_size, self.max_model_len,
+                                                  params.truncate_prompt_tokens)
 
     def _prompt_tokens(self, prompt, params: SamplingParams) -> tuple[Optional[str], list[int]]:
         """The prompt's text (None for token ids) and tokens, truncated as `params` asks."""
@@ -166,26 +189,31 @@ class InputProcessor:
         return generator
 
 
-def cache_key(params: SamplingParams, lora_request: Optional[LoRARequest]) -> Optional[int]:
-    """The prefix-cache key of a request's cache salt and adapter, else None."""
-    if params.cache_salt is None and lora_request is None:
+def cache_key(params: SamplingParams, lora_request: Optional[LoRARequest],
+              embeds_key: Optional[bytes] = None) -> Optional[int]:
+    """The prefix-cache key of a request's cache salt, adapter and prompt embeddings (their
+    `prompt_embeds.digest`), else None."""
+    if params.cache_salt is None and lora_request is None and embeds_key is None:
         return None
     # An adapter changes every layer's K/V: its prompts get prefix-cache keys of their own.
     # (Top bit clear: never one of the unique keys of add_prepared.)
     adapter = f"\0lora:{lora_request.lora_int_id}:{lora_request.lora_path}" if lora_request else ""
-    salt = (params.cache_salt or "") + adapter
+    embedded = f"\0embeds:{embeds_key.hex()}" if embeds_key is not None else ""
+    salt = (params.cache_salt or "") + adapter + embedded
     digest = hashlib.blake2b(salt.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
-def prompt_of(prompt) -> Union[str, list[int]]:
-    """Text or token ids from vLLM's prompt dicts ({"prompt": ...} or {"prompt_token_ids": ...})."""
-    if isinstance(prompt, dict):
+def prompt_of(prompt) -> Union[str, list[int], dict]:
+    """Text or token ids from vLLM's prompt dicts ({"prompt": ...} or {"prompt_token_ids": ...}); a
+    {"prompt_embeds": ...} dict is kept as it is (`prompt_embeds.prompt_embeds_of` reads it)."""
+    if isinstance(prompt, dict) and "prompt_embeds" not in prompt:
         if "prompt_token_ids" in prompt:
             return list(prompt["prompt_token_ids"])
         if "prompt" in prompt:
             return prompt["prompt"]
-        raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+        raise ValueError(
+            f"a prompt dict needs 'prompt', 'prompt_token_ids' or 'prompt_embeds', got keys {sorted(prompt)}")
     return prompt
 
 

@@ -6,6 +6,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+import torch
+
 from pagedkv.engine.detokenizer import DetokenizerState, detokenize_final, detokenize_incrementally
 from pagedkv.outputs import (
     ClassificationOutput,
@@ -76,6 +78,8 @@ class RequestState:
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # params.bad_words, tokenized
     grammar: object = None  # xgrammar CompiledGrammar of a structured-output request (samples' matchers start from it)
     failed: bool = False  # an error while stepping it aborted it (alone)
+    # A prompt given as embeddings [length, hidden] (its prompt_token_ids are placeholders)
+    prompt_embeds: Optional[torch.Tensor] = None
     # Set by `allow_plain_booking` for a request whose tokens need no more than `record_token`'s
     # first lines: (tokens that may end it, generated tokens at which its length ends it).
     plain_booking: Optional[tuple[frozenset[int], int]] = None
@@ -233,5 +237,7 @@ class RequestState:
                                    out.stop_reason) if out.index in seqs else out for out in final_outputs]
         else:
             outputs = final_outputs
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, self.finished,
-                             None if self.needs_prompt_logprobs else self.prompt_logprobs, self.metrics)
+        prompt_token_ids = self.prompt_token_ids if self.prompt_embeds is None else []
+        return RequestOutput(self.request_id, self.prompt, prompt_token_ids, outputs, self.finished,
+                             None if self.needs_prompt_logprobs else self.prompt_logprobs, self.metrics,
+                             len(self.prompt_token_ids))

@@ -45,7 +45,7 @@ def sampling_row(request: RequestState, seq: SequenceState, eos_token_ids: froze
         row = seq.sampling_row = SamplingRow(
             logits_index=0,
             params=request.params,
-            prompt_token_ids=request.prompt_token_ids,
+            prompt_token_ids=request.prompt_token_ids if request.prompt_embeds is None else [],
             output_token_ids=seq.output_token_ids,
             generator=seq.generator,
             eos_token_ids=eos_token_ids,
@@ -90,6 +90,8 @@ class StepAsker:
                 touched[request.request_id] = request
             if request.failed:
                 continue
+            if is_prefill and request.prompt_embeds is not None:
+                requests.prompt_embeds[seq_id] = request.prompt_embeds
             row = seq.sampling_row
             if (sample and row is not None and request.forked and request.pooling is None and request.beam_search is None
                     and not seq.draft_token_ids and request.prompt_logprobs is None):

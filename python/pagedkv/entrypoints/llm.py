@@ -24,7 +24,7 @@ from pagedkv.params.pooling import PoolingParams
 from pagedkv.entrypoints.scoring import score_pairs, scores_of, scoring_requests
 from pagedkv.params.sampling import SamplingParams
 
-Prompt = Union[str, list[int]]
+Prompt = Union[str, list[int], dict]
 
 
 class LLM:

@@ -16,6 +16,7 @@ from pagedkv.attention import AttentionMetadata, StepContext, get_backend
 from pagedkv.attention.registry import check_backend_name
 from pagedkv.config import EngineConfig
 from pagedkv.runner.cuda_graphs import DecodeGraphs
+from pagedkv.runner.prompt_embeds import embedded_rows, embeddings_in_place
 from pagedkv.layers.cpu_linear import use_cpu_linear
 from pagedkv.errors import EngineStoppedError, InvalidConfigError, TensorParallelError
 from pagedkv.runner.host_memory import return_freed_memory, reuse_freed_memory
@@ -337,9 +338,10 @@ class ModelRunner:
         hidden_for = requests.needs_hidden_states() if requests is not None else frozenset()
         loras = requests.loras if requests is not None else None
         adapters = [loras.get(seq_id) for seq_id in step.seq_ids] if loras else []
+        embeds = requests.prompt_embeds if requests is not None else {}
         graphs = self.decode_graphs
         if (graphs is not None and not hidden_for and not any(adapters) and step.num_seqs <= graphs.max_batch_size
-                and step.num_decodes == step.num_seqs):
+                and step.num_decodes == step.num_seqs and not embeds):
             hidden = graphs.run(self._input_ids(plan, step), to_device(step.positions, self.device),
                                 to_device(step.slot_mapping, self.device), self.batch.tables(plan, step.num_blocks))
             all_hidden = {}
@@ -351,7 +353,9 @@ class ModelRunner:
             if adapters:
                 lora = lora_batch(self.lora_registry, adapters, step.query_lens.tolist(), self.device)
             context = StepContext.build(metadata, self.kv_cache, self.backend, lora)
-            hidden = self.model(input_ids, positions, context)
+            rows, values = embedded_rows(step.seq_ids, plan.query_start_loc, plan.positions, embeds)
+            with embeddings_in_place(self.model.embed_tokens, rows, values):
+                hidden = self.model(input_ids, positions, context)
             starts = metadata.query_start_loc_host
             all_hidden = {seq_id: hidden[starts[i]:starts[i + 1]]
                           for i, seq_id in enumerate(step.seq_ids) if seq_id in hidden_for}

@@ -1,0 +1,48 @@
+"""Prompts given as embeddings in the forward pass: at a step's rows whose position lies inside
+such a prompt, the model's token embedding lookup gives way to the prompt's row (what HF's
+`inputs_embeds` means: scaling or position embeddings a model adds to its lookup apply to them
+too). A forward hook on the lookup module does it, so every architecture takes them alike."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import numpy as np
+import torch
+from torch import nn
+
+
+def embedded_rows(seq_ids: list[int], query_start_loc: np.ndarray, positions: np.ndarray,
+                  prompt_embeds: dict[int, torch.Tensor]) -> tuple[np.ndarray, list[torch.Tensor]]:
+    """(the step's rows that take a prompt's embedding, those embeddings' rows in the same order)."""
+    rows, values = [], []
+    for index, seq_id in enumerate(seq_ids):
+        embeds = prompt_embeds.get(seq_id)
+        if embeds is None:
+            continue
+        start, end = int(query_start_loc[index]), int(query_start_loc[index + 1])
+        inside = np.flatnonzero(positions[start:end] < embeds.shape[0])
+        if inside.size:
+            rows.append(start + inside)
+            values.append(embeds[torch.from_numpy(positions[start:end][inside])])
+    return (np.concatenate(rows) if rows else np.empty(0, dtype=np.int64)), values
+
+
+@contextlib.contextmanager
+def embeddings_in_place(lookup: nn.Module, rows: np.ndarray, values: list[torch.Tensor]) -> Iterator[None]:
+    """While open, `lookup`'s output takes `values` at `rows` (nothing changes without rows)."""
+    if rows.size == 0:
+        yield
+        return
+
+    def replace(_module, _inputs, output: torch.Tensor) -> torch.Tensor:
+        index = torch.from_numpy(rows).to(output.device)
+        output[index] = torch.cat(values).to(output.device, output.dtype)
+        return output
+
+    handle = lookup.register_forward_hook(replace)
+    try:
+        yield
+    finally:
+        handle.remove()
