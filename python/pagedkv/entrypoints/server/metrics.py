@@ -68,9 +68,10 @@ class ServerMetrics:
             self.generation_tokens.inc(num_generated_tokens)
         else:
             self.requests_finished.labels("stop").inc()
-        self.prompt_tokens.inc(len(output.prompt_token_ids))
+        num_prompt_tokens = getattr(output, "num_prompt_tokens", None) or len(output.prompt_token_ids)  # (pooling: ids)
+        self.prompt_tokens.inc(num_prompt_tokens)
         metrics = output.metrics
-        self.vllm.observe_finished(reason, len(output.prompt_token_ids), num_generated_tokens or 0, metrics)
+        self.vllm.observe_finished(reason, num_prompt_tokens, num_generated_tokens or 0, metrics)
         if metrics.first_scheduled_time is not None:
             self.queue_time.observe(metrics.first_scheduled_time - metrics.arrival_time)
         if metrics.finished_time is not None:

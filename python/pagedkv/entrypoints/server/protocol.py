@@ -324,7 +324,11 @@ PromptInput = Annotated[Union[list[int], str, list[str], list[list[int]]], Field
 
 class CompletionRequest(_Sampling):
     # One prompt (text or token ids) or a batch of them: choice i * n + j is sample j of prompt i.
-    prompt: PromptInput
+    prompt: Optional[PromptInput] = None
+    # vLLM's: prompts as embeddings, each base64 of a torch.save'd tensor [length, hidden_size]
+    # (server/prompt_embeds.py); they come first, then `prompt`'s (an empty text prompt beside
+    # them is dropped: clients send prompt="" because OpenAI's client requires one)
+    prompt_embeds: Optional[Union[str, list[str]]] = None
     logprobs: Optional[int] = Field(default=None, ge=-1)  # (at most the engine's max_logprobs; -1: the vocabulary)
     echo: bool = False  # prepend the prompt (and with logprobs, its tokens' logprobs) to each choice
 
@@ -334,8 +338,15 @@ class CompletionRequest(_Sampling):
             params.prompt_logprobs = self.logprobs  # (as in vLLM: echo's logprobs start with the prompt's)
         return params
 
-    def prompts(self) -> list[Union[str, list[int]]]:
-        return _prompt_list(self.prompt, "prompt")
+    def prompts(self) -> list[Union[str, list[int], dict]]:
+        if self.prompt_embeds is None or self.prompt_embeds == []:
+            if self.prompt is None:
+                raise ValueError("prompt is required (or prompt_embeds)")
+            return _prompt_list(self.prompt, "prompt")
+        from pagedkv.entrypoints.server.prompt_embeds import decode_prompt_embeds
+
+        embedded = [{"prompt_embeds": tensor} for tensor in decode_prompt_embeds(self.prompt_embeds)]
+        return embedded + ([] if self.prompt in (None, "", [""]) else _prompt_list(self.prompt, "prompt"))
 
 
 def _prompt_list(prompt, field: str) -> list[Union[str, list[int]]]:

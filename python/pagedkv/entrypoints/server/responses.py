@@ -92,12 +92,12 @@ class ResponseBuilder:
                 chunk = {"id": request_id, "object": kind, "created": created, "model": self.model_name,
                          "choices": choices}
                 if options.continuous_usage:
-                    prompts_seen[prompt_index] = len(output.prompt_token_ids)
+                    prompts_seen[prompt_index] = output.num_prompt_tokens
                     num_generated = sum(so_far.num_tokens for so_far in choices_so_far.values())
                     chunk["usage"] = self.usage_of(sum(prompts_seen.values()), num_generated)
                 yield sse(chunk)
             if output.finished:
-                prompt_tokens[prompt_index] = len(output.prompt_token_ids)
+                prompt_tokens[prompt_index] = output.num_prompt_tokens
                 cached_tokens[prompt_index] = num_cached_tokens(output)
                 if len(prompt_tokens) == num_prompts:
                     if options.include_usage:
@@ -337,7 +337,7 @@ class ResponseBuilder:
         """Usage of whole (not delta) final outputs."""
         completion_tokens = sum(len(c.token_ids) for output in outputs for c in output.outputs)
         cached_tokens = sum(num_cached_tokens(output) for output in outputs)
-        return self.usage_of(sum(len(output.prompt_token_ids) for output in outputs), completion_tokens, cached_tokens)
+        return self.usage_of(sum(output.num_prompt_tokens for output in outputs), completion_tokens, cached_tokens)
 
     @staticmethod
     def usage_of(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:

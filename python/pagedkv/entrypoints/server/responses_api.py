@@ -174,7 +174,7 @@ def _copy(item: dict) -> dict:
 def usage(output, output_tokens: Optional[int] = None) -> dict:
     """The Responses API's usage of one finished RequestOutput (`output_tokens`: counted by the
     caller where the output holds only its last tokens)."""
-    input_tokens = len(output.prompt_token_ids)
+    input_tokens = output.num_prompt_tokens
     if output_tokens is None:
         output_tokens = len(output.outputs[0].token_ids)
     cached = getattr(output.metrics, "num_prefix_hit_tokens", 0) if output.metrics is not None else 0

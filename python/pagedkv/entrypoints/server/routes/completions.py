@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 import uuid
@@ -23,7 +24,8 @@ router = APIRouter(route_class=OffLoopJSONRoute)
 async def completions(body: CompletionRequest, request: Request, context: ServingContext = Depends(serving)):
     served = context.check_model(body.model)
     params = make_params(lambda: body.completion_params(context.generation_defaults))
-    prompts = make_params(body.prompts)
+    # (embeddings are decoded off the event loop: megabytes of base64 and torch.load)
+    prompts = make_params(body.prompts) if not body.prompt_embeds else await asyncio.to_thread(make_params, body.prompts)
     return await run(context, request, prompts, params, body, served, chat=False)
 
 
