@@ -11,7 +11,8 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator, with_config
+from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator,
+                      with_config)
 from typing_extensions import TypedDict
 
 from pagedkv.params.sampling import MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_STRINGS, SamplingParams, check_unicode
@@ -323,12 +324,19 @@ PromptInput = Annotated[Union[list[int], str, list[str], list[list[int]]], Field
 
 
 class CompletionRequest(_Sampling):
-    # One prompt (text or token ids) or a batch of them: choice i * n + j is sample j of prompt i.
-    prompt: Optional[PromptInput] = None
     # vLLM's: prompts as embeddings, each base64 of a torch.save'd tensor [length, hidden_size]
     # (server/prompt_embeds.py); they come first, then `prompt`'s (an empty text prompt beside
     # them is dropped: clients send prompt="" because OpenAI's client requires one)
     prompt_embeds: Optional[Union[str, list[str]]] = None
+    # One prompt (text or token ids) or a batch of them: choice i * n + j is sample j of prompt i.
+    prompt: Optional[PromptInput] = Field(default=None, validate_default=True)
+
+    @field_validator("prompt")
+    @classmethod
+    def _given_unless_embeds_are(cls, prompt, info: ValidationInfo):
+        if prompt is None and info.data.get("prompt_embeds") is None:
+            raise ValueError("prompt is required (or prompt_embeds)")
+        return prompt
     logprobs: Optional[int] = Field(default=None, ge=-1)  # (at most the engine's max_logprobs; -1: the vocabulary)
     echo: bool = False  # prepend the prompt (and with logprobs, its tokens' logprobs) to each choice
 
@@ -341,7 +349,7 @@ class CompletionRequest(_Sampling):
     def prompts(self) -> list[Union[str, list[int], dict]]:
         if self.prompt_embeds is None or self.prompt_embeds == []:
             if self.prompt is None:
-                raise ValueError("prompt is required (or prompt_embeds)")
+                raise ValueError("prompt is required: prompt_embeds is empty")
             return _prompt_list(self.prompt, "prompt")
         from pagedkv.entrypoints.server.prompt_embeds import decode_prompt_embeds
 
