@@ -316,6 +316,9 @@ SERVED_REQUESTS = {
         {"messages": CHAT, "max_tokens": 2, "stream": True},
         {"messages": CHAT, "max_tokens": 2, "prompt_logprobs": 1, "return_token_ids": True},
     ],
+    ("POST", "/v1/chat/completions/batch"): [
+        {"messages": [CHAT, CHAT], "max_tokens": 2, "n": 2, "logprobs": True, "top_logprobs": 2},
+    ],
     ("POST", "/v1/responses"): [
         {"input": "w5", "instructions": "be brief", "max_output_tokens": 2, "metadata": {"k": "v"}},
         {"input": [{"role": "user", "content": "w5"}], "max_output_tokens": 20, "temperature": 0,

@@ -396,6 +396,9 @@ class ChatCompletionRequest(_Sampling):
     def chat_logprobs(self) -> Optional[int]:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    def conversations(self) -> list[list[ChatMessage]]:
+        return [self.messages]
+
     def chat_tools(self) -> tuple[Optional[list[dict]], Optional[Union[str, dict]]]:
         """(tools, tool_choice) as the chat template and ToolCalling read them."""
         tools = [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
@@ -404,6 +407,32 @@ class ChatCompletionRequest(_Sampling):
 
 
 # -- pooling -----------------------------------------------------------------------------------
+
+class BatchChatCompletionRequest(ChatCompletionRequest):
+    """vLLM's /v1/chat/completions/batch: the chat fields, with `messages` a list of conversations,
+    each answered as a chat completion of its own; one response whose choice i * n + j is sample j
+    of conversation i. Whole responses only (no `stream`)."""
+
+    messages: list[Annotated[list[ChatMessage], Field(min_length=1)]] = Field(min_length=1)  # type: ignore[assignment]
+
+    @model_validator(mode="after")
+    def _not_streamed(self):
+        if self.stream:
+            raise RequestFieldError("stream", "stream: /v1/chat/completions/batch answers whole responses only")
+        return self
+
+    def conversations(self) -> list[list[ChatMessage]]:
+        return self.messages
+
+    def echoed_text(self) -> str:
+        raise TypeError("a batch echoes per conversation: echoed_texts()")
+
+    def echoed_texts(self) -> list[str]:
+        """`echoed_text` of each conversation."""
+        return [conversation[-1].text() if self.echo and conversation[-1].role == "assistant" else ""
+                for conversation in self.messages]
+
+
 class EmbeddingRequest(_Request):
     """OpenAI's /v1/embeddings: one input (text or token ids) or a batch of them."""
 

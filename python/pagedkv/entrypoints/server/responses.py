@@ -23,6 +23,7 @@ class ReplyOptions:
     n: int = 1  # samples per prompt: choice i * n + j is sample j of prompt i
     echo: bool = False  # prompts before their choices (completions)
     chat_echo: str = ""  # chat with echo: the last assistant message's text, before each reply's
+    chat_echoes: tuple[str, ...] = ()  # a batch of conversations with echo: chat_echo of each
     include_usage: bool = False  # a streamed usage chunk at the end
     continuous_usage: bool = False  # usage so far in every streamed chunk (stream_options.continuous_usage_stats)
     tools: Optional[ToolCalling] = None
@@ -234,8 +235,9 @@ class ResponseBuilder:
                     calls, reason = [], completion.finish_reason
                     if tools is not None:
                         content, calls, reason = tools.parse(content, completion.finish_reason)
-                    if options.chat_echo:
-                        content = options.chat_echo + (content or "")
+                    echoed = options.chat_echoes[prompt_index] if options.chat_echoes else options.chat_echo
+                    if echoed:
+                        content = echoed + (content or "")
                     message = {"role": "assistant", "content": content}
                     if self.reasoning is not None:
                         message["reasoning_content"] = message["reasoning"] = reasoning or None

@@ -11,8 +11,8 @@ from typing import Optional
 from fastapi import APIRouter, Depends, Request
 
 from pagedkv.entrypoints.server.json_body import OffLoopJSONRoute
-from pagedkv.entrypoints.server.openapi import ChatCompletion, Completion, streamed_answer
-from pagedkv.entrypoints.server.protocol import ChatCompletionRequest, CompletionRequest
+from pagedkv.entrypoints.server.openapi import ChatCompletion, Completion, answer, streamed_answer
+from pagedkv.entrypoints.server.protocol import BatchChatCompletionRequest, ChatCompletionRequest, CompletionRequest
 from pagedkv.entrypoints.server.responses import ReplyOptions
 from pagedkv.entrypoints.server.serving import ServingContext, make_params, merged, serving, streamed_output_kind, with_tools
 from pagedkv.entrypoints.server.tools import ToolCalling
@@ -31,6 +31,19 @@ async def completions(body: CompletionRequest, request: Request, context: Servin
 
 @router.post("/v1/chat/completions", responses=streamed_answer(ChatCompletion))
 async def chat_completions(body: ChatCompletionRequest, request: Request, context: ServingContext = Depends(serving)):
+    return await answer_chat(body, request, context)
+
+
+@router.post("/v1/chat/completions/batch", responses=answer(ChatCompletion))
+async def batch_chat_completions(body: BatchChatCompletionRequest, request: Request,
+                                 context: ServingContext = Depends(serving)):
+    """vLLM's batched chat: each conversation of `messages` answered as its own chat completion,
+    all in one response (choice i * n + j: sample j of conversation i)."""
+    return await answer_chat(body, request, context)
+
+
+async def answer_chat(body: ChatCompletionRequest, request: Request, context: ServingContext):
+    """A chat completion of each of the body's conversations (one, or a batch's)."""
     served = context.check_model(body.model)
     if body.max_completion_tokens is not None and body.max_tokens is None:
         body.max_tokens = body.max_completion_tokens
@@ -39,10 +52,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, contex
     chat_tools, tool_choice = body.chat_tools()
     tools = context.tool_calling(chat_tools, tool_choice)
     params = context.with_reasoning(with_tools(params, tools, "structured outputs (response_format, guided_*)"))
-    prompt = await context.chat_prompt(body.messages, body.add_generation_prompt,
-                                       chat_tools if tools is not None else None, body.chat_template_kwargs,
-                                       body.continue_final_message)
-    return await run(context, request, [prompt], params, body, served, chat=True, tools=tools)
+    prompts = await asyncio.gather(*(context.chat_prompt(conversation, body.add_generation_prompt,
+                                                         chat_tools if tools is not None else None,
+                                                         body.chat_template_kwargs, body.continue_final_message)
+                                     for conversation in body.conversations()))
+    return await run(context, request, list(prompts), params, body, served, chat=True, tools=tools)
 
 
 async def run(context: ServingContext, request: Request, prompts: list, params, body, served: str, chat: bool,
@@ -59,7 +73,8 @@ async def run(context: ServingContext, request: Request, prompts: list, params, 
     stream_options = body.stream_options
     include_usage = context.force_include_usage or (stream_options is not None and stream_options.include_usage)
     options = ReplyOptions(chat=chat, n=params.n, echo=not chat and body.echo, include_usage=include_usage,
-                           chat_echo=body.echoed_text() if chat else "",
+                           chat_echo=body.echoed_text() if chat and not isinstance(body, BatchChatCompletionRequest) else "",
+                           chat_echoes=tuple(body.echoed_texts()) if isinstance(body, BatchChatCompletionRequest) else (),
                            continuous_usage=include_usage and stream_options is not None
                            and stream_options.continuous_usage_stats,
                            tools=tools, top_logprobs=params.logprobs or 0, token_ids=bool(body.return_token_ids),
