@@ -33,9 +33,12 @@ class EngineConfig:
     dtype, built from `model`'s config.json alone (no weight files read), for benchmarks at real
     model shapes. A directory without a tokenizer needs `tokenizer`."""
     gguf_weights: str = "dequantized"
-    """A GGUF's quantized linear weights: dequantized (to the model's dtype at load) or quantized
-    (kept as GGUF blocks, Q4_0/Q4_1/Q8_0/Q4_K/Q6_K, and multiplied by the CPU's integer kernels;
-    float32 on one CPU, Llama-family models; embeddings and the LM head stay float32)."""
+    """A GGUF's quantized linear weights: dequantized (to the model's dtype at load), quantized
+    (kept as GGUF blocks, Q4_0/Q4_1/Q8_0/Q4_K/Q6_K, and a BF16 file's weights as bfloat16,
+    multiplied by the CPU's kernels: float32 on one CPU, Llama-family models; the embeddings stay
+    float32; warns and dequantizes elsewhere), or auto (quantized where it applies, else
+    dequantized, silently). Kept weights decode a single stream ~2.5x faster in a third of the
+    memory; at 16 tokens a step float32 weights are ahead (docs/benchmarks.md, "Against llama.cpp")."""
     generation_config: str = "auto"
     """Where default sampling parameters come from (vLLM's option): auto = the model's
     generation_config.json (its temperature, top_p, top_k, min_p, repetition_penalty and
@@ -226,8 +229,8 @@ class EngineConfig:
             fail("kv_events_replay_endpoint", self.kv_events_replay_endpoint, "None unless kv_events_endpoint is set")
         if self.load_format not in ("auto", "dummy"):
             fail("load_format", self.load_format, "auto or dummy")
-        if self.gguf_weights not in ("dequantized", "quantized"):
-            fail("gguf_weights", self.gguf_weights, "dequantized or quantized")
+        if self.gguf_weights not in ("auto", "dequantized", "quantized"):
+            fail("gguf_weights", self.gguf_weights, "auto, dequantized or quantized")
         # (The name itself is checked where backends are registered: pagedkv.attention.registry.)
         if not isinstance(self.attention_backend, str) or not self.attention_backend:
             fail("attention_backend", self.attention_backend, "a backend's name")

@@ -91,3 +91,19 @@ def test_prefill_above_the_crossover_gives_the_dequantized_models_logits(quantiz
     assert quantized_linear.MAX_HEAD_KERNEL_TOKENS >= quantized_linear.MAX_KERNEL_TOKENS
     assert quantized_linear.MAX_HEAD_KERNEL_TOKENS < len(tokens) <= 128
     assert torch.equal(logits(quantized_runner, tokens), logits(smollm2_runner, tokens))
+
+
+def test_auto_keeps_the_blocks_where_it_can_and_dequantizes_quietly_elsewhere(caplog):
+    from pagedkv.config import EngineConfig
+    from pagedkv.runner.model_runner import ModelRunner
+
+    def kept(runner) -> int:
+        return sum(isinstance(module, QuantizedLinear) for module in runner.model.modules())
+
+    options = dict(num_device_blocks=8, swap_space_bytes=1 << 20, max_model_len=64)
+    assert kept(ModelRunner(EngineConfig(dtype="float32", gguf_weights="auto", **options))) > 0
+    with caplog.at_level("WARNING", logger="pagedkv"):
+        assert kept(ModelRunner(EngineConfig(dtype="bfloat16", gguf_weights="auto", **options))) == 0
+        assert "needs float32" not in caplog.text
+        assert kept(ModelRunner(EngineConfig(dtype="bfloat16", gguf_weights="quantized", **options))) == 0
+        assert "needs float32" in caplog.text

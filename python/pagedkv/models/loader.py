@@ -115,12 +115,12 @@ def model_spec(model: str | None, gguf_file: str | None) -> ModelSpec:
 
 
 def load(model: str | None, gguf_file: str | None, tokenizer: str | None, dtype, device, max_positions: int | None,
-         dummy: bool = False, quantized_gguf: bool = False):
+         dummy: bool = False, gguf_weights: str = "dequantized"):
     """Builds our model from the checkpoint's config and weights; returns a LoadedModel. Under
     tensor parallelism (parallel.using_group) the model is this rank's shard. `dummy`: random
     weights instead of the checkpoint's (load_format="dummy"), from its config alone.
-    `quantized_gguf`: a GGUF's quantized linear weights stay GGUF blocks (models/gguf_quantized.py;
-    float32 on one CPU only)."""
+    `gguf_weights` (EngineConfig's): "quantized" or "auto" keep a GGUF's quantized linear weights as
+    GGUF blocks (models/gguf_quantized.py; float32 on one CPU only; "quantized" warns elsewhere)."""
     from transformers import AutoTokenizer
 
     given_directory, given_gguf = _split_gguf(model, gguf_file)
@@ -170,12 +170,12 @@ def load(model: str | None, gguf_file: str | None, tokenizer: str | None, dtype,
     net = net.to(dtype=dtype).to_empty(device=device if dummy else "cpu")
     net.compute_buffers(positions, dtype)
     kept_gguf = None
-    if quantized_gguf and given_gguf is not None and not dummy:
+    if gguf_weights != "dequantized" and given_gguf is not None and not dummy:
         if str(device) == "cpu" and dtype == torch.float32 and tp.size == 1:
             kept_gguf = gguf_quantized.gguf_tensors(os.path.join(given_directory, given_gguf))
             # (before the load: the float32 linears it replaces are never written)
             net.kept_weight_checks = gguf_quantized.take_over_linears(net, kept_gguf, hf_config)
-        else:
+        elif gguf_weights == "quantized":
             logger.warning("gguf_weights='quantized' needs float32 on one CPU: weights dequantized")
     if dummy:
         logger.info("load_format=dummy: random weights of %s's shapes, no checkpoint read", hf_config.model_type)
