@@ -174,4 +174,3 @@ unsafe fn half_pair(block: &[u8], offset: usize) -> (f32, f32) {
     );
     (_mm_cvtss_f32(wide), _mm_cvtss_f32(_mm_movehdup_ps(wide)))
 }
-
