@@ -151,3 +151,21 @@ def test_what_cannot_take_embeddings_is_refused(llm, hf_model):
     assert kept.num_prompt_tokens == 20
     stats = llm.engine.stats()
     assert stats["num_free_device_blocks"] == stats["num_device_blocks"]
+
+
+def test_embedded_positions_inside_a_prompt_of_tokens(llm, hf_model, prompts):
+    """{"prompt_token_ids", "prompt_embeds", "prompt_embeds_positions"}: some positions embedded
+    (the form a chat message's embedded parts take)."""
+    ids, middle = prompts[2], [3, 4, 5, 6, 7]
+    table = hf_model.get_input_embeddings().weight.detach()
+    by_ids = llm.generate([ids], greedy(), use_tqdm=False)[0].outputs[0].token_ids
+    own = {"prompt_token_ids": ids, "prompt_embeds": table[[ids[p] for p in middle]], "prompt_embeds_positions": middle}
+    assert llm.generate(own, greedy(), use_tqdm=False)[0].outputs[0].token_ids == by_ids
+    rows = random_embeds(hf_model, len(middle), 9)
+    spliced = table[ids].clone()
+    spliced[middle] = rows
+    other = {"prompt_token_ids": ids, "prompt_embeds": rows, "prompt_embeds_positions": middle}
+    assert llm.generate(other, greedy(), use_tqdm=False)[0].outputs[0].token_ids == hf_greedy(hf_model, spliced, 12)
+    for positions in ([3, 4, 5, 6], [3, 3, 4, 5, 6], [3, 4, 5, 6, len(ids)]):
+        with pytest.raises(ValueError, match="prompt_embeds_positions"):
+            llm.generate({**other, "prompt_embeds_positions": positions}, greedy(), use_tqdm=False)

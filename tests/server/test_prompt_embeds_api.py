@@ -102,3 +102,32 @@ def test_the_flag_turns_them_on():
     add_engine_arguments(parser)
     assert engine_config(parser.parse_args(["--enable-prompt-embeds"])).enable_prompt_embeds
     assert not engine_config(parser.parse_args([])).enable_prompt_embeds
+
+
+def chat(client, messages, **options):
+    model = client.models.list().data[0].id
+    return client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0.0, **options)
+
+
+def test_chat_messages_take_prompt_embeds_parts(client, live):
+    """A message's {"type": "prompt_embeds", "data": ...} parts stand where their embeddings go."""
+    engine = live.engine
+    table = engine.runner.model.embed_tokens.weight.detach()
+    content = "Hello, my name is"
+    part = {"type": "prompt_embeds", "data": encoded(table[engine.tokenizer.encode(content, add_special_tokens=False)])}
+    by_text = chat(client, [{"role": "user", "content": content}]).choices[0].message.content
+    assert chat(client, [{"role": "user", "content": [part]}]).choices[0].message.content == by_text
+    mixed = [{"role": "system", "content": [{"type": "text", "text": "Be brief."}, part]},
+             {"role": "user", "content": [part, {"type": "text", "text": " What is it?"}]}]
+    whole = chat(client, mixed).choices[0].message.content
+    assert whole
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in chat(client, mixed, stream=True)
+                       if chunk.choices)
+    assert streamed == whole
+
+
+def test_bad_prompt_embeds_parts_are_400s(client):
+    for part in ({"type": "prompt_embeds"}, {"type": "prompt_embeds", "data": "not_valid_base64!!"},
+                 {"type": "prompt_embeds", "data": encoded(torch.zeros(2, 3, 4, 5))}):
+        with pytest.raises(BadRequestError):
+            chat(client, [{"role": "user", "content": [part]}])

@@ -22,6 +22,7 @@ from pagedkv.params.lora_request import LoRARequest
 from pagedkv.params.pooling import PoolingParams
 from pagedkv.params.sampling import SamplingParams, check_unicode
 from pagedkv.params.structured_output import GrammarCompiler
+from pagedkv.runner.step_messages import PromptEmbeds
 
 
 @dataclass
@@ -77,10 +78,10 @@ class InputProcessor:
         if priority != 0 and self.config.scheduling_policy != "priority":
             raise ValueError(f"priority must be 0 unless scheduling_policy is 'priority' (got {priority}; "
                              f"this engine runs {self.config.scheduling_policy!r})")
-        embeds = embeds_input.prompt_embeds_of(prompt)
-        if embeds is not None:
-            embeds = self._prompt_embeds(embeds, params, pooling)
-            prompt_text, prompt_token_ids = None, [embeds_input.PLACEHOLDER_TOKEN_ID] * embeds.shape[0]
+        embeds = None
+        if embeds_input.prompt_embeds_of(prompt) is not None:
+            prompt_token_ids, embeds = self._prompt_embeds(prompt, params, pooling)
+            prompt_text = None
         else:
             prompt_text, prompt_token_ids = self._prompt_tokens(prompt, params)
         vocab_size = self.model_info.vocab_size
@@ -111,8 +112,9 @@ class InputProcessor:
         embeds_key = None if embeds is None else embeds_input.digest(embeds)
         return PreparedRequest(request, priority, lora_request, cache_key(params, lora_request, embeds_key))
 
-    def _prompt_embeds(self, embeds, params: SamplingParams, pooling: Optional[PoolingParams]) -> torch.Tensor:
-        """A prompt's embeddings checked (embeds_input.checked_prompt_embeds) and what they rule out."""
+    def _prompt_embeds(self, prompt: dict, params: SamplingParams,
+                       pooling: Optional[PoolingParams]) -> tuple[list[int], PromptEmbeds]:
+        """A prompt with embeddings checked (embeds_input.checked_prompt_embeds) and what they rule out."""
         if not self.config.enable_prompt_embeds:
             raise ValueError("prompt_embeds needs an engine built with enable_prompt_embeds=True (the server's "
                              "--enable-prompt-embeds)")
@@ -123,8 +125,8 @@ class InputProcessor:
                              "tokens to score")
         if self.config.tensor_parallel_size > 1:
             raise ValueError("prompt_embeds is not supported with tensor_parallel_size > 1")
-        return embeds_input.checked_prompt_embeds(embeds, self.model_info.hidden_size, self.max_model_len,
-                                                  params.truncate_prompt_tokens)
+        return embeds_input.checked_prompt_embeds(prompt, self.model_info.hidden_size, self.model_info.vocab_size,
+                                                  self.max_model_len, params.truncate_prompt_tokens)
 
     def _prompt_tokens(self, prompt, params: SamplingParams) -> tuple[Optional[str], list[int]]:
         """The prompt's text (None for token ids) and tokens, truncated as `params` asks."""

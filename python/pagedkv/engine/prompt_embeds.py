@@ -1,19 +1,23 @@
-"""Prompts given as embeddings (vLLM's `{"prompt_embeds": tensor}`): checked once at admission;
-the runner puts their rows in place of the token embedding lookup at the prompt's positions
-(runner/prompt_embeds.py), for the first prefill and for any recompute of it."""
+"""Prompts given as embeddings: vLLM's `{"prompt_embeds": tensor}` (the whole prompt), or
+`{"prompt_token_ids": ids, "prompt_embeds": rows, "prompt_embeds_positions": positions}` (some
+positions embedded: how the server passes a chat message's `prompt_embeds` parts). Checked once
+at admission; the runner puts the rows in place of the token embedding lookup at their positions
+(runner/prompt_embeds.py), in the first prefill and in any recompute of it."""
 
 from __future__ import annotations
 
 import hashlib
 from typing import Optional
 
+import numpy as np
 import torch
 
 from pagedkv.errors import PromptTooLongError
+from pagedkv.runner.step_messages import PromptEmbeds
 
 # The token id the scheduler, the prefix cache and the step's input ids see at an embedded
-# prompt's positions. The prefix cache tells such prompts apart by a key of their bytes
-# (`digest`), so equal placeholders never share blocks unless the embeddings are equal.
+# position. The prefix cache tells such prompts apart by a key of their embeddings (`digest`),
+# so equal placeholders never share blocks unless the embeddings are equal too.
 PLACEHOLDER_TOKEN_ID = 0
 
 
@@ -22,11 +26,43 @@ def prompt_embeds_of(prompt) -> Optional[object]:
     return prompt.get("prompt_embeds") if isinstance(prompt, dict) else None
 
 
-def checked_prompt_embeds(embeds, hidden_size: int, max_model_len: int,
-                          truncate_prompt_tokens: Optional[int]) -> torch.Tensor:
-    """`embeds` as a contiguous CPU tensor [length, hidden_size] (a leading batch dimension of 1
-    is dropped, as vLLM drops it); ValueError for anything else, PromptTooLongError beyond
-    `max_model_len` rows unless `truncate_prompt_tokens` keeps the last ones."""
+def checked_prompt_embeds(prompt: dict, hidden_size: int, vocab_size: int, max_model_len: int,
+                          truncate_prompt_tokens: Optional[int]) -> tuple[list[int], PromptEmbeds]:
+    """(the prompt's token ids, placeholders at embedded positions; its PromptEmbeds): ValueError
+    for anything malformed, PromptTooLongError beyond `max_model_len` positions unless
+    `truncate_prompt_tokens` keeps the last ones."""
+    rows = _checked_rows(prompt["prompt_embeds"], hidden_size)
+    if "prompt_token_ids" in prompt:
+        token_ids = [int(token) for token in prompt["prompt_token_ids"]]
+        if any(not 0 <= token < vocab_size for token in token_ids):
+            raise ValueError(f"prompt_token_ids must be ints in [0, {vocab_size})")
+        positions = np.asarray(prompt.get("prompt_embeds_positions", ()), dtype=np.int64).reshape(-1)
+        if (len(positions) != rows.shape[0] or len(np.unique(positions)) != len(positions)
+                or (positions.size and not (0 <= positions.min() and positions.max() < len(token_ids)))):
+            raise ValueError(f"prompt_embeds_positions must name {rows.shape[0]} distinct positions of the "
+                             f"{len(token_ids)} prompt tokens, one per prompt_embeds row")
+        row_of_position = np.full(len(token_ids), -1, dtype=np.int64)
+        row_of_position[positions] = np.arange(len(positions))
+        for position in positions.tolist():
+            token_ids[position] = PLACEHOLDER_TOKEN_ID
+    else:
+        token_ids = [PLACEHOLDER_TOKEN_ID] * rows.shape[0]
+        row_of_position = np.arange(rows.shape[0], dtype=np.int64)
+    if truncate_prompt_tokens is not None:
+        keep = max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+        if len(token_ids) > keep:
+            token_ids, row_of_position = token_ids[-keep:], row_of_position[-keep:]
+            used = row_of_position >= 0
+            rows = rows[torch.from_numpy(row_of_position[used])]
+            row_of_position = row_of_position.copy()
+            row_of_position[used] = np.arange(int(used.sum()))
+    if len(token_ids) > max_model_len:
+        raise PromptTooLongError(f"prompt of {len(token_ids)} positions (with prompt_embeds) exceeds "
+                                 f"max_model_len={max_model_len}")
+    return token_ids, PromptEmbeds(rows.contiguous(), row_of_position)
+
+
+def _checked_rows(embeds, hidden_size: int) -> torch.Tensor:
     if not isinstance(embeds, torch.Tensor):
         raise ValueError(f"prompt_embeds must be a torch.Tensor, got {type(embeds).__name__}")
     if embeds.is_sparse:
@@ -37,20 +73,16 @@ def checked_prompt_embeds(embeds, hidden_size: int, max_model_len: int,
         raise ValueError(f"prompt_embeds must be [length >= 1, hidden_size={hidden_size}], got {list(embeds.shape)}")
     if not embeds.is_floating_point():
         raise ValueError(f"prompt_embeds must hold floating-point values, got {embeds.dtype}")
-    if truncate_prompt_tokens is not None:
-        keep = max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
-        embeds = embeds[-keep:]
-    if embeds.shape[0] > max_model_len:
-        raise PromptTooLongError(f"prompt_embeds of {embeds.shape[0]} positions exceeds max_model_len={max_model_len}")
     embeds = embeds.detach().to("cpu").contiguous()
     if not bool(torch.isfinite(embeds).all()):
         raise ValueError("prompt_embeds holds a NaN or infinite value")
     return embeds
 
 
-def digest(embeds: torch.Tensor) -> bytes:
-    """A key of the embeddings' values (shape, dtype and bytes) for the prefix cache."""
+def digest(embeds: PromptEmbeds) -> bytes:
+    """A key of the embeddings (their values and where they go) for the prefix cache."""
     hasher = hashlib.blake2b(digest_size=16)
-    hasher.update(f"{list(embeds.shape)}:{embeds.dtype}".encode())
-    hasher.update(embeds.view(torch.uint8).numpy())  # (a byte view: numpy has no bfloat16)
+    hasher.update(f"{list(embeds.rows.shape)}:{embeds.rows.dtype}".encode())
+    hasher.update(embeds.rows.view(torch.uint8).numpy())  # (a byte view: numpy has no bfloat16)
+    hasher.update(embeds.row_of_position.tobytes())
     return hasher.digest()

@@ -6,8 +6,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
-import torch
-
 from pagedkv.engine.detokenizer import DetokenizerState, detokenize_final, detokenize_incrementally
 from pagedkv.outputs import (
     ClassificationOutput,
@@ -20,6 +18,7 @@ from pagedkv.outputs import (
 )
 from pagedkv.params.pooling import PoolingParams
 from pagedkv.params.sampling import SamplingParams
+from pagedkv.runner.step_messages import PromptEmbeds
 
 
 @dataclass
@@ -78,8 +77,8 @@ class RequestState:
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # params.bad_words, tokenized
     grammar: object = None  # xgrammar CompiledGrammar of a structured-output request (samples' matchers start from it)
     failed: bool = False  # an error while stepping it aborted it (alone)
-    # A prompt given as embeddings [length, hidden] (its prompt_token_ids are placeholders)
-    prompt_embeds: Optional[torch.Tensor] = None
+    # A prompt with embeddings (its prompt_token_ids hold placeholders where they go)
+    prompt_embeds: Optional[PromptEmbeds] = None
     # Set by `allow_plain_booking` for a request whose tokens need no more than `record_token`'s
     # first lines: (tokens that may end it, generated tokens at which its length ends it).
     plain_booking: Optional[tuple[frozenset[int], int]] = None

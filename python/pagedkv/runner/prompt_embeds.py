@@ -12,9 +12,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from pagedkv.runner.step_messages import PromptEmbeds
+
 
 def embedded_rows(seq_ids: list[int], query_start_loc: np.ndarray, positions: np.ndarray,
-                  prompt_embeds: dict[int, torch.Tensor]) -> tuple[np.ndarray, list[torch.Tensor]]:
+                  prompt_embeds: dict[int, PromptEmbeds]) -> tuple[np.ndarray, list[torch.Tensor]]:
     """(the step's rows that take a prompt's embedding, those embeddings' rows in the same order)."""
     rows, values = [], []
     for index, seq_id in enumerate(seq_ids):
@@ -22,10 +24,14 @@ def embedded_rows(seq_ids: list[int], query_start_loc: np.ndarray, positions: np
         if embeds is None:
             continue
         start, end = int(query_start_loc[index]), int(query_start_loc[index + 1])
-        inside = np.flatnonzero(positions[start:end] < embeds.shape[0])
-        if inside.size:
-            rows.append(start + inside)
-            values.append(embeds[torch.from_numpy(positions[start:end][inside])])
+        chunk, row_of = positions[start:end], embeds.row_of_position
+        taken = np.full(len(chunk), -1, dtype=np.int64)
+        inside = chunk < len(row_of)
+        taken[inside] = row_of[chunk[inside]]
+        embedded = np.flatnonzero(taken >= 0)
+        if embedded.size:
+            rows.append(start + embedded)
+            values.append(embeds.rows[torch.from_numpy(taken[embedded])])
     return (np.concatenate(rows) if rows else np.empty(0, dtype=np.int64)), values
 
 

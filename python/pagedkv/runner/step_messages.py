@@ -9,10 +9,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
 import torch
 
 from pagedkv.params.pooling import PoolingParams
 from pagedkv.runner.sampler import SamplingRow
+
+
+@dataclass(frozen=True)
+class PromptEmbeds:
+    """A prompt's embeddings: `rows` [k, hidden] and, for each prompt position, the row it reads in
+    place of its token's embedding (-1: the token's own). A prompt given whole as embeddings has
+    row_of_position = 0..k-1; a chat message's embedded parts, only some positions."""
+
+    rows: torch.Tensor
+    row_of_position: np.ndarray  # int64 [prompt length]
 
 
 @dataclass
@@ -42,7 +53,7 @@ class StepRequests:
     loras: Optional[dict] = None  # seq_id -> LoRAAdapter of the sequences that run one
     # Prompts given as embeddings [length, hidden], by sequence, where the step computes some
     # of the prompt's positions (the runner puts their rows in place of the token embeddings)
-    prompt_embeds: dict[int, torch.Tensor] = field(default_factory=dict)
+    prompt_embeds: dict[int, PromptEmbeds] = field(default_factory=dict)
 
     def needs_hidden_states(self) -> frozenset[int]:
         """Sequences whose every scheduled token's final hidden state the step keeps."""

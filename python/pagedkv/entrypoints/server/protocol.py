@@ -100,7 +100,15 @@ class RefusalPart(_Part):
     refusal: str
 
 
-ContentPart = Annotated[Union[TextPart, ImagePart, RefusalPart], Field(discriminator="type")]
+class PromptEmbedsPart(_Part):
+    """vLLM's: embeddings in place of text within a message, base64 of a torch.save'd tensor
+    [length, hidden_size] (with --enable-prompt-embeds; server/prompt_embeds.py)."""
+
+    type: Literal["prompt_embeds"]
+    data: str
+
+
+ContentPart = Annotated[Union[TextPart, ImagePart, RefusalPart, PromptEmbedsPart], Field(discriminator="type")]
 
 
 class FunctionCall(_Part):
@@ -126,14 +134,20 @@ class ChatMessage(_Part):
     tool_calls: Optional[list[ToolCall]] = None
     tool_call_id: Optional[str] = None
 
-    def template_fields(self) -> dict:
-        """The message as chat templates read it: text content plus tool_calls, tool_call_id, ..."""
-        return {**self.model_dump(exclude_none=True), "content": self.text()}
+    def template_fields(self, embeds_marker: str = "") -> dict:
+        """The message as chat templates read it: text content plus tool_calls, tool_call_id, ...;
+        each prompt_embeds part as `embeds_marker`."""
+        return {**self.model_dump(exclude_none=True), "content": self.text(embeds_marker)}
 
-    def text(self) -> str:
+    def text(self, embeds_marker: str = "") -> str:
         if isinstance(self.content, list):  # OpenAI content parts: keep the text ones
-            return "".join(part.text for part in self.content if isinstance(part, TextPart))
+            return "".join(part.text if isinstance(part, TextPart) else embeds_marker
+                           for part in self.content if isinstance(part, (TextPart, PromptEmbedsPart)))
         return self.content or ""
+
+    def embeds_parts(self) -> list[PromptEmbedsPart]:
+        return [part for part in self.content if isinstance(part, PromptEmbedsPart)] if isinstance(
+            self.content, list) else []
 
 
 # -- tools -------------------------------------------------------------------------------------

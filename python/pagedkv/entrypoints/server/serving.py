@@ -129,11 +129,12 @@ class ServingContext:
                        "invalid_request_error", "model", "model_not_found")
 
     async def chat_prompt(self, messages, add_generation_prompt: bool, tools=None, template_kwargs=None,
-                          continue_final_message: bool = False) -> str:
+                          continue_final_message: bool = False, embeds_marker: str = "") -> str:
         """The prompt text, rendered on the worker pool (megabytes of messages or thousands of
         tools take seconds); `template_kwargs` reach the template as variables (e.g. Qwen3's
-        enable_thinking); `continue_final_message`: the prompt ends inside the last message."""
-        turns = [message.template_fields() for message in messages]
+        enable_thinking); `continue_final_message`: the prompt ends inside the last message;
+        prompt_embeds parts rendered as `embeds_marker`."""
+        turns = [message.template_fields(embeds_marker) for message in messages]
         try:
             return await self.client.run_in_worker(lambda: self.tokenizer.apply_chat_template(
                 turns, tools=tools, chat_template=self.chat_template, tokenize=False,

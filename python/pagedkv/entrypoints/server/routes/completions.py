@@ -12,6 +12,7 @@ from fastapi import APIRouter, Depends, Request
 
 from pagedkv.entrypoints.server.json_body import OffLoopJSONRoute
 from pagedkv.entrypoints.server.openapi import ChatCompletion, Completion, answer, streamed_answer
+from pagedkv.entrypoints.server.prompt_embeds import decode_prompt_embeds, embeds_marker, spliced_prompt
 from pagedkv.entrypoints.server.protocol import BatchChatCompletionRequest, ChatCompletionRequest, CompletionRequest
 from pagedkv.entrypoints.server.responses import ReplyOptions
 from pagedkv.entrypoints.server.serving import ServingContext, make_params, merged, serving, streamed_output_kind, with_tools
@@ -52,11 +53,22 @@ async def answer_chat(body: ChatCompletionRequest, request: Request, context: Se
     chat_tools, tool_choice = body.chat_tools()
     tools = context.tool_calling(chat_tools, tool_choice)
     params = context.with_reasoning(with_tools(params, tools, "structured outputs (response_format, guided_*)"))
-    prompts = await asyncio.gather(*(context.chat_prompt(conversation, body.add_generation_prompt,
-                                                         chat_tools if tools is not None else None,
-                                                         body.chat_template_kwargs, body.continue_final_message)
+    prompts = await asyncio.gather(*(chat_prompt(context, body, conversation, chat_tools if tools is not None else None)
                                      for conversation in body.conversations()))
     return await run(context, request, list(prompts), params, body, served, chat=True, tools=tools)
+
+
+async def chat_prompt(context: ServingContext, body: ChatCompletionRequest, conversation, chat_tools):
+    """A conversation's prompt: its rendered text, or with prompt_embeds parts the token ids and
+    embeddings the engine takes (decoded and tokenized off the event loop)."""
+    embeds = [part.data for message in conversation for part in message.embeds_parts()]
+    marker = embeds_marker() if embeds else ""
+    text = await context.chat_prompt(conversation, body.add_generation_prompt, chat_tools, body.chat_template_kwargs,
+                                     body.continue_final_message, marker)
+    if not embeds:
+        return text
+    return await asyncio.to_thread(make_params, lambda: spliced_prompt(text, marker, decode_prompt_embeds(embeds),
+                                                                       context.tokenizer))
 
 
 async def run(context: ServingContext, request: Request, prompts: list, params, body, served: str, chat: bool,
