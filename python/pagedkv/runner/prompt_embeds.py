@@ -19,6 +19,8 @@ def embedded_rows(seq_ids: list[int], query_start_loc: np.ndarray, positions: np
                   prompt_embeds: dict[int, PromptEmbeds]) -> tuple[np.ndarray, list[torch.Tensor]]:
     """(the step's rows that take a prompt's embedding, those embeddings' rows in the same order)."""
     rows, values = [], []
+    if not prompt_embeds:  # (most steps: nothing to look at per sequence)
+        return np.empty(0, dtype=np.int64), values
     for index, seq_id in enumerate(seq_ids):
         embeds = prompt_embeds.get(seq_id)
         if embeds is None:
