@@ -51,8 +51,8 @@ class StepRequests:
     pooling: dict[int, PoolingParams] = field(default_factory=dict)
     logits_for: list[int] = field(default_factory=list)  # sampling sequences whose raw logits come back (beams)
     loras: Optional[dict] = None  # seq_id -> LoRAAdapter of the sequences that run one
-    # Prompts given as embeddings [length, hidden], by sequence, where the step computes some
-    # of the prompt's positions (the runner puts their rows in place of the token embeddings)
+    # Prompts with embeddings, by sequence, where the step computes some of the prompt's
+    # positions (the runner puts their rows in place of the token embeddings)
     prompt_embeds: dict[int, PromptEmbeds] = field(default_factory=dict)
 
     def needs_hidden_states(self) -> frozenset[int]:

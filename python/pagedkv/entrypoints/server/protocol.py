@@ -344,6 +344,8 @@ class CompletionRequest(_Sampling):
     prompt_embeds: Optional[Union[str, list[str]]] = None
     # One prompt (text or token ids) or a batch of them: choice i * n + j is sample j of prompt i.
     prompt: Optional[PromptInput] = Field(default=None, validate_default=True)
+    logprobs: Optional[int] = Field(default=None, ge=-1)  # (at most the engine's max_logprobs; -1: the vocabulary)
+    echo: bool = False  # prepend the prompt (and with logprobs, its tokens' logprobs) to each choice
 
     @field_validator("prompt")
     @classmethod
@@ -351,8 +353,6 @@ class CompletionRequest(_Sampling):
         if prompt is None and info.data.get("prompt_embeds") is None:
             raise ValueError("prompt is required (or prompt_embeds)")
         return prompt
-    logprobs: Optional[int] = Field(default=None, ge=-1)  # (at most the engine's max_logprobs; -1: the vocabulary)
-    echo: bool = False  # prepend the prompt (and with logprobs, its tokens' logprobs) to each choice
 
     def completion_params(self, defaults: Optional[dict] = None) -> SamplingParams:
         params = self.sampling_params(self.logprobs, 16, defaults)
@@ -402,10 +402,11 @@ class ChatCompletionRequest(_Sampling):
             raise RequestFieldError("continue_final_message", "continue_final_message needs add_generation_prompt=false")
         return self
 
-    def echoed_text(self) -> str:
-        """With `echo`, the last message's text when it is the assistant's (what the reply continues)."""
-        last = self.messages[-1]
-        return last.text() if self.echo and last.role == "assistant" else ""
+    def echoed_texts(self) -> list[str]:
+        """With `echo`, each conversation's last message's text when it is the assistant's (what
+        the reply continues), else ""."""
+        return [conversation[-1].text() if self.echo and conversation[-1].role == "assistant" else ""
+                for conversation in self.conversations()]
 
     def chat_logprobs(self) -> Optional[int]:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -419,8 +420,6 @@ class ChatCompletionRequest(_Sampling):
         choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
         return tools, choice
 
-
-# -- pooling -----------------------------------------------------------------------------------
 
 class BatchChatCompletionRequest(ChatCompletionRequest):
     """vLLM's /v1/chat/completions/batch: the chat fields, with `messages` a list of conversations,
@@ -438,14 +437,8 @@ class BatchChatCompletionRequest(ChatCompletionRequest):
     def conversations(self) -> list[list[ChatMessage]]:
         return self.messages
 
-    def echoed_text(self) -> str:
-        raise TypeError("a batch echoes per conversation: echoed_texts()")
 
-    def echoed_texts(self) -> list[str]:
-        """`echoed_text` of each conversation."""
-        return [conversation[-1].text() if self.echo and conversation[-1].role == "assistant" else ""
-                for conversation in self.messages]
-
+# -- pooling -----------------------------------------------------------------------------------
 
 class EmbeddingRequest(_Request):
     """OpenAI's /v1/embeddings: one input (text or token ids) or a batch of them."""

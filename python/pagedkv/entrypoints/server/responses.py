@@ -22,8 +22,8 @@ class ReplyOptions:
     chat: bool
     n: int = 1  # samples per prompt: choice i * n + j is sample j of prompt i
     echo: bool = False  # prompts before their choices (completions)
-    chat_echo: str = ""  # chat with echo: the last assistant message's text, before each reply's
-    chat_echoes: tuple[str, ...] = ()  # a batch of conversations with echo: chat_echo of each
+    # chat with echo: per conversation, its last assistant message's text, before each reply's
+    chat_echoes: tuple[str, ...] = ()
     include_usage: bool = False  # a streamed usage chunk at the end
     continuous_usage: bool = False  # usage so far in every streamed chunk (stream_options.continuous_usage_stats)
     tools: Optional[ToolCalling] = None
@@ -60,8 +60,11 @@ class ResponseBuilder:
         kind = "chat.completion.chunk" if chat else "text_completion"
         role_pending = chat  # (chat's first chunk: the role)
 
+        def chat_echo(prompt_index: int) -> str:
+            return options.chat_echoes[prompt_index] if options.chat_echoes else ""
+
         def role_chunk(prompt_token_ids: Optional[list[int]]) -> str:
-            first = [{"index": i, "delta": {"role": "assistant", "content": options.chat_echo}, "logprobs": None,
+            first = [{"index": i, "delta": {"role": "assistant", "content": chat_echo(i // n)}, "logprobs": None,
                       "finish_reason": None} for i in range(num_choices)]
             chunk = {"id": request_id, "object": kind, "created": created, "model": self.model_name, "choices": first}
             if prompt_token_ids is not None:  # (vLLM: in the first chunk only)
@@ -235,9 +238,8 @@ class ResponseBuilder:
                     calls, reason = [], completion.finish_reason
                     if tools is not None:
                         content, calls, reason = tools.parse(content, completion.finish_reason)
-                    echoed = options.chat_echoes[prompt_index] if options.chat_echoes else options.chat_echo
-                    if echoed:
-                        content = echoed + (content or "")
+                    if options.chat_echoes and options.chat_echoes[prompt_index]:
+                        content = options.chat_echoes[prompt_index] + (content or "")
                     message = {"role": "assistant", "content": content}
                     if self.reasoning is not None:
                         message["reasoning_content"] = message["reasoning"] = reasoning or None

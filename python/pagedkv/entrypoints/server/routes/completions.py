@@ -85,8 +85,7 @@ async def run(context: ServingContext, request: Request, prompts: list, params, 
     stream_options = body.stream_options
     include_usage = context.force_include_usage or (stream_options is not None and stream_options.include_usage)
     options = ReplyOptions(chat=chat, n=params.n, echo=not chat and body.echo, include_usage=include_usage,
-                           chat_echo=body.echoed_text() if chat and not isinstance(body, BatchChatCompletionRequest) else "",
-                           chat_echoes=tuple(body.echoed_texts()) if isinstance(body, BatchChatCompletionRequest) else (),
+                           chat_echoes=tuple(body.echoed_texts()) if chat else (),
                            continuous_usage=include_usage and stream_options is not None
                            and stream_options.continuous_usage_stats,
                            tools=tools, top_logprobs=params.logprobs or 0, token_ids=bool(body.return_token_ids),
