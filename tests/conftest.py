@@ -1,6 +1,12 @@
 """Shared fixtures for every tier: the embedded SmolLM2 GGUF (path, HF reference model, our
 ModelRunner) and tiny random-weight checkpoints (Qwen2 with qkv bias, ...). Helpers the tiers
-share live in tests/support/."""
+share live in tests/support/.
+
+Tests that compare with transformers' float32 outputs, or that assert equal tokens across step
+shapes (prefix-cache hits, chunks, drafts, preemption), load the GGUF with
+gguf_weights="dequantized": weights kept quantized (the default on a float32 CPU) round each
+activation to 8 bits, a step function, so float-rounding differences between a step of 8 tokens
+and one of 40 can move a near-tie."""
 
 import importlib.util
 import os
@@ -65,7 +71,7 @@ def smollm2_runner(smollm2):
     from pagedkv.config import EngineConfig
     from pagedkv.runner.model_runner import ModelRunner
 
-    return ModelRunner(EngineConfig(dtype="float32", num_device_blocks=64, swap_space_bytes=16 << 20, max_model_len=512))
+    return ModelRunner(EngineConfig(dtype="float32", gguf_weights="dequantized", num_device_blocks=64, swap_space_bytes=16 << 20, max_model_len=512))
 
 
 @pytest.fixture(scope="session")

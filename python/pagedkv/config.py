@@ -32,13 +32,17 @@ class EngineConfig:
     """auto: the checkpoint's weights; dummy (vLLM's name): random weights of the right shapes and
     dtype, built from `model`'s config.json alone (no weight files read), for benchmarks at real
     model shapes. A directory without a tokenizer needs `tokenizer`."""
-    gguf_weights: str = "dequantized"
-    """A GGUF's quantized linear weights: dequantized (to the model's dtype at load), quantized
-    (kept as GGUF blocks, Q4_0/Q4_1/Q8_0/Q4_K/Q6_K, and a BF16 file's weights as bfloat16,
-    multiplied by the CPU's kernels: float32 on one CPU, Llama-family models; the embeddings stay
-    float32; warns and dequantizes elsewhere), or auto (quantized where it applies, else
-    dequantized, silently). Kept weights decode a single stream ~2.5x faster in a third of the
-    memory; at 16 tokens a step float32 weights are ahead (docs/benchmarks.md, "Against llama.cpp")."""
+    gguf_weights: str = "auto"
+    """A GGUF's quantized linear weights: auto (the default: quantized where it applies, else
+    dequantized, silently), quantized (kept as GGUF blocks, Q4_0/Q4_1/Q8_0/Q4_K/Q6_K, and a BF16
+    file's weights as bfloat16, multiplied by the CPU's kernels: float32 on one CPU, Llama-family
+    models; the embeddings stay float32; warns and dequantizes elsewhere) or dequantized (to the
+    model's dtype at load). Kept weights decode a single stream ~2.5x faster in a third of the
+    memory; at 16 tokens a step float32 weights are ahead (docs/benchmarks.md, "Against
+    llama.cpp"). They round activations to 8 bits as llama.cpp does, so greedy tokens can part
+    from dequantized weights' at near-ties, and between step shapes (a prefix-cache hit, a chunked
+    prefill) where float weights agree to float rounding; dequantized is the choice for
+    comparisons with transformers."""
     generation_config: str = "auto"
     """Where default sampling parameters come from (vLLM's option): auto = the model's
     generation_config.json (its temperature, top_p, top_k, min_p, repetition_penalty and

@@ -21,7 +21,7 @@ from pagedkv.kernels import EmulatorLauncher, sources
 PROMPTS = ["Hello", "The quick brown fox", "def fibonacci(n):", "Paris is the capital of", "1, 2, 3, 4, 5,"]
 # Different lengths, so the batch shrinks one by one: 5 (padded to 6), 4, 3 (padded to 4), 2, 1.
 MAX_TOKENS = [3, 6, 9, 12, 15]
-OPTIONS = dict(dtype="float32", num_device_blocks=48, max_model_len=128, max_num_seqs=6, swap_space_bytes=0)
+OPTIONS = dict(dtype="float32", gguf_weights="dequantized", num_device_blocks=48, max_model_len=128, max_num_seqs=6, swap_space_bytes=0)
 
 
 def test_graph_batch_sizes():

@@ -1,4 +1,5 @@
-"""End-to-end engine tests on the embedded SmolLM2 (fp32, CPU) against HF transformers."""
+"""End-to-end engine tests on the embedded SmolLM2 (fp32, CPU, its GGUF dequantized: see
+tests/conftest.py) against HF transformers."""
 
 import importlib.util
 import re
@@ -24,7 +25,7 @@ def hf_model(smollm2_hf_model):
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(dtype="float32", num_device_blocks=512, max_model_len=1024)
+    return LLM(dtype="float32", gguf_weights="dequantized", num_device_blocks=512, max_model_len=1024)
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +92,7 @@ def test_greedy_matches_hf_transformers(llm, prompts, hf_references):
     ids=["no-prefix-cache-no-chunking", "prefix-cache-and-chunked-prefill", "long-prefill-threshold"],
 )
 def test_same_outputs_with_caching_and_chunking(options, prompts, hf_references):
-    llm = LLM(dtype="float32", num_device_blocks=512, max_model_len=1024, **options)
+    llm = LLM(dtype="float32", gguf_weights="dequantized", num_device_blocks=512, max_model_len=1024, **options)
     # Twice the same prompts: the second copy hits the prefix cache when it is on.
     outputs = llm.generate(prompts + prompts, greedy(), use_tqdm=False)
     assert [out.outputs[0].token_ids for out in outputs] == hf_references + hf_references
@@ -106,7 +107,7 @@ def test_same_outputs_under_preemption(mode, prompts, hf_references):
     # by 32 tokens each: running requests must be preempted and resumed.
     short = [i for i, prompt in enumerate(prompts) if len(prompt) < 200]
     llm = LLM(
-        dtype="float32",
+        dtype="float32", gguf_weights="dequantized",
         num_device_blocks=12,
         swap_space_bytes=64 << 20,
         max_model_len=192,
@@ -127,7 +128,7 @@ def test_an_urgent_request_preempts_lower_priorities_and_everyone_stays_correct(
     from pagedkv import LLMEngine
     from pagedkv.config import EngineConfig
 
-    engine = LLMEngine(EngineConfig(dtype="float32", num_device_blocks=64, swap_space_bytes=64 << 20,
+    engine = LLMEngine(EngineConfig(dtype="float32", gguf_weights="dequantized", num_device_blocks=64, swap_space_bytes=64 << 20,
                                     max_model_len=192, max_num_seqs=2, preemption_mode=mode,
                                     scheduling_policy="priority"))
     low = {f"low-{i}": i for i in (1, 2, 3)}
@@ -164,7 +165,7 @@ def test_cpu_prefix_cache_brings_evicted_prefix_blocks_back(prompts, hf_referenc
     for tier in (False, True):
         # 40 blocks of 16: the evicting prompt takes most of the pool, so the long prompt's cached
         # blocks are evicted from the device before it comes again.
-        llm = LLM(dtype="float32", num_device_blocks=40, swap_space_bytes=64 << 20, max_model_len=640,
+        llm = LLM(dtype="float32", gguf_weights="dequantized", num_device_blocks=40, swap_space_bytes=64 << 20, max_model_len=640,
                   enable_cpu_prefix_cache=tier)
         first = llm.generate([long_prompt], greedy(), use_tqdm=False)[0]
         llm.generate([evictor], greedy(4), use_tqdm=False)
@@ -182,7 +183,7 @@ def test_cpu_prefix_cache_brings_evicted_prefix_blocks_back(prompts, hf_referenc
 def test_reset_prefix_cache_forgets_both_tiers_but_not_while_requests_run(prompts, hf_references):
     from pagedkv import SamplingParams
 
-    llm = LLM(dtype="float32", num_device_blocks=40, swap_space_bytes=64 << 20, max_model_len=640,
+    llm = LLM(dtype="float32", gguf_weights="dequantized", num_device_blocks=40, swap_space_bytes=64 << 20, max_model_len=640,
               enable_cpu_prefix_cache=True)
     llm.generate([prompts[5]], greedy(), use_tqdm=False)
     assert llm.engine.stats()["num_cached_device_blocks"] > 0
@@ -204,7 +205,7 @@ def test_prompt_logprobs_match_hf_across_chunks_despite_the_prefix_cache(hf_mode
     from pagedkv.runner import results
 
     monkeypatch.setattr(results, "_PROMPT_LOGPROB_ROWS", 7)  # several slices per 48-token chunk
-    llm = LLM(dtype="float32", num_device_blocks=512, max_model_len=1024, enable_prefix_caching=True,
+    llm = LLM(dtype="float32", gguf_weights="dequantized", num_device_blocks=512, max_model_len=1024, enable_prefix_caching=True,
               max_num_batched_tokens=48)
     long_prompt, short_prompt = prompts[5], prompts[1]
     llm.generate([long_prompt], greedy(2), use_tqdm=False)  # its blocks are now in the prefix cache
@@ -240,7 +241,7 @@ def peak_device_blocks(llm, prompt, params_list):
 
 
 def test_parallel_samples_share_prompt_blocks(prompts):
-    llm = LLM(dtype="float32", num_device_blocks=512, max_model_len=1024, enable_prefix_caching=False)
+    llm = LLM(dtype="float32", gguf_weights="dequantized", num_device_blocks=512, max_model_len=1024, enable_prefix_caching=False)
     prompt = prompts[5]  # the long one: ~14 blocks of prompt
     sampling = dict(temperature=0.8, max_tokens=8, seed=3, ignore_eos=True)
     shared_peak, shared = peak_device_blocks(llm, prompt, [SamplingParams(n=4, **sampling)])
@@ -469,7 +470,7 @@ def test_tiny_qwen2_with_qkv_bias_matches_hf(tmp_path):
     model.save_pretrained(tmp_path, safe_serialization=True)
     prompts = [[1, 5, 9, 200, 3, 7], list(range(40, 77))]
     expected = [hf_greedy(model, ids, max_new_tokens=16) for ids in prompts]
-    llm = LLM(str(tmp_path), dtype="float32", num_device_blocks=64, tokenizer=smollm2_tokenizer_path())
+    llm = LLM(str(tmp_path), dtype="float32", gguf_weights="dequantized", num_device_blocks=64, tokenizer=smollm2_tokenizer_path())
     outputs = llm.generate(prompts, greedy(max_tokens=16), use_tqdm=False)
     assert [out.outputs[0].token_ids for out in outputs] == expected
 
@@ -496,7 +497,7 @@ def test_every_feature_together_under_preemption(mode, prompts):
     ]
 
     def run(**options):
-        llm = LLM(dtype="float32", max_model_len=192, **options)
+        llm = LLM(dtype="float32", gguf_weights="dequantized", max_model_len=192, **options)
         engine = llm.engine
         for index, (prompt, params) in enumerate(requests):
             engine.add_request(f"r{index}", prompt, params)
@@ -538,7 +539,7 @@ def test_samples_and_beams_complete_under_preemption_as_in_a_roomy_pool(mode, ll
         SamplingParams(temperature=1.0, seed=7, n=3, max_tokens=16, top_k=20),
         greedy(12, use_beam_search=True, n=3, beam_width=3),
     ]
-    tight = LLM(dtype="float32", max_model_len=128, num_device_blocks=6, swap_space_bytes=64 << 20,
+    tight = LLM(dtype="float32", gguf_weights="dequantized", max_model_len=128, num_device_blocks=6, swap_space_bytes=64 << 20,
                 preemption_mode=mode, watermark=0.0)
     got = tight.generate(texts, params, use_tqdm=False)
     assert tight.engine.stats()[f"num_preemptions_{mode}"] > 0
@@ -550,7 +551,7 @@ def test_samples_and_beams_complete_under_preemption_as_in_a_roomy_pool(mode, ll
 
 
 def test_cache_salt_isolates_prefix_cache_sharing(prompts):
-    llm = LLM(dtype="float32", num_device_blocks=256, max_model_len=1024)
+    llm = LLM(dtype="float32", gguf_weights="dequantized", num_device_blocks=256, max_model_len=1024)
     long_prompt = prompts[5]
 
     def hits_of(**extra):

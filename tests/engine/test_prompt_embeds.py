@@ -22,7 +22,7 @@ def hf_model(smollm2_hf_model):
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(dtype="float32", enable_prompt_embeds=True, num_device_blocks=128, max_model_len=256)
+    return LLM(dtype="float32", gguf_weights="dequantized", enable_prompt_embeds=True, num_device_blocks=128, max_model_len=256)
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +78,7 @@ def test_a_batch_dimension_of_one_is_dropped_and_bfloat16_is_read(llm, hf_model)
     dict(num_device_blocks=6, block_size=16, preemption_mode="swap", watermark=0.0),
 ], ids=["chunked", "recompute", "swap"])
 def test_chunked_prefills_and_preemption_keep_the_embeddings(hf_model, options):
-    config = dict(dtype="float32", enable_prompt_embeds=True, max_model_len=256, swap_space_bytes=16 << 20)
+    config = dict(dtype="float32", gguf_weights="dequantized", enable_prompt_embeds=True, max_model_len=256, swap_space_bytes=16 << 20)
     llm = LLM(**{**config, **options})
     embeds = [random_embeds(hf_model, 30 + seed, seed) for seed in range(4)]
     outputs = llm.generate([{"prompt_embeds": e} for e in embeds], greedy(16), use_tqdm=False)
@@ -90,7 +90,7 @@ def test_chunked_prefills_and_preemption_keep_the_embeddings(hf_model, options):
 
 
 def test_the_prefix_cache_shares_equal_embeddings_only(hf_model):
-    llm = LLM(dtype="float32", enable_prompt_embeds=True, num_device_blocks=64, max_model_len=256)
+    llm = LLM(dtype="float32", gguf_weights="dequantized", enable_prompt_embeds=True, num_device_blocks=64, max_model_len=256)
     first, other = random_embeds(hf_model, 40, 1), random_embeds(hf_model, 40, 2)
     reference = llm.generate({"prompt_embeds": first}, greedy(), use_tqdm=False)[0].outputs[0].token_ids
     hits = llm.engine.stats()["prefix_cache_hits"]
@@ -128,7 +128,7 @@ def test_n_samples_share_the_prompt_and_no_placeholder_is_a_prompt_token(llm, hf
 
 def test_what_cannot_take_embeddings_is_refused(llm, hf_model):
     embeds = random_embeds(hf_model, 5, 0)
-    off = LLM(dtype="float32", num_device_blocks=32, max_model_len=64)
+    off = LLM(dtype="float32", gguf_weights="dequantized", num_device_blocks=32, max_model_len=64)
     with pytest.raises(ValueError, match="enable_prompt_embeds"):
         off.generate({"prompt_embeds": embeds}, greedy(), use_tqdm=False)
     refused = [

@@ -55,7 +55,7 @@ def test_prompt_lookup_drafts():
     dict(num_device_blocks=12, max_model_len=192, preemption_mode="recompute", watermark=0.0),
 ])
 def test_greedy_outputs_equal_one_token_at_a_time(options, prompts, references):
-    settings = dict(dtype="float32", num_device_blocks=256, max_model_len=512)
+    settings = dict(dtype="float32", gguf_weights="dequantized", num_device_blocks=256, max_model_len=512)
     settings.update(options)
     llm = LLM(num_speculative_tokens=4, speculative_disable_by_batch_size=None, **settings)
     outputs = llm.generate(prompts, greedy(), use_tqdm=False)
@@ -69,8 +69,8 @@ def test_greedy_outputs_equal_one_token_at_a_time(options, prompts, references):
 
 
 def test_stops_and_other_requests_are_unchanged(prompts, references):
-    plain = LLM(dtype="float32", num_device_blocks=256, max_model_len=512)
-    fast = LLM(dtype="float32", num_device_blocks=256, max_model_len=512, num_speculative_tokens=5, prompt_lookup_min=1,
+    plain = LLM(dtype="float32", gguf_weights="dequantized", num_device_blocks=256, max_model_len=512)
+    fast = LLM(dtype="float32", gguf_weights="dequantized", num_device_blocks=256, max_model_len=512, num_speculative_tokens=5, prompt_lookup_min=1,
                speculative_disable_by_batch_size=None)
     stop_text = plain.tokenizer.decode(references[4][:6])[-5:]
     params = [
@@ -92,7 +92,7 @@ def test_stops_and_other_requests_are_unchanged(prompts, references):
 
 
 def test_a_busy_engine_does_not_draft(prompts):
-    llm = LLM(dtype="float32", num_device_blocks=256, max_model_len=512, num_speculative_tokens=4,
+    llm = LLM(dtype="float32", gguf_weights="dequantized", num_device_blocks=256, max_model_len=512, num_speculative_tokens=4,
               speculative_disable_by_batch_size=3)
     engine = llm.engine
     for index in range(3):

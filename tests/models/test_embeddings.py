@@ -22,7 +22,7 @@ def hf_last_hidden(hf_model, token_ids: list[int]) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(dtype="float32", num_device_blocks=128, max_model_len=512)
+    return LLM(dtype="float32", gguf_weights="dequantized", num_device_blocks=128, max_model_len=512)
 
 
 def test_embeddings_are_the_last_tokens_final_hidden_state(llm, smollm2_hf_model):
@@ -40,7 +40,7 @@ def test_embeddings_are_the_last_tokens_final_hidden_state(llm, smollm2_hf_model
 
 def test_chunks_prefix_hits_and_shared_batches_give_the_same_embedding(llm):
     reference = llm.embed(PROMPTS, use_tqdm=False)
-    chunked = LLM(dtype="float32", num_device_blocks=128, max_model_len=512, max_num_batched_tokens=32)
+    chunked = LLM(dtype="float32", gguf_weights="dequantized", num_device_blocks=128, max_model_len=512, max_num_batched_tokens=32)
     prompt = PROMPTS[2]
     assert len(chunked.tokenizer.encode(prompt)) > 3 * 32  # prefilled in several chunks
     first = chunked.embed(prompt, use_tqdm=False)[0]

@@ -75,7 +75,7 @@ def test_adapters_change_the_output(references):
 
 
 def test_mixed_adapters_in_one_batch_through_chunks_and_preemption(adapters, prompts, references):
-    llm = LLM(dtype="float32", enable_lora=True, num_device_blocks=40, max_num_batched_tokens=96,
+    llm = LLM(dtype="float32", gguf_weights="dequantized", enable_lora=True, num_device_blocks=40, max_num_batched_tokens=96,
               max_model_len=512, swap_space_bytes=64 << 20)
     keys = [None, "every", "qv"]
     jobs = [(prompt_index, key) for prompt_index in range(len(prompts)) for key in keys]
@@ -92,7 +92,7 @@ def test_mixed_adapters_in_one_batch_through_chunks_and_preemption(adapters, pro
 def test_prefix_cache_keeps_adapters_apart(adapters, prompts, references):
     """The same prompt cached by the base model (or another adapter) is not reused for an adapter:
     its K/V differ in every layer."""
-    llm = LLM(dtype="float32", enable_lora=True, num_device_blocks=256, max_model_len=512)
+    llm = LLM(dtype="float32", gguf_weights="dequantized", enable_lora=True, num_device_blocks=256, max_model_len=512)
     long_prompt = prompts[2]
     for key in (None, "every", "qv", "every"):
         output = llm.generate([long_prompt], greedy(), use_tqdm=False, lora_request=adapters.get(key))[0]
@@ -102,13 +102,13 @@ def test_prefix_cache_keeps_adapters_apart(adapters, prompts, references):
 
 
 def test_forked_samples_keep_their_adapter(adapters, prompts, references):
-    llm = LLM(dtype="float32", enable_lora=True, num_device_blocks=128, max_model_len=512)
+    llm = LLM(dtype="float32", gguf_weights="dequantized", enable_lora=True, num_device_blocks=128, max_model_len=512)
     output = llm.generate([prompts[0]], greedy(n=2), use_tqdm=False, lora_request=adapters["every"])[0]
     assert [sample.token_ids for sample in output.outputs] == [references["every"][0]] * 2
 
 
 def test_bad_adapters_are_clear_errors_and_queue_nothing(tmp_path, adapters):
-    llm = LLM(dtype="float32", enable_lora=True, max_lora_rank=8, num_device_blocks=64, max_model_len=256)
+    llm = LLM(dtype="float32", gguf_weights="dequantized", enable_lora=True, max_lora_rank=8, num_device_blocks=64, max_model_len=256)
     too_big = write_adapter(tmp_path / "big", ["q_proj"], rank=16, alpha=16, seed=3)
     lm_head = write_adapter(tmp_path / "head", ["q_proj"], rank=4, alpha=4, seed=4,
                             extra_weights={"base_model.model.lm_head.lora_A.weight": torch.zeros(4, HIDDEN)})
@@ -129,11 +129,11 @@ def test_bad_adapters_are_clear_errors_and_queue_nothing(tmp_path, adapters):
     stats = llm.engine.stats()
     assert stats["num_free_device_blocks"] == stats["num_device_blocks"]
 
-    base = LLM(dtype="float32", num_device_blocks=64, max_model_len=256)
+    base = LLM(dtype="float32", gguf_weights="dequantized", num_device_blocks=64, max_model_len=256)
     with pytest.raises(ValueError, match="enable_lora=True"):
         base.generate(["Hello"], greedy(), use_tqdm=False, lora_request=adapters["qv"])
     with pytest.raises(InvalidConfigError, match="max_lora_rank"):
-        LLM(dtype="float32", enable_lora=True, max_lora_rank=0)
+        LLM(dtype="float32", gguf_weights="dequantized", enable_lora=True, max_lora_rank=0)
 
 
 def test_the_server_serves_each_adapter_as_a_model(adapters, references, prompts):
@@ -147,7 +147,7 @@ def test_the_server_serves_each_adapter_as_a_model(adapters, references, prompts
     modules = dict([parse_lora_module(f"every={adapters['every'].lora_path}"),
                     parse_lora_module(json.dumps({"name": "qv", "path": adapters["qv"].lora_path,
                                                   "base_model_name": "smollm2-base"}))])
-    live = LiveServer(enable_lora=True, num_device_blocks=128, max_model_len=256, lora_modules=modules)
+    live = LiveServer(enable_lora=True, gguf_weights="dequantized", num_device_blocks=128, max_model_len=256, lora_modules=modules)
     try:
         cards = httpx.get(live.url + "/v1/models", timeout=10).json()["data"]
         base = live.engine.model_name
@@ -166,7 +166,7 @@ def test_the_server_serves_each_adapter_as_a_model(adapters, references, prompts
 
 
 def test_max_cpu_loras_drops_the_least_recently_used_adapter(adapters, prompts, references):
-    llm = LLM(dtype="float32", enable_lora=True, max_cpu_loras=1, num_device_blocks=128, max_model_len=512)
+    llm = LLM(dtype="float32", gguf_weights="dequantized", enable_lora=True, max_cpu_loras=1, num_device_blocks=128, max_model_len=512)
     for key in ("every", "qv", "every"):
         output = llm.generate([prompts[0]], greedy(), use_tqdm=False, lora_request=adapters[key])[0]
         assert output.outputs[0].token_ids == references[key][0], key
@@ -176,7 +176,7 @@ def test_max_cpu_loras_drops_the_least_recently_used_adapter(adapters, prompts, 
                            lora_request=[adapters["qv"], adapters["every"]])
     assert [output.outputs[0].token_ids for output in outputs] == [references["qv"][0], references["every"][1]]
     with pytest.raises(InvalidConfigError, match="max_cpu_loras"):
-        LLM(dtype="float32", enable_lora=True, max_cpu_loras=0)
+        LLM(dtype="float32", gguf_weights="dequantized", enable_lora=True, max_cpu_loras=0)
 
 
 def test_the_server_loads_and_unloads_adapters_at_runtime(adapters, references, prompts, tmp_path):
@@ -184,7 +184,7 @@ def test_the_server_loads_and_unloads_adapters_at_runtime(adapters, references, 
 
     from support.live_server import LiveServer
 
-    live = LiveServer(enable_lora=True, num_device_blocks=128, max_model_len=256, allow_runtime_lora_updating=True)
+    live = LiveServer(enable_lora=True, gguf_weights="dequantized", num_device_blocks=128, max_model_len=256, allow_runtime_lora_updating=True)
     try:
         def post(path, **body):
             return httpx.post(live.url + path, json=body, timeout=120)
@@ -226,7 +226,7 @@ def test_the_server_loads_and_unloads_adapters_at_runtime(adapters, references, 
 
 
 def test_stats_count_unfinished_requests_by_adapter(adapters):
-    llm = LLM(dtype="float32", enable_lora=True, num_device_blocks=64, max_model_len=256)
+    llm = LLM(dtype="float32", gguf_weights="dequantized", enable_lora=True, num_device_blocks=64, max_model_len=256)
     engine = llm.engine
     for index, lora in enumerate([adapters["every"], None, adapters["every"], adapters["qv"]]):
         engine.add_request(f"r{index}", "Hello there", greedy(), lora_request=lora)
@@ -267,7 +267,7 @@ def assert_adapter_gives_merged_hf_greedy(hf_model, model_dir: str, shapes: dict
     (adapter_dir / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8}))
 
     prompt = torch.randint(3, 256, (20,), generator=generator).tolist()
-    llm = LLM(model_dir, dtype="float32", enable_lora=True, max_lora_rank=4, num_device_blocks=32)
+    llm = LLM(model_dir, dtype="float32", gguf_weights="dequantized", enable_lora=True, max_lora_rank=4, num_device_blocks=32)
     lora = LoRARequest("adapter", 1, str(adapter_dir))
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
     with_adapter = llm.generate([prompt], params, use_tqdm=False, lora_request=lora)[0].outputs[0].token_ids

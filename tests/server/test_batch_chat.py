@@ -17,7 +17,7 @@ CONVERSATIONS = [[{"role": "user", "content": "Name a color."}],
 def live():
     from support.live_server import LiveServer
 
-    server = LiveServer(num_device_blocks=256, max_model_len=512)
+    server = LiveServer(gguf_weights="dequantized", num_device_blocks=256, max_model_len=512)
     yield server
     server.stop()
 

@@ -132,7 +132,7 @@ def test_streamed_harmony_reasoning_preamble_then_a_tool_call():
 def test_the_server_splits_replies_whole_and_streamed():
     from support.live_server import LiveServer
 
-    live = LiveServer(reasoning_parser="qwen3", num_device_blocks=64, max_model_len=256)
+    live = LiveServer(reasoning_parser="qwen3", gguf_weights="dequantized", num_device_blocks=64, max_model_len=256)
     try:
         # The grammar makes the model write a think block, whatever it would say.
         body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 40, "temperature": 0,

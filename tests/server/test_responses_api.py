@@ -24,7 +24,7 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "Weather of
 def live():
     from support.live_server import LiveServer
 
-    server = LiveServer(reasoning_parser="qwen3", num_device_blocks=128, max_model_len=512)
+    server = LiveServer(reasoning_parser="qwen3", gguf_weights="dequantized", num_device_blocks=128, max_model_len=512)
     yield server
     server.stop()
 

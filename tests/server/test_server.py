@@ -16,7 +16,7 @@ from support.live_server import LiveServer
 
 @pytest.fixture(scope="module")
 def server():
-    live = LiveServer(num_device_blocks=256, max_model_len=512)
+    live = LiveServer(gguf_weights="dequantized", num_device_blocks=256, max_model_len=512)
     yield live
     live.stop()
 

@@ -115,7 +115,7 @@ def model_spec(model: str | None, gguf_file: str | None) -> ModelSpec:
 
 
 def load(model: str | None, gguf_file: str | None, tokenizer: str | None, dtype, device, max_positions: int | None,
-         dummy: bool = False, gguf_weights: str = "dequantized"):
+         dummy: bool = False, gguf_weights: str = "auto"):
     """Builds our model from the checkpoint's config and weights; returns a LoadedModel. Under
     tensor parallelism (parallel.using_group) the model is this rank's shard. `dummy`: random
     weights instead of the checkpoint's (load_format="dummy"), from its config alone.
