@@ -1,7 +1,7 @@
 """A Llama-family GGUF's quantized linear weights kept as GGUF blocks (EngineConfig
 gguf_weights="quantized"). Before the weights load, each decoder layer's nn.Linear whose GGUF
 tensors are all one kept type (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) becomes a QuantizedLinear over
-those tensors' raw bytes, read from the file's memory map with gguf-py; BF16 tensors beside
+those tensors' raw bytes, read from the file's memory map (models.gguf_tensor_index); BF16 tensors beside
 float32 activations stay bfloat16 (layers.cpu_linear.BFloat16Linear, the LM head's too: half
 the bytes of the float32 weights). So the float32 linears are allocated but never written: a
 model whose float32 weights would not fit the host's memory loads as its blocks (the embedding
@@ -44,12 +44,6 @@ def unpermute_rows(blocks: np.ndarray, num_heads: int) -> np.ndarray:
     """llama.cpp's q/k row order back to HF's (transformers' reverse_permute_weights)."""
     rows = blocks.shape[0]
     return blocks.reshape(num_heads, rows // num_heads // 2, 2, -1).swapaxes(1, 2).reshape(blocks.shape)
-
-
-def gguf_tensors(gguf_path: str) -> dict:
-    import gguf
-
-    return {t.name: t for t in gguf.GGUFReader(gguf_path).tensors}
 
 
 def take_over_linears(net: nn.Module, tensors: dict, hf_config) -> dict[str, Callable]:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from pagedkv.models import gguf_cache, gguf_quantized, quantized_checkpoints
+from pagedkv.models import gguf_cache, gguf_quantized, gguf_tensor_index, quantized_checkpoints
 from pagedkv.layers.classifier import SequenceClassifier
 from pagedkv.models import registry
 from pagedkv.models.registry import Traits
@@ -172,7 +172,7 @@ def load(model: str | None, gguf_file: str | None, tokenizer: str | None, dtype,
     kept_gguf = None
     if gguf_weights != "dequantized" and given_gguf is not None and not dummy:
         if str(device) == "cpu" and dtype == torch.float32 and tp.size == 1:
-            kept_gguf = gguf_quantized.gguf_tensors(os.path.join(given_directory, given_gguf))
+            kept_gguf = gguf_tensor_index.gguf_tensors(os.path.join(given_directory, given_gguf))
             # (before the load: the float32 linears it replaces are never written)
             net.kept_weight_checks = gguf_quantized.take_over_linears(net, kept_gguf, hf_config)
         elif gguf_weights == "quantized":
