@@ -48,9 +48,10 @@ test-fast: test-rust
 # (tests/core runs in test-core-alone, against the core wheel alone.) The files are shared out over
 # PYTEST_WORKERS processes (pytest-xdist; a file's tests stay together, so its module fixtures load
 # once) and each worker its share of the cores (tests/conftest.py). After the run, each tier's
-# minutes of test time (scripts/test_tiers.py). The last fresh-clone run (2-core AVX2 machine,
-# 2026-11-28, commit 1799f86): tests/engine 11.8, tests/server 5.1, tests/models 5.0, tests/kernels
-# 0.6, tests/unit 0.5 minutes of test time; pytest 12.1 min on 2 workers, make test 16.9 min.
+# minutes of test time (scripts/test_tiers.py). The last run on the 2-core AVX2 dev machine
+# (2026-11-28, commit 795b85b, warm caches): tests/engine 10.7, tests/models 5.1, tests/server 4.7,
+# tests/kernels 0.7, tests/unit 0.3 minutes of test time; pytest 11.3 min on 2 workers, make test
+# 14.4 min (a fresh-clone CI, installs included: 17.6 min).
 PYTEST_WORKERS ?= $(shell n=$$(nproc); echo $$((n < 4 ? n : 4)))
 test-python:
 	mkdir -p build
