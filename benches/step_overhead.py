@@ -4,7 +4,7 @@ sequences with 128-token prompts. Per step: schedule (through PyO3), input prepa
 runner's share besides forward and logits), forward, logits, sampling, output processing, and the
 closing report to the scheduler. Prints one table.
 
-    python benches/step_overhead.py --baseline-python /path/to/venv-of-previous-build/bin/python
+    python benches/step_overhead.py --baseline-python /path/to/venv-of-previous-build/bin/python [--repeats 3]
 
 (The baseline is any environment with an earlier pagedkv installed, e.g. a venv with
 `--system-site-packages` and `pip install --no-deps <checkout of the previous commit>`.)
@@ -170,6 +170,10 @@ def main() -> None:
                              "(LLM.generate's and non-streamed answers: only finished requests are reported); they "
                              "are greedy unless sampled (temperature 0.8, top-p 0.95, top-k 50) or penalized "
                              "(greedy with repetition penalty 1.1 and frequency penalty 0.1)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of each case per build, the builds alternating (this, baseline, this, ...): "
+                             "each column is then the median over the runs, and non-model also shows their range "
+                             "(this machine's speed drifts over minutes; alternating spreads the drift over both)")
     parser.add_argument("--output-kind", default="cumulative", help=argparse.SUPPRESS)
     parser.add_argument("--sampling", default="greedy", help=argparse.SUPPRESS)
     parser.add_argument("--worker", nargs=2, metavar=("MODEL", "NUM_SEQS"), help=argparse.SUPPRESS)
@@ -190,8 +194,12 @@ def main() -> None:
         sampling = kind[1] if len(kind) > 1 else "greedy"
         # (the previous build has no delta outputs: its streams are cumulative)
         kinds = {name: "cumulative" if name == "baseline" and output_kind == "delta" else output_kind for name, _ in builds}
-        results = {name: run_worker(python, model, int(num_seqs), args.device, kinds[name], sampling, args.dtype)
-                   for name, python in builds}
+        runs = defaultdict(list)
+        for _ in range(args.repeats):
+            for name, python in builds:
+                runs[name].append(run_worker(python, model, int(num_seqs), args.device, kinds[name], sampling, args.dtype))
+        results = {name: {phase: statistics.median(run[phase] for run in name_runs) for phase in name_runs[0]}
+                   for name, name_runs in runs.items()}
         non_model = {name: r["non_model"] for name, r in results.items()}
         for name, result in results.items():
             ratio = ""
@@ -199,9 +207,13 @@ def main() -> None:
                 ratio = f"{non_model['baseline'] / non_model[name]:.1f}x less"
             cells = " | ".join(f"{result[phase]:>9.0f}" for phase in PHASES)
             outputs = kinds[name] + ("" if sampling == "greedy" else f", {sampling}")
-            print(f"{model:>8} {num_seqs:>5} {outputs:>21} {name:>10} | {cells} | {non_model[name]:>9.0f} | {ratio:>11}")
+            spread = [run["non_model"] for run in runs[name]]
+            spread_text = f" ({min(spread):.0f}-{max(spread):.0f})" if len(spread) > 1 else ""
+            print(f"{model:>8} {num_seqs:>5} {outputs:>21} {name:>10} | {cells} | {non_model[name]:>9.0f} | "
+                  f"{ratio:>11}{spread_text}")
     print("non-model: everything but forward and logits (schedule, prepare, sampling, output, update); each column "
-          "is the median over the timed steps (non-model: of each step's sum)")
+          "is the median over the timed steps (non-model: of each step's sum), then over the --repeats runs (non-model's "
+          "range over them in parentheses)")
 
 
 if __name__ == "__main__":
