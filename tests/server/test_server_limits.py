@@ -1,9 +1,12 @@
 """No request, however malformed or large, stops the server serving others (issue #28): each
 reproduction an outside tester found, on a live loopback server."""
 
+import gc
 import json
 import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -182,8 +185,7 @@ def test_health_answers_while_megabytes_are_rendered_then_refused(server):
     assert httpx.post(server.url + "/tokenize", json={"prompt": "w5 w6"}, timeout=10).json()["count"] > 0
 
 
-@pytest.mark.parametrize("route, field", [("/v1/completions", "prompt"), ("/v1/embeddings", "input"),
-                                          ("/detokenize", "tokens")])
+@pytest.mark.parametrize("route, field", [("/v1/completions", "prompt"), ("/v1/embeddings", "input")])
 def test_megabytes_of_token_ids_are_parsed_and_checked_off_the_event_loop(server, route, field, monkeypatch):
     """A large body is parsed and validated on a worker thread, never on the loop (it stalled
     /health and every stream 6-18 s); a bad value deep in it is still refused by name."""
@@ -193,12 +195,14 @@ def test_megabytes_of_token_ids_are_parsed_and_checked_off_the_event_loop(server
     check = protocol.check_json_values
     monkeypatch.setattr(protocol, "check_json_values",
                         lambda body: (checked_on.append(threading.current_thread()), check(body))[1])
-    token_ids = list(range(100, 1100)) * 800  # 800,000 ids, ~4 MB: above max_model_len, under the body limit
-    body = {field: token_ids} if route == "/detokenize" else {field: token_ids, "max_tokens": 2}
+    # 800,000 ids, ~4 MB, under the body limit, as 3,200 prompts that fit max_model_len (longer ones
+    # are refused before parsing: the next test); the request is refused for its priority.
+    token_ids = [list(range(100, 350))] * 3_200
+    body = {field: token_ids, "priority": "high"}
     response = httpx.post(server.url + route, json=body, timeout=120)
-    assert response.status_code == (200 if route == "/detokenize" else 400)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "priority"
     assert checked_on and server.thread not in checked_on  # (uvicorn's loop runs on server.thread)
-    bad = dict(body, **{field: token_ids[:-1] + [float("nan")]})
+    bad = dict(body, **{field: token_ids[:-1] + [token_ids[-1][:-1] + [float("nan")]]})
     response = httpx.post(server.url + route, content=json.dumps(bad), timeout=120,
                           headers={"content-type": "application/json"})
     assert response.status_code == 400 and response.json()["error"]["param"] == field
@@ -210,6 +214,70 @@ def test_megabytes_of_token_ids_are_parsed_and_checked_off_the_event_loop(server
     error, small_error = response.json()["error"], small.json()["error"]
     assert error["message"].endswith(": JSON decode error") and small_error["message"].endswith(": JSON decode error")
     assert {**error, "message": ""} == {**small_error, "message": ""}  # (the same answer, but for the position)
+
+
+def test_detokenize_takes_at_most_max_model_len_tokens(server):
+    """As vLLM's: the bound /tokenize has (it returned the text of any number of ids)."""
+    response = httpx.post(server.url + "/detokenize", json={"tokens": [100] * 257}, timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
+    assert response.json()["error"]["message"] == "tokens has 257 tokens, more than max_model_len=256"
+    assert httpx.post(server.url + "/detokenize", json={"tokens": [100] * 256}, timeout=60).status_code == 200
+
+
+@pytest.fixture(scope="module")
+def default_limits_server(tiny_qwen2_dir):
+    """A tiny model behind the default body limit (32 MB)."""
+    live = LiveServer(model=tiny_qwen2_dir, num_device_blocks=64, max_model_len=256)
+    yield live
+    live.stop()
+
+
+# (The client posts from a process of its own: in this one, its thread would take turns at the
+# GIL with the server's, and the test would time them both.)
+POST_FILE = """import sys, httpx
+answer = httpx.post(sys.argv[1], content=open(sys.argv[2], "rb").read(), timeout=120,
+                    headers={"content-type": "application/json"})
+print(answer.status_code, answer.text)"""
+
+
+@pytest.mark.parametrize("route, field", [("/v1/completions", "prompt"), ("/v1/embeddings", "input"),
+                                          ("/detokenize", "tokens"), ("/v1/completions", None)])
+def test_health_answers_within_100_ms_while_30_mb_of_token_ids_are_refused(default_limits_server, route, field,
+                                                                              tmp_path):
+    """30 MB of token ids: parsing them holds the GIL for a second wherever it runs in the server,
+    so they are screened in a child process and refused there (too long for max_model_len); a body
+    cut short (field None) is refused there as not JSON. (The heap so far is frozen, as `pagedkv
+    serve` freezes its startup heap: a full collection of this test process's heap, many engines
+    and all of torch, pauses it 0.3 s.)"""
+    server = default_limits_server
+    ids = json.dumps(list(range(100, 200)) * 60_000)  # 6M ids, ~24 MB
+    body = (f'{{"{field}": {ids}, "model": "{" " * (30_000_000 - len(ids))}"}}' if field
+            else f'{{"prompt": {ids}'.ljust(30_000_000)).encode()  # (cut: no closing brace)
+    assert 29e6 < len(body) < 32 << 20
+    (tmp_path / "body.json").write_bytes(body)
+    posting = subprocess.Popen([sys.executable, "-c", POST_FILE, server.url + route, str(tmp_path / "body.json")],
+                               stdout=subprocess.PIPE, text=True)
+    latencies = []
+    gc.collect()
+    gc.freeze()
+    try:
+        with httpx.Client(timeout=10) as http:
+            while posting.poll() is None:
+                started = time.monotonic()
+                assert http.get(server.url + "/health").status_code == 200
+                latencies.append(time.monotonic() - started)
+                time.sleep(0.02)
+    finally:
+        gc.unfreeze()
+    status, _, text = posting.communicate()[0].partition(" ")
+    assert status == "400", text[:300]
+    error = json.loads(text)["error"]
+    if field:
+        assert error["code"] == "context_length_exceeded" and error["param"] == field
+        assert error["message"] == f"{field} has 6000000 tokens, more than max_model_len=256"
+    else:
+        assert error["message"].endswith(": JSON decode error")
+    assert len(latencies) >= 5 and max(latencies) < 0.1, latencies
 
 
 def test_an_abandoned_non_streaming_request_is_aborted(server):

@@ -1,6 +1,8 @@
 """Large JSON bodies are parsed and validated on a worker thread: megabytes of token ids took
 seconds of json.loads and of validating every value on the event loop, where every stream and
-/health waited for them (FastAPI parses and validates the body on the loop before the handler)."""
+/health waited for them (FastAPI parses and validates the body on the loop before the handler).
+Bodies of megabytes are screened in a child process first (server/body_screen.py): the thread
+still holds the GIL while it parses, and a prompt too long for the model is refused unparsed."""
 
 from __future__ import annotations
 
@@ -13,6 +15,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
+
+from pagedkv.entrypoints.server.body_screen import SCREEN_BYTES
+from pagedkv.entrypoints.server.errors import APIError
 
 # Bodies up to this size are parsed on the loop, as FastAPI does: a worker-thread hop costs more.
 OFF_LOOP_BYTES = 256 << 10
@@ -32,6 +37,8 @@ class OffLoopJSONRoute(APIRoute):
         async def parse_large_body_off_loop(request: Request) -> Any:
             if one_model and "json" in request.headers.get("content-type", "json"):
                 body = await request.body()
+                if len(body) > SCREEN_BYTES:
+                    await self._screen(request, body)
                 if len(body) > OFF_LOOP_BYTES:
                     parsed = await run_in_threadpool(self._parse_and_validate, body)
                     if parsed is not None:
@@ -39,6 +46,22 @@ class OffLoopJSONRoute(APIRoute):
             return await handler(request)
 
         return parse_large_body_off_loop
+
+    async def _screen(self, request: Request, body: bytes) -> None:
+        """Refuses, unparsed here, a body that is not JSON or holds a token-id prompt longer than
+        max_model_len (see body_screen.py)."""
+        serving = request.app.state.serving
+        if serving is None:
+            return
+        fields = getattr(self.body_field.field_info.annotation, "TOKEN_ID_FIELDS", ())
+        verdict = await request.app.state.body_screen.screened(body, fields, serving.max_model_len)
+        if verdict is None:
+            return
+        if "json_error" in verdict:
+            raise _json_error(*verdict["json_error"], body)
+        raise APIError(400, f"{verdict['field']} has {verdict['tokens']} tokens, more than "
+                       f"max_model_len={serving.max_model_len}", "invalid_request_error", verdict["field"],
+                       "context_length_exceeded")
 
     def _parse_and_validate(self, body: bytes) -> Any:
         """The body as the route's request model; None where FastAPI should refuse it itself (not
@@ -48,12 +71,17 @@ class OffLoopJSONRoute(APIRoute):
         except orjson.JSONDecodeError:  # (or JSON's extensions Python reads, NaN and 1e999; ints past 64 bits)
             try:
                 parsed = json.loads(body)
-            except json.JSONDecodeError as error:  # (FastAPI's error for it, word for word)
-                raise RequestValidationError([{"type": "json_invalid", "loc": ("body", error.pos), "ctx": {"error": error.msg},
-                                               "msg": "JSON decode error", "input": {}}], body=error.doc) from None
+            except json.JSONDecodeError as error:
+                raise _json_error(error.pos, error.msg, error.doc) from None
             except (ValueError, RecursionError):
                 return None
         value, errors = self.body_field.validate(parsed, {}, loc=("body",))
         if errors:
             raise RequestValidationError(errors, body=parsed)
         return value
+
+
+def _json_error(position: int, message: str, document: Any) -> RequestValidationError:
+    """FastAPI's error for a body that is not JSON, word for word."""
+    return RequestValidationError([{"type": "json_invalid", "loc": ("body", position), "ctx": {"error": message},
+                                    "msg": "JSON decode error", "input": {}}], body=document)

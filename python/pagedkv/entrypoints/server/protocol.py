@@ -9,7 +9,7 @@ with a 400 naming its field before any handler runs; the same models are the Ope
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
 from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator,
                       with_config)
@@ -68,7 +68,11 @@ class _Part(BaseModel):
 
 
 class _Request(_Part):
-    """A whole request body; see `check_json_values` for what is refused before its fields are read."""
+    """A whole request body; see `check_json_values` for what is refused before its fields are read.
+    TOKEN_ID_FIELDS: the fields that may hold prompts of token ids (a large body's are screened
+    against max_model_len before it is parsed: server/body_screen.py)."""
+
+    TOKEN_ID_FIELDS: ClassVar[tuple[str, ...]] = ()
 
     @model_validator(mode="before")
     @classmethod
@@ -338,6 +342,8 @@ PromptInput = Annotated[Union[list[int], str, list[str], list[list[int]]], Field
 
 
 class CompletionRequest(_Sampling):
+    TOKEN_ID_FIELDS = ("prompt",)
+
     # vLLM's: prompts as embeddings, each base64 of a torch.save'd tensor [length, hidden_size]
     # (server/prompt_embeds.py); they come first, then `prompt`'s (an empty text prompt beside
     # them is dropped: clients send prompt="" because OpenAI's client requires one)
@@ -443,6 +449,8 @@ class BatchChatCompletionRequest(ChatCompletionRequest):
 class EmbeddingRequest(_Request):
     """OpenAI's /v1/embeddings: one input (text or token ids) or a batch of them."""
 
+    TOKEN_ID_FIELDS = ("input",)
+
     model: Optional[str] = None
     input: PromptInput
     encoding_format: Literal["float", "base64"] = "float"
@@ -456,6 +464,8 @@ class EmbeddingRequest(_Request):
 
 class ClassificationRequest(_Request):
     """vLLM's /classify: one input (text or token ids) or a batch of them."""
+
+    TOKEN_ID_FIELDS = ("input",)
 
     model: Optional[str] = None
     input: PromptInput
@@ -500,6 +510,8 @@ class TokenizeRequest(_Request):
 
 
 class DetokenizeRequest(_Request):
+    TOKEN_ID_FIELDS = ("tokens",)
+
     model: Optional[str] = None
     tokens: list[int]
 

@@ -46,6 +46,9 @@ async def tokenize(body: TokenizeRequest, context: ServingContext = Depends(serv
 @router.post("/detokenize", responses=answer(DetokenizeResponse))
 async def detokenize(body: DetokenizeRequest, context: ServingContext = Depends(serving)):
     context.check_model(body.model)
+    if len(body.tokens) > context.max_model_len:  # (as vLLM: bounded work, the bound /tokenize has)
+        raise APIError(400, f"tokens has {len(body.tokens)} tokens, more than max_model_len={context.max_model_len}",
+                       "invalid_request_error", "tokens", "context_length_exceeded")
     vocab_size = context.model_info.vocab_size
 
     def decoded() -> Optional[str]:  # (on the worker pool: a long list takes the loop's time otherwise)
