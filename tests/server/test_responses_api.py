@@ -126,6 +126,60 @@ def test_function_tools_and_their_results(client):
     assert follow_up.status in ("completed", "incomplete") and follow_up.output[0].type in ("message", "function_call")
 
 
+AGENTS = {"type": "namespace", "name": "multi_agent_v1", "description": "Sub-agents.", "tools": [
+    {"type": "function", "name": "spawn_agent", "description": "Spawn a sub-agent.",
+     "parameters": {"type": "object", "properties": {"message": {"type": "string"}}, "required": ["message"]}},
+    {"type": "function", "name": "wait_agent", "parameters": {"type": "object", "properties": {}}}]}
+
+
+def test_namespaced_tools_reach_the_model_flat_and_their_calls_come_back_split(client):
+    """vLLM's `namespace` tools (Codex-style clients): the model sees `multi_agent_v1__spawn_agent`;
+    the call comes back as name `spawn_agent` in namespace `multi_agent_v1`, and goes back in so."""
+    model = client.models.list().data[0].id
+    request = dict(model=model, input="Start an agent that says hi.", tools=[AGENTS, WEATHER], max_output_tokens=40,
+                   temperature=0, tool_choice={"type": "function", "name": "spawn_agent"})  # (its own name: one namespace has it)
+    response = client.responses.create(**request)
+    [call] = response.output
+    assert (call.type, call.name, call.namespace) == ("function_call", "spawn_agent", "multi_agent_v1")
+    assert set(json.loads(call.arguments)) == {"message"}
+    events = list(client.responses.create(**request, stream=True))
+    items = [event.item for event in events if event.type in ("response.output_item.added", "response.output_item.done")]
+    assert [(item.name, item.namespace) for item in items] == [("spawn_agent", "multi_agent_v1")] * 2
+    assert items[1].arguments == call.arguments
+    named_flat = client.responses.create(**dict(request, tool_choice={"type": "function", "name": "get_weather"}))
+    assert named_flat.output[0].name == "get_weather" and getattr(named_flat.output[0], "namespace", None) is None
+    follow_up = client.responses.create(
+        model=model, tools=[AGENTS], max_output_tokens=8, temperature=0,
+        input=[{"role": "user", "content": "Start an agent that says hi."},
+               {"type": "function_call", "call_id": call.call_id, "name": call.name, "namespace": call.namespace,
+                "arguments": call.arguments},
+               {"type": "function_call_output", "call_id": call.call_id, "output": "agent 7 started"}])
+    assert follow_up.status in ("completed", "incomplete")
+
+
+def test_namespaced_tool_names_are_flattened_and_split_without_a_server():
+    request = ResponsesRequest(input=[
+        {"role": "user", "content": "go"},
+        {"type": "function_call", "call_id": "c1", "name": "spawn_agent", "namespace": "multi_agent_v1", "arguments": "{}"}],
+        tools=[AGENTS, dict(WEATHER, name="plain__tool")], tool_choice={"type": "function", "name": "wait_agent"})
+    tools, choice = request.chat_tools()
+    assert [tool["function"]["name"] for tool in tools] == [
+        "multi_agent_v1__spawn_agent", "multi_agent_v1__wait_agent", "plain__tool"]
+    assert tools[0]["function"]["description"] == "Spawn a sub-agent."
+    assert choice == {"type": "function", "function": {"name": "multi_agent_v1__wait_agent"}}
+    assert request.input_messages()[1].tool_calls[0].function.name == "multi_agent_v1__spawn_agent"
+    assert request.split_tool_name("multi_agent_v1__wait_agent") == ("multi_agent_v1", "wait_agent")
+    assert request.split_tool_name("plain__tool") == (None, "plain__tool")  # (a plain tool's own name)
+    assert request.split_tool_name("multi_agent_v1__unknown") == (None, "multi_agent_v1__unknown")
+    state = ResponseState("m", request, None, ToolCalling.from_request(tools, "auto"))
+    body = state.complete('<tool_call>{"name": "multi_agent_v1__spawn_agent", "arguments": {"message": "hi"}}</tool_call>',
+                          "stop", None)
+    [item] = state.items
+    assert (item["name"], item["namespace"]) == ("spawn_agent", "multi_agent_v1")
+    assert state.reply_messages()[0].tool_calls[0].function.name == "multi_agent_v1__spawn_agent"
+    ResponseBody.model_validate(body)  # (as /openapi.json declares it)
+
+
 def test_text_format_json_schema_constrains_the_reply(client):
     model = client.models.list().data[0].id
     schema = {"type": "object", "properties": {"fruit": {"type": "string", "maxLength": 12}}, "required": ["fruit"],

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field
 
-from pagedkv.entrypoints.server.protocol import FunctionTool, ResponsesNamedToolChoice, TextConfig
+from pagedkv.entrypoints.server.protocol import ResponsesNamedToolChoice, ResponsesTool, TextConfig
 
 FinishReason = Optional[str]  # "stop", "length", "tool_calls", "abort"; None while a stream runs
 
@@ -180,6 +180,7 @@ class FunctionCallOutput(BaseModel):
     status: str
     name: str
     arguments: str
+    namespace: Optional[str] = None  # (a namespaced tool's call)
 
 
 OutputItem = Annotated[Union[ReasoningOutput, MessageOutput, FunctionCallOutput], Field(discriminator="type")]
@@ -214,7 +215,7 @@ class ResponseBody(BaseModel):
     top_p: float
     metadata: dict[str, str]
     parallel_tool_calls: bool
-    tools: list[FunctionTool]
+    tools: list[ResponsesTool]
     tool_choice: Union[Literal["none", "auto", "required"], ResponsesNamedToolChoice]
     text: TextConfig
     top_logprobs: int

@@ -558,6 +558,7 @@ class FunctionCallItem(_Part):
     call_id: str
     name: str
     arguments: str = "{}"
+    namespace: Optional[str] = None  # a namespaced tool's call: `name` is the tool's name in it
 
 
 class FunctionCallOutputItem(_Part):
@@ -593,6 +594,26 @@ class FunctionTool(_Part):
     strict: Optional[bool] = None
 
 
+# A namespace's tools reach the model as function tools named namespace + this + name, and their
+# calls come back split (vLLM's, for Codex-style clients that group tools, e.g. an MCP server's).
+NAMESPACE_SEPARATOR = "__"
+
+
+class NamespaceTool(_Part):
+    """OpenAI's Responses `namespace` tool: function tools grouped under one name."""
+
+    type: Literal["namespace"]
+    name: str = Field(min_length=1)
+    description: Optional[str] = None
+    tools: list[FunctionTool] = Field(min_length=1)
+
+    def flat_name(self, tool: FunctionTool) -> str:
+        return f"{self.name}{NAMESPACE_SEPARATOR}{tool.name}"
+
+
+ResponsesTool = Annotated[Union[FunctionTool, NamespaceTool], Field(discriminator="type")]
+
+
 class ResponsesNamedToolChoice(_Part):
     type: Literal["function"]
     name: str
@@ -615,7 +636,7 @@ class ResponsesRequest(_Sampling):
     input: Union[str, list[InputItem]]
     instructions: Optional[str] = None
     max_output_tokens: Optional[int] = Field(default=None, ge=1)
-    tools: Optional[list[FunctionTool]] = None
+    tools: Optional[list[ResponsesTool]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], ResponsesNamedToolChoice]] = None
     text: Optional[TextConfig] = None
     previous_response_id: Optional[str] = None  # a stored response this one continues
@@ -651,20 +672,38 @@ class ResponsesRequest(_Sampling):
             if isinstance(item, MessageItem):
                 turns.append(ChatMessage(role=item.role, content=item.text()))
             elif isinstance(item, FunctionCallItem):
-                call = ToolCall(id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments))
+                name = item.name if item.namespace is None else f"{item.namespace}{NAMESPACE_SEPARATOR}{item.name}"
+                call = ToolCall(id=item.call_id, function=FunctionCall(name=name, arguments=item.arguments))
                 turns.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
             elif isinstance(item, FunctionCallOutputItem):
                 turns.append(ChatMessage(role="tool", content=item.output, tool_call_id=item.call_id))
         return turns
 
     def chat_tools(self) -> tuple[Optional[list[dict]], Optional[Union[str, dict]]]:
-        """(tools, tool_choice) in the chat API's nested shape."""
-        tools = [{"type": "function", "function": tool.model_dump(exclude_none=True, exclude={"type", "strict"})}
-                 for tool in self.tools or []]
+        """(tools, tool_choice) in the chat API's nested shape, namespaces flattened. A named
+        choice may name a namespace's tool by its own name where only one namespace has it."""
+        tools, in_namespaces = [], {}
+        for tool in self.tools or []:
+            for function in (tool.tools if isinstance(tool, NamespaceTool) else [tool]):
+                name = tool.flat_name(function) if isinstance(tool, NamespaceTool) else function.name
+                if isinstance(tool, NamespaceTool):
+                    in_namespaces.setdefault(function.name, []).append(name)
+                tools.append({"type": "function", "function": function.model_dump(
+                    exclude_none=True, exclude={"type", "strict"}) | {"name": name}})
         choice = self.tool_choice
         if isinstance(choice, ResponsesNamedToolChoice):
-            choice = {"type": "function", "function": {"name": choice.name}}
+            names = {tool["function"]["name"] for tool in tools}
+            flat = in_namespaces.get(choice.name, [])
+            name = flat[0] if choice.name not in names and len(flat) == 1 else choice.name
+            choice = {"type": "function", "function": {"name": name}}
         return tools or None, choice
+
+    def split_tool_name(self, name: str) -> tuple[Optional[str], str]:
+        """(namespace, name) of a called tool's flat name; (None, name) for a plain tool's."""
+        for tool in self.tools or []:
+            if isinstance(tool, NamespaceTool) and any(tool.flat_name(function) == name for function in tool.tools):
+                return tool.name, name[len(tool.name) + len(NAMESPACE_SEPARATOR):]
+        return None, name
 
     def responses_params(self, default_max_tokens: int, defaults: Optional[dict] = None) -> SamplingParams:
         if self.background and not self.store:

@@ -13,9 +13,14 @@ import time
 import uuid
 from typing import Optional
 
-from pagedkv.entrypoints.server.protocol import ChatMessage, FunctionCall, ToolCall
+from pagedkv.entrypoints.server.protocol import NAMESPACE_SEPARATOR, ChatMessage, FunctionCall, ToolCall
 from pagedkv.entrypoints.server.reasoning import ReasoningParser
 from pagedkv.entrypoints.server.tools import ToolCalling
+
+
+def flat_tool_name(call: dict) -> str:
+    """A function_call item's tool name as the model called it."""
+    return call["name"] if "namespace" not in call else f"{call['namespace']}{NAMESPACE_SEPARATOR}{call['name']}"
 
 
 def _id(prefix: str) -> str:
@@ -53,7 +58,7 @@ class ResponseState:
     def reply_messages(self) -> list[ChatMessage]:
         """The reply as chat turns (for a stored conversation): its text, then its tool calls."""
         text = "".join(item["content"][0]["text"] for item in self.items if item["type"] == "message")
-        calls = [ToolCall(id=item["call_id"], function=FunctionCall(name=item["name"], arguments=item["arguments"]))
+        calls = [ToolCall(id=item["call_id"], function=FunctionCall(name=flat_tool_name(item), arguments=item["arguments"]))
                  for item in self.items if item["type"] == "function_call"]
         return [ChatMessage(role="assistant", content=text or None, tool_calls=calls or None)]
 
@@ -102,8 +107,11 @@ class ResponseState:
             self.pending_logprobs = []
             events += self._close()
             for call in calls:
+                namespace, name = self.request.split_tool_name(call["function"]["name"])
                 item = {"type": "function_call", "id": _id("fc"), "call_id": call["id"], "status": "completed",
-                        "name": call["function"]["name"], "arguments": call["function"]["arguments"]}
+                        "name": name, "arguments": call["function"]["arguments"]}
+                if namespace is not None:
+                    item["namespace"] = namespace
                 index = len(self.items)
                 self.items.append(item)
                 # (as OpenAI streams a call: the item opens empty, its arguments arrive as deltas,
