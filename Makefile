@@ -49,9 +49,9 @@ test-fast: test-rust
 # PYTEST_WORKERS processes (pytest-xdist; a file's tests stay together, so its module fixtures load
 # once) and each worker its share of the cores (tests/conftest.py). After the run, each tier's
 # minutes of test time (scripts/test_tiers.py). The last run on the 2-core AVX2 dev machine
-# (2026-11-28, commit 795b85b, warm caches): tests/engine 10.7, tests/models 5.1, tests/server 4.7,
-# tests/kernels 0.7, tests/unit 0.3 minutes of test time; pytest 11.3 min on 2 workers, make test
-# 14.4 min (a fresh-clone CI, installs included: 17.6 min).
+# (2026-11-28, commit 7d0a211, warm caches): tests/engine 11.1, tests/models 5.2, tests/server 5.1,
+# tests/kernels 0.7, tests/unit 0.4 minutes of test time; pytest 11.9 min on 2 workers, make test
+# 14.9 min (a fresh-clone CI, installs included: 17.3 min).
 PYTEST_WORKERS ?= $(shell n=$$(nproc); echo $$((n < 4 ? n : 4)))
 test-python:
 	mkdir -p build
