@@ -232,6 +232,89 @@ def default_limits_server(tiny_qwen2_dir):
     live.stop()
 
 
+# (The client posts from a process of its own, on a bare socket: in this one, its thread would take
+# turns at the GIL with the server's and the test would time both; httpx's import alone is ~0.3 s
+# of CPU on a machine the other test worker also uses.)
+POST_FILE = """import socket, sys
+host, port, path, file = sys.argv[1:]
+body = open(file, "rb").read()
+with socket.create_connection((host, int(port))) as connection:
+    connection.sendall(f"POST {path} HTTP/1.1\\r\\nHost: x\\r\\nContent-Type: application/json\\r\\n"
+                       f"Content-Length: {len(body)}\\r\\nConnection: close\\r\\n\\r\\n".encode() + body)
+    answer = b"".join(iter(lambda: connection.recv(65536), b""))
+head, _, text = answer.partition(b"\\r\\n\\r\\n")
+print(head.split()[1].decode(), text.decode())"""
+
+
+@pytest.mark.parametrize("route, field", [("/v1/completions", "prompt"), ("/v1/embeddings", "input"),
+                                          ("/detokenize", "tokens"), ("/v1/completions", None)])
+def test_health_answers_within_100_ms_while_30_mb_of_token_ids_are_refused(default_limits_server, route, field,
+                                                                              tmp_path, monkeypatch):
+    """30 MB of token ids: parsing them holds the GIL for a second wherever it runs in the server,
+    so they are screened in a child process and refused there (too long for max_model_len), never
+    parsed in the server; a body cut short (field None) is refused there as not JSON. (The heap so
+    far is frozen, as `pagedkv serve` freezes its startup heap: a full collection of this test
+    process's heap, many engines and all of torch, pauses it 0.3 s. A second try is allowed for
+    the 100 ms: on 2 cores shared with another test worker, the OS alone can hold a thread that
+    long; the stall of parsing here was 0.1-0.25 s in every try, and the parse is counted too.)"""
+    from pagedkv.entrypoints.server.json_body import OffLoopJSONRoute
+
+    parsed = []
+    parse = OffLoopJSONRoute._parse_and_validate
+    monkeypatch.setattr(OffLoopJSONRoute, "_parse_and_validate",
+                        lambda self, body: (parsed.append(len(body)), parse(self, body))[1])
+    server = default_limits_server
+    ids = json.dumps(list(range(100, 200)) * 60_000)  # 6M ids, ~24 MB
+    body = (f'{{"{field}": {ids}, "model": "{" " * (30_000_000 - len(ids))}"}}' if field
+            else f'{{"prompt": {ids}'.ljust(30_000_000)).encode()  # (cut: no closing brace)
+    assert 29e6 < len(body) < 32 << 20
+    (tmp_path / "body.json").write_bytes(body)
+    host, port = server.url.removeprefix("http://").split(":")
+    for _ in range(2):
+        posting = subprocess.Popen([sys.executable, "-c", POST_FILE, host, port, route, str(tmp_path / "body.json")],
+                                   stdout=subprocess.PIPE, text=True)
+        latencies = []
+        gc.collect()
+        gc.freeze()
+        try:
+            with httpx.Client(timeout=10) as http:
+                while posting.poll() is None:
+                    started = time.monotonic()
+                    assert http.get(server.url + "/health").status_code == 200
+                    latencies.append(time.monotonic() - started)
+                    time.sleep(0.02)
+        finally:
+            gc.unfreeze()
+        status, _, text = posting.communicate()[0].partition(" ")
+        assert status == "400", text[:300]
+        error = json.loads(text)["error"]
+        if field:
+            assert error["code"] == "context_length_exceeded" and error["param"] == field
+            assert error["message"] == f"{field} has 6000000 tokens, more than max_model_len=256"
+        else:
+            assert error["message"].endswith(": JSON decode error")
+        assert not parsed  # (refused by the screen: never parsed in the server)
+        if len(latencies) >= 5 and max(latencies) < 0.1:
+            break
+    assert len(latencies) >= 5 and max(latencies) < 0.1, latencies
+
+
+def test_detokenize_takes_at_most_max_model_len_tokens(server):
+    """As vLLM's: the bound /tokenize has (it returned the text of any number of ids)."""
+    response = httpx.post(server.url + "/detokenize", json={"tokens": [100] * 257}, timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
+    assert response.json()["error"]["message"] == "tokens has 257 tokens, more than max_model_len=256"
+    assert httpx.post(server.url + "/detokenize", json={"tokens": [100] * 256}, timeout=60).status_code == 200
+
+
+@pytest.fixture(scope="module")
+def default_limits_server(tiny_qwen2_dir):
+    """A tiny model behind the default body limit (32 MB)."""
+    live = LiveServer(model=tiny_qwen2_dir, num_device_blocks=64, max_model_len=256)
+    yield live
+    live.stop()
+
+
 # (The client posts from a process of its own: in this one, its thread would take turns at the
 # GIL with the server's, and the test would time them both.)
 POST_FILE = """import sys, httpx
