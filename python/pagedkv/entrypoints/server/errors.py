@@ -37,6 +37,12 @@ class APIError(Exception):
         self.headers = headers or {}
 
 
+def too_many_tokens(field: str, count: int, max_model_len: int) -> APIError:
+    """The 400 for token ids in `field` that cannot fit max_model_len (worded as the engine's refusal)."""
+    return APIError(400, f"{field} has {count} tokens, more than max_model_len={max_model_len}",
+                    "invalid_request_error", field, "context_length_exceeded")
+
+
 def error_response(status: int, message: str, type_: str, param=None, code=None, headers=None) -> JSONResponse:
     """The error JSON every failure answers with."""
     body = {"error": {"message": message, "type": type_, "param": param, "code": code}}

@@ -17,7 +17,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 from pagedkv.entrypoints.server.body_screen import SCREEN_BYTES
-from pagedkv.entrypoints.server.errors import APIError
+from pagedkv.entrypoints.server.errors import too_many_tokens
 
 # Bodies up to this size are parsed on the loop, as FastAPI does: a worker-thread hop costs more.
 OFF_LOOP_BYTES = 256 << 10
@@ -59,9 +59,7 @@ class OffLoopJSONRoute(APIRoute):
             return
         if "json_error" in verdict:
             raise _json_error(*verdict["json_error"], body)
-        raise APIError(400, f"{verdict['field']} has {verdict['tokens']} tokens, more than "
-                       f"max_model_len={serving.max_model_len}", "invalid_request_error", verdict["field"],
-                       "context_length_exceeded")
+        raise too_many_tokens(verdict["field"], verdict["tokens"], serving.max_model_len)
 
     def _parse_and_validate(self, body: bytes) -> Any:
         """The body as the route's request model; None where FastAPI should refuse it itself (not

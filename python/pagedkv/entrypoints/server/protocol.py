@@ -599,6 +599,11 @@ class FunctionTool(_Part):
 NAMESPACE_SEPARATOR = "__"
 
 
+def flat_tool_name(name: str, namespace: Optional[str]) -> str:
+    """A tool's name as the model sees it: `namespace__name` for a namespace's tool."""
+    return name if namespace is None else f"{namespace}{NAMESPACE_SEPARATOR}{name}"
+
+
 class NamespaceTool(_Part):
     """OpenAI's Responses `namespace` tool: function tools grouped under one name."""
 
@@ -608,7 +613,7 @@ class NamespaceTool(_Part):
     tools: list[FunctionTool] = Field(min_length=1)
 
     def flat_name(self, tool: FunctionTool) -> str:
-        return f"{self.name}{NAMESPACE_SEPARATOR}{tool.name}"
+        return flat_tool_name(tool.name, self.name)
 
 
 ResponsesTool = Annotated[Union[FunctionTool, NamespaceTool], Field(discriminator="type")]
@@ -672,8 +677,8 @@ class ResponsesRequest(_Sampling):
             if isinstance(item, MessageItem):
                 turns.append(ChatMessage(role=item.role, content=item.text()))
             elif isinstance(item, FunctionCallItem):
-                name = item.name if item.namespace is None else f"{item.namespace}{NAMESPACE_SEPARATOR}{item.name}"
-                call = ToolCall(id=item.call_id, function=FunctionCall(name=name, arguments=item.arguments))
+                call = ToolCall(id=item.call_id, function=FunctionCall(name=flat_tool_name(item.name, item.namespace),
+                                                                       arguments=item.arguments))
                 turns.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
             elif isinstance(item, FunctionCallOutputItem):
                 turns.append(ChatMessage(role="tool", content=item.output, tool_call_id=item.call_id))
@@ -701,8 +706,9 @@ class ResponsesRequest(_Sampling):
     def split_tool_name(self, name: str) -> tuple[Optional[str], str]:
         """(namespace, name) of a called tool's flat name; (None, name) for a plain tool's."""
         for tool in self.tools or []:
-            if isinstance(tool, NamespaceTool) and any(tool.flat_name(function) == name for function in tool.tools):
-                return tool.name, name[len(tool.name) + len(NAMESPACE_SEPARATOR):]
+            for function in tool.tools if isinstance(tool, NamespaceTool) else []:
+                if tool.flat_name(function) == name:
+                    return tool.name, function.name
         return None, name
 
     def responses_params(self, default_max_tokens: int, defaults: Optional[dict] = None) -> SamplingParams:

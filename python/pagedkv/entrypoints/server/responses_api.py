@@ -13,14 +13,9 @@ import time
 import uuid
 from typing import Optional
 
-from pagedkv.entrypoints.server.protocol import NAMESPACE_SEPARATOR, ChatMessage, FunctionCall, ToolCall
+from pagedkv.entrypoints.server.protocol import ChatMessage, FunctionCall, ToolCall, flat_tool_name
 from pagedkv.entrypoints.server.reasoning import ReasoningParser
 from pagedkv.entrypoints.server.tools import ToolCalling
-
-
-def flat_tool_name(call: dict) -> str:
-    """A function_call item's tool name as the model called it."""
-    return call["name"] if "namespace" not in call else f"{call['namespace']}{NAMESPACE_SEPARATOR}{call['name']}"
 
 
 def _id(prefix: str) -> str:
@@ -58,7 +53,8 @@ class ResponseState:
     def reply_messages(self) -> list[ChatMessage]:
         """The reply as chat turns (for a stored conversation): its text, then its tool calls."""
         text = "".join(item["content"][0]["text"] for item in self.items if item["type"] == "message")
-        calls = [ToolCall(id=item["call_id"], function=FunctionCall(name=flat_tool_name(item), arguments=item["arguments"]))
+        calls = [ToolCall(id=item["call_id"], function=FunctionCall(name=flat_tool_name(item["name"], item.get("namespace")),
+                                                                        arguments=item["arguments"]))
                  for item in self.items if item["type"] == "function_call"]
         return [ChatMessage(role="assistant", content=text or None, tool_calls=calls or None)]
 

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Depends
 
 from pagedkv.entrypoints.server.json_body import OffLoopJSONRoute
 from pagedkv.params.sampling import check_unicode
-from pagedkv.entrypoints.server.errors import APIError
+from pagedkv.entrypoints.server.errors import APIError, too_many_tokens
 from pagedkv.entrypoints.server.openapi import DetokenizeResponse, TokenizeResponse, TokenizerInfoResponse, answer
 from pagedkv.entrypoints.server.protocol import DetokenizeRequest, TokenizeRequest
 from pagedkv.entrypoints.server.serving import ServingContext, serving
@@ -47,8 +47,7 @@ async def tokenize(body: TokenizeRequest, context: ServingContext = Depends(serv
 async def detokenize(body: DetokenizeRequest, context: ServingContext = Depends(serving)):
     context.check_model(body.model)
     if len(body.tokens) > context.max_model_len:  # (as vLLM: bounded work, the bound /tokenize has)
-        raise APIError(400, f"tokens has {len(body.tokens)} tokens, more than max_model_len={context.max_model_len}",
-                       "invalid_request_error", "tokens", "context_length_exceeded")
+        raise too_many_tokens("tokens", len(body.tokens), context.max_model_len)
     vocab_size = context.model_info.vocab_size
 
     def decoded() -> Optional[str]:  # (on the worker pool: a long list takes the loop's time otherwise)
