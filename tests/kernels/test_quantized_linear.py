@@ -3,8 +3,9 @@
 Three oracles:
 - decoding: blocks dequantize to exactly gguf-py's `gguf.quants.dequantize` (same float32 ops).
 - the kernel: equal, bit for bit, to `reference_linear` below, a numpy copy of the scheme
-  (llama.cpp's reference activation quantizers, integer sums in 8 lanes, the same float32
-  combination in the same order; numpy's float32 ops are IEEE, as Rust's, so equality is exact).
+  (llama.cpp's reference activation quantizers; blocks of 32: an integer total per block, combined
+  by fused multiply-add; K-quants: integer sums in 8 lanes; the same float32 combination in the
+  same order; numpy's float32 ops are IEEE, as Rust's, so equality is exact).
 - the math: within `error_bound` of float64 F.linear on the dequantized weight; the bound is the
   activation quantization's (half a step per element plus the scales' f16 rounding) and a
   float32 summation term.
@@ -18,6 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pagedkv.layers import quantized_linear as quantized_linear_module
 from pagedkv.layers.quantized_linear import GGML_TYPES, QuantizedLinear, dequantize, quantized_linear, row_bytes
 from pagedkv_core.errors import InvalidConfigError
 
@@ -102,6 +104,13 @@ def decode_integers(blocks: np.ndarray, ggml_type: str):
     return f16(blocks[:, 208:210]), q.reshape(-1, 256), None
 
 
+def fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """float32 a * b + c rounded once. a * b of two float32 is exact in float64; the float64 sum
+    then rounds twice (to float64, to float32), which differs from one rounding only where the
+    float64 sum lands exactly on a float32 midpoint: none in these tests' fixed inputs."""
+    return (a.astype(np.float64) * b.astype(np.float64) + c.astype(np.float64)).astype(F32)
+
+
 def reference_linear(x: np.ndarray, blocks: np.ndarray, ggml_type: str, bias=None) -> np.ndarray:
     """out [M, N] by the kernel's scheme: see rust/cpu_kernels/quantized/dot.rs."""
     (m, k), n = x.shape, blocks.shape[0]
@@ -109,6 +118,16 @@ def reference_linear(x: np.ndarray, blocks: np.ndarray, ggml_type: str, bias=Non
     per_row = k // block_len
     act_scale, act_q, act_extra = quantize_activations(x, ggml_type)
     w_d, w_q, w_min = decode_integers(blocks.reshape(-1, block_bytes), ggml_type)
+    if block_len == 32:
+        totals = np.einsum("mbe,nbe->mnb", act_q.reshape(m, per_row, 32), w_q.reshape(n, per_row, 32)).astype(F32)
+        block_scale = w_d.reshape(1, n, per_row) * act_scale.reshape(m, 1, per_row)  # float32 products
+        acc, mins = np.zeros((m, n), F32), np.zeros((m, n), F32)
+        for b in range(per_row):
+            acc = fma32(block_scale[:, :, b], totals[:, :, b], acc)
+            if ggml_type == "Q4_1":
+                mins = fma32(w_min.reshape(1, n, per_row)[:, :, b], act_extra.reshape(m, 1, per_row)[:, :, b], mins)
+        total = acc + mins
+        return total if bias is None else total + bias
     act_q, w_q = act_q.reshape(m, 1, per_row, -1, 8, 4), w_q.reshape(1, n, per_row, -1, 8, 4)
     lanes = (act_q * w_q).sum(axis=(3, 5)).astype(F32)  # [M, N, blocks, 8]: exact integers
     block_scale = w_d.reshape(1, n, per_row) * act_scale.reshape(m, 1, per_row)
@@ -172,10 +191,10 @@ def test_real_smollm2_tensors_decode_exactly(smollm2_tensors):
 
 
 @pytest.mark.parametrize("ggml_type", GGML_TYPES)
-@pytest.mark.parametrize("num_tokens", [1, 2, 5, 16, 17])
+@pytest.mark.parametrize("num_tokens", [1, 2, 5, 16, 17, 70])
 def test_kernel_equals_the_reference_scheme_and_float64_within_the_bound(ggml_type, num_tokens, smollm2_tensors):
     in_features = 512 if ggml_type in ("Q4_K", "Q6_K") else 576
-    out_features = 37  # odd, not a multiple of the kernel's 16-row chunks
+    out_features = 37  # odd: not whole groups of 8 rows, nor of the 16-row chunks
     blocks = weight_blocks(ggml_type, out_features, in_features, smollm2_tensors, seed=num_tokens)
     rng = np.random.default_rng(num_tokens)
     x = rng.standard_normal((num_tokens, in_features), dtype=F32)
@@ -190,20 +209,41 @@ def test_kernel_equals_the_reference_scheme_and_float64_within_the_bound(ggml_ty
     assert (error <= error_bound(x, blocks, ggml_type)).all(), float(error.max())
 
 
-@pytest.mark.parametrize("ggml_type", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("ggml_type", ["Q4_1", "Q8_0", "Q4_K"])
 def test_module_takes_kernel_and_dequantized_paths_alike(ggml_type, smollm2_tensors):
-    blocks = weight_blocks(ggml_type, 48, 576, smollm2_tensors)
-    layer = QuantizedLinear(576, 48, ggml_type, bias=True)
+    in_features = 512 if ggml_type == "Q4_K" else 576
+    blocks = weight_blocks(ggml_type, 48, in_features, smollm2_tensors)
+    layer = QuantizedLinear(in_features, 48, ggml_type, bias=True)
     layer.blocks.copy_(torch.from_numpy(blocks))
     layer.bias.data.normal_()
     weight = torch.from_numpy(gguf.quants.dequantize(blocks, QTYPE[ggml_type]))
     assert torch.equal(layer.weight, weight)
-    for num_tokens in (1, 3, 40):  # 40: above the crossover, dequantize + F.linear
-        x = torch.randn(num_tokens, 576)
+    for num_tokens in (1, 3, 40):
+        x = torch.randn(num_tokens, in_features)
         want = F.linear(x.double(), weight.double(), layer.bias.double())
         bound = torch.from_numpy(error_bound(x.numpy(), blocks, ggml_type))
         assert ((layer(x).double() - want).abs() <= bound).all()
-    assert layer(torch.randn(2, 3, 576)).shape == (2, 3, 48)
+    assert layer(torch.randn(2, 3, in_features)).shape == (2, 3, 48)
+
+
+
+@pytest.mark.parametrize("ggml_type", ["Q4_0", "Q4_1", "Q8_0"])
+def test_blocks_of_32_give_a_token_the_same_bits_in_any_batch(ggml_type, smollm2_tensors):
+    layer = QuantizedLinear(576, 45, ggml_type, bias=True)
+    layer.blocks.copy_(torch.from_numpy(weight_blocks(ggml_type, 45, 576, smollm2_tensors)))
+    layer.bias.data.normal_()
+    x = torch.randn(130, 576)  # a prefill's worth: still the kernel, not dequantize + F.linear
+    batch = layer(x)
+    assert not torch.equal(batch, F.linear(x, layer.weight, layer.bias))
+    for token in (0, 63, 129):
+        assert torch.equal(layer(x[token : token + 1]), batch[token : token + 1])
+
+
+def test_k_quants_above_the_crossover_dequantize_and_call_f_linear(smollm2_tensors):
+    layer = QuantizedLinear(512, 24, "Q6_K")
+    layer.blocks.copy_(torch.from_numpy(weight_blocks("Q6_K", 24, 512, smollm2_tensors)))
+    x = torch.randn(quantized_linear_module.MAX_KERNEL_TOKENS + 1, 512)
+    assert torch.equal(layer(x), F.linear(x, layer.weight))
 
 
 def test_bad_inputs_raise_clear_errors():

@@ -1,9 +1,12 @@
 """A linear layer whose weight stays in GGUF's quantized blocks (`rust/cpu_kernels/quantized/`).
 
-For a few tokens (decode) the forward pass is the core's kernel: activations quantized to 8 bits
-per block as llama.cpp does, integer dot products per block, weights streamed once at 4-8 bits.
-For many tokens (prefill) it dequantizes the weight and calls F.linear, whose float32 GEMM
-then wins: the dequantized weight is a temporary, so memory stays at the quantized size.
+The forward pass is the core's kernel: activations quantized to 8 bits per block as llama.cpp
+does, integer dot products per block, weights streamed at 4-8 bits. For the blocks of 32 (Q4_0,
+Q4_1, Q8_0) it reads eight rows at a time for four tokens and beats torch's float32 GEMM at every
+token count, so it runs at every count and a token's output does not depend on its batch. The
+K-quants' kernel (one row at a time) is slower above MAX_KERNEL_TOKENS, where the layer
+dequantizes the weight and calls F.linear: the float weight is a temporary, so memory stays at
+the quantized size.
 """
 
 from __future__ import annotations
@@ -16,16 +19,25 @@ from pagedkv_core import _core
 
 GGML_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
 
-# Largest token count the kernel takes; above it, dequantize + F.linear. benches/quantized_linear.py
-# --threads 2 on the 2-core AVX2 dev machine (2026-11-28, after the f16-scale fix), Q4_1 / Q8_0: at
-# M = 16 the kernel and dequantize + F.linear are within ~15% on the decoder's shapes (gate/up 1536x576 656
-# vs 587 us, down 577 vs 553, q/o 260 vs 245; Q8_0 612 vs 732, 553 vs 743, 290 vs 358), at M = 32
-# the kernel is ~1.5x slower. At 16 a decode step also runs in one core call (models/llama_cpu_decode.py),
-# which saves more than the products' difference.
+# The formats whose kernel runs at every token count (eight_rows.rs). benches/quantized_linear.py
+# --threads 2 on the 2-core AVX-512 VNNI dev machine (2026-11-29), Q4_1 kernel vs float32 F.linear
+# on the dequantized weight, gate/up 1536x576: 14 vs 47 us at M = 1, 97 vs 217 at 16, 367 vs 594
+# at 64, 773 vs 1281 at 128, 2989 vs 4419 at 512 (q/o 576x576 at 512: 1587 vs 1584).
+EVERY_TOKEN_COUNT_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+# The K-quants' largest token count on the kernel; above it, dequantize + F.linear (the same bench,
+# on the 2-core AVX2 machine, 2026-11-28: at 16 within ~15% of dequantize + F.linear, at 32 ~1.5x
+# slower).
 MAX_KERNEL_TOKENS = 16
-# The LM head's: its 49,152 rows keep the kernel ahead to M ~ 64 (same bench). A step's head reads
-# only the rows it samples, so this covers every decode step of up to 64 sequences.
+# The K-quants' LM head: its 49,152 rows keep the kernel ahead to M ~ 64 (same bench). A step's
+# head reads only the rows it samples, so this covers every decode step of up to 64 sequences.
 MAX_HEAD_KERNEL_TOKENS = 64
+
+
+def kernel_takes(ggml_type: str, num_tokens: int, *, lm_head: bool = False) -> bool:
+    """Whether `num_tokens` rows of activations go through the kernel (else dequantize + F.linear)."""
+    if ggml_type in EVERY_TOKEN_COUNT_TYPES:
+        return True
+    return num_tokens <= (MAX_HEAD_KERNEL_TOKENS if lm_head else MAX_KERNEL_TOKENS)
 
 
 def row_bytes(ggml_type: str, in_features: int) -> int:
@@ -89,8 +101,7 @@ class QuantizedLinear(nn.Module):
         return dequantize(self.blocks, self.ggml_type, (self.out_features, self.in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        num_tokens = x.numel() // self.in_features
-        if num_tokens <= MAX_KERNEL_TOKENS:
+        if kernel_takes(self.ggml_type, x.numel() // self.in_features):
             return quantized_linear(x, self.blocks, self.ggml_type, self.out_features, self.bias)
         return F.linear(x, self.weight, self.bias)
 
@@ -100,14 +111,15 @@ class QuantizedLinear(nn.Module):
 
 class QuantizedLMHeadProduct:
     """`model.lm_head_linear` (called as F.linear(hidden, weight, bias)) over the LM head's GGUF
-    blocks: up to MAX_HEAD_KERNEL_TOKENS rows through the kernel, which streams the blocks (a Q8_0
-    head is 3.8x fewer bytes than its float32 weight); more rows through F.linear on the float
-    weight passed in (the same values: the model keeps it for its embedding lookups)."""
+    blocks: float32 rows through the kernel where it takes them (`kernel_takes`), which streams the
+    blocks (a Q8_0 head is 3.8x fewer bytes than its float32 weight); others through F.linear on
+    the float weight passed in (the same values: the model keeps it for its embedding lookups)."""
 
     def __init__(self, blocks: torch.Tensor, ggml_type: str, vocab_size: int):
         self.blocks, self.ggml_type, self.vocab_size = blocks, ggml_type, vocab_size
 
     def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if hidden.numel() // hidden.shape[-1] <= MAX_HEAD_KERNEL_TOKENS and hidden.dtype == torch.float32:
+        num_tokens = hidden.numel() // hidden.shape[-1]
+        if hidden.dtype == torch.float32 and kernel_takes(self.ggml_type, num_tokens, lm_head=True):
             return quantized_linear(hidden, self.blocks, self.ggml_type, self.vocab_size, bias)
         return F.linear(hidden, weight, bias)

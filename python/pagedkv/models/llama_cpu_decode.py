@@ -30,6 +30,9 @@ if TYPE_CHECKING:
     from pagedkv.models.llama import LlamaForCausalLM
 
 enabled = True
+# Largest decode batch the one call takes when every linear's kernel runs at any token count
+# (GGUF blocks of 32 kept quantized).
+MAX_DECODE_TOKENS = 256
 
 
 class CpuDecodePath:
@@ -164,7 +167,10 @@ def _linear_fits(linear: nn.Module) -> bool:
 
 def _max_tokens(linear: nn.Module) -> int:
     """Rows up to which the layer-by-layer path runs this linear on the kernel the core calls."""
-    return quantized_linear.MAX_KERNEL_TOKENS if isinstance(linear, QuantizedLinear) else MAX_KERNEL_ROWS[torch.float32]
+    if isinstance(linear, QuantizedLinear):
+        takes_any = quantized_linear.kernel_takes(linear.ggml_type, MAX_DECODE_TOKENS)
+        return MAX_DECODE_TOKENS if takes_any else quantized_linear.MAX_KERNEL_TOKENS
+    return MAX_KERNEL_ROWS[torch.float32]
 
 
 def _plain_float32(tensor: torch.Tensor) -> bool:

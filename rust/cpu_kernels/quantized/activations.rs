@@ -37,6 +37,8 @@ pub struct QuantizedActivations {
     pub sums: Vec<f32>,
     /// Q8_K's sums of each 16 q (16 per block); empty for the other schemes.
     pub sums_of_16: Vec<i32>,
+    /// Q8_0's and Q8_1's sum of q per block (exact), for weights read with an offset; empty for Q8_K.
+    pub block_sums: Vec<i32>,
     pub quants: Vec<i8>,
 }
 
@@ -50,6 +52,7 @@ pub fn quantize_activations(scheme: ActivationScheme, values: &[f32]) -> Quantiz
         scales: Vec::with_capacity(num_blocks),
         sums: Vec::new(),
         sums_of_16: Vec::new(),
+        block_sums: Vec::new(),
         quants: vec![0; values.len()],
     };
     for (block, quants) in values.chunks_exact(block_len).zip(quantized.quants.chunks_exact_mut(block_len)) {
@@ -77,8 +80,9 @@ pub fn quantize_activations(scheme: ActivationScheme, values: &[f32]) -> Quantiz
                 *q = (x * inverse_scale).round() as i8;
             }
             quantized.scales.push(f16_to_f32(f32_to_f16(scale)));
+            let sum: i32 = quants.iter().map(|&q| q as i32).sum();
+            quantized.block_sums.push(sum);
             if scheme == ActivationScheme::Q8_1 {
-                let sum: i32 = quants.iter().map(|&q| q as i32).sum();
                 quantized.sums.push(f16_to_f32(f32_to_f16(sum as f32 * scale)));
             }
         }

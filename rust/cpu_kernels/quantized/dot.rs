@@ -1,15 +1,18 @@
-//! One weight row times one row of quantized activations: the scalar reference, and the float
-//! combination every path shares.
+//! One weight row times one row of quantized activations: the scalar reference every SIMD path
+//! equals bit for bit.
 //!
-//! Each block's integer products are summed into 8 int32 lanes, lane l holding the elements whose
-//! position within their 32 is 4l..4l+3 (scaled by their sub-block's scale in the K-quants): what
-//! AVX2's maddubs + madd leave in a register. These sums are exact integers, so every path gets
-//! the same ones. The floats are then combined in one fixed order: per lane,
-//! `acc[l] = acc[l] + scale * lanes[l]` (f32, multiply then add, no fused multiply-add) with scale =
-//! the weight block's d times the activation block's d; a separate running `mins` for Q4_1's
-//! m * s and Q4_K's (dmin * d) * sum(min * bsum); the result is
-//! `((acc0 + acc4) + (acc2 + acc6)) + ((acc1 + acc5) + (acc3 + acc7))` plus (Q4_1) or minus (Q4_K)
-//! `mins`. So the AVX2 path's result equals this reference's bit for bit.
+//! Each block's integer products sum exactly, so every path gets the same integers; the floats
+//! are then combined in one fixed order, which differs by format family:
+//!
+//! - Q4_0, Q4_1, Q8_0 (blocks of 32; eight_rows.rs): per block, the integer total t of w * x
+//!   (w signed: Q4_0 q - 8, Q8_0 q; Q4_1 q), then `acc = fma(d_w * d_x, t, acc)` in f32, and for
+//!   Q4_1 `mins = fma(m, s, mins)`; the result is `acc + mins`.
+//! - Q4_K, Q6_K (blocks of 256; x86.rs): sums into 8 int32 lanes, lane l holding the elements
+//!   whose position within their 32 is 4l..4l+3 (times their sub-block's scale): what AVX2's
+//!   maddubs + madd leave in a register. Per lane, `acc[l] = acc[l] + scale * lanes[l]` (multiply
+//!   then add, no fused multiply-add) with scale = d_w * d_x; a separate running `mins` for Q4_K's
+//!   (dmin * d) * sum(min * bsum); the result is
+//!   `((acc0 + acc4) + (acc2 + acc6)) + ((acc1 + acc5) + (acc3 + acc7))` minus `mins`.
 
 use super::activations::QuantizedActivations;
 use super::formats::{f16_at, q4_k_scale_min, q6_k_value, GgmlType};
@@ -34,10 +37,10 @@ impl Accumulators {
     pub fn finish(&self, ty: GgmlType) -> f32 {
         let a = self.lanes;
         let total = ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
-        match ty {
-            GgmlType::Q4_1 => total + self.mins,
-            GgmlType::Q4_K => total - self.mins,
-            _ => total,
+        if ty == GgmlType::Q4_K {
+            total - self.mins
+        } else {
+            total
         }
     }
 }
@@ -45,6 +48,9 @@ impl Accumulators {
 /// Σ over a weight row of `ty` blocks (`row`) times quantized activations starting at block
 /// `first_block` of `activations`: the scalar reference.
 pub fn dot_row_scalar(ty: GgmlType, row: &[u8], activations: &QuantizedActivations, first_block: usize) -> f32 {
+    if ty.block_len() == 32 {
+        return dot_row_32_scalar(ty, row, activations, first_block);
+    }
     let mut acc = Accumulators::default();
     let block_len = ty.block_len();
     for (b, block) in row.chunks_exact(ty.block_bytes()).enumerate() {
@@ -54,21 +60,6 @@ pub fn dot_row_scalar(ty: GgmlType, row: &[u8], activations: &QuantizedActivatio
         let mut lanes = [0i32; 8];
         let lane = |e: usize| (e % 32) / 4;
         match ty {
-            GgmlType::Q4_0 | GgmlType::Q4_1 => {
-                let (nibbles, offset) = if ty == GgmlType::Q4_1 { (&block[4..20], 0) } else { (&block[2..18], 8) };
-                for (j, &byte) in nibbles.iter().enumerate() {
-                    lanes[lane(j)] += ((byte & 0xf) as i32 - offset) * quants[j] as i32;
-                    lanes[lane(j + 16)] += ((byte >> 4) as i32 - offset) * quants[j + 16] as i32;
-                }
-                if ty == GgmlType::Q4_1 {
-                    acc.mins += f16_at(block, 2) * activations.sums[a];
-                }
-            }
-            GgmlType::Q8_0 => {
-                for (e, (&w, &x)) in block[2..34].iter().zip(quants).enumerate() {
-                    lanes[lane(e)] += (w as i8) as i32 * x as i32;
-                }
-            }
             GgmlType::Q4_K => {
                 let (scales, nibbles) = (&block[4..16], &block[16..144]);
                 for (e, &x) in quants.iter().enumerate() {
@@ -87,11 +78,41 @@ pub fn dot_row_scalar(ty: GgmlType, row: &[u8], activations: &QuantizedActivatio
                     lanes[lane(e)] += scale * ((q6_k_value(block, e) as i32 - 32) * x as i32);
                 }
             }
+            _ => unreachable!("blocks of 32 are summed above"),
         }
         let weight_scale = f16_at(block, if ty == GgmlType::Q6_K { 208 } else { 0 });
         acc.add_block(weight_scale * act_scale, lanes);
     }
     acc.finish(ty)
+}
+
+/// `dot_row_scalar` for Q4_0, Q4_1 and Q8_0: a total per block, combined by fused multiply-add.
+fn dot_row_32_scalar(ty: GgmlType, row: &[u8], activations: &QuantizedActivations, first_block: usize) -> f32 {
+    let (mut acc, mut mins) = (0f32, 0f32);
+    for (b, block) in row.chunks_exact(ty.block_bytes()).enumerate() {
+        let a = first_block + b;
+        let x = &activations.quants[a * 32..(a + 1) * 32];
+        let weight = |e: usize| -> i32 {
+            match ty {
+                GgmlType::Q8_0 => block[2 + e] as i8 as i32,
+                _ => {
+                    let nibbles = if ty == GgmlType::Q4_1 { &block[4..20] } else { &block[2..18] };
+                    let q = if e < 16 { nibbles[e] & 0xf } else { nibbles[e - 16] >> 4 } as i32;
+                    if ty == GgmlType::Q4_0 {
+                        q - 8
+                    } else {
+                        q
+                    }
+                }
+            }
+        };
+        let total: i32 = (0..32).map(|e| weight(e) * x[e] as i32).sum();
+        acc = (f16_at(block, 0) * activations.scales[a]).mul_add(total as f32, acc);
+        if ty == GgmlType::Q4_1 {
+            mins = f16_at(block, 2).mul_add(activations.sums[a], mins);
+        }
+    }
+    acc + mins
 }
 
 /// The same sums for `R` weight rows (of one length) and the tokens whose activations start at

@@ -7,6 +7,18 @@ use crate::cpu_kernels::layer_ops::for_row_chunks;
 use crate::cpu_kernels::simd::{with_isa, Isa};
 use crate::errors::{Error, Result};
 
+#[cfg(target_arch = "x86_64")]
+pub(crate) use super::eight_rows::Int8Path;
+#[cfg(not(target_arch = "x86_64"))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Int8Path {}
+#[cfg(not(target_arch = "x86_64"))]
+impl Int8Path {
+    pub(crate) fn best() -> Option<Int8Path> {
+        None
+    }
+}
+
 /// Fewest output features a thread takes: below this, waking another thread costs more than it saves.
 const MIN_ROWS_PER_THREAD: usize = 16;
 /// Tokens that share one read of a weight row (4 accumulators fit AVX2's 16 registers).
@@ -20,7 +32,9 @@ fn invalid(field: &'static str, message: String) -> Result<()> {
 /// `ty` blocks (`[n, row_bytes]` bytes, GGUF's layout). x is quantized to 8 bits per block first
 /// (`ActivationScheme::for_weights`), and each output is an integer dot product per block
 /// (llama.cpp's scheme); bias, if any, is added last. Work is split over `n` on torch's thread
-/// team. `isa`: `Isa::best()`, or `Isa::Portable` for the scalar reference (the same bits).
+/// team. `isa`: `Isa::best()`, or `Isa::Portable` for the scalar reference (the same bits). Each
+/// output is the same function of its row and its token whatever `m` and the threads are, so a
+/// token's result does not depend on the batch it is in.
 #[allow(clippy::too_many_arguments)]
 pub fn quantized_linear(
     out: &mut [f32],
@@ -28,11 +42,27 @@ pub fn quantized_linear(
     weight: &[u8],
     bias: Option<&[f32]>,
     ty: GgmlType,
-    (m, n, k): (usize, usize, usize),
+    shape: (usize, usize, usize),
     num_threads: usize,
     isa: Isa,
 ) -> Result<()> {
-    let use_simd = isa != Isa::Portable;
+    let path = if isa == Isa::Portable { None } else { Int8Path::best() };
+    quantized_linear_on(path, out, x, weight, bias, ty, shape, num_threads)
+}
+
+/// `quantized_linear` on the integer path `path` (None: the scalar reference).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn quantized_linear_on(
+    path: Option<Int8Path>,
+    out: &mut [f32],
+    x: &[f32],
+    weight: &[u8],
+    bias: Option<&[f32]>,
+    ty: GgmlType,
+    (m, n, k): (usize, usize, usize),
+    num_threads: usize,
+) -> Result<()> {
+    let use_simd = path.is_some();
     let row_bytes = ty.row_bytes(k)?;
     if weight.len() != n * row_bytes {
         invalid("weight", format!("has {} bytes, want {n} rows of {row_bytes} ({} {})", weight.len(), k, ty.name()))?;
@@ -49,6 +79,20 @@ pub fn quantized_linear(
     let activations = quantize_activations(ActivationScheme::for_weights(ty), x);
     let blocks_per_row = k / ty.block_len();
     let columns = SharedColumns(out.as_mut_ptr());
+    #[cfg(target_arch = "x86_64")]
+    if let (Some(path), 32) = (path, ty.block_len()) {
+        use super::eight_rows::{run_rows, Problem, GROUP_ROWS};
+        let problem = Problem { ty, weight, row_bytes, activations: &activations, bias, m, n, blocks_per_row };
+        let per_thread = n.div_ceil(num_threads.max(1)).next_multiple_of(GROUP_ROWS).max(2 * GROUP_ROWS);
+        let chunks: Vec<_> = (0..n).step_by(per_thread).map(|start| start..(start + per_thread).min(n)).collect();
+        for_row_chunks(chunks, num_threads, |rows: std::ops::Range<usize>| {
+            // SAFETY: token < m and row < n, so inside `out`; each row belongs to one chunk, claimed by
+            // one thread. The problem was checked above; `path` came from `Int8Path::best()`.
+            let write = |token: usize, row: usize, value: f32| unsafe { columns.write(token * n + row, value) };
+            unsafe { run_rows(path, &problem, rows, &write) };
+        });
+        return Ok(());
+    }
     // One run of rows per thread: each streams its weights from memory in one sequence. (Rows
     // claimed 16 at a time, in turn, made a decode step of the embedded model ~25% slower: every
     // claim moved the shared counter's cache line between cores, and the hardware prefetcher
@@ -195,6 +239,65 @@ mod tests {
                 assert_eq!(run(Isa::best(), 1), reference, "{ty:?}");
             }
             assert_eq!(run(Isa::best(), 3), reference, "{ty:?} threaded");
+        }
+    }
+
+    /// Every integer path this CPU runs against the scalar reference, on shapes that leave partial
+    /// groups of rows and partial tiles of tokens, and on the largest products the formats allow.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn every_int8_path_equals_the_scalar_reference_bit_for_bit() {
+        let mut random = Random(7);
+        let paths: Vec<_> = Int8Path::ALL.into_iter().filter(|path| path.is_supported()).collect();
+        assert!(!paths.is_empty() || !std::is_x86_feature_detected!("avx2"));
+        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
+            for (m, n, k) in [(1, 1, 32), (1, 8, 32), (2, 13, 64), (3, 17, 96), (4, 24, 160), (5, 31, 576), (9, 40, 64)]
+            {
+                let mut weight = random_blocks(ty, n * k / 32, &mut random);
+                let mut x: Vec<f32> = (0..m * k).map(|_| random.uniform() * 3.0).collect();
+                if n == 8 {
+                    // The largest products: every code at its extreme, every x at +-amax.
+                    let extreme = if ty == GgmlType::Q8_0 { 0x80 } else { 0xff };
+                    let codes = if ty == GgmlType::Q4_1 { 4..20 } else { 2..ty.block_bytes() };
+                    weight.chunks_exact_mut(ty.block_bytes()).for_each(|block| block[codes.clone()].fill(extreme));
+                    x.iter_mut().enumerate().for_each(|(i, x)| *x = if (i / 32) % 2 == 0 { 5.0 } else { -5.0 });
+                }
+                let bias: Vec<f32> = (0..n).map(|_| random.uniform()).collect();
+                let run = |path: Option<Int8Path>, threads: usize| {
+                    let mut out = vec![0f32; m * n];
+                    quantized_linear_on(path, &mut out, &x, &weight, Some(&bias), ty, (m, n, k), threads).unwrap();
+                    out
+                };
+                let reference = run(None, 1);
+                for &path in &paths {
+                    for threads in [1, 3] {
+                        assert_eq!(
+                            run(Some(path), threads),
+                            reference,
+                            "{ty:?} {path:?} {m}x{n}x{k} {threads} threads"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// A token's outputs do not depend on which other tokens share the call.
+    #[test]
+    fn a_tokens_result_does_not_depend_on_its_batch() {
+        let mut random = Random(11);
+        for ty in GgmlType::ALL {
+            let (m, n, k) = (11, 19, 256);
+            let weight = random_blocks(ty, n * k / ty.block_len(), &mut random);
+            let x: Vec<f32> = (0..m * k).map(|_| random.uniform()).collect();
+            let mut all = vec![0f32; m * n];
+            quantized_linear(&mut all, &x, &weight, None, ty, (m, n, k), 2, Isa::best()).unwrap();
+            for token in 0..m {
+                let mut one = vec![0f32; n];
+                let row = &x[token * k..(token + 1) * k];
+                quantized_linear(&mut one, row, &weight, None, ty, (1, n, k), 1, Isa::best()).unwrap();
+                assert_eq!(one, all[token * n..(token + 1) * n], "{ty:?} token {token}");
+            }
         }
     }
 

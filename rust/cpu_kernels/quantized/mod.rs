@@ -4,6 +4,8 @@
 
 pub mod activations;
 pub mod dot;
+#[cfg(target_arch = "x86_64")]
+mod eight_rows;
 pub mod formats;
 pub mod linear;
 #[cfg(target_arch = "x86_64")]

@@ -1,6 +1,7 @@
-//! The AVX2 dot products: the scalar reference's integer lanes (dot.rs) from maddubs + madd, and
-//! its float combination in the same order. One weight row is read once for up to `T` tokens:
-//! each 32 weights are unpacked once and meet every token's activations.
+//! The AVX2 dot products of the K-quants (Q4_K, Q6_K): the scalar reference's integer lanes
+//! (dot.rs) from maddubs + madd, and its float combination in the same order. One weight row is
+//! read once for up to `T` tokens: each 32 weights are unpacked once and meet every token's
+//! activations. (The blocks of 32 take eight_rows.rs.)
 
 use std::arch::x86_64::*;
 
@@ -28,11 +29,9 @@ pub(crate) unsafe fn dot_rows_avx2<const R: usize, const T: usize>(
 ) -> [[f32; T]; R] {
     // One inlined copy per format, so that each inner loop is compiled for its constant format.
     match ty {
-        GgmlType::Q4_0 => dot_rows(GgmlType::Q4_0, rows, activations, first_blocks),
-        GgmlType::Q4_1 => dot_rows(GgmlType::Q4_1, rows, activations, first_blocks),
-        GgmlType::Q8_0 => dot_rows(GgmlType::Q8_0, rows, activations, first_blocks),
         GgmlType::Q4_K => dot_rows(GgmlType::Q4_K, rows, activations, first_blocks),
         GgmlType::Q6_K => dot_rows(GgmlType::Q6_K, rows, activations, first_blocks),
+        _ => unreachable!("blocks of 32 take eight_rows.rs"),
     }
 }
 
@@ -52,7 +51,6 @@ unsafe fn dot_rows<const R: usize, const T: usize>(
                 && activations.quants.len() >= (first + num_blocks) * block_len
         );
     }
-    let ones = _mm256_set1_epi16(1);
     let mut acc = [[_mm256_setzero_ps(); T]; R];
     let mut mins = [[0f32; T]; R];
     for b in 0..num_blocks {
@@ -64,29 +62,23 @@ unsafe fn dot_rows<const R: usize, const T: usize>(
             _mm_prefetch::<_MM_HINT_T0>(block.as_ptr().wrapping_add(PREFETCH_BYTES) as *const i8);
             let mut lanes = [_mm256_setzero_si256(); T];
             for chunk in 0..block_len / 32 {
-                let (q, scales) = weight_chunk(ty, block, chunk, ones);
+                let (q, scales) = weight_chunk(ty, block, chunk);
                 for (t, lanes) in lanes.iter_mut().enumerate() {
                     let x = _mm256_loadu_si256(
                         activations.quants.as_ptr().add((first_blocks[t] + b) * block_len + 32 * chunk)
                             as *const __m256i,
                     );
-                    let products = match ty {
-                        // maddubs takes |w| unsigned and x with w's sign (|w| <= 128, |x| <= 127:
-                        // pairs stay below int16's limit).
-                        GgmlType::Q4_0 | GgmlType::Q8_0 => {
-                            _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q))
-                        }
-                        GgmlType::Q4_1 | GgmlType::Q4_K => _mm256_maddubs_epi16(q, x),
+                    let products = if ty == GgmlType::Q6_K {
                         // (q - 32) * x as q * x - 32 * x: each maddubs pair fits int16, so does
                         // the difference.
-                        GgmlType::Q6_K => {
-                            _mm256_sub_epi16(_mm256_maddubs_epi16(q, x), _mm256_maddubs_epi16(_mm256_set1_epi8(32), x))
-                        }
+                        _mm256_sub_epi16(_mm256_maddubs_epi16(q, x), _mm256_maddubs_epi16(_mm256_set1_epi8(32), x))
+                    } else {
+                        _mm256_maddubs_epi16(q, x)
                     };
                     *lanes = _mm256_add_epi32(*lanes, _mm256_madd_epi16(products, scales));
                 }
             }
-            // (d, and m or dmin where the format has one; Q6_K's d is its last two bytes)
+            // (d, and dmin where the format has one; Q6_K's d is its last two bytes)
             let (weight_scale, weight_min) =
                 if ty == GgmlType::Q6_K { (half_pair(block, 206).1, 0.0) } else { half_pair(block, 0) };
             let q4_k_mins = (ty == GgmlType::Q4_K)
@@ -94,9 +86,7 @@ unsafe fn dot_rows<const R: usize, const T: usize>(
             for t in 0..T {
                 let a = first_blocks[t] + b;
                 let act_scale = *activations.scales.get_unchecked(a);
-                if ty == GgmlType::Q4_1 {
-                    mins[r][t] += weight_min * *activations.sums.get_unchecked(a);
-                } else if let Some(block_mins) = q4_k_mins {
+                if let Some(block_mins) = q4_k_mins {
                     let sums_of_16 = activations.sums_of_16.get_unchecked(16 * a..16 * (a + 1));
                     let integer: i32 = (0..16).map(|j| sums_of_16[j] * block_mins[j / 2]).sum();
                     mins[r][t] += (weight_min * act_scale) * integer as f32;
@@ -115,20 +105,13 @@ unsafe fn dot_rows<const R: usize, const T: usize>(
     })
 }
 
-/// Weights `32 * chunk..32 * chunk + 32` of a block in element order (signed for Q4_0 and Q8_0,
-/// unsigned otherwise), and the int16 scale of each pair of them (1 where a block has one scale).
+/// Weights `32 * chunk..32 * chunk + 32` of a block in element order (unsigned), and the int16
+/// scale of each pair of them.
 #[inline(always)]
-unsafe fn weight_chunk(ty: GgmlType, block: &[u8], chunk: usize, ones: __m256i) -> (__m256i, __m256i) {
+unsafe fn weight_chunk(ty: GgmlType, block: &[u8], chunk: usize) -> (__m256i, __m256i) {
     let low_nibbles = _mm256_set1_epi8(0xf);
     let at = |offset: usize| block.as_ptr().add(offset);
     match ty {
-        GgmlType::Q4_0 | GgmlType::Q4_1 => {
-            let packed = _mm_loadu_si128(at(if ty == GgmlType::Q4_1 { 4 } else { 2 }) as *const __m128i);
-            // Low nibbles are elements 0-15, high 16-31: one register in element order.
-            let q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), low_nibbles);
-            (if ty == GgmlType::Q4_0 { _mm256_sub_epi8(q, _mm256_set1_epi8(8)) } else { q }, ones)
-        }
-        GgmlType::Q8_0 => (_mm256_loadu_si256(at(2) as *const __m256i), ones),
         GgmlType::Q4_K => {
             let packed = _mm256_loadu_si256(at(16 + 32 * (chunk / 2)) as *const __m256i);
             let q = if chunk.is_multiple_of(2) { packed } else { _mm256_srli_epi16(packed, 4) };
@@ -152,6 +135,7 @@ unsafe fn weight_chunk(ty: GgmlType, block: &[u8], chunk: usize, ones: __m256i) 
             let scale = |i: usize| _mm_set1_epi16(block[192 + 2 * chunk + i] as i8 as i16);
             (q, _mm256_set_m128i(scale(1), scale(0)))
         }
+        _ => unreachable!("blocks of 32 take eight_rows.rs"),
     }
 }
 
