@@ -11,6 +11,7 @@ import torch
 from support.hf_parity import prefill_all_positions
 
 from pagedkv.layers import quantized_linear
+from pagedkv.layers.quantized_embedding import QuantizedEmbedding
 from pagedkv.layers.quantized_linear import QuantizedLinear, QuantizedLMHeadProduct
 
 LOGIT_TOLERANCE = 2.5  # absolute; logits reach |35| (std ~7); measured 1.50 at most, 7 of 8 prompts equal
@@ -57,10 +58,24 @@ def test_the_lm_head_reads_the_tied_embedding_tables_blocks(quantized_runner, sm
     assert torch.equal(quantized_linear.dequantize(head.blocks, "Q8_0", (head.vocab_size, 576)),
                        smollm2_runner.model.embed_tokens.weight)
     hidden = torch.randn(3, 576)
-    kernel = head(hidden, quantized_runner.model.embed_tokens.weight)
+    kernel = head(hidden, None)  # (the table is kept as blocks too: there is no float weight to pass)
     exact = hidden.double() @ smollm2_runner.model.embed_tokens.weight.double().T
     # (8-bit activations: within a few hundredths of a logit of the float64 product)
     assert (kernel.double() - exact).abs().max() < 0.05 * exact.abs().max()
+
+
+def test_the_embedding_table_is_its_blocks_and_looks_up_the_float_tables_rows(quantized_runner, smollm2_runner, smollm2):
+    import os
+
+    model = quantized_runner.model
+    table = model.embed_tokens
+    assert isinstance(table, QuantizedEmbedding) and table.blocks.data_ptr() == model.lm_head_linear.blocks.data_ptr()
+    ids = torch.tensor([[0, 1, 49151], [17, 17, 30000]])
+    assert torch.equal(table(ids), smollm2_runner.model.embed_tokens.weight[ids])
+    assert torch.equal(table.dequantized(), smollm2_runner.model.embed_tokens.weight)
+    # Resident weights about the file's size (its 98 MB; the rest: norms and rotary tables).
+    weight_bytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    assert weight_bytes < 1.1 * os.path.getsize(os.path.join(*smollm2))
 
 
 def test_logits_close_and_greedy_tokens_mostly_equal(quantized_runner, smollm2_runner):

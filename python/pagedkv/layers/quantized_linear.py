@@ -113,13 +113,16 @@ class QuantizedLMHeadProduct:
     """`model.lm_head_linear` (called as F.linear(hidden, weight, bias)) over the LM head's GGUF
     blocks: float32 rows through the kernel where it takes them (`kernel_takes`), which streams the
     blocks (a Q8_0 head is 3.8x fewer bytes than its float32 weight); others through F.linear on
-    the float weight passed in (the same values: the model keeps it for its embedding lookups)."""
+    the float weight passed in (the same values), or on the blocks dequantized where none is (a
+    tied table kept as blocks: layers.quantized_embedding)."""
 
     def __init__(self, blocks: torch.Tensor, ggml_type: str, vocab_size: int):
         self.blocks, self.ggml_type, self.vocab_size = blocks, ggml_type, vocab_size
 
-    def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, hidden: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None = None) -> torch.Tensor:
         num_tokens = hidden.numel() // hidden.shape[-1]
         if hidden.dtype == torch.float32 and kernel_takes(self.ggml_type, num_tokens, lm_head=True):
             return quantized_linear(hidden, self.blocks, self.ggml_type, self.vocab_size, bias)
+        if weight is None:
+            weight = dequantize(self.blocks, self.ggml_type, (self.vocab_size, hidden.shape[-1])).to(hidden.dtype)
         return F.linear(hidden, weight, bias)

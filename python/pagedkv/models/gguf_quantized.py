@@ -4,8 +4,7 @@ tensors are all one kept type (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) becomes a Quantized
 those tensors' raw bytes, read from the file's memory map (models.gguf_tensor_index); BF16 tensors beside
 float32 activations stay bfloat16 (layers.cpu_linear.BFloat16Linear, the LM head's too: half
 the bytes of the float32 weights). So the float32 linears are allocated but never written: a
-model whose float32 weights would not fit the host's memory loads as its blocks (the embedding
-table stays float32).
+model whose float32 weights would not fit the host's memory loads as its blocks.
 
 Each swap is checked, not trusted: as the float weight a kept module stands for streams past
 during the load, the blocks must dequantize to exactly it (transformers dequantizes with gguf-py,
@@ -13,8 +12,9 @@ the same float32 operations), which also proves the row order (llama.cpp stores 
 permuted for its rotary layout; the permutation is undone here as transformers does). A module
 that differs goes back to a float nn.Linear holding that weight. The LM head (the tied embedding
 table's blocks, or `output`'s) is read from its blocks too after the load
-(layers.quantized_linear.QuantizedLMHeadProduct), checked the same way; the embedding table
-stays float32 for the lookups.
+(layers.quantized_linear.QuantizedLMHeadProduct), checked the same way, and so is the token
+embedding table (layers.quantized_embedding.QuantizedEmbedding: a lookup dequantizes its rows; a
+tied head and table share one copy of the blocks).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from pagedkv.layers.cpu_linear import BFloat16Linear, BFloat16LMHeadProduct
+from pagedkv.layers.quantized_embedding import QuantizedEmbedding
 from pagedkv.layers.quantized_linear import GGML_TYPES, QuantizedLinear, QuantizedLMHeadProduct, dequantize
 
 logger = logging.getLogger("pagedkv.models.gguf_quantized")
@@ -140,4 +141,25 @@ def keep_lm_head_quantized(net: nn.Module, tensors: dict) -> str | None:
         logger.warning("the LM head's GGUF blocks differ from the loaded weight; kept float32")
         return None
     net.lm_head_linear = QuantizedLMHeadProduct(blocks, ggml_type, weight.shape[0])
+    return ggml_type
+
+
+def keep_embedding_quantized(net: nn.Module, tensors: dict) -> str | None:
+    """Swaps `net.embed_tokens` for a QuantizedEmbedding over the GGUF's token_embd blocks when
+    they are of a kept type and dequantize to exactly the loaded table (the float table is then
+    freed); a tied LM head kept as the same blocks shares them. Returns their type (None: left
+    float32)."""
+    tensor, table = tensors.get("token_embd.weight"), getattr(net, "embed_tokens", None)
+    if tensor is None or type(table) is not nn.Embedding or tensor.tensor_type.name not in GGML_TYPES:
+        return None
+    ggml_type, shape = tensor.tensor_type.name, tuple(table.weight.shape)
+    head = getattr(net, "lm_head_linear", None)
+    if getattr(net, "tie_word_embeddings", False) and isinstance(head, QuantizedLMHeadProduct):
+        blocks = head.blocks  # (checked against this table by keep_lm_head_quantized)
+    else:
+        blocks = torch.from_numpy(np.array(tensor.data, order="C"))
+        if not torch.equal(dequantize(blocks, ggml_type, shape), table.weight.data):
+            logger.warning("the embedding table's GGUF blocks differ from the loaded table; kept float32")
+            return None
+    net.embed_tokens = QuantizedEmbedding(blocks, ggml_type, shape[1])
     return ggml_type

@@ -246,9 +246,14 @@ class LlamaForCausalLM(nn.Module):
                 hidden, residual = layer(hidden, residual, cos_sin, context)
         return self.norm(hidden, residual)[0]
 
+    @property
+    def lm_head_weight(self) -> torch.Tensor | None:
+        """The LM head's float weight, as `lm_head_linear` takes it; None where the tied embedding
+        table is kept as GGUF blocks (the head's product then reads them itself)."""
+        return getattr(self.embed_tokens, "weight", None) if self.tie_word_embeddings else self.lm_head.weight
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        logits = self.lm_head_linear(hidden, weight).float()
+        logits = self.lm_head_linear(hidden, self.lm_head_weight).float()
         return logits if self.logits_scaling == 1.0 else logits / self.logits_scaling
 
     def compute_narrow_logits(self, hidden: torch.Tensor, order_only: bool = False) -> torch.Tensor:
@@ -261,7 +266,7 @@ class LlamaForCausalLM(nn.Module):
         if type(self).compute_logits is not LlamaForCausalLM.compute_logits or not (
                 scaling == 1.0 or (order_only and scaling > 0)):
             return self.compute_logits(hidden)
-        return self.lm_head_linear(hidden, self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight)
+        return self.lm_head_linear(hidden, self.lm_head_weight)
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Loads a whole HF state dict (a GGUF file's, transformers' in memory): load_hf_weights

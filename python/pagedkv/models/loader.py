@@ -191,8 +191,9 @@ def load(model: str | None, gguf_file: str | None, tokenizer: str | None, dtype,
     if kept_gguf is not None:
         kept = sum(type(module).__name__ in ("QuantizedLinear", "BFloat16Linear") for module in net.modules())
         head = gguf_quantized.keep_lm_head_quantized(net, kept_gguf)
-        logger.info("kept %d linear layers%s as stored in %s", kept, f" and the {head} LM head" if head else "",
-                    given_gguf)
+        table = gguf_quantized.keep_embedding_quantized(net, kept_gguf)
+        logger.info("kept %d linear layers%s%s as stored in %s", kept, f", the {head} LM head" if head else "",
+                    f", the {table} embedding table" if table else "", given_gguf)
 
     tokenizer_source, tokenizer_gguf = _readable(tokenizer, None) if tokenizer else (directory, gguf)
     try:

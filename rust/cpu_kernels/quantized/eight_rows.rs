@@ -123,15 +123,31 @@ unsafe fn run_groups<const VNNI: bool>(
                 }
             }
         };
+        // While the first tile reads this group, the next group's bytes (contiguous: rows are)
+        // are prefetched, spread evenly over its blocks, so they arrive before they are read.
+        let group_bytes = GROUP_ROWS * row_bytes;
+        let next_group = starts[0].wrapping_add(group_bytes);
+        let lines_per_block = group_bytes.div_ceil(64 * blocks_per_row);
         let mut token = 0;
         while token < m {
             let first = |t: usize| (token + t) * blocks_per_row;
+            let prefetch = if token == 0 { (next_group, lines_per_block) } else { (next_group, 0) };
             match m - token {
-                1 => emit(token, &group_tile::<1, VNNI>(ty, starts, blocks_per_row, activations, [first(0)])),
-                2 => emit(token, &group_tile::<2, VNNI>(ty, starts, blocks_per_row, activations, [first(0), first(1)])),
+                1 => emit(token, &group_tile::<1, VNNI>(ty, starts, blocks_per_row, activations, [first(0)], prefetch)),
+                2 => emit(
+                    token,
+                    &group_tile::<2, VNNI>(ty, starts, blocks_per_row, activations, [first(0), first(1)], prefetch),
+                ),
                 3 => emit(
                     token,
-                    &group_tile::<3, VNNI>(ty, starts, blocks_per_row, activations, std::array::from_fn(first)),
+                    &group_tile::<3, VNNI>(
+                        ty,
+                        starts,
+                        blocks_per_row,
+                        activations,
+                        std::array::from_fn(first),
+                        prefetch,
+                    ),
                 ),
                 _ => emit(
                     token,
@@ -141,6 +157,7 @@ unsafe fn run_groups<const VNNI: bool>(
                         blocks_per_row,
                         activations,
                         std::array::from_fn(first),
+                        prefetch,
                     ),
                 ),
             }
@@ -158,6 +175,7 @@ unsafe fn group_tile<const T: usize, const VNNI: bool>(
     num_blocks: usize,
     activations: &QuantizedActivations,
     first_blocks: [usize; T],
+    (prefetch_from, prefetch_lines): (*const u8, usize),
 ) -> [[f32; GROUP_ROWS]; T] {
     let block_bytes = ty.block_bytes();
     let ones = _mm256_set1_epi16(1);
@@ -165,6 +183,10 @@ unsafe fn group_tile<const T: usize, const VNNI: bool>(
     let mut mins = [_mm256_setzero_ps(); T];
     for b in 0..num_blocks {
         let block = |r: usize| starts[r].add(b * block_bytes);
+        for line in b * prefetch_lines..(b + 1) * prefetch_lines {
+            // (past the weights' end for the last group: a prefetch never faults)
+            _mm_prefetch::<_MM_HINT_T0>(prefetch_from.wrapping_add(64 * line) as *const i8);
+        }
         let (weight_scales, weight_mins) = group_scales(block);
         // (Loops, not closures: a closure is compiled without the caller's target features, so
         // the intrinsics in it would become calls.)
