@@ -147,14 +147,16 @@ def keep_lm_head_quantized(net: nn.Module, tensors: dict) -> str | None:
 def keep_embedding_quantized(net: nn.Module, tensors: dict) -> str | None:
     """Swaps `net.embed_tokens` for a QuantizedEmbedding over the GGUF's token_embd blocks when
     they are of a kept type and dequantize to exactly the loaded table (the float table is then
-    freed); a tied LM head kept as the same blocks shares them. Returns their type (None: left
-    float32)."""
+    freed); a tied LM head kept as the same blocks shares them (a tied head left float32 keeps the
+    table float32: it is the head's weight). Returns their type (None: left float32)."""
     tensor, table = tensors.get("token_embd.weight"), getattr(net, "embed_tokens", None)
     if tensor is None or type(table) is not nn.Embedding or tensor.tensor_type.name not in GGML_TYPES:
         return None
     ggml_type, shape = tensor.tensor_type.name, tuple(table.weight.shape)
     head = getattr(net, "lm_head_linear", None)
-    if getattr(net, "tie_word_embeddings", False) and isinstance(head, QuantizedLMHeadProduct):
+    if getattr(net, "tie_word_embeddings", False):
+        if not isinstance(head, QuantizedLMHeadProduct):
+            return None  # (the float table is the head's weight)
         blocks = head.blocks  # (checked against this table by keep_lm_head_quantized)
     else:
         blocks = torch.from_numpy(np.array(tensor.data, order="C"))
