@@ -120,9 +120,10 @@ def test_a_bad_lora_module_is_refused_by_name(text):
 
 
 def test_serve_on_a_unix_socket_behind_a_root_path(tmp_path):
-    """--uds: the server answers on a Unix socket, not on host and port; --root-path: the prefix a
-    proxy strips is where /openapi.json says the routes are; --request-header-timeout: a request
-    head that stops arriving gets 408 and its connection closes."""
+    """--uds: the server answers on a Unix socket, not on host and port; --root-path: routes answer
+    with the prefix and without it (a proxy may strip it or not, as vLLM's), /openapi.json names
+    it, and /health needs no key under either; vLLM's $VLLM_API_KEY sets the key;
+    --request-header-timeout: a request head that stops arriving gets 408 and its connection closes."""
     import os
     import socket
     import subprocess
@@ -131,7 +132,7 @@ def test_serve_on_a_unix_socket_behind_a_root_path(tmp_path):
     path = str(tmp_path / "pagedkv.sock")
     process = subprocess.Popen([sys.executable, "-m", "pagedkv.entrypoints.cli", "serve", "--uds", path, "--root-path", "/behind/proxy",
                                 "--num-device-blocks", "32", "--max-model-len", "128", "--request-header-timeout", "1"],
-                               env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.DEVNULL,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1", "VLLM_API_KEY": "k"}, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)
     try:
         with httpx.Client(transport=httpx.HTTPTransport(uds=path), base_url="http://pagedkv", timeout=60) as client:
@@ -144,9 +145,13 @@ def test_serve_on_a_unix_socket_behind_a_root_path(tmp_path):
                 except httpx.TransportError:
                     pass
                 time.sleep(0.5)
-            answer = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).json()
-            assert answer["usage"]["completion_tokens"] >= 1
-            assert client.get("/openapi.json").json()["servers"] == [{"url": "/behind/proxy"}]
+            assert client.get("/behind/proxy/health").status_code == 200
+            key = {"Authorization": "Bearer k"}
+            for prefix in ("", "/behind/proxy"):
+                assert client.get(prefix + "/v1/models").status_code == 401
+                answer = client.post(prefix + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, headers=key)
+                assert answer.json()["usage"]["completion_tokens"] >= 1
+            assert client.get("/openapi.json", headers=key).json()["servers"] == [{"url": "/behind/proxy"}]
         with socket.socket(socket.AF_UNIX) as connection:
             connection.connect(path)
             connection.settimeout(30)

@@ -148,8 +148,9 @@ def flagged_server():
     live.stop()
 
 
-def test_force_include_usage_ends_every_stream_with_usage(flagged_server):
-    """--enable-force-include-usage: a stream that did not ask for usage still ends with it."""
+def test_force_include_usage_puts_usage_in_every_chunk(flagged_server):
+    """--enable-force-include-usage: a stream that did not ask for usage gets it in every chunk
+    (the counts so far) and ends with it, as vLLM's flag does."""
     from pagedkv.entrypoints.cli import build_parser
 
     flags = build_parser().parse_args(["serve", "--enable-force-include-usage", "--enable-tokenizer-info-endpoint"])
@@ -157,7 +158,9 @@ def test_force_include_usage_ends_every_stream_with_usage(flagged_server):
     forced = OpenAI(base_url=flagged_server.url + "/v1", api_key="unused", timeout=60, max_retries=0)
     chunks = list(forced.completions.create(model=flagged_server.engine.model_name, prompt="Hi", max_tokens=3,
                                             stream=True, extra_body={"ignore_eos": True}))
-    assert chunks[-1].usage.completion_tokens == 3 and all(chunk.usage is None for chunk in chunks[:-1])
+    assert chunks[-1].usage.completion_tokens == 3 and not chunks[-1].choices
+    counts = [chunk.usage.completion_tokens for chunk in chunks]
+    assert counts == sorted(counts) and all(chunk.usage.total_tokens == chunk.usage.prompt_tokens + chunk.usage.completion_tokens for chunk in chunks)
 
 
 def test_tokenizer_info_and_token_strings(flagged_server, server):
@@ -169,7 +172,7 @@ def test_tokenizer_info_and_token_strings(flagged_server, server):
     body = {"prompt": "Hello there, naïve café", "return_token_strs": True}
     answer = httpx.post(server.url + "/tokenize", json=body, timeout=30).json()
     assert answer["token_strs"] == tokenizer.convert_ids_to_tokens(answer["tokens"]) and len(answer["tokens"]) > 3
-    assert "token_strs" not in httpx.post(server.url + "/tokenize", json={"prompt": "Hi"}, timeout=30).json()
+    assert httpx.post(server.url + "/tokenize", json={"prompt": "Hi"}, timeout=30).json()["token_strs"] is None
 
 
 def test_sagemakers_ping_and_invocations(server):

@@ -216,9 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="how tool calls are found in replies with tool_choice auto (default: hermes)")
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="accepted for vLLM compatibility: tool_choice auto is always on")
-    serve.add_argument("--api-key", default=os.environ.get("PAGEDKV_API_KEY"),
+    serve.add_argument("--api-key", default=os.environ.get("PAGEDKV_API_KEY", os.environ.get("VLLM_API_KEY")),
                        help="require 'Authorization: Bearer KEY' on every route but /health (default: "
-                            "$PAGEDKV_API_KEY, else none; an empty key is an error)")
+                            "$PAGEDKV_API_KEY, else vLLM's $VLLM_API_KEY, else none; an empty key is an error)")
     serve.add_argument("--max-request-body-bytes", type=int, default=None,
                        help="larger request bodies get HTTP 413 (default: 33554432, 32 MiB)")
     serve.add_argument("--request-header-timeout", type=float, default=None,

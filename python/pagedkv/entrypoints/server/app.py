@@ -46,13 +46,15 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
                max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
                request_body_pause_seconds: float = BODY_PAUSE_SECONDS,
                enable_force_include_usage: bool = False, enable_tokenizer_info_endpoint: bool = False,
-               enable_server_load_tracking: bool = False) -> FastAPI:
+               enable_server_load_tracking: bool = False, root_path: str = "") -> FastAPI:
     """The app around an engine; an AsyncLLM steps it for the app's lifetime. `chat_template`
     (Jinja) replaces the tokenizer's own, e.g. for a base model that has none. `api_key`: /v1
     routes (all but /health) answer 401 unless the request carries `Authorization: Bearer <api_key>`; an
     empty key is an InvalidConfigError. Bodies longer than `max_request_body_bytes` get 413, bodies
     that pause longer than `request_body_pause_seconds` 408. `enable_force_include_usage`: every
-    stream ends with a usage chunk, asked for or not (vLLM's flag). `enable_tokenizer_info_endpoint`
+    streamed chunk carries the usage so far and every stream ends with a usage chunk, asked for or
+    not (vLLM's flag). `root_path`: a path prefix routes answer under as well as without it (a
+    proxy in front may strip it or not, as vLLM's `--root-path`); links and /openapi.json name it. `enable_tokenizer_info_endpoint`
     adds vLLM's GET /tokenizer_info (off by default, as in vLLM: it shows the tokenizer's setup).
     `enable_server_load_tracking`: GET /load counts the requests in flight (vLLM's; server/load_reports.py).
     `lora_modules` ({name: PEFT directory, or {"path", "base_model_name"}}, engine with enable_lora): each adapter is served as a
@@ -69,7 +71,8 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
     if allow_runtime_lora_updating and not context.supports_lora:
         raise ValueError("allow_runtime_lora_updating needs an engine built with enable_lora=True")
 
-    app = FastAPI(title="pagedkv", version=__version__, lifespan=lifespan, responses=ERROR_RESPONSES)
+    app = FastAPI(title="pagedkv", version=__version__, lifespan=lifespan, responses=ERROR_RESPONSES,
+                  root_path=root_path)
     # Routes reach the engine through app.state.serving, emptied at shutdown: an app that is done
     # must not keep its engine alive.
     app.state.serving = context
@@ -115,7 +118,8 @@ def require_api_key(app: FastAPI, api_key: str) -> None:
 
     @app.middleware("http")
     async def authenticate(request: Request, call_next):
-        if request.method != "OPTIONS" and request.url.path not in UNGUARDED_ROUTES:
+        path = request.scope["path"].removeprefix(request.scope.get("root_path", ""))
+        if request.method != "OPTIONS" and path not in UNGUARDED_ROUTES:
             given = request.headers.get("authorization", "").encode()
             if not hmac.compare_digest(given, expected):  # (constant time: no key guessing by timing)
                 return error_response(401, "invalid or missing API key (Authorization: Bearer <key>)",
@@ -134,8 +138,7 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, serve
     """Builds the engine and runs uvicorn until SIGINT/SIGTERM: stops accepting, lets in-flight
     requests finish for `shutdown_grace_seconds`, aborts the rest (ServingContext.drain), and
     returns 0. `lora_modules` and `allow_runtime_lora_updating` turn enable_lora on. `uds`: a Unix
-    socket path to serve on instead of host and port. `root_path`: the path prefix a proxy in
-    front strips (links and /openapi.json name it). A request head (request line and headers) not
+    socket path to serve on instead of host and port. `root_path`: see `create_app`. A request head (request line and headers) not
     all arrived `request_header_timeout_seconds` after its connection opened (or after its first
     bytes on a kept-alive connection) gets 408 and its connection closes (header_timeout.py)."""
     import uvicorn
@@ -174,13 +177,13 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, serve
                      allow_runtime_lora_updating, reasoning_parser, tool_call_parser, max_request_body_bytes,
                      enable_force_include_usage=enable_force_include_usage,
                      enable_tokenizer_info_endpoint=enable_tokenizer_info_endpoint,
-                     enable_server_load_tracking=enable_server_load_tracking)
+                     enable_server_load_tracking=enable_server_load_tracking, root_path=root_path)
     # The startup heap (torch, the model, the tokenizer: ~440k objects) lives as long as the server:
     # frozen, the full collections skip it. Each paused every stream and /health 0.25 s (as vLLM).
     gc.collect()
     gc.freeze()
     # uvicorn's own bound on the drain comes after ours: by then every request has ended.
-    Server(uvicorn.Config(app, host=host, port=port, uds=uds, root_path=root_path,
+    Server(uvicorn.Config(app, host=host, port=port, uds=uds,
                           timeout_graceful_shutdown=shutdown_grace_seconds + 5,
                           http=header_timeout_protocol(request_header_timeout_seconds),
                           log_level="info")).run()

@@ -60,7 +60,7 @@ class ServingContext:
         for adapter in self.adapters.values():
             engine.add_lora(adapter)  # (a bad adapter stops the server from starting, not a request)
         self.chat_template = chat_template
-        self.force_include_usage = force_include_usage  # (--enable-force-include-usage: every stream ends with usage)
+        self.force_include_usage = force_include_usage  # (--enable-force-include-usage: usage in every chunk, as vLLM)
         self.tool_call_parser = tool_call_parser
         self.reasoning = ReasoningParser(reasoning_parser) if reasoning_parser else None
         self.tokenizer = engine.tokenizer

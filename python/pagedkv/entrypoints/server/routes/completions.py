@@ -86,8 +86,8 @@ async def run(context: ServingContext, request: Request, prompts: list, params, 
     include_usage = context.force_include_usage or (stream_options is not None and stream_options.include_usage)
     options = ReplyOptions(chat=chat, n=params.n, echo=not chat and body.echo, include_usage=include_usage,
                            chat_echoes=tuple(body.echoed_texts()) if chat else (),
-                           continuous_usage=include_usage and stream_options is not None
-                           and stream_options.continuous_usage_stats,
+                           continuous_usage=context.force_include_usage or (
+                               include_usage and stream_options is not None and stream_options.continuous_usage_stats),
                            tools=tools, top_logprobs=params.logprobs or 0, token_ids=bool(body.return_token_ids),
                            tokens_as_ids=bool(body.return_tokens_as_token_ids), prompt_logprobs=body.prompt_logprobs)
     if body.stream:

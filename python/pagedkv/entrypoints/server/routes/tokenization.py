@@ -37,10 +37,8 @@ async def tokenize(body: TokenizeRequest, context: ServingContext = Depends(serv
         raise APIError(400, str(error), "invalid_request_error", "prompt")
     tokens = await context.client.run_in_worker(
         lambda: context.tokenizer.encode(text, add_special_tokens=body.add_special_tokens))
-    answer = {"count": len(tokens), "max_model_len": context.max_model_len, "tokens": tokens}
-    if body.return_token_strs:
-        answer["token_strs"] = context.tokenizer.convert_ids_to_tokens(tokens)
-    return answer
+    strings = context.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
+    return {"count": len(tokens), "max_model_len": context.max_model_len, "tokens": tokens, "token_strs": strings}
 
 
 @router.post("/detokenize", responses=answer(DetokenizeResponse))
