@@ -36,13 +36,12 @@ class EngineConfig:
     """A GGUF's quantized linear weights: auto (the default: quantized where it applies, else
     dequantized, silently), quantized (kept as GGUF blocks, Q4_0/Q4_1/Q8_0/Q4_K/Q6_K, and a BF16
     file's weights as bfloat16, multiplied by the CPU's kernels: float32 on one CPU, Llama-family
-    models; the embeddings stay float32; warns and dequantizes elsewhere) or dequantized (to the
-    model's dtype at load). Kept weights decode a single stream ~2.5x faster in a third of the
-    memory; at 16 tokens a step float32 weights are ahead (docs/benchmarks.md, "Against
+    models, the token embedding table too; warns and dequantizes elsewhere) or dequantized (to the
+    model's dtype at load). Kept Q4_1 weights decode ~2.5-3x faster than float32 ones at 1 to 64
+    tokens a step and prefill ~1.5x faster, in a fifth of the memory (docs/benchmarks.md, "Against
     llama.cpp"). They round activations to 8 bits as llama.cpp does, so greedy tokens can part
-    from dequantized weights' at near-ties, and between step shapes (a prefix-cache hit, a chunked
-    prefill) where float weights agree to float rounding; dequantized is the choice for
-    comparisons with transformers."""
+    from dequantized weights' at near-ties; dequantized is the choice for comparisons with
+    transformers. With dtype auto, a GGUF whose linears are kept runs float32 activations."""
     generation_config: str = "auto"
     """Where default sampling parameters come from (vLLM's option): auto = the model's
     generation_config.json (its temperature, top_p, top_k, min_p, repetition_penalty and
@@ -50,7 +49,8 @@ class EngineConfig:
     or a directory holding a generation_config.json. Requests that set a field keep their value."""
     dtype: str = "auto"
     """Weights and KV dtype: auto, float32, float16, bfloat16. auto is bfloat16 on CUDA and on CPUs
-    with native bfloat16 math (AVX512-BF16 or AMX, where it runs ~2x faster), else float32."""
+    with native bfloat16 math (AVX512-BF16 or AMX, where it runs ~2x faster), else float32; and
+    float32 on the CPU for a GGUF whose quantized linears are kept (gguf_weights)."""
     kv_cache_dtype: str = "auto"
     """KV cache element type: auto (the model's dtype) or fp8 = fp8_e4m3 (float8_e4m3fn) or
     fp8_e5m2, vLLM's names: one byte per element, so twice the blocks of a bfloat16 cache in the

@@ -76,6 +76,23 @@ def _split_gguf(model: str | None, gguf_file: str | None) -> tuple[str, str | No
     return model, gguf_file
 
 
+def keeps_quantized_blocks(model: str | None, gguf_file: str | None) -> bool:
+    """Whether the checkpoint is a GGUF whose decoder linears are of a type kept as blocks
+    (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K; read from its tensor index, not loaded)."""
+    from pagedkv.layers.quantized_linear import GGML_TYPES
+
+    directory, gguf = _split_gguf(model, gguf_file)
+    path = os.path.join(directory, gguf) if gguf is not None else None
+    if path is None or not os.path.isfile(path):
+        return False
+    try:
+        tensors = gguf_tensor_index.gguf_tensors(path)
+    except (OSError, ValueError):
+        return False
+    found = tensors.get("blk.0.ffn_down.weight")
+    return found is not None and found.tensor_type.name in GGML_TYPES
+
+
 def _readable(model: str | None, gguf_file: str | None) -> tuple[str, str | None]:
     """(directory, GGUF file or None) to read the checkpoint from: a GGUF file's converted
     entry in the cache where it has one (models/gguf_cache.py), else as given."""

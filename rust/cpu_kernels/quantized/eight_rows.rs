@@ -16,8 +16,10 @@ use super::formats::GgmlType;
 
 /// Rows one pass reads together.
 pub(crate) const GROUP_ROWS: usize = 8;
-/// Tokens that share one unpacking of a group's block (four accumulator pairs stay in registers).
+/// Tokens that share one unpacking of a group's block (four accumulator pairs stay in AVX2's 16
+/// registers), and on AVX-512 (32 registers) eight.
 const TILE_TOKENS: usize = 4;
+const WIDE_TILE_TOKENS: usize = 8;
 
 /// The integer dot product instructions the kernel runs on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -130,39 +132,43 @@ unsafe fn run_groups<const VNNI: bool>(
         let lines_per_block = group_bytes.div_ceil(64 * blocks_per_row);
         let mut token = 0;
         while token < m {
-            let first = |t: usize| (token + t) * blocks_per_row;
-            let prefetch = if token == 0 { (next_group, lines_per_block) } else { (next_group, 0) };
-            match m - token {
-                1 => emit(token, &group_tile::<1, VNNI>(ty, starts, blocks_per_row, activations, [first(0)], prefetch)),
-                2 => emit(
-                    token,
-                    &group_tile::<2, VNNI>(ty, starts, blocks_per_row, activations, [first(0), first(1)], prefetch),
-                ),
-                3 => emit(
-                    token,
-                    &group_tile::<3, VNNI>(
-                        ty,
-                        starts,
-                        blocks_per_row,
-                        activations,
-                        std::array::from_fn(first),
-                        prefetch,
-                    ),
-                ),
-                _ => emit(
-                    token,
-                    &group_tile::<TILE_TOKENS, VNNI>(
-                        ty,
-                        starts,
-                        blocks_per_row,
-                        activations,
-                        std::array::from_fn(first),
-                        prefetch,
-                    ),
-                ),
-            }
-            token += TILE_TOKENS;
+            let prefetch = (next_group, if token == 0 { lines_per_block } else { 0 });
+            let tile = Tile { ty, starts, num_blocks: blocks_per_row, activations, first_token: token, prefetch };
+            token += match m - token {
+                1 => tile.run::<1, VNNI>(&emit),
+                2 => tile.run::<2, VNNI>(&emit),
+                3 => tile.run::<3, VNNI>(&emit),
+                4..WIDE_TILE_TOKENS => tile.run::<TILE_TOKENS, VNNI>(&emit),
+                // AVX-512's 32 registers hold eight tokens' sums beside the unpacked weights.
+                _ if VNNI => tile.run::<WIDE_TILE_TOKENS, VNNI>(&emit),
+                _ => tile.run::<TILE_TOKENS, VNNI>(&emit),
+            };
         }
+    }
+}
+
+/// One group of rows for the tokens from `first_token` on.
+struct Tile<'a> {
+    ty: GgmlType,
+    starts: [*const u8; GROUP_ROWS],
+    num_blocks: usize,
+    activations: &'a QuantizedActivations,
+    first_token: usize,
+    prefetch: (*const u8, usize),
+}
+
+impl Tile<'_> {
+    /// Sums `T` tokens, hands them to `emit` (first token, `[token][row]`), returns `T`.
+    #[inline(always)]
+    unsafe fn run<const T: usize, const VNNI: bool>(&self, emit: &impl Fn(usize, &[[f32; GROUP_ROWS]])) -> usize {
+        let mut first_blocks = [0; T];
+        for (t, first) in first_blocks.iter_mut().enumerate() {
+            *first = (self.first_token + t) * self.num_blocks;
+        }
+        let sums =
+            group_tile::<T, VNNI>(self.ty, self.starts, self.num_blocks, self.activations, first_blocks, self.prefetch);
+        emit(self.first_token, &sums);
+        T
     }
 }
 
