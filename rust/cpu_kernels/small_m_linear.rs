@@ -55,8 +55,10 @@ pub fn small_m_linear_with<E: Element, W: Element>(
     }
     // x is widened once here, not once per tile.
     let x: Vec<f32> = x.iter().map(|value| value.to_f32()).collect();
-    // Each unit of work: a range of columns, as one piece of each of the M output rows.
-    let columns_per_chunk = (chunk_len(k) / k.max(1)).next_multiple_of(NR);
+    // Each unit of work: a range of columns, as one piece of each of the M output rows; one run
+    // per thread, so each streams its weight rows in one sequence (claimed in turn, ~60 columns at a
+    // time, every claim moved the shared counter between cores and restarted the prefetcher).
+    let columns_per_chunk = (chunk_len(k) / k.max(1)).max(n.div_ceil(num_threads.max(1))).next_multiple_of(NR);
     let mut chunks: Vec<(usize, Vec<&mut [E]>)> =
         (0..n.div_ceil(columns_per_chunk)).map(|c| (c * columns_per_chunk, Vec::with_capacity(rows))).collect();
     for row in out.chunks_mut(n) {

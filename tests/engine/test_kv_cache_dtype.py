@@ -96,7 +96,9 @@ def test_float8_cache_chooses_what_the_float32_model_would(smollm2_hf_model, kv_
         return rust_decode(query, key_cache, *rest)
 
     monkeypatch.setattr(cpu_attention, "paged_decode_attention", spy)
-    llm = LLM(dtype="float32", kv_cache_dtype=kv_cache_dtype, max_model_len=1024, kv_cache_memory_bytes=16 << 20)
+    # (dequantized weights: the float32 model's own products, so the cache is the only difference)
+    llm = LLM(dtype="float32", gguf_weights="dequantized", kv_cache_dtype=kv_cache_dtype, max_model_len=1024,
+              kv_cache_memory_bytes=16 << 20)
     block_bytes = 30 * 2 * 3 * 16 * 64  # one byte per element: a quarter of a float32 block
     assert llm.engine.runner.num_device_blocks == (16 << 20) // block_bytes
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)

@@ -72,7 +72,7 @@ def test_the_embedding_table_is_its_blocks_and_looks_up_the_float_tables_rows(qu
     assert isinstance(table, QuantizedEmbedding) and table.blocks.data_ptr() == model.lm_head_linear.blocks.data_ptr()
     ids = torch.tensor([[0, 1, 49151], [17, 17, 30000]])
     assert torch.equal(table(ids), smollm2_runner.model.embed_tokens.weight[ids])
-    assert torch.equal(table.dequantized(), smollm2_runner.model.embed_tokens.weight)
+    assert torch.equal(table.weight, smollm2_runner.model.embed_tokens.weight)
     # Resident weights about the file's size (its 98 MB; the rest: norms and rotary tables).
     weight_bytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     assert weight_bytes < 1.1 * os.path.getsize(os.path.join(*smollm2))

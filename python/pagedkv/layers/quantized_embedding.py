@@ -16,8 +16,9 @@ from pagedkv.layers.quantized_linear import GGML_TYPES, dequantize, row_bytes
 
 class QuantizedEmbedding(nn.Module):
     """nn.Embedding's lookup over `blocks` (uint8 [num_embeddings, bytes_per_row], a GGUF tensor's
-    bytes as stored) of `ggml_type`. It has no float `weight`: `dequantized()` builds the whole
-    table where one is needed (a new tensor each call)."""
+    bytes as stored) of `ggml_type`. `weight` (as nn.Embedding's, for code that reads the table,
+    e.g. to build prompt embeddings) is the whole table dequantized: a new float32 tensor each
+    read, so the model's own paths never read it."""
 
     def __init__(self, blocks: torch.Tensor, ggml_type: str, embedding_dim: int):
         super().__init__()
@@ -34,8 +35,9 @@ class QuantizedEmbedding(nn.Module):
         values = dequantize(rows, self.ggml_type, (rows.shape[0], self.embedding_dim))
         return values.reshape(*input_ids.shape, self.embedding_dim)
 
-    def dequantized(self) -> torch.Tensor:
-        """The whole table as float32 [num_embeddings, embedding_dim]."""
+    @property
+    def weight(self) -> torch.Tensor:
+        """The whole table as float32 [num_embeddings, embedding_dim] (a new tensor each read)."""
         return dequantize(self.blocks, self.ggml_type, (self.num_embeddings, self.embedding_dim))
 
     def extra_repr(self) -> str:
