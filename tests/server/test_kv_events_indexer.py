@@ -74,7 +74,7 @@ def indexer(workers: dict[int, int]):
 
 def kv_server_flags(event_port: int, *extra: str) -> list[str]:
     return ["--kv-events-endpoint", f"tcp://*:{event_port}", "--kv-events-replay-endpoint", f"tcp://*:{free_port()}",
-            "--block-size", str(BLOCK_SIZE), *extra]
+            "--block-size", str(BLOCK_SIZE), "--enable-prompt-tokens-details", *extra]
 
 
 def start_together(stack: contextlib.ExitStack, servers: dict) -> dict:

@@ -143,7 +143,8 @@ def test_continuous_usage_stats_give_usage_so_far_in_every_chunk(client, server)
 def flagged_server():
     """A server with the options that are off by default."""
     live = LiveServer(num_device_blocks=32, max_model_len=128, app_options={
-        "enable_force_include_usage": True, "enable_tokenizer_info_endpoint": True})
+        "enable_force_include_usage": True, "enable_tokenizer_info_endpoint": True,
+        "enable_prompt_tokens_details": True})
     yield live
     live.stop()
 
@@ -160,11 +161,16 @@ def test_force_include_usage_puts_usage_in_every_chunk(flagged_server):
                                             stream=True, extra_body={"ignore_eos": True}))
     assert chunks[-1].usage.completion_tokens == 3 and not chunks[-1].choices
     counts = [chunk.usage.completion_tokens for chunk in chunks]
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 0  # (--enable-prompt-tokens-details)
+    chat = list(forced.chat.completions.create(model=flagged_server.engine.model_name, max_tokens=3, stream=True,
+                                               messages=[{"role": "user", "content": "Hi"}]))
+    assert chat[0].choices[0].delta.role == "assistant" and chat[0].usage.completion_tokens == 0
+    assert all(chunk.usage is not None and chunk.usage.prompt_tokens == chat[0].usage.prompt_tokens for chunk in chat)
     assert counts == sorted(counts) and all(chunk.usage.total_tokens == chunk.usage.prompt_tokens + chunk.usage.completion_tokens for chunk in chunks)
 
 
 def test_tokenizer_info_and_token_strings(flagged_server, server):
-    """vLLM's /tokenizer_info (only where enabled) and /tokenize's return_token_strs."""
+    """vLLM's /tokenizer_info (only where enabled), /tokenize's return_token_strs, usage's details."""
     info = httpx.get(flagged_server.url + "/tokenizer_info", timeout=10).json()
     tokenizer = flagged_server.engine.tokenizer
     assert info["tokenizer_class"] == type(tokenizer).__name__ and info["chat_template"] == tokenizer.chat_template
@@ -173,6 +179,9 @@ def test_tokenizer_info_and_token_strings(flagged_server, server):
     answer = httpx.post(server.url + "/tokenize", json=body, timeout=30).json()
     assert answer["token_strs"] == tokenizer.convert_ids_to_tokens(answer["tokens"]) and len(answer["tokens"]) > 3
     assert httpx.post(server.url + "/tokenize", json={"prompt": "Hi"}, timeout=30).json()["token_strs"] is None
+    # (and usage without prompt_tokens_details unless --enable-prompt-tokens-details, as vLLM)
+    answer = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, timeout=30).json()
+    assert set(answer["usage"]) == {"prompt_tokens", "completion_tokens", "total_tokens"}
 
 
 def test_sagemakers_ping_and_invocations(server):

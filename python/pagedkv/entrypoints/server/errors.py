@@ -86,7 +86,9 @@ def install_error_handlers(app: FastAPI) -> None:
         where = first.get("loc", ())
         location = [str(part) for part in where[1:] if "[" not in str(part) and part not in _TYPE_LABELS]
         param = where[1] if len(where) > 1 and isinstance(where[1], str) else None  # (not a JSON error's offset)
-        message = f"{'.'.join(location) or 'body'}: {first.get('msg', 'invalid request')}"
+        # (pydantic's own `[type=...]`, as vLLM's message carries it: clients match on it)
+        kind = f" [type={first['type']}]" if first.get("type") else ""
+        message = f"{'.'.join(location) or 'body'}: {first.get('msg', 'invalid request')}{kind}"
         return error_response(400, message, "invalid_request_error", param)
 
     @app.exception_handler(RequestFieldError)

@@ -40,12 +40,16 @@ def sse(payload: dict) -> str:
 class ResponseBuilder:
     """Completions and chat completions, whole or streamed, for one served model. Choice
     `i * n + j` is sample `j` of prompt `i`; `echo` prepends each prompt to its choices; a
-    `reasoning` parser moves chat replies' think blocks to `reasoning_content`."""
+    `reasoning` parser moves chat replies' think blocks to `reasoning_content`;
+    `prompt_tokens_details` adds `usage.prompt_tokens_details.cached_tokens` (vLLM's
+    --enable-prompt-tokens-details)."""
 
-    def __init__(self, tokenizer, model_name: str, reasoning: Optional[ReasoningParser] = None):
+    def __init__(self, tokenizer, model_name: str, reasoning: Optional[ReasoningParser] = None,
+                 prompt_tokens_details: bool = False):
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.reasoning = reasoning
+        self.prompt_tokens_details = prompt_tokens_details
 
     async def stream_chunks(self, request_id: str, outputs: AsyncIterator[tuple[int, RequestOutput]], num_prompts: int,
                             created: int, options: ReplyOptions) -> AsyncIterator[str]:
@@ -63,20 +67,22 @@ class ResponseBuilder:
         def chat_echo(prompt_index: int) -> str:
             return options.chat_echoes[prompt_index] if options.chat_echoes else ""
 
-        def role_chunk(prompt_token_ids: Optional[list[int]]) -> str:
+        def role_chunk(output: Optional[RequestOutput]) -> str:
             first = [{"index": i, "delta": {"role": "assistant", "content": chat_echo(i // n)}, "logprobs": None,
                       "finish_reason": None} for i in range(num_choices)]
             chunk = {"id": request_id, "object": kind, "created": created, "model": self.model_name, "choices": first}
-            if prompt_token_ids is not None:  # (vLLM: in the first chunk only)
-                chunk["prompt_token_ids"] = prompt_token_ids
+            if options.token_ids and output is not None:  # (vLLM: in the first chunk only)
+                chunk["prompt_token_ids"] = output.prompt_token_ids
+            if options.continuous_usage and output is not None:  # (every chunk: the prompt so far, nothing generated)
+                chunk["usage"] = self.usage_of(output.num_prompt_tokens, 0)
             return sse(chunk)
 
-        if role_pending and not options.token_ids:
+        if role_pending and not (options.token_ids or options.continuous_usage):
             yield role_chunk(None)
             role_pending = False
         async for prompt_index, output in outputs:
-            if role_pending:  # (return_token_ids: the role chunk carries the prompt's ids)
-                yield role_chunk(output.prompt_token_ids)
+            if role_pending:  # (the role chunk carries the prompt's ids, or its usage: it waits for them)
+                yield role_chunk(output)
                 role_pending = False
             choices = []
             for completion in output.outputs:
@@ -343,12 +349,14 @@ class ResponseBuilder:
         cached_tokens = sum(num_cached_tokens(output) for output in outputs)
         return self.usage_of(sum(output.num_prompt_tokens for output in outputs), completion_tokens, cached_tokens)
 
-    @staticmethod
-    def usage_of(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
-        """OpenAI's usage; `prompt_tokens_details.cached_tokens`: prompt tokens the prefix cache served."""
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    def usage_of(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+        """OpenAI's usage; `prompt_tokens_details.cached_tokens` (where enabled): prompt tokens the
+        prefix cache served."""
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                 "total_tokens": prompt_tokens + completion_tokens}
+        if self.prompt_tokens_details:
+            usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+        return usage
 
 
 def num_cached_tokens(output) -> int:

@@ -17,7 +17,6 @@ from pagedkv.params.lora_request import LoRARequest
 from pagedkv.entrypoints.server.errors import APIError
 from pagedkv.entrypoints.server.openapi import ModelList, ServerLoadResponse, StatusResponse, VersionResponse, answer
 from pagedkv.entrypoints.server.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
-from pagedkv.entrypoints.server.responses import ResponseBuilder
 from pagedkv.entrypoints.server.serving import ServingContext, serving
 
 logger = logging.getLogger("pagedkv.entrypoints.server")
@@ -94,7 +93,7 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, context: ServingContex
     except ValueError as error:  # (InvalidConfigError: the message names what is wrong)
         raise APIError(400, str(error), "invalid_request_error", "lora_path") from error
     context.adapters[name] = adapter
-    context.builders[name] = ResponseBuilder(context.tokenizer, name, context.reasoning)
+    context.builders[name] = context.builder(name)
     logger.info("LoRA adapter %r loaded from %s", name, body.lora_path)
     return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
 
