@@ -128,6 +128,14 @@ def test_a_malformed_request_is_a_400_naming_its_field(server, route, body, para
         assert error["message"].endswith("[type=greater_than_equal]"), error
 
 
+def test_token_ids_outside_the_vocabulary_are_named(server):
+    """As vLLM: the 400 names the ids and the vocabulary's size."""
+    response = post(server, "/v1/completions", '{"prompt": "w5", "logit_bias": {"99999999": 1, "5": 1}}')
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == "logit_bias", response.text
+    assert "99999999" in error["message"] and str(server.engine.model_info.vocab_size) in error["message"], error
+
+
 def test_a_cross_site_page_cannot_reset_the_prefix_cache(server):
     """A browser sends a page's body-less POST elsewhere without a preflight (CSRF); it names the
     page's origin, which curl and SDKs never send."""

@@ -88,8 +88,10 @@ class InputProcessor:
         token_id_fields = (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids),
                            ("allowed_token_ids", params.allowed_token_ids or ()))
         for name, token_ids in token_id_fields:
-            if any(token_id >= vocab_size for token_id in token_ids):
-                raise ValueError(f"{name} names token ids outside the vocabulary [0, {vocab_size})")
+            outside = sorted({token_id for token_id in token_ids if token_id >= vocab_size})
+            if outside:
+                shown = ", ".join(map(str, outside[:5])) + (", ..." if len(outside) > 5 else "")
+                raise ValueError(f"{name} names token ids outside the vocabulary [0, {vocab_size}): {shown}")
         if params.num_sequences > self.config.max_num_seqs:
             raise ValueError(f"n / beam_width={params.num_sequences} exceeds max_num_seqs={self.config.max_num_seqs}")
         params.check_logprobs(self.config.max_logprobs, vocab_size)
