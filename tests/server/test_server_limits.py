@@ -212,7 +212,7 @@ def test_megabytes_of_token_ids_are_parsed_and_checked_off_the_event_loop(server
                           headers={"content-type": "application/json"})
     assert response.status_code == small.status_code == 400
     error, small_error = response.json()["error"], small.json()["error"]
-    assert error["message"].endswith(": JSON decode error") and small_error["message"].endswith(": JSON decode error")
+    assert error["message"].endswith(": JSON decode error [type=json_invalid]") and small_error["message"].endswith(": JSON decode error [type=json_invalid]")
     assert {**error, "message": ""} == {**small_error, "message": ""}  # (the same answer, but for the position)
 
 
@@ -292,7 +292,7 @@ def test_health_answers_within_100_ms_while_30_mb_of_token_ids_are_refused(defau
             assert error["code"] == "context_length_exceeded" and error["param"] == field
             assert error["message"] == f"{field} has 6000000 tokens, more than max_model_len=256"
         else:
-            assert error["message"].endswith(": JSON decode error")
+            assert error["message"].endswith(": JSON decode error [type=json_invalid]")
         assert not parsed  # (refused by the screen: never parsed in the server)
         if len(latencies) >= 5 and max(latencies) < 0.1:
             break
