@@ -48,10 +48,10 @@ test-fast: test-rust
 # (tests/core runs in test-core-alone, against the core wheel alone.) The files are shared out over
 # PYTEST_WORKERS processes (pytest-xdist; a file's tests stay together, so its module fixtures load
 # once) and each worker its share of the cores (tests/conftest.py). After the run, each tier's
-# minutes of test time (scripts/test_tiers.py). The last run on the 2-core AVX2 dev machine
-# (2026-11-28, commit 7d0a211, warm caches): tests/engine 11.1, tests/models 5.2, tests/server 5.1,
-# tests/kernels 0.7, tests/unit 0.4 minutes of test time; pytest 11.9 min on 2 workers, make test
-# 14.9 min (a fresh-clone CI, installs included: 17.3 min).
+# minutes of test time (scripts/test_tiers.py). The last runs: on the 2-core AVX2 dev machine
+# (2026-11-28, 7d0a211, warm caches) pytest 11.9 min, make test 14.9 min; on a 2-core AVX-512
+# machine (2026-11-29, 0f5feab, a fresh-clone CI with installs) tests/engine 6.0, tests/server 3.0,
+# tests/models 2.9, tests/kernels 0.4, tests/unit 0.2 minutes of test time, pytest 6.6 min, all 9.1 min.
 PYTEST_WORKERS ?= $(shell n=$$(nproc); echo $$((n < 4 ? n : 4)))
 test-python:
 	mkdir -p build
