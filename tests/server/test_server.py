@@ -843,6 +843,11 @@ def test_truncation_allowed_tokens_and_bad_words_fields(server):
     body = {"prompt": "The quick brown fox jumps over the lazy dog", "max_tokens": 4, "temperature": 0}
     response = httpx.post(server.url + "/v1/completions", json={**body, "truncate_prompt_tokens": 3}, timeout=60).json()
     assert response["usage"]["prompt_tokens"] == 3
+    # (vLLM's truncation_side: which end is cut; token ids come back with return_token_ids)
+    ids = {"prompt": list(range(10, 18)), "max_tokens": 1, "truncate_prompt_tokens": 4, "return_token_ids": True}
+    for side, kept in (("left", list(range(14, 18))), ("right", list(range(10, 14))), (None, list(range(14, 18)))):
+        answer = httpx.post(server.url + "/v1/completions", json={**ids, "truncation_side": side}, timeout=60).json()
+        assert answer["choices"][0]["prompt_token_ids"] == kept, (side, answer)
     allowed = server.engine.tokenizer.encode(" yes no", add_special_tokens=False)
     response = httpx.post(server.url + "/v1/completions", json={**body, "allowed_token_ids": allowed}, timeout=60)
     text = response.json()["choices"][0]["text"]

@@ -157,6 +157,7 @@ def test_logit_bias_adds_to_the_named_logits_only():
         (dict(bad_words=["ok", " "]), "bad_words"),
         (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
         (dict(truncate_prompt_tokens=-2), "truncate_prompt_tokens"),
+        (dict(truncate_prompt_tokens=2, truncation_side="middle"), "truncation_side"),
     ],
 )
 def test_bad_token_ids_and_biases_are_named(params, field):

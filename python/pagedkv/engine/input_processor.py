@@ -128,7 +128,8 @@ class InputProcessor:
         if self.config.tensor_parallel_size > 1:
             raise ValueError("prompt_embeds is not supported with tensor_parallel_size > 1")
         return embeds_input.checked_prompt_embeds(prompt, self.model_info.hidden_size, self.model_info.vocab_size,
-                                                  self.max_model_len, params.truncate_prompt_tokens)
+                                                  self.max_model_len, params.truncate_prompt_tokens,
+                                                  params.truncation_side)
 
     def _prompt_tokens(self, prompt, params: SamplingParams) -> tuple[Optional[str], list[int]]:
         """The prompt's text (None for token ids) and tokens, truncated as `params` asks."""
@@ -149,7 +150,7 @@ class InputProcessor:
         if params.truncate_prompt_tokens is not None:
             keep = self.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
             if len(prompt_token_ids) > keep:  # (the text reported is what was kept)
-                prompt_token_ids = prompt_token_ids[-keep:]
+                prompt_token_ids = prompt_token_ids[kept_slice(keep, params.truncation_side)]
                 prompt_text = None if prompt_text is None else self.tokenizer.decode(prompt_token_ids)
         return prompt_text, prompt_token_ids
 
@@ -225,3 +226,8 @@ def longest_token_chars(tokenizer) -> int:
     """Characters of the tokenizer's longest token (as its vocabulary spells it, which is never
     shorter than the text it stands for): a text of c characters has at least c / this tokens."""
     return max((len(token) for token in tokenizer.get_vocab()), default=1)
+
+
+def kept_slice(keep: int, truncation_side: str) -> slice:
+    """The part of a prompt truncate_prompt_tokens keeps: its last `keep` tokens (side "left") or its first."""
+    return slice(-keep, None) if truncation_side == "left" else slice(0, keep)

@@ -27,10 +27,11 @@ def prompt_embeds_of(prompt) -> Optional[object]:
 
 
 def checked_prompt_embeds(prompt: dict, hidden_size: int, vocab_size: int, max_model_len: int,
-                          truncate_prompt_tokens: Optional[int]) -> tuple[list[int], PromptEmbeds]:
+                          truncate_prompt_tokens: Optional[int],
+                          truncation_side: str = "left") -> tuple[list[int], PromptEmbeds]:
     """(the prompt's token ids, placeholders at embedded positions; its PromptEmbeds): ValueError
     for anything malformed, PromptTooLongError beyond `max_model_len` positions unless
-    `truncate_prompt_tokens` keeps the last ones."""
+    `truncate_prompt_tokens` keeps the last ones (the first with `truncation_side` "right")."""
     rows = _checked_rows(prompt["prompt_embeds"], hidden_size)
     if "prompt_token_ids" in prompt:
         token_ids = [int(token) for token in prompt["prompt_token_ids"]]
@@ -51,7 +52,8 @@ def checked_prompt_embeds(prompt: dict, hidden_size: int, vocab_size: int, max_m
     if truncate_prompt_tokens is not None:
         keep = max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
         if len(token_ids) > keep:
-            token_ids, row_of_position = token_ids[-keep:], row_of_position[-keep:]
+            kept = slice(-keep, None) if truncation_side == "left" else slice(0, keep)
+            token_ids, row_of_position = token_ids[kept], row_of_position[kept]
             used = row_of_position >= 0
             rows = rows[torch.from_numpy(row_of_position[used])]
             row_of_position = row_of_position.copy()

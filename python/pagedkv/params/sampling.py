@@ -45,6 +45,7 @@ class SamplingParams:
     allowed_token_ids: Optional[list[int]] = None  # only these tokens may be generated
     bad_words: Optional[list[str]] = None  # words never generated (as a whole, with or without a leading space)
     truncate_prompt_tokens: Optional[int] = None  # keep only the prompt's last k tokens (-1: the model's limit)
+    truncation_side: str = "left"  # the end truncate_prompt_tokens cuts (vLLM's): left keeps the last, right the first
     # Callables (output_token_ids, logits) or (prompt_token_ids, output_token_ids, logits) -> logits,
     # logits being the row's 1-D float32 vocabulary scores (vLLM's logits_processors).
     logits_processors: Optional[list[Callable]] = None
@@ -138,6 +139,8 @@ class SamplingParams:
                                                                  and self.truncate_prompt_tokens != -1)
         ):
             fail("truncate_prompt_tokens", self.truncate_prompt_tokens, "None, -1 (the model's limit) or >= 1")
+        if self.truncation_side not in ("left", "right"):
+            fail("truncation_side", self.truncation_side, "left or right")
         if self.seed is not None and (not isinstance(self.seed, int) or not -(1 << 63) <= self.seed < (1 << 64)):
             fail("seed", self.seed, "a 64-bit integer, in [-2**63, 2**64)")
         if any(not isinstance(s, str) or not s for s in self.stop):

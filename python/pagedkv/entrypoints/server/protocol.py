@@ -255,6 +255,7 @@ class _Sampling(_Request):
     allowed_token_ids: Optional[list[int]] = None
     bad_words: Optional[list[str]] = None
     truncate_prompt_tokens: Optional[int] = None
+    truncation_side: Optional[Literal["left", "right"]] = None  # (vLLM's: the end truncate_prompt_tokens cuts)
     priority: Priority = 0  # with --scheduling-policy priority: smaller is served first
     prompt_logprobs: Optional[int] = Field(default=None, ge=-1)  # per prompt token: its logprob and k candidates (-1: all)
     return_token_ids: Optional[bool] = None  # the prompt's and each choice's token ids in the reply
@@ -310,6 +311,7 @@ class _Sampling(_Request):
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
+            truncation_side=self.truncation_side or "left",
             prompt_logprobs=self.prompt_logprobs,
         )
 
