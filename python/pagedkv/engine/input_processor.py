@@ -20,7 +20,7 @@ from pagedkv.errors import PromptTooLongError
 from pagedkv.outputs import RequestMetrics
 from pagedkv.params.lora_request import LoRARequest
 from pagedkv.params.pooling import PoolingParams
-from pagedkv.params.sampling import SamplingParams, check_unicode
+from pagedkv.params.sampling import SamplingParams, check_unicode, kept_slice
 from pagedkv.params.structured_output import GrammarCompiler
 from pagedkv.runner.step_messages import PromptEmbeds
 
@@ -226,8 +226,3 @@ def longest_token_chars(tokenizer) -> int:
     """Characters of the tokenizer's longest token (as its vocabulary spells it, which is never
     shorter than the text it stands for): a text of c characters has at least c / this tokens."""
     return max((len(token) for token in tokenizer.get_vocab()), default=1)
-
-
-def kept_slice(keep: int, truncation_side: str) -> slice:
-    """The part of a prompt truncate_prompt_tokens keeps: its last `keep` tokens (side "left") or its first."""
-    return slice(-keep, None) if truncation_side == "left" else slice(0, keep)

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from pagedkv.errors import PromptTooLongError
+from pagedkv.params.sampling import kept_slice
 from pagedkv.runner.step_messages import PromptEmbeds
 
 # The token id the scheduler, the prefix cache and the step's input ids see at an embedded
@@ -52,7 +53,7 @@ def checked_prompt_embeds(prompt: dict, hidden_size: int, vocab_size: int, max_m
     if truncate_prompt_tokens is not None:
         keep = max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
         if len(token_ids) > keep:
-            kept = slice(-keep, None) if truncation_side == "left" else slice(0, keep)
+            kept = kept_slice(keep, truncation_side)
             token_ids, row_of_position = token_ids[kept], row_of_position[kept]
             used = row_of_position >= 0
             rows = rows[torch.from_numpy(row_of_position[used])]

@@ -206,3 +206,8 @@ def check_unicode(text: str, field: str) -> None:
         text.encode("utf-8")
     except UnicodeEncodeError as error:
         raise ValueError(f"{field} must be valid Unicode text; found {error.reason} at index {error.start}") from None
+
+
+def kept_slice(keep: int, truncation_side: str) -> slice:
+    """The part of a prompt truncate_prompt_tokens keeps: its last `keep` tokens (side "left") or its first."""
+    return slice(-keep, None) if truncation_side == "left" else slice(0, keep)
