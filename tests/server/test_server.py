@@ -144,7 +144,7 @@ def flagged_server():
     """A server with the options that are off by default."""
     live = LiveServer(num_device_blocks=32, max_model_len=128, app_options={
         "enable_force_include_usage": True, "enable_tokenizer_info_endpoint": True,
-        "enable_prompt_tokens_details": True})
+        "enable_prompt_tokens_details": True, "enable_per_request_metrics": True})
     yield live
     live.stop()
 
@@ -167,6 +167,40 @@ def test_force_include_usage_puts_usage_in_every_chunk(flagged_server):
     assert chat[0].choices[0].delta.role == "assistant" and chat[0].usage.completion_tokens == 0
     assert all(chunk.usage is not None and chunk.usage.prompt_tokens == chat[0].usage.prompt_tokens for chunk in chat)
     assert counts == sorted(counts) and all(chunk.usage.total_tokens == chunk.usage.prompt_tokens + chunk.usage.completion_tokens for chunk in chunks)
+
+
+def test_per_request_metrics_time_a_one_choice_reply(flagged_server, server):
+    """--enable-per-request-metrics (vLLM's): a one-choice reply carries its timing, a stream on its
+    usage chunk only; several choices, or the flag off, carry none."""
+    from pagedkv.entrypoints.cli import build_parser
+
+    assert build_parser().parse_args(["serve", "--enable-per-request-metrics"]).enable_per_request_metrics
+    model, messages = flagged_server.engine.model_name, [{"role": "user", "content": "Count to four."}]
+    url = flagged_server.url + "/v1/chat/completions"
+    started = time.monotonic()
+    whole = httpx.post(url, json={"model": model, "messages": messages, "max_tokens": 4, "min_tokens": 4},
+                       timeout=60).json()
+    elapsed_ms = (time.monotonic() - started) * 1000
+    metrics = whole["metrics"]
+    assert set(metrics) == {"time_to_first_token_ms", "generation_time_ms", "queue_time_ms", "mean_itl_ms",
+                            "tokens_per_second"}
+    assert all(value >= 0 for value in metrics.values())
+    assert metrics["queue_time_ms"] + metrics["time_to_first_token_ms"] + metrics["generation_time_ms"] <= elapsed_ms
+    assert metrics["mean_itl_ms"] == pytest.approx(metrics["generation_time_ms"] / 3)
+    inference_s = (metrics["time_to_first_token_ms"] + metrics["generation_time_ms"]) / 1000
+    assert metrics["tokens_per_second"] == pytest.approx(4 / inference_s, rel=1e-3)
+
+    forced = OpenAI(base_url=flagged_server.url + "/v1", api_key="unused", timeout=60, max_retries=0)
+    chunks = list(forced.chat.completions.create(model=model, messages=messages, max_tokens=1, stream=True))
+    assert all("metrics" not in (chunk.model_extra or {}) for chunk in chunks[:-1])
+    last = chunks[-1].model_extra["metrics"]
+    assert chunks[-1].usage is not None and "mean_itl_ms" not in last and last["time_to_first_token_ms"] >= 0
+
+    two = httpx.post(flagged_server.url + "/v1/completions", json={"model": model, "prompt": "Hi", "max_tokens": 2,
+                                                                   "n": 2}, timeout=60).json()
+    plain = httpx.post(server.url + "/v1/completions", json={"model": server.engine.model_name, "prompt": "Hi",
+                                                             "max_tokens": 2}, timeout=60).json()
+    assert "metrics" not in two and "metrics" not in plain
 
 
 def test_tokenizer_info_and_token_strings(flagged_server, server):
@@ -371,6 +405,58 @@ def test_chat_streams_logprobs(client, server):
         assert [top.token for top in entry.top_logprobs][:1] == [entry.token] and len(entry.top_logprobs) == 2
         assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
         assert bytes(entry.bytes).decode("utf-8", "replace") == entry.token
+
+
+def test_logprob_token_ids_report_the_named_tokens_and_the_sampled_one(client, server):
+    model, prompt = server.engine.model_name, "The capital of France is"
+    natural = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0, logprobs=20)
+    ranked = sorted(natural.choices[0].logprobs.top_logprobs[0].items(), key=lambda item: -item[1])
+    ids = {text: tokenize(server, text) for text, _ in ranked}
+    second, tenth = [(ids[text][0], value) for text, value in (ranked[1], ranked[9]) if len(ids[text]) == 1]
+    far = 40000  # (far below the top 20)
+    named = [second[0], far, tenth[0]]
+    extra = {"logprob_token_ids": named, "return_tokens_as_token_ids": True}
+    whole = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0, logprobs=5,
+                                      extra_body=extra).choices[0].logprobs
+    top = whole.top_logprobs[0]
+    sampled = whole.tokens[0]
+    assert set(top) == {f"token_id:{t}" for t in named} | {sampled}  # (not the top 5)
+    assert top[f"token_id:{second[0]}"] == pytest.approx(second[1], abs=1e-4)
+    assert top[f"token_id:{tenth[0]}"] == pytest.approx(tenth[1], abs=1e-4)
+    assert top[f"token_id:{far}"] < tenth[1]
+
+    # Chat lists them all, whatever top_logprobs says, streamed or not; a sampled token outside
+    # the set is listed too.
+    args = dict(model=model, messages=[{"role": "user", "content": "Hello"}], max_tokens=1, temperature=0,
+                logprobs=True, extra_body={**extra, "logprob_token_ids": [100, 5000], "allowed_token_ids": [42]})
+    entry = client.chat.completions.create(top_logprobs=1, **args).choices[0].logprobs.content[0]
+    assert entry.token == "token_id:42"
+    assert {top.token for top in entry.top_logprobs} == {"token_id:42", "token_id:100", "token_id:5000"}
+    streamed = [top.token for chunk in client.chat.completions.create(stream=True, **args)
+                if chunk.choices and chunk.choices[0].logprobs for content in chunk.choices[0].logprobs.content
+                for top in content.top_logprobs]
+    assert sorted(streamed) == sorted(top.token for top in entry.top_logprobs)
+
+
+def test_prompt_ids_forwarded_in_kv_transfer_params_stand_for_the_messages(client, server):
+    """vLLM's decode-side token reuse: a router forwards the prefill stage's prompt ids in
+    kv_transfer_params, and the reply is to them, not to the request's own messages."""
+    model = server.engine.model_name
+    first = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hello, how are you?"}],
+                                           max_tokens=6, temperature=0, extra_body={"return_token_ids": True})
+    forwarded = {"kv_transfer_params": {"prompt_token_ids": first.prompt_token_ids}, "return_token_ids": True}
+    args = dict(model=model, messages=[{"role": "user", "content": "unrelated"}], max_tokens=6, temperature=0)
+    reused = client.chat.completions.create(extra_body=forwarded, **args)
+    assert reused.prompt_token_ids == first.prompt_token_ids
+    assert reused.choices[0].message.content == first.choices[0].message.content
+    streamed = list(client.chat.completions.create(stream=True, extra_body=forwarded, **args))
+    assert streamed[0].prompt_token_ids == first.prompt_token_ids
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices) == \
+        first.choices[0].message.content
+    for bad in ([1, 10**9], [], "1 2"):
+        body = {**args, "kv_transfer_params": {"prompt_token_ids": bad}}
+        response = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
+        assert response.status_code == 400 and response.json()["error"]["param"] == "kv_transfer_params"
 
 
 def test_token_ids_whole_and_streamed_as_vllm_returns_them(client, server):
@@ -647,6 +733,10 @@ def test_a_batch_with_a_bad_prompt_queues_nothing(server):
         ({"prompt": "hi", "stop_token_ids": [99999999], "min_tokens": 2}, "stop_token_ids"),
         ({"prompt": "hi", "top_k": -7}, "top_k"),
         ({"prompt": "hi", "priority": 2}, "priority"),
+        ({"prompt": "hi", "logprob_token_ids": [5]}, "logprob_token_ids"),
+        ({"prompt": "hi", "logprobs": 1, "logprob_token_ids": [5], "use_beam_search": True}, "logprob_token_ids"),
+        ({"prompt": "hi", "logprobs": 1, "logprob_token_ids": [99999999]}, "logprob_token_ids"),
+        ({"prompt": "hi", "logprobs": 1, "logprob_token_ids": list(range(129))}, "logprob_token_ids"),
     ],
 )
 def test_bad_requests_get_400_with_the_error_json(server, body, param):

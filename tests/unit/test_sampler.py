@@ -158,6 +158,9 @@ def test_logit_bias_adds_to_the_named_logits_only():
         (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
         (dict(truncate_prompt_tokens=-2), "truncate_prompt_tokens"),
         (dict(truncate_prompt_tokens=2, truncation_side="middle"), "truncation_side"),
+        (dict(logprob_token_ids=[1, -1]), "logprob_token_ids"),
+        (dict(logprob_token_ids=list(range(129))), "logprob_token_ids"),
+        (dict(logprob_token_ids=[1], use_beam_search=True, temperature=0), "logprob_token_ids"),
     ],
 )
 def test_bad_token_ids_and_biases_are_named(params, field):
@@ -193,6 +196,19 @@ def test_logprobs_are_log_softmax_of_the_raw_logits():
         values, ids = expected[i].topk(k)
         assert list(top) == ids.tolist()
         assert list(top.values()) == pytest.approx(values.tolist(), abs=1e-5)
+
+
+def test_logprob_token_ids_report_those_tokens_instead_of_the_top_k():
+    logits = random_logits(2, seed=3)
+    expected = torch.log_softmax(logits, -1)
+    named = [7, 0, 49]
+    results = Sampler()(logits, [row(0, temperature=0, logprob_token_ids=named),
+                                 row(1, temperature=0, logprobs=3, logprob_token_ids=[5])])
+    assert list(results[0].top_logprobs) == named
+    assert list(results[0].top_logprobs.values()) == pytest.approx(expected[0, named].tolist(), abs=1e-5)
+    assert results[0].logprob == pytest.approx(expected[0].max().item(), abs=1e-5)
+    assert list(results[1].top_logprobs) == [5]  # (they replace the top k)
+    assert SamplingParams(logprob_token_ids=[1]).logprobs == 0  # (they turn logprobs on)
 
 
 def test_a_mixed_batch_samples_each_row_under_its_own_settings():

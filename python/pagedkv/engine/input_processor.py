@@ -86,7 +86,8 @@ class InputProcessor:
             prompt_text, prompt_token_ids = self._prompt_tokens(prompt, params)
         vocab_size = self.model_info.vocab_size
         token_id_fields = (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids),
-                           ("allowed_token_ids", params.allowed_token_ids or ()))
+                           ("allowed_token_ids", params.allowed_token_ids or ()),
+                           ("logprob_token_ids", params.logprob_token_ids or ()))
         for name, token_ids in token_id_fields:
             outside = sorted({token_id for token_id in token_ids if token_id >= vocab_size})
             if outside:

@@ -167,7 +167,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                  enable_force_include_usage=args.enable_force_include_usage,
                  enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
                  enable_server_load_tracking=args.enable_server_load_tracking, root_path=args.root_path,
-                 uds=args.uds, enable_prompt_tokens_details=args.enable_prompt_tokens_details)
+                 uds=args.uds, enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+                 enable_per_request_metrics=args.enable_per_request_metrics)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -203,6 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--enable-prompt-tokens-details", action="store_true",
                        help="usage carries prompt_tokens_details.cached_tokens: prompt tokens the prefix cache "
                             "served (vLLM's flag; off by default, as there)")
+    serve.add_argument("--enable-per-request-metrics", action="store_true",
+                       help="a one-choice reply carries `metrics`: queue time, time to first token, decode time, "
+                            "mean inter-token latency, tokens per second (vLLM's flag; streamed: on the usage chunk)")
     serve.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                        help="GET /tokenizer_info: the tokenizer's configuration and chat template")
     serve.add_argument("--enable-server-load-tracking", action="store_true",

@@ -11,6 +11,7 @@ from pagedkv.params.structured_output import StructuredOutputsParams
 # Bounds on the lists a client sends, checked here and declared in the server's request models.
 MAX_STOP_STRINGS = 64  # stop strings, and stop token ids
 MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_LOGPROB_TOKEN_IDS = 128  # vLLM's bound
 # Temperatures below this sample greedily (vLLM's _SAMPLING_EPS): dividing logits by them
 # overflows to infinities, which would make the draw uniform over the tied tokens.
 GREEDY_BELOW_TEMPERATURE = 1e-5
@@ -37,6 +38,9 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: Optional[int] = None  # number of top candidates to report per token
+    # vLLM's logprob_token_ids: report these tokens' logprobs per token (with the sampled one's)
+    # instead of the top `logprobs` candidates; setting them turns logprobs on.
+    logprob_token_ids: Optional[list[int]] = None
     prompt_logprobs: Optional[int] = None  # the same for each prompt token (its prefix is then computed, not cached)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -69,6 +73,7 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
         self.allowed_token_ids = list(self.allowed_token_ids) if self.allowed_token_ids is not None else None
+        self.logprob_token_ids = list(self.logprob_token_ids) if self.logprob_token_ids else None
         self.bad_words = list(self.bad_words) if self.bad_words else None
         self.logits_processors = list(self.logits_processors) if self.logits_processors else None
         if isinstance(self.structured_outputs, dict):
@@ -78,6 +83,8 @@ class SamplingParams:
         self._validate()
         if self.temperature < GREEDY_BELOW_TEMPERATURE:
             self.temperature = 0.0
+        if self.logprob_token_ids and self.logprobs is None:
+            self.logprobs = 0
 
     def _validate(self) -> None:
         def fail(name: str, value: object, rule: str) -> None:
@@ -128,6 +135,12 @@ class SamplingParams:
             not self.allowed_token_ids or any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)
         ):
             fail("allowed_token_ids", self.allowed_token_ids, "None or a non-empty list of token ids (integers >= 0)")
+        if self.logprob_token_ids is not None and (
+            len(self.logprob_token_ids) > MAX_LOGPROB_TOKEN_IDS
+            or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.logprob_token_ids)
+        ):
+            fail("logprob_token_ids", self.logprob_token_ids,
+                 f"None or a list of at most {MAX_LOGPROB_TOKEN_IDS} token ids (integers >= 0)")
         if any(not isinstance(word, str) or not word.strip() for word in self.bad_words or ()):
             fail("bad_words", self.bad_words, "a list of non-empty strings")
         for word in self.bad_words or ():
@@ -158,6 +171,8 @@ class SamplingParams:
                 fail("temperature", self.temperature, "0 with use_beam_search (beams are greedy)")
             if self.structured_outputs is not None:
                 fail("structured_outputs", self.structured_outputs, "None with use_beam_search")
+            if self.logprob_token_ids:
+                fail("logprob_token_ids", self.logprob_token_ids, "None with use_beam_search")
             if self.output_kind == "delta":  # (beams are rewritten until the end: nothing to add to)
                 fail("output_kind", self.output_kind, "'cumulative' or 'final_only' with use_beam_search")
 

@@ -123,8 +123,10 @@ class Sampler:
             logprobs = torch.log_softmax(raw_logits[index], dim=-1)
             values = logprobs.gather(1, tokens[index][:, None]).squeeze(1).tolist()
             for j, i in enumerate(wanted):
-                top = None
-                if rows[i].params.logprobs:
+                top, named = None, rows[i].params.logprob_token_ids
+                if named:
+                    top = dict(zip(named, logprobs[j][to_device(torch.tensor(named), logprobs.device)].tolist()))
+                elif rows[i].params.logprobs:
                     top_values, top_ids = logprobs[j].topk(rows[i].params.logprobs)
                     top = dict(zip(top_ids.tolist(), top_values.tolist()))
                 sampled.logprobs[i] = (values[j], top)

@@ -47,7 +47,7 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
                request_body_pause_seconds: float = BODY_PAUSE_SECONDS,
                enable_force_include_usage: bool = False, enable_tokenizer_info_endpoint: bool = False,
                enable_server_load_tracking: bool = False, root_path: str = "",
-               enable_prompt_tokens_details: bool = False) -> FastAPI:
+               enable_prompt_tokens_details: bool = False, enable_per_request_metrics: bool = False) -> FastAPI:
     """The app around an engine; an AsyncLLM steps it for the app's lifetime. `chat_template`
     (Jinja) replaces the tokenizer's own, e.g. for a base model that has none. `api_key`: /v1
     routes (all but /health) answer 401 unless the request carries `Authorization: Bearer <api_key>`; an
@@ -59,7 +59,9 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
     adds vLLM's GET /tokenizer_info (off by default, as in vLLM: it shows the tokenizer's setup).
     `enable_server_load_tracking`: GET /load counts the requests in flight (vLLM's; server/load_reports.py).
     `enable_prompt_tokens_details`: usage carries `prompt_tokens_details.cached_tokens`, the prompt
-    tokens the prefix cache served (vLLM's flag; off, as there).
+    tokens the prefix cache served (vLLM's flag; off, as there). `enable_per_request_metrics`: a
+    one-choice reply carries `metrics` (its queue time, time to first token, decode time, mean
+    inter-token latency, tokens per second; streamed: on the usage chunk), vLLM's flag.
     `lora_modules` ({name: PEFT directory, or {"path", "base_model_name"}}, engine with enable_lora): each adapter is served as a
     model of its own name, loaded now. `allow_runtime_lora_updating` adds vLLM's
     /v1/load_lora_adapter and /v1/unload_lora_adapter (adapters from the server's disk).
@@ -70,7 +72,7 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
     if not isinstance(max_request_body_bytes, int) or max_request_body_bytes <= 0:
         raise InvalidConfigError(f"max_request_body_bytes must be a positive integer, got {max_request_body_bytes!r}")
     context = ServingContext(engine, served_model_name, chat_template, lora_modules, reasoning_parser, tool_call_parser,
-                             enable_force_include_usage, enable_prompt_tokens_details)
+                             enable_force_include_usage, enable_prompt_tokens_details, enable_per_request_metrics)
     if allow_runtime_lora_updating and not context.supports_lora:
         raise ValueError("allow_runtime_lora_updating needs an engine built with enable_lora=True")
 
@@ -137,7 +139,7 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, serve
           max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, shutdown_grace_seconds: float = 10.0,
           enable_force_include_usage: bool = False, enable_tokenizer_info_endpoint: bool = False,
           enable_server_load_tracking: bool = False, root_path: str = "", uds: Optional[str] = None,
-          enable_prompt_tokens_details: bool = False,
+          enable_prompt_tokens_details: bool = False, enable_per_request_metrics: bool = False,
           request_header_timeout_seconds: float = DEFAULT_REQUEST_HEADER_TIMEOUT_SECONDS) -> int:
     """Builds the engine and runs uvicorn until SIGINT/SIGTERM: stops accepting, lets in-flight
     requests finish for `shutdown_grace_seconds`, aborts the rest (ServingContext.drain), and
@@ -182,7 +184,8 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, serve
                      enable_force_include_usage=enable_force_include_usage,
                      enable_tokenizer_info_endpoint=enable_tokenizer_info_endpoint,
                      enable_server_load_tracking=enable_server_load_tracking, root_path=root_path,
-                     enable_prompt_tokens_details=enable_prompt_tokens_details)
+                     enable_prompt_tokens_details=enable_prompt_tokens_details,
+                     enable_per_request_metrics=enable_per_request_metrics)
     # The startup heap (torch, the model, the tokenizer: ~440k objects) lives as long as the server:
     # frozen, the full collections skip it. Each paused every stream and /health 0.25 s (as vLLM).
     gc.collect()

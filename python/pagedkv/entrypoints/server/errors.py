@@ -21,7 +21,7 @@ logger = logging.getLogger("pagedkv.entrypoints.server")
 
 # Engine ValueErrors that start with one of these name a sampling field; others are about the prompt.
 SAMPLING_FIELDS = frozenset({"logit_bias", "stop_token_ids", "n", "structured_outputs", "priority", "allowed_token_ids",
-                             "max_tokens", "logprobs"})
+                             "max_tokens", "logprobs", "logprob_token_ids"})
 # Sampling fields a chat request calls by another name.
 CHAT_FIELDS = {"logprobs": "top_logprobs"}
 # Parts of a validation error's location that name a union's branch, not a field of the request.

@@ -15,7 +15,7 @@ from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, Validati
                       with_config)
 from typing_extensions import TypedDict
 
-from pagedkv.params.sampling import MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_STRINGS, SamplingParams, check_unicode
+from pagedkv.params.sampling import MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROB_TOKEN_IDS, MAX_STOP_STRINGS, SamplingParams, check_unicode
 from pagedkv.params.structured_output import StructuredOutputsParams
 
 
@@ -259,6 +259,8 @@ class _Sampling(_Request):
     priority: Priority = 0  # with --scheduling-policy priority: smaller is served first
     prompt_logprobs: Optional[int] = Field(default=None, ge=-1)  # per prompt token: its logprob and k candidates (-1: all)
     return_token_ids: Optional[bool] = None  # the prompt's and each choice's token ids in the reply
+    # vLLM's: these tokens' logprobs at each generated token (with the sampled one's) instead of the top k
+    logprob_token_ids: Optional[Annotated[list[int], Field(max_length=MAX_LOGPROB_TOKEN_IDS)]] = None
     return_tokens_as_token_ids: Optional[bool] = None  # logprobs name tokens "token_id:<id>"
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_* fields.
     response_format: Optional[ResponseFormat] = None
@@ -273,6 +275,22 @@ class _Sampling(_Request):
         if self.stream_options is not None and not self.stream:
             raise RequestFieldError("stream_options", "stream_options can only be given with stream=true")
         return self
+
+    @model_validator(mode="after")
+    def _logprob_token_ids_apart_from_beams(self):
+        if self.logprob_token_ids and self.use_beam_search:
+            raise RequestFieldError("logprob_token_ids", "`logprob_token_ids` is not supported with beam search.")
+        return self
+
+    def reported_logprobs(self, top: Optional[int]) -> Optional[int]:
+        """The logprobs candidates to ask the engine for (`top`, or 0 beside logprob_token_ids,
+        which replace them); raises RequestFieldError for logprob_token_ids without logprobs."""
+        if not self.logprob_token_ids:
+            return top
+        if top is None:
+            wanted = "set to true" if isinstance(self, ChatCompletionRequest) else "set"
+            raise RequestFieldError("logprob_token_ids", f"when using `logprob_token_ids`, `logprobs` must be {wanted}.")
+        return 0
 
     def sampling_params(self, logprobs: Optional[int], default_max_tokens: int,
                         defaults: Optional[dict] = None) -> SamplingParams:
@@ -301,7 +319,8 @@ class _Sampling(_Request):
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=value("repetition_penalty"),
             logit_bias=self.token_logit_bias(),
-            logprobs=logprobs,
+            logprobs=self.reported_logprobs(logprobs),
+            logprob_token_ids=self.logprob_token_ids,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             use_beam_search=self.use_beam_search,
@@ -403,6 +422,9 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     echo: bool = False
+    # vLLM's disaggregated-serving field; of it, only `prompt_token_ids` is read: a router forwards
+    # the prefill stage's prompt ids, which then stand for the rendered messages.
+    kv_transfer_params: Optional[dict[str, Any]] = None
 
     @model_validator(mode="after")
     def _one_way_to_start_the_reply(self):
@@ -415,6 +437,20 @@ class ChatCompletionRequest(_Sampling):
         the reply continues), else ""."""
         return [conversation[-1].text() if self.echo and conversation[-1].role == "assistant" else ""
                 for conversation in self.conversations()]
+
+    def forwarded_prompt_token_ids(self, vocab_size: int) -> Optional[list[int]]:
+        """kv_transfer_params.prompt_token_ids, checked (RequestFieldError), or None."""
+        ids = (self.kv_transfer_params or {}).get("prompt_token_ids")
+        if ids is None:
+            return None
+        if not isinstance(ids, list) or not ids or any(type(t) is not int for t in ids):
+            raise RequestFieldError("kv_transfer_params", "kv_transfer_params.prompt_token_ids must be a non-empty "
+                                                          "list of token ids")
+        outside = sorted({t for t in ids if not 0 <= t < vocab_size})
+        if outside:
+            raise RequestFieldError("kv_transfer_params", f"token ids {outside[:5]} out of vocabulary [0, {vocab_size}) "
+                                                          "in kv_transfer_params.prompt_token_ids")
+        return ids
 
     def chat_logprobs(self) -> Optional[int]:
         return (self.top_logprobs or 0) if self.logprobs else None

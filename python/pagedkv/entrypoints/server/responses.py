@@ -12,6 +12,7 @@ from typing import AsyncIterator, Optional
 
 from pagedkv.outputs import ClassificationRequestOutput, CompletionOutput, EmbeddingRequestOutput, RequestOutput
 from pagedkv.entrypoints.server.reasoning import ReasoningParser
+from pagedkv.entrypoints.server.request_timing import timing_metrics
 from pagedkv.entrypoints.server.tools import ToolCalling
 
 
@@ -42,14 +43,16 @@ class ResponseBuilder:
     `i * n + j` is sample `j` of prompt `i`; `echo` prepends each prompt to its choices; a
     `reasoning` parser moves chat replies' think blocks to `reasoning_content`;
     `prompt_tokens_details` adds `usage.prompt_tokens_details.cached_tokens` (vLLM's
-    --enable-prompt-tokens-details)."""
+    --enable-prompt-tokens-details); `per_request_metrics` adds a one-choice reply's `metrics`
+    (vLLM's --enable-per-request-metrics: request_timing.py)."""
 
     def __init__(self, tokenizer, model_name: str, reasoning: Optional[ReasoningParser] = None,
-                 prompt_tokens_details: bool = False):
+                 prompt_tokens_details: bool = False, per_request_metrics: bool = False):
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.reasoning = reasoning
         self.prompt_tokens_details = prompt_tokens_details
+        self.per_request_metrics = per_request_metrics
 
     async def stream_chunks(self, request_id: str, outputs: AsyncIterator[tuple[int, RequestOutput]], num_prompts: int,
                             created: int, options: ReplyOptions) -> AsyncIterator[str]:
@@ -113,8 +116,11 @@ class ResponseBuilder:
                     if options.include_usage:
                         num_generated = sum(so_far.num_tokens for so_far in choices_so_far.values())
                         usage = self.usage_of(sum(prompt_tokens.values()), num_generated, sum(cached_tokens.values()))
-                        yield sse({"id": request_id, "object": kind, "created": created, "model": self.model_name,
-                                   "choices": [], "usage": usage})
+                        chunk = {"id": request_id, "object": kind, "created": created, "model": self.model_name,
+                                 "choices": [], "usage": usage}
+                        if self.per_request_metrics and num_choices == 1:
+                            chunk["metrics"] = timing_metrics(output.metrics, num_generated)
+                        yield sse(chunk)
                     yield "data: [DONE]\n\n"
                     return
 
@@ -264,6 +270,8 @@ class ResponseBuilder:
                 choices.append(choice)
         response = {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": created,
                     "model": self.model_name, "choices": choices, "usage": self.usage(outputs)}
+        if self.per_request_metrics and len(choices) == 1:
+            response["metrics"] = timing_metrics(outputs[0].metrics, len(outputs[0].outputs[0].token_ids))
         if chat and outputs:  # (one prompt)
             response["prompt_token_ids"] = outputs[0].prompt_token_ids if options.token_ids else None
             response["prompt_logprobs"] = self.prompt_logprobs(outputs[0], options)

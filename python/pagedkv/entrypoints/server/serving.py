@@ -43,7 +43,7 @@ class ServingContext:
     def __init__(self, engine: LLMEngine, served_model_name: Optional[str] = None, chat_template: Optional[str] = None,
                  lora_modules: Optional[dict[str, Union[str, dict]]] = None, reasoning_parser: Optional[str] = None,
                  tool_call_parser: str = "hermes", force_include_usage: bool = False,
-                 prompt_tokens_details: bool = False):
+                 prompt_tokens_details: bool = False, per_request_metrics: bool = False):
         if tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {tool_call_parser!r}")
         self.model_name = served_model_name or engine.model_name
@@ -73,6 +73,7 @@ class ServingContext:
         self.generation_defaults = engine.generation_defaults
         self.supports_lora = engine.config.enable_lora
         self.prompt_tokens_details = prompt_tokens_details  # (--enable-prompt-tokens-details, as vLLM)
+        self.per_request_metrics = per_request_metrics  # (--enable-per-request-metrics, as vLLM)
         self.builders = {name: self.builder(name) for name in (self.model_name, *self.adapters)}
         stats = engine.stats()
         cache_config = {"block_size": engine.config.block_size, "num_gpu_blocks": stats["num_device_blocks"],
@@ -88,7 +89,8 @@ class ServingContext:
     # -- life --------------------------------------------------------------------------------
     def builder(self, name: str) -> ResponseBuilder:
         """The replies' builder for served model `name` (the base model or an adapter)."""
-        return ResponseBuilder(self.tokenizer, name, self.reasoning, self.prompt_tokens_details)
+        return ResponseBuilder(self.tokenizer, name, self.reasoning, self.prompt_tokens_details,
+                               self.per_request_metrics)
 
     def start(self) -> None:
         """Starts the engine client (its loop thread steps the engine from now on)."""

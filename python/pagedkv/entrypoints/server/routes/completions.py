@@ -13,10 +13,12 @@ from fastapi import APIRouter, Depends, Request
 from pagedkv.entrypoints.server.json_body import OffLoopJSONRoute
 from pagedkv.entrypoints.server.openapi import ChatCompletion, Completion, answer, streamed_answer
 from pagedkv.entrypoints.server.prompt_embeds import decode_prompt_embeds, embeds_marker, spliced_prompt
-from pagedkv.entrypoints.server.protocol import BatchChatCompletionRequest, ChatCompletionRequest, CompletionRequest
+from pagedkv.entrypoints.server.protocol import (BatchChatCompletionRequest, ChatCompletionRequest, CompletionRequest,
+                                                RequestFieldError)
 from pagedkv.entrypoints.server.responses import ReplyOptions
 from pagedkv.entrypoints.server.serving import ServingContext, make_params, merged, serving, streamed_output_kind, with_tools
 from pagedkv.entrypoints.server.tools import ToolCalling
+from pagedkv.params.sampling import SamplingParams
 
 router = APIRouter(route_class=OffLoopJSONRoute)
 
@@ -53,6 +55,12 @@ async def answer_chat(body: ChatCompletionRequest, request: Request, context: Se
     chat_tools, tool_choice = body.chat_tools()
     tools = context.tool_calling(chat_tools, tool_choice)
     params = context.with_reasoning(with_tools(params, tools, "structured outputs (response_format, guided_*)"))
+    forwarded = body.forwarded_prompt_token_ids(context.model_info.vocab_size)
+    if forwarded is not None:
+        if isinstance(body, BatchChatCompletionRequest):
+            raise RequestFieldError("kv_transfer_params", "kv_transfer_params.prompt_token_ids is one prompt's: "
+                                                          "not with a batch of conversations")
+        return await run(context, request, [forwarded], params, body, served, chat=True, tools=tools)
     prompts = await asyncio.gather(*(chat_prompt(context, body, conversation, chat_tools if tools is not None else None)
                                      for conversation in body.conversations()))
     return await run(context, request, list(prompts), params, body, served, chat=True, tools=tools)
@@ -88,10 +96,18 @@ async def run(context: ServingContext, request: Request, prompts: list, params, 
                            chat_echoes=tuple(body.echoed_texts()) if chat else (),
                            continuous_usage=context.force_include_usage or (
                                include_usage and stream_options is not None and stream_options.continuous_usage_stats),
-                           tools=tools, top_logprobs=params.logprobs or 0, token_ids=bool(body.return_token_ids),
+                           tools=tools, top_logprobs=listed_logprobs(params), token_ids=bool(body.return_token_ids),
                            tokens_as_ids=bool(body.return_tokens_as_token_ids), prompt_logprobs=body.prompt_logprobs)
     if body.stream:
         chunks = builder.stream_chunks(request_id, merged(streams), len(streams), created, options)
         return context.event_stream(streams, chunks)
     finals = await context.final_outputs(request, streams)
     return builder.full_response(request_id, finals, created, options)
+
+
+def listed_logprobs(params: SamplingParams) -> int:
+    """Chat's top_logprobs entries per token: the k asked, or every one of logprob_token_ids and
+    the sampled token."""
+    if params.logprob_token_ids:
+        return len(params.logprob_token_ids) + 1
+    return params.logprobs or 0
