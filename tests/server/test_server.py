@@ -218,6 +218,23 @@ def test_tokenizer_info_and_token_strings(flagged_server, server):
     assert set(answer["usage"]) == {"prompt_tokens", "completion_tokens", "total_tokens"}
 
 
+def test_streamed_samples_come_one_choice_per_chunk(client, server):
+    """As vLLM streams n > 1: each chunk carries one choice, so clients that read choices[0] see
+    every sample's text and its one finish_reason."""
+    model = server.engine.model_name
+    streams = {
+        "completions": client.completions.create(model=model, prompt="What is an LLM?", max_tokens=12, n=3,
+                                                 temperature=1.0, seed=42, stream=True),
+        "chat": client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
+                                               max_tokens=12, n=3, temperature=1.0, seed=42, stream=True),
+    }
+    for name, stream in streams.items():
+        chunks = list(stream)
+        assert all(len(chunk.choices) == 1 for chunk in chunks), name
+        ends = sorted(chunk.choices[0].index for chunk in chunks if chunk.choices[0].finish_reason is not None)
+        assert ends == [0, 1, 2], name
+
+
 def test_sagemakers_ping_and_invocations(server):
     """vLLM's SageMaker routes: /ping is /health; /invocations serves a body as the first route
     whose request it is."""

@@ -70,22 +70,29 @@ class ResponseBuilder:
         def chat_echo(prompt_index: int) -> str:
             return options.chat_echoes[prompt_index] if options.chat_echoes else ""
 
-        def role_chunk(output: Optional[RequestOutput]) -> str:
-            first = [{"index": i, "delta": {"role": "assistant", "content": chat_echo(i // n)}, "logprobs": None,
-                      "finish_reason": None} for i in range(num_choices)]
-            chunk = {"id": request_id, "object": kind, "created": created, "model": self.model_name, "choices": first}
-            if options.token_ids and output is not None:  # (vLLM: in the first chunk only)
-                chunk["prompt_token_ids"] = output.prompt_token_ids
-            if options.continuous_usage and output is not None:  # (every chunk: the prompt so far, nothing generated)
-                chunk["usage"] = self.usage_of(output.num_prompt_tokens, 0)
-            return sse(chunk)
+        def role_chunks(output: Optional[RequestOutput]) -> list[str]:
+            """Each choice's first chunk, the role (one choice per chunk)."""
+            chunks = []
+            for i in range(num_choices):
+                first = {"index": i, "delta": {"role": "assistant", "content": chat_echo(i // n)}, "logprobs": None,
+                         "finish_reason": None}
+                chunk = {"id": request_id, "object": kind, "created": created, "model": self.model_name,
+                         "choices": [first]}
+                if options.token_ids and output is not None:  # (vLLM: in the first chunks only)
+                    chunk["prompt_token_ids"] = output.prompt_token_ids
+                if options.continuous_usage and output is not None:  # (every chunk: the prompt so far, nothing generated)
+                    chunk["usage"] = self.usage_of(output.num_prompt_tokens, 0)
+                chunks.append(sse(chunk))
+            return chunks
 
         if role_pending and not (options.token_ids or options.continuous_usage):
-            yield role_chunk(None)
+            for chunk in role_chunks(None):
+                yield chunk
             role_pending = False
         async for prompt_index, output in outputs:
             if role_pending:  # (the role chunk carries the prompt's ids, or its usage: it waits for them)
-                yield role_chunk(output)
+                for chunk in role_chunks(output):
+                    yield chunk
                 role_pending = False
             choices = []
             for completion in output.outputs:
@@ -101,11 +108,12 @@ class ResponseBuilder:
                 if choice is not None:
                     choices.append(choice)
                     so_far.finished = choice["finish_reason"] is not None
-            if choices:
+            if choices and options.continuous_usage:
+                prompts_seen[prompt_index] = output.num_prompt_tokens
+            for choice in choices:  # (one per chunk, as vLLM: clients read choices[0])
                 chunk = {"id": request_id, "object": kind, "created": created, "model": self.model_name,
-                         "choices": choices}
+                         "choices": [choice]}
                 if options.continuous_usage:
-                    prompts_seen[prompt_index] = output.num_prompt_tokens
                     num_generated = sum(so_far.num_tokens for so_far in choices_so_far.values())
                     chunk["usage"] = self.usage_of(sum(prompts_seen.values()), num_generated)
                 yield sse(chunk)
