@@ -40,13 +40,17 @@ def assert_idle_and_serving(server) -> None:
     assert response.status_code == 200 and response.json()["choices"][0]["finish_reason"] == "length"
 
 
-def test_any_64_bit_seed_is_served(server):
+def test_any_signed_64_bit_seed_is_served(server):
+    """vLLM's seed range, [-2**63, 2**63); beyond it a 400 naming the bound crossed."""
     body = {"prompt": "Hello", "max_tokens": 4, "temperature": 1.0}
-    texts = [httpx.post(server.url + "/v1/completions", json={**body, "seed": 2**64 - 1}, timeout=60).json()
-             ["choices"][0]["text"] for _ in range(2)]
-    assert texts[0] == texts[1]
-    response = httpx.post(server.url + "/v1/completions", json={**body, "seed": 2**64}, timeout=60)
-    assert response.status_code == 400 and response.json()["error"]["param"] == "seed"
+    for seed in (2**63 - 1, -(2**63)):
+        texts = [httpx.post(server.url + "/v1/completions", json={**body, "seed": seed}, timeout=60).json()
+                 ["choices"][0]["text"] for _ in range(2)]
+        assert texts[0] == texts[1]
+    for seed, bound in ((2**63, "less_than_equal"), (-(2**63) - 1, "greater_than_equal")):
+        response = httpx.post(server.url + "/v1/completions", json={**body, "seed": seed}, timeout=60)
+        assert response.status_code == 400 and response.json()["error"]["param"] == "seed"
+        assert bound in response.json()["error"]["message"]
     assert_idle_and_serving(server)
 
 

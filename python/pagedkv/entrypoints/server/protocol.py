@@ -232,7 +232,7 @@ class _Sampling(_Request):
     n: int = Field(default=1, ge=1)
     best_of: Optional[int] = Field(default=None, ge=1)  # only n (every sample is returned)
     stop: Optional[Union[str, Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)]]] = None
-    seed: Optional[int] = Field(default=None, ge=0, lt=2**64)
+    seed: Optional[int] = Field(default=None, ge=-(2**63), le=2**63 - 1)  # (vLLM's: a signed 64-bit integer)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     # token id (as a string) -> bias in [-100, 100]
