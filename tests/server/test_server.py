@@ -765,6 +765,16 @@ def test_bad_requests_get_400_with_the_error_json(server, body, param):
         assert "max_model_len=512" in error["message"]
 
 
+def test_missing_and_out_of_vocabulary_prompts_answer_in_vllms_words(server):
+    """(vLLM's tests match these messages.)"""
+    for body, words in (({"prompt_embeds": []}, "Either prompt or prompt_embeds must be provided and non-empty."),
+                        ({}, "Either prompt or prompt_embeds must be provided and non-empty."),
+                        ({"prompt": [5, 999999]}, "out of vocabulary")):
+        response = httpx.post(server.url + "/v1/completions", json={"max_tokens": 3, **body}, timeout=30)
+        assert response.status_code == 400 and words in response.json()["error"]["message"], response.text
+        assert response.json()["error"]["param"] == "prompt"
+
+
 def test_malformed_json_and_unknown_model(server):
     response = httpx.post(server.url + "/v1/completions", content=b"{not json", timeout=10,
                           headers={"content-type": "application/json"})

@@ -6,6 +6,7 @@ scheduler nor the engine's books, so any thread may run it while the engine step
 from __future__ import annotations
 
 import hashlib
+import operator
 import threading
 import time
 from dataclasses import dataclass
@@ -143,9 +144,14 @@ class InputProcessor:
                     f"{self.max_model_len} tokens of this tokenizer span more than {self.max_prompt_chars} characters")
             prompt_text, prompt_token_ids = prompt, self.tokenize(prompt, "prompt")
         else:
-            prompt_text, prompt_token_ids = None, list(prompt)
-            if not prompt_token_ids or any(not 0 <= int(t) < vocab_size for t in prompt_token_ids):
-                raise ValueError(f"prompt token ids must be a non-empty list of ints in [0, {vocab_size})")
+            try:
+                prompt_text, prompt_token_ids = None, [operator.index(t) for t in prompt]
+            except TypeError:
+                raise ValueError("prompt token ids must be integers") from None
+            outside = sorted({t for t in prompt_token_ids if not 0 <= t < vocab_size})
+            if outside:  # (vLLM's words, which its tests match)
+                shown = ", ".join(map(str, outside[:5])) + (", ..." if len(outside) > 5 else "")
+                raise ValueError(f"prompt token ids out of vocabulary [0, {vocab_size}): {shown}")
         if not prompt_token_ids:
             raise ValueError("prompt must not be empty")
         if params.truncate_prompt_tokens is not None:

@@ -362,6 +362,9 @@ class _Sampling(_Request):
 PromptInput = Annotated[Union[list[int], str, list[str], list[list[int]]], Field(union_mode="left_to_right")]
 
 
+NO_PROMPT = "Either prompt or prompt_embeds must be provided and non-empty."  # (vLLM's words)
+
+
 class CompletionRequest(_Sampling):
     TOKEN_ID_FIELDS = ("prompt",)
 
@@ -378,7 +381,7 @@ class CompletionRequest(_Sampling):
     @classmethod
     def _given_unless_embeds_are(cls, prompt, info: ValidationInfo):
         if prompt is None and info.data.get("prompt_embeds") is None:
-            raise ValueError("prompt is required (or prompt_embeds)")
+            raise ValueError(NO_PROMPT)
         return prompt
 
     def completion_params(self, defaults: Optional[dict] = None) -> SamplingParams:
@@ -390,7 +393,7 @@ class CompletionRequest(_Sampling):
     def prompts(self) -> list[Union[str, list[int], dict]]:
         if self.prompt_embeds is None or self.prompt_embeds == []:
             if self.prompt is None:
-                raise ValueError("prompt is required: prompt_embeds is empty")
+                raise RequestFieldError("prompt", NO_PROMPT)
             return _prompt_list(self.prompt, "prompt")
         from pagedkv.entrypoints.server.prompt_embeds import decode_prompt_embeds
 
