@@ -53,6 +53,26 @@ def test_a_response_carries_the_chat_completions_reply(client, live):
         assert response.status == "completed"
 
 
+def test_response_messages_carry_the_prompt_and_reply_as_text_and_token_ids(client, live):
+    """vLLM's enable_response_messages: the prompt the model saw and its reply, as raw text and
+    token ids (whole, streamed and background alike); absent unless asked for."""
+    model = client.models.list().data[0].id
+    request = dict(model=model, input="Hello?", max_output_tokens=8, temperature=0)
+    plain = client.responses.create(**request)
+    assert "input_messages" not in plain.model_extra
+    whole = client.responses.create(**request, extra_body={"enable_response_messages": True})
+    [prompt], [reply] = whole.input_messages, whole.output_messages
+    tokenizer = live.engine.tokenizer
+    assert prompt["type"] == reply["type"] == "raw_message_tokens"
+    assert "Hello?" in prompt["message"] and tokenizer.encode(prompt["message"], add_special_tokens=False) == \
+        prompt["tokens"]
+    assert reply["message"] == whole.output_text == plain.output_text
+    assert len(reply["tokens"]) == whole.usage.output_tokens and tokenizer.decode(reply["tokens"]) == reply["message"]
+    events = list(client.responses.create(**request, stream=True, extra_body={"enable_response_messages": True}))
+    final = events[-1].response
+    assert (final.input_messages, final.output_messages) == (whole.input_messages, whole.output_messages)
+
+
 def test_streamed_events_add_up_to_the_whole_response(client):
     model = client.models.list().data[0].id
     request = dict(model=model, input=[{"role": "user", "content": [{"type": "input_text", "text": "Count to five."}]}],
@@ -278,7 +298,8 @@ def test_a_background_response_is_polled_to_its_end_and_another_is_cancelled(cli
         answer = httpx.post(live.url + f"/v1/responses/{response_id}/cancel", timeout=10)
         assert answer.status_code == status, (response_id, answer.text)
     stored_foreground = client.responses.create(**options)
-    assert httpx.post(live.url + f"/v1/responses/{stored_foreground.id}/cancel", timeout=10).status_code == 400
+    refused = httpx.post(live.url + f"/v1/responses/{stored_foreground.id}/cancel", timeout=10)
+    assert refused.status_code == 400 and refused.json()["error"]["message"] == "Cannot cancel a synchronous response."
     deadline = time.monotonic() + 30
     while live.metric("pagedkv_requests_running") and time.monotonic() < deadline:
         time.sleep(0.05)

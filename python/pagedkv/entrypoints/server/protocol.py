@@ -694,6 +694,7 @@ class ResponsesRequest(_Sampling):
     # logprobs, with top_logprobs candidates each (vLLM's and OpenAI's)
     include: Optional[list[str]] = None
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    enable_response_messages: bool = False  # (vLLM's: the prompt and reply as raw text and token ids)
 
     @property
     def includes_logprobs(self) -> bool:
@@ -754,7 +755,8 @@ class ResponsesRequest(_Sampling):
 
     def responses_params(self, default_max_tokens: int, defaults: Optional[dict] = None) -> SamplingParams:
         if self.background and not self.store:
-            raise ValueError("background needs store=true: a background response is read back from the store")
+            raise ValueError("background can only be used when `store` is true (a background response is read "
+                             "back from the store)")
         if self.background and self.stream:
             raise ValueError("background with stream is not supported: stream it, or poll a background response "
                              "with GET /v1/responses/{id}")

@@ -35,6 +35,8 @@ class ResponseState:
         # Logprob entries of tokens whose text has not gone out yet (`include` asked for them): they
         # join the next output_text delta, and the message's part
         self.pending_logprobs: list[dict] = []
+        # vLLM's enable_response_messages: the prompt and the reply as raw text and token ids
+        self.raw_messages: dict = {}
 
     # -- whole ------------------------------------------------------------------------------------
     def body(self, status: str, finish_reason: Optional[str] = None, usage: Optional[dict] = None) -> dict:
@@ -48,7 +50,17 @@ class ResponseState:
             "temperature": request.temperature, "top_p": request.top_p, "metadata": request.metadata or {},
             "parallel_tool_calls": True, **request.echoed_fields(), "store": request.store,
             "previous_response_id": request.previous_response_id, "background": request.background, "usage": usage,
+            **self.raw_messages,
         }
+
+    def keep_raw_messages(self, output, text: str, token_ids: list[int]) -> None:
+        """With enable_response_messages, the body carries the prompt (`output`'s) and the reply
+        (`text`, `token_ids`) as vLLM's raw_message_tokens."""
+        if self.request.enable_response_messages:
+            self.raw_messages = {
+                "input_messages": [_raw_message(output.prompt or "", output.prompt_token_ids)],
+                "output_messages": [_raw_message(text, token_ids)],
+            }
 
     def reply_messages(self) -> list[ChatMessage]:
         """The reply as chat turns (for a stored conversation): its text, then its tool calls."""
@@ -169,6 +181,10 @@ class ResponseState:
                        part=dict(part)),
             self.event("response.output_item.done", output_index=index, item=_copy(item)),
         ]
+
+
+def _raw_message(text: str, token_ids: list[int]) -> dict:
+    return {"type": "raw_message_tokens", "message": text, "tokens": list(token_ids)}
 
 
 def _copy(item: dict) -> dict:

@@ -58,17 +58,18 @@ async def responses(body: ResponsesRequest, request: Request, context: ServingCo
 
     async def events():
         yield "".join(response.start())
-        output, reply, num_tokens = None, "", 0
+        output, reply, token_ids = None, "", []
         while output is None or not output.finished:
             output = await next_output(stream)  # (what is new: output_kind "delta")
             completion = output.outputs[0]
             reply += completion.text
-            num_tokens += len(completion.token_ids)
+            token_ids += completion.token_ids
             response.pending_logprobs += logprobs_of(completion)
             text = "".join(response.update(reply, completion.finish_reason, output.finished))
             if text:
                 yield text
-        final = response.finish(completion.finish_reason, responses_usage(output, num_tokens))
+        response.keep_raw_messages(output, reply, token_ids)
+        final = response.finish(completion.finish_reason, responses_usage(output, len(token_ids)))
         store(response.final_body)
         yield "".join(final)
 
@@ -82,6 +83,7 @@ async def responses(body: ResponsesRequest, request: Request, context: ServingCo
         return make_in_background(context, response, stream, store, logprobs_of)
     [output] = await context.final_outputs(request, [stream])
     completion = output.outputs[0]
+    response.keep_raw_messages(output, completion.text, completion.token_ids)
     whole = response.complete(completion.text, completion.finish_reason, responses_usage(output),
                               logprobs_of(completion))
     store(whole)
@@ -98,7 +100,7 @@ def stored_or_404(context: ServingContext, response_id: str):
     """The stored response `response_id`, else a 404 naming it."""
     stored = context.responses_store.get(response_id)
     if stored is None:
-        raise APIError(404, f"no stored response {response_id!r}", "invalid_request_error", "response_id")
+        raise APIError(404, f"Response with id {response_id!r} not found.", "invalid_request_error", "response_id")
     return stored
 
 
@@ -117,6 +119,7 @@ def make_in_background(context: ServingContext, response: ResponseState, stream,
                 while output is None or not output.finished:
                     output = await next_output(stream)
                 completion = output.outputs[0]
+                response.keep_raw_messages(output, completion.text, completion.token_ids)
                 store(response.complete(completion.text, completion.finish_reason, responses_usage(output),
                                         logprobs_of(completion)))
             except asyncio.CancelledError:
@@ -136,7 +139,7 @@ async def cancel_response(response_id: str, context: ServingContext = Depends(se
     """Stops a background response still being made; answers it as stored then ("cancelled")."""
     stored = stored_or_404(context, response_id)
     if not stored.body["background"]:
-        raise APIError(400, "only a background response can be cancelled", "invalid_request_error", "response_id")
+        raise APIError(400, "Cannot cancel a synchronous response.", "invalid_request_error", "response_id")
     task = context.responses_store.running.get(response_id)
     if task is None:
         raise APIError(400, f"response {response_id!r} has already ended ({stored.body['status']})",
