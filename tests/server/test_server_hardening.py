@@ -86,7 +86,7 @@ BAD_REQUESTS = [
     ("/v1/completions", '{"prompt": "w5", "repetition_penalty": NaN}', "repetition_penalty"),
     ("/v1/completions", '{"prompt": "w5", "length_penalty": -Infinity}', "length_penalty"),
     ("/v1/completions", '{"prompt": "w5", "logit_bias": {"5": NaN}}', "logit_bias"),
-    ("/v1/completions", '{"prompt": "w5", "seed": -1}', "seed"),
+    ("/v1/completions", '{"prompt": "w5", "seed": 9223372036854775808}', "seed"),
     ("/v1/completions", '{"prompt": "w5", "best_of": 10000}', "best_of"),
     ("/v1/completions", '{"prompt": "w5", "stream": "yes"}', "stream"),
     ("/v1/completions", '{"prompt": "w5", "max_tokens": 2.0}', "max_tokens"),
@@ -125,7 +125,7 @@ def test_a_malformed_request_is_a_400_naming_its_field(server, route, body, para
     assert error["param"] == param and error["type"] == "invalid_request_error", error
     assert error["message"]
     if param == "seed":  # (a field's validation names pydantic's error type, as vLLM's message does)
-        assert error["message"].endswith("[type=greater_than_equal]"), error
+        assert error["message"].endswith("[type=less_than_equal]"), error
 
 
 def test_token_ids_outside_the_vocabulary_are_named(server):
@@ -335,6 +335,12 @@ SERVED_REQUESTS = {
          "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
          "tool_choice": {"type": "function", "name": "f"}},
         {"input": "w5", "max_output_tokens": 2, "stream": True},
+    ],
+    ("POST", "/v1/decisions"): [
+        {"input": "w5", "questions": [{"type": "predicate", "instructions": "w6?"},
+                                      {"type": "choice", "name": "c", "instructions": "w7", "choices": [
+                                          {"value": "a"}, {"value": False, "description": "no"}]},
+                                      {"type": "score", "instructions": "w8", "levels": [{"label": "x"}, {"label": "y"}]}]},
     ],
     ("POST", "/v1/embeddings"): [{"input": ["w5", "w6 w7"]}, {"input": "w5", "encoding_format": "base64"}],
     ("POST", "/score"): [{"text_1": "w5", "text_2": ["w6", "w7"]}],

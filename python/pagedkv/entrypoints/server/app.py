@@ -29,7 +29,8 @@ from pagedkv.entrypoints.server.body_screen import BodyScreen
 from pagedkv.entrypoints.server.body_limit import BODY_PAUSE_SECONDS, DEFAULT_MAX_REQUEST_BODY_BYTES, BodySizeLimit
 from pagedkv.entrypoints.server.errors import error_response, install_error_handlers
 from pagedkv.entrypoints.server.openapi import ERROR_RESPONSES, install_openapi
-from pagedkv.entrypoints.server.routes import admin, completions, pooling, responses, sagemaker, tokenization
+from pagedkv.entrypoints.server.routes import (admin, completions, decisions, pooling, responses, sagemaker,
+                                               tokenization)
 from pagedkv.entrypoints.server.load_reports import LoadReports, ServerLoad
 from pagedkv.entrypoints.server.serving import ServingContext
 
@@ -91,8 +92,8 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
     if api_key is not None:
         require_api_key(app, api_key)
     install_error_handlers(app)
-    for router in (admin.router, completions.router, responses.router, pooling.router, tokenization.router,
-                   sagemaker.router):
+    for router in (admin.router, completions.router, responses.router, decisions.router, pooling.router,
+                   tokenization.router, sagemaker.router):
         app.include_router(router)
     if allow_runtime_lora_updating:
         app.include_router(admin.lora_router)

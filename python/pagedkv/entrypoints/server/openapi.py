@@ -316,6 +316,15 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class DecisionResponse(BaseModel):
+    """/v1/decisions: an answer per question (predicate: probability; choice: choice, probabilities,
+    confidence; score: score, probabilities, confidence) and the reads' usage."""
+
+    model: str
+    answers: list[dict[str, Any]]
+    usage: dict[str, Any]
+
+
 class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int

@@ -74,6 +74,7 @@ class ServingContext:
         self.supports_lora = engine.config.enable_lora
         self.prompt_tokens_details = prompt_tokens_details  # (--enable-prompt-tokens-details, as vLLM)
         self.per_request_metrics = per_request_metrics  # (--enable-per-request-metrics, as vLLM)
+        self.decision_label_ids: Optional[list[int]] = None  # (/v1/decisions: found at its first request)
         self.builders = {name: self.builder(name) for name in (self.model_name, *self.adapters)}
         stats = engine.stats()
         cache_config = {"block_size": engine.config.block_size, "num_gpu_blocks": stats["num_device_blocks"],
