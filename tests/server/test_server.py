@@ -144,7 +144,7 @@ def flagged_server():
     """A server with the options that are off by default."""
     live = LiveServer(num_device_blocks=32, max_model_len=128, app_options={
         "enable_force_include_usage": True, "enable_tokenizer_info_endpoint": True,
-        "enable_prompt_tokens_details": True, "enable_per_request_metrics": True})
+        "enable_prompt_tokens_details": True, "enable_per_request_metrics": True, "return_tokens_as_token_ids": True})
     yield live
     live.stop()
 
@@ -201,6 +201,24 @@ def test_per_request_metrics_time_a_one_choice_reply(flagged_server, server):
     plain = httpx.post(server.url + "/v1/completions", json={"model": server.engine.model_name, "prompt": "Hi",
                                                              "max_tokens": 2}, timeout=60).json()
     assert "metrics" not in two and "metrics" not in plain
+
+
+def test_logprobs_list_each_token_first_and_the_flag_names_every_request_by_id(flagged_server, server):
+    """vLLM's order: a token's top_logprobs start with the token itself; --return-tokens-as-token-ids
+    names every request's tokens "token_id:<id>"."""
+    from pagedkv.entrypoints.cli import build_parser
+
+    assert build_parser().parse_args(["serve", "--return-tokens-as-token-ids"]).return_tokens_as_token_ids
+    body = {"prompt": "Say 'Hello, world!'", "echo": True, "temperature": 0, "max_tokens": 6, "logprobs": 1}
+    plain = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["logprobs"]
+    flagged = httpx.post(flagged_server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    for logprobs in (plain, flagged["logprobs"]):
+        assert logprobs["tokens"][1:] == [next(iter(top)) for top in logprobs["top_logprobs"][1:]]
+    ids = [int(token.removeprefix("token_id:")) for token in flagged["logprobs"]["tokens"]]
+    assert flagged_server.engine.tokenizer.decode(ids, skip_special_tokens=True) == flagged["text"]
+    chat = httpx.post(flagged_server.url + "/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "logprobs": True}).json()["choices"][0]
+    assert all(entry["token"].startswith("token_id:") for entry in chat["logprobs"]["content"])
 
 
 def test_tokenizer_info_and_token_strings(flagged_server, server):

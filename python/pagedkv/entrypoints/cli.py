@@ -168,7 +168,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                  enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
                  enable_server_load_tracking=args.enable_server_load_tracking, root_path=args.root_path,
                  uds=args.uds, enable_prompt_tokens_details=args.enable_prompt_tokens_details,
-                 enable_per_request_metrics=args.enable_per_request_metrics)
+                 enable_per_request_metrics=args.enable_per_request_metrics,
+                 return_tokens_as_token_ids=args.return_tokens_as_token_ids)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -207,6 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--enable-per-request-metrics", action="store_true",
                        help="a one-choice reply carries `metrics`: queue time, time to first token, decode time, "
                             "mean inter-token latency, tokens per second (vLLM's flag; streamed: on the usage chunk)")
+    serve.add_argument("--return-tokens-as-token-ids", action="store_true",
+                       help="logprobs name every request's tokens \"token_id:<id>\" (vLLM's flag; a request's "
+                            "return_tokens_as_token_ids does it for that request)")
     serve.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                        help="GET /tokenizer_info: the tokenizer's configuration and chat template")
     serve.add_argument("--enable-server-load-tracking", action="store_true",

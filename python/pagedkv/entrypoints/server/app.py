@@ -48,7 +48,8 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
                request_body_pause_seconds: float = BODY_PAUSE_SECONDS,
                enable_force_include_usage: bool = False, enable_tokenizer_info_endpoint: bool = False,
                enable_server_load_tracking: bool = False, root_path: str = "",
-               enable_prompt_tokens_details: bool = False, enable_per_request_metrics: bool = False) -> FastAPI:
+               enable_prompt_tokens_details: bool = False, enable_per_request_metrics: bool = False,
+               return_tokens_as_token_ids: bool = False) -> FastAPI:
     """The app around an engine; an AsyncLLM steps it for the app's lifetime. `chat_template`
     (Jinja) replaces the tokenizer's own, e.g. for a base model that has none. `api_key`: /v1
     routes (all but /health) answer 401 unless the request carries `Authorization: Bearer <api_key>`; an
@@ -63,6 +64,7 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
     tokens the prefix cache served (vLLM's flag; off, as there). `enable_per_request_metrics`: a
     one-choice reply carries `metrics` (its queue time, time to first token, decode time, mean
     inter-token latency, tokens per second; streamed: on the usage chunk), vLLM's flag.
+    `return_tokens_as_token_ids`: logprobs name every request's tokens "token_id:<id>" (vLLM's flag).
     `lora_modules` ({name: PEFT directory, or {"path", "base_model_name"}}, engine with enable_lora): each adapter is served as a
     model of its own name, loaded now. `allow_runtime_lora_updating` adds vLLM's
     /v1/load_lora_adapter and /v1/unload_lora_adapter (adapters from the server's disk).
@@ -73,7 +75,8 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
     if not isinstance(max_request_body_bytes, int) or max_request_body_bytes <= 0:
         raise InvalidConfigError(f"max_request_body_bytes must be a positive integer, got {max_request_body_bytes!r}")
     context = ServingContext(engine, served_model_name, chat_template, lora_modules, reasoning_parser, tool_call_parser,
-                             enable_force_include_usage, enable_prompt_tokens_details, enable_per_request_metrics)
+                             enable_force_include_usage, enable_prompt_tokens_details, enable_per_request_metrics,
+                             return_tokens_as_token_ids)
     if allow_runtime_lora_updating and not context.supports_lora:
         raise ValueError("allow_runtime_lora_updating needs an engine built with enable_lora=True")
 
@@ -141,6 +144,7 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, serve
           enable_force_include_usage: bool = False, enable_tokenizer_info_endpoint: bool = False,
           enable_server_load_tracking: bool = False, root_path: str = "", uds: Optional[str] = None,
           enable_prompt_tokens_details: bool = False, enable_per_request_metrics: bool = False,
+          return_tokens_as_token_ids: bool = False,
           request_header_timeout_seconds: float = DEFAULT_REQUEST_HEADER_TIMEOUT_SECONDS) -> int:
     """Builds the engine and runs uvicorn until SIGINT/SIGTERM: stops accepting, lets in-flight
     requests finish for `shutdown_grace_seconds`, aborts the rest (ServingContext.drain), and
@@ -186,7 +190,8 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, serve
                      enable_tokenizer_info_endpoint=enable_tokenizer_info_endpoint,
                      enable_server_load_tracking=enable_server_load_tracking, root_path=root_path,
                      enable_prompt_tokens_details=enable_prompt_tokens_details,
-                     enable_per_request_metrics=enable_per_request_metrics)
+                     enable_per_request_metrics=enable_per_request_metrics,
+                     return_tokens_as_token_ids=return_tokens_as_token_ids)
     # The startup heap (torch, the model, the tokenizer: ~440k objects) lives as long as the server:
     # frozen, the full collections skip it. Each paused every stream and /health 0.25 s (as vLLM).
     gc.collect()

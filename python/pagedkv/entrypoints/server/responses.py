@@ -327,7 +327,8 @@ class ResponseBuilder:
                 token = decode([token_id])
                 parts["tokens"].append(token)
                 parts["token_logprobs"].append(None if entry is None else entry.get(token_id))
-                parts["top_logprobs"].append(None if entry is None else {decode([t]): lp for t, lp in entry.items()})
+                parts["top_logprobs"].append(None if entry is None else {decode([t]): lp for t, lp in
+                                                                         token_first(token_id, entry)})
                 parts["text_offset"].append(offset)
                 offset += len(token)
 
@@ -353,8 +354,7 @@ class ResponseBuilder:
 
         content = []
         for entry, token in zip(completion.logprobs[first_token:], completion.token_ids[first_token:]):
-            others = sorted((item for item in entry.items() if item[0] != token), key=lambda item: -item[1])
-            candidates = ([(token, entry[token])] if token in entry else []) + others
+            candidates = token_first(token, entry)
             content.append({**described(token, entry.get(token, -9999.0)),
                             "top_logprobs": [described(*candidate) for candidate in candidates[:top_logprobs]]})
         return {"content": content}
@@ -373,6 +373,12 @@ class ResponseBuilder:
         if self.prompt_tokens_details:
             usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
         return usage
+
+
+def token_first(token_id: int, entry: dict[int, float]) -> list[tuple[int, float]]:
+    """A token's logprob entry as vLLM lists it: the token itself, then the others, most likely first."""
+    others = sorted((item for item in entry.items() if item[0] != token_id), key=lambda item: -item[1])
+    return ([(token_id, entry[token_id])] if token_id in entry else []) + others
 
 
 def num_cached_tokens(output) -> int:

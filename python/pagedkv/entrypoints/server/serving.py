@@ -43,7 +43,8 @@ class ServingContext:
     def __init__(self, engine: LLMEngine, served_model_name: Optional[str] = None, chat_template: Optional[str] = None,
                  lora_modules: Optional[dict[str, Union[str, dict]]] = None, reasoning_parser: Optional[str] = None,
                  tool_call_parser: str = "hermes", force_include_usage: bool = False,
-                 prompt_tokens_details: bool = False, per_request_metrics: bool = False):
+                 prompt_tokens_details: bool = False, per_request_metrics: bool = False,
+                 tokens_as_ids: bool = False):
         if tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {tool_call_parser!r}")
         self.model_name = served_model_name or engine.model_name
@@ -74,6 +75,7 @@ class ServingContext:
         self.supports_lora = engine.config.enable_lora
         self.prompt_tokens_details = prompt_tokens_details  # (--enable-prompt-tokens-details, as vLLM)
         self.per_request_metrics = per_request_metrics  # (--enable-per-request-metrics, as vLLM)
+        self.tokens_as_ids = tokens_as_ids  # (--return-tokens-as-token-ids, as vLLM: every request's logprobs)
         self.decision_label_ids: Optional[list[int]] = None  # (/v1/decisions: found at its first request)
         self.builders = {name: self.builder(name) for name in (self.model_name, *self.adapters)}
         stats = engine.stats()

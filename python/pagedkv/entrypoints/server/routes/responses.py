@@ -44,7 +44,8 @@ async def responses(body: ResponsesRequest, request: Request, context: ServingCo
     prompt = await context.chat_prompt(messages, True, chat_tools if tools is not None else None,
                                        body.chat_template_kwargs)
     response = ResponseState(served, body, context.reasoning, tools)
-    builder, logprob_options = context.builders[served], ReplyOptions(chat=True, top_logprobs=body.top_logprobs or 0)
+    builder, logprob_options = context.builders[served], ReplyOptions(chat=True, top_logprobs=body.top_logprobs or 0,
+                                                                         tokens_as_ids=context.tokens_as_ids)
 
     def logprobs_of(completion) -> list:
         """The Responses API's logprob entries of a completion's tokens (the chat API's form)."""
