@@ -3,6 +3,7 @@ equals HF transformers running the base model with that adapter merged into its 
 requests of different adapters (and none) in the same batches, through chunked prefill,
 preemption, prefix caching and forks; bad adapters are clear errors that leave nothing behind."""
 
+import concurrent.futures
 import copy
 import json
 import shutil
@@ -113,10 +114,16 @@ def test_bad_adapters_are_clear_errors_and_queue_nothing(tmp_path, adapters):
     lm_head = write_adapter(tmp_path / "head", ["q_proj"], rank=4, alpha=4, seed=4,
                             extra_weights={"base_model.model.lm_head.lora_A.weight": torch.zeros(4, HIDDEN)})
     dora = write_adapter(tmp_path / "dora", ["q_proj"], rank=4, alpha=4, seed=5, extra_config={"use_dora": True})
+    pissa = write_adapter(tmp_path / "pissa", ["q_proj"], rank=4, alpha=4, seed=6,
+                          extra_config={"init_lora_weights": "pissa"})
+    saved = write_adapter(tmp_path / "saved", ["q_proj"], rank=4, alpha=4, seed=7,
+                          extra_config={"modules_to_save": ["lm_head"]})
     cases = [
-        (LoRARequest("big", 10, too_big), InvalidConfigError, "max_lora_rank=8"),
+        (LoRARequest("big", 10, too_big), InvalidConfigError, "LoRA rank 16 is greater than max_lora_rank 8"),
+        (LoRARequest("pissa", 14, pissa), InvalidConfigError, "init_lora_weights='pissa'.*base model's weights"),
+        (LoRARequest("saved", 15, saved), InvalidConfigError, "Unsupported modules_to_save"),
         (LoRARequest("head", 11, lm_head), InvalidConfigError, "lm_head"),
-        (LoRARequest("dora", 12, dora), InvalidConfigError, "use_dora"),
+        (LoRARequest("dora", 12, dora), InvalidConfigError, "does not yet support DoRA"),
         (LoRARequest("missing", 13, str(tmp_path / "nowhere")), InvalidConfigError, "adapter_config.json"),
         (LoRARequest("clash", adapters["every"].lora_int_id, adapters["qv"].lora_path), ValueError, "already names"),
         (LoRARequest("zero", 0, adapters["qv"].lora_path), ValueError, "lora_int_id"),
@@ -215,6 +222,20 @@ def test_the_server_loads_and_unloads_adapters_at_runtime(adapters, references, 
         assert post("/v1/completions", **body).status_code == 404
         assert post("/v1/unload_lora_adapter", lora_name="qv").status_code == 404
         assert live.engine.list_loras() == []
+
+        # Many loads at once (vLLM's test_multiple_lora_adapters): each its own id, each served;
+        # the same name twice at once: one load.
+        def load(name):
+            return post("/v1/load_lora_adapter", lora_name=name, lora_path=adapters["qv"].lora_path).status_code
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            codes = list(pool.map(load, [f"a{i}" for i in range(6)] + ["twice", "twice"]))
+        assert codes[:6] == [200] * 6 and sorted(codes[6:]) == [200, 400]
+        ids = [adapter.lora_int_id for adapter in live.engine.list_loras()]
+        assert len(ids) == len(set(ids)) == 7
+        for name in ("a0", "a5", "twice"):
+            text = post("/v1/completions", **{**body, "model": name}).json()["choices"][0]["text"]
+            assert text == live.engine.tokenizer.decode(references["qv"][0], skip_special_tokens=True)
     finally:
         live.stop()
     closed = LiveServer(num_device_blocks=32, max_model_len=128)

@@ -202,18 +202,26 @@ def _check_config(name: str, config: dict, max_lora_rank: int) -> None:
         fail(f"peft_type is {config.get('peft_type')!r}, not 'LORA'")
     if "r" not in config or int(config["r"]) < 1:
         fail("adapter_config.json needs a rank r >= 1")
-    if int(config["r"]) > max_lora_rank:
-        fail(f"rank r={config['r']} exceeds max_lora_rank={max_lora_rank}")
-    for unsupported in ("use_dora", "fan_in_fan_out"):
+    if int(config["r"]) > max_lora_rank:  # (the words vLLM's tests match)
+        fail(f"LoRA rank {config['r']} is greater than max_lora_rank {max_lora_rank}")
+    if config.get("use_dora"):
+        fail("use_dora=true: pagedkv does not yet support DoRA")
+    init = config.get("init_lora_weights", True)
+    if isinstance(init, str) and init.lower() not in ("gaussian", "eva", "orthogonal", "mica", "lora_ga"):
+        # (these only set the adapter's starting weights; the others changed the base model's)
+        fail(f"init_lora_weights={init!r} is not supported: inits such as PiSSA, OLoRA, CorDA and LoftQ modify the "
+             "base model's weights; convert the adapter to a plain LoRA with PEFT's "
+             "path_initial_model_for_weight_conversion")
+    for unsupported in ("fan_in_fan_out", "lora_bias", "use_qalora", "layer_replication", "alora_invocation_tokens"):
         if config.get(unsupported):
-            fail(f"{unsupported}=true is not supported")
+            fail(f"{unsupported}={config[unsupported]!r} is not supported")
     for per_module in ("rank_pattern", "alpha_pattern"):
         if config.get(per_module):
             fail(f"{per_module} (per-module ranks) is not supported")
     if config.get("bias", "none") != "none":
         fail(f"bias={config['bias']!r} is not supported (only 'none')")
     if config.get("modules_to_save"):
-        fail(f"modules_to_save={config['modules_to_save']} (fully trained modules) is not supported")
+        fail(f"Unsupported modules_to_save: {config['modules_to_save']} (fully trained modules)")
 
 
 def _delta(adapter_name, model, layer_index, name, a, b, scale, dtype, device) -> LoRADelta:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import json
 import logging
 import threading
@@ -60,7 +61,11 @@ class ServingContext:
         if self.model_name in self.adapters:
             raise ValueError(f"LoRA module name {self.model_name!r} is the base model's served name")
         for adapter in self.adapters.values():
-            engine.add_lora(adapter)  # (a bad adapter stops the server from starting, not a request)
+            engine.add_lora(adapter)
+        # Runtime loads (/v1/load_lora_adapter) one at a time, with ids never used before (an
+        # unloaded adapter's may still name it in requests running).
+        self.adapter_updates = asyncio.Lock()
+        self.adapter_ids = itertools.count(len(self.adapters) + 1)  # (a bad adapter stops the server from starting, not a request)
         self.chat_template = chat_template
         self.force_include_usage = force_include_usage  # (--enable-force-include-usage: usage in every chunk, as vLLM)
         self.tool_call_parser = tool_call_parser

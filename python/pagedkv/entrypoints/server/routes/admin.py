@@ -80,20 +80,20 @@ async def reset_prefix_cache(context: ServingContext = Depends(serving)):
 @lora_router.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
 async def load_lora_adapter(body: LoadLoRAAdapterRequest, context: ServingContext = Depends(serving)):
     name = body.lora_name
-    if name == context.model_name or name in context.adapters:
-        raise APIError(400, f"The lora adapter '{name}' has already been loaded.", "invalid_request_error",
-                       "lora_name")
     if not os.path.isdir(body.lora_path):  # (vLLM's NotFoundError, a 404)
         raise APIError(404, f"No adapter found at {body.lora_path!r}: no such directory", "invalid_request_error",
                        "lora_path", "adapter_not_found")
-    next_id = max((known.lora_int_id for known in context.adapters.values()), default=0) + 1
-    adapter = LoRARequest(name, next_id, body.lora_path)
-    try:
-        await context.client.add_lora(adapter)
-    except ValueError as error:  # (InvalidConfigError: the message names what is wrong)
-        raise APIError(400, str(error), "invalid_request_error", "lora_path") from error
-    context.adapters[name] = adapter
-    context.builders[name] = context.builder(name)
+    async with context.adapter_updates:  # (loads at once: each name checked and each id taken once)
+        if name == context.model_name or name in context.adapters:
+            raise APIError(400, f"The lora adapter '{name}' has already been loaded.", "invalid_request_error",
+                           "lora_name")
+        adapter = LoRARequest(name, next(context.adapter_ids), body.lora_path)
+        try:
+            await context.client.add_lora(adapter)
+        except ValueError as error:  # (InvalidConfigError: the message names what is wrong)
+            raise APIError(400, str(error), "invalid_request_error", "lora_path") from error
+        context.adapters[name] = adapter
+        context.builders[name] = context.builder(name)
     logger.info("LoRA adapter %r loaded from %s", name, body.lora_path)
     return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
 
