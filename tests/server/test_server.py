@@ -50,8 +50,9 @@ def vllm_samples(server) -> dict:
 
 
 def test_vllms_metric_names_count_what_vllms_count(client, server):
-    """vLLM's own metrics test's names (EXPECTED_METRICS_V1 of tests/entrypoints/openai/test_metrics.py,
-    less vllm:iteration_tokens_total) and its counts: per request, its prompt and generated tokens."""
+    """vLLM's own metrics test's names (EXPECTED_METRICS_V1 of tests/entrypoints/serve/instrumentator/
+    test_metrics.py) and its counts: per request, its prompt and generated tokens, and one step per
+    token (the first with the prompt: vLLM's iteration tokens)."""
     model, tokenizer = server.engine.model_name, server.engine.tokenizer
     prompt = tokenizer.encode("Hello my name is Robert and I love magic")
     before = vllm_samples(server)
@@ -68,11 +69,17 @@ def test_vllms_metric_names_count_what_vllms_count(client, server):
                  "time_per_output_token_seconds", "request_params_n", "request_prompt_tokens"):
         assert grew(f"vllm:{name}_count") == 3, name
     assert grew("vllm:inter_token_latency_seconds_count") == 3 * 4
+    assert grew("vllm:request_num_preemptions_count") == 3 and grew("vllm:request_num_preemptions_sum") == 0
+    assert grew("vllm:iteration_tokens_total_count") == 3 * 5  # (requests one after another: a step per token)
+    assert grew("vllm:iteration_tokens_total_sum") == 3 * (len(prompt) + 5)
     names = {name for name, _ in after}
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
-                 "vllm:cache_config_info", "vllm:request_success_total"):
+                 "vllm:cache_config_info", "vllm:request_success_total", "vllm:num_requests_waiting_by_reason",
+                 "vllm:iteration_tokens_total_bucket"):
         assert name in names, name
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    assert 'vllm:admission_rejections_total{model_name="' in text and 'reason="max_num_queued_reqs"' in text
     assert after[("vllm:num_requests_running", None)] == 0 and after[("vllm:kv_cache_usage_perc", None)] == 0
 
 
@@ -144,7 +151,8 @@ def flagged_server():
     """A server with the options that are off by default."""
     live = LiveServer(num_device_blocks=32, max_model_len=128, app_options={
         "enable_force_include_usage": True, "enable_tokenizer_info_endpoint": True,
-        "enable_prompt_tokens_details": True, "enable_per_request_metrics": True, "return_tokens_as_token_ids": True})
+        "enable_prompt_tokens_details": True, "enable_per_request_metrics": True, "return_tokens_as_token_ids": True,
+        "enable_request_id_headers": True})
     yield live
     live.stop()
 
@@ -219,6 +227,19 @@ def test_logprobs_list_each_token_first_and_the_flag_names_every_request_by_id(f
     chat = httpx.post(flagged_server.url + "/v1/chat/completions", timeout=60, json={
         "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "logprobs": True}).json()["choices"][0]
     assert all(entry["token"].startswith("token_id:") for entry in chat["logprobs"]["content"])
+
+
+def test_request_id_headers_echo_the_clients_or_make_one(flagged_server, server):
+    from pagedkv.entrypoints.cli import build_parser
+
+    assert build_parser().parse_args(["serve", "--enable-request-id-headers"]).enable_request_id_headers
+    made = httpx.get(flagged_server.url + "/health", timeout=10).headers.get("x-request-id", "")
+    assert len(made) == 32 and int(made, 16) >= 0
+    assert httpx.get(flagged_server.url + "/health", headers={"X-Request-Id": "Custom"},
+                     timeout=10).headers["x-request-id"] == "Custom"
+    refused = httpx.post(flagged_server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": -1}, timeout=10)
+    assert refused.status_code == 400 and len(refused.headers["x-request-id"]) == 32
+    assert "x-request-id" not in httpx.get(server.url + "/health", timeout=10).headers
 
 
 def test_tokenizer_info_and_token_strings(flagged_server, server):

@@ -10,13 +10,13 @@ import time
 from typing import Optional, Union
 
 from pagedkv.engine.request_state import RequestState, SequenceState
+from pagedkv.engine.step_histogram import StepHistogram
 from pagedkv.errors import UnknownRequestError
 from pagedkv.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
 
 logger = logging.getLogger("pagedkv.engine.llm_engine")
 
 Output = Union[RequestOutput, PoolingRequestOutput]
-
 
 class Books:
     """What the engine tracks between steps, beside the scheduler's own books."""
@@ -32,6 +32,8 @@ class Books:
         self.num_prefix_cache_queried_tokens = 0
         self.num_prefix_cache_hit_tokens = 0
         self.num_failures = 0  # requests a step aborted alone
+        # Tokens per step: prompt tokens computed and tokens sampled (vLLM's iteration tokens)
+        self.iteration_tokens = StepHistogram()
         self._num_provisional_ids = 0
 
     def provisional_seq_id(self) -> int:

@@ -292,6 +292,7 @@ class LLMEngine:
         stats["num_accepted_draft_tokens"] = books.num_accepted_draft_tokens
         stats["prefix_cache_queried_tokens"] = books.num_prefix_cache_queried_tokens
         stats["prefix_cache_hit_tokens"] = books.num_prefix_cache_hit_tokens
+        stats["iteration_tokens"] = books.iteration_tokens.snapshot()
         stats["finished_by_reason"] = dict(self.num_finished_by_reason)
         stats["num_loaded_loras"] = len(self.list_loras())
         lora_requests: dict[str, int] = {}

@@ -70,6 +70,8 @@ class Stepper:
             logger.debug("prefix cache hit %d tokens", plan.num_prefix_hit_tokens)
 
         if not plan.is_empty():
+            num_samples = int(plan.samples.sum())
+            books.iteration_tokens.observe(len(plan.token_ids) - plan.num_decodes + num_samples)
             scheduled: dict[str, RequestState] = {}
             asked = self.asker.ask(PlanColumns(plan), scheduled, scheduler)
             if self._runs_async(plan, asked):

@@ -169,7 +169,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                  enable_server_load_tracking=args.enable_server_load_tracking, root_path=args.root_path,
                  uds=args.uds, enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                  enable_per_request_metrics=args.enable_per_request_metrics,
-                 return_tokens_as_token_ids=args.return_tokens_as_token_ids)
+                 return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                 enable_request_id_headers=args.enable_request_id_headers)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -208,6 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--enable-per-request-metrics", action="store_true",
                        help="a one-choice reply carries `metrics`: queue time, time to first token, decode time, "
                             "mean inter-token latency, tokens per second (vLLM's flag; streamed: on the usage chunk)")
+    serve.add_argument("--enable-request-id-headers", action="store_true",
+                       help="every answer carries X-Request-Id: the request's own, else a fresh one")
     serve.add_argument("--return-tokens-as-token-ids", action="store_true",
                        help="logprobs name every request's tokens \"token_id:<id>\" (vLLM's flag; a request's "
                             "return_tokens_as_token_ids does it for that request)")

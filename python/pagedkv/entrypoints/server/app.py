@@ -31,6 +31,7 @@ from pagedkv.entrypoints.server.errors import error_response, install_error_hand
 from pagedkv.entrypoints.server.openapi import ERROR_RESPONSES, install_openapi
 from pagedkv.entrypoints.server.routes import (admin, completions, decisions, pooling, responses, sagemaker,
                                                tokenization)
+from pagedkv.entrypoints.server.request_id_header import RequestIdHeader
 from pagedkv.entrypoints.server.load_reports import LoadReports, ServerLoad
 from pagedkv.entrypoints.server.serving import ServingContext
 
@@ -49,7 +50,7 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
                enable_force_include_usage: bool = False, enable_tokenizer_info_endpoint: bool = False,
                enable_server_load_tracking: bool = False, root_path: str = "",
                enable_prompt_tokens_details: bool = False, enable_per_request_metrics: bool = False,
-               return_tokens_as_token_ids: bool = False) -> FastAPI:
+               return_tokens_as_token_ids: bool = False, enable_request_id_headers: bool = False) -> FastAPI:
     """The app around an engine; an AsyncLLM steps it for the app's lifetime. `chat_template`
     (Jinja) replaces the tokenizer's own, e.g. for a base model that has none. `api_key`: /v1
     routes (all but /health) answer 401 unless the request carries `Authorization: Bearer <api_key>`; an
@@ -65,6 +66,7 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
     one-choice reply carries `metrics` (its queue time, time to first token, decode time, mean
     inter-token latency, tokens per second; streamed: on the usage chunk), vLLM's flag.
     `return_tokens_as_token_ids`: logprobs name every request's tokens "token_id:<id>" (vLLM's flag).
+    `enable_request_id_headers`: every answer carries X-Request-Id, the request's or a fresh one (vLLM's).
     `lora_modules` ({name: PEFT directory, or {"path", "base_model_name"}}, engine with enable_lora): each adapter is served as a
     model of its own name, loaded now. `allow_runtime_lora_updating` adds vLLM's
     /v1/load_lora_adapter and /v1/unload_lora_adapter (adapters from the server's disk).
@@ -92,6 +94,8 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
     app.add_middleware(LoadReports, load=app.state.server_load,
                        stats_source=lambda: context.client.stats() if context.client is not None else {})
     app.add_middleware(BodySizeLimit, max_bytes=max_request_body_bytes, pause_seconds=request_body_pause_seconds)
+    if enable_request_id_headers:
+        app.add_middleware(RequestIdHeader)
     if api_key is not None:
         require_api_key(app, api_key)
     install_error_handlers(app)
@@ -144,7 +148,7 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, serve
           enable_force_include_usage: bool = False, enable_tokenizer_info_endpoint: bool = False,
           enable_server_load_tracking: bool = False, root_path: str = "", uds: Optional[str] = None,
           enable_prompt_tokens_details: bool = False, enable_per_request_metrics: bool = False,
-          return_tokens_as_token_ids: bool = False,
+          return_tokens_as_token_ids: bool = False, enable_request_id_headers: bool = False,
           request_header_timeout_seconds: float = DEFAULT_REQUEST_HEADER_TIMEOUT_SECONDS) -> int:
     """Builds the engine and runs uvicorn until SIGINT/SIGTERM: stops accepting, lets in-flight
     requests finish for `shutdown_grace_seconds`, aborts the rest (ServingContext.drain), and
@@ -191,7 +195,8 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, serve
                      enable_server_load_tracking=enable_server_load_tracking, root_path=root_path,
                      enable_prompt_tokens_details=enable_prompt_tokens_details,
                      enable_per_request_metrics=enable_per_request_metrics,
-                     return_tokens_as_token_ids=return_tokens_as_token_ids)
+                     return_tokens_as_token_ids=return_tokens_as_token_ids,
+                     enable_request_id_headers=enable_request_id_headers)
     # The startup heap (torch, the model, the tokenizer: ~440k objects) lives as long as the server:
     # frozen, the full collections skip it. Each paused every stream and /health 0.25 s (as vLLM).
     gc.collect()

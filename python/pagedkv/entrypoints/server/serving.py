@@ -179,6 +179,8 @@ class ServingContext:
             streams = await self.client.add_requests(list(zip(request_ids, prompts)), params, priority,
                                                      self.adapters.get(served), check_context_room)
         except Exception as error:
+            if isinstance(error, OverloadedError):
+                self.metrics.vllm.admission_rejections["max_num_queued_reqs"].inc()
             raise submit_error(error, chat, prompt_field) from error
         for _ in streams:
             self.metrics.observe_params(getattr(params, "n", 1), getattr(params, "max_tokens", None))

@@ -1,14 +1,15 @@
 """vLLM's Prometheus metrics (V1 names, labels model_name and engine), beside pagedkv's own, so
 that vLLM's Grafana dashboards and alerts work unchanged. What a request measures is observed when
 it finishes, from its RequestMetrics; pool and queue figures come from the engine loop's stats
-snapshot at scrape time. (vllm:iteration_tokens_total, tokens per engine step, is not kept.)"""
+snapshot at scrape time (vllm:iteration_tokens_total too: the engine keeps that histogram)."""
 
 from __future__ import annotations
 
 from typing import Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -54,11 +55,17 @@ class VLLMMetrics:
         self.request_generation_tokens = histogram("vllm:request_generation_tokens", "Generated tokens per request",
                                                    token_buckets)
         self.params_n = histogram("vllm:request_params_n", "Requests' n", [1, 2, 5, 10, 20])
+        self.num_preemptions = histogram("vllm:request_num_preemptions", "Preemptions per finished request",
+                                         [1, 2, 3, 4, 5, 10, 20])
         self.params_max_tokens = histogram("vllm:request_params_max_tokens", "Requests' max_tokens", token_buckets)
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of finished requests")
         self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens of finished requests")
         self.request_success = Counter("vllm:request_success", "Finished requests by finish reason",
                                        [*names, "finished_reason"], registry=registry)
+        rejections = Counter("vllm:admission_rejections", "Requests refused by a full waiting queue, by reason",
+                             ["model_name", "reason"], registry=registry)
+        self.admission_rejections = {reason: rejections.labels(model_name, reason)
+                                     for reason in ("max_num_queued_reqs", "max_num_queued_tokens")}
         registry.register(_StatsCollector(stats_source, self.labels, cache_config))
 
     def observe_params(self, n: int, max_tokens: Optional[int]) -> None:
@@ -73,6 +80,7 @@ class VLLMMetrics:
         self.generation_tokens.inc(num_generated_tokens)
         self.request_prompt_tokens.observe(num_prompt_tokens)
         self.request_generation_tokens.observe(num_generated_tokens)
+        self.num_preemptions.observe(metrics.num_preemptions)
         arrival, scheduled = metrics.arrival_time, metrics.first_scheduled_time
         first_token, finished = metrics.first_token_time, metrics.finished_time
         if finished is not None:
@@ -112,6 +120,13 @@ class _StatsCollector:
         yield gauge("vllm:num_requests_running", "Requests running", stats["num_running"])
         yield gauge("vllm:num_requests_waiting", "Requests waiting (preempted ones included)",
                     stats["num_waiting"] + stats["num_swapped"])
+        waiting = GaugeMetricFamily("vllm:num_requests_waiting_by_reason",
+                                    "Waiting requests by reason: capacity (for room in the batch or the KV cache), "
+                                    "deferred (none here: no transient constraint holds a request back)",
+                                    labels=[*names, "reason"])
+        waiting.add_metric([*self.labels, "capacity"], stats["num_waiting"] + stats["num_swapped"])
+        waiting.add_metric([*self.labels, "deferred"], 0)
+        yield waiting
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 1 = full", (total - free) / max(total, 1))
         yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
                       stats.get("prefix_cache_queried_tokens", 0))
@@ -119,6 +134,13 @@ class _StatsCollector:
                       stats.get("prefix_cache_hit_tokens", 0))
         yield counter("vllm:num_preemptions", "Preemptions",
                       stats["num_preemptions_swap"] + stats["num_preemptions_recompute"])
+        steps = stats.get("iteration_tokens")
+        if steps is not None:
+            family = HistogramMetricFamily("vllm:iteration_tokens_total", "Tokens per engine step (prompt tokens "
+                                           "computed and tokens sampled)", labels=names)
+            family.add_metric(self.labels, [(floatToGoString(bound), count) for bound, count in steps["buckets"]],
+                              steps["sum"])
+            yield family
         info = GaugeMetricFamily("vllm:cache_config_info", "The KV cache's configuration", labels=list(self.cache_config))
         info.add_metric(list(self.cache_config.values()), 1)
         yield info
