@@ -223,6 +223,15 @@ def test_the_server_loads_and_unloads_adapters_at_runtime(adapters, references, 
         assert post("/v1/unload_lora_adapter", lora_name="qv").status_code == 404
         assert live.engine.list_loras() == []
 
+        # SageMaker's forms of the same routes.
+        sagemaker = httpx.post(live.url + "/adapters", json={"name": "sm", "src": adapters["qv"].lora_path}, timeout=60)
+        assert sagemaker.status_code == 200 and "sm" in [card["id"] for card in
+                                                        httpx.get(live.url + "/v1/models", timeout=10).json()["data"]]
+        missing = httpx.post(live.url + "/adapters", json={"name": "x", "src": str(tmp_path / "nowhere")}, timeout=60)
+        assert missing.status_code == 404
+        assert httpx.delete(live.url + "/adapters/sm", timeout=60).status_code == 200
+        assert httpx.delete(live.url + "/adapters/sm", timeout=60).status_code == 404
+
         # Many loads at once (vLLM's test_multiple_lora_adapters): each its own id, each served;
         # the same name twice at once: one load.
         def load(name):

@@ -152,7 +152,7 @@ def flagged_server():
     live = LiveServer(num_device_blocks=32, max_model_len=128, app_options={
         "enable_force_include_usage": True, "enable_tokenizer_info_endpoint": True,
         "enable_prompt_tokens_details": True, "enable_per_request_metrics": True, "return_tokens_as_token_ids": True,
-        "enable_request_id_headers": True})
+        "enable_request_id_headers": True, "enable_sagemaker_sessions": True})
     yield live
     live.stop()
 
@@ -288,6 +288,34 @@ def test_sagemakers_ping_and_invocations(server):
     refused = invoke({"what": "nothing"})
     assert refused.status_code == 400 and "ChatCompletionRequest" in refused.json()["error"]["message"]
     assert invoke({"prompt": "Hi", "max_tokens": 0}).status_code == 400
+
+
+def test_sagemaker_sessions_open_serve_and_close(flagged_server, server):
+    """SageMaker's stateful sessions (where enabled): NEW_SESSION announces an id and its expiry,
+    invocations naming it are served, CLOSE ends it; what the standard refuses is refused with its
+    statuses and words."""
+    from pagedkv.entrypoints.cli import build_parser
+
+    assert build_parser().parse_args(["serve", "--enable-sagemaker-sessions"]).enable_sagemaker_sessions
+    url, header = flagged_server.url + "/invocations", "X-Amzn-SageMaker-Session-Id"
+    opened = httpx.post(url, json={"requestType": "NEW_SESSION"}, timeout=10)
+    session_id, expires = opened.headers["X-Amzn-SageMaker-New-Session-Id"].split(";")
+    assert opened.status_code == 200 and expires.strip().startswith("Expires=20")
+    served = httpx.post(url, headers={header: session_id}, json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+    assert served.status_code == 200 and served.json()["object"] == "text_completion"
+    unknown = httpx.post(url, headers={header: "nope"}, json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+    assert unknown.status_code == 400 and "session not found" in unknown.json()["error"]["message"]
+    assert httpx.post(url, json={"requestType": "NEW_SESSION", "extra": 1}, timeout=10).status_code == 400
+    bad_close = httpx.post(url, headers={header: session_id}, json={"requestType": "CLOSE", "extra": 1}, timeout=10)
+    assert bad_close.status_code == 400
+    headless = httpx.post(url, json={"requestType": "CLOSE"}, timeout=10)
+    assert headless.status_code == 424 and "invalid session_id" in headless.json()["error"]["message"]
+    closed = httpx.post(url, headers={header: session_id}, json={"requestType": "CLOSE"}, timeout=10)
+    assert closed.status_code == 200 and closed.headers["X-Amzn-SageMaker-Closed-Session-Id"] == session_id
+    again = httpx.post(url, headers={header: session_id}, json={"requestType": "CLOSE"}, timeout=10)
+    assert again.status_code == 400 and "session not found" in again.json()["error"]["message"]
+    off = httpx.post(server.url + "/invocations", json={"requestType": "NEW_SESSION"}, timeout=10)
+    assert off.status_code == 400 and "stateful sessions not enabled" in off.json()["error"]["message"]
 
 
 def test_completions_streamed_equals_non_streamed(client, server):

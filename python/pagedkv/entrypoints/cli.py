@@ -170,7 +170,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                  uds=args.uds, enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                  enable_per_request_metrics=args.enable_per_request_metrics,
                  return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-                 enable_request_id_headers=args.enable_request_id_headers)
+                 enable_request_id_headers=args.enable_request_id_headers,
+                 enable_sagemaker_sessions=args.enable_sagemaker_sessions)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -209,6 +210,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--enable-per-request-metrics", action="store_true",
                        help="a one-choice reply carries `metrics`: queue time, time to first token, decode time, "
                             "mean inter-token latency, tokens per second (vLLM's flag; streamed: on the usage chunk)")
+    serve.add_argument("--enable-sagemaker-sessions", action="store_true",
+                       default=os.environ.get("SAGEMAKER_ENABLE_STATEFUL_SESSIONS", "").lower() in ("1", "true"),
+                       help="/invocations opens and closes SageMaker's stateful sessions "
+                            "(default: $SAGEMAKER_ENABLE_STATEFUL_SESSIONS)")
     serve.add_argument("--enable-request-id-headers", action="store_true",
                        help="every answer carries X-Request-Id: the request's own, else a fresh one")
     serve.add_argument("--return-tokens-as-token-ids", action="store_true",

@@ -566,6 +566,11 @@ class UnloadLoRAAdapterRequest(_Request):
     lora_name: str
 
 
+class SageMakerAdapterRequest(_Request):
+    name: str
+    src: str
+
+
 # -- Responses API -----------------------------------------------------------------------------
 class ResponseTextPart(_Part):
     type: Literal["input_text", "output_text"]

@@ -27,6 +27,7 @@ from pagedkv.outputs import PoolingRequestOutput, RequestOutput
 from pagedkv.entrypoints.server.errors import APIError, submit_error
 from pagedkv.entrypoints.server.metrics import ServerMetrics
 from pagedkv.entrypoints.server.reasoning import ReasoningParser
+from pagedkv.entrypoints.server.sagemaker_sessions import SessionStore
 from pagedkv.entrypoints.server.responses import ResponseBuilder
 from pagedkv.entrypoints.server.responses_store import ResponseStore
 from pagedkv.entrypoints.server.tools import PARSERS as TOOL_CALL_PARSERS
@@ -81,7 +82,8 @@ class ServingContext:
         self.prompt_tokens_details = prompt_tokens_details  # (--enable-prompt-tokens-details, as vLLM)
         self.per_request_metrics = per_request_metrics  # (--enable-per-request-metrics, as vLLM)
         self.tokens_as_ids = tokens_as_ids  # (--return-tokens-as-token-ids, as vLLM: every request's logprobs)
-        self.decision_label_ids: Optional[list[int]] = None  # (/v1/decisions: found at its first request)
+        self.decision_label_ids: Optional[list[int]] = None
+        self.sagemaker_sessions: Optional[SessionStore] = None  # (SageMaker's stateful sessions, where enabled)  # (/v1/decisions: found at its first request)
         self.builders = {name: self.builder(name) for name in (self.model_name, *self.adapters)}
         stats = engine.stats()
         cache_config = {"block_size": engine.config.block_size, "num_gpu_blocks": stats["num_device_blocks"],

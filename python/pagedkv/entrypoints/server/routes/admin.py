@@ -1,6 +1,6 @@
 """The server's own routes: /health, /v1/models, /metrics, /version, /reset_prefix_cache, and
 (`lora_router`, with allow_runtime_lora_updating) vLLM's /v1/load_lora_adapter and
-/v1/unload_lora_adapter."""
+/v1/unload_lora_adapter, and SageMaker's POST /adapters and DELETE /adapters/{name}."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pagedkv import __version__
 from pagedkv.params.lora_request import LoRARequest
 from pagedkv.entrypoints.server.errors import APIError
 from pagedkv.entrypoints.server.openapi import ModelList, ServerLoadResponse, StatusResponse, VersionResponse, answer
-from pagedkv.entrypoints.server.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+from pagedkv.entrypoints.server.protocol import LoadLoRAAdapterRequest, SageMakerAdapterRequest, UnloadLoRAAdapterRequest
 from pagedkv.entrypoints.server.serving import ServingContext, serving
 
 logger = logging.getLogger("pagedkv.entrypoints.server")
@@ -79,34 +79,55 @@ async def reset_prefix_cache(context: ServingContext = Depends(serving)):
 
 @lora_router.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
 async def load_lora_adapter(body: LoadLoRAAdapterRequest, context: ServingContext = Depends(serving)):
-    name = body.lora_name
-    if not os.path.isdir(body.lora_path):  # (vLLM's NotFoundError, a 404)
-        raise APIError(404, f"No adapter found at {body.lora_path!r}: no such directory", "invalid_request_error",
+    await load_adapter(context, body.lora_name, body.lora_path)
+    return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
+
+
+@lora_router.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)
+async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, context: ServingContext = Depends(serving)):
+    await unload_adapter(context, body.lora_name)
+    return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
+
+
+@lora_router.post("/adapters", response_class=PlainTextResponse, include_in_schema=False)
+async def sagemaker_load_adapter(body: SageMakerAdapterRequest, context: ServingContext = Depends(serving)):
+    """SageMaker's form of /v1/load_lora_adapter: {"name", "src"}."""
+    await load_adapter(context, body.name, body.src)
+    return Response(f"Success: LoRA adapter '{body.name}' added successfully.", media_type="text/plain")
+
+
+@lora_router.delete("/adapters/{adapter_name}", response_class=PlainTextResponse, include_in_schema=False)
+async def sagemaker_unload_adapter(adapter_name: str, context: ServingContext = Depends(serving)):
+    """SageMaker's form of /v1/unload_lora_adapter."""
+    await unload_adapter(context, adapter_name)
+    return Response(f"Success: LoRA adapter '{adapter_name}' removed successfully.", media_type="text/plain")
+
+
+async def load_adapter(context: ServingContext, name: str, path: str) -> None:
+    if not os.path.isdir(path):  # (vLLM's NotFoundError, a 404)
+        raise APIError(404, f"No adapter found at {path!r}: no such directory", "invalid_request_error",
                        "lora_path", "adapter_not_found")
     async with context.adapter_updates:  # (loads at once: each name checked and each id taken once)
         if name == context.model_name or name in context.adapters:
             raise APIError(400, f"The lora adapter '{name}' has already been loaded.", "invalid_request_error",
                            "lora_name")
-        adapter = LoRARequest(name, next(context.adapter_ids), body.lora_path)
+        adapter = LoRARequest(name, next(context.adapter_ids), path)
         try:
             await context.client.add_lora(adapter)
         except ValueError as error:  # (InvalidConfigError: the message names what is wrong)
             raise APIError(400, str(error), "invalid_request_error", "lora_path") from error
         context.adapters[name] = adapter
         context.builders[name] = context.builder(name)
-    logger.info("LoRA adapter %r loaded from %s", name, body.lora_path)
-    return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
+    logger.info("LoRA adapter %r loaded from %s", name, path)
 
 
-@lora_router.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)
-async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, context: ServingContext = Depends(serving)):
-    adapter = context.adapters.pop(body.lora_name, None)
+async def unload_adapter(context: ServingContext, name: str) -> None:
+    adapter = context.adapters.pop(name, None)
     if adapter is None:
-        raise APIError(404, f"The lora adapter '{body.lora_name}' cannot be found.", "invalid_request_error",
+        raise APIError(404, f"The lora adapter '{name}' cannot be found.", "invalid_request_error",
                        "lora_name", "model_not_found")
-    context.builders.pop(body.lora_name, None)
+    context.builders.pop(name, None)
     await context.client.remove_lora(adapter.lora_int_id)
-    return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
 
 
 @router.get("/version", responses=answer(VersionResponse))
