@@ -154,7 +154,10 @@ fn dot_tile<W: Element, const ROWS: usize>(isa: Isa, x: &[f32], weight: &[W], k:
         // SAFETY: the caller checked that this CPU runs `isa`; x holds ROWS rows of k and
         // weight NR rows of k.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2Fma | Isa::Avx512 => unsafe { x86::dot_tile_avx2::<W, ROWS>(x, weight, k, sums) },
+        Isa::Avx2Fma => unsafe { x86::dot_tile_avx2::<W, ROWS>(x, weight, k, sums) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { x86_512::dot_tile_avx512::<W, ROWS>(x, weight, k, sums) },
         _ => with_isa(
             isa,
             #[inline(always)]
@@ -245,6 +248,61 @@ mod x86 {
             for c in 0..NR {
                 let tail: f32 = (body..k).map(|i| *x.add(r * k + i) * (*w.add(c * k + i)).to_f32()).sum();
                 sums[r][c] = sum8(acc[r][c]) + tail;
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86_512 {
+    use std::arch::x86_64::*;
+
+    use super::{MR, NR};
+    use crate::cpu_kernels::simd::{Element, ElementKind};
+
+    /// 16 weights at `p` widened to float32 (bfloat16: zero-extended into the high half, exact).
+    #[inline(always)]
+    unsafe fn load16<W: Element>(p: *const W) -> __m512 {
+        match W::KIND {
+            ElementKind::Bf16 => _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(
+                _mm256_loadu_si256(p as *const __m256i),
+            ))),
+            _ => _mm512_loadu_ps(p as *const f32), // (check() lets float32 and bfloat16 in only)
+        }
+    }
+
+    /// `dot_tile` with AVX-512: NR * ROWS accumulators of 16 lanes, 32 weights of a row per step
+    /// (a bfloat16 row's cache line: one prefetch of the next tile's line per row and step).
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub(super) unsafe fn dot_tile_avx512<W: Element, const ROWS: usize>(
+        x: &[f32],
+        weight: &[W],
+        k: usize,
+        sums: &mut [[f32; NR]; MR],
+    ) {
+        let (x, w) = (x.as_ptr(), weight.as_ptr());
+        let mut acc = [[_mm512_setzero_ps(); NR]; ROWS];
+        let body = k - k % 32;
+        let mut i = 0;
+        while i < body {
+            for c in 0..NR {
+                _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(c * k + i + NR * k) as *const i8);
+            }
+            for half in [0, 16] {
+                let w_lanes: [__m512; NR] = std::array::from_fn(|c| load16(w.add(c * k + i + half)));
+                for (r, acc_row) in acc.iter_mut().enumerate() {
+                    let x_lanes = _mm512_loadu_ps(x.add(r * k + i + half));
+                    for (acc, w_lane) in acc_row.iter_mut().zip(&w_lanes) {
+                        *acc = _mm512_fmadd_ps(x_lanes, *w_lane, *acc);
+                    }
+                }
+            }
+            i += 32;
+        }
+        for r in 0..ROWS {
+            for c in 0..NR {
+                let tail: f32 = (body..k).map(|i| *x.add(r * k + i) * (*w.add(c * k + i)).to_f32()).sum();
+                sums[r][c] = _mm512_reduce_add_ps(acc[r][c]) + tail;
             }
         }
     }

@@ -68,6 +68,21 @@ def test_tensor_parallel_engines_dropped_in_a_loop_leave_nothing_behind(tiny_lla
     assert resident_bytes() <= 1.1 * first_rss
 
 
+def test_the_startup_heap_is_frozen_while_an_engine_runs_and_thawed_after(tiny_llama_dir):
+    """As vLLM: once built, the engine freezes the process's heap, so a full garbage collection
+    mid-generation scans only what came after (it scanned ~400k objects, 0.2 s); shutdown thaws it."""
+    engine = LLMEngine(model=tiny_llama_dir, dtype="float32", num_device_blocks=64)
+    try:
+        assert gc.get_freeze_count() > 10_000  # (torch's modules and the engine's objects at least)
+        engine.add_request("r", {"prompt_token_ids": [5, 6, 7]}, GREEDY)
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert len(gc.get_objects()) < 0.1 * gc.get_freeze_count()  # (what a full collection still scans)
+    finally:
+        engine.shutdown()
+    assert gc.get_freeze_count() == 0
+
+
 def test_engines_are_context_managers_and_shutdown_is_idempotent(tiny_llama_dir):
     baseline = leftovers()
     with LLM(tiny_llama_dir, dtype="float32", tensor_parallel_size=2, num_device_blocks=64) as llm:
