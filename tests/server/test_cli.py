@@ -119,6 +119,26 @@ def test_a_bad_lora_module_is_refused_by_name(text):
         parse_lora_module(text)
 
 
+@pytest.mark.parametrize("flags", [
+    ["--structured-outputs-config.backend", "xgrammar"], ["--structured-outputs-config", '{"backend": "auto"}'],
+    ["--trust-remote-code", "--disable-log-stats", "--disable-log-requests", "--show-hidden-metrics-for-version",
+     "0.32"],
+])
+def test_vllm_flags_without_effect_here_are_accepted(flags):
+    from pagedkv.entrypoints.cli import build_parser
+
+    assert build_parser().parse_args(["serve", *flags]).structured_outputs_backend == "xgrammar"
+
+
+@pytest.mark.parametrize("value", ["guidance", '{"backend": "outlines"}', "{bad"])
+def test_a_structured_outputs_backend_other_than_xgrammar_is_refused(value, capsys):
+    from pagedkv.entrypoints.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--structured-outputs-config", value])
+    assert "structured-outputs-config" in capsys.readouterr().err
+
+
 def test_serve_on_a_unix_socket_behind_a_root_path(tmp_path):
     """--uds: the server answers on a Unix socket, not on host and port; --root-path: routes answer
     with the prefix and without it (a proxy may strip it or not, as vLLM's), /openapi.json names

@@ -248,9 +248,34 @@ def build_parser() -> argparse.ArgumentParser:
                        help="at SIGTERM, in-flight requests may finish for this long; the rest are aborted "
                             "(streams end with finish_reason abort and [DONE]) (default: %(default)s)")
     add_engine_arguments(serve)
+    compat = serve.add_argument_group("vLLM flags accepted so that vLLM command lines start (no effect here)")
+    compat.add_argument("--structured-outputs-config", "--structured-outputs-config.backend",
+                        dest="structured_outputs_backend", type=structured_outputs_backend, default="xgrammar",
+                        metavar="BACKEND", help="xgrammar or auto (or vLLM's JSON form): pagedkv's structured outputs "
+                                                "run on xgrammar; another backend is an error")
+    compat.add_argument("--trust-remote-code", action="store_true",
+                        help="pagedkv runs no checkpoint's own code: its model classes are its own")
+    compat.add_argument("--show-hidden-metrics-for-version", default=None, metavar="VERSION",
+                        help="no metric is hidden here")
+    compat.add_argument("--disable-log-stats", action="store_true", help="pagedkv logs no periodic stats")
+    compat.add_argument("--disable-log-requests", action="store_true", help="pagedkv logs no request bodies")
     serve.set_defaults(func=cmd_serve)
 
     return parser
+
+
+def structured_outputs_backend(value: str) -> str:
+    """vLLM's --structured-outputs-config (JSON with a "backend") or its .backend: xgrammar or auto."""
+    backend = value
+    if value.lstrip().startswith("{"):
+        try:
+            backend = json.loads(value).get("backend", "auto")
+        except (ValueError, AttributeError):
+            raise argparse.ArgumentTypeError(f"not a JSON object: {value!r}") from None
+    if backend not in ("auto", "xgrammar"):
+        raise argparse.ArgumentTypeError(f"pagedkv's structured outputs run on xgrammar; backend {backend!r} is not "
+                                         "available")
+    return "xgrammar"
 
 
 def main(argv=None) -> int:
