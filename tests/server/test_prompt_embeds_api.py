@@ -24,7 +24,8 @@ def encoded(tensor: torch.Tensor) -> str:
 def live():
     from support.live_server import LiveServer
 
-    server = LiveServer(enable_prompt_embeds=True, num_device_blocks=128, max_model_len=512)
+    server = LiveServer(enable_prompt_embeds=True, num_device_blocks=128, max_model_len=512,
+                        app_options={"trust_request_chat_template": True})
     yield server
     server.stop()
 
@@ -131,3 +132,52 @@ def test_bad_prompt_embeds_parts_are_400s(client):
                  {"type": "prompt_embeds", "data": encoded(torch.zeros(2, 3, 4, 5))}):
         with pytest.raises(BadRequestError):
             chat(client, [{"role": "user", "content": [part]}])
+
+
+REASONING_TEMPLATE = (  # (vLLM's test template: an assistant turn's reasoning in think tags)
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}"
+    "{% if m.get('reasoning') %}{{ '<think>' + m['reasoning'] + '</think>' }}{% endif %}"
+    "{{ m['content'] }}{{ '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def test_an_assistant_turns_reasoning_may_be_embeddings_and_a_request_its_own_template(client, live):
+    """vLLM's: `reasoning` as a prompt_embeds part stands where the template puts the reasoning
+    (here with the request's own chat_template, which --trust-request-chat-template allows)."""
+    engine = live.engine
+    table = engine.runner.model.embed_tokens.weight.detach()
+    thought = "The user greets me."
+    as_embeds = {"type": "prompt_embeds", "data": encoded(table[engine.tokenizer.encode(thought, add_special_tokens=False)])}
+
+    def reply(reasoning):
+        messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "reasoning": reasoning, "content": "Hello!"},
+                    {"role": "user", "content": "How are you?"}]
+        return chat(client, messages, extra_body={"chat_template": REASONING_TEMPLATE})
+
+    by_text, by_embeds = reply(thought), reply(as_embeds)
+    assert by_embeds.choices[0].message.content == by_text.choices[0].message.content
+    assert by_embeds.usage.prompt_tokens == by_text.usage.prompt_tokens
+    rendered = httpx.post(live.url + "/tokenize", timeout=30, json={
+        "messages": [{"role": "assistant", "reasoning": thought, "content": "Hello!"}], "add_generation_prompt": False,
+        "chat_template": REASONING_TEMPLATE}).json()["tokens"]
+    assert engine.tokenizer.decode(rendered) == f"<|im_start|>assistant\n<think>{thought}</think>Hello!<|im_end|>\n"
+    for bad in ({"type": "prompt_embeds"}, {"type": "prompt_embeds", "data": "not_valid_base64!!"},
+                {"type": "prompt_embeds", "data": ""}):
+        with pytest.raises(BadRequestError):
+            reply(bad)
+
+
+def test_a_requests_own_template_needs_the_servers_trust():
+    from support.live_server import LiveServer
+
+    server = LiveServer(num_device_blocks=32, max_model_len=128)
+    try:
+        body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "chat_template": REASONING_TEMPLATE}
+        for route, extra in (("/v1/chat/completions", {}), ("/tokenize", {})):
+            refused = httpx.post(server.url + route, json={**body, **extra}, timeout=30)
+            assert refused.status_code == 400 and "--trust-request-chat-template" in refused.json()["error"]["message"]
+        kwargs = {"messages": body["messages"], "max_tokens": 2, "chat_template_kwargs": {"chat_template": "x"}}
+        assert httpx.post(server.url + "/v1/chat/completions", json=kwargs, timeout=30).status_code == 400
+    finally:
+        server.stop()

@@ -171,7 +171,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                  enable_per_request_metrics=args.enable_per_request_metrics,
                  return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                  enable_request_id_headers=args.enable_request_id_headers,
-                 enable_sagemaker_sessions=args.enable_sagemaker_sessions)
+                 enable_sagemaker_sessions=args.enable_sagemaker_sessions,
+                 trust_request_chat_template=args.trust_request_chat_template)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -214,6 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
                        default=os.environ.get("SAGEMAKER_ENABLE_STATEFUL_SESSIONS", "").lower() in ("1", "true"),
                        help="/invocations opens and closes SageMaker's stateful sessions "
                             "(default: $SAGEMAKER_ENABLE_STATEFUL_SESSIONS)")
+    serve.add_argument("--trust-request-chat-template", action="store_true",
+                       help="a chat request may bring its own chat_template (Jinja the server then runs)")
     serve.add_argument("--enable-request-id-headers", action="store_true",
                        help="every answer carries X-Request-Id: the request's own, else a fresh one")
     serve.add_argument("--return-tokens-as-token-ids", action="store_true",

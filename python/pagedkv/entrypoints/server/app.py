@@ -52,7 +52,7 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
                enable_server_load_tracking: bool = False, root_path: str = "",
                enable_prompt_tokens_details: bool = False, enable_per_request_metrics: bool = False,
                return_tokens_as_token_ids: bool = False, enable_request_id_headers: bool = False,
-               enable_sagemaker_sessions: bool = False) -> FastAPI:
+               enable_sagemaker_sessions: bool = False, trust_request_chat_template: bool = False) -> FastAPI:
     """The app around an engine; an AsyncLLM steps it for the app's lifetime. `chat_template`
     (Jinja) replaces the tokenizer's own, e.g. for a base model that has none. `api_key`: /v1
     routes (all but /health) answer 401 unless the request carries `Authorization: Bearer <api_key>`; an
@@ -70,6 +70,8 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
     `return_tokens_as_token_ids`: logprobs name every request's tokens "token_id:<id>" (vLLM's flag).
     `enable_request_id_headers`: every answer carries X-Request-Id, the request's or a fresh one (vLLM's).
     `enable_sagemaker_sessions`: /invocations opens and closes SageMaker's stateful sessions.
+    `trust_request_chat_template`: a chat request may bring its own `chat_template` (vLLM's flag;
+    without it such a request is a 400: a template is Jinja the server runs).
     `lora_modules` ({name: PEFT directory, or {"path", "base_model_name"}}, engine with enable_lora): each adapter is served as a
     model of its own name, loaded now. `allow_runtime_lora_updating` adds vLLM's
     /v1/load_lora_adapter and /v1/unload_lora_adapter (adapters from the server's disk).
@@ -84,6 +86,7 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
                              return_tokens_as_token_ids)
     if enable_sagemaker_sessions:
         context.sagemaker_sessions = SessionStore()
+    context.trust_request_chat_template = trust_request_chat_template
     if allow_runtime_lora_updating and not context.supports_lora:
         raise ValueError("allow_runtime_lora_updating needs an engine built with enable_lora=True")
 
@@ -154,7 +157,7 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, serve
           enable_server_load_tracking: bool = False, root_path: str = "", uds: Optional[str] = None,
           enable_prompt_tokens_details: bool = False, enable_per_request_metrics: bool = False,
           return_tokens_as_token_ids: bool = False, enable_request_id_headers: bool = False,
-          enable_sagemaker_sessions: bool = False,
+          enable_sagemaker_sessions: bool = False, trust_request_chat_template: bool = False,
           request_header_timeout_seconds: float = DEFAULT_REQUEST_HEADER_TIMEOUT_SECONDS) -> int:
     """Builds the engine and runs uvicorn until SIGINT/SIGTERM: stops accepting, lets in-flight
     requests finish for `shutdown_grace_seconds`, aborts the rest (ServingContext.drain), and
@@ -203,7 +206,8 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, serve
                      enable_per_request_metrics=enable_per_request_metrics,
                      return_tokens_as_token_ids=return_tokens_as_token_ids,
                      enable_request_id_headers=enable_request_id_headers,
-                     enable_sagemaker_sessions=enable_sagemaker_sessions)
+                     enable_sagemaker_sessions=enable_sagemaker_sessions,
+                     trust_request_chat_template=trust_request_chat_template)
     # The startup heap (torch, the model, the tokenizer: ~440k objects) lives as long as the server:
     # frozen, the full collections skip it. Each paused every stream and /health 0.25 s (as vLLM).
     gc.collect()

@@ -137,11 +137,16 @@ class ChatMessage(_Part):
     name: Optional[str] = None
     tool_calls: Optional[list[ToolCall]] = None
     tool_call_id: Optional[str] = None
+    # an assistant turn's reasoning, as text or (vLLM's) a prompt_embeds part
+    reasoning: Optional[Union[str, PromptEmbedsPart]] = None
 
     def template_fields(self, embeds_marker: str = "") -> dict:
         """The message as chat templates read it: text content plus tool_calls, tool_call_id, ...;
         each prompt_embeds part as `embeds_marker`."""
-        return {**self.model_dump(exclude_none=True), "content": self.text(embeds_marker)}
+        fields = {**self.model_dump(exclude_none=True), "content": self.text(embeds_marker)}
+        if isinstance(self.reasoning, PromptEmbedsPart):
+            fields["reasoning"] = embeds_marker
+        return fields
 
     def text(self, embeds_marker: str = "") -> str:
         if isinstance(self.content, list):  # OpenAI content parts: keep the text ones
@@ -150,8 +155,11 @@ class ChatMessage(_Part):
         return self.content or ""
 
     def embeds_parts(self) -> list[PromptEmbedsPart]:
-        return [part for part in self.content if isinstance(part, PromptEmbedsPart)] if isinstance(
-            self.content, list) else []
+        """The message's prompt_embeds parts in the order templates render them: its reasoning's,
+        then its content's."""
+        parts = [self.reasoning] if isinstance(self.reasoning, PromptEmbedsPart) else []
+        return parts + ([part for part in self.content if isinstance(part, PromptEmbedsPart)] if isinstance(
+            self.content, list) else [])
 
 
 # -- tools -------------------------------------------------------------------------------------
@@ -425,6 +433,7 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     echo: bool = False
+    chat_template: Optional[str] = None  # (vLLM's: the request's own, with --trust-request-chat-template)
     # vLLM's disaggregated-serving field; of it, only `prompt_token_ids` is read: a router forwards
     # the prefill stage's prompt ids, which then stand for the rendered messages.
     kv_transfer_params: Optional[dict[str, Any]] = None
@@ -547,6 +556,7 @@ class TokenizeRequest(_Request):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    chat_template: Optional[str] = None  # (with --trust-request-chat-template)
     return_token_strs: Optional[bool] = False  # the tokens' vocabulary strings too, as `token_strs`
 
 

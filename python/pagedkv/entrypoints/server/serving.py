@@ -83,6 +83,7 @@ class ServingContext:
         self.per_request_metrics = per_request_metrics  # (--enable-per-request-metrics, as vLLM)
         self.tokens_as_ids = tokens_as_ids  # (--return-tokens-as-token-ids, as vLLM: every request's logprobs)
         self.decision_label_ids: Optional[list[int]] = None
+        self.trust_request_chat_template = False  # (--trust-request-chat-template: requests may bring their own)
         self.sagemaker_sessions: Optional[SessionStore] = None  # (SageMaker's stateful sessions, where enabled)  # (/v1/decisions: found at its first request)
         self.builders = {name: self.builder(name) for name in (self.model_name, *self.adapters)}
         stats = engine.stats()
@@ -146,21 +147,38 @@ class ServingContext:
                        "invalid_request_error", "model", "model_not_found")
 
     async def chat_prompt(self, messages, add_generation_prompt: bool, tools=None, template_kwargs=None,
-                          continue_final_message: bool = False, embeds_marker: str = "") -> str:
+                          continue_final_message: bool = False, embeds_marker: str = "",
+                          chat_template: Optional[str] = None) -> str:
         """The prompt text, rendered on the worker pool (megabytes of messages or thousands of
         tools take seconds); `template_kwargs` reach the template as variables (e.g. Qwen3's
         enable_thinking); `continue_final_message`: the prompt ends inside the last message;
-        prompt_embeds parts rendered as `embeds_marker`."""
+        prompt_embeds parts rendered as `embeds_marker`; `chat_template`: a request's own template
+        in place of the server's (see `request_chat_template`)."""
         turns = [message.template_fields(embeds_marker) for message in messages]
+        kwargs = dict(template_kwargs or {})
+        template = self.request_chat_template(chat_template, kwargs.pop("chat_template", None)) or self.chat_template
         try:
             return await self.client.run_in_worker(lambda: self.tokenizer.apply_chat_template(
-                turns, tools=tools, chat_template=self.chat_template, tokenize=False,
+                turns, tools=tools, chat_template=template, tokenize=False,
                 add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-                **(template_kwargs or {})))
+                **kwargs))
         except OverloadedError:
             raise
         except Exception as error:
             raise APIError(400, f"messages: cannot apply the chat template: {error}", "invalid_request_error", "messages")
+
+    def request_chat_template(self, *given: Optional[str]) -> Optional[str]:
+        """A request's own chat template (its `chat_template`, or one in `chat_template_kwargs`):
+        a 400 unless the server trusts them (--trust-request-chat-template, as vLLM: a template
+        is Jinja that runs on the server)."""
+        template = next((value for value in given if value is not None), None)
+        if template is not None and not self.trust_request_chat_template:
+            raise APIError(400, "Chat template is passed with request, but --trust-request-chat-template is not set. "
+                                "Refused request with untrusted chat template.", "invalid_request_error", "chat_template")
+        if template is not None and not isinstance(template, str):
+            raise APIError(400, "chat_template must be a string (a Jinja template)", "invalid_request_error",
+                           "chat_template")
+        return template
 
     def tool_calling(self, chat_tools, tool_choice) -> Optional[ToolCalling]:
         """The request's tools, read by the server's tool-call parser (None without tools)."""

@@ -72,7 +72,7 @@ async def chat_prompt(context: ServingContext, body: ChatCompletionRequest, conv
     embeds = [part.data for message in conversation for part in message.embeds_parts()]
     marker = embeds_marker() if embeds else ""
     text = await context.chat_prompt(conversation, body.add_generation_prompt, chat_tools, body.chat_template_kwargs,
-                                     body.continue_final_message, marker)
+                                     body.continue_final_message, marker, body.chat_template)
     if not embeds:
         return text
     return await asyncio.to_thread(make_params, lambda: spliced_prompt(text, marker, decode_prompt_embeds(embeds),

@@ -24,7 +24,8 @@ async def tokenize(body: TokenizeRequest, context: ServingContext = Depends(serv
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of prompt and messages", "invalid_request_error", "prompt")
     if body.messages is not None:
-        text = await context.chat_prompt(body.messages, body.add_generation_prompt, None, body.chat_template_kwargs)
+        text = await context.chat_prompt(body.messages, body.add_generation_prompt, None, body.chat_template_kwargs,
+                                         chat_template=body.chat_template)
     else:
         text = body.prompt
     if len(text) > context.max_prompt_chars:  # (bounded work: not millions of tokens returned)
