@@ -1023,6 +1023,39 @@ def test_embeddings_endpoint(client, server, smollm2_hf_model):
     assert server.metric("pagedkv_kv_blocks_used_device") == 0
 
 
+def test_cohere_v2_embed_gives_the_embeddings_in_each_type_asked_for(client, server):
+    import base64
+    import struct
+
+    import numpy as np
+
+    texts = ["Hello", "Paging is how the KV cache grows."]
+    reference = [item.embedding for item in client.embeddings.create(model=server.engine.model_name, input=texts).data]
+    body = {"texts": texts, "embedding_types": ["float", "binary", "ubinary", "base64"]}
+    answer = httpx.post(server.url + "/v2/embed", json=body, timeout=60).json()
+    typed = answer["embeddings"]
+    assert answer["response_type"] == "embeddings_by_type" and answer["texts"] == texts
+    assert answer["meta"]["billed_units"]["input_tokens"] == sum(len(tokenize(server, text)) for text in texts)
+    assert np.allclose(typed["float"], reference, atol=1e-6)
+    bits = [np.unpackbits(np.array(row, dtype=np.uint8)).tolist() for row in typed["ubinary"]]
+    assert bits == [[int(value >= 0) for value in vector] for vector in reference]
+    assert [[value + 128 for value in row] for row in typed["binary"]] == typed["ubinary"]
+    raw = base64.b64decode(typed["base64"][1])
+    assert list(struct.unpack(f"<{len(raw) // 4}f", raw)) == pytest.approx(reference[1], abs=1e-6)
+    inputs = {"inputs": [{"content": [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}]}]}
+    assert httpx.post(server.url + "/v2/embed", json=inputs, timeout=60).json()["embeddings"]["float"][0] == \
+        pytest.approx(reference[0], abs=1e-6)
+    long_text = "word " * 600
+    cut = httpx.post(server.url + "/v2/embed", json={"texts": [long_text]}, timeout=60).json()
+    assert cut["meta"]["billed_units"]["input_tokens"] == 512  # (truncate END: cut to max_model_len)
+    for bad, param in (({"texts": [long_text], "truncate": "NONE"}, "texts"), ({"texts": []}, "body"),
+                       ({"texts": ["a"], "images": ["b"]}, "body"), ({"images": ["x"]}, "images"),
+                       ({"texts": ["a"], "output_dimension": 7}, "output_dimension")):
+        response = httpx.post(server.url + "/v2/embed", json=bad, timeout=60)
+        assert response.status_code == 400, (bad, response.text)
+    assert server.metric("pagedkv_kv_blocks_used_device") == 0
+
+
 def test_truncation_allowed_tokens_and_bad_words_fields(server):
     body = {"prompt": "The quick brown fox jumps over the lazy dog", "max_tokens": 4, "temperature": 0}
     response = httpx.post(server.url + "/v1/completions", json={**body, "truncate_prompt_tokens": 3}, timeout=60).json()

@@ -343,6 +343,8 @@ SERVED_REQUESTS = {
                                       {"type": "score", "instructions": "w8", "levels": [{"label": "x"}, {"label": "y"}]}]},
     ],
     ("POST", "/v1/embeddings"): [{"input": ["w5", "w6 w7"]}, {"input": "w5", "encoding_format": "base64"}],
+    ("POST", "/v2/embed"): [{"texts": ["w5", "w6 w7"], "embedding_types": ["float", "binary", "base64"]},
+                            {"inputs": [{"content": [{"type": "text", "text": "w5"}]}]}],
     ("POST", "/score"): [{"text_1": "w5", "text_2": ["w6", "w7"]}],
     ("POST", "/v1/score"): [{"text_1": ["w5", "w6"], "text_2": ["w7", "w8"]}],
     ("POST", "/rerank"): [RERANK], ("POST", "/v1/rerank"): [RERANK], ("POST", "/v2/rerank"): [RERANK],

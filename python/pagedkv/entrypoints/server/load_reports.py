@@ -10,7 +10,8 @@ from typing import Callable, Optional
 
 # The routes whose requests reach the engine (vLLM's list, for the routes pagedkv has).
 ENGINE_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/classify",
-                           "/v1/classify", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/invocations"})
+                           "/v1/classify", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/invocations",
+                           "/v2/embed", "/v1/decisions"})
 
 
 class ServerLoad:

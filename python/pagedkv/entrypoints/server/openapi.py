@@ -316,6 +316,17 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class CohereEmbedResponse(BaseModel):
+    """Cohere's /v2/embed answer: `embeddings` holds a list per type asked for (float, binary,
+    ubinary, base64)."""
+
+    id: str
+    embeddings: dict[str, list[Any]]
+    texts: Optional[list[str]] = None
+    meta: Optional[dict[str, Any]] = None
+    response_type: Literal["embeddings_by_type"] = "embeddings_by_type"
+
+
 class DecisionResponse(BaseModel):
     """/v1/decisions: an answer per question (predicate: probability; choice: choice, probabilities,
     confidence; score: score, probabilities, confidence) and the reads' usage."""

@@ -1,5 +1,5 @@
 """The pooling routes: /v1/embeddings, and vLLM's /classify, /score and /rerank (each also under
-the prefixes vLLM serves it at)."""
+the prefixes vLLM serves it at) and Cohere's /v2/embed."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ from fastapi import APIRouter, Depends, Request
 from pagedkv.entrypoints.server.json_body import OffLoopJSONRoute
 from pagedkv.params.pooling import PoolingParams
 from pagedkv.entrypoints.scoring import score_pairs, scores_of, scoring_requests
-from pagedkv.entrypoints.server.errors import APIError
-from pagedkv.entrypoints.server.openapi import ClassificationList, EmbeddingList, RerankList, ScoreList, answer
+from pagedkv.entrypoints.server.cohere_embed import CohereEmbedRequest, truncated, typed_embeddings
+from pagedkv.entrypoints.server.errors import APIError, too_many_tokens
+from pagedkv.entrypoints.server.openapi import (ClassificationList, CohereEmbedResponse, EmbeddingList, RerankList,
+                                                ScoreList, answer)
 from pagedkv.entrypoints.server.protocol import ClassificationRequest, EmbeddingRequest, RerankRequest, ScoreRequest
 from pagedkv.entrypoints.server.serving import ServingContext, make_params, serving
 
@@ -28,6 +30,33 @@ async def embeddings(body: EmbeddingRequest, request: Request, context: ServingC
                        f"{hidden_size}", "invalid_request_error", "dimensions")
     outputs = await pool(context, request, "embd-", inputs, PoolingParams(), body.priority, served)
     return context.builders[served].embeddings(outputs, body.encoding_format)
+
+
+@router.post("/v2/embed", responses=answer(CohereEmbedResponse))
+async def cohere_embed(body: CohereEmbedRequest, request: Request, context: ServingContext = Depends(serving)):
+    """Cohere's embed API (vLLM's /v2/embed): the texts' embeddings in the types asked for."""
+    served = context.check_model(body.model)
+    texts = make_params(body.text_inputs)
+    hidden_size = context.model_info.hidden_size
+    if body.output_dimension is not None and body.output_dimension != hidden_size:
+        raise APIError(400, f"output_dimension={body.output_dimension} is not supported: this model's embeddings have "
+                       f"{hidden_size}", "invalid_request_error", "output_dimension")
+    if any(len(text) > 16 * context.max_prompt_chars for text in texts):  # (bounded tokenizing work)
+        raise APIError(400, f"texts: a text is far longer than max_model_len={context.max_model_len} tokens",
+                       "invalid_request_error", "texts", "context_length_exceeded")
+    tokenizer = context.tokenizer
+    encoded = await context.client.run_in_worker(lambda: [tokenizer.encode(text) for text in texts])
+    inputs = []
+    for token_ids in encoded:
+        kept = truncated(token_ids, body.truncate, context.max_model_len)
+        if kept is None:
+            raise too_many_tokens("texts", len(token_ids), context.max_model_len)
+        inputs.append(kept)
+    outputs = await pool(context, request, "embd-", inputs, PoolingParams(), body.priority, served)
+    vectors = [output.outputs.embedding for output in outputs]
+    return {"id": "embd-" + uuid.uuid4().hex, "texts": texts, "response_type": "embeddings_by_type",
+            "embeddings": typed_embeddings(vectors, body.embedding_types or ["float"]),
+            "meta": {"api_version": {"version": "2"}, "billed_units": {"input_tokens": sum(map(len, inputs))}}}
 
 
 @router.post("/classify", responses=answer(ClassificationList))
