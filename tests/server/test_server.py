@@ -80,6 +80,7 @@ def test_vllms_metric_names_count_what_vllms_count(client, server):
         assert name in names, name
     text = httpx.get(server.url + "/metrics", timeout=10).text
     assert 'vllm:admission_rejections_total{model_name="' in text and 'reason="max_num_queued_reqs"' in text
+    assert 'kv_cache_size_tokens="4096"' in text and 'kv_cache_max_concurrency="8.0"' in text  # (256 blocks of 16; 512)
     assert after[("vllm:num_requests_running", None)] == 0 and after[("vllm:kv_cache_usage_perc", None)] == 0
 
 
@@ -288,6 +289,9 @@ def test_sagemakers_ping_and_invocations(server):
     refused = invoke({"what": "nothing"})
     assert refused.status_code == 400 and "ChatCompletionRequest" in refused.json()["error"]["message"]
     assert invoke({"prompt": "Hi", "max_tokens": 0}).status_code == 400
+    plain = invoke({"prompt": "Hi", "max_tokens": 2, "logprobs": False}).json()  # (a chat client's "no logprobs")
+    assert plain["object"] == "text_completion" and plain["choices"][0]["logprobs"] is None
+    assert invoke({"prompt": "Hi", "max_tokens": 2, "logprobs": True}).status_code == 400
 
 
 def test_sagemaker_sessions_open_serve_and_close(flagged_server, server):

@@ -89,7 +89,11 @@ class ServingContext:
         stats = engine.stats()
         cache_config = {"block_size": engine.config.block_size, "num_gpu_blocks": stats["num_device_blocks"],
                         "num_cpu_blocks": stats["num_cpu_blocks"], "cache_dtype": engine.config.kv_cache_dtype,
-                        "enable_prefix_caching": engine.config.enable_prefix_caching}
+                        "enable_prefix_caching": engine.config.enable_prefix_caching,
+                        # (vLLM's: the tokens the device pool holds, and how many max_model_len requests fit it)
+                        "kv_cache_size_tokens": stats["num_device_blocks"] * engine.config.block_size,
+                        "kv_cache_max_concurrency": round(stats["num_device_blocks"] * engine.config.block_size
+                                                          / self.max_model_len, 2)}
         self.responses_store = ResponseStore()  # (/v1/responses with store)
         self.metrics = ServerMetrics(lambda: self.client.stats() if self.client is not None else {}, self.model_name,
                                      self.max_model_len, cache_config)
