@@ -14,8 +14,18 @@ use crate::errors::{Error, Result};
 /// Weight rows per tile.
 const NR: usize = 4;
 /// Rows of x per tile at most: NR * MR accumulators, NR widened weight vectors and one of x fit
-/// AVX2's 16 registers.
-const MR: usize = 2;
+/// AVX-512's 32 registers; AVX2's 16 hold half as many rows (`rows_per_tile`).
+const MR: usize = 4;
+
+/// Rows of x a tile takes on `isa`: each weight vector is widened once per tile, so more rows
+/// per tile widen less per product (batches of 16-64 on AVX-512: the widening was the limit).
+fn rows_per_tile(isa: Isa) -> usize {
+    if isa == Isa::Avx512 {
+        MR
+    } else {
+        2
+    }
+}
 
 /// The sizes of one call: x is [rows, in_features], weight [out_features, in_features].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -116,26 +126,15 @@ fn columns<E: Element, W: Element>(
 ) {
     let width = pieces[0].len();
     let mut sums = [[0.0f32; NR]; MR];
+    let mr = rows_per_tile(isa);
     for first in (0..width).step_by(NR) {
         let tile_width = NR.min(width - first);
         let tile = &weight[first * k..][..tile_width * k];
         let mut m = 0;
         while m < pieces.len() {
-            let tile_rows = MR.min(pieces.len() - m);
+            let tile_rows = mr.min(pieces.len() - m);
             let x_rows = &x[m * k..][..tile_rows * k];
-            match (tile_rows, tile_width) {
-                (1, NR) => dot_tile::<W, 1>(isa, x_rows, tile, k, &mut sums),
-                (2, NR) => dot_tile::<W, 2>(isa, x_rows, tile, k, &mut sums),
-                (_, NR) => dot_tile::<W, MR>(isa, x_rows, tile, k, &mut sums),
-                // The last tile of a chunk whose width is not a multiple of NR: rare, plain code.
-                _ => {
-                    for (r, x_row) in x_rows.chunks_exact(k).enumerate() {
-                        for (c, w_row) in tile.chunks_exact(k).enumerate() {
-                            sums[r][c] = x_row.iter().zip(w_row).map(|(a, b)| a * b.to_f32()).sum();
-                        }
-                    }
-                }
-            }
+            tile_dots(isa, x_rows, tile, k, tile_rows, tile_width, &mut sums);
             for r in 0..tile_rows {
                 for c in 0..tile_width {
                     let added = bias.map_or(0.0, |bias| bias[first + c].to_f32());
@@ -143,6 +142,33 @@ fn columns<E: Element, W: Element>(
                 }
             }
             m += tile_rows;
+        }
+    }
+}
+
+/// sums[r][c] = x row r . weight row c for the tile's `rows` rows of x and `width` weight rows.
+#[inline(always)]
+fn tile_dots<W: Element>(
+    isa: Isa,
+    x_rows: &[f32],
+    tile: &[W],
+    k: usize,
+    rows: usize,
+    width: usize,
+    sums: &mut [[f32; NR]; MR],
+) {
+    match (rows, width) {
+        (1, NR) => dot_tile::<W, 1>(isa, x_rows, tile, k, sums),
+        (2, NR) => dot_tile::<W, 2>(isa, x_rows, tile, k, sums),
+        (3, NR) => dot_tile::<W, 3>(isa, x_rows, tile, k, sums),
+        (4, NR) => dot_tile::<W, 4>(isa, x_rows, tile, k, sums),
+        // The last tile of a chunk whose width is not a multiple of NR: rare, plain code.
+        _ => {
+            for (r, x_row) in x_rows.chunks_exact(k).enumerate() {
+                for (c, w_row) in tile.chunks_exact(k).enumerate() {
+                    sums[r][c] = x_row.iter().zip(w_row).map(|(a, b)| a * b.to_f32()).sum();
+                }
+            }
         }
     }
 }
@@ -374,6 +400,24 @@ mod tests {
             small_m_linear_with(isa, &mut out32, &x32, &weight, None, shape, 1).unwrap();
             for (got, want) in out32.iter().zip(reference(&x32, &weight, None, shape)) {
                 assert!((*got as f64 - want).abs() <= 1e-5, "{isa:?}: {got} vs {want}");
+            }
+        }
+    }
+
+    #[test]
+    fn bfloat16_weights_give_the_bits_of_their_float32_widening_at_any_row_count() {
+        // (widening is exact, and the tiles sum in the same order whatever the weights' type)
+        let (k, n) = (70, 13);
+        let weight: Vec<Bf16> = pseudo_random(n * k, 9).into_iter().map(Bf16::from_f32).collect();
+        let widened: Vec<f32> = weight.iter().map(|w| w.to_f32()).collect();
+        for rows in [1, 3, 4, 5, 9, 17] {
+            let shape = LinearShape { rows, in_features: k, out_features: n };
+            let x = pseudo_random(rows * k, 10);
+            for isa in isas() {
+                let (mut from_bf16, mut from_f32) = (vec![0.0f32; rows * n], vec![0.0f32; rows * n]);
+                small_m_linear_with(isa, &mut from_bf16, &x, &weight, None, shape, 2).unwrap();
+                small_m_linear_with(isa, &mut from_f32, &x, &widened, None, shape, 2).unwrap();
+                assert_eq!(from_bf16, from_f32, "{isa:?}, {rows} rows");
             }
         }
     }
