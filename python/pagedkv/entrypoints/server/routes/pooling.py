@@ -24,10 +24,7 @@ router = APIRouter(route_class=OffLoopJSONRoute)
 async def embeddings(body: EmbeddingRequest, request: Request, context: ServingContext = Depends(serving)):
     served = context.check_model(body.model)
     inputs = make_params(body.inputs)
-    hidden_size = context.model_info.hidden_size
-    if body.dimensions is not None and body.dimensions != hidden_size:
-        raise APIError(400, f"dimensions={body.dimensions} is not supported: this model's embeddings have "
-                       f"{hidden_size}", "invalid_request_error", "dimensions")
+    check_dimensions(context, "dimensions", body.dimensions)
     outputs = await pool(context, request, "embd-", inputs, PoolingParams(), body.priority, served)
     return context.builders[served].embeddings(outputs, body.encoding_format)
 
@@ -37,10 +34,7 @@ async def cohere_embed(body: CohereEmbedRequest, request: Request, context: Serv
     """Cohere's embed API (vLLM's /v2/embed): the texts' embeddings in the types asked for."""
     served = context.check_model(body.model)
     texts = make_params(body.text_inputs)
-    hidden_size = context.model_info.hidden_size
-    if body.output_dimension is not None and body.output_dimension != hidden_size:
-        raise APIError(400, f"output_dimension={body.output_dimension} is not supported: this model's embeddings have "
-                       f"{hidden_size}", "invalid_request_error", "output_dimension")
+    check_dimensions(context, "output_dimension", body.output_dimension)
     if any(len(text) > 16 * context.max_prompt_chars for text in texts):  # (bounded tokenizing work)
         raise APIError(400, f"texts: a text is far longer than max_model_len={context.max_model_len} tokens",
                        "invalid_request_error", "texts", "context_length_exceeded")
@@ -57,6 +51,14 @@ async def cohere_embed(body: CohereEmbedRequest, request: Request, context: Serv
     return {"id": "embd-" + uuid.uuid4().hex, "texts": texts, "response_type": "embeddings_by_type",
             "embeddings": typed_embeddings(vectors, body.embedding_types or ["float"]),
             "meta": {"api_version": {"version": "2"}, "billed_units": {"input_tokens": sum(map(len, inputs))}}}
+
+
+def check_dimensions(context: ServingContext, field: str, dimensions) -> None:
+    """A 400 for an embedding size other than the model's (it has no smaller ones)."""
+    hidden_size = context.model_info.hidden_size
+    if dimensions is not None and dimensions != hidden_size:
+        raise APIError(400, f"{field}={dimensions} is not supported: this model's embeddings have {hidden_size}",
+                       "invalid_request_error", field)
 
 
 @router.post("/classify", responses=answer(ClassificationList))
