@@ -74,6 +74,7 @@ def test_each_answer_is_the_labels_next_token_probabilities(live):
     ({"questions": [QUESTIONS[0]] * 65}, "questions", "65"),
     ({"questions": [{"type": "score", "instructions": "?", "levels": [{"label": "x"}]}]}, "questions", "2"),
     ({"extra": 1}, "extra", "Extra inputs"),
+    ({"input": "word " * 200_000}, "input", "max_model_len"),
 ])
 def test_bad_decision_requests_are_a_400_naming_the_field(live, body, param, words):
     response = decide(live, **body)
