@@ -18,6 +18,7 @@ logger = logging.getLogger("pagedkv.engine.llm_engine")
 
 Output = Union[RequestOutput, PoolingRequestOutput]
 
+
 class Books:
     """What the engine tracks between steps, beside the scheduler's own books."""
 

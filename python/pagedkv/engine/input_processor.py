@@ -90,10 +90,9 @@ class InputProcessor:
                            ("allowed_token_ids", params.allowed_token_ids or ()),
                            ("logprob_token_ids", params.logprob_token_ids or ()))
         for name, token_ids in token_id_fields:
-            outside = sorted({token_id for token_id in token_ids if token_id >= vocab_size})
+            outside = outside_vocabulary(token_ids, vocab_size)
             if outside:
-                shown = ", ".join(map(str, outside[:5])) + (", ..." if len(outside) > 5 else "")
-                raise ValueError(f"{name} names token ids outside the vocabulary [0, {vocab_size}): {shown}")
+                raise ValueError(f"{name} names token ids outside the vocabulary [0, {vocab_size}): {outside}")
         if params.num_sequences > self.config.max_num_seqs:
             raise ValueError(f"n / beam_width={params.num_sequences} exceeds max_num_seqs={self.config.max_num_seqs}")
         params.check_logprobs(self.config.max_logprobs, vocab_size)
@@ -148,10 +147,9 @@ class InputProcessor:
                 prompt_text, prompt_token_ids = None, [operator.index(t) for t in prompt]
             except TypeError:
                 raise ValueError("prompt token ids must be integers") from None
-            outside = sorted({t for t in prompt_token_ids if not 0 <= t < vocab_size})
+            outside = outside_vocabulary(prompt_token_ids, vocab_size)
             if outside:  # (vLLM's words, which its tests match)
-                shown = ", ".join(map(str, outside[:5])) + (", ..." if len(outside) > 5 else "")
-                raise ValueError(f"prompt token ids out of vocabulary [0, {vocab_size}): {shown}")
+                raise ValueError(f"prompt token ids out of vocabulary [0, {vocab_size}): {outside}")
         if not prompt_token_ids:
             raise ValueError("prompt must not be empty")
         if params.truncate_prompt_tokens is not None:
@@ -233,3 +231,10 @@ def longest_token_chars(tokenizer) -> int:
     """Characters of the tokenizer's longest token (as its vocabulary spells it, which is never
     shorter than the text it stands for): a text of c characters has at least c / this tokens."""
     return max((len(token) for token in tokenizer.get_vocab()), default=1)
+
+
+def outside_vocabulary(token_ids, vocab_size: int) -> str:
+    """The ids of `token_ids` outside [0, vocab_size), the first five of them as a message shows
+    them; "" when there are none."""
+    outside = sorted({token_id for token_id in token_ids if not 0 <= token_id < vocab_size})
+    return ", ".join(map(str, outside[:5])) + (", ..." if len(outside) > 5 else "")

@@ -10,15 +10,11 @@ import struct
 from typing import Literal, Optional
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
-from pagedkv.entrypoints.server.protocol import Priority, _Request
+from pagedkv.entrypoints.server.protocol import Priority, _Part, _Request
 
 EmbeddingType = Literal["float", "binary", "ubinary", "base64"]
-
-
-class _Part(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 class EmbedContent(_Part):

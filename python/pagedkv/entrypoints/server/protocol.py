@@ -383,14 +383,14 @@ class CompletionRequest(_Sampling):
     # One prompt (text or token ids) or a batch of them: choice i * n + j is sample j of prompt i.
     prompt: Optional[PromptInput] = Field(default=None, validate_default=True)
     logprobs: Optional[int] = Field(default=None, ge=-1)  # (at most the engine's max_logprobs; -1: the vocabulary)
-    echo: bool = False
+    echo: bool = False  # prepend the prompt (and with logprobs, its tokens' logprobs) to each choice
 
     @field_validator("logprobs", mode="before")
     @classmethod
     def _false_is_none(cls, logprobs):
         # (a chat client's `logprobs: false` sent to completions, as SageMaker invocations do:
         # no logprobs; `true` names no count and stays an error)
-        return None if logprobs is False else logprobs  # prepend the prompt (and with logprobs, its tokens' logprobs) to each choice
+        return None if logprobs is False else logprobs
 
     @field_validator("prompt")
     @classmethod

@@ -124,6 +124,14 @@ class ServingContext:
         """What stopped the engine for good while serving (a tensor-parallel rank lost), else None."""
         return self.client.failure if self.client is not None else None
 
+    def check_text_fits(self, text: str, field: str) -> None:
+        """A 400 for a text longer than max_model_len tokens of this tokenizer can span (refused
+        before it is tokenized or rendered)."""
+        if len(text) > self.max_prompt_chars:
+            raise APIError(400, f"{field}: {len(text)} characters are more than max_model_len={self.max_model_len} "
+                           f"tokens of this tokenizer can span ({self.max_prompt_chars})", "invalid_request_error",
+                           field, "context_length_exceeded")
+
     def drain(self, grace_seconds: float) -> None:
         """Starts a graceful shutdown (serve calls it at SIGTERM): the requests still running
         after `grace_seconds` are aborted; their streams end with finish_reason "abort" and

@@ -28,10 +28,7 @@ async def decisions(body: DecisionRequest, request: Request, context: ServingCon
         raise APIError(400, "joint: this model reads each question on its own; joint reads need DiffusionGemma",
                        "invalid_request_error", "joint")
     text = body.text()
-    if len(text) > context.max_prompt_chars:  # (before rendering it once per question)
-        raise APIError(400, f"input: {len(text)} characters are more than max_model_len={context.max_model_len} "
-                       f"tokens of this tokenizer can span ({context.max_prompt_chars})", "invalid_request_error",
-                       "input", "context_length_exceeded")
+    context.check_text_fits(text, "input")  # (before rendering it once per question)
     label_ids = await decision_label_ids(context)
     prompts = await asyncio.gather(*(
         context.chat_prompt([ChatMessage(role="user", content=question_prompt(text, question))], True, None,

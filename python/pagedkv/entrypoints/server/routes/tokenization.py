@@ -28,10 +28,7 @@ async def tokenize(body: TokenizeRequest, context: ServingContext = Depends(serv
                                          chat_template=body.chat_template)
     else:
         text = body.prompt
-    if len(text) > context.max_prompt_chars:  # (bounded work: not millions of tokens returned)
-        raise APIError(400, f"prompt: {len(text)} characters are more than max_model_len={context.max_model_len} "
-                       f"tokens of this tokenizer can span ({context.max_prompt_chars})", "invalid_request_error",
-                       "prompt", "context_length_exceeded")
+    context.check_text_fits(text, "prompt")  # (bounded work: not millions of tokens returned)
     try:
         check_unicode(text, "prompt")
     except ValueError as error:
