@@ -20,6 +20,7 @@ from pagedkv.models import gguf_cache, gguf_quantized, gguf_tensor_index, quanti
 from pagedkv.layers.classifier import SequenceClassifier
 from pagedkv.models import registry
 from pagedkv.models.registry import Traits
+from pagedkv.models.skipped_init import initialisation_skipped
 from pagedkv.parallel.group import current_group
 from pagedkv.parallel.sharding import CheckpointShard
 
@@ -177,7 +178,7 @@ def load(model: str | None, gguf_file: str | None, tokenizer: str | None, dtype,
             yield shard.of(group) if shard is not None and not read_sharded else group
 
     positions = max_positions or hf_config.max_position_embeddings
-    with torch.device("meta"):  # no time spent on random init: every weight is loaded below
+    with torch.device("meta"), initialisation_skipped():  # every weight is loaded below
         net = model_class(hf_config, traits, positions, dtype)
     # Parameters are allocated once, in the engine's dtype, and loading copies (and rounds) each
     # checkpoint tensor into place, a decoder layer at a time: the host holds the model and one
