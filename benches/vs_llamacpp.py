@@ -17,8 +17,8 @@ per sequence on --threads threads:
   Weight variants: Q4_1 and Q8_0 with the linears kept quantized (gguf_weights="quantized", float32
   activations) or dequantized to float32; BF16 in bfloat16 or float32, or kept bfloat16 beside float32
   activations (`quantized`: gguf_weights="quantized" keeps a file's tensors as stored). By default (sized for about 10
-  minutes on 2 quiet cores): Q4_1 both, Q8_0 quantized, BF16 kept and in the engine's automatic dtype (bfloat16 on CPUs
-  with native bfloat16 math, float32 elsewhere); `--variants all` runs all eight (quantized-float-head: the LM head from its float32 weight). Before the repeats pagedkv
+  minutes on 2 quiet cores): Q4_1 both, Q8_0 quantized, BF16 kept (the engine's default on a CPU) and dequantized to
+  the float dtype the engine picks for other checkpoints (bfloat16 on CPUs with native bfloat16 math, float32 elsewhere); `--variants all` runs all eight (quantized-float-head: the LM head from its float32 weight). Before the repeats pagedkv
   loads each GGUF once, untimed: a file's first load converts it into pagedkv's GGUF cache
   (models/gguf_cache.py), which the timed loads then read.
 
@@ -69,7 +69,7 @@ VARIANTS = {
     "float32": ("dequantized", "float32", ("Q4_1", "Q8_0", "BF16")),
     "bfloat16": ("dequantized", "bfloat16", ("BF16",)),
 }
-DEFAULT_VARIANTS = {"Q4_1": ["quantized", "float32"], "Q8_0": ["quantized"], "BF16": ["auto", "quantized"]}
+DEFAULT_VARIANTS = {"Q4_1": ["quantized", "float32"], "Q8_0": ["quantized"], "BF16": ["quantized", "bfloat16"]}
 
 
 def find_llama_cpp(directory: str) -> tuple[str, str]:
@@ -248,10 +248,10 @@ def main() -> None:
     named = [name for name in args.variants if name not in ("default", "all")]
     if set(named) - set(VARIANTS):
         parser.error(f"unknown --variants {sorted(set(named) - set(VARIANTS))}: default, all or among {list(VARIANTS)}")
-    if "default" in args.variants:  # (BF16's automatic dtype: what the engine picks on this CPU)
+    if "default" in args.variants:  # (BF16 dequantized to the float dtype the engine picks on this CPU)
         from pagedkv.config import EngineConfig
 
-        DEFAULT_VARIANTS["BF16"] = [str(EngineConfig().torch_dtype()).removeprefix("torch."), "quantized"]
+        DEFAULT_VARIANTS["BF16"] = ["quantized", str(EngineConfig().torch_dtype()).removeprefix("torch.")]
     variants = {fmt: [name for name in VARIANTS if fmt in VARIANTS[name][2] and
                       ("all" in args.variants or name in named or
                        ("default" in args.variants and name in DEFAULT_VARIANTS[fmt]))] for fmt in args.formats}

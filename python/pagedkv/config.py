@@ -50,7 +50,8 @@ class EngineConfig:
     dtype: str = "auto"
     """Weights and KV dtype: auto, float32, float16, bfloat16. auto is bfloat16 on CUDA and on CPUs
     with native bfloat16 math (AVX512-BF16 or AMX, where it runs ~2x faster), else float32; and
-    float32 on the CPU for a GGUF whose quantized linears are kept (gguf_weights)."""
+    float32 on the CPU for a GGUF whose linears are kept as stored (gguf_weights: quantized blocks,
+    or a BF16 file's bfloat16)."""
     kv_cache_dtype: str = "auto"
     """KV cache element type: auto (the model's dtype) or fp8 = fp8_e4m3 (float8_e4m3fn) or
     fp8_e5m2, vLLM's names: one byte per element, so twice the blocks of a bfloat16 cache in the

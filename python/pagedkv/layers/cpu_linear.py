@@ -135,19 +135,20 @@ def wide_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 class BFloat16LMHeadProduct:
-    """`model.lm_head_linear` over a bfloat16 copy of the LM head (a BF16 GGUF's, the float32 weight
-    kept for the embedding lookups): up to MAX_KERNEL_ROWS[float32] rows through the kernel (half
-    the bytes), more through F.linear on the float weight passed in (the same values)."""
+    """`model.lm_head_linear` over the LM head's bfloat16 weight (a BF16 GGUF's; a tied embedding
+    table kept bfloat16 shares it: layers.quantized_embedding.BFloat16Embedding): up to
+    MAX_KERNEL_ROWS[float32] rows through the kernel, more through `wide_product`; with a bias,
+    F.linear on the float weight passed in (the same values), or on this one widened where none is."""
 
     def __init__(self, weight: torch.Tensor):
         self.weight = weight
 
-    def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, hidden: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None = None) -> torch.Tensor:
         if bias is None and hidden.dtype == torch.float32 and hidden.numel() <= MAX_KERNEL_ROWS[torch.float32] * hidden.shape[-1]:
             return small_m_linear(hidden, self.weight)
         if bias is None:
             return wide_product(hidden, self.weight)
-        return F.linear(hidden, weight, bias)
+        return F.linear(hidden, self.weight.to(hidden.dtype) if weight is None else weight, bias)
 
 
 def use_cpu_linear(model: nn.Module) -> None:

@@ -14,7 +14,7 @@ that differs goes back to a float nn.Linear holding that weight. The LM head (th
 table's blocks, or `output`'s) is read from its blocks too after the load
 (layers.quantized_linear.QuantizedLMHeadProduct), checked the same way, and so is the token
 embedding table (layers.quantized_embedding.QuantizedEmbedding: a lookup dequantizes its rows; a
-tied head and table share one copy of the blocks).
+BF16 table stays bfloat16, BFloat16Embedding; a tied head and table share one copy).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from pagedkv.layers.cpu_linear import BFloat16Linear, BFloat16LMHeadProduct
-from pagedkv.layers.quantized_embedding import QuantizedEmbedding
+from pagedkv.layers.quantized_embedding import BFloat16Embedding, QuantizedEmbedding
 from pagedkv.layers.quantized_linear import GGML_TYPES, QuantizedLinear, QuantizedLMHeadProduct, dequantize
 
 logger = logging.getLogger("pagedkv.models.gguf_quantized")
@@ -115,8 +115,10 @@ def _hf_rows(tensor, part: str = "", heads: tuple[int, int] = (1, 1)) -> np.ndar
 
 
 def _bfloat16_rows(tensor, part: str = "", heads: tuple[int, int] = (1, 1)) -> torch.Tensor:
-    """A BF16 GGUF tensor's rows in HF's order, as bfloat16."""
-    return torch.from_numpy(np.ascontiguousarray(_hf_rows(tensor, part, heads))).view(torch.bfloat16)
+    """A BF16 GGUF tensor's rows in HF's order, as bfloat16: a copy, never a view of the file's
+    mapping (a tensor kept as a view keeps the whole mapping, and every page of it the load read,
+    resident beside the copies of the other weights: 258 MB more for the embedded model's BF16 file)."""
+    return torch.from_numpy(np.array(_hf_rows(tensor, part, heads), order="C")).view(torch.bfloat16)
 
 
 def keep_lm_head_quantized(net: nn.Module, tensors: dict) -> str | None:
@@ -145,23 +147,31 @@ def keep_lm_head_quantized(net: nn.Module, tensors: dict) -> str | None:
 
 
 def keep_embedding_quantized(net: nn.Module, tensors: dict) -> str | None:
-    """Swaps `net.embed_tokens` for a QuantizedEmbedding over the GGUF's token_embd blocks when
-    they are of a kept type and dequantize to exactly the loaded table (the float table is then
-    freed); a tied LM head kept as the same blocks shares them (a tied head left float32 keeps the
-    table float32: it is the head's weight). Returns their type (None: left float32)."""
+    """Swaps `net.embed_tokens` for a QuantizedEmbedding over the GGUF's token_embd blocks (a
+    BFloat16Embedding over a BF16 table beside float32 activations) when they are of a kept type
+    and give exactly the loaded table (the float table is then freed); a tied LM head kept the same
+    way shares them (a tied head left float32 keeps the table float32: it is the head's weight).
+    Returns their type (None: left float32)."""
     tensor, table = tensors.get("token_embd.weight"), getattr(net, "embed_tokens", None)
-    if tensor is None or type(table) is not nn.Embedding or tensor.tensor_type.name not in GGML_TYPES:
+    if tensor is None or type(table) is not nn.Embedding:
         return None
     ggml_type, shape = tensor.tensor_type.name, tuple(table.weight.shape)
+    if ggml_type == "BF16" and table.weight.dtype == torch.float32:
+        kept_head_type, make = BFloat16LMHeadProduct, BFloat16Embedding
+    elif ggml_type in GGML_TYPES:
+        kept_head_type, make = QuantizedLMHeadProduct, lambda blocks: QuantizedEmbedding(blocks, ggml_type, shape[1])
+    else:
+        return None
     head = getattr(net, "lm_head_linear", None)
     if getattr(net, "tie_word_embeddings", False):
-        if not isinstance(head, QuantizedLMHeadProduct):
+        if not isinstance(head, kept_head_type):
             return None  # (the float table is the head's weight)
-        blocks = head.blocks  # (checked against this table by keep_lm_head_quantized)
+        stored = head.weight if ggml_type == "BF16" else head.blocks  # (checked by keep_lm_head_quantized)
     else:
-        blocks = torch.from_numpy(np.array(tensor.data, order="C"))
-        if not torch.equal(dequantize(blocks, ggml_type, shape), table.weight.data):
+        stored = _bfloat16_rows(tensor) if ggml_type == "BF16" else torch.from_numpy(np.array(tensor.data, order="C"))
+        widened = stored.float() if ggml_type == "BF16" else dequantize(stored, ggml_type, shape)
+        if widened.shape != table.weight.shape or not torch.equal(widened, table.weight.data):
             logger.warning("the embedding table's GGUF blocks differ from the loaded table; kept float32")
             return None
-    net.embed_tokens = QuantizedEmbedding(blocks, ggml_type, shape[1])
+    net.embed_tokens = make(stored)
     return ggml_type

@@ -19,7 +19,7 @@ from torch import nn
 from pagedkv.attention.step_context import StepContext
 from pagedkv.layers.activation import silu_and_mul
 from pagedkv.layers.fused_moe import is_moe_layer, sparse_moe
-from pagedkv.layers.quantized_embedding import QuantizedEmbedding
+from pagedkv.layers.quantized_embedding import BFloat16Embedding, QuantizedEmbedding
 from pagedkv.layers.rms_norm import RMSNorm
 from pagedkv.layers.rotary_embedding import RotaryEmbedding, split_and_rotate, split_heads
 from pagedkv.layers.ungated_mlp import UngatedMLP
@@ -250,10 +250,11 @@ class LlamaForCausalLM(nn.Module):
     @property
     def lm_head_weight(self) -> torch.Tensor | None:
         """The LM head's float weight, as `lm_head_linear` takes it; None where the tied embedding
-        table is kept as GGUF blocks (the head's product then reads them itself)."""
+        table is kept as the GGUF stores it (the head's product then reads that itself)."""
         if not self.tie_word_embeddings:
             return self.lm_head.weight
-        return None if isinstance(self.embed_tokens, QuantizedEmbedding) else self.embed_tokens.weight
+        kept = isinstance(self.embed_tokens, (QuantizedEmbedding, BFloat16Embedding))
+        return None if kept else self.embed_tokens.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head_linear(hidden, self.lm_head_weight).float()

@@ -77,9 +77,9 @@ def _split_gguf(model: str | None, gguf_file: str | None) -> tuple[str, str | No
     return model, gguf_file
 
 
-def keeps_quantized_blocks(model: str | None, gguf_file: str | None) -> bool:
-    """Whether the checkpoint is a GGUF whose decoder linears are of a type kept as blocks
-    (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K; read from its tensor index, not loaded)."""
+def keeps_gguf_weights(model: str | None, gguf_file: str | None) -> bool:
+    """Whether the checkpoint is a GGUF whose decoder linears are of a type kept as stored
+    (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K blocks, or BF16; read from its tensor index, not loaded)."""
     from pagedkv.layers.quantized_linear import GGML_TYPES
 
     directory, gguf = _split_gguf(model, gguf_file)
@@ -91,7 +91,7 @@ def keeps_quantized_blocks(model: str | None, gguf_file: str | None) -> bool:
     except (OSError, ValueError):
         return False
     found = tensors.get("blk.0.ffn_down.weight")
-    return found is not None and found.tensor_type.name in GGML_TYPES
+    return found is not None and found.tensor_type.name in (*GGML_TYPES, "BF16")
 
 
 def _readable(model: str | None, gguf_file: str | None) -> tuple[str, str | None]:

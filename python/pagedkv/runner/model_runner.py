@@ -22,7 +22,7 @@ from pagedkv.errors import EngineStoppedError, InvalidConfigError, TensorParalle
 from pagedkv.runner.host_memory import return_freed_memory, reuse_freed_memory
 from pagedkv.runner.kv_cache import KVCache
 from pagedkv.runner.kv_groups import KVCacheGroups
-from pagedkv.models.loader import generation_defaults, keeps_quantized_blocks, load, load_generation_config, model_spec
+from pagedkv.models.loader import generation_defaults, keeps_gguf_weights, load, load_generation_config, model_spec
 from pagedkv.runner.lora import LoRARegistry, lora_batch
 from pagedkv.parallel import SINGLE_PROCESS, TensorParallelGroup, using_group
 from pagedkv.parallel.sharding import check_shardable
@@ -56,9 +56,10 @@ class ModelRunner:
         self.dtype = config.torch_dtype()
         if (config.dtype == "auto" and self.dtype != torch.float32 and not config.is_cuda
                 and config.gguf_weights != "dequantized" and config.tensor_parallel_size == 1
-                and keeps_quantized_blocks(config.model, config.gguf_file)):
-            # A GGUF's quantized blocks run on float32 activations, and there beat bfloat16 weights
-            # even on CPUs with bfloat16 math, at a third of the memory (docs/benchmarks.md).
+                and keeps_gguf_weights(config.model, config.gguf_file)):
+            # A GGUF's kept weights run on float32 activations, and there beat bfloat16 weights even
+            # on CPUs with bfloat16 math: quantized blocks at a third of the memory, a BF16 file's
+            # weights at its memory, a single stream ~1.4x faster (docs/benchmarks.md).
             self.dtype = torch.float32
         self.kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_torch_dtype()
         self.workers: Optional[TensorParallelWorkers] = None
