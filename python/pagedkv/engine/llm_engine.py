@@ -6,7 +6,6 @@ ride the same batches and end with their prompt's embedding."""
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import logging
 import time
@@ -27,6 +26,7 @@ from pagedkv.outputs import PoolingRequestOutput, RequestOutput
 from pagedkv.params.lora_request import LoRARequest
 from pagedkv.params.pooling import PoolingParams
 from pagedkv.params.sampling import SamplingParams
+from pagedkv.runner.host_memory import return_freed_memory
 from pagedkv.runner.model_runner import ModelRunner
 
 __all__ = ["LLMEngine", "PreparedRequest", "prompt_of"]
@@ -317,14 +317,7 @@ def freeze_startup_heap() -> None:
     the system, where the C library can say so (glibc's malloc_trim)."""
     gc.collect()
     gc.freeze()
-    _trim_c_heap()
-
-
-def _trim_c_heap() -> None:
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):  # (not glibc)
-        pass
+    return_freed_memory()
 
 
 class _Closing:
