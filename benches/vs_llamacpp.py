@@ -30,7 +30,10 @@ counting read + write bytes), each engine's batch-1 decode rate as weight bytes 
 (the GGUF's tensor bytes per token; pagedkv's float32 LM head and dequantized weights read more) and
 its share of the copy bandwidth; resident memory beside the GGUF's size: pagedkv's weight tensors, its
 RSS after loading and its peak, llama.cpp's peak (the peaks hold each engine's KV cache for the largest
-B, pagedkv's in the model's dtype, llama.cpp's in float16; pagedkv's size is printed).
+B, pagedkv's in the model's dtype, llama.cpp's in float16; pagedkv's size is printed), and what pagedkv's
+load added to its process's RSS after `import torch` and `from pagedkv import LLM` ("over imports":
+the weights, the KV cache, the tokenizer and the transformers modules the load imports), also as a
+multiple of the file + that KV cache.
 
     python benches/vs_llamacpp.py [--llama-cpp-dir DIR] [--formats Q4_1 Q8_0 BF16] [--parallel 1 16 64]
                                   [--repeats 3] [--variants default|all] [--threads 2]
@@ -167,6 +170,7 @@ def pagedkv_worker(gguf: str, variant: str, batches: list[int], threads: int) ->
         gguf_quantized.keep_lm_head_quantized = lambda net, tensors: None
     longest = max(batches, default=1)
     blocks_per_seq = -(-(PROMPT_LEN + NEW_TOKENS + 1) // 16)
+    imported_rss = psutil.Process().memory_info().rss
     llm = LLM(model=os.path.dirname(gguf), gguf_file=os.path.basename(gguf), gguf_weights=gguf_weights, dtype=dtype,
               num_device_blocks=longest * blocks_per_seq + 1, swap_space_bytes=0, max_num_seqs=longest,
               max_num_batched_tokens=max(2048, longest * PROMPT_LEN), max_model_len=PROMPT_LEN + NEW_TOKENS + 16,
@@ -197,7 +201,7 @@ def pagedkv_worker(gguf: str, variant: str, batches: list[int], threads: int) ->
     for num_seqs in batches:
         prefill_s, decode_s = run(num_seqs, PROMPT_LEN, NEW_TOKENS + 1)
         speeds[num_seqs] = (num_seqs * PROMPT_LEN / prefill_s, num_seqs * NEW_TOKENS / decode_s)
-    return {"speeds": speeds, "loaded_rss": loaded_rss, "weight_bytes": sum(tensors.values()),
+    return {"speeds": speeds, "loaded_rss": loaded_rss, "imported_rss": imported_rss, "weight_bytes": sum(tensors.values()),
             "kv_bytes": engine.runner.num_device_blocks * engine.runner.block_bytes}
 
 
@@ -306,8 +310,11 @@ def main() -> None:
         cells = [f"llama.cpp peak {span([run['peak_rss'] / 1e6 for run in llama[fmt]], 0)}"]
         for name in variants[fmt]:
             runs = ours[fmt, name]
+            added = [run["loaded_rss"] - run["imported_rss"] for run in runs]
+            held = os.path.getsize(ggufs[fmt]) + runs[0]["kv_bytes"]
             cells.append(f"pagedkv {name}: weights {runs[0]['weight_bytes'] / 1e6:.0f}, after load "
-                         f"{span([run['loaded_rss'] / 1e6 for run in runs], 0)}, peak "
+                         f"{span([run['loaded_rss'] / 1e6 for run in runs], 0)} ({span([a / 1e6 for a in added], 0)} "
+                         f"over imports, {span([a / held for a in added], 2)}x file + KV), peak "
                          f"{span([run['peak_rss'] / 1e6 for run in runs], 0)} (KV {runs[0]['kv_bytes'] / 1e6:.0f})")
         print(f"memory MB, {fmt} (file {os.path.getsize(ggufs[fmt]) / 1e6:.0f}): " + "; ".join(cells))
 

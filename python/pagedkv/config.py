@@ -15,7 +15,7 @@ from pagedkv.errors import InvalidConfigError
 _PREEMPTION_MODES = ("auto", "swap", "recompute")
 _SCHEDULING_POLICIES = ("fcfs", "priority")
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
-_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+_KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass
@@ -53,10 +53,13 @@ class EngineConfig:
     float32 on the CPU for a GGUF whose linears are kept as stored (gguf_weights: quantized blocks,
     or a BF16 file's bfloat16)."""
     kv_cache_dtype: str = "auto"
-    """KV cache element type: auto (the model's dtype) or fp8 = fp8_e4m3 (float8_e4m3fn) or
-    fp8_e5m2, vLLM's names: one byte per element, so twice the blocks of a bfloat16 cache in the
-    same memory. Values are stored unscaled (vLLM's scale of 1.0 without calibration) and
-    saturate at the format's largest value (448 for e4m3, 57344 for e5m2)."""
+    """KV cache element type: auto (the model's dtype; a BF16 GGUF kept beside float32 activations
+    on a CPU with native bfloat16 math: bfloat16, as its bfloat16 model's), bfloat16 (with float32
+    activations on the CPU: half float32's bytes; K/V, the attention's query and output rounded to
+    bfloat16), or fp8 = fp8_e4m3 (float8_e4m3fn) or fp8_e5m2, vLLM's names: one byte per element,
+    so twice the blocks of a bfloat16 cache in the same memory. float8 values are stored unscaled
+    (vLLM's scale of 1.0 without calibration) and saturate at the format's largest value (448 for
+    e4m3, 57344 for e5m2)."""
     device: str = "cpu"
     """cpu or cuda."""
     block_size: int = 16
@@ -187,6 +190,9 @@ class EngineConfig:
             fail("dtype", self.dtype, f"one of {_DTYPES}")
         if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
             fail("kv_cache_dtype", self.kv_cache_dtype, f"one of {_KV_CACHE_DTYPES}")
+        if self.kv_cache_dtype == "bfloat16" and self.is_cuda and self.dtype not in ("auto", "bfloat16"):
+            fail("kv_cache_dtype", self.kv_cache_dtype, f"the model's dtype on CUDA (dtype={self.dtype!r}): a bfloat16 "
+                 "cache beside other activations runs on the CPU only")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             fail("device", self.device, "'cpu' or 'cuda[:N]'")
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -267,6 +273,8 @@ class EngineConfig:
 
         if self.kv_cache_dtype == "auto":
             return self.torch_dtype()
+        if self.kv_cache_dtype == "bfloat16":
+            return torch.bfloat16
         return torch.float8_e5m2 if self.kv_cache_dtype == "fp8_e5m2" else torch.float8_e4m3fn
 
 

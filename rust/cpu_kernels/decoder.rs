@@ -3,13 +3,15 @@
 //! decode attention, the output projection, residual add + RMSNorm, gate/up, SiLU-and-mul and the
 //! down projection. Each is the kernel the layer-by-layer path calls (same inputs, same order), so
 //! the result is the same bits; what goes is the ~70 Python and torch calls a layer costs there,
-//! about as long as the layer's own arithmetic at one token on the embedded model.
+//! about as long as the layer's own arithmetic at one token on the embedded model. The cache is
+//! float32 or bfloat16 (`C`); with bfloat16 the new K/V and the attention's query and output are
+//! rounded to it, as the layer-by-layer path's torch casts around the same kernel do.
 
 use crate::cpu_kernels::decode_attention::{check_paged_inputs, paged_decode_attention, DecodeShape};
 use crate::cpu_kernels::kv_write::{self, CacheShape, Strides};
 use crate::cpu_kernels::layer_ops::{rms_norm, rotary_in_place, silu_and_mul, RotaryShape};
 use crate::cpu_kernels::quantized::{quantized_linear, GgmlType};
-use crate::cpu_kernels::simd::{Bf16, Isa};
+use crate::cpu_kernels::simd::{Bf16, Element, Isa};
 use crate::cpu_kernels::small_m_linear::{small_m_linear, LinearShape};
 use crate::errors::{Error, Result};
 
@@ -147,13 +149,13 @@ impl DecoderShape {
         }
     }
 
-    fn cache_shape(&self) -> CacheShape {
+    fn cache_shape<C>(&self) -> CacheShape {
         CacheShape {
             num_blocks: self.num_blocks,
             num_heads: self.num_kv_heads,
             block_size: self.block_size,
             head_size: self.head_dim,
-            element_bytes: 4,
+            element_bytes: std::mem::size_of::<C>(),
         }
     }
 }
@@ -173,14 +175,14 @@ pub struct DecodeBatch<'a> {
 
 /// Runs `layers` over `hidden` `[T, hidden_size]` (the embeddings in, the last layer's MLP output
 /// out) and `residual` (written: the residual stream beside it, as LlamaDecoderLayer returns it),
-/// writing each layer's new K/V into `cache` (the whole block-major cache, float32). Everything is
-/// checked before anything is written.
-pub fn decode_layers(
+/// writing each layer's new K/V into `cache` (the whole block-major cache, float32 or bfloat16).
+/// Everything is checked before anything is written.
+pub fn decode_layers<C: Element>(
     layers: &[DecoderLayer],
     shape: &DecoderShape,
     hidden: &mut [f32],
     residual: &mut [f32],
-    cache: &mut [f32],
+    cache: &mut [C],
     batch: &DecodeBatch,
     num_threads: usize,
 ) -> Result<()> {
@@ -191,7 +193,10 @@ pub fn decode_layers(
     }
     let (query_width, kv_width, qkv_width) = (shape.query_width(), shape.kv_width(), shape.qkv_width());
     let mut qkv = vec![0f32; tokens * qkv_width];
-    let mut query = vec![0f32; tokens * query_width];
+    let zero = C::from_f32(0.0);
+    let mut qkv_in_cache_type = vec![zero; tokens * qkv_width];
+    let mut query = vec![zero; tokens * query_width];
+    let mut attention_in_cache_type = vec![zero; tokens * query_width];
     let mut attention = vec![0f32; tokens * query_width];
     let mut gate_up = vec![0f32; tokens * 2 * shape.intermediate_size];
     let mut activated = vec![0f32; tokens * shape.intermediate_size];
@@ -213,20 +218,23 @@ pub fn decode_layers(
         rotary_in_place(&mut qkv, batch.cos, batch.sin, rotary, num_threads)?;
         let attention_shape = shape.attention_shape(tokens, batch.table_width, layer.sliding_window);
         let span = attention_shape.cache_len();
+        for (rounded, &value) in qkv_in_cache_type.iter_mut().zip(&qkv) {
+            *rounded = C::from_f32(value);
+        }
         for (offset, rows_from) in [(layer.key_offset, query_width), (layer.value_offset, query_width + kv_width)] {
             kv_write::write_kv(
                 as_bytes_mut(&mut cache[offset..offset + span]),
-                as_bytes(&qkv[rows_from..]),
+                as_bytes(&qkv_in_cache_type[rows_from..]),
                 batch.slots,
-                shape.cache_shape(),
+                shape.cache_shape::<C>(),
                 strides,
             )?;
         }
-        for (row, qkv_row) in query.chunks_exact_mut(query_width).zip(qkv.chunks_exact(qkv_width)) {
+        for (row, qkv_row) in query.chunks_exact_mut(query_width).zip(qkv_in_cache_type.chunks_exact(qkv_width)) {
             row.copy_from_slice(&qkv_row[..query_width]);
         }
         paged_decode_attention(
-            &mut attention,
+            &mut attention_in_cache_type,
             &query,
             &cache[layer.key_offset..layer.key_offset + span],
             &cache[layer.value_offset..layer.value_offset + span],
@@ -237,6 +245,9 @@ pub fn decode_layers(
             None,
             num_threads,
         )?;
+        for (widened, &value) in attention.iter_mut().zip(&attention_in_cache_type) {
+            *widened = value.to_f32();
+        }
         layer.o.forward(&attention, hidden, tokens, num_threads)?;
         rms_norm(
             hidden,
@@ -253,12 +264,12 @@ pub fn decode_layers(
     Ok(())
 }
 
-fn check(
+fn check<C: Element>(
     layers: &[DecoderLayer],
     shape: &DecoderShape,
     hidden: &[f32],
     residual: &[f32],
-    cache: &[f32],
+    cache: &[C],
     batch: &DecodeBatch,
 ) -> Result<()> {
     let tokens = batch.context_lens.len();
@@ -307,13 +318,14 @@ fn invalid(message: String) -> Result<()> {
     Err(Error::InvalidConfig { field: "decoder", message })
 }
 
-fn as_bytes(values: &[f32]) -> &[u8] {
-    // SAFETY: any f32 is 4 initialized bytes, and u8 has no alignment to keep.
+fn as_bytes<C: Element>(values: &[C]) -> &[u8] {
+    // SAFETY: an Element (f32, Bf16, the float8 types) is plain initialized bytes, and u8 has no
+    // alignment to keep.
     unsafe { std::slice::from_raw_parts(values.as_ptr() as *const u8, std::mem::size_of_val(values)) }
 }
 
-fn as_bytes_mut(values: &mut [f32]) -> &mut [u8] {
-    // SAFETY: as `as_bytes`, and any 4 bytes written are some f32.
+fn as_bytes_mut<C: Element>(values: &mut [C]) -> &mut [u8] {
+    // SAFETY: as `as_bytes`, and any bytes written are some value of C (every bit pattern is).
     unsafe { std::slice::from_raw_parts_mut(values.as_mut_ptr() as *mut u8, std::mem::size_of_val(values)) }
 }
 

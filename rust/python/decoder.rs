@@ -8,6 +8,7 @@ use super::errors::{call, to_py_err};
 use crate::cpu_kernels::decoder::{decode_layers, DecodeBatch, DecoderLayer, DecoderShape, Linear, LinearWeight};
 use crate::cpu_kernels::quantized::GgmlType;
 use crate::cpu_kernels::simd::Bf16;
+use crate::errors::Error;
 
 /// (weight kind: "float32", "bfloat16" or a GGUF type such as "Q4_1", weight address, weight bytes, bias
 /// address (float32) or None, in_features, out_features).
@@ -131,7 +132,7 @@ impl CpuDecoder {
 
     /// Runs every layer over hidden `[T, hidden_size]` float32 (in: the embeddings; out: the last
     /// MLP's output) and writes residual `[T, hidden_size]`; each layer's K/V go into the cache
-    /// (`cache_len` float32 elements). cos/sin float32 `[T, head_dim]`, block_tables int32
+    /// (`cache_len` elements of `cache_dtype`: "float32" or "bfloat16"). cos/sin float32 `[T, head_dim]`, block_tables int32
     /// `[T, table_width]`, context_lens int32 `[T]`, slots int64 `[T]`; all contiguous.
     #[allow(clippy::too_many_arguments)]
     fn forward(
@@ -141,6 +142,7 @@ impl CpuDecoder {
         residual: usize,
         cache: usize,
         cache_len: usize,
+        cache_dtype: &str,
         cos_sin: (usize, usize),
         block_tables: usize,
         table_width: usize,
@@ -186,15 +188,22 @@ impl CpuDecoder {
                         context_lens: std::slice::from_raw_parts(context_lens as *const i32, num_tokens),
                         slots: std::slice::from_raw_parts(slots as *const i64, num_tokens),
                     };
-                    decode_layers(
-                        &layers,
-                        &self.shape,
-                        std::slice::from_raw_parts_mut(hidden as *mut f32, hidden_len),
-                        std::slice::from_raw_parts_mut(residual as *mut f32, hidden_len),
-                        std::slice::from_raw_parts_mut(cache as *mut f32, cache_len),
-                        &batch,
-                        num_threads,
-                    )
+                    let hidden = std::slice::from_raw_parts_mut(hidden as *mut f32, hidden_len);
+                    let residual = std::slice::from_raw_parts_mut(residual as *mut f32, hidden_len);
+                    match cache_dtype {
+                        "float32" => {
+                            let cache = std::slice::from_raw_parts_mut(cache as *mut f32, cache_len);
+                            decode_layers(&layers, &self.shape, hidden, residual, cache, &batch, num_threads)
+                        }
+                        "bfloat16" => {
+                            let cache = std::slice::from_raw_parts_mut(cache as *mut Bf16, cache_len);
+                            decode_layers(&layers, &self.shape, hidden, residual, cache, &batch, num_threads)
+                        }
+                        other => Err(Error::InvalidConfig {
+                            field: "cache_dtype",
+                            message: format!("must be 'float32' or 'bfloat16', got {other:?}"),
+                        }),
+                    }
                 }
             })
         })

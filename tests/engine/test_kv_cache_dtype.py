@@ -160,3 +160,6 @@ def test_invalid_kv_cache_dtype_is_a_clear_error():
         EngineConfig(kv_cache_dtype="int4")
     assert EngineConfig(kv_cache_dtype="fp8").kv_cache_torch_dtype() == torch.float8_e4m3fn
     assert EngineConfig(dtype="float32").kv_cache_torch_dtype() == torch.float32
+    assert EngineConfig(dtype="float32", kv_cache_dtype="bfloat16").kv_cache_torch_dtype() == torch.bfloat16
+    with pytest.raises(InvalidConfigError, match="CPU only"):  # (the CUDA kernels pair a cache with its own type)
+        EngineConfig(device="cuda", dtype="float32", kv_cache_dtype="bfloat16")

@@ -1,7 +1,8 @@
 """A BF16 GGUF (the embedded model's weights stored again as BF16) loads as stored on the CPU by
 default: decoder linears and the LM head bfloat16 beside float32 activations, the token embedding
 table bfloat16 and shared with the tied head, so the model holds the file's bytes, not twice them
-as float32; up to 16 tokens a step its logits are the same file dequantized to float32's, bit for
+as float32, and its KV cache is bfloat16 where its bfloat16 model's would be; up to 16 tokens a
+step its logits are the same file dequantized to float32's, bit for
 bit (the CPU kernel widens bfloat16 weights exactly and sums as it does float32 ones)."""
 
 import os
@@ -12,6 +13,7 @@ import torch
 from support.gguf_copies import requantized_copy
 from support.hf_parity import prefill_all_positions
 
+from pagedkv.config import cpu_has_native_bfloat16
 from pagedkv.layers.cpu_linear import BFloat16Linear, BFloat16LMHeadProduct
 from pagedkv.layers.quantized_embedding import BFloat16Embedding
 
@@ -40,6 +42,8 @@ def test_auto_keeps_the_files_bfloat16_beside_float32_activations(bf16_runners):
     model = kept.model
     model.to(torch.float32)  # (as the engine may: the kept weights stay bfloat16)
     assert kept.dtype == torch.float32
+    # (its KV cache as the bfloat16 model's: bfloat16 where the CPU computes in it, else float32)
+    assert kept.kv_dtype == (torch.bfloat16 if cpu_has_native_bfloat16() else torch.float32)
     for layer in model.layers:
         for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             assert isinstance(linear, BFloat16Linear)

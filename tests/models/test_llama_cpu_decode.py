@@ -99,9 +99,9 @@ def test_bad_shapes_and_slots_are_errors_that_write_nothing():
     hidden, residual = torch.randn(1, 8), torch.empty(1, 8)
     cos, sin = torch.ones(1, head_dim), torch.zeros(1, head_dim)
     tables, contexts = torch.tensor([[1, 0]], dtype=torch.int32), torch.tensor([1], dtype=torch.int32)
-    def run(decoder, slot):
+    def run(decoder, slot, cache_dtype="float32"):
         slots = torch.tensor([slot])
-        decoder.forward(hidden.data_ptr(), residual.data_ptr(), cache.data_ptr(), cache.numel(),
+        decoder.forward(hidden.data_ptr(), residual.data_ptr(), cache.data_ptr(), cache.numel(), cache_dtype,
                         (cos.data_ptr(), sin.data_ptr()), tables.data_ptr(), 2, contexts.data_ptr(), slots.data_ptr(),
                         1, 1)
     before = hidden.clone()
@@ -109,6 +109,8 @@ def test_bad_shapes_and_slots_are_errors_that_write_nothing():
         run(decoder(qkv_rows=12), slot=4)  # (a qkv weight of the wrong size)
     with pytest.raises(InvalidConfigError, match="slot 8"):
         run(decoder(qkv_rows=16), slot=8)  # (past the cache's 8 slots)
+    with pytest.raises(InvalidConfigError, match="cache_dtype"):
+        run(decoder(qkv_rows=16), slot=4, cache_dtype="float16")
     assert torch.equal(hidden, before) and not cache.any()
     run(decoder(qkv_rows=16), slot=4)
     assert cache.any() and not torch.equal(hidden, before)
@@ -163,3 +165,17 @@ def test_a_bf16_gguf_tensor_stays_bfloat16_unless_it_differs_from_the_checkpoint
         else:
             torch.testing.assert_close(parent.down_proj(many), many @ streamed.T)
     assert kept.to(torch.float32).weight.dtype == torch.bfloat16  # (casting the model leaves the bits)
+
+
+@pytest.mark.parametrize("name", ["smollm2-quantized", "llama"])
+def test_a_bfloat16_cache_beside_float32_activations_gives_the_layer_by_layer_bits_too(name, tiny_dirs, smollm2,
+                                                                                       monkeypatch):
+    """K/V, the attention's query and its output rounded to bfloat16 in the one call as the
+    layer-by-layer path's casts round them (kv_cache_dtype="bfloat16")."""
+    llm = engine(name, tiny_dirs, smollm2, kv_cache_dtype="bfloat16")
+    assert llm.engine.runner.kv_cache.device_cache.dtype == torch.bfloat16
+    layer_by_layer, calls_off = generate(llm, False, monkeypatch)
+    one_call, calls_on = generate(llm, True, monkeypatch)
+    llm.shutdown()
+    assert calls_off == 0 and calls_on >= 20
+    assert one_call == layer_by_layer

@@ -545,6 +545,7 @@ class CpuDecoder:
         residual: int,
         cache: int,
         cache_len: int,
+        cache_dtype: str,
         cos_sin: tuple[int, int],
         block_tables: int,
         table_width: int,
@@ -554,7 +555,8 @@ class CpuDecoder:
         num_threads: int,
     ) -> None:
         """Every layer over hidden [T, hidden_size] float32 in place (residual [T, hidden_size]
-        written), each layer's new K/V written to its slot; cos/sin [T, head_dim] float32, block
+        written), each layer's new K/V written to its slot of the cache (cache_len elements of
+        cache_dtype, "float32" or "bfloat16": K/V, query and attention output rounded to it); cos/sin [T, head_dim] float32, block
         tables int32 [T, table_width], context lengths int32 [T], slots int64 [T]. Raises
         InvalidConfigError, writing nothing, on shapes, tables or slots that do not fit."""
 

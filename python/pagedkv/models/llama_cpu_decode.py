@@ -2,7 +2,7 @@
 
 At one token a layer of the embedded model costs ~70 Python and torch calls around ~0.4 ms of
 arithmetic, and those calls took about as long as the arithmetic. For a plain Llama model on the
-CPU (float32 activations and cache, linears on the CPU kernels: GGUF blocks kept quantized, a BF16
+CPU (float32 activations, a float32 or bfloat16 cache, linears on the CPU kernels: GGUF blocks kept quantized, a BF16
 GGUF's bfloat16 weights, or float32 weights through `cpu_linear`, one KV-cache group, no LoRA, no tensor parallelism), a step
 whose tokens are all decodes runs every layer through the same kernels in one call instead: the
 same inputs in the same order, so the same bits. Anything else takes the layer-by-layer path.
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from pagedkv.models.llama import LlamaForCausalLM
 
 enabled = True
+CACHE_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 # Largest decode batch the one call takes when every linear's kernel runs at any token count
 # (GGUF blocks of 32 kept quantized).
 MAX_DECODE_TOKENS = 256
@@ -93,7 +94,8 @@ class CpuDecodePath:
         residual = torch.empty_like(hidden)
         cache = self.kv_cache.device_cache
         self.decoder.forward(
-            hidden.data_ptr(), residual.data_ptr(), cache.data_ptr(), cache.numel(), (cos.data_ptr(), sin.data_ptr()),
+            hidden.data_ptr(), residual.data_ptr(), cache.data_ptr(), cache.numel(), CACHE_DTYPES[cache.dtype],
+            (cos.data_ptr(), sin.data_ptr()),
             tables.data_ptr(), tables.shape[1], contexts.data_ptr(), slots.data_ptr(), hidden.shape[0],
             torch.get_num_threads(),
         )  # fmt: skip
@@ -127,7 +129,7 @@ def _model_fits(model: LlamaForCausalLM, context: StepContext) -> bool:
     kv_cache = context.kv_cache
     if (type(model).forward is not LlamaForCausalLM.forward or model.rotary_sliding is not None
             or context.backend.name != "cpu" or kv_cache.is_cuda or kv_cache.num_groups != 1
-            or kv_cache.device_cache.dtype != torch.float32):
+            or kv_cache.device_cache.dtype not in CACHE_DTYPES):
         return False
     first = model.layers[0]
     if type(first) is not LlamaDecoderLayer or model.rotary.cos.shape[-1] != first.self_attn.head_dim:

@@ -77,21 +77,22 @@ def _split_gguf(model: str | None, gguf_file: str | None) -> tuple[str, str | No
     return model, gguf_file
 
 
-def keeps_gguf_weights(model: str | None, gguf_file: str | None) -> bool:
-    """Whether the checkpoint is a GGUF whose decoder linears are of a type kept as stored
-    (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K blocks, or BF16; read from its tensor index, not loaded)."""
+def kept_gguf_type(model: str | None, gguf_file: str | None) -> str | None:
+    """The type of the checkpoint's decoder linears where it is a GGUF whose linears are kept as
+    stored (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K blocks, or BF16; read from its tensor index, not loaded),
+    else None."""
     from pagedkv.layers.quantized_linear import GGML_TYPES
 
     directory, gguf = _split_gguf(model, gguf_file)
     path = os.path.join(directory, gguf) if gguf is not None else None
     if path is None or not os.path.isfile(path):
-        return False
+        return None
     try:
         tensors = gguf_tensor_index.gguf_tensors(path)
     except (OSError, ValueError):
-        return False
+        return None
     found = tensors.get("blk.0.ffn_down.weight")
-    return found is not None and found.tensor_type.name in (*GGML_TYPES, "BF16")
+    return found.tensor_type.name if found is not None and found.tensor_type.name in (*GGML_TYPES, "BF16") else None
 
 
 def _readable(model: str | None, gguf_file: str | None) -> tuple[str, str | None]:

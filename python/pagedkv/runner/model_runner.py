@@ -22,7 +22,7 @@ from pagedkv.errors import EngineStoppedError, InvalidConfigError, TensorParalle
 from pagedkv.runner.host_memory import return_freed_memory, reuse_freed_memory
 from pagedkv.runner.kv_cache import KVCache
 from pagedkv.runner.kv_groups import KVCacheGroups
-from pagedkv.models.loader import generation_defaults, keeps_gguf_weights, load, load_generation_config, model_spec
+from pagedkv.models.loader import generation_defaults, kept_gguf_type, load, load_generation_config, model_spec
 from pagedkv.runner.lora import LoRARegistry, lora_batch
 from pagedkv.parallel import SINGLE_PROCESS, TensorParallelGroup, using_group
 from pagedkv.parallel.sharding import check_shardable
@@ -54,14 +54,18 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype()
-        if (config.dtype == "auto" and self.dtype != torch.float32 and not config.is_cuda
+        self.kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_torch_dtype()
+        kept = (config.dtype == "auto" and self.dtype != torch.float32 and not config.is_cuda
                 and config.gguf_weights != "dequantized" and config.tensor_parallel_size == 1
-                and keeps_gguf_weights(config.model, config.gguf_file)):
+                and kept_gguf_type(config.model, config.gguf_file))
+        if kept:
             # A GGUF's kept weights run on float32 activations, and there beat bfloat16 weights even
             # on CPUs with bfloat16 math: quantized blocks at a third of the memory, a BF16 file's
-            # weights at its memory, a single stream ~1.4x faster (docs/benchmarks.md).
+            # weights at its memory, a single stream ~1.4x faster (docs/benchmarks.md). A BF16
+            # file's KV cache stays bfloat16, as its bfloat16 model's: half the bytes a step reads.
             self.dtype = torch.float32
-        self.kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_torch_dtype()
+            if kept != "BF16" and config.kv_cache_dtype == "auto":
+                self.kv_dtype = torch.float32
         self.workers: Optional[TensorParallelWorkers] = None
         self.failure: Optional[Exception] = None  # (TensorParallelError, or EngineStoppedError after shutdown)
         if group is None and config.tensor_parallel_size > 1:
