@@ -17,8 +17,9 @@ per sequence on --threads threads:
   Weight variants: Q4_1 and Q8_0 with the linears kept quantized (gguf_weights="quantized", float32
   activations) or dequantized to float32; BF16 in bfloat16 or float32, or kept bfloat16 beside float32
   activations (`quantized`: gguf_weights="quantized" keeps a file's tensors as stored). By default (sized for about 10
-  minutes on 2 quiet cores): Q4_1 both, Q8_0 quantized, BF16 kept (the engine's default on a CPU) and dequantized to
-  the float dtype the engine picks for other checkpoints (bfloat16 on CPUs with native bfloat16 math, float32 elsewhere); `--variants all` runs all eight (quantized-float-head: the LM head from its float32 weight). Before the repeats pagedkv
+  minutes on 2 quiet cores): Q4_1 both, Q8_0 quantized, BF16 in the engine's default (`auto`: kept, its KV cache
+  bfloat16 on CPUs with native bfloat16 math) and dequantized to the float dtype the engine picks for other
+  checkpoints (bfloat16 on CPUs with native bfloat16 math, float32 elsewhere); `--variants all` runs every variant of each format (quantized-float-head: the LM head from its float32 weight). Before the repeats pagedkv
   loads each GGUF once, untimed: a file's first load converts it into pagedkv's GGUF cache
   (models/gguf_cache.py), which the timed loads then read.
 
@@ -69,10 +70,13 @@ VARIANTS = {
     "quantized": ("quantized", "float32", ("Q4_1", "Q8_0", "BF16")),
     # (the same with the LM head read from its float32 weight, as before the head kept its blocks)
     "quantized-float-head": ("quantized", "float32", ("Q4_1", "Q8_0")),
+    # (what `LLM("model.gguf")` picks on this machine: a BF16 file kept, with its bfloat16 model's KV
+    # cache where the CPU has native bfloat16 math)
+    "auto": ("auto", "auto", ("Q4_1", "Q8_0", "BF16")),
     "float32": ("dequantized", "float32", ("Q4_1", "Q8_0", "BF16")),
     "bfloat16": ("dequantized", "bfloat16", ("BF16",)),
 }
-DEFAULT_VARIANTS = {"Q4_1": ["quantized", "float32"], "Q8_0": ["quantized"], "BF16": ["quantized", "bfloat16"]}
+DEFAULT_VARIANTS = {"Q4_1": ["quantized", "float32"], "Q8_0": ["quantized"], "BF16": ["auto", "bfloat16"]}
 
 
 def find_llama_cpp(directory: str) -> tuple[str, str]:
@@ -202,6 +206,8 @@ def pagedkv_worker(gguf: str, variant: str, batches: list[int], threads: int) ->
         prefill_s, decode_s = run(num_seqs, PROMPT_LEN, NEW_TOKENS + 1)
         speeds[num_seqs] = (num_seqs * PROMPT_LEN / prefill_s, num_seqs * NEW_TOKENS / decode_s)
     return {"speeds": speeds, "loaded_rss": loaded_rss, "imported_rss": imported_rss, "weight_bytes": sum(tensors.values()),
+            "dtype": str(engine.runner.dtype).removeprefix("torch."),
+            "kv_dtype": str(engine.runner.kv_dtype).removeprefix("torch."),
             "kv_bytes": engine.runner.num_device_blocks * engine.runner.block_bytes}
 
 
@@ -255,7 +261,7 @@ def main() -> None:
     if "default" in args.variants:  # (BF16 dequantized to the float dtype the engine picks on this CPU)
         from pagedkv.config import EngineConfig
 
-        DEFAULT_VARIANTS["BF16"] = ["quantized", str(EngineConfig().torch_dtype()).removeprefix("torch.")]
+        DEFAULT_VARIANTS["BF16"] = ["auto", str(EngineConfig().torch_dtype()).removeprefix("torch.")]
     variants = {fmt: [name for name in VARIANTS if fmt in VARIANTS[name][2] and
                       ("all" in args.variants or name in named or
                        ("default" in args.variants and name in DEFAULT_VARIANTS[fmt]))] for fmt in args.formats}
@@ -295,6 +301,9 @@ def main() -> None:
                 label = f"{VARIANTS[name][0]} {VARIANTS[name][1]}" + (", float32 LM head" if name.endswith("float-head") else "")
                 if fmt == "BF16" and name == "quantized":
                     label = "kept bfloat16, float32 activations"
+                if name == "auto":
+                    run = ours[fmt, name][0]
+                    label = f"auto: {run['dtype']} activations, {run['kv_dtype']} KV"
                 print(f"| {fmt} | {num_seqs} | {label} | " + " | ".join(cells) + " |")
 
     print(f"\ncopy bandwidth: {bandwidth:.1f} GB/s (torch copy_ of 512 MiB, read + write, best of 5)")
