@@ -8,7 +8,7 @@ import gguf
 import numpy as np
 import pytest
 
-from pagedkv.models.gguf_tensor_index import gguf_tensors
+from pagedkv.models.gguf_tensor_index import gguf_architecture, gguf_tensors
 
 
 def assert_same_as_gguf_py(path: str) -> None:
@@ -55,3 +55,23 @@ def test_a_file_that_is_not_gguf_is_refused(tmp_path):
     path.write_bytes(b"GGML" + bytes(60))
     with pytest.raises(ValueError, match="not a GGUF file"):
         gguf_tensors(str(path))
+
+
+@pytest.mark.parametrize("architecture, kept", [("llama", "BF16"), ("qwen2", "BF16"), ("gemma2", None)])
+def test_auto_keeps_a_files_linears_only_for_a_llama_family_architecture(tmp_path, architecture, kept):
+    """(models/loader.kept_gguf_type: with dtype auto, the engine runs float32 activations only for
+    a GGUF whose linears it will keep; a Gemma file's would be dequantized to float32 instead.)"""
+    from pagedkv.models.loader import kept_gguf_type
+
+    path = str(tmp_path / "model.gguf")
+    writer = gguf.GGUFWriter(path, architecture)
+    values = np.random.default_rng(0).standard_normal((4, 64), dtype=np.float32)
+    for part in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
+        writer.add_tensor(f"blk.0.{part}.weight", gguf.quants.quantize(values, gguf.GGMLQuantizationType.BF16),
+                          raw_dtype=gguf.GGMLQuantizationType.BF16)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert gguf_architecture(path) == architecture
+    assert kept_gguf_type(str(tmp_path), "model.gguf") == kept

@@ -60,10 +60,8 @@ class _Cursor:
             raise ValueError(f"unknown GGUF metadata value type {value_type}")
 
 
-def gguf_tensors(path: str) -> dict[str, GGUFTensor]:
-    """Every tensor of the little-endian GGUF (version 2 or 3) at `path`, by name."""
-    import gguf
-
+def _header(path: str) -> tuple[np.ndarray, _Cursor, int, int]:
+    """(the file's mapping, a cursor at its first metadata key, tensor count, metadata count)."""
     buffer = np.memmap(path, dtype=np.uint8, mode="r")
     cursor = _Cursor(buffer)
     if bytes(buffer[:4]) != MAGIC:
@@ -71,6 +69,25 @@ def gguf_tensors(path: str) -> dict[str, GGUFTensor]:
     version, tensor_count, kv_count = cursor.read("4xIQQ")
     if version not in (2, 3):
         raise ValueError(f"{path}: GGUF version {version} is not read here (2 and 3 are)")
+    return buffer, cursor, tensor_count, kv_count
+
+
+def gguf_architecture(path: str) -> str | None:
+    """The GGUF's `general.architecture` (llama.cpp's name: "llama", "qwen2", "gemma2"...), or None."""
+    _, cursor, _, kv_count = _header(path)
+    for _ in range(kv_count):
+        key, value_type = cursor.string(), cursor.read("I")
+        if key == "general.architecture" and value_type == STRING:
+            return cursor.string()
+        cursor.skip_value(value_type)
+    return None
+
+
+def gguf_tensors(path: str) -> dict[str, GGUFTensor]:
+    """Every tensor of the little-endian GGUF (version 2 or 3) at `path`, by name."""
+    import gguf
+
+    buffer, cursor, tensor_count, kv_count = _header(path)
     alignment = 32
     for _ in range(kv_count):
         key, value_type = cursor.string(), cursor.read("I")

@@ -78,9 +78,9 @@ def _split_gguf(model: str | None, gguf_file: str | None) -> tuple[str, str | No
 
 
 def kept_gguf_type(model: str | None, gguf_file: str | None) -> str | None:
-    """The type of the checkpoint's decoder linears where it is a GGUF whose linears are kept as
-    stored (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K blocks, or BF16; read from its tensor index, not loaded),
-    else None."""
+    """The type of the checkpoint's down projections where it is a GGUF of a Llama-family
+    architecture whose decoder linears are all of types kept as stored (Q4_0, Q4_1, Q8_0, Q4_K,
+    Q6_K blocks, or BF16; read from its header and tensor index, not loaded), else None."""
     from pagedkv.layers.quantized_linear import GGML_TYPES
 
     directory, gguf = _split_gguf(model, gguf_file)
@@ -88,11 +88,16 @@ def kept_gguf_type(model: str | None, gguf_file: str | None) -> str | None:
     if path is None or not os.path.isfile(path):
         return None
     try:
+        if registry.MODELS.get(gguf_tensor_index.gguf_architecture(path)) != registry.MODELS["llama"]:
+            return None  # (only a Llama-family model's linears are taken over: gguf_quantized)
         tensors = gguf_tensor_index.gguf_tensors(path)
     except (OSError, ValueError):
         return None
-    found = tensors.get("blk.0.ffn_down.weight")
-    return found.tensor_type.name if found is not None and found.tensor_type.name in (*GGML_TYPES, "BF16") else None
+    parts = [f"blk.0.{part}.weight" for parts in gguf_quantized.LLAMA_LINEARS.values() for part in parts]
+    types = [tensors[name].tensor_type.name if name in tensors else None for name in parts]
+    if not all(kind in (*GGML_TYPES, "BF16") for kind in types):
+        return None
+    return tensors["blk.0.ffn_down.weight"].tensor_type.name
 
 
 def _readable(model: str | None, gguf_file: str | None) -> tuple[str, str | None]:
