@@ -14,7 +14,7 @@ def initialisation_skipped() -> Iterator[None]:
 
     Even on the meta device they are not free: `nn.Embedding`'s `normal_` there runs through
     torch's reference implementation, whose first call imports `torch._dynamo` and with it Triton,
-    ~120 MB of resident memory that a CPU engine never uses."""
+    ~80 MB of resident memory that a CPU engine never uses."""
     names = [name for name in dir(torch.nn.init) if name.endswith("_") and not name.startswith("_")]
     originals = {name: getattr(torch.nn.init, name) for name in names}
     for name in names:
