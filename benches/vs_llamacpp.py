@@ -169,9 +169,11 @@ def pagedkv_worker(gguf: str, variant: str, batches: list[int], threads: int) ->
     torch.set_num_threads(threads)
     gguf_weights, dtype, _ = VARIANTS[variant]
     if variant == "quantized-float-head":
-        from pagedkv.models import gguf_quantized
+        from pagedkv.models import gguf_file_weights, gguf_quantized
 
-        gguf_quantized.keep_lm_head_quantized = lambda net, tensors: None
+        # (the head's float weight loaded, through transformers' reader, and not swapped for its blocks)
+        gguf_file_weights.readable = lambda tensors, architecture: False
+        gguf_quantized.keep_lm_head_quantized = lambda net, tensors, checked=True: None
     longest = max(batches, default=1)
     blocks_per_seq = -(-(PROMPT_LEN + NEW_TOKENS + 1) // 16)
     imported_rss = psutil.Process().memory_info().rss

@@ -42,7 +42,7 @@ def _hf_source(smollm2) -> tuple[str, dict]:
     from pagedkv.models import gguf_cache
 
     directory, name = smollm2
-    entry = gguf_cache.converted(os.path.join(directory, name))
+    entry = gguf_cache.converted(os.path.join(directory, name), weights=True)
     return (entry, {}) if entry else (directory, {"gguf_file": name})
 
 

@@ -1,6 +1,7 @@
 """A GGUF file is converted once into a cache entry (models/gguf_cache.py) that later loads read:
-the entry holds what transformers reads from the file, appears whole or not at all, follows the
-file's changes, and is made once when processes load the same file together."""
+the entry holds what transformers reads from the file (its float32 weights once a load asks for
+them), appears whole or not at all, follows the file's changes, and is made once when processes
+load the same file together."""
 
 import os
 import threading
@@ -26,22 +27,30 @@ def cache(tmp_path, monkeypatch):
     return str(gguf), convert, calls
 
 
+def weights_writer(calls):
+    def convert_weights(path, directory):
+        calls.append(("weights", path))
+        (directory / gguf_cache.WEIGHTS).write_text("float32")
+
+    return convert_weights
+
+
 def test_a_file_is_converted_once_and_again_when_it_changes(cache):
     path, convert, calls = cache
-    first = gguf_cache.converted(path, convert)
-    assert gguf_cache.converted(path, convert) == first and len(calls) == 1
+    first = gguf_cache.converted(path, convert=convert)
+    assert gguf_cache.converted(path, convert=convert) == first and len(calls) == 1
     with open(path, "ab") as file:
         file.write(b"more")
-    second = gguf_cache.converted(path, convert)
+    second = gguf_cache.converted(path, convert=convert)
     assert second != first and len(calls) == 2
     assert open(os.path.join(second, "config.json")).read() == "2"
 
 
 def test_an_entry_left_incomplete_is_converted_again(cache):
     path, convert, calls = cache
-    entry = gguf_cache.converted(path, convert)
+    entry = gguf_cache.converted(path, convert=convert)
     os.remove(os.path.join(entry, gguf_cache.COMPLETE))  # (as a process killed mid-rename would leave it)
-    assert gguf_cache.converted(path, convert) == entry and len(calls) == 2
+    assert gguf_cache.converted(path, convert=convert) == entry and len(calls) == 2
 
 
 def test_a_failed_conversion_leaves_nothing(cache):
@@ -52,19 +61,45 @@ def test_a_failed_conversion_leaves_nothing(cache):
         raise RuntimeError("unreadable file")
 
     with pytest.raises(RuntimeError, match="unreadable"):
-        gguf_cache.converted(path, failing)
+        gguf_cache.converted(path, convert=failing)
     root = gguf_cache.cache_root() / "gguf"
     assert [entry.name for entry in root.iterdir() if not entry.name.endswith(".lock")] == []
-    assert gguf_cache.converted(path, convert) is not None and len(calls) == 1
+    assert gguf_cache.converted(path, convert=convert) is not None and len(calls) == 1
 
 
-def test_files_over_the_limit_and_a_limit_of_zero_are_not_cached(cache, monkeypatch):
+def test_weights_are_added_once_where_a_load_asks_for_them(cache):
     path, convert, calls = cache
+    convert_weights = weights_writer(calls)
+    entry = gguf_cache.converted(path, convert=convert, convert_weights=convert_weights)
+    assert not os.path.exists(os.path.join(entry, gguf_cache.WEIGHTS)) and len(calls) == 1
+    for _ in range(2):
+        assert gguf_cache.converted(path, weights=True, convert=convert, convert_weights=convert_weights) == entry
+    assert calls == [path, ("weights", path)]
+    assert sorted(os.listdir(entry)) == sorted(["config.json", gguf_cache.COMPLETE, gguf_cache.WEIGHTS])
+
+
+def test_a_failed_weights_conversion_leaves_the_entry_as_it_was(cache):
+    path, convert, calls = cache
+
+    def failing(path, directory):
+        (directory / gguf_cache.WEIGHTS).write_text("half")
+        raise RuntimeError("out of memory")
+
+    entry = gguf_cache.converted(path, convert=convert)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        gguf_cache.converted(path, weights=True, convert=convert, convert_weights=failing)
+    assert sorted(os.listdir(entry)) == sorted(["config.json", gguf_cache.COMPLETE])
+
+
+def test_weights_of_files_over_the_limit_and_a_limit_of_zero_are_not_cached(cache, monkeypatch):
+    path, convert, calls = cache
+    convert_weights = weights_writer(calls)
     monkeypatch.setenv("PAGEDKV_GGUF_CACHE_MAX_BYTES", str(os.path.getsize(path) - 1))
-    assert gguf_cache.converted(path, convert) is None
-    monkeypatch.setenv("PAGEDKV_GGUF_CACHE_MAX_BYTES", "0")
-    assert gguf_cache.converted(path, convert) is None
+    assert gguf_cache.converted(path, weights=True, convert=convert, convert_weights=convert_weights) is None
     assert calls == []
+    assert gguf_cache.converted(path, convert=convert) is not None and calls == [path]  # (the config and tokenizer)
+    monkeypatch.setenv("PAGEDKV_GGUF_CACHE_MAX_BYTES", "0")
+    assert gguf_cache.converted(path, convert=convert) is None
 
 
 def test_loads_at_once_convert_once(cache):
@@ -77,7 +112,7 @@ def test_loads_at_once_convert_once(cache):
 
     def load(results):
         started.wait()
-        results.append(gguf_cache.converted(path, slow))
+        results.append(gguf_cache.converted(path, convert=slow))
 
     results = []
     threads = [threading.Thread(target=load, args=(results,)) for _ in range(4)]
@@ -98,7 +133,7 @@ def test_the_embedded_models_entry_holds_what_transformers_reads(smollm2):
     directory, name = smollm2
     smollm2_hf_model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
     smollm2_hf_tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
-    entry, gguf = loader._readable(directory, name)
+    entry, gguf = loader._readable(directory, name, weights=True)
     assert gguf is None and entry.startswith(str(gguf_cache.cache_root()))
     saved = load_file(os.path.join(entry, "model.safetensors"))
     expected = {k: v for k, v in smollm2_hf_model.state_dict().items() if k != "lm_head.weight"}

@@ -147,11 +147,12 @@ def test_a_bf16_gguf_tensor_stays_bfloat16_unless_it_differs_from_the_checkpoint
     from pagedkv.models import gguf_quantized
 
     weight = torch.randn(6, 4).bfloat16()
-    as_gguf = SimpleNamespace(data=weight.view(torch.uint8).numpy(), tensor_type=SimpleNamespace(name="BF16"))
+    as_gguf = SimpleNamespace(name="blk.0.ffn_down.weight", data=weight.view(torch.uint8).numpy(),
+                              tensor_type=SimpleNamespace(name="BF16"))
     for streamed, stays in ((weight.float(), True), (weight.float() + 1e-3, False)):
         parent = nn.Module()
         parent.down_proj = nn.Linear(4, 6, bias=False)
-        kept = gguf_quantized._kept_module(parent.down_proj, [as_gguf], ("ffn_down",), (1, 1))
+        kept = gguf_quantized._kept_module(parent.down_proj, [as_gguf], "llama", (1, 1))
         assert isinstance(kept, BFloat16Linear) and torch.equal(kept.weight, weight)
         parent.down_proj = kept
         gguf_quantized._check(parent, "down_proj", kept, "layers.0.mlp.down_proj")(streamed)

@@ -29,6 +29,8 @@ from torch import nn
 from pagedkv.layers.cpu_linear import BFloat16Linear, BFloat16LMHeadProduct
 from pagedkv.layers.quantized_embedding import BFloat16Embedding, QuantizedEmbedding
 from pagedkv.layers.quantized_linear import GGML_TYPES, QuantizedLinear, QuantizedLMHeadProduct, dequantize
+from pagedkv.models.gguf_tensor_index import ELEMENT_TYPES, release_resident_pages
+from pagedkv.models.gguf_file_weights import permuted_heads, unpermute_rows
 
 logger = logging.getLogger("pagedkv.models.gguf_quantized")
 
@@ -41,20 +43,16 @@ LLAMA_LINEARS = {
 }
 
 
-def unpermute_rows(blocks: np.ndarray, num_heads: int) -> np.ndarray:
-    """llama.cpp's q/k row order back to HF's (transformers' reverse_permute_weights)."""
-    rows = blocks.shape[0]
-    return blocks.reshape(num_heads, rows // num_heads // 2, 2, -1).swapaxes(1, 2).reshape(blocks.shape)
-
-
-def take_over_linears(net: nn.Module, tensors: dict, hf_config) -> dict[str, Callable]:
+def take_over_linears(net: nn.Module, tensors: dict, hf_config, architecture: str | None,
+                      checked: bool = True) -> dict[str, Callable | None]:
     """Before the load (the float32 model's linears allocated, not yet written): replaces each
     decoder-layer linear whose GGUF tensors are of one kept type by its kept module. Returns, per
     replaced module, the name of the float weight the checkpoint gives for it
     ("layers.3.self_attn.qkv_proj.weight") -> the check to run on that weight (or its fused parts)
-    as it streams past (`load_hf_weights`)."""
+    as it streams past (`load_hf_weights`); None where not `checked` (the weights come from this
+    file's other tensors, models/gguf_file_weights.py, and that one never streams)."""
     heads = (hf_config.num_attention_heads, hf_config.num_key_value_heads)
-    checks = {}
+    checks: dict[str, Callable | None] = {}
     for index, layer in enumerate(getattr(net, "layers", [])):
         for module_path, parts in LLAMA_LINEARS.items():
             parent_path, _, attribute = module_path.rpartition(".")
@@ -63,21 +61,32 @@ def take_over_linears(net: nn.Module, tensors: dict, hf_config) -> dict[str, Cal
             found = [tensors.get(f"blk.{index}.{part}.weight") for part in parts]
             if type(linear) is not nn.Linear or linear.weight.dtype != torch.float32 or None in found:
                 continue
-            kept = _kept_module(linear, found, parts, heads)
+            kept = _kept_module(linear, found, architecture, heads)
             if kept is not None:
                 setattr(parent, attribute, kept)
                 name = f"layers.{index}.{module_path}"
-                checks[f"{name}.weight"] = _check(parent, attribute, kept, name)
+                checks[f"{name}.weight"] = _check(parent, attribute, kept, name) if checked else None
+            release_resident_pages(found)  # (copied: a 7B model's file would be resident twice)
     return checks
 
 
-def _kept_module(linear: nn.Linear, found: list, parts: tuple, heads: tuple[int, int]) -> nn.Module | None:
+def gguf_names_of(checks: dict) -> set[str]:
+    """The GGUF tensors the decoder-layer modules named in take_over_linears' result stand for."""
+    names = set()
+    for name in checks:
+        if name.startswith("layers."):
+            _, index, module_path = name.removesuffix(".weight").split(".", 2)
+            names.update(f"blk.{index}.{part}.weight" for part in LLAMA_LINEARS[module_path])
+    return names
+
+
+def _kept_module(linear: nn.Linear, found: list, architecture: str | None, heads: tuple[int, int]) -> nn.Module | None:
     """The QuantizedLinear or BFloat16Linear over these GGUF tensors, or None where they are of
     another type (or of several), or do not fit the linear's shape."""
     types = {t.tensor_type.name for t in found}
     if types == {"BF16"} and linear.bias is None:
         kept = BFloat16Linear(linear.in_features, linear.out_features)
-        rows = torch.cat([_bfloat16_rows(tensor, part, heads) for part, tensor in zip(parts, found)])
+        rows = torch.cat([_bfloat16_rows(tensor, architecture, heads) for tensor in found])
         if rows.shape != kept.weight.shape:
             return None
         kept.weight.copy_(rows)
@@ -85,7 +94,7 @@ def _kept_module(linear: nn.Linear, found: list, parts: tuple, heads: tuple[int,
     if len(types) != 1 or not types <= set(GGML_TYPES):
         return None
     kept = QuantizedLinear(linear.in_features, linear.out_features, types.pop(), bias=linear.bias is not None)
-    rows = np.concatenate([_hf_rows(tensor, part, heads) for part, tensor in zip(parts, found)])
+    rows = np.concatenate([_hf_rows(tensor, architecture, heads) for tensor in found])
     if rows.shape != tuple(kept.blocks.shape):
         return None
     kept.blocks.copy_(torch.from_numpy(rows))
@@ -106,24 +115,40 @@ def _check(parent: nn.Module, attribute: str, kept: nn.Module, name: str) -> Cal
     return check
 
 
-def _hf_rows(tensor, part: str = "", heads: tuple[int, int] = (1, 1)) -> np.ndarray:
+def _hf_rows(tensor, architecture: str | None = None, heads: tuple[int, int] = (1, 1)) -> np.ndarray:
     """A GGUF tensor's rows (blocks, or a BF16 tensor's bytes, as gguf-py gives them) in HF's order."""
     data = np.asarray(tensor.data)
-    if part in ("attn_q", "attn_k"):
-        data = unpermute_rows(data, heads[0] if part == "attn_q" else heads[1])
-    return data
+    num_heads = permuted_heads(tensor.name, architecture, heads)
+    return data if num_heads is None else unpermute_rows(data, num_heads)
 
 
-def _bfloat16_rows(tensor, part: str = "", heads: tuple[int, int] = (1, 1)) -> torch.Tensor:
+def _bfloat16_rows(tensor, architecture: str | None = None, heads: tuple[int, int] = (1, 1)) -> torch.Tensor:
     """A BF16 GGUF tensor's rows in HF's order, as bfloat16: a copy, never a view of the file's
     mapping (a tensor kept as a view keeps the whole mapping, and every page of it the load read,
     resident beside the copies of the other weights: 258 MB more for the embedded model's BF16 file)."""
-    return torch.from_numpy(np.array(_hf_rows(tensor, part, heads), order="C")).view(torch.bfloat16)
+    return torch.from_numpy(np.array(_hf_rows(tensor, architecture, heads), order="C")).view(torch.bfloat16)
 
 
-def keep_lm_head_quantized(net: nn.Module, tensors: dict) -> str | None:
+def kept_outside_layers(net: nn.Module, tensors: dict) -> dict[str, str]:
+    """Which of the LM head and the token embedding table a load will keep as this file stores
+    them (keep_lm_head_quantized, keep_embedding_quantized), by type alone: our weight name ->
+    its GGUF tensor. A load that trusts the file (models/gguf_file_weights.py) reads neither."""
+    def keepable(name: str) -> bool:
+        tensor = tensors.get(name)
+        return tensor is not None and tensor.tensor_type.name in (*GGML_TYPES, "BF16")
+
+    if type(getattr(net, "embed_tokens", None)) is not nn.Embedding or not hasattr(net, "lm_head_linear"):
+        return {}
+    if getattr(net, "tie_word_embeddings", False):
+        return {"embed_tokens.weight": "token_embd.weight"} if keepable("token_embd.weight") else {}
+    kept = {"embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight"}
+    return {ours: theirs for ours, theirs in kept.items() if keepable(theirs)}
+
+
+def keep_lm_head_quantized(net: nn.Module, tensors: dict, checked: bool = True) -> str | None:
     """Points `net.lm_head_linear` at the LM head's GGUF blocks when they are of a kept type and
-    dequantize to exactly the head's loaded weight; returns their type (None: left float32)."""
+    dequantize to exactly the head's loaded weight; returns their type (None: left float32). Not
+    `checked`: the head was not loaded (kept_outside_layers), its blocks are taken as they are."""
     tied = bool(getattr(net, "tie_word_embeddings", False))
     tensor = tensors.get("token_embd.weight" if tied else "output.weight")
     weight = net.embed_tokens.weight if tied else getattr(getattr(net, "lm_head", None), "weight", None)
@@ -131,27 +156,28 @@ def keep_lm_head_quantized(net: nn.Module, tensors: dict) -> str | None:
         return None
     if tensor.tensor_type.name == "BF16" and weight.dtype == torch.float32:
         rows = _bfloat16_rows(tensor)
-        if rows.shape != weight.shape or not torch.equal(rows.float(), weight.data):
-            return None
+        if rows.shape != weight.shape or (checked and not torch.equal(rows.float(), weight.data)):
+            return _unkept("the LM head's", checked)
         net.lm_head_linear = BFloat16LMHeadProduct(rows)
         return "BF16"
     if tensor.tensor_type.name not in GGML_TYPES:
         return None
     ggml_type = tensor.tensor_type.name
     blocks = torch.from_numpy(np.array(tensor.data, order="C"))  # (a writable copy of the mapped file)
-    if not torch.equal(dequantize(blocks, ggml_type, tuple(weight.shape)), weight.data):
-        logger.warning("the LM head's GGUF blocks differ from the loaded weight; kept float32")
-        return None
+    if logical_shape(tensor) != tuple(weight.shape) or (
+            checked and not torch.equal(dequantize(blocks, ggml_type, tuple(weight.shape)), weight.data)):
+        return _unkept("the LM head's", checked)
     net.lm_head_linear = QuantizedLMHeadProduct(blocks, ggml_type, weight.shape[0])
     return ggml_type
 
 
-def keep_embedding_quantized(net: nn.Module, tensors: dict) -> str | None:
+def keep_embedding_quantized(net: nn.Module, tensors: dict, checked: bool = True) -> str | None:
     """Swaps `net.embed_tokens` for a QuantizedEmbedding over the GGUF's token_embd blocks (a
     BFloat16Embedding over a BF16 table beside float32 activations) when they are of a kept type
     and give exactly the loaded table (the float table is then freed); a tied LM head kept the same
     way shares them (a tied head left float32 keeps the table float32: it is the head's weight).
-    Returns their type (None: left float32)."""
+    Returns their type (None: left float32). Not `checked`: the table was not loaded
+    (kept_outside_layers), its blocks are taken as they are."""
     tensor, table = tensors.get("token_embd.weight"), getattr(net, "embed_tokens", None)
     if tensor is None or type(table) is not nn.Embedding:
         return None
@@ -165,13 +191,33 @@ def keep_embedding_quantized(net: nn.Module, tensors: dict) -> str | None:
     head = getattr(net, "lm_head_linear", None)
     if getattr(net, "tie_word_embeddings", False):
         if not isinstance(head, kept_head_type):
-            return None  # (the float table is the head's weight)
+            return _unkept("the embedding table's", checked)  # (the float table is the head's weight)
         stored = head.weight if ggml_type == "BF16" else head.blocks  # (checked by keep_lm_head_quantized)
     else:
         stored = _bfloat16_rows(tensor) if ggml_type == "BF16" else torch.from_numpy(np.array(tensor.data, order="C"))
-        widened = stored.float() if ggml_type == "BF16" else dequantize(stored, ggml_type, shape)
-        if widened.shape != table.weight.shape or not torch.equal(widened, table.weight.data):
-            logger.warning("the embedding table's GGUF blocks differ from the loaded table; kept float32")
-            return None
+        if logical_shape(tensor) != shape:
+            return _unkept("the embedding table's", checked)
+        if checked:
+            widened = stored.float() if ggml_type == "BF16" else dequantize(stored, ggml_type, shape)
+            if not torch.equal(widened, table.weight.data):
+                return _unkept("the embedding table's", checked)
     net.embed_tokens = make(stored)
     return ggml_type
+
+
+def logical_shape(tensor) -> tuple[int, ...]:
+    """A GGUF tensor's shape in elements (gguf-py shapes a block type's data in bytes)."""
+    import gguf
+
+    shape = tuple(tensor.data.shape)
+    if tensor.tensor_type.name in ELEMENT_TYPES:
+        return shape
+    block_len, block_bytes = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
+    return (*shape[:-1], shape[-1] // block_bytes * block_len)
+
+
+def _unkept(what: str, checked: bool) -> None:
+    if not checked:  # (nothing was loaded in its place)
+        raise ValueError(f"{what} GGUF tensor does not fit the model")
+    logger.warning("%s GGUF blocks differ from the loaded weight; kept float32", what)
+    return None

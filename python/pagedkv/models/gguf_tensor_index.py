@@ -9,7 +9,9 @@ GGUFReader shapes it (its `ReaderTensor.data`), so the two are interchangeable f
 
 from __future__ import annotations
 
+import mmap
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -115,3 +117,13 @@ def gguf_tensors(path: str) -> dict[str, GGUFTensor]:
         data = buffer[start:start + count_bytes].view(element_type).reshape(shape)
         tensors[name] = GGUFTensor(name, ggml_type, data)
     return tensors
+
+
+def release_resident_pages(tensors: Iterable[GGUFTensor]) -> None:
+    """Takes the file's pages a load has read out of this process's resident set (they stay in
+    the page cache, and a later read maps them again): the load copies what it keeps, and a
+    mapping it still holds would count the file a second time in its peak."""
+    mappings = {id(m): m for m in (getattr(t.data, "_mmap", None) for t in tensors) if m is not None}
+    for mapping in mappings.values():
+        if not mapping.closed:
+            mapping.madvise(mmap.MADV_DONTNEED)

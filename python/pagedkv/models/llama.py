@@ -285,8 +285,9 @@ class LlamaForCausalLM(nn.Module):
         weight_loader). A group must hold every tensor one of our weights is made of. Fails
         loudly, after the last group, on weights missing or left over."""
         targets = self.state_dict(keep_vars=True)
-        # Linears a GGUF's blocks stand for (models/gguf_quantized.py): their float weight is only
-        # checked against them as it streams past; their own state is already filled.
+        # Modules a GGUF's blocks stand for (models/gguf_quantized.py): their float weight is only
+        # checked against them as it streams past (a check of None: it never streams); their own
+        # state is already filled.
         checks = self.__dict__.pop("kept_weight_checks", {})
         kept_modules = {name.removesuffix(".weight") for name in checks}
         loaded = {name for name in targets if name.rpartition(".")[0] in kept_modules and not name.endswith(".bias")}
@@ -294,14 +295,14 @@ class LlamaForCausalLM(nn.Module):
         with torch.no_grad():
             for group in groups:
                 for name, value in self.own_weights(group).items():
-                    if name in checks:
+                    if checks.get(name) is not None:
                         checks.pop(name)(value)
                     elif name in targets:
                         fill_(targets[name], value, name)
                         loaded.add(name)
                     elif "rotary" not in name:
                         unexpected.append(name)
-        missing = [name for name in targets if name not in loaded] + list(checks)
+        missing = [name for name in targets if name not in loaded] + [name for name in checks if checks[name]]
         if missing or unexpected:
             raise ValueError(f"checkpoint does not fit the model: missing {missing}, unexpected {unexpected}")
 

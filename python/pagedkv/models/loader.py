@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from pagedkv.models import gguf_cache, gguf_quantized, gguf_tensor_index, quantized_checkpoints
+from pagedkv.models import gguf_file_weights
 from pagedkv.layers.classifier import SequenceClassifier
 from pagedkv.models import registry
 from pagedkv.models.registry import Traits
@@ -100,12 +101,13 @@ def kept_gguf_type(model: str | None, gguf_file: str | None) -> str | None:
     return tensors["blk.0.ffn_down.weight"].tensor_type.name
 
 
-def _readable(model: str | None, gguf_file: str | None) -> tuple[str, str | None]:
-    """(directory, GGUF file or None) to read the checkpoint from: a GGUF file's converted
-    entry in the cache where it has one (models/gguf_cache.py), else as given."""
+def _readable(model: str | None, gguf_file: str | None, weights: bool = False) -> tuple[str, str | None]:
+    """(directory, GGUF file or None) to read the checkpoint's config and tokenizer (and its
+    float32 weights where `weights`) from: a GGUF file's converted entry in the cache where it has
+    one (models/gguf_cache.py), else as given."""
     directory, gguf = _split_gguf(model, gguf_file)
     if gguf is not None and os.path.isdir(directory):
-        entry = gguf_cache.converted(os.path.join(directory, gguf))
+        entry = gguf_cache.converted(os.path.join(directory, gguf), weights=weights)
         if entry is not None:
             return entry, None
     return directory, gguf
@@ -148,19 +150,29 @@ def load(model: str | None, gguf_file: str | None, tokenizer: str | None, dtype,
     from transformers import AutoTokenizer
 
     given_directory, given_gguf = _split_gguf(model, gguf_file)
-    directory, gguf = _readable(model, gguf_file)
     hf_config, model_class, traits, multimodal = model_spec(model, gguf_file)
     if multimodal:
         logger.info("%s is an image-text model: serving its language model on text prompts", hf_config.model_type)
 
     quantization = getattr(hf_config, "quantization_config", None)
     tp = current_group()
+    kept_gguf = architecture = None
+    if gguf_weights != "dequantized" and given_gguf is not None and not dummy:
+        if str(device) == "cpu" and dtype == torch.float32 and tp.size == 1:
+            gguf_path = os.path.join(given_directory, given_gguf)
+            kept_gguf, architecture = gguf_tensor_index.gguf_tensors(gguf_path), gguf_tensor_index.gguf_architecture(gguf_path)
+        elif gguf_weights == "quantized":
+            logger.warning("gguf_weights='quantized' needs float32 on one CPU: weights dequantized")
+    # A load that keeps the file's blocks reads the rest of its weights from it too, where it can
+    # (models/gguf_file_weights.py): transformers would dequantize the whole model first.
+    from_file = kept_gguf is not None and not multimodal and gguf_file_weights.readable(kept_gguf, architecture)
+    directory, gguf = _readable(model, gguf_file, weights=not (dummy or from_file))
     shard = CheckpointShard(hf_config, tp) if tp.size > 1 else None
     # A tensor-parallel rank reads its own slices of plain safetensors files and no more; other
     # checkpoints' tensors are read whole, then sliced.
     read_sharded = shard is not None and gguf is None and quantization is None and not multimodal
-    if dummy:
-        checkpoint_groups = iter(())
+    if dummy or from_file:
+        checkpoint_groups = iter(())  # (from_file: set once the kept modules are known)
     elif gguf is not None:  # (transformers reads a GGUF file whole: one group)
         checkpoint_groups = iter([_dequantized_gguf(os.path.join(directory, gguf))])
     else:
@@ -193,14 +205,16 @@ def load(model: str | None, gguf_file: str | None, tokenizer: str | None, dtype,
     # and most of a minute on a host's one generator thread.
     net = net.to(dtype=dtype).to_empty(device=device if dummy else "cpu")
     net.compute_buffers(positions, dtype)
-    kept_gguf = None
-    if gguf_weights != "dequantized" and given_gguf is not None and not dummy:
-        if str(device) == "cpu" and dtype == torch.float32 and tp.size == 1:
-            kept_gguf = gguf_tensor_index.gguf_tensors(os.path.join(given_directory, given_gguf))
-            # (before the load: the float32 linears it replaces are never written)
-            net.kept_weight_checks = gguf_quantized.take_over_linears(net, kept_gguf, hf_config)
-        elif gguf_weights == "quantized":
-            logger.warning("gguf_weights='quantized' needs float32 on one CPU: weights dequantized")
+    if kept_gguf is not None:  # (before the load: the float32 weights it replaces are never written)
+        checks = gguf_quantized.take_over_linears(net, kept_gguf, hf_config, architecture, checked=not from_file)
+        if from_file:
+            outside = gguf_quantized.kept_outside_layers(net, kept_gguf)
+            checks.update(dict.fromkeys(outside))
+            heads = (hf_config.num_attention_heads, hf_config.num_key_value_heads)
+            skip = gguf_quantized.gguf_names_of(checks) | set(outside.values())
+            checkpoint_groups = gguf_file_weights.weight_groups(kept_gguf, architecture, heads, skip)
+        net.kept_weight_checks = checks
+        gguf_tensor_index.release_resident_pages(kept_gguf.values())
     if dummy:
         logger.info("load_format=dummy: random weights of %s's shapes, no checkpoint read", hf_config.model_type)
         fill_dummy_weights(net)
@@ -214,8 +228,9 @@ def load(model: str | None, gguf_file: str | None, tokenizer: str | None, dtype,
     net = net.to(device=device, dtype=dtype).eval()
     if kept_gguf is not None:
         kept = sum(type(module).__name__ in ("QuantizedLinear", "BFloat16Linear") for module in net.modules())
-        head = gguf_quantized.keep_lm_head_quantized(net, kept_gguf)
-        table = gguf_quantized.keep_embedding_quantized(net, kept_gguf)
+        head = gguf_quantized.keep_lm_head_quantized(net, kept_gguf, checked=not from_file)
+        table = gguf_quantized.keep_embedding_quantized(net, kept_gguf, checked=not from_file)
+        gguf_tensor_index.release_resident_pages(kept_gguf.values())
         logger.info("kept %d linear layers%s%s as stored in %s", kept, f", the {head} LM head" if head else "",
                     f", the {table} embedding table" if table else "", given_gguf)
 
