@@ -13,17 +13,16 @@ from pagedkv.models import gguf_file_weights, loader
 PROMPT = "The capital of France is Paris, and the capital of Italy is"
 
 
-def kept_runner():
+def kept_runner(**model):
     from pagedkv.config import EngineConfig
     from pagedkv.runner.model_runner import ModelRunner
 
     return ModelRunner(EngineConfig(dtype="float32", num_device_blocks=16, swap_space_bytes=1 << 20,
-                                    max_model_len=256, gguf_weights="quantized"))
+                                    max_model_len=256, gguf_weights="quantized", **model))
 
 
-@pytest.fixture(scope="module")
-def both_routes():
-    """(read from the file, checked against transformers' reading) for the embedded model."""
+def routes(**model):
+    """(read from the file, checked against transformers' reading)."""
     monkeypatch = pytest.MonkeyPatch()
     try:
         def no_transformers_weights(*args, **kwargs):
@@ -31,13 +30,19 @@ def both_routes():
 
         monkeypatch.setattr(loader, "_dequantized_gguf", no_transformers_weights)
         monkeypatch.setattr(loader, "safetensors_layers", no_transformers_weights)
-        from_file = kept_runner()
+        from_file = kept_runner(**model)
         monkeypatch.undo()
         monkeypatch.setattr(gguf_file_weights, "readable", lambda tensors, architecture: False)
-        checked = kept_runner()
+        checked = kept_runner(**model)
     finally:
         monkeypatch.undo()
     return from_file, checked
+
+
+@pytest.fixture(scope="module")
+def both_routes():
+    """The embedded model (a "llama" file: q and k rows permuted) both ways."""
+    return routes()
 
 
 def test_the_model_read_from_the_file_is_the_checked_one(both_routes):
@@ -56,6 +61,33 @@ def test_and_gives_the_same_logits(both_routes):
     tokens = checked.tokenizer.encode(PROMPT)
     logits = [prefill_all_positions(runner.model, tokens, [0, 1], block_size=16, num_blocks=4)
               for runner in both_routes]
+    assert torch.equal(logits[0], logits[1])
+
+
+@pytest.mark.parametrize("architecture, kind, tied", [("qwen2", "Q8_0", False), ("llama", "Q4_0", True)])
+def test_other_files_read_as_transformers_reads_them(tmp_path, architecture, kind, tied):
+    """A Qwen2 file (q/k/v biases, its own LM head; llama.cpp leaves its q and k rows in HF's
+    order) and a tiny Llama one: every decoder linear kept (none sent back to float32 by a check
+    against transformers' weights), the same model and logits both ways."""
+    import gguf
+    from support.gguf_copies import tiny_gguf
+
+    from pagedkv.layers.quantized_linear import QuantizedLinear
+
+    path = tiny_gguf(str(tmp_path / f"tiny-{architecture}.gguf"), architecture, gguf.GGMLQuantizationType[kind],
+                     qkv_bias=architecture == "qwen2", tied=tied)
+    from_file, checked = routes(model=path)
+    for runner in (from_file, checked):
+        kept = [module for module in runner.model.modules() if isinstance(module, QuantizedLinear)]
+        assert len(kept) == 4 * len(runner.model.layers) and {module.ggml_type for module in kept} == {kind}
+        assert type(runner.model.lm_head_linear).__name__ == "QuantizedLMHeadProduct"
+    ours = dict(from_file.model.named_buffers()) | dict(from_file.model.named_parameters())
+    theirs = dict(checked.model.named_buffers()) | dict(checked.model.named_parameters())
+    assert ours.keys() == theirs.keys()
+    for name, tensor in theirs.items():
+        assert torch.equal(ours[name], tensor), name
+    tokens = [1, 200, 3000, 40000, 17]
+    logits = [prefill_all_positions(runner.model, tokens, [0], block_size=16, num_blocks=2) for runner in (from_file, checked)]
     assert torch.equal(logits[0], logits[1])
 
 

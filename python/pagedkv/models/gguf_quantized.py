@@ -159,6 +159,7 @@ def keep_lm_head_quantized(net: nn.Module, tensors: dict, checked: bool = True) 
         if rows.shape != weight.shape or (checked and not torch.equal(rows.float(), weight.data)):
             return _unkept("the LM head's", checked)
         net.lm_head_linear = BFloat16LMHeadProduct(rows)
+        _drop_float_head(net, tied)
         return "BF16"
     if tensor.tensor_type.name not in GGML_TYPES:
         return None
@@ -168,7 +169,14 @@ def keep_lm_head_quantized(net: nn.Module, tensors: dict, checked: bool = True) 
             checked and not torch.equal(dequantize(blocks, ggml_type, tuple(weight.shape)), weight.data)):
         return _unkept("the LM head's", checked)
     net.lm_head_linear = QuantizedLMHeadProduct(blocks, ggml_type, weight.shape[0])
+    _drop_float_head(net, tied)
     return ggml_type
+
+
+def _drop_float_head(net: nn.Module, tied: bool) -> None:
+    """An untied head kept as blocks needs no float32 weight (a 152k-token vocabulary's is 2 GB)."""
+    if not tied:
+        del net.lm_head
 
 
 def keep_embedding_quantized(net: nn.Module, tensors: dict, checked: bool = True) -> str | None:

@@ -249,10 +249,11 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def lm_head_weight(self) -> torch.Tensor | None:
-        """The LM head's float weight, as `lm_head_linear` takes it; None where the tied embedding
-        table is kept as the GGUF stores it (the head's product then reads that itself)."""
+        """The LM head's float weight, as `lm_head_linear` takes it; None where the head (or the
+        tied embedding table) is kept as the GGUF stores it (the head's product reads that itself)."""
         if not self.tie_word_embeddings:
-            return self.lm_head.weight
+            head = getattr(self, "lm_head", None)  # (a kept head's float module is dropped)
+            return None if head is None else head.weight
         kept = isinstance(self.embed_tokens, (QuantizedEmbedding, BFloat16Embedding))
         return None if kept else self.embed_tokens.weight
 
@@ -324,8 +325,8 @@ class LlamaForCausalLM(nn.Module):
             layer, p = self.layers[i], f"layers.{i}."
             if p + "self_attn.k_proj.weight" in own:  # (Phi-3 stores them fused already; MLA has no k/v)
                 fused[p + "self_attn.qkv_proj.weight"] = [own.pop(p + f"self_attn.{x}_proj.weight") for x in "qkv"]
-                if p + "self_attn.q_proj.bias" in own:
-                    fused[p + "self_attn.qkv_proj.bias"] = [own.pop(p + f"self_attn.{x}_proj.bias") for x in "qkv"]
+            if p + "self_attn.k_proj.bias" in own:  # (also without the weights: a GGUF's kept blocks stand for them)
+                fused[p + "self_attn.qkv_proj.bias"] = [own.pop(p + f"self_attn.{x}_proj.bias") for x in "qkv"]
             if layer.is_moe:
                 fused.update(_stacked_experts(own, p + "mlp.", layer.mlp.num_experts))
             elif isinstance(layer.mlp, UngatedMLP) and p + "mlp.up_proj.weight" in own:  # (Arcee's, Nemotron's)
