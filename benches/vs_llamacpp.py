@@ -38,6 +38,7 @@ multiple of the file + that KV cache.
 
     python benches/vs_llamacpp.py [--llama-cpp-dir DIR] [--formats Q4_1 Q8_0 BF16] [--parallel 1 16 64]
                                   [--repeats 3] [--variants default|all] [--threads 2]
+    python benches/vs_llamacpp.py --gguf FILE --parallel 1     # another GGUF, pagedkv's default load
 
 llama.cpp's binaries: see docs/benchmarks.md (section "Against llama.cpp") for how to build them.
 """
@@ -247,6 +248,8 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", default=["default"],
                         help="pagedkv's weight variants: default (per format: %s), all, or names among %s"
                              % (DEFAULT_VARIANTS, list(VARIANTS)))
+    parser.add_argument("--gguf", help="run this GGUF file (pagedkv in its default, `auto`) instead of --formats, "
+                                       "e.g. benches/gguf_memory.py's random 7B Llama")
     parser.add_argument("--worker", nargs=2, metavar=("GGUF", "VARIANT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if not args.parallel and not args.worker:
@@ -256,7 +259,13 @@ def main() -> None:
         return
 
     batched_bench, quantize = find_llama_cpp(args.llama_cpp_dir)
-    ggufs = gguf_copies(quantize, args.cache_dir, args.formats)
+    if args.gguf:
+        args.formats = [os.path.basename(args.gguf)]
+        ggufs = {args.formats[0]: args.gguf}
+        VARIANTS["auto"] = (*VARIANTS["auto"][:2], tuple(args.formats))
+        args.variants = ["auto"]
+    else:
+        ggufs = gguf_copies(quantize, args.cache_dir, args.formats)
     named = [name for name in args.variants if name not in ("default", "all")]
     if set(named) - set(VARIANTS):
         parser.error(f"unknown --variants {sorted(set(named) - set(VARIANTS))}: default, all or among {list(VARIANTS)}")
@@ -268,7 +277,7 @@ def main() -> None:
                       ("all" in args.variants or name in named or
                        ("default" in args.variants and name in DEFAULT_VARIANTS[fmt]))] for fmt in args.formats}
     for fmt in args.formats:  # (a GGUF's first load converts it into pagedkv's cache: the timed loads find it there)
-        run_pagedkv(ggufs[fmt], "float32", [], args.threads)
+        run_pagedkv(ggufs[fmt], "auto" if args.gguf else "float32", [], args.threads)
     bandwidth = copy_bandwidth(args.threads)
     llama: dict[str, list[dict]] = {fmt: [] for fmt in args.formats}
     ours: dict[tuple[str, str], list[dict]] = {(fmt, name): [] for fmt in args.formats for name in variants[fmt]}
@@ -282,7 +291,8 @@ def main() -> None:
                 else:
                     ours[fmt, name].append(run_pagedkv(ggufs[fmt], name, args.parallel, args.threads))
 
-    print(f"\npagedkv vs llama.cpp, SmolLM2-135M-Instruct, {PROMPT_LEN}-token prompts, {NEW_TOKENS} new tokens, "
+    model = os.path.basename(args.gguf) if args.gguf else "SmolLM2-135M-Instruct"
+    print(f"\npagedkv vs llama.cpp, {model}, {PROMPT_LEN}-token prompts, {NEW_TOKENS} new tokens, "
           f"{args.threads} threads; {cpu_name()}, {os.cpu_count()} cores; "
           f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
     version = subprocess.run([batched_bench, "--version"], capture_output=True, text=True).stderr.strip().splitlines()
