@@ -92,8 +92,9 @@ def test_what_is_not_a_tensor_or_cannot_take_one_is_a_400(client, live, texts_an
     for value, message in bad.items():
         with pytest.raises(BadRequestError, match=message):
             complete(client, prompt="", extra_body={"prompt_embeds": value})
-    with pytest.raises(BadRequestError, match="not compatible"):
-        complete(client, prompt="", extra_body={"prompt_embeds": embeds[0], "prompt_logprobs": 1})
+    for prompt_logprobs in (1, True):  # (vLLM reads true as 1, as its tests send it)
+        with pytest.raises(BadRequestError, match="not compatible"):
+            complete(client, prompt="", extra_body={"prompt_embeds": embeds[0], "prompt_logprobs": prompt_logprobs})
     answer = httpx.post(live.url + "/v1/completions", json={"max_tokens": 2}, timeout=30)
     assert answer.status_code == 400 and "prompt" in answer.text
 

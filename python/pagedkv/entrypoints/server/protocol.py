@@ -278,6 +278,12 @@ class _Sampling(_Request):
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
 
+    @field_validator("prompt_logprobs", mode="before")
+    @classmethod
+    def _true_is_one(cls, prompt_logprobs):
+        # (vLLM reads a JSON boolean here as its int, as its own tests send it: true asks for 1)
+        return int(prompt_logprobs) if isinstance(prompt_logprobs, bool) else prompt_logprobs
+
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
         if self.stream_options is not None and not self.stream:
