@@ -16,12 +16,14 @@ use crate::cpu_kernels::small_m_linear::{small_m_linear, LinearShape};
 use crate::errors::{Error, Result};
 
 /// A projection's weight `[out_features, in_features]`: float32, bfloat16 (a BF16 GGUF's, beside
-/// float32 activations), or GGUF blocks kept quantized.
+/// float32 activations), GGUF blocks kept quantized, or several of these stacked by rows (a fused
+/// q/k/v whose parts a GGUF stores as different types: a Q4_K_M file's Q6_K v beside Q4_K q, k).
 #[derive(Debug, Clone, Copy)]
 pub enum LinearWeight<'a> {
     Float32(&'a [f32]),
     BFloat16(&'a [Bf16]),
     Quantized(GgmlType, &'a [u8]),
+    Stacked(&'a [Linear<'a>]),
 }
 
 /// out = x @ weight^T + bias.
@@ -53,6 +55,7 @@ impl Linear<'_> {
             LinearWeight::Quantized(ty, blocks) => {
                 quantized_linear(out, x, blocks, self.bias, ty, (rows, n, k), num_threads, Isa::best())
             }
+            LinearWeight::Stacked(parts) => stacked_forward(parts, x, out, rows, n, num_threads),
         }
     }
 
@@ -62,6 +65,15 @@ impl Linear<'_> {
             LinearWeight::BFloat16(weight) => weight.len() == in_features * out_features,
             LinearWeight::Quantized(ty, blocks) => {
                 ty.row_bytes(in_features).is_ok_and(|row_bytes| blocks.len() == row_bytes * out_features)
+            }
+            LinearWeight::Stacked(parts) => {
+                for (index, part) in parts.iter().enumerate() {
+                    if matches!(part.weight, LinearWeight::Stacked(_)) {
+                        return invalid(format!("{name}'s part {index} is stacked itself"));
+                    }
+                    part.check(&format!("{name}'s part {index}"), in_features, part.out_features)?;
+                }
+                !parts.is_empty() && parts.iter().map(|part| part.out_features).sum::<usize>() == out_features
             }
         };
         if self.in_features != in_features || self.out_features != out_features || !weight_fits {
@@ -75,8 +87,8 @@ impl Linear<'_> {
         if self.bias.is_some_and(|bias| bias.len() != out_features) {
             return invalid(format!("{name}'s bias is not [{out_features}]"));
         }
-        if self.bias.is_some() && matches!(self.weight, LinearWeight::BFloat16(_)) {
-            return invalid(format!("{name}: bfloat16 weights take no bias here"));
+        if self.bias.is_some() && matches!(self.weight, LinearWeight::BFloat16(_) | LinearWeight::Stacked(_)) {
+            return invalid(format!("{name}: bfloat16 or stacked weights take no bias here (a part's own can)"));
         }
         Ok(())
     }
@@ -86,8 +98,29 @@ impl Linear<'_> {
             LinearWeight::Float32(weight) => weight.len(),
             LinearWeight::BFloat16(weight) => weight.len(),
             LinearWeight::Quantized(_, blocks) => blocks.len(),
+            LinearWeight::Stacked(parts) => parts.iter().map(Linear::weight_len).sum(),
         }
     }
+}
+
+/// Each part's output columns side by side: written in place for one row, through a part's own
+/// buffer for more (a part's rows are then strided in `out`).
+fn stacked_forward(parts: &[Linear], x: &[f32], out: &mut [f32], rows: usize, n: usize, threads: usize) -> Result<()> {
+    let mut column = 0;
+    for part in parts {
+        let width = part.out_features;
+        if rows == 1 {
+            part.forward(x, &mut out[column..column + width], 1, threads)?;
+        } else {
+            let mut own = vec![0f32; rows * width];
+            part.forward(x, &mut own, rows, threads)?;
+            for (row, values) in out.chunks_exact_mut(n).zip(own.chunks_exact(width)) {
+                row[column..column + width].copy_from_slice(values);
+            }
+        }
+        column += width;
+    }
+    Ok(())
 }
 
 /// One decoder layer's weights and where its K/V live in the cache (element offsets of its key
@@ -353,6 +386,40 @@ mod tests {
 
     fn linear(weight: &[f32], in_features: usize, out_features: usize) -> Linear<'_> {
         Linear { weight: LinearWeight::Float32(weight), bias: None, in_features, out_features }
+    }
+
+    #[test]
+    fn a_stacked_linear_gives_its_whole_weights_bits_at_any_row_count() {
+        let (k, n) = (8, 16);
+        let (weight, bias) = (values(n * k, 7), values(n, 8));
+        let whole = Linear { bias: Some(&bias), ..linear(&weight, k, n) };
+        let parts = [
+            Linear {
+                weight: LinearWeight::Float32(&weight[..10 * k]),
+                bias: Some(&bias[..10]),
+                in_features: k,
+                out_features: 10,
+            },
+            Linear {
+                weight: LinearWeight::Float32(&weight[10 * k..]),
+                bias: Some(&bias[10..]),
+                in_features: k,
+                out_features: 6,
+            },
+        ];
+        let stacked = Linear { weight: LinearWeight::Stacked(&parts), bias: None, in_features: k, out_features: n };
+        stacked.check("qkv", k, n).unwrap();
+        for rows in [1, 3] {
+            let x = values(rows * k, 9);
+            let (mut expected, mut got) = (vec![0f32; rows * n], vec![0f32; rows * n]);
+            whole.forward(&x, &mut expected, rows, 1).unwrap();
+            stacked.forward(&x, &mut got, rows, 2).unwrap();
+            assert_eq!(got, expected, "{rows} rows");
+        }
+        assert!(stacked.check("qkv", k, n + 1).is_err());
+        assert!(Linear { bias: Some(&bias), ..stacked }.check("qkv", k, n).is_err());
+        let nested = [stacked];
+        assert!(Linear { weight: LinearWeight::Stacked(&nested), ..stacked }.check("qkv", k, n).is_err());
     }
 
     #[test]

@@ -13,9 +13,10 @@ use crate::errors::Error;
 /// (weight kind: "float32", "bfloat16" or a GGUF type such as "Q4_1", weight address, weight bytes, bias
 /// address (float32) or None, in_features, out_features).
 type LinearSpec = (String, usize, usize, Option<usize>, usize, usize);
-/// (input norm address, qkv, o, post-attention norm address, gate_up, down, key offset, value
-/// offset, sliding window or 0).
-type LayerSpec = (usize, LinearSpec, LinearSpec, usize, LinearSpec, LinearSpec, usize, usize, usize);
+/// (input norm address, qkv's parts (one, or several stacked by rows: a fused projection whose
+/// parts are of different GGUF types), o, post-attention norm address, gate_up, down, key offset,
+/// value offset, sliding window or 0).
+type LayerSpec = (usize, Vec<LinearSpec>, LinearSpec, usize, LinearSpec, LinearSpec, usize, usize, usize);
 
 #[derive(Clone, Copy)]
 enum WeightKind {
@@ -63,9 +64,22 @@ impl LinearAddresses {
     }
 }
 
+/// A layer's qkv from its parts: the one part itself, or the parts stacked by rows.
+fn stacked<'a>(parts: &'a [Linear<'a>]) -> Linear<'a> {
+    if parts.len() == 1 {
+        return parts[0];
+    }
+    Linear {
+        weight: LinearWeight::Stacked(parts),
+        bias: None,
+        in_features: parts[0].in_features,
+        out_features: parts.iter().map(|part| part.out_features).sum(),
+    }
+}
+
 struct LayerAddresses {
     input_norm: usize,
-    qkv: LinearAddresses,
+    qkv: Vec<LinearAddresses>,
     o: LinearAddresses,
     post_attention_norm: usize,
     gate_up: LinearAddresses,
@@ -113,9 +127,15 @@ impl CpuDecoder {
             .into_iter()
             .map(
                 |(input_norm, qkv, o, post_attention_norm, gate_up, down, key_offset, value_offset, sliding_window)| {
+                    if qkv.is_empty() {
+                        return Err(to_py_err(Error::InvalidConfig {
+                            field: "decoder",
+                            message: "a layer's qkv has no parts".into(),
+                        }));
+                    }
                     Ok(LayerAddresses {
                         input_norm,
-                        qkv: LinearAddresses::new(qkv)?,
+                        qkv: qkv.into_iter().map(LinearAddresses::new).collect::<PyResult<_>>()?,
                         o: LinearAddresses::new(o)?,
                         post_attention_norm,
                         gate_up: LinearAddresses::new(gate_up)?,
@@ -159,15 +179,18 @@ impl CpuDecoder {
                 // residual distinct from each other and from the cache, and the weights given to
                 // `new` are still alive (see the module's contract).
                 unsafe {
+                    let qkv_parts: Vec<Vec<Linear>> =
+                        self.layers.iter().map(|layer| layer.qkv.iter().map(|part| part.linear()).collect()).collect();
                     let layers: Vec<DecoderLayer> = self
                         .layers
                         .iter()
-                        .map(|layer| DecoderLayer {
+                        .zip(&qkv_parts)
+                        .map(|(layer, parts)| DecoderLayer {
                             input_norm: std::slice::from_raw_parts(
                                 layer.input_norm as *const f32,
                                 self.shape.hidden_size,
                             ),
-                            qkv: layer.qkv.linear(),
+                            qkv: stacked(parts),
                             o: layer.o.linear(),
                             post_attention_norm: std::slice::from_raw_parts(
                                 layer.post_attention_norm as *const f32,

@@ -64,22 +64,29 @@ def test_and_gives_the_same_logits(both_routes):
     assert torch.equal(logits[0], logits[1])
 
 
-@pytest.mark.parametrize("architecture, kind, tied", [("qwen2", "Q8_0", False), ("llama", "Q4_0", True)])
-def test_other_files_read_as_transformers_reads_them(tmp_path, architecture, kind, tied):
+@pytest.mark.parametrize("architecture, kind, tied, v_kind", [
+    ("qwen2", "Q8_0", False, None), ("llama", "Q4_0", True, None), ("qwen2", "Q4_0", True, "Q8_0")])
+def test_other_files_read_as_transformers_reads_them(tmp_path, architecture, kind, tied, v_kind):
     """A Qwen2 file (q/k/v biases, its own LM head; llama.cpp leaves its q and k rows in HF's
-    order) and a tiny Llama one: every decoder linear kept (none sent back to float32 by a check
-    against transformers' weights), the same model and logits both ways."""
+    order), a tiny Llama one, and one whose v is of another type than q and k (as in a Q4_K_M
+    file): every decoder linear kept (none sent back to float32 by a check against transformers'
+    weights; q/k/v stacked where their types differ), the same model and logits both ways."""
     import gguf
     from support.gguf_copies import tiny_gguf
 
-    from pagedkv.layers.quantized_linear import QuantizedLinear
+    from pagedkv.layers.quantized_linear import QuantizedLinear, StackedQuantizedLinear
 
+    part_kinds = {"attn_v": gguf.GGMLQuantizationType[v_kind]} if v_kind else None
     path = tiny_gguf(str(tmp_path / f"tiny-{architecture}.gguf"), architecture, gguf.GGMLQuantizationType[kind],
-                     qkv_bias=architecture == "qwen2", tied=tied)
+                     qkv_bias=architecture == "qwen2", tied=tied, part_kinds=part_kinds)
     from_file, checked = routes(model=path)
     for runner in (from_file, checked):
-        kept = [module for module in runner.model.modules() if isinstance(module, QuantizedLinear)]
-        assert len(kept) == 4 * len(runner.model.layers) and {module.ggml_type for module in kept} == {kind}
+        layers = runner.model.layers
+        stacked = [module for module in layers.modules() if isinstance(module, StackedQuantizedLinear)]
+        assert not any(isinstance(module, torch.nn.Linear) for module in layers.modules())
+        assert len(stacked) == (len(layers) if v_kind else 0)
+        assert {part.ggml_type for module in stacked for part in module.parts} == ({kind, v_kind} if v_kind else set())
+        assert sum(isinstance(module, QuantizedLinear) for module in layers.modules()) == (4 + bool(v_kind)) * len(layers)
         assert type(runner.model.lm_head_linear).__name__ == "QuantizedLMHeadProduct"
     ours = dict(from_file.model.named_buffers()) | dict(from_file.model.named_parameters())
     theirs = dict(checked.model.named_buffers()) | dict(checked.model.named_parameters())

@@ -18,7 +18,15 @@ TOKEN_PROMPTS = [[5, 9, 30, 7] * 5, [100, 101], [3, 4, 5, 6, 7, 8, 9, 10, 11] * 
 
 @pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory):
+    import gguf
+    from support.gguf_copies import tiny_gguf
+
+    kinds = gguf.GGMLQuantizationType
     return {
+        # a kept GGUF whose v is of another type than q and k (as a Q4_K_M file's): q/k/v stacked,
+        # each part with its rows of the fused bias
+        "gguf-mixed-qkv": tiny_gguf(str(tmp_path_factory.mktemp("gguf") / "mixed.gguf"), "qwen2", kinds.Q4_0,
+                                    qkv_bias=True, part_kinds={"attn_v": kinds.Q8_0}),
         "llama": save_tiny_checkpoint(tmp_path_factory.mktemp("llama"), tiny_llama()),
         # every layer windowed (16 tokens: generation runs past it), biased q/k/v and MLP
         "ministral": save_tiny_checkpoint(tmp_path_factory.mktemp("ministral"), tiny_llama_variant("ministral")),
@@ -33,6 +41,8 @@ def engine(name, tiny_dirs, smollm2, **options):
         directory, file = smollm2
         weights = "quantized" if name == "smollm2-quantized" else "dequantized"
         return LLM(directory, gguf_file=file, gguf_weights=weights, **common, **options)
+    if name.startswith("gguf"):
+        return LLM(tiny_dirs[name], gguf_weights="quantized", **common, **options)
     return LLM(tiny_dirs[name], device="cpu", generation_config="vllm", **common, **options)
 
 
@@ -48,7 +58,8 @@ def generate(llm, one_call: bool, monkeypatch, max_tokens=24):
     return [(o.outputs[0].token_ids, [dict(lp) for lp in o.outputs[0].logprobs]) for o in outputs], len(calls)
 
 
-@pytest.mark.parametrize("name", ["smollm2-quantized", "smollm2-float32", "llama", "ministral", "seed_oss"])
+@pytest.mark.parametrize("name", ["smollm2-quantized", "smollm2-float32", "llama", "ministral", "seed_oss",
+                                  "gguf-mixed-qkv"])
 def test_decode_steps_in_one_call_give_the_layer_by_layer_bits(name, tiny_dirs, smollm2, monkeypatch):
     llm = engine(name, tiny_dirs, smollm2)
     layer_by_layer, calls_off = generate(llm, False, monkeypatch)
@@ -91,7 +102,7 @@ def test_bad_shapes_and_slots_are_errors_that_write_nothing():
     def linear(name, k, n):
         return ("float32", tensors[name].data_ptr(), tensors[name].numel() * 4, None, k, n)
     def decoder(qkv_rows):
-        layer = (tensors["norm"].data_ptr(), linear("qkv", 8, qkv_rows), linear("o", 8, 8), tensors["norm"].data_ptr(),
+        layer = (tensors["norm"].data_ptr(), [linear("qkv", 8, qkv_rows)], linear("o", 8, 8), tensors["norm"].data_ptr(),
                  linear("gate_up", 8, 16), linear("down", 8, 8), 0, kv_heads * block_size * head_dim, 0)
         shape = (hidden_size, heads, kv_heads, head_dim, intermediate, block_size, num_blocks, block_stride)
         return _core.CpuDecoder(shape, 1e-5, 0.5, [layer])
@@ -109,6 +120,10 @@ def test_bad_shapes_and_slots_are_errors_that_write_nothing():
         run(decoder(qkv_rows=12), slot=4)  # (a qkv weight of the wrong size)
     with pytest.raises(InvalidConfigError, match="slot 8"):
         run(decoder(qkv_rows=16), slot=8)  # (past the cache's 8 slots)
+    with pytest.raises(InvalidConfigError, match="no parts"):  # (qkv's parts, stacked by rows: none)
+        _core.CpuDecoder((hidden_size, heads, kv_heads, head_dim, intermediate, block_size, num_blocks, block_stride),
+                         1e-5, 0.5, [(tensors["norm"].data_ptr(), [], linear("o", 8, 8), 0, linear("gate_up", 8, 16),
+                                      linear("down", 8, 8), 0, 0, 0)])
     with pytest.raises(InvalidConfigError, match="cache_dtype"):
         run(decoder(qkv_rows=16), slot=4, cache_dtype="float16")
     assert torch.equal(hidden, before) and not cache.any()

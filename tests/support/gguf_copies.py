@@ -34,9 +34,10 @@ def requantized_copy(source: str, target: str, kind: gguf.GGMLQuantizationType, 
 
 def tiny_gguf(target: str, architecture: str, kind: gguf.GGMLQuantizationType, hidden: int = 128, layers: int = 2,
               heads: int = 4, kv_heads: int = 2, intermediate: int = 256, qkv_bias: bool = False,
-              tied: bool = True, seed: int = 0) -> str:
+              tied: bool = True, seed: int = 0, part_kinds: dict | None = None) -> str:
     """A GGUF of random weights of `architecture` ("llama", "qwen2", ...) at a tiny shape, its
-    matrices stored as `kind`, norms and biases float32, with the embedded model's tokenizer."""
+    matrices stored as `kind` (a layer's "attn_v" etc. as `part_kinds` names, as a Q4_K_M file
+    mixes types), norms and biases float32, with the embedded model's tokenizer."""
     from pagedkv.models.loader import default_model_path
 
     source = gguf.GGUFReader(os.path.join(*default_model_path()))
@@ -57,7 +58,8 @@ def tiny_gguf(target: str, architecture: str, kind: gguf.GGMLQuantizationType, h
 
     def matrix(name: str, rows: int, columns: int) -> None:
         values = rng.standard_normal((rows, columns), dtype=np.float32) * 0.05
-        writer.add_tensor(name, gguf.quants.quantize(values, kind), raw_dtype=kind)
+        stored = (part_kinds or {}).get(name.split(".")[2] if name.startswith("blk.") else name, kind)
+        writer.add_tensor(name, gguf.quants.quantize(values, stored), raw_dtype=stored)
 
     def vector(name: str, size: int, around: float) -> None:
         writer.add_tensor(name, (around + 0.1 * rng.standard_normal(size)).astype(np.float32))

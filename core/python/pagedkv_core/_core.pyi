@@ -530,12 +530,13 @@ class CpuDecoder:
         shape: tuple[int, int, int, int, int, int, int, int],
         rms_norm_eps: float,
         attention_scale: float,
-        layers: list[tuple[int, _LinearSpec, _LinearSpec, int, _LinearSpec, _LinearSpec, int, int, int]],
+        layers: list[tuple[int, list[_LinearSpec], _LinearSpec, int, _LinearSpec, _LinearSpec, int, int, int]],
     ) -> None:
         """shape: (hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size, block_size,
-        num_blocks, block_stride); each layer: (input norm address, qkv, o, post-attention norm
-        address, gate_up, down, key view offset, value view offset in cache elements, sliding
-        window or 0)."""
+        num_blocks, block_stride); each layer: (input norm address, qkv's parts (one, or several
+        stacked by rows: a fused projection whose parts are of different GGUF types), o,
+        post-attention norm address, gate_up, down, key view offset, value view offset in cache
+        elements, sliding window or 0)."""
 
     @property
     def num_layers(self) -> int: ...

@@ -109,6 +109,30 @@ class QuantizedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, ggml_type={self.ggml_type}, bias={self.bias is not None}"
 
 
+class StackedQuantizedLinear(nn.Module):
+    """A fused projection (q, k and v) whose parts a GGUF stores as different types (a Q4_K_M
+    file's Q6_K v beside Q4_K q and k): each part a QuantizedLinear, their outputs side by side,
+    then the fused `bias` [out_features] (unlike a dequantized float32 stack, 7x the bytes)."""
+
+    def __init__(self, parts: list[QuantizedLinear], bias: bool = False):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.in_features, self.out_features = parts[0].in_features, sum(part.out_features for part in parts)
+        self.bias = nn.Parameter(torch.zeros(self.out_features), requires_grad=False) if bias else None
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized float32 weight [out_features, in_features] (a new tensor each call)."""
+        return torch.cat([part.weight for part in self.parts])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.cat([part(x) for part in self.parts], dim=-1)
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        return f"bias={self.bias is not None}"
+
+
 class QuantizedLMHeadProduct:
     """`model.lm_head_linear` (called as F.linear(hidden, weight, bias)) over the LM head's GGUF
     blocks: float32 rows through the kernel where it takes them (`kernel_takes`), which streams the

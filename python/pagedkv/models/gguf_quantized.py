@@ -28,7 +28,8 @@ from torch import nn
 
 from pagedkv.layers.cpu_linear import BFloat16Linear, BFloat16LMHeadProduct
 from pagedkv.layers.quantized_embedding import BFloat16Embedding, QuantizedEmbedding
-from pagedkv.layers.quantized_linear import GGML_TYPES, QuantizedLinear, QuantizedLMHeadProduct, dequantize
+from pagedkv.layers.quantized_linear import (GGML_TYPES, QuantizedLinear, QuantizedLMHeadProduct,
+                                             StackedQuantizedLinear, dequantize)
 from pagedkv.models.gguf_tensor_index import ELEMENT_TYPES, release_resident_pages
 from pagedkv.models.gguf_file_weights import permuted_heads, unpermute_rows
 
@@ -81,9 +82,12 @@ def gguf_names_of(checks: dict) -> set[str]:
 
 
 def _kept_module(linear: nn.Linear, found: list, architecture: str | None, heads: tuple[int, int]) -> nn.Module | None:
-    """The QuantizedLinear or BFloat16Linear over these GGUF tensors, or None where they are of
-    another type (or of several), or do not fit the linear's shape."""
+    """The QuantizedLinear or BFloat16Linear over these GGUF tensors (a StackedQuantizedLinear
+    where they are of several kept types), or None where they are of another type, or do not fit
+    the linear's shape."""
     types = {t.tensor_type.name for t in found}
+    if len(types) > 1 and types <= set(GGML_TYPES):
+        return _stacked_module(linear, found, architecture, heads)
     if types == {"BF16"} and linear.bias is None:
         kept = BFloat16Linear(linear.in_features, linear.out_features)
         rows = torch.cat([_bfloat16_rows(tensor, architecture, heads) for tensor in found])
@@ -99,6 +103,27 @@ def _kept_module(linear: nn.Linear, found: list, architecture: str | None, heads
         return None
     kept.blocks.copy_(torch.from_numpy(rows))
     return kept
+
+
+def _stacked_module(linear: nn.Linear, found: list, architecture: str | None,
+                    heads: tuple[int, int]) -> StackedQuantizedLinear | None:
+    """Consecutive tensors of one type become one part (a Q4_K_M file's q and k; its Q6_K v)."""
+    runs: list[list] = []
+    for tensor in found:
+        if runs and runs[-1][0].tensor_type == tensor.tensor_type:
+            runs[-1].append(tensor)
+        else:
+            runs.append([tensor])
+    parts = []
+    for run in runs:
+        rows = np.concatenate([_hf_rows(tensor, architecture, heads) for tensor in run])
+        part = QuantizedLinear(linear.in_features, sum(logical_shape(t)[0] for t in run), run[0].tensor_type.name)
+        if rows.shape != tuple(part.blocks.shape):
+            return None
+        part.blocks.copy_(torch.from_numpy(rows))
+        parts.append(part)
+    kept = StackedQuantizedLinear(parts, bias=linear.bias is not None)
+    return kept if kept.out_features == linear.out_features else None
 
 
 def _check(parent: nn.Module, attribute: str, kept: nn.Module, name: str) -> Callable:

@@ -290,8 +290,8 @@ class LlamaForCausalLM(nn.Module):
         # checked against them as it streams past (a check of None: it never streams); their own
         # state is already filled.
         checks = self.__dict__.pop("kept_weight_checks", {})
-        kept_modules = {name.removesuffix(".weight") for name in checks}
-        loaded = {name for name in targets if name.rpartition(".")[0] in kept_modules and not name.endswith(".bias")}
+        kept_modules = tuple(name.removesuffix("weight") for name in checks)  # ("layers.0.self_attn.qkv_proj.", ...)
+        loaded = {name for name in targets if name.startswith(kept_modules) and not name.endswith(".bias")}
         unexpected = []
         with torch.no_grad():
             for group in groups:

@@ -22,7 +22,7 @@ from pagedkv.layers import cpu_fused
 from pagedkv.layers.activation import silu_and_mul
 from pagedkv.layers.cpu_linear import MAX_KERNEL_ROWS, BFloat16Linear, CpuLinear
 from pagedkv.layers import quantized_linear
-from pagedkv.layers.quantized_linear import QuantizedLinear
+from pagedkv.layers.quantized_linear import QuantizedLinear, StackedQuantizedLinear
 from pagedkv.layers.rms_norm import RMSNorm
 
 if TYPE_CHECKING:
@@ -51,9 +51,11 @@ class CpuDecodePath:
         layers = []
         for index, layer in enumerate(model.layers):
             key_cache, value_cache = kv_cache.layer(index)
+            qkv, o = _linears(layer)[:2]
             layers.append((
                 self._address(layer.input_layernorm.weight),
-                *(self._linear(linear) for linear in _linears(layer)[:2]),
+                [self._linear(part) for part in _parts(qkv)],
+                self._linear(o),
                 self._address(layer.post_attention_layernorm.weight),
                 *(self._linear(linear) for linear in _linears(layer)[2:]),
                 (key_cache.data_ptr() - base.data_ptr()) // element,
@@ -73,7 +75,7 @@ class CpuDecodePath:
 
     def _linear(self, linear: nn.Module) -> tuple:
         bias = None if linear.bias is None else self._address(linear.bias)
-        if isinstance(linear, QuantizedLinear):
+        if isinstance(linear, (QuantizedLinear, _BiasedPart)):
             blocks = linear.blocks
             return (linear.ggml_type, self._address(blocks), blocks.numel(), bias, linear.in_features,
                     linear.out_features)  # fmt: skip
@@ -157,9 +159,29 @@ def _linears(layer) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module]:
     return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
 
 
+def _parts(linear: nn.Module) -> list[nn.Module]:
+    """A stacked linear's parts, each with its slice of the fused bias; any other linear alone."""
+    if not isinstance(linear, StackedQuantizedLinear):
+        return [linear]
+    if linear.bias is None:
+        return list(linear.parts)
+    biases = linear.bias.split([part.out_features for part in linear.parts])
+    return [_BiasedPart(part, bias) for part, bias in zip(linear.parts, biases)]
+
+
+class _BiasedPart:
+    """A stacked linear's part seen with its rows of the fused bias (a contiguous view)."""
+
+    def __init__(self, part: QuantizedLinear, bias: torch.Tensor):
+        self.blocks, self.ggml_type, self.bias = part.blocks, part.ggml_type, bias
+        self.in_features, self.out_features = part.in_features, part.out_features
+
+
 def _linear_fits(linear: nn.Module) -> bool:
     if linear.bias is not None and not _plain_float32(linear.bias):
         return False
+    if isinstance(linear, StackedQuantizedLinear):
+        return all(_linear_fits(part) for part in linear.parts)
     if isinstance(linear, QuantizedLinear):
         return linear.blocks.is_contiguous()
     if isinstance(linear, BFloat16Linear):
@@ -169,6 +191,8 @@ def _linear_fits(linear: nn.Module) -> bool:
 
 def _max_tokens(linear: nn.Module) -> int:
     """Rows up to which the layer-by-layer path runs this linear on the kernel the core calls."""
+    if isinstance(linear, StackedQuantizedLinear):
+        return min(_max_tokens(part) for part in linear.parts)
     if isinstance(linear, QuantizedLinear):
         takes_any = quantized_linear.kernel_takes(linear.ggml_type, MAX_DECODE_TOKENS)
         return MAX_DECODE_TOKENS if takes_any else quantized_linear.MAX_KERNEL_TOKENS
