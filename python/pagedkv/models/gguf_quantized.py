@@ -1,20 +1,26 @@
 """A Llama-family GGUF's quantized linear weights kept as GGUF blocks (EngineConfig
 gguf_weights="quantized"). Before the weights load, each decoder layer's nn.Linear whose GGUF
-tensors are all one kept type (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) becomes a QuantizedLinear over
-those tensors' raw bytes, read from the file's memory map (models.gguf_tensor_index); BF16 tensors beside
-float32 activations stay bfloat16 (layers.cpu_linear.BFloat16Linear, the LM head's too: half
-the bytes of the float32 weights). So the float32 linears are allocated but never written: a
-model whose float32 weights would not fit the host's memory loads as its blocks.
+tensors are of kept types (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) becomes a QuantizedLinear over those
+tensors' raw bytes, read from the file's memory map (models.gguf_tensor_index), or, where the
+parts of a fused one are of different types (a Q4_K_M file's Q6_K v beside Q4_K q and k), a
+StackedQuantizedLinear of them; BF16 tensors beside float32 activations stay bfloat16
+(layers.cpu_linear.BFloat16Linear, the LM head's too: half the bytes of the float32 weights). So
+the float32 linears are allocated but never written: a model whose float32 weights would not
+fit the host's memory loads as its blocks.
 
-Each swap is checked, not trusted: as the float weight a kept module stands for streams past
-during the load, the blocks must dequantize to exactly it (transformers dequantizes with gguf-py,
-the same float32 operations), which also proves the row order (llama.cpp stores q and k rows
+Where the file's other weights come through transformers' reader, each swap is checked, not
+trusted: as the float weight a kept module stands for streams past during the load, the blocks
+must dequantize to exactly it (transformers dequantizes with gguf-py, the same float32
+operations), which also proves the row order (llama.cpp stores a "llama" file's q and k rows
 permuted for its rotary layout; the permutation is undone here as transformers does). A module
 that differs goes back to a float nn.Linear holding that weight. The LM head (the tied embedding
 table's blocks, or `output`'s) is read from its blocks too after the load
 (layers.quantized_linear.QuantizedLMHeadProduct), checked the same way, and so is the token
 embedding table (layers.quantized_embedding.QuantizedEmbedding: a lookup dequantizes its rows; a
-BF16 table stays bfloat16, BFloat16Embedding; a tied head and table share one copy).
+BF16 table stays bfloat16, BFloat16Embedding; a tied head and table share one copy). A load that
+reads the file's other weights itself (models/gguf_file_weights.py: the dense files transformers
+reads) trusts them: the same bytes, rows and dequantization, which a test checks against this
+route model for model.
 """
 
 from __future__ import annotations
