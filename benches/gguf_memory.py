@@ -15,6 +15,7 @@ what the load added; the process's peak (VmHWM); RSS after the load, and what th
 multiples of the file + the KV cache. Runs alternate; cells are min-max over --repeats.
 
     python benches/gguf_memory.py [--shape 1b|7b] [--type Q4_1] [--repeats 2] [--llama-cpp-dir DIR]
+    python benches/gguf_memory.py --shape 7b --gguf FILE    # another file of that shape
 """
 
 from __future__ import annotations
@@ -131,17 +132,19 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/pagedkv/gguf_memory"))
     parser.add_argument("--llama-cpp-dir", default=os.environ.get("LLAMA_CPP_DIR", DEFAULT_LLAMA_CPP_DIR))
+    parser.add_argument("--gguf", help="measure this GGUF file instead of writing one (e.g. one requantized "
+                                       "from it by llama-quantize to Q4_K_M)")
     parser.add_argument("--no-transformers-route", action="store_true",
                         help="skip the route through transformers (run only where free memory holds ~10x the file)")
     args = parser.parse_args()
     import psutil
 
     os.makedirs(args.cache_dir, exist_ok=True)
-    path = os.path.join(args.cache_dir, f"llama-{args.shape}-random.{args.type}.gguf")
+    path = args.gguf or os.path.join(args.cache_dir, f"llama-{args.shape}-random.{args.type}.gguf")
     if not os.path.exists(path):
         write_gguf(path, args.shape, args.type)
     file_bytes = os.path.getsize(path)
-    hidden, _, layers, heads, kv_heads = SHAPES[args.shape]
+    hidden, _, layers, heads, kv_heads = SHAPES[args.shape]  # (--gguf: say its --shape, for llama.cpp's KV size)
     llama_kv = 2 * layers * CONTEXT * kv_heads * (hidden // heads) * 2  # (float16 K and V)
     routes = ["default"]
     if not args.no_transformers_route and psutil.virtual_memory().available > 12 * file_bytes:
