@@ -1,6 +1,7 @@
-"""docs/serving.md's table of vLLM's server flags names every flag of vLLM 0.33.0's `vllm serve`
-(tests/server/vllm_serve_flags.txt, from its --help=all), and each of pagedkv's rows of the
-table that says "same" or "named otherwise" names flags `pagedkv serve` takes."""
+"""docs/serving.md's compatibility tables: the flags table names every flag of vLLM 0.33.0's
+`vllm serve` (tests/server/vllm_serve_flags.txt, from its --help=all) and the flags its "same"
+rows name are `pagedkv serve`'s; the request table names every field of vLLM's request models
+(tests/server/vllm_request_fields.txt)."""
 
 import argparse
 import re
@@ -11,10 +12,10 @@ from pagedkv.entrypoints.cli import build_parser
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def flags_table() -> list[str]:
-    """The rows of the table headed `| vLLM server flag | here |`."""
+def flags_table(header: str = "| vLLM server flag | here |") -> list[str]:
+    """The rows of the table under `header`."""
     lines = (ROOT / "docs" / "serving.md").read_text().splitlines()
-    start = lines.index("| vLLM server flag | here |")
+    start = lines.index(header)
     rows = []
     for line in lines[start + 2:]:
         if not line.startswith("|"):
@@ -23,9 +24,13 @@ def flags_table() -> list[str]:
     return rows
 
 
+def listed(name: str) -> list[str]:
+    text = (Path(__file__).parent / name).read_text()
+    return [line for line in text.splitlines() if line and not line.startswith("#")]
+
+
 def vllm_flags() -> list[str]:
-    text = (Path(__file__).parent / "vllm_serve_flags.txt").read_text()
-    return [line for line in text.splitlines() if line.startswith("--")]
+    return listed("vllm_serve_flags.txt")
 
 
 def test_every_vllm_serve_flag_has_a_row():
@@ -33,6 +38,12 @@ def test_every_vllm_serve_flag_has_a_row():
     named = set(re.findall(r"--[a-z0-9][a-z0-9-]*", table))
     missing = [flag for flag in vllm_flags() if flag not in named]
     assert len(vllm_flags()) > 300 and not missing, f"docs/serving.md's flags table lacks {missing}"
+
+
+def test_every_vllm_request_field_has_a_row():
+    table = "\n".join(flags_table("| request field or route | here |"))
+    missing = [field for field in listed("vllm_request_fields.txt") if f"`{field}`" not in table]
+    assert len(listed("vllm_request_fields.txt")) > 90 and not missing, f"the request table lacks {missing}"
 
 
 def test_the_flags_said_to_work_here_are_ours():

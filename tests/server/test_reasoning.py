@@ -81,7 +81,8 @@ def test_unknown_parsers_are_refused():
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 
 
-def streamed_chat_chunks(reply: str, cuts: list[int], reasoning_parser: str, tool_call_parser: str) -> list[dict]:
+def streamed_chat_chunks(reply: str, cuts: list[int], reasoning_parser: str, tool_call_parser: str,
+                         include_reasoning: bool = True) -> list[dict]:
     """The chat chunks the server streams for a reply that grows to each cut in turn (delta
     outputs: each what is new), with the get_weather tool offered ("auto")."""
     async def outputs():
@@ -95,7 +96,7 @@ def streamed_chat_chunks(reply: str, cuts: list[int], reasoning_parser: str, too
         builder = ResponseBuilder(tokenizer=None, model_name="m", reasoning=ReasoningParser(reasoning_parser))
         tools = ToolCalling.from_request([WEATHER], "auto", tool_call_parser)
         return [json.loads(chunk[6:]) async for chunk in builder.stream_chunks(
-            "r", outputs(), 1, 0, ReplyOptions(chat=True, tools=tools))
+            "r", outputs(), 1, 0, ReplyOptions(chat=True, tools=tools, include_reasoning=include_reasoning))
             if chunk.startswith("data: {")]
 
     return asyncio.run(collect())
@@ -111,6 +112,24 @@ def test_streamed_reasoning_then_content_then_a_tool_call():
     assert "".join(delta.get("content", "") for delta in deltas) == "Checking. "
     [call] = deltas[-1]["tool_calls"]
     assert json.loads(call["function"]["arguments"]) == {"city": "Oslo"}
+
+
+def test_include_reasoning_false_leaves_the_reasoning_out():
+    """vLLM's include_reasoning: false: the content and the call as before, no reasoning, whole or streamed."""
+    reply = ('<think>The user wants weather.</think>Checking. '
+             '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>')
+    deltas = [chunk["choices"][0]["delta"]
+              for chunk in streamed_chat_chunks(reply, [3, 12, 30, 40, 52, 60, len(reply)], "qwen3", "hermes", False)[1:]]
+    assert not any("reasoning" in delta or "reasoning_content" in delta for delta in deltas)
+    assert "".join(delta.get("content", "") for delta in deltas) == "Checking. "
+    assert deltas[-1]["tool_calls"]
+    builder = ResponseBuilder(tokenizer=None, model_name="m", reasoning=ReasoningParser("qwen3"))
+    completion = CompletionOutput(index=0, text="<think>Hm.</think>It is 4.", token_ids=[1], finish_reason="stop")
+    output = RequestOutput("r", "p", [1, 2], [completion], finished=True)
+    for include, reasoning in ((True, "Hm."), (False, None)):
+        message = builder.full_response("r", [output], 0, ReplyOptions(chat=True, include_reasoning=include))[
+            "choices"][0]["message"]
+        assert (message["content"], message["reasoning_content"], message["reasoning"]) == ("It is 4.", reasoning, reasoning)
 
 
 def test_streamed_harmony_reasoning_preamble_then_a_tool_call():

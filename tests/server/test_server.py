@@ -714,6 +714,25 @@ def test_prompt_logprobs_in_completions_and_chat(client, server):
     assert client.completions.create(model=model, prompt=prompt, max_tokens=1).choices[0].prompt_logprobs is None
 
 
+def test_a_request_id_names_the_reply_and_suffix_is_refused(client, server):
+    """vLLM's request_id: the reply's id is "cmpl-" / "chatcmpl-" and it, whole or streamed, and two
+    requests may give the same one; OpenAI's suffix is a 400, as vLLM answers it."""
+    model = server.engine.model_name
+    replies = [client.completions.create(model=model, prompt="Hi", max_tokens=2, extra_body={"request_id": "job-7"})
+               for _ in range(2)]
+    assert [reply.id for reply in replies] == ["cmpl-job-7"] * 2
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                                          extra_body={"request_id": "job-7"})
+    assert chat.id == "chatcmpl-job-7"
+    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                                            stream=True, extra_body={"request_id": "job-8"})
+    assert {chunk.id for chunk in stream} == {"chatcmpl-job-8"}
+    assert client.completions.create(model=model, prompt="Hi", max_tokens=2).id.startswith("cmpl-")
+    refused = httpx.post(server.url + "/v1/completions", timeout=60,
+                         json={"model": model, "prompt": "Hi", "suffix": "!", "max_tokens": 2})
+    assert refused.status_code == 400 and "suffix is not currently supported" in refused.text
+
+
 def test_hermes_tool_calls_are_parsed_in_auto_mode():
     from pagedkv.entrypoints.server.tools import ToolCalling
 

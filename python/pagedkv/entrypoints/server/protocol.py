@@ -234,6 +234,8 @@ Priority = Annotated[int, Field(ge=-(2**63), lt=2**63)]
 # -- completions and chat ----------------------------------------------------------------------
 class _Sampling(_Request):
     model: Optional[str] = None
+    # vLLM's: the reply's id is "cmpl-" / "chatcmpl-" and this (a fresh one where not given)
+    request_id: Optional[Annotated[str, Field(min_length=1, max_length=256)]] = None
     max_tokens: Optional[int] = Field(default=None, ge=1)
     temperature: float = 1.0
     top_p: float = 1.0
@@ -390,6 +392,14 @@ class CompletionRequest(_Sampling):
     prompt: Optional[PromptInput] = Field(default=None, validate_default=True)
     logprobs: Optional[int] = Field(default=None, ge=-1)  # (at most the engine's max_logprobs; -1: the vocabulary)
     echo: bool = False  # prepend the prompt (and with logprobs, its tokens' logprobs) to each choice
+    suffix: Optional[str] = None  # (OpenAI's insertion suffix: refused, as vLLM refuses it)
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, suffix):
+        if suffix is not None:
+            raise ValueError("suffix is not currently supported")
+        return suffix
 
     @field_validator("logprobs", mode="before")
     @classmethod
@@ -447,6 +457,7 @@ class ChatCompletionRequest(_Sampling):
     continue_final_message: bool = False
     echo: bool = False
     chat_template: Optional[str] = None  # (vLLM's: the request's own, with --trust-request-chat-template)
+    include_reasoning: bool = True  # (vLLM's: false leaves the reasoning parser's part out of the reply)
     # vLLM's disaggregated-serving field; of it, only `prompt_token_ids` is read: a router forwards
     # the prefill stage's prompt ids, which then stand for the rendered messages.
     kv_transfer_params: Optional[dict[str, Any]] = None

@@ -32,6 +32,7 @@ class ReplyOptions:
     token_ids: bool = False  # vLLM's return_token_ids: the prompt's and each choice's token ids
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
     prompt_logprobs: Optional[int] = None  # vLLM's prompt_logprobs: candidates per prompt token, in the reply
+    include_reasoning: bool = True  # vLLM's: false leaves the reasoning parser's part out of the reply
 
 
 def sse(payload: dict) -> str:
@@ -175,7 +176,8 @@ class ResponseBuilder:
         else:
             reasoning, content = self.split_reasoning(so_far.text, finished)
             if len(reasoning) > so_far.reasoning_sent:
-                delta["reasoning_content"] = delta["reasoning"] = reasoning[so_far.reasoning_sent:]
+                if options.include_reasoning:
+                    delta["reasoning_content"] = delta["reasoning"] = reasoning[so_far.reasoning_sent:]
                 so_far.reasoning_sent = len(reasoning)
             if tools is None or not finished:
                 end = len(content) if tools is None else tools.streamable_len(content)
@@ -262,7 +264,8 @@ class ResponseBuilder:
                         content = options.chat_echoes[prompt_index] + (content or "")
                     message = {"role": "assistant", "content": content}
                     if self.reasoning is not None:
-                        message["reasoning_content"] = message["reasoning"] = reasoning or None
+                        message["reasoning_content"] = message["reasoning"] = (
+                            reasoning or None if options.include_reasoning else None)
                     if calls:
                         message["tool_calls"] = calls
                     choice = {"index": index, "message": message, "finish_reason": reason,

@@ -84,8 +84,10 @@ async def run(context: ServingContext, request: Request, prompts: list, params, 
     """Queues one engine request per prompt (all or none), with the adapter `served` names if
     it is one, and answers with their choices."""
     builder = context.builders[served]
-    request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-    request_ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+    # (vLLM's request_id names the reply; the engine's own ids stay unique if a client repeats it)
+    request_id = ("chatcmpl-" if chat else "cmpl-") + (body.request_id or uuid.uuid4().hex)
+    engine_id = request_id if body.request_id is None else f"{request_id}-{uuid.uuid4().hex[:12]}"
+    request_ids = [engine_id] if len(prompts) == 1 else [f"{engine_id}-{i}" for i in range(len(prompts))]
     params = dataclasses.replace(params, output_kind=streamed_output_kind(params) if body.stream else "final_only")
     streams = await context.submit(request_ids, prompts, params, body.priority, served, chat,
                                    check_context_room=body.max_tokens is not None)
@@ -97,7 +99,8 @@ async def run(context: ServingContext, request: Request, prompts: list, params, 
                            continuous_usage=context.force_include_usage or (
                                include_usage and stream_options is not None and stream_options.continuous_usage_stats),
                            tools=tools, top_logprobs=listed_logprobs(params), token_ids=bool(body.return_token_ids),
-                           tokens_as_ids=bool(body.return_tokens_as_token_ids) or context.tokens_as_ids, prompt_logprobs=body.prompt_logprobs)
+                           tokens_as_ids=bool(body.return_tokens_as_token_ids) or context.tokens_as_ids, prompt_logprobs=body.prompt_logprobs,
+                           include_reasoning=not chat or body.include_reasoning)
     if body.stream:
         chunks = builder.stream_chunks(request_id, merged(streams), len(streams), created, options)
         return context.event_stream(streams, chunks)
