@@ -135,13 +135,15 @@ class InputProcessor:
     def _prompt_tokens(self, prompt, params: SamplingParams) -> tuple[Optional[str], list[int]]:
         """The prompt's text (None for token ids) and tokens, truncated as `params` asks."""
         vocab_size = self.model_info.vocab_size
+        # (a rendered chat template holds its special tokens already: {"prompt": ..., "add_special_tokens": False})
+        add_special_tokens = not isinstance(prompt, dict) or prompt.get("add_special_tokens", True)
         prompt = prompt_of(prompt)
         if isinstance(prompt, str):
             if params.truncate_prompt_tokens is None and len(prompt) > self.max_prompt_chars:
                 raise PromptTooLongError(
                     f"prompt of {len(prompt)} characters exceeds max_model_len={self.max_model_len} tokens: no "
                     f"{self.max_model_len} tokens of this tokenizer span more than {self.max_prompt_chars} characters")
-            prompt_text, prompt_token_ids = prompt, self.tokenize(prompt, "prompt")
+            prompt_text, prompt_token_ids = prompt, self.tokenize(prompt, "prompt", bool(add_special_tokens))
         else:
             try:
                 prompt_text, prompt_token_ids = None, [operator.index(t) for t in prompt]
@@ -159,11 +161,12 @@ class InputProcessor:
                 prompt_text = None if prompt_text is None else self.tokenizer.decode(prompt_token_ids)
         return prompt_text, prompt_token_ids
 
-    def tokenize(self, text: str, field: str) -> list[int]:
-        """The token ids of request text; ValueError naming `field` for text that is not valid
-        Unicode (a lone surrogate, which JSON allows): the tokenizer would raise a TypeError."""
+    def tokenize(self, text: str, field: str, add_special_tokens: bool = True) -> list[int]:
+        """The token ids of request text (with the tokenizer's special tokens, a BOS, where
+        `add_special_tokens`); ValueError naming `field` for text that is not valid Unicode (a lone
+        surrogate, which JSON allows): the tokenizer would raise a TypeError."""
         check_unicode(text, field)
-        return self.tokenizer.encode(text)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def bad_words_token_ids(self, bad_words: Optional[list[str]]) -> tuple[tuple[int, ...], ...]:
         """Each bad word as the model writes it: alone and after a space (vLLM's two spellings)."""
@@ -215,7 +218,8 @@ def cache_key(params: SamplingParams, lora_request: Optional[LoRARequest],
 
 
 def prompt_of(prompt) -> Union[str, list[int], dict]:
-    """Text or token ids from vLLM's prompt dicts ({"prompt": ...} or {"prompt_token_ids": ...}); a
+    """Text or token ids from vLLM's prompt dicts ({"prompt": ...} or {"prompt_token_ids": ...}; a
+    text's "add_special_tokens": False, as a rendered chat template's, is read by the caller); a
     {"prompt_embeds": ...} dict is kept as it is (`prompt_embeds.prompt_embeds_of` reads it)."""
     if isinstance(prompt, dict) and "prompt_embeds" not in prompt:
         if "prompt_token_ids" in prompt:

@@ -191,11 +191,12 @@ class LLM:
         one conversation (or a list of them) and generates the assistant's reply.
         `chat_template_kwargs` are template variables (e.g. Qwen3's `enable_thinking`)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        # (the rendered template holds its special tokens: tokenized without the tokenizer's, as vLLM)
         prompts = [
-            self.tokenizer.apply_chat_template(
+            {"prompt": self.tokenizer.apply_chat_template(
                 conversation, chat_template=chat_template, tokenize=False, add_generation_prompt=True,
                 **(chat_template_kwargs or {}),
-            )
+            ), "add_special_tokens": False}
             for conversation in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
@@ -236,7 +237,9 @@ class LLM:
 
 def _as_prompt_list(prompts) -> list[Prompt]:
     """One prompt (text, token ids or a vLLM prompt dict) or a sequence of them, as a list of
-    texts and token-id lists."""
+    texts and token-id lists (and text dicts that say how to tokenize them)."""
     if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
         prompts = [prompts]
-    return [prompt_of(prompt) for prompt in prompts]
+    # (a text's "add_special_tokens" stays with it: the engine tokenizes it so)
+    return [prompt if isinstance(prompt, dict) and "add_special_tokens" in prompt else prompt_of(prompt)
+            for prompt in prompts]

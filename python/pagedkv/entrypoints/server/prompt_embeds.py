@@ -40,9 +40,11 @@ def embeds_marker() -> str:
     return f"<|prompt-embeds-{uuid.uuid4().hex}|>"
 
 
-def spliced_prompt(text: str, marker: str, tensors: list[torch.Tensor], tokenizer) -> dict:
+def spliced_prompt(text: str, marker: str, tensors: list[torch.Tensor], tokenizer,
+                   add_special_tokens: bool = False) -> dict:
     """The engine's prompt for a rendered chat prompt whose prompt_embeds parts are `marker`s: the
-    text between them tokenized piece by piece, each part's rows at the positions it fills."""
+    text between them tokenized piece by piece (the tokenizer's special tokens before the first
+    where `add_special_tokens`, as the text alone would be), each part's rows at the positions it fills."""
     pieces = text.split(marker)
     if len(pieces) != len(tensors) + 1:
         raise ValueError("messages: the chat template dropped or repeated a prompt_embeds part")
@@ -51,7 +53,7 @@ def spliced_prompt(text: str, marker: str, tensors: list[torch.Tensor], tokenize
     rows = []
     for index, piece in enumerate(pieces):
         if piece:
-            token_ids += tokenizer.encode(piece, add_special_tokens=index == 0)
+            token_ids += tokenizer.encode(piece, add_special_tokens=add_special_tokens and index == 0)
         if index < len(tensors):
             tensor = tensors[index]
             tensor = tensor[0] if tensor.dim() == 3 and tensor.shape[0] == 1 else tensor

@@ -393,6 +393,7 @@ class CompletionRequest(_Sampling):
     logprobs: Optional[int] = Field(default=None, ge=-1)  # (at most the engine's max_logprobs; -1: the vocabulary)
     echo: bool = False  # prepend the prompt (and with logprobs, its tokens' logprobs) to each choice
     suffix: Optional[str] = None  # (OpenAI's insertion suffix: refused, as vLLM refuses it)
+    add_special_tokens: bool = True  # (vLLM's: text prompts get the tokenizer's special tokens, a BOS)
 
     @field_validator("suffix")
     @classmethod
@@ -425,11 +426,17 @@ class CompletionRequest(_Sampling):
         if self.prompt_embeds is None or self.prompt_embeds == []:
             if self.prompt is None:
                 raise RequestFieldError("prompt", NO_PROMPT)
-            return _prompt_list(self.prompt, "prompt")
+            return [self._tokenized_as_asked(prompt) for prompt in _prompt_list(self.prompt, "prompt")]
         from pagedkv.entrypoints.server.prompt_embeds import decode_prompt_embeds
 
         embedded = [{"prompt_embeds": tensor} for tensor in decode_prompt_embeds(self.prompt_embeds)]
-        return embedded + ([] if self.prompt in (None, "", [""]) else _prompt_list(self.prompt, "prompt"))
+        texts = [] if self.prompt in (None, "", [""]) else _prompt_list(self.prompt, "prompt")
+        return embedded + [self._tokenized_as_asked(prompt) for prompt in texts]
+
+    def _tokenized_as_asked(self, prompt):
+        if isinstance(prompt, str) and not self.add_special_tokens:
+            return {"prompt": prompt, "add_special_tokens": False}
+        return prompt
 
 
 def _prompt_list(prompt, field: str) -> list[Union[str, list[int]]]:
@@ -458,6 +465,7 @@ class ChatCompletionRequest(_Sampling):
     echo: bool = False
     chat_template: Optional[str] = None  # (vLLM's: the request's own, with --trust-request-chat-template)
     include_reasoning: bool = True  # (vLLM's: false leaves the reasoning parser's part out of the reply)
+    add_special_tokens: bool = False  # (vLLM's: the tokenizer's BOS besides the template's own, if any)
     # vLLM's disaggregated-serving field; of it, only `prompt_token_ids` is read: a router forwards
     # the prefill stage's prompt ids, which then stand for the rendered messages.
     kv_transfer_params: Optional[dict[str, Any]] = None
@@ -577,7 +585,8 @@ class TokenizeRequest(_Request):
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[list[ChatMessage]] = None
-    add_special_tokens: bool = True
+    # (vLLM's defaults: true for a prompt, false for messages, whose rendered template holds its own)
+    add_special_tokens: Optional[bool] = None
     add_generation_prompt: bool = True
     chat_template_kwargs: Optional[dict[str, Any]] = None
     chat_template: Optional[str] = None  # (with --trust-request-chat-template)

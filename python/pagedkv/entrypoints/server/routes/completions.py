@@ -73,10 +73,10 @@ async def chat_prompt(context: ServingContext, body: ChatCompletionRequest, conv
     marker = embeds_marker() if embeds else ""
     text = await context.chat_prompt(conversation, body.add_generation_prompt, chat_tools, body.chat_template_kwargs,
                                      body.continue_final_message, marker, body.chat_template)
-    if not embeds:
-        return text
+    if not embeds:  # (the rendered template holds its special tokens: vLLM adds none unless asked)
+        return {"prompt": text, "add_special_tokens": body.add_special_tokens}
     return await asyncio.to_thread(make_params, lambda: spliced_prompt(text, marker, decode_prompt_embeds(embeds),
-                                                                       context.tokenizer))
+                                                                       context.tokenizer, body.add_special_tokens))
 
 
 async def run(context: ServingContext, request: Request, prompts: list, params, body, served: str, chat: bool,

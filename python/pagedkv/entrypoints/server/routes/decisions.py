@@ -37,7 +37,8 @@ async def decisions(body: DecisionRequest, request: Request, context: ServingCon
     params = SamplingParams(max_tokens=1, temperature=0.0, logprob_token_ids=label_ids[:width],
                             cache_salt=body.cache_salt, output_kind="final_only")
     request_id = "decision-" + uuid.uuid4().hex
-    streams = await context.submit([f"{request_id}-{i}" for i in range(len(prompts))], list(prompts), params, 0,
+    prompts = [{"prompt": prompt, "add_special_tokens": False} for prompt in prompts]  # (as chat's)
+    streams = await context.submit([f"{request_id}-{i}" for i in range(len(prompts))], prompts, params, 0,
                                    served, chat=False, prompt_field="input")
     finals = await context.final_outputs(request, streams)
     answers = [read_answer(question, final.outputs[0].logprobs[0], label_ids)

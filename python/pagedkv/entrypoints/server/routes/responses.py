@@ -43,6 +43,7 @@ async def responses(body: ResponsesRequest, request: Request, context: ServingCo
     params = context.with_reasoning(with_tools(params, tools, "text.format"))
     prompt = await context.chat_prompt(messages, True, chat_tools if tools is not None else None,
                                        body.chat_template_kwargs)
+    prompt = {"prompt": prompt, "add_special_tokens": False}  # (the template holds its special tokens)
     response = ResponseState(served, body, context.reasoning, tools)
     builder, logprob_options = context.builders[served], ReplyOptions(chat=True, top_logprobs=body.top_logprobs or 0,
                                                                          tokens_as_ids=context.tokens_as_ids)

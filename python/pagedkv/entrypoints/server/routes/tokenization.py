@@ -33,8 +33,9 @@ async def tokenize(body: TokenizeRequest, context: ServingContext = Depends(serv
         check_unicode(text, "prompt")
     except ValueError as error:
         raise APIError(400, str(error), "invalid_request_error", "prompt")
+    add_special_tokens = body.messages is None if body.add_special_tokens is None else body.add_special_tokens
     tokens = await context.client.run_in_worker(
-        lambda: context.tokenizer.encode(text, add_special_tokens=body.add_special_tokens))
+        lambda: context.tokenizer.encode(text, add_special_tokens=add_special_tokens))
     strings = context.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
     return {"count": len(tokens), "max_model_len": context.max_model_len, "tokens": tokens, "token_strs": strings}
 
