@@ -217,6 +217,12 @@ def cache_key(params: SamplingParams, lora_request: Optional[LoRARequest],
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
+def text_prompt(text: str, add_special_tokens: bool = False) -> dict:
+    """A text prompt that says whether the tokenizer's special tokens (a BOS) go with it: a
+    rendered chat template holds its own, so it takes none (vLLM's rule)."""
+    return {"prompt": text, "add_special_tokens": add_special_tokens}
+
+
 def prompt_of(prompt) -> Union[str, list[int], dict]:
     """Text or token ids from vLLM's prompt dicts ({"prompt": ...} or {"prompt_token_ids": ...}; a
     text's "add_special_tokens": False, as a rendered chat template's, is read by the caller); a

@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 
 from pagedkv.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedkv.config import engine_config
+from pagedkv.engine.input_processor import text_prompt
 from pagedkv.engine.llm_engine import LLMEngine, prompt_of
 from pagedkv.errors import OverloadedError
 from pagedkv.params.lora_request import LoRARequest
@@ -191,12 +192,11 @@ class LLM:
         one conversation (or a list of them) and generates the assistant's reply.
         `chat_template_kwargs` are template variables (e.g. Qwen3's `enable_thinking`)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        # (the rendered template holds its special tokens: tokenized without the tokenizer's, as vLLM)
         prompts = [
-            {"prompt": self.tokenizer.apply_chat_template(
+            text_prompt(self.tokenizer.apply_chat_template(
                 conversation, chat_template=chat_template, tokenize=False, add_generation_prompt=True,
                 **(chat_template_kwargs or {}),
-            ), "add_special_tokens": False}
+            ))
             for conversation in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)

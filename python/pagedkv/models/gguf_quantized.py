@@ -103,8 +103,15 @@ def _kept_module(linear: nn.Linear, found: list, architecture: str | None, heads
         return kept
     if len(types) != 1 or not types <= set(GGML_TYPES):
         return None
-    kept = QuantizedLinear(linear.in_features, linear.out_features, types.pop(), bias=linear.bias is not None)
-    rows = np.concatenate([_hf_rows(tensor, architecture, heads) for tensor in found])
+    return _blocks_module(linear.in_features, linear.out_features, found, architecture, heads, linear.bias is not None)
+
+
+def _blocks_module(in_features: int, out_features: int, tensors: list, architecture: str | None,
+                   heads: tuple[int, int], bias: bool = False) -> QuantizedLinear | None:
+    """A QuantizedLinear over these GGUF tensors (of one type) stacked by rows, or None where they
+    do not fit its shape."""
+    kept = QuantizedLinear(in_features, out_features, tensors[0].tensor_type.name, bias=bias)
+    rows = np.concatenate([_hf_rows(tensor, architecture, heads) for tensor in tensors])
     if rows.shape != tuple(kept.blocks.shape):
         return None
     kept.blocks.copy_(torch.from_numpy(rows))
@@ -120,14 +127,10 @@ def _stacked_module(linear: nn.Linear, found: list, architecture: str | None,
             runs[-1].append(tensor)
         else:
             runs.append([tensor])
-    parts = []
-    for run in runs:
-        rows = np.concatenate([_hf_rows(tensor, architecture, heads) for tensor in run])
-        part = QuantizedLinear(linear.in_features, sum(logical_shape(t)[0] for t in run), run[0].tensor_type.name)
-        if rows.shape != tuple(part.blocks.shape):
-            return None
-        part.blocks.copy_(torch.from_numpy(rows))
-        parts.append(part)
+    parts = [_blocks_module(linear.in_features, sum(logical_shape(t)[0] for t in run), run, architecture, heads)
+             for run in runs]
+    if None in parts:
+        return None
     kept = StackedQuantizedLinear(parts, bias=linear.bias is not None)
     return kept if kept.out_features == linear.out_features else None
 

@@ -54,10 +54,10 @@ class CpuDecodePath:
             qkv, o = _linears(layer)[:2]
             layers.append((
                 self._address(layer.input_layernorm.weight),
-                [self._linear(part) for part in _parts(qkv)],
-                self._linear(o),
+                [self._linear(part, bias) for part, bias in _parts(qkv)],
+                self._linear(o, o.bias),
                 self._address(layer.post_attention_layernorm.weight),
-                *(self._linear(linear) for linear in _linears(layer)[2:]),
+                *(self._linear(linear, linear.bias) for linear in _linears(layer)[2:]),
                 (key_cache.data_ptr() - base.data_ptr()) // element,
                 (value_cache.data_ptr() - base.data_ptr()) // element,
                 layer.self_attn.sliding_window or 0,
@@ -73,9 +73,10 @@ class CpuDecodePath:
         self._tensors.append(tensor)
         return tensor.data_ptr()
 
-    def _linear(self, linear: nn.Module) -> tuple:
-        bias = None if linear.bias is None else self._address(linear.bias)
-        if isinstance(linear, (QuantizedLinear, _BiasedPart)):
+    def _linear(self, linear: nn.Module, bias: Optional[torch.Tensor]) -> tuple:
+        """A linear's spec for the core, with `bias` (its own, or a stacked part's rows of the fused one)."""
+        bias = None if bias is None else self._address(bias)
+        if isinstance(linear, QuantizedLinear):
             blocks = linear.blocks
             return (linear.ggml_type, self._address(blocks), blocks.numel(), bias, linear.in_features,
                     linear.out_features)  # fmt: skip
@@ -159,22 +160,14 @@ def _linears(layer) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module]:
     return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
 
 
-def _parts(linear: nn.Module) -> list[nn.Module]:
-    """A stacked linear's parts, each with its slice of the fused bias; any other linear alone."""
+def _parts(linear: nn.Module) -> list[tuple[nn.Module, Optional[torch.Tensor]]]:
+    """(part, its bias) of a stacked linear, each part with its rows of the fused bias; any other
+    linear alone, with its own."""
     if not isinstance(linear, StackedQuantizedLinear):
-        return [linear]
-    if linear.bias is None:
-        return list(linear.parts)
-    biases = linear.bias.split([part.out_features for part in linear.parts])
-    return [_BiasedPart(part, bias) for part, bias in zip(linear.parts, biases)]
-
-
-class _BiasedPart:
-    """A stacked linear's part seen with its rows of the fused bias (a contiguous view)."""
-
-    def __init__(self, part: QuantizedLinear, bias: torch.Tensor):
-        self.blocks, self.ggml_type, self.bias = part.blocks, part.ggml_type, bias
-        self.in_features, self.out_features = part.in_features, part.out_features
+        return [(linear, linear.bias)]
+    biases = ([None] * len(linear.parts) if linear.bias is None
+              else linear.bias.split([part.out_features for part in linear.parts]))
+    return list(zip(linear.parts, biases))
 
 
 def _linear_fits(linear: nn.Module) -> bool:

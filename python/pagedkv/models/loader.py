@@ -214,7 +214,6 @@ def load(model: str | None, gguf_file: str | None, tokenizer: str | None, dtype,
             skip = gguf_quantized.gguf_names_of(checks) | set(outside.values())
             checkpoint_groups = gguf_file_weights.weight_groups(kept_gguf, architecture, heads, skip)
         net.kept_weight_checks = checks
-        gguf_tensor_index.release_resident_pages(kept_gguf.values())
     if dummy:
         logger.info("load_format=dummy: random weights of %s's shapes, no checkpoint read", hf_config.model_type)
         fill_dummy_weights(net)

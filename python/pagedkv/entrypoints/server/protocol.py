@@ -435,7 +435,9 @@ class CompletionRequest(_Sampling):
 
     def _tokenized_as_asked(self, prompt):
         if isinstance(prompt, str) and not self.add_special_tokens:
-            return {"prompt": prompt, "add_special_tokens": False}
+            from pagedkv.engine.input_processor import text_prompt
+
+            return text_prompt(prompt)
         return prompt
 
 

@@ -10,6 +10,7 @@ from typing import Optional
 
 from fastapi import APIRouter, Depends, Request
 
+from pagedkv.engine.input_processor import text_prompt
 from pagedkv.entrypoints.server.json_body import OffLoopJSONRoute
 from pagedkv.entrypoints.server.openapi import ChatCompletion, Completion, answer, streamed_answer
 from pagedkv.entrypoints.server.prompt_embeds import decode_prompt_embeds, embeds_marker, spliced_prompt
@@ -73,8 +74,8 @@ async def chat_prompt(context: ServingContext, body: ChatCompletionRequest, conv
     marker = embeds_marker() if embeds else ""
     text = await context.chat_prompt(conversation, body.add_generation_prompt, chat_tools, body.chat_template_kwargs,
                                      body.continue_final_message, marker, body.chat_template)
-    if not embeds:  # (the rendered template holds its special tokens: vLLM adds none unless asked)
-        return {"prompt": text, "add_special_tokens": body.add_special_tokens}
+    if not embeds:
+        return text_prompt(text, body.add_special_tokens)
     return await asyncio.to_thread(make_params, lambda: spliced_prompt(text, marker, decode_prompt_embeds(embeds),
                                                                        context.tokenizer, body.add_special_tokens))
 

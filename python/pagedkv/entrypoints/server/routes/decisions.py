@@ -7,6 +7,7 @@ import uuid
 
 from fastapi import APIRouter, Depends, Request
 
+from pagedkv.engine.input_processor import text_prompt
 from pagedkv.entrypoints.server.decisions import DecisionRequest, label_token_ids, question_prompt, read_answer
 from pagedkv.entrypoints.server.errors import APIError
 from pagedkv.entrypoints.server.json_body import OffLoopJSONRoute
@@ -37,7 +38,7 @@ async def decisions(body: DecisionRequest, request: Request, context: ServingCon
     params = SamplingParams(max_tokens=1, temperature=0.0, logprob_token_ids=label_ids[:width],
                             cache_salt=body.cache_salt, output_kind="final_only")
     request_id = "decision-" + uuid.uuid4().hex
-    prompts = [{"prompt": prompt, "add_special_tokens": False} for prompt in prompts]  # (as chat's)
+    prompts = [text_prompt(prompt) for prompt in prompts]
     streams = await context.submit([f"{request_id}-{i}" for i in range(len(prompts))], prompts, params, 0,
                                    served, chat=False, prompt_field="input")
     finals = await context.final_outputs(request, streams)

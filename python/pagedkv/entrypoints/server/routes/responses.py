@@ -8,6 +8,7 @@ import logging
 
 from fastapi import APIRouter, Depends, Request
 
+from pagedkv.engine.input_processor import text_prompt
 from pagedkv.entrypoints.server.json_body import OffLoopJSONRoute
 from pagedkv.entrypoints.server.errors import APIError
 from pagedkv.entrypoints.server.openapi import ResponseBody, answer, streamed_answer
@@ -43,7 +44,6 @@ async def responses(body: ResponsesRequest, request: Request, context: ServingCo
     params = context.with_reasoning(with_tools(params, tools, "text.format"))
     prompt = await context.chat_prompt(messages, True, chat_tools if tools is not None else None,
                                        body.chat_template_kwargs)
-    prompt = {"prompt": prompt, "add_special_tokens": False}  # (the template holds its special tokens)
     response = ResponseState(served, body, context.reasoning, tools)
     builder, logprob_options = context.builders[served], ReplyOptions(chat=True, top_logprobs=body.top_logprobs or 0,
                                                                          tokens_as_ids=context.tokens_as_ids)
@@ -55,7 +55,7 @@ async def responses(body: ResponsesRequest, request: Request, context: ServingCo
         return (builder.chat_logprobs(completion, 0, logprob_options) or {"content": []})["content"]
 
     params = dataclasses.replace(params, output_kind=streamed_output_kind(params) if body.stream else "final_only")
-    [stream] = await context.submit([response.id], [prompt], params, body.priority, served, chat=False,
+    [stream] = await context.submit([response.id], [text_prompt(prompt)], params, body.priority, served, chat=False,
                                     prompt_field="input", check_context_room=body.max_output_tokens is not None)
 
     async def events():
