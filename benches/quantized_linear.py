@@ -8,10 +8,11 @@ format, shape (out x in) and token count M, median microseconds of
   crossover, MAX_KERNEL_TOKENS),
 
 the speed-up of the kernel over float32, and the kernel's GB/s of blocks streamed (block bytes /
-time). The K-quants need in_features divisible by 256, so only the MLP's down projection (1536)
-takes them. Noisy when other jobs share the cores: compare columns within one run.
+time). The K-quants need in_features divisible by 256: of SmolLM2's shapes only the MLP's down
+projection (1536) takes them; `--shapes llama-7b` gives Llama 2 7B's, all of which do. Noisy when other jobs share the cores: compare columns within one run.
 
     python benches/quantized_linear.py [--threads N] [--formats Q4_1 Q8_0] [--tokens 1 4 16 64]
+                                       [--shapes smollm2|llama-7b]
 """
 
 from __future__ import annotations
@@ -26,8 +27,11 @@ import torch.nn.functional as F
 from pagedkv.layers.quantized_linear import GGML_TYPES, dequantize, quantized_linear, row_bytes
 from pagedkv_core import _core
 
-# (name, out_features, in_features)
-SHAPES = [("q/o proj", 576, 576), ("gate/up", 1536, 576), ("down", 576, 1536), ("lm head", 49152, 576)]
+# (name, out_features, in_features) of each model's linear layers
+SHAPES = {
+    "smollm2": [("q/o proj", 576, 576), ("gate/up", 1536, 576), ("down", 576, 1536), ("lm head", 49152, 576)],
+    "llama-7b": [("q/o proj", 4096, 4096), ("gate/up", 11008, 4096), ("down", 4096, 11008), ("lm head", 32000, 4096)],
+}
 
 
 def median_us(call, budget_s: float = 0.3, max_repeats: int = 30) -> float:
@@ -56,13 +60,14 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--formats", nargs="+", default=list(GGML_TYPES), choices=GGML_TYPES)
     parser.add_argument("--tokens", nargs="+", type=int, default=[1, 4, 16, 64])
+    parser.add_argument("--shapes", choices=SHAPES, default="smollm2", help="whose linear layers")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     print(f"{args.threads} threads, isa {_core.cpu_attention_build()[0]}; medians, microseconds; noisy on shared cores")
     print(f"{'format':6} {'shape':>18} {'M':>3} {'float32':>9} {'kernel':>9} {'speed-up':>8} {'GB/s':>6} {'dequant+linear':>14}")
     for ggml_type in args.formats:
         block_len, _ = _core.ggml_block_size(ggml_type)
-        for name, out_features, in_features in SHAPES:
+        for name, out_features, in_features in SHAPES[args.shapes]:
             if in_features % block_len:
                 continue
             blocks = random_blocks(ggml_type, out_features, in_features)

@@ -37,6 +37,9 @@ pub struct QuantizedActivations {
     pub sums: Vec<f32>,
     /// Q8_K's sums of each 16 q (16 per block); empty for the other schemes.
     pub sums_of_16: Vec<i32>,
+    /// Q8_K's sums of each 32 q (8 per block, |sum| <= 32 * 127), for Q4_K's mins; empty for the
+    /// other schemes.
+    pub sums_of_32: Vec<i16>,
     /// Q8_0's and Q8_1's sum of q per block (exact), for weights read with an offset; empty for Q8_K.
     pub block_sums: Vec<i32>,
     pub quants: Vec<i8>,
@@ -52,6 +55,7 @@ pub fn quantize_activations(scheme: ActivationScheme, values: &[f32]) -> Quantiz
         scales: Vec::with_capacity(num_blocks),
         sums: Vec::new(),
         sums_of_16: Vec::new(),
+        sums_of_32: Vec::new(),
         block_sums: Vec::new(),
         quants: vec![0; values.len()],
     };
@@ -69,9 +73,12 @@ pub fn quantize_activations(scheme: ActivationScheme, values: &[f32]) -> Quantiz
                 }
                 quantized.scales.push(1.0 / inverse_scale);
             }
+            let first = quantized.sums_of_16.len();
             quantized
                 .sums_of_16
                 .extend(quants.chunks_exact(16).map(|sixteen| sixteen.iter().map(|&q| q as i32).sum::<i32>()));
+            let sums_of_16 = &quantized.sums_of_16[first..];
+            quantized.sums_of_32.extend(sums_of_16.chunks_exact(2).map(|pair| (pair[0] + pair[1]) as i16));
         } else {
             let amax = block.iter().fold(0f32, |amax, &x| amax.max(x.abs()));
             let scale = amax / 127.0;

@@ -9,8 +9,8 @@
 //!   Q4_1 `mins = fma(m, s, mins)`; the result is `acc + mins`.
 //! - Q4_K, Q6_K (blocks of 256; x86.rs): sums into 8 int32 lanes, lane l holding the elements
 //!   whose position within their 32 is 4l..4l+3 (times their sub-block's scale): what AVX2's
-//!   maddubs + madd leave in a register. Per lane, `acc[l] = acc[l] + scale * lanes[l]` (multiply
-//!   then add, no fused multiply-add) with scale = d_w * d_x; a separate running `mins` for Q4_K's
+//!   maddubs + madd leave in a register. Per lane, `acc[l] = fma(scale, lanes[l], acc[l])` with
+//!   scale = d_w * d_x; a separate running `mins` for Q4_K's
 //!   (dmin * d) * sum(min * bsum); the result is
 //!   `((acc0 + acc4) + (acc2 + acc6)) + ((acc1 + acc5) + (acc3 + acc7))` minus `mins`.
 
@@ -28,7 +28,7 @@ impl Accumulators {
     #[inline(always)]
     fn add_block(&mut self, scale: f32, lanes: [i32; 8]) {
         for (acc, lane) in self.lanes.iter_mut().zip(lanes) {
-            *acc += scale * lane as f32;
+            *acc = scale.mul_add(lane as f32, *acc);
         }
     }
 

@@ -26,7 +26,8 @@ const WIDE_TILE_TOKENS: usize = 8;
 pub(crate) enum Int8Path {
     /// AVX2's maddubs + madd (with FMA and F16C).
     Avx2,
-    /// AVX-512 VNNI's dpbusd on 256-bit registers.
+    /// AVX-512 VNNI's dpbusd on 256-bit registers (and, for the K-quants, k_quants.rs's 512-bit
+    /// kernel, which takes AVX-512 BW too: every VNNI CPU has it).
     Avx512Vnni,
 }
 
@@ -47,6 +48,7 @@ impl Int8Path {
             Int8Path::Avx512Vnni => {
                 avx2 && std::is_x86_feature_detected!("avx512f")
                     && std::is_x86_feature_detected!("avx512vl")
+                    && std::is_x86_feature_detected!("avx512bw")
                     && std::is_x86_feature_detected!("avx512vnni")
             }
         }

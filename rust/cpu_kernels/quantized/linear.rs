@@ -93,6 +93,19 @@ pub(crate) fn quantized_linear_on(
         });
         return Ok(());
     }
+    #[cfg(target_arch = "x86_64")]
+    if path == Some(Int8Path::Avx512Vnni) {
+        use super::eight_rows::Problem;
+        let problem = Problem { ty, weight, row_bytes, activations: &activations, bias, m, n, blocks_per_row };
+        let per_thread = n.div_ceil(num_threads.max(1)).next_multiple_of(2).max(MIN_ROWS_PER_THREAD);
+        let chunks: Vec<_> = (0..n).step_by(per_thread).map(|start| start..(start + per_thread).min(n)).collect();
+        for_row_chunks(chunks, num_threads, |rows: std::ops::Range<usize>| {
+            // SAFETY: as above; the block length is 256 here, so `ty` is Q4_K or Q6_K.
+            let write = |token: usize, row: usize, value: f32| unsafe { columns.write(token * n + row, value) };
+            unsafe { super::k_quants::run_rows_k_quants(&problem, rows, &write) };
+        });
+        return Ok(());
+    }
     // One run of rows per thread: each streams its weights from memory in one sequence. (Rows
     // claimed 16 at a time, in turn, made a decode step of the embedded model ~25% slower: every
     // claim moved the shared counter's cache line between cores, and the hardware prefetcher
@@ -250,16 +263,27 @@ mod tests {
         let mut random = Random(7);
         let paths: Vec<_> = Int8Path::ALL.into_iter().filter(|path| path.is_supported()).collect();
         assert!(!paths.is_empty() || !std::is_x86_feature_detected!("avx2"));
-        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
-            for (m, n, k) in [(1, 1, 32), (1, 8, 32), (2, 13, 64), (3, 17, 96), (4, 24, 160), (5, 31, 576), (9, 40, 64)]
-            {
-                let mut weight = random_blocks(ty, n * k / 32, &mut random);
+        for ty in GgmlType::ALL {
+            for (m, n, blocks) in [(1, 1, 1), (1, 8, 1), (2, 13, 2), (3, 17, 3), (4, 24, 5), (5, 31, 18), (9, 40, 2)] {
+                let k = blocks * ty.block_len();
+                let mut weight = random_blocks(ty, n * blocks, &mut random);
                 let mut x: Vec<f32> = (0..m * k).map(|_| random.uniform() * 3.0).collect();
                 if n == 8 {
-                    // The largest products: every code at its extreme, every x at +-amax.
-                    let extreme = if ty == GgmlType::Q8_0 { 0x80 } else { 0xff };
-                    let codes = if ty == GgmlType::Q4_1 { 4..20 } else { 2..ty.block_bytes() };
-                    weight.chunks_exact_mut(ty.block_bytes()).for_each(|block| block[codes.clone()].fill(extreme));
+                    // The largest products: every code (and K-quant scale) at its extreme, every x
+                    // at +-amax.
+                    let (extreme, codes) = match ty {
+                        GgmlType::Q8_0 => (0x80, 2..34),
+                        GgmlType::Q4_0 => (0xff, 2..18),
+                        GgmlType::Q4_1 => (0xff, 4..20),
+                        GgmlType::Q4_K => (0xff, 4..144),
+                        GgmlType::Q6_K => (0xff, 0..192),
+                    };
+                    for block in weight.chunks_exact_mut(ty.block_bytes()) {
+                        block[codes.clone()].fill(extreme);
+                        if ty == GgmlType::Q6_K {
+                            block[192..208].fill(0x80);
+                        }
+                    }
                     x.iter_mut().enumerate().for_each(|(i, x)| *x = if (i / 32) % 2 == 0 { 5.0 } else { -5.0 });
                 }
                 let bias: Vec<f32> = (0..n).map(|_| random.uniform()).collect();

@@ -7,6 +7,8 @@ pub mod dot;
 #[cfg(target_arch = "x86_64")]
 mod eight_rows;
 pub mod formats;
+#[cfg(target_arch = "x86_64")]
+mod k_quants;
 pub mod linear;
 #[cfg(target_arch = "x86_64")]
 mod x86;

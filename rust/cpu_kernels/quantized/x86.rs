@@ -92,7 +92,7 @@ unsafe fn dot_rows<const R: usize, const T: usize>(
                     mins[r][t] += (weight_min * act_scale) * integer as f32;
                 }
                 let scale = _mm256_set1_ps(weight_scale * act_scale);
-                acc[r][t] = _mm256_add_ps(acc[r][t], _mm256_mul_ps(scale, _mm256_cvtepi32_ps(lanes[t])));
+                acc[r][t] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(lanes[t]), acc[r][t]);
             }
         }
     }
