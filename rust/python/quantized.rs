@@ -14,6 +14,14 @@ fn ggml_block_size(ggml_type: &str) -> PyResult<(usize, usize)> {
     Ok((ty.block_len(), ty.block_bytes()))
 }
 
+/// Whether `quantized_linear_cpu` beats dequantizing `ggml_type` for float32's GEMM at every token
+/// count on this CPU (the blocks of 32 always; the K-quants on AVX-512 VNNI).
+#[pyfunction]
+fn quantized_kernel_at_every_token_count(ggml_type: &str) -> PyResult<bool> {
+    let ty = GgmlType::from_name(ggml_type).map_err(to_py_err)?;
+    Ok(quantized::kernel_at_every_token_count(ty))
+}
+
 /// out `[m, n]` float32 = x `[m, k]` float32 @ dequantize(weight)^T (+ bias `[n]` float32), with
 /// weight `weight_bytes` bytes of `ggml_type` blocks, `n` rows of `k` elements. Internal:
 /// `pagedkv.layers.quantized_linear` checks dtypes, devices and contiguity first.
@@ -80,5 +88,6 @@ fn dequantize_cpu(
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(ggml_block_size, m)?)?;
     m.add_function(wrap_pyfunction!(quantized_linear_cpu, m)?)?;
+    m.add_function(wrap_pyfunction!(quantized_kernel_at_every_token_count, m)?)?;
     m.add_function(wrap_pyfunction!(dequantize_cpu, m)?)
 }

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from pagedkv.layers import quantized_linear as quantized_linear_module
 from pagedkv.layers.quantized_linear import GGML_TYPES, QuantizedLinear, dequantize, quantized_linear, row_bytes
+from pagedkv_core import _core
 from pagedkv_core.errors import InvalidConfigError
 
 QTYPE = {name: gguf.GGMLQuantizationType[name] for name in GGML_TYPES}
@@ -133,7 +134,7 @@ def reference_linear(x: np.ndarray, blocks: np.ndarray, ggml_type: str, bias=Non
     block_scale = w_d.reshape(1, n, per_row) * act_scale.reshape(m, 1, per_row)
     acc, mins = np.zeros((m, n, 8), F32), np.zeros((m, n), F32)
     for b in range(per_row):
-        acc = acc + block_scale[:, :, b, None] * lanes[:, :, b]
+        acc = fma32(np.broadcast_to(block_scale[:, :, b, None], lanes[:, :, b].shape), lanes[:, :, b], acc)
         if ggml_type == "Q4_1":
             mins = mins + w_min.reshape(1, n, per_row)[:, :, b] * act_extra.reshape(m, 1, per_row)[:, :, b]
         elif ggml_type == "Q4_K":
@@ -227,23 +228,23 @@ def test_module_takes_kernel_and_dequantized_paths_alike(ggml_type, smollm2_tens
 
 
 
-@pytest.mark.parametrize("ggml_type", ["Q4_0", "Q4_1", "Q8_0"])
-def test_blocks_of_32_give_a_token_the_same_bits_in_any_batch(ggml_type, smollm2_tensors):
-    layer = QuantizedLinear(576, 45, ggml_type, bias=True)
-    layer.blocks.copy_(torch.from_numpy(weight_blocks(ggml_type, 45, 576, smollm2_tensors)))
+@pytest.mark.parametrize("ggml_type", GGML_TYPES)
+def test_a_prefill_runs_the_kernel_where_it_wins_at_every_token_count(ggml_type, smollm2_tensors):
+    """The blocks of 32 (and the K-quants on AVX-512 VNNI) take a prefill's rows on the kernel, so a
+    token gets the same bits in any batch; the K-quants elsewhere dequantize and call F.linear."""
+    in_features = 512 if ggml_type in ("Q4_K", "Q6_K") else 576
+    layer = QuantizedLinear(in_features, 45, ggml_type, bias=True)
+    layer.blocks.copy_(torch.from_numpy(weight_blocks(ggml_type, 45, in_features, smollm2_tensors)))
     layer.bias.data.normal_()
-    x = torch.randn(130, 576)  # a prefill's worth: still the kernel, not dequantize + F.linear
+    x = torch.randn(130, in_features)
     batch = layer(x)
+    if not _core.quantized_kernel_at_every_token_count(ggml_type):
+        assert ggml_type in ("Q4_K", "Q6_K")
+        assert torch.equal(batch, F.linear(x, layer.weight, layer.bias))
+        return
     assert not torch.equal(batch, F.linear(x, layer.weight, layer.bias))
     for token in (0, 63, 129):
         assert torch.equal(layer(x[token : token + 1]), batch[token : token + 1])
-
-
-def test_k_quants_above_the_crossover_dequantize_and_call_f_linear(smollm2_tensors):
-    layer = QuantizedLinear(512, 24, "Q6_K")
-    layer.blocks.copy_(torch.from_numpy(weight_blocks("Q6_K", 24, 512, smollm2_tensors)))
-    x = torch.randn(quantized_linear_module.MAX_KERNEL_TOKENS + 1, 512)
-    assert torch.equal(layer(x), F.linear(x, layer.weight))
 
 
 def test_bad_inputs_raise_clear_errors():

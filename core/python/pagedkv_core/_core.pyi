@@ -487,6 +487,10 @@ def sample_rows_cpu(
 def ggml_block_size(ggml_type: Literal["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"]) -> tuple[int, int]:
     """(elements, bytes) of one GGUF block of `ggml_type`."""
 
+def quantized_kernel_at_every_token_count(ggml_type: Literal["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"]) -> bool:
+    """Whether `quantized_linear_cpu` beats dequantizing for float32's GEMM at every token count
+    on this CPU (the blocks of 32 always; the K-quants on AVX-512 VNNI)."""
+
 def quantized_linear_cpu(
     out: int,
     x: int,

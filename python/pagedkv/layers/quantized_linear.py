@@ -3,13 +3,15 @@
 The forward pass is the core's kernel: activations quantized to 8 bits per block as llama.cpp
 does, integer dot products per block, weights streamed at 4-8 bits. For the blocks of 32 (Q4_0,
 Q4_1, Q8_0) it reads eight rows at a time for four tokens and beats torch's float32 GEMM at every
-token count, so it runs at every count and a token's output does not depend on its batch. The
-K-quants' kernel (one row at a time) is slower above MAX_KERNEL_TOKENS, where the layer
-dequantizes the weight and calls F.linear: the float weight is a temporary, so memory stays at
-the quantized size.
+token count, so it runs at every count and a token's output does not depend on its batch; so does
+the K-quants' (Q4_K, Q6_K) on AVX-512 VNNI, two rows for four tokens. Their AVX2 kernel (one row
+at a time) is slower above MAX_KERNEL_TOKENS, where the layer dequantizes the weight and calls
+F.linear: the float weight is a temporary, so memory stays at the quantized size.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -19,23 +21,29 @@ from pagedkv_core import _core
 
 GGML_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
 
-# The formats whose kernel runs at every token count (eight_rows.rs). benches/quantized_linear.py
-# --threads 2 on the 2-core AVX-512 VNNI dev machine (2026-11-29), Q4_1 kernel vs float32 F.linear
-# on the dequantized weight, gate/up 1536x576: 14 vs 47 us at M = 1, 97 vs 217 at 16, 367 vs 594
-# at 64, 773 vs 1281 at 128, 2989 vs 4419 at 512 (q/o 576x576 at 512: 1587 vs 1584).
-EVERY_TOKEN_COUNT_TYPES = ("Q4_0", "Q4_1", "Q8_0")
-# The K-quants' largest token count on the kernel; above it, dequantize + F.linear (the same bench,
-# on the 2-core AVX2 machine, 2026-11-28: at 16 within ~15% of dequantize + F.linear, at 32 ~1.5x
-# slower).
+# Where the kernel runs at every token count (`_core.quantized_kernel_at_every_token_count`):
+# benches/quantized_linear.py --threads 2 on the 2-core AVX-512 VNNI dev machine (2026-11-29), Q4_1
+# kernel vs float32 F.linear on the dequantized weight, gate/up 1536x576: 14 vs 47 us at M = 1, 97
+# vs 217 at 16, 367 vs 594 at 64, 773 vs 1281 at 128, 2989 vs 4419 at 512 (q/o 576x576 at 512:
+# 1587 vs 1584); Q4_K, `--shapes llama-7b`, gate/up 11008x4096: 18 vs 42 ms at 64 (dequantize +
+# F.linear 90).
+# Elsewhere, the K-quants' largest token count on the kernel; above it, dequantize + F.linear (the
+# same bench, on the 2-core AVX2 machine, 2026-11-28: at 16 within ~15% of dequantize + F.linear,
+# at 32 ~1.5x slower).
 MAX_KERNEL_TOKENS = 16
 # The K-quants' LM head: its 49,152 rows keep the kernel ahead to M ~ 64 (same bench). A step's
 # head reads only the rows it samples, so this covers every decode step of up to 64 sequences.
 MAX_HEAD_KERNEL_TOKENS = 64
 
 
+@functools.cache
+def _at_every_token_count(ggml_type: str) -> bool:
+    return _core.quantized_kernel_at_every_token_count(ggml_type)
+
+
 def kernel_takes(ggml_type: str, num_tokens: int, *, lm_head: bool = False) -> bool:
     """Whether `num_tokens` rows of activations go through the kernel (else dequantize + F.linear)."""
-    if ggml_type in EVERY_TOKEN_COUNT_TYPES:
+    if _at_every_token_count(ggml_type):
         return True
     return num_tokens <= (MAX_HEAD_KERNEL_TOKENS if lm_head else MAX_KERNEL_TOKENS)
 

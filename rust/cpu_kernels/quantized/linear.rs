@@ -50,6 +50,17 @@ pub fn quantized_linear(
     quantized_linear_on(path, out, x, weight, bias, ty, shape, num_threads)
 }
 
+/// Whether `quantized_linear` on `ty` beats dequantizing for a float32 GEMM at every token count
+/// here: the blocks of 32 (eight_rows.rs) always, the K-quants on AVX-512 VNNI (k_quants.rs; their
+/// AVX2 kernel reads one row at a time and falls behind above ~16 tokens).
+pub fn kernel_at_every_token_count(ty: GgmlType) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    let k_quants = Int8Path::best() == Some(Int8Path::Avx512Vnni);
+    #[cfg(not(target_arch = "x86_64"))]
+    let k_quants = false;
+    ty.block_len() == 32 || k_quants
+}
+
 /// `quantized_linear` on the integer path `path` (None: the scalar reference).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn quantized_linear_on(

@@ -14,4 +14,4 @@ pub mod linear;
 mod x86;
 
 pub use formats::GgmlType;
-pub use linear::{dequantize, quantized_linear};
+pub use linear::{dequantize, kernel_at_every_token_count, quantized_linear};
