@@ -19,7 +19,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedkv.layers import quantized_linear as quantized_linear_module
 from pagedkv.layers.quantized_linear import GGML_TYPES, QuantizedLinear, dequantize, quantized_linear, row_bytes
 from pagedkv_core import _core
 from pagedkv_core.errors import InvalidConfigError
