@@ -128,22 +128,21 @@ def reference_linear(x: np.ndarray, blocks: np.ndarray, ggml_type: str, bias=Non
                 mins = fma32(w_min.reshape(1, n, per_row)[:, :, b], act_extra.reshape(m, 1, per_row)[:, :, b], mins)
         total = acc + mins
         return total if bias is None else total + bias
-    act_q, w_q = act_q.reshape(m, 1, per_row, -1, 8, 4), w_q.reshape(1, n, per_row, -1, 8, 4)
-    lanes = (act_q * w_q).sum(axis=(3, 5)).astype(F32)  # [M, N, blocks, 8]: exact integers
+    # lane 8 * (which 32 of the block is odd) + (position within the 32) // 4
+    act_q, w_q = act_q.reshape(m, 1, per_row, 4, 2, 8, 4), w_q.reshape(1, n, per_row, 4, 2, 8, 4)
+    lanes = (act_q * w_q).sum(axis=(3, 6)).reshape(m, n, per_row, 16).astype(F32)  # exact integers
     block_scale = w_d.reshape(1, n, per_row) * act_scale.reshape(m, 1, per_row)
-    acc, mins = np.zeros((m, n, 8), F32), np.zeros((m, n), F32)
+    acc, mins = np.zeros((m, n, 16), F32), np.zeros((m, n), F32)
     for b in range(per_row):
         acc = fma32(np.broadcast_to(block_scale[:, :, b, None], lanes[:, :, b].shape), lanes[:, :, b], acc)
-        if ggml_type == "Q4_1":
-            mins = mins + w_min.reshape(1, n, per_row)[:, :, b] * act_extra.reshape(m, 1, per_row)[:, :, b]
-        elif ggml_type == "Q4_K":
+        if ggml_type == "Q4_K":
             dmin, min_values = w_min
             integer = (act_extra.reshape(m, 1, per_row, 8, 2) * min_values.reshape(1, n, per_row, 8, 1)).sum(axis=(3, 4))
             term = dmin.reshape(1, n, per_row)[:, :, b] * act_scale.reshape(m, 1, per_row)[:, :, b]
-            mins = mins + term * integer[:, :, b].astype(F32)
-    a = [acc[:, :, i] for i in range(8)]
+            mins = fma32(term, integer[:, :, b].astype(F32), mins)
+    a = [acc[:, :, i] + acc[:, :, i + 8] for i in range(8)]
     total = ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]))
-    total = total + mins if ggml_type == "Q4_1" else total - mins if ggml_type == "Q4_K" else total
+    total = total - mins if ggml_type == "Q4_K" else total
     return total if bias is None else total + bias
 
 

@@ -7,12 +7,13 @@
 //! - Q4_0, Q4_1, Q8_0 (blocks of 32; eight_rows.rs): per block, the integer total t of w * x
 //!   (w signed: Q4_0 q - 8, Q8_0 q; Q4_1 q), then `acc = fma(d_w * d_x, t, acc)` in f32, and for
 //!   Q4_1 `mins = fma(m, s, mins)`; the result is `acc + mins`.
-//! - Q4_K, Q6_K (blocks of 256; x86.rs): sums into 8 int32 lanes, lane l holding the elements
-//!   whose position within their 32 is 4l..4l+3 (times their sub-block's scale): what AVX2's
-//!   maddubs + madd leave in a register. Per lane, `acc[l] = fma(scale, lanes[l], acc[l])` with
-//!   scale = d_w * d_x; a separate running `mins` for Q4_K's
-//!   (dmin * d) * sum(min * bsum); the result is
-//!   `((acc0 + acc4) + (acc2 + acc6)) + ((acc1 + acc5) + (acc3 + acc7))` minus `mins`.
+//! - Q4_K, Q6_K (blocks of 256; k_quants.rs, x86.rs): sums into 16 int32 lanes, lane l (0..8)
+//!   holding the elements of even 32s (sub-blocks of 32 numbered in the block) whose position
+//!   within their 32 is 4l..4l+3, lane 8 + l those of odd 32s (times their sub-block's scale): what
+//!   maddubs + madd leave in a 512-bit register that holds two 32s. Per lane,
+//!   `acc[l] = fma(scale, lanes[l], acc[l])` with scale = d_w * d_x; Q4_K's mins term has its own
+//!   `mins = fma(dmin * d_x, sum(min * bsum), mins)`; the result is the lanes' tree of
+//!   `Accumulators::finish` minus `mins`.
 
 use super::activations::QuantizedActivations;
 use super::formats::{f16_at, q4_k_scale_min, q6_k_value, GgmlType};
@@ -20,13 +21,13 @@ use super::formats::{f16_at, q4_k_scale_min, q6_k_value, GgmlType};
 /// The float accumulators of one dot product.
 #[derive(Default)]
 pub(crate) struct Accumulators {
-    pub lanes: [f32; 8],
+    pub lanes: [f32; 16],
     pub mins: f32,
 }
 
 impl Accumulators {
     #[inline(always)]
-    fn add_block(&mut self, scale: f32, lanes: [i32; 8]) {
+    fn add_block(&mut self, scale: f32, lanes: [i32; 16]) {
         for (acc, lane) in self.lanes.iter_mut().zip(lanes) {
             *acc = scale.mul_add(lane as f32, *acc);
         }
@@ -35,7 +36,7 @@ impl Accumulators {
     /// The lanes summed in the fixed tree order, then the mins term.
     #[inline(always)]
     pub fn finish(&self, ty: GgmlType) -> f32 {
-        let a = self.lanes;
+        let a: [f32; 8] = std::array::from_fn(|l| self.lanes[l] + self.lanes[l + 8]);
         let total = ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
         if ty == GgmlType::Q4_K {
             total - self.mins
@@ -57,8 +58,8 @@ pub fn dot_row_scalar(ty: GgmlType, row: &[u8], activations: &QuantizedActivatio
         let a = first_block + b;
         let quants = &activations.quants[a * block_len..(a + 1) * block_len];
         let act_scale = activations.scales[a];
-        let mut lanes = [0i32; 8];
-        let lane = |e: usize| (e % 32) / 4;
+        let mut lanes = [0i32; 16];
+        let lane = |e: usize| 8 * ((e / 32) % 2) + (e % 32) / 4;
         match ty {
             GgmlType::Q4_K => {
                 let (scales, nibbles) = (&block[4..16], &block[16..144]);
@@ -70,7 +71,7 @@ pub fn dot_row_scalar(ty: GgmlType, row: &[u8], activations: &QuantizedActivatio
                 }
                 let sums_of_16 = &activations.sums_of_16[16 * a..16 * (a + 1)];
                 let mins: i32 = (0..16).map(|j| sums_of_16[j] * q4_k_scale_min(j / 2, scales).1 as i32).sum();
-                acc.mins += (f16_at(block, 2) * act_scale) * mins as f32;
+                acc.mins = (f16_at(block, 2) * act_scale).mul_add(mins as f32, acc.mins);
             }
             GgmlType::Q6_K => {
                 for (e, &x) in quants.iter().enumerate() {

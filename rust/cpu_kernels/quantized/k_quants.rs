@@ -5,8 +5,9 @@
 //! A register holds 64 consecutive weights of a block (two sub-blocks of 32, unpacked once for
 //! every token), `maddubs` pairs them with the token's 8-bit activations, and `vpdpwssd` adds each
 //! pair times its sub-block's scale into 16 int32 lanes: lane i holds positions 4i..4i+3 of the
-//! 64, so lanes i and i + 8 added are the reference's lane i. Q6_K's -32 offset is taken off as
-//! `maddubs(32, x)`, computed once per token and block for both rows.
+//! 64, the reference's 16 lanes (dot.rs). Q6_K's -32 offset is taken off as `maddubs(32, x)`,
+//! computed once per token and block for both rows; Q4_K's mins term is summed for four tokens at
+//! once.
 
 use std::arch::x86_64::*;
 use std::ops::Range;
@@ -95,9 +96,12 @@ impl RowPair<'_> {
     unsafe fn tile<const T: usize>(&self, first_blocks: [usize; T], sums: &mut [[f32; TILE_TOKENS]; ROWS]) {
         let RowPair { ty, starts, num_blocks, activations, prefetch: (prefetch_from, prefetch_lines) } = *self;
         let block_bytes = ty.block_bytes();
-        let mut acc = [[_mm256_setzero_ps(); T]; ROWS];
-        let mut mins = [[0f32; T]; ROWS];
+        let mut acc = [[_mm512_setzero_ps(); T]; ROWS];
+        // Q4_K's mins terms per row, token t in lane t.
+        let mut mins = [_mm_setzero_ps(); ROWS];
         let thirty_two = _mm512_set1_epi8(32);
+        let zero = _mm512_setzero_si512();
+        let low_halves = _mm512_set1_epi32(0xffff);
         for b in 0..num_blocks {
             let blocks: [*const u8; ROWS] = std::array::from_fn(|r| starts[r].add(b * block_bytes));
             for line in b * prefetch_lines..(b + 1) * prefetch_lines {
@@ -114,26 +118,42 @@ impl RowPair<'_> {
                 });
             }
             let mut lanes = [[_mm512_setzero_si512(); T]; ROWS];
-            for part in 0..4 {
-                let mut weights = [_mm512_setzero_si512(); ROWS];
-                let mut part_scales = [_mm512_setzero_si512(); ROWS];
+            for pair in 0..2 {
+                // (Loops, not closures: a closure is compiled without this function's target
+                // features, so the intrinsics in it would become calls.)
+                let mut weights = [[zero; 2]; ROWS];
+                let mut pair_scales = [zero; ROWS];
                 for r in 0..ROWS {
-                    weights[r] = unpack_64(ty, blocks[r], part);
-                    part_scales[r] = _mm512_permutexvar_epi16(scale_index(ty, part), scales[r]);
+                    for i in 0..2 {
+                        weights[r][i] = unpack_64(ty, blocks[r], 2 * pair + i);
+                    }
+                    pair_scales[r] = _mm512_permutexvar_epi16(scale_index(ty, pair), scales[r]);
                 }
                 for t in 0..T {
                     let a = first_blocks[t] + b;
-                    let x = _mm512_loadu_si512(activations.quants.as_ptr().add(256 * a + 64 * part) as *const _);
-                    let offset = if ty == GgmlType::Q6_K { _mm512_maddubs_epi16(thirty_two, x) } else { x };
-                    for r in 0..ROWS {
-                        let mut pairs = _mm512_maddubs_epi16(weights[r], x);
+                    let (mut x, mut start) = ([zero; 2], [zero; 2]);
+                    for i in 0..2 {
+                        x[i] = _mm512_loadu_si512(
+                            activations.quants.as_ptr().add(256 * a + 64 * (2 * pair + i)) as *const _
+                        );
                         if ty == GgmlType::Q6_K {
-                            // (q - 32) * x as q * x - 32 * x: both pair sums fit int16, so does the difference.
-                            pairs = _mm512_sub_epi16(pairs, offset);
+                            // (q - 32) * x: dpbusd sums q * x onto -32 * x.
+                            start[i] = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, thirty_two, x[i]));
                         }
-                        lanes[r][t] = _mm512_dpwssd_epi32(lanes[r][t], pairs, part_scales[r]);
+                    }
+                    for r in 0..ROWS {
+                        // Each lane's sum of four products fits int16 (|sum| <= 4 * 32 * 127): the two
+                        // parts' sums go side by side into one lane, and one dpwssd scales and adds both.
+                        let even = _mm512_dpbusd_epi32(start[0], weights[r][0], x[0]);
+                        let odd = _mm512_dpbusd_epi32(start[1], weights[r][1], x[1]);
+                        let both = _mm512_ternarylogic_epi32::<0xD8>(_mm512_slli_epi32::<16>(odd), even, low_halves);
+                        lanes[r][t] = _mm512_dpwssd_epi32(lanes[r][t], both, pair_scales[r]);
                     }
                 }
+            }
+            let mut act_scales = [0f32; TILE_TOKENS];
+            for t in 0..T {
+                act_scales[t] = *activations.scales.get_unchecked(first_blocks[t] + b);
             }
             for r in 0..ROWS {
                 let (weight_scale, weight_min) = if ty == GgmlType::Q6_K {
@@ -141,27 +161,34 @@ impl RowPair<'_> {
                 } else {
                     (half(blocks[r]), half(blocks[r].add(2)))
                 };
-                for t in 0..T {
-                    let a = first_blocks[t] + b;
-                    let act_scale = *activations.scales.get_unchecked(a);
-                    if ty == GgmlType::Q4_K {
-                        let sums_of_32 = _mm_loadu_si128(activations.sums_of_32.as_ptr().add(8 * a) as *const __m128i);
-                        let block_mins = _mm256_extracti128_si256::<1>(_mm512_castsi512_si256(scales[r]));
-                        let integer = horizontal_sum(_mm_madd_epi16(block_mins, sums_of_32));
-                        mins[r][t] += (weight_min * act_scale) * integer as f32;
+                if ty == GgmlType::Q4_K {
+                    // Each token's sum of min * (sum of its 32 activations), exact, in lane t.
+                    let block_mins = _mm256_extracti128_si256::<1>(_mm512_castsi512_si256(scales[r]));
+                    let mut products = [_mm_setzero_si128(); 4];
+                    for t in 0..T {
+                        let sums_of_32 = activations.sums_of_32.as_ptr().add(8 * (first_blocks[t] + b));
+                        products[t] = _mm_madd_epi16(block_mins, _mm_loadu_si128(sums_of_32 as *const __m128i));
                     }
-                    let wide = lanes[r][t];
-                    let eight = _mm256_add_epi32(_mm512_castsi512_si256(wide), _mm512_extracti64x4_epi64::<1>(wide));
-                    let scale = _mm256_set1_ps(weight_scale * act_scale);
-                    acc[r][t] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(eight), acc[r][t]);
+                    let totals = _mm_hadd_epi32(
+                        _mm_hadd_epi32(products[0], products[1]),
+                        _mm_hadd_epi32(products[2], products[3]),
+                    );
+                    let scale = _mm_mul_ps(_mm_set1_ps(weight_min), _mm_loadu_ps(act_scales.as_ptr()));
+                    mins[r] = _mm_fmadd_ps(scale, _mm_cvtepi32_ps(totals), mins[r]);
+                }
+                for t in 0..T {
+                    let scale = _mm512_set1_ps(weight_scale * act_scales[t]);
+                    acc[r][t] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(lanes[r][t]), acc[r][t]);
                 }
             }
         }
         for r in 0..ROWS {
+            let mut token_mins = [0f32; 4];
+            _mm_storeu_ps(token_mins.as_mut_ptr(), mins[r]);
             for t in 0..T {
-                let mut lanes = [0f32; 8];
-                _mm256_storeu_ps(lanes.as_mut_ptr(), acc[r][t]);
-                sums[r][t] = Accumulators { lanes, mins: mins[r][t] }.finish(ty);
+                let mut lanes = [0f32; 16];
+                _mm512_storeu_ps(lanes.as_mut_ptr(), acc[r][t]);
+                sums[r][t] = Accumulators { lanes, mins: token_mins[t] }.finish(ty);
             }
         }
     }
@@ -193,13 +220,25 @@ unsafe fn unpack_64(ty: GgmlType, block: *const u8, part: usize) -> __m512i {
     _mm512_ternarylogic_epi32::<0xEC>(low_bits, high_bits, low_nibbles)
 }
 
-/// For `_mm512_permutexvar_epi16`: which of the 16 int16 scales each int16 pair of a part's
-/// `maddubs` takes. Q4_K: sub-blocks of 32 (2 * part, 2 * part + 1); Q6_K: of 16 (4 * part ..).
+/// For `_mm512_permutexvar_epi16`: the scales of parts 2 * pair (even int16) and 2 * pair + 1
+/// (odd) for each int32 lane i (elements 4i..4i+3 of a part): Q4_K's sub-blocks of 32
+/// (2 * part + i / 8), Q6_K's of 16 (4 * part + i / 4).
 #[inline(always)]
-unsafe fn scale_index(ty: GgmlType, part: usize) -> __m512i {
-    let per_scale = if ty == GgmlType::Q4_K { 16 } else { 8 };
-    let first = (part * 32 / per_scale) as i16;
-    let index: [i16; 32] = std::array::from_fn(|w| first + (w / per_scale) as i16);
+unsafe fn scale_index(ty: GgmlType, pair: usize) -> __m512i {
+    const fn table(sub_block_len: usize) -> [[i16; 32]; 2] {
+        let mut table = [[0i16; 32]; 2];
+        let mut w = 0;
+        while w < 64 {
+            let (pair, lane, odd) = (w / 32, (w % 32) / 2, w % 2);
+            let element = 64 * (2 * pair + odd) + 4 * lane;
+            table[pair][w % 32] = (element / sub_block_len) as i16;
+            w += 1;
+        }
+        table
+    }
+    static Q4_K: [[i16; 32]; 2] = table(32);
+    static Q6_K: [[i16; 32]; 2] = table(16);
+    let index = if ty == GgmlType::Q4_K { &Q4_K[pair] } else { &Q6_K[pair] };
     _mm512_loadu_si512(index.as_ptr() as *const _)
 }
 
@@ -228,12 +267,4 @@ unsafe fn q4_k_scales_and_mins(block: *const u8) -> __m256i {
 unsafe fn half(at: *const u8) -> f32 {
     let bits = (at as *const u16).read_unaligned();
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
-}
-
-/// The exact sum of four int32 lanes.
-#[inline(always)]
-unsafe fn horizontal_sum(v: __m128i) -> i32 {
-    let v = _mm_add_epi32(v, _mm_unpackhi_epi64(v, v));
-    let v = _mm_add_epi32(v, _mm_shuffle_epi32::<0b01>(v));
-    _mm_cvtsi128_si32(v)
 }

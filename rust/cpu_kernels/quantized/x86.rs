@@ -1,5 +1,6 @@
 //! The AVX2 dot products of the K-quants (Q4_K, Q6_K): the scalar reference's integer lanes
-//! (dot.rs) from maddubs + madd, and its float combination in the same order. One weight row is
+//! (dot.rs; even and odd 32s in two registers) from maddubs + madd, and its float combination in
+//! the same order. One weight row is
 //! read once for up to `T` tokens: each 32 weights are unpacked once and meet every token's
 //! activations. (The blocks of 32 take eight_rows.rs.)
 
@@ -51,7 +52,8 @@ unsafe fn dot_rows<const R: usize, const T: usize>(
                 && activations.quants.len() >= (first + num_blocks) * block_len
         );
     }
-    let mut acc = [[_mm256_setzero_ps(); T]; R];
+    // [even 32s' lanes, odd 32s' lanes] per row and token (dot.rs's 16 lanes)
+    let mut acc = [[[_mm256_setzero_ps(); 2]; T]; R];
     let mut mins = [[0f32; T]; R];
     for b in 0..num_blocks {
         for r in 0..R {
@@ -60,7 +62,7 @@ unsafe fn dot_rows<const R: usize, const T: usize>(
             // caller reads next), so that they arrive before they are read. A prefetch of an
             // address outside the weights is harmless: it never faults.
             _mm_prefetch::<_MM_HINT_T0>(block.as_ptr().wrapping_add(PREFETCH_BYTES) as *const i8);
-            let mut lanes = [_mm256_setzero_si256(); T];
+            let mut lanes = [[_mm256_setzero_si256(); 2]; T];
             for chunk in 0..block_len / 32 {
                 let (q, scales) = weight_chunk(ty, block, chunk);
                 for (t, lanes) in lanes.iter_mut().enumerate() {
@@ -75,6 +77,7 @@ unsafe fn dot_rows<const R: usize, const T: usize>(
                     } else {
                         _mm256_maddubs_epi16(q, x)
                     };
+                    let lanes = &mut lanes[chunk % 2];
                     *lanes = _mm256_add_epi32(*lanes, _mm256_madd_epi16(products, scales));
                 }
             }
@@ -89,17 +92,20 @@ unsafe fn dot_rows<const R: usize, const T: usize>(
                 if let Some(block_mins) = q4_k_mins {
                     let sums_of_16 = activations.sums_of_16.get_unchecked(16 * a..16 * (a + 1));
                     let integer: i32 = (0..16).map(|j| sums_of_16[j] * block_mins[j / 2]).sum();
-                    mins[r][t] += (weight_min * act_scale) * integer as f32;
+                    mins[r][t] = (weight_min * act_scale).mul_add(integer as f32, mins[r][t]);
                 }
                 let scale = _mm256_set1_ps(weight_scale * act_scale);
-                acc[r][t] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(lanes[t]), acc[r][t]);
+                for half in 0..2 {
+                    acc[r][t][half] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(lanes[t][half]), acc[r][t][half]);
+                }
             }
         }
     }
     std::array::from_fn(|r| {
         std::array::from_fn(|t| {
-            let mut lanes = [0f32; 8];
-            _mm256_storeu_ps(lanes.as_mut_ptr(), acc[r][t]);
+            let mut lanes = [0f32; 16];
+            _mm256_storeu_ps(lanes.as_mut_ptr(), acc[r][t][0]);
+            _mm256_storeu_ps(lanes.as_mut_ptr().add(8), acc[r][t][1]);
             Accumulators { lanes, mins: mins[r][t] }.finish(ty)
         })
     })
