@@ -124,8 +124,8 @@ impl RowPair<'_> {
                 let mut weights = [[zero; 2]; ROWS];
                 let mut pair_scales = [zero; ROWS];
                 for r in 0..ROWS {
-                    for i in 0..2 {
-                        weights[r][i] = unpack_64(ty, blocks[r], 2 * pair + i);
+                    for (i, weight) in weights[r].iter_mut().enumerate() {
+                        *weight = unpack_64(ty, blocks[r], 2 * pair + i);
                     }
                     pair_scales[r] = _mm512_permutexvar_epi16(scale_index(ty, pair), scales[r]);
                 }
