@@ -204,3 +204,31 @@ def test_chat_template_kwargs_reach_the_template():
         assert not live.engine.tokenizer.decode(tokens()).startswith("LOUD")
     finally:
         live.stop()
+
+
+def test_reasoning_effort_reaches_the_template_as_vllm_passes_it():
+    """Chat's reasoning_effort and Responses' reasoning.effort are template variables, with
+    enable_thinking false for "none" unless chat_template_kwargs sets it (vLLM's)."""
+    from support.live_server import LiveServer
+
+    template = ("{% if reasoning_effort is defined %}EFFORT {{ reasoning_effort }} {% endif %}"
+                "{% if enable_thinking is defined and not enable_thinking %}NOTHINK {% endif %}"
+                "{{ messages[-1]['content'] }}")
+    live = LiveServer(chat_template=template, num_device_blocks=32, max_model_len=128)
+    try:
+        def prompt(route: str = "/v1/chat/completions", **extra) -> str:
+            body = ({"messages": [{"role": "user", "content": "hello"}], "max_tokens": 1} if route.endswith("completions")
+                    else {"input": "hello", "max_output_tokens": 1, "enable_response_messages": True})
+            reply = httpx.post(live.url + route, json={**body, "return_token_ids": True, **extra}, timeout=60).json()
+            ids = reply["prompt_token_ids"] if "prompt_token_ids" in reply else reply["input_messages"][0]["tokens"]
+            return live.engine.tokenizer.decode(ids)
+
+        assert prompt() == "hello"
+        assert prompt(reasoning_effort="low") == "EFFORT low hello"
+        assert prompt(reasoning_effort="none") == "EFFORT none NOTHINK hello"
+        assert prompt(reasoning_effort="none", chat_template_kwargs={"enable_thinking": True}) == "EFFORT none hello"
+        assert httpx.post(live.url + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "hello"}], "reasoning_effort": "huge"}).status_code == 400
+        assert prompt("/v1/responses", reasoning={"effort": "high"}) == "EFFORT high hello"
+    finally:
+        live.stop()

@@ -82,3 +82,43 @@ def test_a_server_with_the_mistral_parser_returns_tool_calls():
     assert choices["mistral"]["finish_reason"] == "tool_calls"
     [call] = choices["mistral"]["message"]["tool_calls"]
     assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"])["city"]
+
+
+def test_parallel_tool_calls_false_returns_the_first_call_only():
+    """vLLM's parallel_tool_calls: false keeps a reply's first call, whole and streamed, in chat and
+    Responses; by default every call is returned."""
+    from support.live_server import LiveServer
+
+    reply = REPLIES["hermes"][0]
+    regex = "".join("\\" + c if c in "{}[]().*+?|^$\\" else c for c in reply)  # the reply, literally
+    chat = {"messages": [{"role": "user", "content": "Weather in Oslo?"}], "tools": [WEATHER, TIME],
+            "max_tokens": 200, "temperature": 0, "guided_regex": regex}  # (the grammar's text: ~100 tokens)
+    live = LiveServer(num_device_blocks=64, max_model_len=512)
+    try:
+        def names(**extra) -> list[str]:
+            body = {**chat, **extra}
+            if not body.get("stream"):
+                message = httpx.post(live.url + "/v1/chat/completions", json=body, timeout=120).json()["choices"][0]
+                return [call["function"]["name"] for call in message["message"]["tool_calls"]]
+            found = []
+            with httpx.stream("POST", live.url + "/v1/chat/completions", json=body, timeout=120) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: {"):
+                        for choice in json.loads(line[6:])["choices"]:
+                            found += [call["function"]["name"] for call in choice["delta"].get("tool_calls") or []]
+            return found
+
+        assert names() == ["get_weather", "get_time"]
+        assert names(parallel_tool_calls=False) == ["get_weather"]
+        assert names(parallel_tool_calls=False, stream=True) == ["get_weather"]
+        assert names(stream=True) == ["get_weather", "get_time"]
+        responses = {"input": "Weather in Oslo?", "tools": [{"type": "function", **WEATHER["function"]},
+                                                            {"type": "function", **TIME["function"]}],
+                     "max_output_tokens": 200, "temperature": 0, "guided_regex": regex}
+        for parallel, want in ((True, 2), (False, 1)):
+            body = httpx.post(live.url + "/v1/responses", json={**responses, "parallel_tool_calls": parallel},
+                              timeout=120).json()
+            assert [item["type"] for item in body["output"]].count("function_call") == want, body["output"]
+            assert body["parallel_tool_calls"] is parallel
+    finally:
+        live.stop()

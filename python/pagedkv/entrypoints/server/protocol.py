@@ -452,6 +452,22 @@ def _prompt_list(prompt, field: str) -> list[Union[str, list[int]]]:
     return list(prompt)
 
 
+# vLLM's (and OpenAI's) reasoning effort levels; "max" is DeepSeek V4's.
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+
+
+def template_kwargs(given: Optional[dict[str, Any]], reasoning_effort: Optional[str]) -> Optional[dict[str, Any]]:
+    """The chat template's variables, as vLLM passes them: the request's chat_template_kwargs,
+    and a reasoning effort as `reasoning_effort` plus, unless given, `enable_thinking` (false for
+    "none": templates such as Qwen3's and Gemma 4's read it)."""
+    if reasoning_effort is None:
+        return given
+    kwargs = dict(given or {})
+    kwargs["reasoning_effort"] = reasoning_effort
+    kwargs.setdefault("enable_thinking", reasoning_effort != "none")
+    return kwargs
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
@@ -460,6 +476,8 @@ class ChatCompletionRequest(_Sampling):
     tools: Optional[list[ChatTool]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None  # template variables, e.g. {"enable_thinking": false}
+    reasoning_effort: Optional[ReasoningEffort] = None  # a template variable too (`template_kwargs`)
+    parallel_tool_calls: Optional[bool] = True  # false: only the first tool call is returned (vLLM's)
     # vLLM's: the reply continues the last (assistant) message, or starts a new one; `echo` puts
     # that last assistant message's text before the reply's.
     add_generation_prompt: bool = True
@@ -500,6 +518,9 @@ class ChatCompletionRequest(_Sampling):
 
     def chat_logprobs(self) -> Optional[int]:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def template_kwargs(self) -> Optional[dict[str, Any]]:
+        return template_kwargs(self.chat_template_kwargs, self.reasoning_effort)
 
     def conversations(self) -> list[list[ChatMessage]]:
         return [self.messages]
@@ -724,6 +745,14 @@ class TextConfig(_Part):
                       Field(discriminator="type")] = Field(default_factory=lambda: ResponseFormatText(type="text"))
 
 
+class ResponsesReasoning(_Part):
+    """OpenAI's Responses `reasoning`: of it, `effort` is read (`summary` is accepted)."""
+
+    effort: Optional[ReasoningEffort] = None
+    summary: Optional[str] = None
+    generate_summary: Optional[str] = None
+
+
 class ResponsesRequest(_Sampling):
     """OpenAI's Responses API (/v1/responses): `instructions`, a stored previous response's turns
     and the `input` items become chat messages; flat function tools and `text.format` map to their
@@ -740,11 +769,16 @@ class ResponsesRequest(_Sampling):
     background: bool = False  # answered at once ("queued"), then read back by GET /v1/responses/{id}
     metadata: Optional[Annotated[dict[str, str], Field(max_length=16)]] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    reasoning: Optional[ResponsesReasoning] = None  # its effort is a template variable (`template_kwargs`)
+    parallel_tool_calls: Optional[bool] = True  # false: only the first tool call is returned (vLLM's)
     # "message.output_text.logprobs" in `include`: each output_text part carries its tokens'
     # logprobs, with top_logprobs candidates each (vLLM's and OpenAI's)
     include: Optional[list[str]] = None
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     enable_response_messages: bool = False  # (vLLM's: the prompt and reply as raw text and token ids)
+
+    def template_kwargs(self) -> Optional[dict[str, Any]]:
+        return template_kwargs(self.chat_template_kwargs, self.reasoning.effort if self.reasoning else None)
 
     @property
     def includes_logprobs(self) -> bool:

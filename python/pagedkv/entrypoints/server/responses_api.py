@@ -48,7 +48,7 @@ class ResponseState:
             "incomplete_details": incomplete, "error": None, "output": self.items,
             "instructions": request.instructions, "max_output_tokens": request.max_output_tokens,
             "temperature": request.temperature, "top_p": request.top_p, "metadata": request.metadata or {},
-            "parallel_tool_calls": True, **request.echoed_fields(), "store": request.store,
+            "parallel_tool_calls": request.parallel_tool_calls is not False, **request.echoed_fields(), "store": request.store,
             "previous_response_id": request.previous_response_id, "background": request.background, "usage": usage,
             **self.raw_messages,
         }

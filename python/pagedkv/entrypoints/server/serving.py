@@ -192,9 +192,10 @@ class ServingContext:
                            "chat_template")
         return template
 
-    def tool_calling(self, chat_tools, tool_choice) -> Optional[ToolCalling]:
-        """The request's tools, read by the server's tool-call parser (None without tools)."""
-        return make_params(lambda: ToolCalling.from_request(chat_tools, tool_choice, self.tool_call_parser))
+    def tool_calling(self, chat_tools, tool_choice, parallel: bool = True) -> Optional[ToolCalling]:
+        """The request's tools, read by the server's tool-call parser (None without tools);
+        `parallel` false returns only the first call of a reply (vLLM's parallel_tool_calls)."""
+        return make_params(lambda: ToolCalling.from_request(chat_tools, tool_choice, self.tool_call_parser, parallel))
 
     def with_reasoning(self, params):
         """GPT-OSS's harmony markers are special tokens: its parser reads replies with them."""

@@ -43,9 +43,11 @@ class ToolCalling:
     functions: dict[str, dict]  # name -> parameters schema
     choice: Union[str, dict]  # "auto", "required" or the name of the forced function
     parser: str = "hermes"  # how "auto" finds calls in the text (PARSERS)
+    parallel: bool = True  # false: a reply's first call only (the request's parallel_tool_calls)
 
     @classmethod
-    def from_request(cls, tools: Optional[list[dict]], tool_choice, parser: str = "hermes") -> Optional["ToolCalling"]:
+    def from_request(cls, tools: Optional[list[dict]], tool_choice, parser: str = "hermes",
+                     parallel: bool = True) -> Optional["ToolCalling"]:
         """None when the request does not call tools. Raises ValueError naming the field."""
         if parser not in PARSERS:
             raise ValueError(f"tool-call parser must be one of {PARSERS}, got {parser!r}")
@@ -60,15 +62,15 @@ class ToolCalling:
                 raise ValueError(f"tools must be {{'type': 'function', 'function': {{'name': ...}}}} entries, got {tool!r}")
             functions[function["name"]] = function.get("parameters") or {"type": "object", "properties": {}}
         if tool_choice in (None, "auto"):
-            return cls(functions, "auto", parser)
+            return cls(functions, "auto", parser, parallel)
         if tool_choice == "none":
             return None
         if tool_choice == "required":
-            return cls(functions, "required", parser)
+            return cls(functions, "required", parser, parallel)
         name = (tool_choice.get("function") or {}).get("name") if isinstance(tool_choice, dict) else None
         if name not in functions:
             raise ValueError(f"tool_choice must be none, auto, required or one of the tools' names, got {tool_choice!r}")
-        return cls(functions, {"name": name}, parser)
+        return cls(functions, {"name": name}, parser, parallel)
 
     @property
     def constrained(self) -> bool:
@@ -122,9 +124,15 @@ class ToolCalling:
         return ("" if self.constrained else (content or "")[sent:].strip()), calls, reason
 
     def parse(self, text: str, finish_reason: Optional[str]) -> tuple[Optional[str], list[dict], Optional[str]]:
-        """(content, tool calls, finish_reason) of a finished output. A named function's call is
-        its text, whole or cut off by max_tokens (finish_reason "length" says so, as in vLLM);
-        otherwise text that does not parse stays content, with no tool calls."""
+        """(content, tool calls, finish_reason) of a finished output: `_parse`'s, the first call
+        only unless `parallel`."""
+        content, calls, reason = self._parse(text, finish_reason)
+        return content, calls if self.parallel else calls[:1], reason
+
+    def _parse(self, text: str, finish_reason: Optional[str]) -> tuple[Optional[str], list[dict], Optional[str]]:
+        """A named function's call is its text, whole or cut off by max_tokens (finish_reason
+        "length" says so, as in vLLM); otherwise text that does not parse stays content, with no
+        tool calls."""
         if isinstance(self.choice, dict):
             return None, [_call(self.choice["name"], text)], finish_reason
         if self.choice == "required":

@@ -54,7 +54,7 @@ async def answer_chat(body: ChatCompletionRequest, request: Request, context: Se
     default_max = max(1, context.max_model_len // 2)
     params = make_params(lambda: body.sampling_params(body.chat_logprobs(), default_max, context.generation_defaults))
     chat_tools, tool_choice = body.chat_tools()
-    tools = context.tool_calling(chat_tools, tool_choice)
+    tools = context.tool_calling(chat_tools, tool_choice, parallel=body.parallel_tool_calls is not False)
     params = context.with_reasoning(with_tools(params, tools, "structured outputs (response_format, guided_*)"))
     forwarded = body.forwarded_prompt_token_ids(context.model_info.vocab_size)
     if forwarded is not None:
@@ -72,7 +72,7 @@ async def chat_prompt(context: ServingContext, body: ChatCompletionRequest, conv
     embeddings the engine takes (decoded and tokenized off the event loop)."""
     embeds = [part.data for message in conversation for part in message.embeds_parts()]
     marker = embeds_marker() if embeds else ""
-    text = await context.chat_prompt(conversation, body.add_generation_prompt, chat_tools, body.chat_template_kwargs,
+    text = await context.chat_prompt(conversation, body.add_generation_prompt, chat_tools, body.template_kwargs(),
                                      body.continue_final_message, marker, body.chat_template)
     if not embeds:
         return text_prompt(text, body.add_special_tokens)

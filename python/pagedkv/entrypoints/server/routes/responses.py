@@ -40,10 +40,10 @@ async def responses(body: ResponsesRequest, request: Request, context: ServingCo
     messages = make_params(lambda: body.messages(history))
     conversation = history + make_params(body.input_messages)  # (instructions are not carried over)
     chat_tools, tool_choice = make_params(body.chat_tools)
-    tools = context.tool_calling(chat_tools, tool_choice)
+    tools = context.tool_calling(chat_tools, tool_choice, parallel=body.parallel_tool_calls is not False)
     params = context.with_reasoning(with_tools(params, tools, "text.format"))
     prompt = await context.chat_prompt(messages, True, chat_tools if tools is not None else None,
-                                       body.chat_template_kwargs)
+                                       body.template_kwargs())
     response = ResponseState(served, body, context.reasoning, tools)
     builder, logprob_options = context.builders[served], ReplyOptions(chat=True, top_logprobs=body.top_logprobs or 0,
                                                                          tokens_as_ids=context.tokens_as_ids)
