@@ -28,6 +28,10 @@ class EngineConfig:
     """GGUF file name inside `model` (a directory)."""
     tokenizer: Optional[str] = None
     """Tokenizer dir or .gguf file, when it is not next to the weights."""
+    skip_tokenizer_init: bool = False
+    """vLLM's: load no tokenizer (a checkpoint without one serves). Prompts are token ids (text,
+    chat messages, stop strings, bad words and structured outputs are refused: they need one) and
+    outputs carry token ids with empty text; a router or client tokenizes on its side."""
     load_format: str = "auto"
     """auto: the checkpoint's weights; dummy (vLLM's name): random weights of the right shapes and
     dtype, built from `model`'s config.json alone (no weight files read), for benchmarks at real

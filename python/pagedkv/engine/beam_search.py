@@ -129,7 +129,7 @@ class BeamSearch:
         return [
             CompletionOutput(
                 index=index,
-                text=tokenizer.decode(hyp.token_ids, skip_special_tokens=skip_special_tokens),
+                text=tokenizer.decode(hyp.token_ids, skip_special_tokens=skip_special_tokens) if tokenizer else "",
                 token_ids=hyp.token_ids,
                 finish_reason="stop" if hyp.token_ids and hyp.token_ids[-1] in self.eos_token_ids else "length",
                 cumulative_logprob=hyp.cumulative_logprob,

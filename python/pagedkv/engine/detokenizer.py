@@ -56,9 +56,10 @@ def _plain_backend(tokenizer):
 
 
 def detokenize_incrementally(tokenizer, token_ids: list[int], state: DetokenizerState, skip_special_tokens: bool) -> str:
-    """Updates `state` for the tokens added since the last call and returns the text so far."""
+    """Updates `state` for the tokens added since the last call and returns the text so far ("" with
+    no tokenizer: skip_tokenizer_init)."""
     num_seen, num_tokens = state.num_seen, len(token_ids)
-    if num_seen == num_tokens:
+    if num_seen == num_tokens or tokenizer is None:
         return state.text
     state.num_seen = num_tokens
     stream = state.stream
@@ -95,6 +96,6 @@ def detokenize_final(tokenizer, token_ids: list[int], state: DetokenizerState, s
     """The finished sequence's text: one whole decode (exact, and it flushes text held back
     mid-character), done once however often the request is reported afterwards."""
     if not state.final:
-        state.text = tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        state.text = tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens) if tokenizer else ""
         state.final = True
     return state.text

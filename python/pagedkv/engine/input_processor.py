@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import operator
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -50,7 +51,8 @@ class InputProcessor:
         self.grammar_compiler: Optional[GrammarCompiler] = None  # built at the first structured-output request
         self._grammar_compiler_lock = threading.Lock()
         # Longer prompt texts are refused before tokenizing: they cannot fit in max_model_len.
-        self.max_prompt_chars = 2 * max_model_len * longest_token_chars(tokenizer)
+        # (Without a tokenizer every text is refused, by `tokenize`.)
+        self.max_prompt_chars = 2 * max_model_len * longest_token_chars(tokenizer) if tokenizer else sys.maxsize
 
     def default_sampling_params(self) -> SamplingParams:
         """pagedkv's defaults, overridden by the model's generation config."""
@@ -85,6 +87,8 @@ class InputProcessor:
             prompt_text = None
         else:
             prompt_text, prompt_token_ids = self._prompt_tokens(prompt, params)
+        if params.stop and self.tokenizer is None:
+            raise ValueError(no_tokenizer("stop strings (stop_token_ids need none)"))
         vocab_size = self.model_info.vocab_size
         token_id_fields = (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids),
                            ("allowed_token_ids", params.allowed_token_ids or ()),
@@ -166,11 +170,15 @@ class InputProcessor:
         `add_special_tokens`); ValueError naming `field` for text that is not valid Unicode (a lone
         surrogate, which JSON allows): the tokenizer would raise a TypeError."""
         check_unicode(text, field)
+        if self.tokenizer is None:
+            raise ValueError(NO_TEXT_PROMPTS)
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def bad_words_token_ids(self, bad_words: Optional[list[str]]) -> tuple[tuple[int, ...], ...]:
         """Each bad word as the model writes it: alone and after a space (vLLM's two spellings)."""
         spellings = set()
+        if bad_words and self.tokenizer is None:
+            raise ValueError(no_tokenizer("bad_words"))
         for word in bad_words or ():
             for text in (word.lstrip(), " " + word.lstrip()):
                 token_ids = self.tokenizer.encode(text, add_special_tokens=False)
@@ -182,6 +190,8 @@ class InputProcessor:
         """The compiled constraint of a structured-output request, else None (any thread)."""
         if params.structured_outputs is None:
             return None
+        if self.tokenizer is None:
+            raise ValueError(no_tokenizer("structured outputs"))
         with self._grammar_compiler_lock:
             if self.grammar_compiler is None:
                 self.grammar_compiler = GrammarCompiler(self.tokenizer, self.model_info.vocab_size, self.eos_token_ids,
@@ -235,6 +245,14 @@ def prompt_of(prompt) -> Union[str, list[int], dict]:
         raise ValueError(
             f"a prompt dict needs 'prompt', 'prompt_token_ids' or 'prompt_embeds', got keys {sorted(prompt)}")
     return prompt
+
+
+# vLLM's words, which its tests match.
+NO_TEXT_PROMPTS = "You cannot pass text prompts when `skip_tokenizer_init=True`"
+
+
+def no_tokenizer(what: str) -> str:
+    return f"{what} need a tokenizer, and this engine has none (`skip_tokenizer_init=True`)"
 
 
 def longest_token_chars(tokenizer) -> int:

@@ -65,7 +65,9 @@ class LLM:
         return self.engine.get_default_sampling_params()
 
     def get_tokenizer(self):
-        """The model's tokenizer (vLLM's accessor)."""
+        """The model's tokenizer (vLLM's accessor); a ValueError with skip_tokenizer_init."""
+        if self.tokenizer is None:
+            raise ValueError("Tokenizer not available when `skip_tokenizer_init=True`")
         return self.tokenizer
 
     def generate(
@@ -137,7 +139,7 @@ class LLM:
         scores each pair encoded together (its sigmoid); any other model scores the cosine
         similarity of the two texts' embeddings."""
         pairs = score_pairs(text_1, text_2)
-        prompts, params = scoring_requests(pairs, self.tokenizer, self.engine.model_info.num_labels)
+        prompts, params = scoring_requests(pairs, self.get_tokenizer(), self.engine.model_info.num_labels)
         outputs = self._run_to_completion(prompts, [params] * len(prompts), None, use_tqdm, "scoring", lora_request)
         return [ScoringRequestOutput(f"score-{next(self._ids)}", ScoringOutput(score), token_ids)
                 for score, token_ids in scores_of(pairs, prompts, outputs, params)]
@@ -193,7 +195,7 @@ class LLM:
         `chat_template_kwargs` are template variables (e.g. Qwen3's `enable_thinking`)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
-            text_prompt(self.tokenizer.apply_chat_template(
+            text_prompt(self.get_tokenizer().apply_chat_template(
                 conversation, chat_template=chat_template, tokenize=False, add_generation_prompt=True,
                 **(chat_template_kwargs or {}),
             ))
@@ -222,7 +224,8 @@ class LLM:
         outputs = self.generate(prompt_list, sampling, use_tqdm=use_tqdm, lora_request=lora_request)
         results = []
         for output in outputs:
-            prompt_text = output.prompt if output.prompt is not None else self.tokenizer.decode(output.prompt_token_ids)
+            prompt_text = (output.prompt if output.prompt is not None
+                           else self.tokenizer.decode(output.prompt_token_ids) if self.tokenizer else "")
             results.append(BeamSearchOutput([
                 BeamSearchSequence(output.prompt_token_ids + beam.token_ids, prompt_text + beam.text,
                                    beam.cumulative_logprob, beam.finish_reason)

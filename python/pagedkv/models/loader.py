@@ -141,12 +141,13 @@ def model_spec(model: str | None, gguf_file: str | None) -> ModelSpec:
 
 
 def load(model: str | None, gguf_file: str | None, tokenizer: str | None, dtype, device, max_positions: int | None,
-         dummy: bool = False, gguf_weights: str = "auto"):
+         dummy: bool = False, gguf_weights: str = "auto", skip_tokenizer: bool = False):
     """Builds our model from the checkpoint's config and weights; returns a LoadedModel. Under
     tensor parallelism (parallel.using_group) the model is this rank's shard. `dummy`: random
     weights instead of the checkpoint's (load_format="dummy"), from its config alone.
     `gguf_weights` (EngineConfig's): "quantized" or "auto" keep a GGUF's quantized linear weights as
-    GGUF blocks (models/gguf_quantized.py; float32 on one CPU only; "quantized" warns elsewhere)."""
+    GGUF blocks (models/gguf_quantized.py; float32 on one CPU only; "quantized" warns elsewhere).
+    `skip_tokenizer` (skip_tokenizer_init): no tokenizer is loaded (LoadedModel.tokenizer None)."""
     from transformers import AutoTokenizer
 
     given_directory, given_gguf = _split_gguf(model, gguf_file)
@@ -233,14 +234,17 @@ def load(model: str | None, gguf_file: str | None, tokenizer: str | None, dtype,
         logger.info("kept %d linear layers%s%s as stored in %s", kept, f", the {head} LM head" if head else "",
                     f", the {table} embedding table" if table else "", given_gguf)
 
-    tokenizer_source, tokenizer_gguf = _readable(tokenizer, None) if tokenizer else (directory, gguf)
-    try:
-        tok = AutoTokenizer.from_pretrained(tokenizer_source, gguf_file=tokenizer_gguf)
-    except (OSError, ValueError) as error:
-        if dummy and not tokenizer:
-            raise ValueError(f"load_format='dummy': {directory!r} has no tokenizer; pass tokenizer= "
-                             "(a tokenizer directory or .gguf file)") from error
-        raise
+    tok = None
+    if not skip_tokenizer:
+        tokenizer_source, tokenizer_gguf = _readable(tokenizer, None) if tokenizer else (directory, gguf)
+        try:
+            tok = AutoTokenizer.from_pretrained(tokenizer_source, gguf_file=tokenizer_gguf)
+        except (OSError, ValueError) as error:
+            if not tokenizer:
+                raise ValueError(f"{'load_format=dummy: ' if dummy else ''}{directory!r} has no tokenizer that loads "
+                                 f"({error}); pass tokenizer= (a tokenizer directory or .gguf file), or "
+                                 "skip_tokenizer_init=True for token ids in and out") from error
+            raise
     generation_config = load_generation_config(directory, gguf)
     eos = _eos_token_ids(hf_config, generation_config, tok)
     name = os.path.basename(os.path.join(given_directory, given_gguf or "").rstrip("/")) or given_directory
@@ -353,7 +357,7 @@ def _eos_token_ids(hf_config, generation_config, tokenizer) -> list[int]:
             ids.add(value)
         elif value:
             ids.update(value)
-    if tokenizer.eos_token_id is not None:
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return sorted(ids)
 

@@ -94,7 +94,7 @@ class ModelRunner:
         with using_group(self.group):
             loaded = load(config.model, config.gguf_file, config.tokenizer, self.dtype, self.device,
                           config.max_model_len, dummy=config.load_format == "dummy",
-                          gguf_weights=config.gguf_weights)
+                          gguf_weights=config.gguf_weights, skip_tokenizer=config.skip_tokenizer_init)
         self.model, self.tokenizer, self.hf_config = loaded.model, loaded.tokenizer, loaded.hf_config
         if not config.is_cuda and config.cpu_linear_kernel:
             use_cpu_linear(self.model)

@@ -205,9 +205,10 @@ class ResponseBuilder:
         return self.reasoning.split(text, finished) if self.reasoning is not None else ("", text)
 
     def prompt_text(self, output: RequestOutput) -> str:
+        """The prompt as text ("" for token ids with no tokenizer: --skip-tokenizer-init)."""
         if output.prompt is not None:
             return output.prompt
-        return self.tokenizer.decode(output.prompt_token_ids)
+        return self.tokenizer.decode(output.prompt_token_ids) if self.tokenizer is not None else ""
 
     def embeddings(self, outputs: list[EmbeddingRequestOutput], encoding_format: str) -> dict:
         """OpenAI's embeddings list; base64 is the little-endian float32 bytes, as OpenAI sends."""
@@ -309,8 +310,9 @@ class ResponseBuilder:
         return described
 
     def token_text(self, tokens_as_ids: bool):
-        """How logprobs name a token: its text, or "token_id:<id>" (return_tokens_as_token_ids)."""
-        if tokens_as_ids:
+        """How logprobs name a token: its text, or "token_id:<id>" (return_tokens_as_token_ids, and
+        always with no tokenizer: --skip-tokenizer-init)."""
+        if tokens_as_ids or self.tokenizer is None:
             return lambda token_ids: f"token_id:{token_ids[0]}"
         return self.tokenizer.decode
 

@@ -124,6 +124,14 @@ class ServingContext:
         """What stopped the engine for good while serving (a tensor-parallel rank lost), else None."""
         return self.client.failure if self.client is not None else None
 
+    def text_tokenizer(self):
+        """The tokenizer, or vLLM's 400 where the engine has none (--skip-tokenizer-init): text in or
+        out needs one."""
+        if self.tokenizer is None:
+            raise APIError(400, "Tokenizer not available when `skip_tokenizer_init=True`", "invalid_request_error",
+                           "skip_tokenizer_init")
+        return self.tokenizer
+
     def check_text_fits(self, text: str, field: str) -> None:
         """A 400 for a text longer than max_model_len tokens of this tokenizer can span (refused
         before it is tokenized or rendered)."""
@@ -166,11 +174,12 @@ class ServingContext:
         enable_thinking); `continue_final_message`: the prompt ends inside the last message;
         prompt_embeds parts rendered as `embeds_marker`; `chat_template`: a request's own template
         in place of the server's (see `request_chat_template`)."""
+        tokenizer = self.text_tokenizer()
         turns = [message.template_fields(embeds_marker) for message in messages]
         kwargs = dict(template_kwargs or {})
         template = self.request_chat_template(chat_template, kwargs.pop("chat_template", None)) or self.chat_template
         try:
-            return await self.client.run_in_worker(lambda: self.tokenizer.apply_chat_template(
+            return await self.client.run_in_worker(lambda: tokenizer.apply_chat_template(
                 turns, tools=tools, chat_template=template, tokenize=False,
                 add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
                 **kwargs))

@@ -77,7 +77,7 @@ async def chat_prompt(context: ServingContext, body: ChatCompletionRequest, conv
     if not embeds:
         return text_prompt(text, body.add_special_tokens)
     return await asyncio.to_thread(make_params, lambda: spliced_prompt(text, marker, decode_prompt_embeds(embeds),
-                                                                       context.tokenizer, body.add_special_tokens))
+                                                                       context.text_tokenizer(), body.add_special_tokens))
 
 
 async def run(context: ServingContext, request: Request, prompts: list, params, body, served: str, chat: bool,

@@ -57,7 +57,7 @@ async def decision_label_ids(context: ServingContext) -> list[int]:
     """The labels' tokens as a reply's first token with this model's chat template (found once)."""
     if context.decision_label_ids is None:
         probe = await context.chat_prompt([ChatMessage(role="user", content="x")], True, None, NO_THINKING)
-        tokenizer = context.tokenizer
+        tokenizer = context.text_tokenizer()
         try:
             context.decision_label_ids = await context.client.run_in_worker(
                 lambda: label_token_ids(tokenizer, tokenizer.encode(probe, add_special_tokens=False)))

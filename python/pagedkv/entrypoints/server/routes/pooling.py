@@ -38,7 +38,7 @@ async def cohere_embed(body: CohereEmbedRequest, request: Request, context: Serv
     if any(len(text) > 16 * context.max_prompt_chars for text in texts):  # (bounded tokenizing work)
         raise APIError(400, f"texts: a text is far longer than max_model_len={context.max_model_len} tokens",
                        "invalid_request_error", "texts", "context_length_exceeded")
-    tokenizer = context.tokenizer
+    tokenizer = context.text_tokenizer()
     encoded = await context.client.run_in_worker(lambda: [tokenizer.encode(text) for text in texts])
     inputs = []
     for token_ids in encoded:
@@ -102,7 +102,7 @@ async def scored(context: ServingContext, request: Request, pairs_of, prefix: st
     """(a score per pair (pagedkv.entrypoints.scoring), prompt tokens computed), or a 400 naming what is wrong."""
     try:
         pairs = pairs_of()
-        prompts, params = scoring_requests(pairs, context.tokenizer, context.model_info.num_labels)
+        prompts, params = scoring_requests(pairs, context.text_tokenizer(), context.model_info.num_labels)
     except ValueError as error:
         raise APIError(400, str(error), "invalid_request_error")
     outputs = await pool(context, request, prefix, prompts, params, priority, served)

@@ -34,9 +34,9 @@ async def tokenize(body: TokenizeRequest, context: ServingContext = Depends(serv
     except ValueError as error:
         raise APIError(400, str(error), "invalid_request_error", "prompt")
     add_special_tokens = body.messages is None if body.add_special_tokens is None else body.add_special_tokens
-    tokens = await context.client.run_in_worker(
-        lambda: context.tokenizer.encode(text, add_special_tokens=add_special_tokens))
-    strings = context.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
+    tokenizer = context.text_tokenizer()
+    tokens = await context.client.run_in_worker(lambda: tokenizer.encode(text, add_special_tokens=add_special_tokens))
+    strings = tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
     return {"count": len(tokens), "max_model_len": context.max_model_len, "tokens": tokens, "token_strs": strings}
 
 
@@ -45,12 +45,12 @@ async def detokenize(body: DetokenizeRequest, context: ServingContext = Depends(
     context.check_model(body.model)
     if len(body.tokens) > context.max_model_len:  # (as vLLM: bounded work, the bound /tokenize has)
         raise too_many_tokens("tokens", len(body.tokens), context.max_model_len)
-    vocab_size = context.model_info.vocab_size
+    vocab_size, tokenizer = context.model_info.vocab_size, context.text_tokenizer()
 
     def decoded() -> Optional[str]:  # (on the worker pool: a long list takes the loop's time otherwise)
         if any(not 0 <= token < vocab_size for token in body.tokens):
             return None
-        return context.tokenizer.decode(body.tokens)
+        return tokenizer.decode(body.tokens)
 
     text = await context.client.run_in_worker(decoded)
     if text is None:
@@ -61,7 +61,7 @@ async def detokenize(body: DetokenizeRequest, context: ServingContext = Depends(
 @info_router.get("/tokenizer_info", responses=answer(TokenizerInfoResponse))
 async def tokenizer_info(context: ServingContext = Depends(serving)):
     """vLLM's: the tokenizer's init arguments (JSON values only), its class, name and chat template."""
-    tokenizer = context.tokenizer
+    tokenizer = context.text_tokenizer()
     config = {name: value for name, value in (getattr(tokenizer, "init_kwargs", None) or {}).items()
               if name not in ("tokenizer_object", "added_tokens_decoder") and _is_json(value)}
     config["name_or_path"] = getattr(tokenizer, "name_or_path", "")
