@@ -230,5 +230,13 @@ def test_reasoning_effort_reaches_the_template_as_vllm_passes_it():
         assert httpx.post(live.url + "/v1/chat/completions", timeout=60, json={
             "messages": [{"role": "user", "content": "hello"}], "reasoning_effort": "huge"}).status_code == 400
         assert prompt("/v1/responses", reasoning={"effort": "high"}) == "EFFORT high hello"
+        # vLLM's return_prompt_text: the rendered prompt in the reply, and in a stream's first chunk
+        chat = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2, "reasoning_effort": "low",
+                "return_prompt_text": True}
+        assert httpx.post(live.url + "/v1/chat/completions", json=chat, timeout=60).json()["prompt_text"] == (
+            "EFFORT low hello")
+        with httpx.stream("POST", live.url + "/v1/chat/completions", json={**chat, "stream": True}, timeout=60) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        assert chunks[0]["prompt_text"] == "EFFORT low hello" and all("prompt_text" not in c for c in chunks[1:])
     finally:
         live.stop()

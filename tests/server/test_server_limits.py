@@ -349,3 +349,35 @@ def test_load_counts_requests_in_flight_and_orca_headers_report_the_cache(server
     answer = httpx.post(server.url + "/v1/completions", json=plain, timeout=60,
                         headers={"endpoint-load-metrics-format": "binary"})
     assert answer.status_code == 200 and "endpoint-load-metrics" not in answer.headers
+
+
+def test_repetition_detection_ends_a_reply_that_repeats_itself():
+    """vLLM's repetition_detection: a greedy reply held to one token ends once that token has come
+    min_count times (finish_reason "repetition", stop_reason "repetition_detected"), not before
+    min_tokens; without it the reply runs to max_tokens; bad values are a 400."""
+    from support.live_server import LiveServer
+
+    live = LiveServer(num_device_blocks=32, max_model_len=128)
+    try:
+        token = live.engine.tokenizer.encode(" yes", add_special_tokens=False)[0]
+        body = {"prompt": "Say yes:", "max_tokens": 12, "temperature": 0, "allowed_token_ids": [token],
+                "return_token_ids": True}
+        detect = {"max_pattern_size": 2, "min_count": 4}
+
+        def complete(**extra) -> dict:
+            return httpx.post(live.url + "/v1/completions", json={**body, **extra}, timeout=60).json()
+
+        plain = complete()["choices"][0]
+        assert plain["finish_reason"] == "length" and len(plain["token_ids"]) == 12
+        ended = complete(repetition_detection=detect)["choices"][0]
+        assert (ended["finish_reason"], ended["stop_reason"]) == ("repetition", "repetition_detected")
+        assert ended["token_ids"] == [token] * 4 and ended["text"] == " yes" * 4
+        later = complete(repetition_detection=detect, min_tokens=6)["choices"][0]
+        assert later["finish_reason"] == "repetition" and len(later["token_ids"]) == 6
+        stopped = complete(stop_token_ids=[token])["choices"][0]  # (stop_reason: what ended it, as vLLM)
+        assert (stopped["finish_reason"], stopped["stop_reason"]) == ("stop", token)
+        bad = httpx.post(live.url + "/v1/completions", timeout=60,
+                         json={**body, "repetition_detection": {"max_pattern_size": 2, "min_count": 1}})
+        assert bad.status_code == 400 and "min_count must be >= 2" in bad.text
+    finally:
+        live.stop()

@@ -17,6 +17,7 @@ from pagedkv.outputs import (
     RequestOutput,
 )
 from pagedkv.params.pooling import PoolingParams
+from pagedkv.params.repetition import STOP_REASON as REPETITION_STOP_REASON
 from pagedkv.params.sampling import SamplingParams
 from pagedkv.runner.step_messages import PromptEmbeds
 
@@ -54,7 +55,12 @@ class SequenceState:
         decode so far (the final one once `detokenize_final` ran). (`text` is set when the
         sequence is reported finished, not step by step: one string less referring to the
         growing decode lets it grow in place.)"""
-        return self.text if isinstance(self.stop_reason, str) else self.detokenizer.text
+        return self.text if self.stopped_by_string else self.detokenizer.text
+
+    @property
+    def stopped_by_string(self) -> bool:
+        """Whether a stop string ended it (its text cut there already)."""
+        return self.finish_reason == "stop" and isinstance(self.stop_reason, str)
 
 
 @dataclass
@@ -93,7 +99,9 @@ class RequestState:
         token that is no stop token or EOS and leaves the sequence short of its length is only
         appended and counted."""
         params = self.params
-        if params.logprobs is None and not params.stop and self.grammar is None and self.pooling is None:
+        repetition = params.repetition_detection is not None and params.repetition_detection.on
+        if (params.logprobs is None and not params.stop and self.grammar is None and self.pooling is None
+                and not repetition):
             stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_token_ids)
             self.plain_booking = (stops, min(params.max_tokens, max_model_len - len(self.prompt_token_ids)))
 
@@ -162,8 +170,11 @@ class RequestState:
             if may_stop and self._truncate_at_stop_string(seq, text):
                 return
         if seq.finish_reason is None:
+            repetition = params.repetition_detection
             if num_generated >= params.max_tokens or len(self.prompt_token_ids) + num_generated >= max_model_len:
                 seq.finish_reason = "length"
+            elif may_stop and repetition is not None and repetition.on and repetition.repeats(seq.output_token_ids):
+                seq.finish_reason, seq.stop_reason = "repetition", REPETITION_STOP_REASON
 
     def _truncate_at_stop_string(self, seq: SequenceState, text: str) -> bool:
         """Ends the sequence, its text cut before the first stop string that appeared in `text`
@@ -194,7 +205,7 @@ class RequestState:
                 return self._delta(seq, text, seq.output_token_ids, seq.logprobs, None, None, end)
             text = text[:end]
         else:
-            if not isinstance(seq.stop_reason, str):  # (a stop string cut the text already)
+            if not seq.stopped_by_string:
                 token_ids = seq.output_token_ids
                 if seq.finish_reason == "stop" and not params.include_stop_str_in_output:
                     token_ids = token_ids[:-1]  # as in vLLM, the stop token or EOS is not part of the text

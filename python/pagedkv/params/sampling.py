@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
+from pagedkv.params.repetition import RepetitionDetectionParams
 from pagedkv.params.structured_output import StructuredOutputsParams
 
 # Bounds on the lists a client sends, checked here and declared in the server's request models.
@@ -59,6 +60,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     structured_outputs: Optional[StructuredOutputsParams] = None  # a JSON schema, regex, choice or grammar to match
     include_stop_str_in_output: bool = False  # keep the stop string or stop token's text at the end
+    # vLLM's: end a sequence whose tail repeats a pattern (finish_reason "repetition"; params/repetition.py)
+    repetition_detection: Optional[RepetitionDetectionParams] = None
     # Prefix-cache isolation (vLLM's cache_salt): only requests with the same salt share cached blocks.
     cache_salt: Optional[str] = None
     # "cumulative": each output holds everything so far; "delta" (vLLM's DELTA): only the tokens, text and
@@ -78,6 +81,8 @@ class SamplingParams:
         self.logits_processors = list(self.logits_processors) if self.logits_processors else None
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if isinstance(self.repetition_detection, dict):
+            self.repetition_detection = RepetitionDetectionParams(**self.repetition_detection)
         if self.beam_width is None:
             self.beam_width = self.n
         self._validate()

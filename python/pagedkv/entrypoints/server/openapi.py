@@ -18,7 +18,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pagedkv.entrypoints.server.protocol import ResponsesNamedToolChoice, ResponsesTool, TextConfig
 
-FinishReason = Optional[str]  # "stop", "length", "tool_calls", "abort"; None while a stream runs
+FinishReason = Optional[str]  # "stop", "length", "tool_calls", "abort", "repetition"; None while a stream runs
+# vLLM's: the stop string or stop token id that ended a choice ("repetition_detected" for
+# repetition_detection); None otherwise
+StopReason = Optional[Union[int, str]]
 
 
 # -- errors ------------------------------------------------------------------------------------
@@ -70,6 +73,7 @@ class CompletionChoice(BaseModel):
     index: int
     text: str
     finish_reason: FinishReason
+    stop_reason: StopReason = None
     logprobs: Optional[CompletionLogprobs]
     prompt_token_ids: Optional[list[int]] = None  # (return_token_ids)
     token_ids: Optional[list[int]] = None  # (return_token_ids)
@@ -129,6 +133,7 @@ class ChatCompletionChoice(BaseModel):
     index: int
     message: ChatCompletionMessage
     finish_reason: FinishReason
+    stop_reason: StopReason = None
     logprobs: Optional[ChatLogprobs]
     token_ids: Optional[list[int]] = None  # (return_token_ids)
 
@@ -141,6 +146,7 @@ class ChatCompletion(BaseModel):
     choices: list[ChatCompletionChoice]
     usage: Usage
     prompt_token_ids: Optional[list[int]] = None  # (return_token_ids)
+    prompt_text: Optional[str] = None  # (return_prompt_text: the rendered chat template)
     prompt_logprobs: Optional[list[Optional[dict[str, PromptLogprob]]]] = None  # (prompt_logprobs)
 
 

@@ -232,6 +232,14 @@ Priority = Annotated[int, Field(ge=-(2**63), lt=2**63)]
 
 
 # -- completions and chat ----------------------------------------------------------------------
+class RepetitionDetection(_Part):
+    """vLLM's RepetitionDetectionParams (pagedkv.params.repetition checks the values)."""
+
+    max_pattern_size: int = 0
+    min_pattern_size: int = 0
+    min_count: int = 0
+
+
 class _Sampling(_Request):
     model: Optional[str] = None
     # vLLM's: the reply's id is "cmpl-" / "chatcmpl-" and this (a fresh one where not given)
@@ -262,6 +270,7 @@ class _Sampling(_Request):
     use_beam_search: bool = False
     length_penalty: float = 1.0
     cache_salt: Optional[str] = None  # only requests with the same salt share prefix-cache blocks
+    repetition_detection: Optional[RepetitionDetection] = None  # vLLM's: end a reply that repeats itself
     allowed_token_ids: Optional[list[int]] = None
     bad_words: Optional[list[str]] = None
     truncate_prompt_tokens: Optional[int] = None
@@ -348,6 +357,7 @@ class _Sampling(_Request):
             truncate_prompt_tokens=self.truncate_prompt_tokens,
             truncation_side=self.truncation_side or "left",
             prompt_logprobs=self.prompt_logprobs,
+            repetition_detection=self.repetition_detection.model_dump() if self.repetition_detection else None,
         )
 
     def structured(self) -> Optional[StructuredOutputsParams]:
@@ -478,6 +488,7 @@ class ChatCompletionRequest(_Sampling):
     chat_template_kwargs: Optional[dict[str, Any]] = None  # template variables, e.g. {"enable_thinking": false}
     reasoning_effort: Optional[ReasoningEffort] = None  # a template variable too (`template_kwargs`)
     parallel_tool_calls: Optional[bool] = True  # false: only the first tool call is returned (vLLM's)
+    return_prompt_text: Optional[bool] = None  # vLLM's: the rendered template in the reply (a stream's first chunks)
     # vLLM's: the reply continues the last (assistant) message, or starts a new one; `echo` puts
     # that last assistant message's text before the reply's.
     add_generation_prompt: bool = True

@@ -33,6 +33,7 @@ class ReplyOptions:
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
     prompt_logprobs: Optional[int] = None  # vLLM's prompt_logprobs: candidates per prompt token, in the reply
     include_reasoning: bool = True  # vLLM's: false leaves the reasoning parser's part out of the reply
+    prompt_text: bool = False  # vLLM's return_prompt_text: chat's rendered prompt in the reply
 
 
 def sse(payload: dict) -> str:
@@ -81,12 +82,14 @@ class ResponseBuilder:
                          "choices": [first]}
                 if options.token_ids and output is not None:  # (vLLM: in the first chunks only)
                     chunk["prompt_token_ids"] = output.prompt_token_ids
+                if options.prompt_text and output is not None:
+                    chunk["prompt_text"] = output.prompt
                 if options.continuous_usage and output is not None:  # (every chunk: the prompt so far, nothing generated)
                     chunk["usage"] = self.usage_of(output.num_prompt_tokens, 0)
                 chunks.append(sse(chunk))
             return chunks
 
-        if role_pending and not (options.token_ids or options.continuous_usage):
+        if role_pending and not (options.token_ids or options.continuous_usage or options.prompt_text):
             for chunk in role_chunks(None):
                 yield chunk
             role_pending = False
@@ -154,7 +157,8 @@ class ResponseBuilder:
             # (offsets carry over from chunk to chunk: recomputing them would decode every earlier token)
             new_tokens = logprobs["tokens"][len(logprobs["tokens"]) - len(pending.token_ids):]
             so_far.text_offset = offset + sum(len(token) for token in new_tokens)
-        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": completion.finish_reason}
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": completion.finish_reason,
+                  "stop_reason": completion.stop_reason}
         if options.token_ids:
             choice["token_ids"] = pending.token_ids
             if first_chunk:
@@ -195,7 +199,8 @@ class ResponseBuilder:
             return None
         pending = so_far.take_pending(completion)
         logprobs = None if tools is not None else self.chat_logprobs(pending, 0, options)
-        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason,
+                  "stop_reason": completion.stop_reason}
         if options.token_ids:
             choice["token_ids"] = pending.token_ids
         return choice
@@ -270,9 +275,10 @@ class ResponseBuilder:
                     if calls:
                         message["tool_calls"] = calls
                     choice = {"index": index, "message": message, "finish_reason": reason,
-                              "logprobs": self.chat_logprobs(completion, 0, options)}
+                              "stop_reason": completion.stop_reason, "logprobs": self.chat_logprobs(completion, 0, options)}
                 else:
                     choice = {"index": index, "text": prefix + completion.text, "finish_reason": completion.finish_reason,
+                              "stop_reason": completion.stop_reason,
                               "logprobs": self.completion_logprobs(output, completion, 0, echo, echo,
                                                                    tokens_as_ids=options.tokens_as_ids),
                               "prompt_token_ids": output.prompt_token_ids if options.token_ids else None}
@@ -286,6 +292,7 @@ class ResponseBuilder:
             response["metrics"] = timing_metrics(outputs[0].metrics, len(outputs[0].outputs[0].token_ids))
         if chat and outputs:  # (one prompt)
             response["prompt_token_ids"] = outputs[0].prompt_token_ids if options.token_ids else None
+            response["prompt_text"] = outputs[0].prompt if options.prompt_text else None
             response["prompt_logprobs"] = self.prompt_logprobs(outputs[0], options)
         return response
 

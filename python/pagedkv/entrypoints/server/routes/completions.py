@@ -101,7 +101,8 @@ async def run(context: ServingContext, request: Request, prompts: list, params, 
                                include_usage and stream_options is not None and stream_options.continuous_usage_stats),
                            tools=tools, top_logprobs=listed_logprobs(params), token_ids=bool(body.return_token_ids),
                            tokens_as_ids=bool(body.return_tokens_as_token_ids) or context.tokens_as_ids, prompt_logprobs=body.prompt_logprobs,
-                           include_reasoning=not chat or body.include_reasoning)
+                           include_reasoning=not chat or body.include_reasoning,
+                           prompt_text=chat and bool(body.return_prompt_text))
     if body.stream:
         chunks = builder.stream_chunks(request_id, merged(streams), len(streams), created, options)
         return context.event_stream(streams, chunks)
