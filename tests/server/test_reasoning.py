@@ -6,6 +6,7 @@ import json
 
 import httpx
 import pytest
+import torch
 
 from pagedkv.outputs import CompletionOutput, RequestOutput
 from pagedkv.entrypoints.server.openapi import ChatCompletion
@@ -240,3 +241,60 @@ def test_reasoning_effort_reaches_the_template_as_vllm_passes_it():
         assert chunks[0]["prompt_text"] == "EFFORT low hello" and all("prompt_text" not in c for c in chunks[1:])
     finally:
         live.stop()
+
+
+def test_a_thinking_token_budget_closes_the_think_block():
+    """vLLM's thinking_token_budget: after that many tokens in the think block the reply writes
+    </think> and goes on as content; -1 is no limit; without a reasoning parser it is a 400."""
+    from support.live_server import LiveServer
+
+    template = "{{ messages[-1]['content'] }}<think>\n"  # (opened in the prompt, as deepseek_r1's templates do)
+    live = LiveServer(chat_template=template, reasoning_parser="deepseek_r1", num_device_blocks=32,
+                      max_model_len=128)
+    try:
+        tokenizer = live.engine.tokenizer
+        end = tokenizer.encode("</think>", add_special_tokens=False)
+        body = {"messages": [{"role": "user", "content": "Why is the sky blue?"}], "max_tokens": 16,
+                "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+
+        def reply(**extra) -> dict:
+            return httpx.post(live.url + "/v1/chat/completions", json={**body, **extra}, timeout=60).json()["choices"][0]
+
+        free = reply()
+        assert not free["message"]["content"] and "</think>" not in tokenizer.decode(free["token_ids"])
+        assert reply(thinking_token_budget=-1)["token_ids"] == free["token_ids"]
+        budgeted = reply(thinking_token_budget=3)
+        ids = budgeted["token_ids"]
+        assert ids[:3] == free["token_ids"][:3] and ids[3:3 + len(end)] == end
+        assert budgeted["message"]["reasoning_content"] == tokenizer.decode(ids[:3])
+        assert budgeted["message"]["content"] == tokenizer.decode(ids[3 + len(end):])
+        assert httpx.post(live.url + "/v1/chat/completions", json={**body, "thinking_token_budget": -2},
+                          timeout=60).status_code == 400
+    finally:
+        live.stop()
+    plain = LiveServer(num_device_blocks=32, max_model_len=128)
+    try:
+        refused = httpx.post(plain.url + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "hi"}], "thinking_token_budget": 5})
+        assert refused.status_code == 400 and "--reasoning-parser" in refused.text
+    finally:
+        plain.stop()
+
+
+def test_the_budget_counts_a_block_the_reply_opens_and_ignores_closed_ones():
+    from pagedkv.entrypoints.server.thinking_budget import budget_processor
+
+    start, end = [7], [8, 9]
+    force = budget_processor(2, start, end, lambda prompt: prompt[-1] == 7)
+
+    def forced(prompt, output):
+        logits = force(prompt, output, torch.zeros(12))
+        return None if torch.isfinite(logits).all() else int(logits.argmax())
+
+    assert forced([1, 2], [3, 7, 4]) is None  # one token in the block
+    assert forced([1, 2], [3, 7, 4, 5]) == 8  # two: close it
+    assert forced([1, 2], [3, 7, 4, 5, 8]) == 9  # the close's second token
+    assert forced([1, 2], [3, 7, 4, 5, 8, 9]) is None  # closed: content
+    assert forced([1, 2], [3, 4, 5]) is None  # no block
+    assert forced([1, 7], [3, 4]) == 8  # opened in the prompt
+    assert forced([1, 7, 8, 9], [3, 4]) is None  # not open at the prompt's end

@@ -489,6 +489,8 @@ class ChatCompletionRequest(_Sampling):
     reasoning_effort: Optional[ReasoningEffort] = None  # a template variable too (`template_kwargs`)
     parallel_tool_calls: Optional[bool] = True  # false: only the first tool call is returned (vLLM's)
     return_prompt_text: Optional[bool] = None  # vLLM's: the rendered template in the reply (a stream's first chunks)
+    # vLLM's: the most tokens a reply's think block may hold (-1: no limit; needs --reasoning-parser)
+    thinking_token_budget: Optional[int] = None
     # vLLM's: the reply continues the last (assistant) message, or starts a new one; `echo` puts
     # that last assistant message's text before the reply's.
     add_generation_prompt: bool = True
@@ -503,6 +505,11 @@ class ChatCompletionRequest(_Sampling):
 
     @model_validator(mode="after")
     def _one_way_to_start_the_reply(self):
+        if self.thinking_token_budget is not None and self.thinking_token_budget < -1:
+            raise RequestFieldError("thinking_token_budget", "`thinking_token_budget` must be a non-negative integer "
+                                                             "or -1 (unlimited)")
+        if self.thinking_token_budget == -1:
+            self.thinking_token_budget = None
         if self.continue_final_message and self.add_generation_prompt:
             raise RequestFieldError("continue_final_message", "continue_final_message needs add_generation_prompt=false")
         return self

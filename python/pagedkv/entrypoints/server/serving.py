@@ -26,8 +26,11 @@ from pagedkv.params.lora_request import LoRARequest
 from pagedkv.outputs import PoolingRequestOutput, RequestOutput
 from pagedkv.entrypoints.server.errors import APIError, submit_error
 from pagedkv.entrypoints.server.metrics import ServerMetrics
+from pagedkv.entrypoints.server.reasoning import END as THINK_END
+from pagedkv.entrypoints.server.reasoning import START as THINK_START
 from pagedkv.entrypoints.server.reasoning import ReasoningParser
 from pagedkv.entrypoints.server.sagemaker_sessions import SessionStore
+from pagedkv.entrypoints.server.thinking_budget import budget_processor
 from pagedkv.entrypoints.server.responses import ResponseBuilder
 from pagedkv.entrypoints.server.responses_store import ResponseStore
 from pagedkv.entrypoints.server.tools import PARSERS as TOOL_CALL_PARSERS
@@ -206,8 +209,24 @@ class ServingContext:
         `parallel` false returns only the first call of a reply (vLLM's parallel_tool_calls)."""
         return make_params(lambda: ToolCalling.from_request(chat_tools, tool_choice, self.tool_call_parser, parallel))
 
-    def with_reasoning(self, params):
-        """GPT-OSS's harmony markers are special tokens: its parser reads replies with them."""
+    def with_reasoning(self, params, thinking_token_budget: Optional[int] = None):
+        """GPT-OSS's harmony markers are special tokens: its parser reads replies with them. A
+        `thinking_token_budget` closes a think block after that many tokens (thinking_budget.py)."""
+        if thinking_token_budget is not None:
+            if self.reasoning is None or self.reasoning.keeps_special_tokens:
+                raise APIError(400, "thinking_token_budget is set but reasoning_config is not configured. Please set "
+                                    "--reasoning-parser (deepseek_r1 or qwen3: think tags) to use thinking_token_budget.",
+                               "invalid_request_error", "thinking_token_budget")
+            tokenizer = self.text_tokenizer()
+            start, end = (tokenizer.encode(tag, add_special_tokens=False) for tag in (THINK_START, THINK_END))
+
+            def prompt_opens(prompt_ids: list[int]) -> bool:
+                tail = tokenizer.decode(prompt_ids[-64:])
+                return tail.rfind(THINK_START) > tail.rfind(THINK_END)
+
+            budget = budget_processor(thinking_token_budget, start, end, prompt_opens)
+            processors = [*(params.logits_processors or ()), budget]
+            params = dataclasses.replace(params, logits_processors=processors)
         if self.reasoning is not None and self.reasoning.keeps_special_tokens:
             return dataclasses.replace(params, skip_special_tokens=False)
         return params
