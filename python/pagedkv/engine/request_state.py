@@ -99,9 +99,8 @@ class RequestState:
         token that is no stop token or EOS and leaves the sequence short of its length is only
         appended and counted."""
         params = self.params
-        repetition = params.repetition_detection is not None and params.repetition_detection.on
         if (params.logprobs is None and not params.stop and self.grammar is None and self.pooling is None
-                and not repetition):
+                and params.repetition_detection is None):
             stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_token_ids)
             self.plain_booking = (stops, min(params.max_tokens, max_model_len - len(self.prompt_token_ids)))
 
@@ -173,7 +172,7 @@ class RequestState:
             repetition = params.repetition_detection
             if num_generated >= params.max_tokens or len(self.prompt_token_ids) + num_generated >= max_model_len:
                 seq.finish_reason = "length"
-            elif may_stop and repetition is not None and repetition.on and repetition.repeats(seq.output_token_ids):
+            elif may_stop and repetition is not None and repetition.repeats(seq.output_token_ids):
                 seq.finish_reason, seq.stop_reason = "repetition", REPETITION_STOP_REASON
 
     def _truncate_at_stop_string(self, seq: SequenceState, text: str) -> bool:

@@ -83,6 +83,8 @@ class SamplingParams:
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if isinstance(self.repetition_detection, dict):
             self.repetition_detection = RepetitionDetectionParams(**self.repetition_detection)
+        if self.repetition_detection is not None and not self.repetition_detection.on:
+            self.repetition_detection = None  # (all zero: off, as vLLM's)
         if self.beam_width is None:
             self.beam_width = self.n
         self._validate()

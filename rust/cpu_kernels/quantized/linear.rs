@@ -90,30 +90,28 @@ pub(crate) fn quantized_linear_on(
     let activations = quantize_activations(ActivationScheme::for_weights(ty), x);
     let blocks_per_row = k / ty.block_len();
     let columns = SharedColumns(out.as_mut_ptr());
+    // The blocks of 32 take eight rows at a time on either integer path (eight_rows.rs), the
+    // K-quants two on AVX-512 VNNI (k_quants.rs); each thread's rows are whole groups.
     #[cfg(target_arch = "x86_64")]
-    if let (Some(path), 32) = (path, ty.block_len()) {
+    if let Some(path) = path.filter(|&path| ty.block_len() == 32 || path == Int8Path::Avx512Vnni) {
         use super::eight_rows::{run_rows, Problem, GROUP_ROWS};
         let problem = Problem { ty, weight, row_bytes, activations: &activations, bias, m, n, blocks_per_row };
-        let per_thread = n.div_ceil(num_threads.max(1)).next_multiple_of(GROUP_ROWS).max(2 * GROUP_ROWS);
+        let (group, fewest) =
+            if ty.block_len() == 32 { (GROUP_ROWS, 2 * GROUP_ROWS) } else { (2, MIN_ROWS_PER_THREAD) };
+        let per_thread = n.div_ceil(num_threads.max(1)).next_multiple_of(group).max(fewest);
         let chunks: Vec<_> = (0..n).step_by(per_thread).map(|start| start..(start + per_thread).min(n)).collect();
         for_row_chunks(chunks, num_threads, |rows: std::ops::Range<usize>| {
             // SAFETY: token < m and row < n, so inside `out`; each row belongs to one chunk, claimed by
-            // one thread. The problem was checked above; `path` came from `Int8Path::best()`.
+            // one thread. The problem was checked above; `path` came from `Int8Path::best()`, and a
+            // block of 256 here is Q4_K or Q6_K on AVX-512 VNNI.
             let write = |token: usize, row: usize, value: f32| unsafe { columns.write(token * n + row, value) };
-            unsafe { run_rows(path, &problem, rows, &write) };
-        });
-        return Ok(());
-    }
-    #[cfg(target_arch = "x86_64")]
-    if path == Some(Int8Path::Avx512Vnni) {
-        use super::eight_rows::Problem;
-        let problem = Problem { ty, weight, row_bytes, activations: &activations, bias, m, n, blocks_per_row };
-        let per_thread = n.div_ceil(num_threads.max(1)).next_multiple_of(2).max(MIN_ROWS_PER_THREAD);
-        let chunks: Vec<_> = (0..n).step_by(per_thread).map(|start| start..(start + per_thread).min(n)).collect();
-        for_row_chunks(chunks, num_threads, |rows: std::ops::Range<usize>| {
-            // SAFETY: as above; the block length is 256 here, so `ty` is Q4_K or Q6_K.
-            let write = |token: usize, row: usize, value: f32| unsafe { columns.write(token * n + row, value) };
-            unsafe { super::k_quants::run_rows_k_quants(&problem, rows, &write) };
+            unsafe {
+                if ty.block_len() == 32 {
+                    run_rows(path, &problem, rows, &write)
+                } else {
+                    super::k_quants::run_rows_k_quants(&problem, rows, &write)
+                }
+            };
         });
         return Ok(());
     }
