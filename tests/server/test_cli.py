@@ -130,7 +130,21 @@ def test_vllm_flags_without_effect_here_are_accepted(flags):
     assert build_parser().parse_args(["serve", *flags]).structured_outputs_backend == "xgrammar"
 
 
-@pytest.mark.parametrize("value", ["guidance", '{"backend": "outlines"}', "{bad"])
+@pytest.mark.parametrize("flags, in_reasoning", [
+    ([], False), (["--structured-outputs-config", '{"backend": "auto", "enable_in_reasoning": true}'], True),
+    (["--structured-outputs-config", '{"enable_in_reasoning": false}'], False),
+    (["--structured-outputs-config.enable_in_reasoning"], True),
+])
+def test_vllms_enable_in_reasoning_is_read(flags, in_reasoning):
+    from pagedkv.entrypoints.cli import build_parser
+
+    args = build_parser().parse_args(["serve", *flags])
+    assert (args.structured_outputs_config.get("enable_in_reasoning", False) or args.structured_outputs_in_reasoning) \
+        is in_reasoning
+
+
+@pytest.mark.parametrize("value", ["guidance", '{"backend": "outlines"}', "{bad", '{"enable_in_reasoning": "yes"}',
+                                   "[1]"])
 def test_a_structured_outputs_backend_other_than_xgrammar_is_refused(value, capsys):
     from pagedkv.entrypoints.cli import build_parser
 

@@ -154,9 +154,11 @@ def test_the_server_splits_replies_whole_and_streamed():
 
     live = LiveServer(reasoning_parser="qwen3", gguf_weights="dequantized", num_device_blocks=64, max_model_len=256)
     try:
-        # The grammar makes the model write a think block, whatever it would say.
+        # The grammar makes the model write a think block, whatever it would say (it starts at the
+        # first token with thinking off: with it on, it would wait for the reply's </think>).
         body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 40, "temperature": 0,
-                "guided_regex": "<think>[a-z]{2,8}( [a-z]{2,8}){0,2}</think>[A-Z][a-z]{2,10}"}
+                "guided_regex": "<think>[a-z]{2,8}( [a-z]{2,8}){0,2}</think>[A-Z][a-z]{2,10}",
+                "chat_template_kwargs": {"enable_thinking": False}}
         whole = httpx.post(live.url + "/v1/chat/completions", json=body, timeout=120).json()
         ChatCompletion.model_validate(whole, strict=True)  # (its declared schema; the fuzzed server has no parser)
         message = whole["choices"][0]["message"]
@@ -298,3 +300,179 @@ def test_the_budget_counts_a_block_the_reply_opens_and_ignores_closed_ones():
     assert forced([1, 2], [3, 4, 5]) is None  # no block
     assert forced([1, 7], [3, 4]) == 8  # opened in the prompt
     assert forced([1, 7, 8, 9], [3, 4]) is None  # not open at the prompt's end
+
+
+@pytest.mark.parametrize("name, prompt_tail, thinking, ended", [
+    ("deepseek_r1", "<|User|>Hi<|Assistant|><think>\n", True, False),  # opened by the template
+    ("deepseek_r1", "<|User|>Hi<|Assistant|><think>\n\n</think>\n\n", True, True),  # an empty block written
+    ("deepseek_r1", "<|User|>Hi<|Assistant|>", True, False),  # no tag: the reply reasons first (vLLM's)
+    ("deepseek_r1", "<|User|>Hi<|Assistant|>", False, False),  # (deepseek_r1 does not read enable_thinking)
+    ("qwen3", "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n", True, False),
+    ("qwen3", "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n", False, True),  # enable_thinking false
+    ("qwen3", "<|im_start|>assistant\n<think>\n\n</think>\n\n", True, True),
+    # a closed block in an earlier turn says nothing of this one
+    ("qwen3", "<|im_start|>assistant\n<think>x</think>y<|im_end|>\n<|im_start|>assistant\n", True, False),
+    ("openai_gptoss", "<|start|>assistant", True, True),  # (GPT-OSS's grammar is never held back)
+])
+def test_whether_a_prompt_ends_the_reasoning_as_vllm_tells_it(name, prompt_tail, thinking, ended):
+    assert ReasoningParser(name).prompt_ends_reasoning(prompt_tail, thinking) is ended
+
+
+def test_a_matcher_after_a_marker_starts_once_the_marker_is_written():
+    from pagedkv.params.structured_output import MatcherAfterMarker, grammar_applies
+
+    class Recording:
+        def __init__(self):
+            self.accepted = []
+
+        def accept_token(self, token_id):
+            self.accepted.append(token_id)
+            return token_id != 99
+
+        def is_terminated(self):
+            return self.accepted[-1:] == [5]
+
+    inner = Recording()
+    matcher = MatcherAfterMarker(inner, (8, 9))
+    for token_id in (3, 8, 4, 9, 8):  # (8 then 4: not the marker)
+        assert matcher.accept_token(token_id) and grammar_applies(matcher) is False
+    assert matcher.accept_token(9) and grammar_applies(matcher) and inner.accepted == []
+    assert matcher.accept_token(4) and not matcher.is_terminated() and inner.accepted == [4]
+    assert matcher.accept_token(5) and matcher.is_terminated()
+    assert not matcher.accept_token(99)
+    assert grammar_applies(inner) and not grammar_applies(None)
+
+
+def test_structured_outputs_start_after_the_reasoning():
+    """With a reasoning parser, vLLM's grammars (response_format, forced tool calls) start once the
+    reply's reasoning has ended: the think block is free, the content constrained; a prompt that
+    closes the block (here a template variable) constrains from the first token."""
+    from support.live_server import LiveServer
+
+    template = "{{ messages[-1]['content'] }}<think>\n{% if closed %}</think>\n{% endif %}"
+    live = LiveServer(chat_template=template, reasoning_parser="deepseek_r1", num_device_blocks=48,
+                      max_model_len=160)
+    schema = {"type": "object", "properties": {"fruit": {"type": "string", "maxLength": 8}}, "required": ["fruit"],
+              "additionalProperties": False}
+    json_format = {"type": "json_schema", "json_schema": {"name": "fruit", "schema": schema}}
+    body = {"messages": [{"role": "user", "content": "Name a fruit."}], "max_tokens": 40, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}
+    try:
+        tokenizer = live.engine.tokenizer
+        end = tokenizer.encode("</think>", add_special_tokens=False)
+
+        def reply(**extra) -> dict:
+            answer = httpx.post(live.url + "/v1/chat/completions", json={**body, **extra}, timeout=60)
+            assert answer.status_code == 200, answer.text
+            return answer.json()["choices"][0]
+
+        free = reply(max_tokens=8)["token_ids"]
+        assert "</think>" not in tokenizer.decode(free)
+        # the reply never closes its think block: the grammar never starts
+        assert reply(max_tokens=8, response_format=json_format)["token_ids"] == free
+        # (unless the reasoning is left out of the reply: then from the first token, as vLLM)
+        hidden = reply(response_format=json_format, include_reasoning=False)["token_ids"]
+        assert set(json.loads(tokenizer.decode(hidden, skip_special_tokens=True))) == {"fruit"}
+        budgeted = reply(response_format=json_format, thinking_token_budget=3)
+        ids = budgeted["token_ids"]
+        assert ids[:3] == free[:3] and ids[3:3 + len(end)] == end
+        assert budgeted["message"]["reasoning_content"] == tokenizer.decode(ids[:3])
+        assert set(json.loads(budgeted["message"]["content"])) == {"fruit"}
+        closed = reply(response_format=json_format, chat_template_kwargs={"closed": True})
+        assert set(json.loads(tokenizer.decode(closed["token_ids"], skip_special_tokens=True))) == {"fruit"}
+        city_tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
+            "additionalProperties": False}}}
+        named = reply(tools=[city_tool], tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                      thinking_token_budget=2)
+        assert named["token_ids"][:2] == free[:2] and named["token_ids"][2:2 + len(end)] == end
+        [call] = named["message"]["tool_calls"]
+        assert call["function"]["name"] == "get_weather" and set(json.loads(call["function"]["arguments"])) == {"city"}
+    finally:
+        live.stop()
+    # vLLM's --structured-outputs-config.enable_in_reasoning: the grammar constrains the reasoning too
+    live = LiveServer(chat_template=template, reasoning_parser="deepseek_r1", num_device_blocks=48,
+                      max_model_len=160, app_options={"structured_outputs_in_reasoning": True})
+    try:
+        ids = reply(response_format=json_format)["token_ids"]
+        assert set(json.loads(tokenizer.decode(ids, skip_special_tokens=True))) == {"fruit"}
+    finally:
+        live.stop()
+
+
+class _Tokens:
+    """A tokenizer for the counter: each marker one token, other text a token per character."""
+
+    MARKERS = ["<think>", "</think>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|start|>"]
+
+    def encode(self, text, add_special_tokens=False):
+        ids = []
+        while text:
+            marker = next((m for m in self.MARKERS if text.startswith(m)), None)
+            ids.append(1000 + self.MARKERS.index(marker) if marker else ord(text[0]))
+            text = text[len(marker) if marker else 1:]
+        return ids
+
+    def decode(self, ids):
+        return "".join(self.MARKERS[i - 1000] if i >= 1000 else chr(i) for i in ids)
+
+
+@pytest.mark.parametrize("name, reply, reasoning", [
+    ("deepseek_r1", "<think>abc</think>de", 3), ("deepseek_r1", "abc</think>de", 3), ("deepseek_r1", "abcd", 4),
+    ("deepseek_r1", "<think>ab", 2), ("qwen3", "<think>abc</think>de", 3), ("qwen3", "abcd", 0),
+    ("qwen3", "abc</think>de", 3), ("qwen3", "<think>ab", 2), ("qwen3", "<think></think>ok", 0),
+    ("openai_gptoss", HARMONY, len("We need 2+2.")), ("openai_gptoss", "Not in harmony form.", 0),
+    ("openai_gptoss", "<|channel|>analysis<|message|>Cut off", len("Cut off")),
+])
+def test_reasoning_tokens_are_the_tokens_of_the_split_reasoning(name, reply, reasoning):
+    """vLLM's usage.completion_tokens_details.reasoning_tokens: a reply's tokens in the part the
+    parser splits off as reasoning (markers left out), the same counted whole or as they stream."""
+    from pagedkv.entrypoints.server.reasoning_tokens import ReasoningTokenCounter, count_reasoning_tokens
+
+    parser, tokens = ReasoningParser(name), _Tokens()
+    ids = tokens.encode(reply)
+    assert len(tokens.encode(parser.split(reply)[0])) == reasoning  # (the split's reasoning, as tokens)
+    assert count_reasoning_tokens(parser, tokens, ids) == reasoning
+    streamed = ReasoningTokenCounter(parser, tokens)
+    for start in range(0, len(ids), 3):
+        streamed.add(ids[start:start + 3])
+    assert streamed.count == reasoning
+
+
+def test_usage_counts_the_reasoning_tokens():
+    """With a reasoning parser, chat usage carries completion_tokens_details.reasoning_tokens
+    (whole, streamed, continuous) and Responses usage output_tokens_details.reasoning_tokens;
+    without one, chat usage has no details."""
+    from support.live_server import LiveServer
+
+    template = "{{ messages[-1]['content'] }}<think>\n"
+    live = LiveServer(chat_template=template, reasoning_parser="deepseek_r1", num_device_blocks=48,
+                      max_model_len=160)
+    body = {"messages": [{"role": "user", "content": "Why is the sky blue?"}], "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True, "thinking_token_budget": 4}
+    try:
+        end = live.engine.tokenizer.encode("</think>", add_special_tokens=False)
+        whole = httpx.post(live.url + "/v1/chat/completions", json=body, timeout=60).json()
+        ChatCompletion.model_validate(whole, strict=True)
+        assert whole["usage"]["completion_tokens"] == 12
+        assert whole["usage"]["completion_tokens_details"] == {"reasoning_tokens": 4}  # (the marker's tokens not)
+        stream_options = {"include_usage": True, "continuous_usage_stats": True}
+        with httpx.stream("POST", live.url + "/v1/chat/completions", timeout=60,
+                          json={**body, "stream": True, "stream_options": stream_options}) as reply:
+            usages = [json.loads(line[6:]).get("usage") for line in reply.iter_lines() if line.startswith("data: {")]
+        counted = [usage["completion_tokens_details"]["reasoning_tokens"] for usage in usages
+                   if usage and "completion_tokens_details" in usage]
+        assert counted == sorted(counted) and counted[-1] == 4 and usages[-1]["completion_tokens_details"] == {
+            "reasoning_tokens": 4}
+        response = httpx.post(live.url + "/v1/responses", timeout=60, json={
+            "input": "Why is the sky blue?", "max_output_tokens": 4 + len(end) + 2, "temperature": 0}).json()
+        assert response["usage"]["output_tokens_details"] == {"reasoning_tokens": response["usage"]["output_tokens"]}
+    finally:
+        live.stop()
+    plain = LiveServer(num_device_blocks=32, max_model_len=128)
+    try:
+        usage = httpx.post(plain.url + "/v1/chat/completions", timeout=60, json={**body, "thinking_token_budget": None}
+                           ).json()["usage"]
+        assert "completion_tokens_details" not in usage
+    finally:
+        plain.stop()

@@ -115,16 +115,18 @@ def test_logprobs_come_with_the_text_when_included_as_chat_completions_give_them
 
 def test_reasoning_items_come_before_the_message(client):
     model = client.models.list().data[0].id
+    # (the grammar writes the think block: with thinking off it starts at the first token; with
+    # it on, with the qwen3 parser, it would wait for the reply's </think>, as vLLM's does)
     extra = {"guided_regex": "<think>[a-z]{2,8}( [a-z]{2,8}){0,2}</think>[A-Z][a-z]{2,10}"}
     raw = client.responses.with_raw_response.create(model=model, input="Hi", max_output_tokens=40, temperature=0,
-                                                    extra_body=extra)
+                                                    extra_body=extra, reasoning={"effort": "none"})
     ResponseBody.model_validate(raw.http_response.json(), strict=True)  # (the fuzzed server has no reasoning items)
     response = raw.parse()
     reasoning, message = response.output
     assert reasoning.type == "reasoning" and reasoning.content[0].text and "<" not in reasoning.content[0].text
     assert message.type == "message" and response.output_text[0].isupper()
     events = list(client.responses.create(model=model, input="Hi", max_output_tokens=40, temperature=0,
-                                          extra_body=extra, stream=True))
+                                          extra_body=extra, reasoning={"effort": "none"}, stream=True))
     streamed = "".join(event.delta for event in events if event.type == "response.reasoning_text.delta")
     assert streamed == reasoning.content[0].text
 
@@ -133,7 +135,7 @@ def test_function_tools_and_their_results(client):
     model = client.models.list().data[0].id
     response = client.responses.create(model=model, input="What is the weather in Paris?", tools=[WEATHER],
                                        tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=40,
-                                       temperature=0)
+                                       temperature=0, reasoning={"effort": "none"})  # (thinking off: see above)
     [call] = response.output
     assert call.type == "function_call" and call.name == "get_weather"
     assert set(json.loads(call.arguments)) >= {"city"}
@@ -157,7 +159,8 @@ def test_namespaced_tools_reach_the_model_flat_and_their_calls_come_back_split(c
     the call comes back as name `spawn_agent` in namespace `multi_agent_v1`, and goes back in so."""
     model = client.models.list().data[0].id
     request = dict(model=model, input="Start an agent that says hi.", tools=[AGENTS, WEATHER], max_output_tokens=40,
-                   temperature=0, tool_choice={"type": "function", "name": "spawn_agent"})  # (its own name: one namespace has it)
+                   temperature=0, tool_choice={"type": "function", "name": "spawn_agent"},  # (its own name: one namespace has it)
+                   reasoning={"effort": "none"})  # (thinking off: the forced call starts at once)
     response = client.responses.create(**request)
     [call] = response.output
     assert (call.type, call.name, call.namespace) == ("function_call", "spawn_agent", "multi_agent_v1")
@@ -204,9 +207,16 @@ def test_text_format_json_schema_constrains_the_reply(client):
     model = client.models.list().data[0].id
     schema = {"type": "object", "properties": {"fruit": {"type": "string", "maxLength": 12}}, "required": ["fruit"],
               "additionalProperties": False}
+    # (reasoning effort "none": thinking off, so with the qwen3 parser the grammar starts at once)
     response = client.responses.create(model=model, input="Name a fruit as JSON.", max_output_tokens=40, temperature=0,
-                                       text={"format": {"type": "json_schema", "name": "fruit", "schema": schema}})
+                                       text={"format": {"type": "json_schema", "name": "fruit", "schema": schema}},
+                                       reasoning={"effort": "none"})
     assert set(json.loads(response.output_text)) == {"fruit"}
+    # thinking on (the default): the grammar waits for the reply's </think>, which this model never writes
+    thinking = client.responses.create(model=model, input="Name a fruit as JSON.", max_output_tokens=6, temperature=0,
+                                       text={"format": {"type": "json_schema", "name": "fruit", "schema": schema}})
+    free = client.responses.create(model=model, input="Name a fruit as JSON.", max_output_tokens=6, temperature=0)
+    assert thinking.output_text == free.output_text
 
 
 @pytest.mark.parametrize("body, param", [

@@ -101,11 +101,14 @@ class InputProcessor:
             raise ValueError(f"n / beam_width={params.num_sequences} exceeds max_num_seqs={self.config.max_num_seqs}")
         params.check_logprobs(self.config.max_logprobs, vocab_size)
         grammar = self.compiled_grammar(params)  # (an invalid schema or grammar raises here, before queueing)
-        first = SequenceState(seq_id=-1, index=0, generator=self.generator(params, 0), matcher=self.matcher(grammar))
+        after_reasoning = params.structured_outputs.after_reasoning if grammar is not None else None
+        grammar_after = after_reasoning.awaited(prompt_token_ids) if after_reasoning is not None else None
+        first = SequenceState(seq_id=-1, index=0, generator=self.generator(params, 0),
+                              matcher=self.matcher(grammar, grammar_after))
         metrics = RequestMetrics(arrival_time=arrival_time or time.monotonic(), num_prompt_tokens=len(prompt_token_ids))
         request = RequestState(request_id, prompt_text, prompt_token_ids, params, metrics, [first], pooling=pooling,
                                bad_words_token_ids=self.bad_words_token_ids(params.bad_words), grammar=grammar,
-                               prompt_embeds=embeds)
+                               grammar_after=grammar_after, prompt_embeds=embeds)
         request.allow_plain_booking(self.eos_token_ids, self.max_model_len)
         if params.use_beam_search:
             request.beam_search = BeamSearch(
@@ -198,9 +201,10 @@ class InputProcessor:
                                                         self.config.max_cached_grammars)
         return self.grammar_compiler.compile(params.structured_outputs)
 
-    def matcher(self, grammar):
-        """A fresh matcher of a compiled grammar (one per sample), else None."""
-        return None if grammar is None else self.grammar_compiler.matcher(grammar)
+    def matcher(self, grammar, after: Optional[tuple[int, ...]] = None):
+        """A fresh matcher of a compiled grammar (one per sample), else None; with `after`, one
+        that starts once the output writes those tokens."""
+        return None if grammar is None else self.grammar_compiler.matcher(grammar, after)
 
     def generator(self, params: SamplingParams, index: int) -> Optional[torch.Generator]:
         """Sample `index`'s generator of a seeded request, else None."""

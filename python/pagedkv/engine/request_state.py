@@ -82,6 +82,7 @@ class RequestState:
     lora: object = None  # the LoRAAdapter the request runs with, else None
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # params.bad_words, tokenized
     grammar: object = None  # xgrammar CompiledGrammar of a structured-output request (samples' matchers start from it)
+    grammar_after: Optional[tuple[int, ...]] = None  # tokens the output writes before the grammar starts (reasoning's end)
     failed: bool = False  # an error while stepping it aborted it (alone)
     # A prompt with embeddings (its prompt_token_ids hold placeholders where they go)
     prompt_embeds: Optional[PromptEmbeds] = None

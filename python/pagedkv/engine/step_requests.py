@@ -146,7 +146,7 @@ class StepAsker:
         for index in range(1, request.params.n):
             child = SequenceState(seq_id=self.books.provisional_seq_id(), index=index,
                                   generator=self.inputs.generator(request.params, index),
-                                  matcher=self.inputs.matcher(request.grammar))
+                                  matcher=self.inputs.matcher(request.grammar, request.grammar_after))
             request.seqs.append(child)
             self.books.seq_owner[child.seq_id] = (request, child)
             asked.fork_parents[child.seq_id] = parent

@@ -172,7 +172,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                  return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                  enable_request_id_headers=args.enable_request_id_headers,
                  enable_sagemaker_sessions=args.enable_sagemaker_sessions,
-                 trust_request_chat_template=args.trust_request_chat_template)
+                 trust_request_chat_template=args.trust_request_chat_template,
+                 structured_outputs_in_reasoning=args.structured_outputs_config.get("enable_in_reasoning", False)
+                 or args.structured_outputs_in_reasoning)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -252,10 +254,16 @@ def build_parser() -> argparse.ArgumentParser:
                             "(streams end with finish_reason abort and [DONE]) (default: %(default)s)")
     add_engine_arguments(serve)
     compat = serve.add_argument_group("vLLM flags accepted so that vLLM command lines start (no effect here)")
-    compat.add_argument("--structured-outputs-config", "--structured-outputs-config.backend",
-                        dest="structured_outputs_backend", type=structured_outputs_backend, default="xgrammar",
-                        metavar="BACKEND", help="xgrammar or auto (or vLLM's JSON form): pagedkv's structured outputs "
-                                                "run on xgrammar; another backend is an error")
+    serve.add_argument("--structured-outputs-config", dest="structured_outputs_config", type=structured_outputs_config,
+                       default={}, metavar="JSON",
+                       help='vLLM\'s JSON form: {"backend": "xgrammar" or "auto" (pagedkv\'s structured outputs run on '
+                            'xgrammar; another backend is an error), "enable_in_reasoning": true or false}')
+    serve.add_argument("--structured-outputs-config.enable_in_reasoning", dest="structured_outputs_in_reasoning",
+                       action="store_true", help="with --reasoning-parser, grammars constrain the reasoning too "
+                                                 "(by default they start once the reply's reasoning has ended)")
+    compat.add_argument("--structured-outputs-config.backend", dest="structured_outputs_backend",
+                        type=structured_outputs_backend, default="xgrammar", metavar="BACKEND",
+                        help="xgrammar or auto: pagedkv's structured outputs run on xgrammar; another backend is an error")
     compat.add_argument("--trust-remote-code", action="store_true",
                         help="pagedkv runs no checkpoint's own code: its model classes are its own")
     compat.add_argument("--show-hidden-metrics-for-version", default=None, metavar="VERSION",
@@ -267,14 +275,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def structured_outputs_config(value: str) -> dict:
+    """vLLM's --structured-outputs-config: a JSON object whose "backend" is xgrammar or auto and
+    whose "enable_in_reasoning" is a boolean (its other keys change nothing here), or a backend."""
+    if not value.lstrip().startswith("{"):
+        return {"backend": structured_outputs_backend(value)}
+    try:
+        config = json.loads(value)
+    except ValueError:
+        config = None
+    if not isinstance(config, dict):
+        raise argparse.ArgumentTypeError(f"not a JSON object: {value!r}")
+    structured_outputs_backend(config.get("backend", "auto"))
+    if not isinstance(config.get("enable_in_reasoning", False), bool):
+        raise argparse.ArgumentTypeError(f"enable_in_reasoning must be true or false, got {config['enable_in_reasoning']!r}")
+    return config
+
+
 def structured_outputs_backend(value: str) -> str:
-    """vLLM's --structured-outputs-config (JSON with a "backend") or its .backend: xgrammar or auto."""
+    """vLLM's --structured-outputs-config.backend: xgrammar or auto."""
     backend = value
-    if value.lstrip().startswith("{"):
-        try:
-            backend = json.loads(value).get("backend", "auto")
-        except (ValueError, AttributeError):
-            raise argparse.ArgumentTypeError(f"not a JSON object: {value!r}") from None
     if backend not in ("auto", "xgrammar"):
         raise argparse.ArgumentTypeError(f"pagedkv's structured outputs run on xgrammar; backend {backend!r} is not "
                                          "available")

@@ -4,6 +4,8 @@ strings or an EBNF grammar, through xgrammar (the grammar engine vLLM uses).
 Each constrained sequence owns a `GrammarMatcher`; before sampling, the sampler masks every
 token its grammar does not allow next, and each sampled token advances the matcher. Once the
 grammar is complete only the end-of-sequence tokens are allowed, so the sequence stops there.
+With `after_reasoning` (the server sets it where a reasoning parser is on, as vLLM does) the
+grammar starts once the reply's reasoning has ended: a thinking model thinks freely first.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import json
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -30,6 +32,9 @@ class StructuredOutputsParams:
     regex: Optional[str] = None
     choice: Optional[list[str]] = None
     grammar: Optional[str] = None
+    # Where the grammar starts when not at the first token (vLLM's with --reasoning-parser). Not
+    # part of the constraint: `key` leaves it out.
+    after_reasoning: Optional["AfterReasoning"] = None
 
     def __post_init__(self) -> None:
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
@@ -58,6 +63,55 @@ class StructuredOutputsParams:
         if self.choice is not None:
             return ("choice", tuple(self.choice))
         return ("grammar", self.grammar)
+
+
+@dataclass(frozen=True)
+class AfterReasoning:
+    """The grammar waits for the reasoning to end: for the output to write `end_token_ids` (a
+    reasoning parser's `</think>`), unless `prompt_ends_reasoning(prompt ids)` says the prompt
+    already ended it (a template that writes an empty think block, thinking turned off). Until
+    then every token is allowed and none advances the grammar (vLLM's structured outputs with a
+    reasoning parser, `enable_in_reasoning` off)."""
+
+    end_token_ids: tuple[int, ...]
+    prompt_ends_reasoning: Callable[[list[int]], bool]
+
+    def __post_init__(self) -> None:
+        if not self.end_token_ids:
+            raise ValueError("after_reasoning needs the reasoning's end marker as token ids")
+
+    def awaited(self, prompt_token_ids: list[int]) -> Optional[tuple[int, ...]]:
+        """The marker a request's grammar waits for, or None where it starts at once."""
+        return None if self.prompt_ends_reasoning(prompt_token_ids) else self.end_token_ids
+
+
+class MatcherAfterMarker:
+    """A grammar matcher that starts after the output writes `marker`: until then it allows
+    every token (`waiting`) and sampled tokens do not advance the grammar. The methods the
+    engine calls are xgrammar's GrammarMatcher's."""
+
+    def __init__(self, matcher, marker: tuple[int, ...]):
+        self.matcher, self.marker = matcher, list(marker)
+        self.waiting = True
+        self._tail: list[int] = []
+
+    def accept_token(self, token_id: int) -> bool:
+        if not self.waiting:
+            return self.matcher.accept_token(token_id)
+        self._tail = (self._tail + [token_id])[-len(self.marker):]
+        self.waiting = self._tail != self.marker
+        return True
+
+    def is_terminated(self) -> bool:
+        return not self.waiting and self.matcher.is_terminated()
+
+    def fill_next_token_bitmask(self, bitmask, row: int) -> None:
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+
+def grammar_applies(matcher) -> bool:
+    """Whether a sequence's matcher (None: no grammar) constrains its next token."""
+    return matcher is not None and not getattr(matcher, "waiting", False)
 
 
 def check_local_refs(schema: Union[str, dict]) -> None:
@@ -123,9 +177,11 @@ class GrammarCompiler:
     def num_cached_grammars(self) -> int:
         return len(self._compiled)
 
-    def matcher(self, compiled):
-        """A fresh matcher at the start of a compiled constraint (cheap: no compiling)."""
-        return self._xgr.GrammarMatcher(compiled)
+    def matcher(self, compiled, after: Optional[tuple[int, ...]] = None):
+        """A fresh matcher at the start of a compiled constraint (cheap: no compiling); with
+        `after`, one that starts once the output writes those tokens."""
+        matcher = self._xgr.GrammarMatcher(compiled)
+        return matcher if after is None else MatcherAfterMarker(matcher, after)
 
     def _compile(self, params: StructuredOutputsParams):
         compiler = self._compiler
@@ -142,9 +198,13 @@ class GrammarCompiler:
 
 
 def mask_disallowed_tokens(logits: torch.Tensor, matchers: dict[int, object]) -> None:
-    """Sets to -inf, in place, every logit of row i that matchers[i] does not allow next.
-    `logits` [rows, vocab] float32."""
+    """Sets to -inf, in place, every logit of row i that matchers[i] does not allow next (none
+    of a row whose grammar has not started). `logits` [rows, vocab] float32."""
     import xgrammar
+
+    matchers = {row: matcher for row, matcher in matchers.items() if grammar_applies(matcher)}
+    if not matchers:
+        return
 
     vocab_size = logits.shape[1]
     bitmask = xgrammar.allocate_token_bitmask(logits.shape[0], vocab_size)

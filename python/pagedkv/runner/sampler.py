@@ -16,7 +16,7 @@ import torch
 from pagedkv_core import _core
 from pagedkv.runner.penalties import apply_biases_and_penalties
 from pagedkv.params.sampling import SamplingParams
-from pagedkv.params.structured_output import mask_disallowed_tokens
+from pagedkv.params.structured_output import grammar_applies, mask_disallowed_tokens
 from pagedkv.kernels.transfer import to_device
 
 
@@ -164,7 +164,7 @@ class Sampler:
         banned_words = _banned_by_bad_words(row.bad_words_token_ids, row.output_token_ids)
         if banned_words:
             logits[to_device(torch.tensor(banned_words), logits.device)] = float("-inf")
-        if len(row.output_token_ids) < params.min_tokens and row.matcher is None:  # (a grammar decides the end)
+        if len(row.output_token_ids) < params.min_tokens and not grammar_applies(row.matcher):  # (a grammar decides the end)
             banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(row.eos_token_ids))
             if banned:
                 logits[to_device(torch.tensor(sorted(banned)), logits.device)] = float("-inf")

@@ -52,7 +52,8 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
                enable_server_load_tracking: bool = False, root_path: str = "",
                enable_prompt_tokens_details: bool = False, enable_per_request_metrics: bool = False,
                return_tokens_as_token_ids: bool = False, enable_request_id_headers: bool = False,
-               enable_sagemaker_sessions: bool = False, trust_request_chat_template: bool = False) -> FastAPI:
+               enable_sagemaker_sessions: bool = False, trust_request_chat_template: bool = False,
+               structured_outputs_in_reasoning: bool = False) -> FastAPI:
     """The app around an engine; an AsyncLLM steps it for the app's lifetime. `chat_template`
     (Jinja) replaces the tokenizer's own, e.g. for a base model that has none. `api_key`: /v1
     routes (all but /health) answer 401 unless the request carries `Authorization: Bearer <api_key>`; an
@@ -76,7 +77,10 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
     model of its own name, loaded now. `allow_runtime_lora_updating` adds vLLM's
     /v1/load_lora_adapter and /v1/unload_lora_adapter (adapters from the server's disk).
     `reasoning_parser` ("deepseek_r1", "qwen3", "openai_gptoss"): chat replies' think blocks become
-    `reasoning_content` (server/reasoning.py). `tool_call_parser` ("hermes", "llama3_json",
+    `reasoning_content` (server/reasoning.py), and with a think-tag parser structured outputs and
+    forced tool calls start once the reply's reasoning has ended, unless
+    `structured_outputs_in_reasoning` (vLLM's --structured-outputs-config.enable_in_reasoning)
+    constrains the reasoning too. `tool_call_parser` ("hermes", "llama3_json",
     "mistral", "openai"): how tool calls are found in replies with tool_choice "auto" (server/tools.py)."""
     check_api_key(api_key)
     if not isinstance(max_request_body_bytes, int) or max_request_body_bytes <= 0:
@@ -87,6 +91,7 @@ def create_app(engine: LLMEngine, served_model_name: Optional[str] = None, chat_
     if enable_sagemaker_sessions:
         context.sagemaker_sessions = SessionStore()
     context.trust_request_chat_template = trust_request_chat_template
+    context.structured_outputs_in_reasoning = structured_outputs_in_reasoning
     if allow_runtime_lora_updating and not context.supports_lora:
         raise ValueError("allow_runtime_lora_updating needs an engine built with enable_lora=True")
 
@@ -158,7 +163,8 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, serve
           enable_prompt_tokens_details: bool = False, enable_per_request_metrics: bool = False,
           return_tokens_as_token_ids: bool = False, enable_request_id_headers: bool = False,
           enable_sagemaker_sessions: bool = False, trust_request_chat_template: bool = False,
-          request_header_timeout_seconds: float = DEFAULT_REQUEST_HEADER_TIMEOUT_SECONDS) -> int:
+          request_header_timeout_seconds: float = DEFAULT_REQUEST_HEADER_TIMEOUT_SECONDS,
+          structured_outputs_in_reasoning: bool = False) -> int:
     """Builds the engine and runs uvicorn until SIGINT/SIGTERM: stops accepting, lets in-flight
     requests finish for `shutdown_grace_seconds`, aborts the rest (ServingContext.drain), and
     returns 0. `lora_modules` and `allow_runtime_lora_updating` turn enable_lora on. `uds`: a Unix
@@ -207,7 +213,8 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, serve
                      return_tokens_as_token_ids=return_tokens_as_token_ids,
                      enable_request_id_headers=enable_request_id_headers,
                      enable_sagemaker_sessions=enable_sagemaker_sessions,
-                     trust_request_chat_template=trust_request_chat_template)
+                     trust_request_chat_template=trust_request_chat_template,
+                     structured_outputs_in_reasoning=structured_outputs_in_reasoning)
     # The startup heap (torch, the model, the tokenizer: ~440k objects) lives as long as the server:
     # frozen, the full collections skip it. Each paused every stream and /health 0.25 s (as vLLM).
     gc.collect()

@@ -44,11 +44,17 @@ class PromptTokensDetails(BaseModel):
     """Prompt tokens the prefix cache served (their KV was not computed again)."""
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int
+    """Generated tokens of the reasoning (chat, with --reasoning-parser): a think block's, GPT-OSS's analysis messages'."""
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: Optional[PromptTokensDetails] = None
+    completion_tokens_details: Optional[CompletionTokensDetails] = None
 
 
 class CompletionLogprobs(BaseModel):

@@ -48,6 +48,21 @@ class ReasoningParser:
         """Whether replies must be detokenized with special tokens (harmony's markers are)."""
         return self.name == "openai_gptoss"
 
+    def prompt_ends_reasoning(self, prompt_tail: str, thinking: bool = True) -> bool:
+        """Whether a reply to this prompt (its last characters) starts past the reasoning, as
+        vLLM's parsers tell it for structured outputs: deepseek_r1 when the prompt's last think tag
+        closes a block; qwen3 the same within the current turn, and with neither tag there when
+        thinking is off (chat_template_kwargs enable_thinking false); GPT-OSS always (its
+        grammar is not held back)."""
+        if self.name == "openai_gptoss":
+            return True
+        if self.name == "qwen3":
+            prompt_tail = prompt_tail[max(prompt_tail.rfind(marker) for marker in TURN_BOUNDARIES) + 1:]
+        opened, closed = prompt_tail.rfind(START), prompt_tail.rfind(END)
+        if opened < 0 and closed < 0:
+            return self.name == "qwen3" and not thinking
+        return closed > opened
+
     def split(self, text: str, finished: bool = True) -> tuple[str, str]:
         """(reasoning, content) of a reply; of a growing one (`finished=False`), the parts that
         can be streamed so far: text that may still become a tag is held back."""
@@ -67,6 +82,11 @@ class ReasoningParser:
             reasoning = _without_start(text)
             return reasoning[: len(reasoning) - _partial_suffix(reasoning, END)], ""
         return _without_start(text), ""
+
+
+# Where a ChatML prompt's turns begin and end (Qwen's templates): vLLM's qwen3 parser looks no
+# further back than these for the current reply's think tags.
+TURN_BOUNDARIES = ("<|im_start|>", "<|im_end|>")
 
 
 def _without_start(text: str) -> str:

@@ -12,6 +12,7 @@ from typing import AsyncIterator, Optional
 
 from pagedkv.outputs import ClassificationRequestOutput, CompletionOutput, EmbeddingRequestOutput, RequestOutput
 from pagedkv.entrypoints.server.reasoning import ReasoningParser
+from pagedkv.entrypoints.server.reasoning_tokens import ReasoningTokenCounter, count_reasoning_tokens
 from pagedkv.entrypoints.server.request_timing import timing_metrics
 from pagedkv.entrypoints.server.tools import ToolCalling
 
@@ -104,6 +105,8 @@ class ResponseBuilder:
                 so_far = choices_so_far.get(index)
                 if so_far is None:
                     so_far = choices_so_far[index] = _ChoiceSoFar(len(self.prompt_text(output)) if echo else 0)
+                    if chat and self.counts_reasoning:
+                        so_far.reasoning_tokens = ReasoningTokenCounter(self.reasoning, self.tokenizer)
                 elif so_far.finished:  # (with n > 1 a finished sample stays in its request's outputs)
                     continue
                 so_far.receive(completion, keep_text=chat and (self.reasoning is not None or tools is not None))
@@ -119,7 +122,8 @@ class ResponseBuilder:
                          "choices": [choice]}
                 if options.continuous_usage:
                     num_generated = sum(so_far.num_tokens for so_far in choices_so_far.values())
-                    chunk["usage"] = self.usage_of(sum(prompts_seen.values()), num_generated)
+                    chunk["usage"] = self.usage_of(sum(prompts_seen.values()), num_generated,
+                                                   reasoning_tokens=reasoning_tokens_of(choices_so_far))
                 yield sse(chunk)
             if output.finished:
                 prompt_tokens[prompt_index] = output.num_prompt_tokens
@@ -127,7 +131,8 @@ class ResponseBuilder:
                 if len(prompt_tokens) == num_prompts:
                     if options.include_usage:
                         num_generated = sum(so_far.num_tokens for so_far in choices_so_far.values())
-                        usage = self.usage_of(sum(prompt_tokens.values()), num_generated, sum(cached_tokens.values()))
+                        usage = self.usage_of(sum(prompt_tokens.values()), num_generated, sum(cached_tokens.values()),
+                                              reasoning_tokens_of(choices_so_far))
                         chunk = {"id": request_id, "object": kind, "created": created, "model": self.model_name,
                                  "choices": [], "usage": usage}
                         if self.per_request_metrics and num_choices == 1:
@@ -287,7 +292,7 @@ class ResponseBuilder:
                     choice["prompt_logprobs"] = self.prompt_logprobs(output, options)
                 choices.append(choice)
         response = {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": created,
-                    "model": self.model_name, "choices": choices, "usage": self.usage(outputs)}
+                    "model": self.model_name, "choices": choices, "usage": self.usage(outputs, chat)}
         if self.per_request_metrics and len(choices) == 1:
             response["metrics"] = timing_metrics(outputs[0].metrics, len(outputs[0].outputs[0].token_ids))
         if chat and outputs:  # (one prompt)
@@ -371,20 +376,40 @@ class ResponseBuilder:
                             "top_logprobs": [described(*candidate) for candidate in candidates[:top_logprobs]]})
         return {"content": content}
 
-    def usage(self, outputs: list) -> dict:
+    def usage(self, outputs: list, chat: bool = False) -> dict:
         """Usage of whole (not delta) final outputs."""
         completion_tokens = sum(len(c.token_ids) for output in outputs for c in output.outputs)
         cached_tokens = sum(num_cached_tokens(output) for output in outputs)
-        return self.usage_of(sum(output.num_prompt_tokens for output in outputs), completion_tokens, cached_tokens)
+        reasoning_tokens = None
+        if chat and self.counts_reasoning:
+            reasoning_tokens = sum(count_reasoning_tokens(self.reasoning, self.tokenizer, c.token_ids)
+                                   for output in outputs for c in output.outputs)
+        return self.usage_of(sum(output.num_prompt_tokens for output in outputs), completion_tokens, cached_tokens,
+                             reasoning_tokens)
 
-    def usage_of(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    @property
+    def counts_reasoning(self) -> bool:
+        """Whether chat usage carries `completion_tokens_details.reasoning_tokens` (vLLM's, with a
+        reasoning parser)."""
+        return self.reasoning is not None and self.tokenizer is not None
+
+    def usage_of(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
+                 reasoning_tokens: Optional[int] = None) -> dict:
         """OpenAI's usage; `prompt_tokens_details.cached_tokens` (where enabled): prompt tokens the
-        prefix cache served."""
+        prefix cache served; `completion_tokens_details.reasoning_tokens` where counted."""
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                  "total_tokens": prompt_tokens + completion_tokens}
         if self.prompt_tokens_details:
             usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+        if reasoning_tokens is not None:
+            usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
         return usage
+
+
+def reasoning_tokens_of(choices: dict[int, "_ChoiceSoFar"]) -> Optional[int]:
+    """Streamed choices' reasoning tokens so far, None where they are not counted."""
+    counters = [so_far.reasoning_tokens for so_far in choices.values() if so_far.reasoning_tokens is not None]
+    return sum(counter.count for counter in counters) if counters else None
 
 
 def token_first(token_id: int, entry: dict[int, float]) -> list[tuple[int, float]]:
@@ -416,11 +441,14 @@ class _ChoiceSoFar:
         self.num_tokens = 0
         self.reasoning_sent = self.content_sent = 0
         self.text = ""  # (kept only where a parser reads it)
+        self.reasoning_tokens: Optional[ReasoningTokenCounter] = None  # (where chat usage counts them)
         self._pending_tokens: list[int] = []
         self._pending_logprobs: Optional[list] = None
 
     def receive(self, completion, keep_text: bool) -> None:
         self.num_tokens += len(completion.token_ids)
+        if self.reasoning_tokens is not None:
+            self.reasoning_tokens.add(completion.token_ids)
         self._pending_tokens += completion.token_ids
         if completion.logprobs is not None:
             self._pending_logprobs = (self._pending_logprobs or []) + completion.logprobs

@@ -191,13 +191,13 @@ def _copy(item: dict) -> dict:
     return json.loads(json.dumps(item))
 
 
-def usage(output, output_tokens: Optional[int] = None) -> dict:
+def usage(output, output_tokens: Optional[int] = None, reasoning_tokens: int = 0) -> dict:
     """The Responses API's usage of one finished RequestOutput (`output_tokens`: counted by the
-    caller where the output holds only its last tokens)."""
+    caller where the output holds only its last tokens; `reasoning_tokens`: those of its reasoning)."""
     input_tokens = output.num_prompt_tokens
     if output_tokens is None:
         output_tokens = len(output.outputs[0].token_ids)
     cached = getattr(output.metrics, "num_prefix_hit_tokens", 0) if output.metrics is not None else 0
     return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": cached or 0},
-            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": input_tokens + output_tokens}

@@ -23,12 +23,14 @@ from pagedkv.entrypoints.async_llm import AsyncLLM, RequestStream
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.errors import EngineStoppedError, OverloadedError
 from pagedkv.params.lora_request import LoRARequest
+from pagedkv.params.structured_output import AfterReasoning
 from pagedkv.outputs import PoolingRequestOutput, RequestOutput
 from pagedkv.entrypoints.server.errors import APIError, submit_error
 from pagedkv.entrypoints.server.metrics import ServerMetrics
 from pagedkv.entrypoints.server.reasoning import END as THINK_END
 from pagedkv.entrypoints.server.reasoning import START as THINK_START
 from pagedkv.entrypoints.server.reasoning import ReasoningParser
+from pagedkv.entrypoints.server.reasoning_tokens import count_reasoning_tokens
 from pagedkv.entrypoints.server.sagemaker_sessions import SessionStore
 from pagedkv.entrypoints.server.thinking_budget import budget_processor
 from pagedkv.entrypoints.server.responses import ResponseBuilder
@@ -87,6 +89,8 @@ class ServingContext:
         self.tokens_as_ids = tokens_as_ids  # (--return-tokens-as-token-ids, as vLLM: every request's logprobs)
         self.decision_label_ids: Optional[list[int]] = None
         self.trust_request_chat_template = False  # (--trust-request-chat-template: requests may bring their own)
+        # (vLLM's --structured-outputs-config.enable_in_reasoning: grammars constrain the reasoning too)
+        self.structured_outputs_in_reasoning = False
         self.sagemaker_sessions: Optional[SessionStore] = None  # (SageMaker's stateful sessions, where enabled)  # (/v1/decisions: found at its first request)
         self.builders = {name: self.builder(name) for name in (self.model_name, *self.adapters)}
         stats = engine.stats()
@@ -209,9 +213,17 @@ class ServingContext:
         `parallel` false returns only the first call of a reply (vLLM's parallel_tool_calls)."""
         return make_params(lambda: ToolCalling.from_request(chat_tools, tool_choice, self.tool_call_parser, parallel))
 
-    def with_reasoning(self, params, thinking_token_budget: Optional[int] = None):
+    def with_reasoning(self, params, thinking_token_budget: Optional[int] = None,
+                       template_kwargs: Optional[dict] = None, include_reasoning: bool = True):
         """GPT-OSS's harmony markers are special tokens: its parser reads replies with them. A
-        `thinking_token_budget` closes a think block after that many tokens (thinking_budget.py)."""
+        `thinking_token_budget` closes a think block after that many tokens (thinking_budget.py).
+        With a think-tag parser, structured outputs (and forced tool calls) start once the reply's
+        reasoning ends, as in vLLM (unless the reasoning is left out of the reply): a thinking
+        model thinks first."""
+        if (self.reasoning is not None and not self.reasoning.keeps_special_tokens
+                and params.structured_outputs is not None and include_reasoning
+                and not self.structured_outputs_in_reasoning):
+            params = self._grammar_after_reasoning(params, (template_kwargs or {}).get("enable_thinking") is not False)
         if thinking_token_budget is not None:
             if self.reasoning is None or self.reasoning.keeps_special_tokens:
                 raise APIError(400, "thinking_token_budget is set but reasoning_config is not configured. Please set "
@@ -230,6 +242,24 @@ class ServingContext:
         if self.reasoning is not None and self.reasoning.keeps_special_tokens:
             return dataclasses.replace(params, skip_special_tokens=False)
         return params
+
+    def reasoning_token_count(self, token_ids: list[int]) -> int:
+        """A whole reply's reasoning tokens (reasoning_tokens.py), 0 without a reasoning parser."""
+        if self.reasoning is None or self.tokenizer is None:
+            return 0
+        return count_reasoning_tokens(self.reasoning, self.tokenizer, token_ids)
+
+    def _grammar_after_reasoning(self, params, thinking: bool):
+        tokenizer, parser = self.text_tokenizer(), self.reasoning
+        end = tuple(tokenizer.encode(THINK_END, add_special_tokens=False))
+
+        def prompt_ends_reasoning(prompt_ids: list[int]) -> bool:
+            # (read as text: a template's tags may merge with the tokens around them)
+            return parser.prompt_ends_reasoning(tokenizer.decode(prompt_ids[-256:]), thinking)
+
+        after = AfterReasoning(end, prompt_ends_reasoning)
+        return dataclasses.replace(params, structured_outputs=dataclasses.replace(params.structured_outputs,
+                                                                                  after_reasoning=after))
 
     # -- the engine requests of an HTTP request --------------------------------------------------
     async def submit(self, request_ids: list[str], prompts: list, params, priority: int, served: str, chat: bool,

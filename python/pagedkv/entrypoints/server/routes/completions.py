@@ -56,7 +56,7 @@ async def answer_chat(body: ChatCompletionRequest, request: Request, context: Se
     chat_tools, tool_choice = body.chat_tools()
     tools = context.tool_calling(chat_tools, tool_choice, parallel=body.parallel_tool_calls is not False)
     params = context.with_reasoning(with_tools(params, tools, "structured outputs (response_format, guided_*)"),
-                                    body.thinking_token_budget)
+                                    body.thinking_token_budget, body.template_kwargs(), body.include_reasoning)
     forwarded = body.forwarded_prompt_token_ids(context.model_info.vocab_size)
     if forwarded is not None:
         if isinstance(body, BatchChatCompletionRequest):

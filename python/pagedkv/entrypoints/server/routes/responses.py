@@ -41,7 +41,7 @@ async def responses(body: ResponsesRequest, request: Request, context: ServingCo
     conversation = history + make_params(body.input_messages)  # (instructions are not carried over)
     chat_tools, tool_choice = make_params(body.chat_tools)
     tools = context.tool_calling(chat_tools, tool_choice, parallel=body.parallel_tool_calls is not False)
-    params = context.with_reasoning(with_tools(params, tools, "text.format"))
+    params = context.with_reasoning(with_tools(params, tools, "text.format"), template_kwargs=body.template_kwargs())
     prompt = await context.chat_prompt(messages, True, chat_tools if tools is not None else None,
                                        body.template_kwargs())
     response = ResponseState(served, body, context.reasoning, tools)
@@ -71,7 +71,8 @@ async def responses(body: ResponsesRequest, request: Request, context: ServingCo
             if text:
                 yield text
         response.keep_raw_messages(output, reply, token_ids)
-        final = response.finish(completion.finish_reason, responses_usage(output, len(token_ids)))
+        final = response.finish(completion.finish_reason, responses_usage(output, len(token_ids),
+                                                                     context.reasoning_token_count(token_ids)))
         store(response.final_body)
         yield "".join(final)
 
@@ -86,7 +87,8 @@ async def responses(body: ResponsesRequest, request: Request, context: ServingCo
     [output] = await context.final_outputs(request, [stream])
     completion = output.outputs[0]
     response.keep_raw_messages(output, completion.text, completion.token_ids)
-    whole = response.complete(completion.text, completion.finish_reason, responses_usage(output),
+    whole = response.complete(completion.text, completion.finish_reason,
+                              responses_usage(output, reasoning_tokens=context.reasoning_token_count(completion.token_ids)),
                               logprobs_of(completion))
     store(whole)
     return whole
@@ -122,8 +124,8 @@ def make_in_background(context: ServingContext, response: ResponseState, stream,
                     output = await next_output(stream)
                 completion = output.outputs[0]
                 response.keep_raw_messages(output, completion.text, completion.token_ids)
-                store(response.complete(completion.text, completion.finish_reason, responses_usage(output),
-                                        logprobs_of(completion)))
+                usage = responses_usage(output, reasoning_tokens=context.reasoning_token_count(completion.token_ids))
+                store(response.complete(completion.text, completion.finish_reason, usage, logprobs_of(completion)))
             except asyncio.CancelledError:
                 store(response.body("cancelled"))
             except Exception as error:  # (the engine stopped, a failed step): the poller sees it
