@@ -1,6 +1,6 @@
 //! The small-M linear layer over weights kept as GGUF blocks, and their dequantization.
 
-use super::activations::{quantize_activations, ActivationScheme};
+use super::activations::{quantize_activations_on, ActivationScheme};
 use super::dot::dot_rows;
 use super::formats::{dequantize_block, GgmlType};
 use crate::cpu_kernels::layer_ops::for_row_chunks;
@@ -87,7 +87,8 @@ pub(crate) fn quantized_linear_on(
     if let Some(bias) = bias.filter(|bias| bias.len() != n) {
         invalid("bias", format!("has {} elements, want {n}", bias.len()))?;
     }
-    let activations = quantize_activations(ActivationScheme::for_weights(ty), x);
+    // (every integer path runs on AVX2, FMA and F16C: the activations' quantizer takes them too)
+    let activations = quantize_activations_on(use_simd, ActivationScheme::for_weights(ty), x);
     let blocks_per_row = k / ty.block_len();
     let columns = SharedColumns(out.as_mut_ptr());
     // The blocks of 32 take eight rows at a time on either integer path (eight_rows.rs), the
