@@ -62,7 +62,9 @@ pub(crate) struct Problem<'a> {
     pub row_bytes: usize,
     pub activations: &'a QuantizedActivations,
     pub bias: Option<&'a [f32]>,
-    /// (tokens, output features, blocks per row)
+    /// The tokens computed: first_token..m (the activations hold at least m rows).
+    pub first_token: usize,
+    /// (end of the tokens, output features, blocks per row)
     pub m: usize,
     pub n: usize,
     pub blocks_per_row: usize,
@@ -113,9 +115,10 @@ unsafe fn run_groups<const VNNI: bool>(
     rows: Range<usize>,
     write: &impl Fn(usize, usize, f32),
 ) {
-    let Problem { weight, row_bytes, activations, bias, m, n, blocks_per_row, .. } = *problem;
+    let Problem { weight, row_bytes, activations, bias, first_token, m, n, blocks_per_row, .. } = *problem;
     assert!(weight.len() == n * row_bytes && rows.end <= n && row_bytes == blocks_per_row * ty.block_bytes());
     assert!(activations.quants.len() >= m * blocks_per_row * 32 && activations.scales.len() >= m * blocks_per_row);
+    assert!(first_token < m);
     for group in rows.clone().step_by(GROUP_ROWS) {
         // Rows past n repeat the last row; their results are not written.
         let starts: [*const u8; GROUP_ROWS] =
@@ -132,9 +135,9 @@ unsafe fn run_groups<const VNNI: bool>(
         let group_bytes = GROUP_ROWS * row_bytes;
         let next_group = starts[0].wrapping_add(group_bytes);
         let lines_per_block = group_bytes.div_ceil(64 * blocks_per_row);
-        let mut token = 0;
+        let mut token = first_token;
         while token < m {
-            let prefetch = (next_group, if token == 0 { lines_per_block } else { 0 });
+            let prefetch = (next_group, if token == first_token { lines_per_block } else { 0 });
             let tile = Tile { ty, starts, num_blocks: blocks_per_row, activations, first_token: token, prefetch };
             token += match m - token {
                 1 => tile.run::<1, VNNI>(&emit),

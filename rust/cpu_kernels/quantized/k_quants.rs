@@ -40,7 +40,8 @@ pub(crate) unsafe fn run_rows_k_quants(problem: &Problem, rows: Range<usize>, wr
 
 #[inline(always)]
 unsafe fn run_pairs(ty: GgmlType, problem: &Problem, rows: Range<usize>, write: &impl Fn(usize, usize, f32)) {
-    let Problem { weight, row_bytes, activations, bias, m, n, blocks_per_row, .. } = *problem;
+    let Problem { weight, row_bytes, activations, bias, first_token, m, n, blocks_per_row, .. } = *problem;
+    assert!(first_token < m);
     assert!(weight.len() == n * row_bytes && rows.end <= n && row_bytes == blocks_per_row * ty.block_bytes());
     assert!(activations.quants.len() >= m * blocks_per_row * 256 && activations.scales.len() >= m * blocks_per_row);
     assert!(ty != GgmlType::Q4_K || activations.sums_of_32.len() >= m * blocks_per_row * 8);
@@ -60,9 +61,9 @@ unsafe fn run_pairs(ty: GgmlType, problem: &Problem, rows: Range<usize>, write: 
         // prefetched, spread evenly over the blocks, so that they arrive before they are read.
         let next_rows = starts[0].wrapping_add(ROWS * row_bytes);
         let lines_per_block = (ROWS * row_bytes).div_ceil(64 * blocks_per_row);
-        let mut token = 0;
+        let mut token = first_token;
         while token < m {
-            let prefetch = (next_rows, if token == 0 { lines_per_block } else { 0 });
+            let prefetch = (next_rows, if token == first_token { lines_per_block } else { 0 });
             let first_blocks = |t: usize| (token + t).min(m - 1) * blocks_per_row;
             let tokens = (m - token).min(TILE_TOKENS);
             let pair = RowPair { ty, starts, num_blocks: blocks_per_row, activations, prefetch };

@@ -61,6 +61,17 @@ pub fn kernel_at_every_token_count(ty: GgmlType) -> bool {
     ty.block_len() == 32 || k_quants
 }
 
+/// Bytes of 8-bit activations a pass over the weights takes: every group of rows reads all of
+/// them, so they must stay in the core's L2 (1 MB on Zen 4). A 2048-token prefill step
+/// in one pass read 8-22 MB of them per group of rows, from L3 or DRAM (Q4_K at 2048 tokens:
+/// 149-166 GMAC/s on two threads, 181-198 in passes).
+const ACTIVATION_BYTES_PER_PASS: usize = 512 << 10;
+
+/// Tokens per pass over the weights for rows of `k` inputs: a multiple of 8 (the widest tile).
+fn tokens_per_pass_over_weights(k: usize) -> usize {
+    (ACTIVATION_BYTES_PER_PASS / k.max(1)).max(8) / 8 * 8
+}
+
 /// `quantized_linear` on the integer path `path` (None: the scalar reference).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn quantized_linear_on(
@@ -96,7 +107,9 @@ pub(crate) fn quantized_linear_on(
     #[cfg(target_arch = "x86_64")]
     if let Some(path) = path.filter(|&path| ty.block_len() == 32 || path == Int8Path::Avx512Vnni) {
         use super::eight_rows::{run_rows, Problem, GROUP_ROWS};
-        let problem = Problem { ty, weight, row_bytes, activations: &activations, bias, m, n, blocks_per_row };
+        let problem =
+            Problem { ty, weight, row_bytes, activations: &activations, bias, first_token: 0, m, n, blocks_per_row };
+        let block_tokens = tokens_per_pass_over_weights(k);
         let (group, fewest) =
             if ty.block_len() == 32 { (GROUP_ROWS, 2 * GROUP_ROWS) } else { (2, MIN_ROWS_PER_THREAD) };
         let per_thread = n.div_ceil(num_threads.max(1)).next_multiple_of(group).max(fewest);
@@ -106,13 +119,16 @@ pub(crate) fn quantized_linear_on(
             // one thread. The problem was checked above; `path` came from `Int8Path::best()`, and a
             // block of 256 here is Q4_K or Q6_K on AVX-512 VNNI.
             let write = |token: usize, row: usize, value: f32| unsafe { columns.write(token * n + row, value) };
-            unsafe {
-                if ty.block_len() == 32 {
-                    run_rows(path, &problem, rows, &write)
-                } else {
-                    super::k_quants::run_rows_k_quants(&problem, rows, &write)
-                }
-            };
+            for first_token in (0..m).step_by(block_tokens) {
+                let problem = Problem { first_token, m: (first_token + block_tokens).min(m), ..problem };
+                unsafe {
+                    if ty.block_len() == 32 {
+                        run_rows(path, &problem, rows.clone(), &write)
+                    } else {
+                        super::k_quants::run_rows_k_quants(&problem, rows.clone(), &write)
+                    }
+                };
+            }
         });
         return Ok(());
     }
@@ -266,7 +282,8 @@ mod tests {
     }
 
     /// Every integer path this CPU runs against the scalar reference, on shapes that leave partial
-    /// groups of rows and partial tiles of tokens, and on the largest products the formats allow.
+    /// groups of rows and partial tiles of tokens, several passes over the weights, and on the
+    /// largest products the formats allow.
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn every_int8_path_equals_the_scalar_reference_bit_for_bit() {
@@ -274,7 +291,12 @@ mod tests {
         let paths: Vec<_> = Int8Path::ALL.into_iter().filter(|path| path.is_supported()).collect();
         assert!(!paths.is_empty() || !std::is_x86_feature_detected!("avx2"));
         for ty in GgmlType::ALL {
-            for (m, n, blocks) in [(1, 1, 1), (1, 8, 1), (2, 13, 2), (3, 17, 3), (4, 24, 5), (5, 31, 18), (9, 40, 2)] {
+            // (the last: more tokens than one pass over the weights takes, 32 of 16384 inputs)
+            let passes = (45, 9, 16384 / ty.block_len());
+            assert!(tokens_per_pass_over_weights(16384) < 45);
+            for (m, n, blocks) in
+                [(1, 1, 1), (1, 8, 1), (2, 13, 2), (3, 17, 3), (4, 24, 5), (5, 31, 18), (9, 40, 2), passes]
+            {
                 let k = blocks * ty.block_len();
                 let mut weight = random_blocks(ty, n * blocks, &mut random);
                 let mut x: Vec<f32> = (0..m * k).map(|_| random.uniform() * 3.0).collect();
