@@ -60,9 +60,10 @@ fn avx2_supported() -> bool {
     false
 }
 
-/// `quantize_activations` with AVX2 (`simd`; the CPU must have AVX2, FMA and F16C) or the scalar
+/// `quantize_activations` with AVX2 (`simd`, where the CPU has AVX2, FMA and F16C) or the scalar
 /// reference.
 pub(crate) fn quantize_activations_on(simd: bool, scheme: ActivationScheme, values: &[f32]) -> QuantizedActivations {
+    let simd = simd && avx2_supported();
     let block_len = if scheme == ActivationScheme::Q8_K { 256 } else { 32 };
     assert!(values.len().is_multiple_of(block_len));
     let num_blocks = values.len() / block_len;
@@ -81,7 +82,7 @@ pub(crate) fn quantize_activations_on(simd: bool, scheme: ActivationScheme, valu
             quantized.sums_of_16.resize(first + 16, 0);
             let sums_of_16 = &mut quantized.sums_of_16[first..];
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: `simd` only where the CPU has AVX2, FMA and F16C; 256 values and quants.
+            // SAFETY: `simd` only where the CPU has AVX2, FMA and F16C (checked above); 256 values and quants.
             let scale = if simd {
                 unsafe { x86::quantize_q8_k(block, quants, sums_of_16) }
             } else {
