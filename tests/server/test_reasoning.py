@@ -427,13 +427,14 @@ class _Tokens:
 def test_reasoning_tokens_are_the_tokens_of_the_split_reasoning(name, reply, reasoning):
     """vLLM's usage.completion_tokens_details.reasoning_tokens: a reply's tokens in the part the
     parser splits off as reasoning (markers left out), the same counted whole or as they stream."""
-    from pagedkv.entrypoints.server.reasoning_tokens import ReasoningTokenCounter, count_reasoning_tokens
+    from pagedkv.entrypoints.server.reasoning_tokens import ReasoningMarkers, ReasoningTokenCounter, count_reasoning_tokens
 
     parser, tokens = ReasoningParser(name), _Tokens()
+    markers = ReasoningMarkers.of(tokens)
     ids = tokens.encode(reply)
     assert len(tokens.encode(parser.split(reply)[0])) == reasoning  # (the split's reasoning, as tokens)
-    assert count_reasoning_tokens(parser, tokens, ids) == reasoning
-    streamed = ReasoningTokenCounter(parser, tokens)
+    assert count_reasoning_tokens(parser, markers, ids) == reasoning
+    streamed = ReasoningTokenCounter(parser, markers)
     for start in range(0, len(ids), 3):
         streamed.add(ids[start:start + 3])
     assert streamed.count == reasoning

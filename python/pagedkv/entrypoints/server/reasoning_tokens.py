@@ -9,24 +9,45 @@ token in the models that use it).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 from pagedkv.entrypoints.server.reasoning import CHANNEL, END, HARMONY_ENDS, MESSAGE, START, ReasoningParser
+
+
+@dataclass(frozen=True)
+class ReasoningMarkers:
+    """The reasoning parsers' markers as one tokenizer writes them (encoded once, at startup)."""
+
+    think_start: list[int]
+    think_end: list[int]
+    harmony_message: list[int]
+    harmony_ends: list[list[int]]
+    decode: Callable[[list[int]], str]
+
+    @classmethod
+    def of(cls, tokenizer) -> "ReasoningMarkers":
+        def encode(text: str) -> list[int]:
+            return tokenizer.encode(text, add_special_tokens=False)
+
+        return cls(encode(START), encode(END), encode(MESSAGE), [encode(marker) for marker in HARMONY_ENDS],
+                   tokenizer.decode)
 
 
 class ReasoningTokenCounter:
     """One reply's reasoning tokens so far (`count`); `add` its next token ids."""
 
-    def __init__(self, parser: ReasoningParser, tokenizer):
+    def __init__(self, parser: ReasoningParser, markers: ReasoningMarkers):
         self.parser, self.count = parser.name, 0
         self._ids: list[int] = []
         if self.parser == "openai_gptoss":
-            self._decode = tokenizer.decode
-            self._message = tokenizer.encode(MESSAGE, add_special_tokens=False)
-            self._ends = [tokenizer.encode(marker, add_special_tokens=False) for marker in HARMONY_ENDS]
+            self._decode = markers.decode
+            self._message, self._ends = markers.harmony_message, markers.harmony_ends
             self._header_start = 0  # where the current message's header begins (in _ids)
             self._in_body: bool = False
             self._body_is_reasoning = False
         else:
-            self._start, self._end = (tokenizer.encode(tag, add_special_tokens=False) for tag in (START, END))
+            self._start, self._end = markers.think_start, markers.think_end
             # deepseek_r1: reasoning from the first token; qwen3: only in a block the reply opens
             # (or, a reply that closes one it never opened: all before the close, counted then)
             self._state = "reasoning" if self.parser == "deepseek_r1" else "undecided"
@@ -82,8 +103,8 @@ class ReasoningTokenCounter:
             self.count += 1
 
 
-def count_reasoning_tokens(parser: ReasoningParser, tokenizer, token_ids: list[int]) -> int:
+def count_reasoning_tokens(parser: ReasoningParser, markers: ReasoningMarkers, token_ids: list[int]) -> int:
     """The reasoning tokens of a whole reply."""
-    counter = ReasoningTokenCounter(parser, tokenizer)
+    counter = ReasoningTokenCounter(parser, markers)
     counter.add(token_ids)
     return counter.count

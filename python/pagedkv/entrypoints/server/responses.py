@@ -12,7 +12,7 @@ from typing import AsyncIterator, Optional
 
 from pagedkv.outputs import ClassificationRequestOutput, CompletionOutput, EmbeddingRequestOutput, RequestOutput
 from pagedkv.entrypoints.server.reasoning import ReasoningParser
-from pagedkv.entrypoints.server.reasoning_tokens import ReasoningTokenCounter, count_reasoning_tokens
+from pagedkv.entrypoints.server.reasoning_tokens import ReasoningMarkers, ReasoningTokenCounter, count_reasoning_tokens
 from pagedkv.entrypoints.server.request_timing import timing_metrics
 from pagedkv.entrypoints.server.tools import ToolCalling
 
@@ -54,6 +54,8 @@ class ResponseBuilder:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.reasoning = reasoning
+        # (chat usage counts reasoning tokens where there is a parser, vLLM's)
+        self.markers = ReasoningMarkers.of(tokenizer) if reasoning is not None and tokenizer is not None else None
         self.prompt_tokens_details = prompt_tokens_details
         self.per_request_metrics = per_request_metrics
 
@@ -106,7 +108,7 @@ class ResponseBuilder:
                 if so_far is None:
                     so_far = choices_so_far[index] = _ChoiceSoFar(len(self.prompt_text(output)) if echo else 0)
                     if chat and self.counts_reasoning:
-                        so_far.reasoning_tokens = ReasoningTokenCounter(self.reasoning, self.tokenizer)
+                        so_far.reasoning_tokens = ReasoningTokenCounter(self.reasoning, self.markers)
                 elif so_far.finished:  # (with n > 1 a finished sample stays in its request's outputs)
                     continue
                 so_far.receive(completion, keep_text=chat and (self.reasoning is not None or tools is not None))
@@ -382,16 +384,15 @@ class ResponseBuilder:
         cached_tokens = sum(num_cached_tokens(output) for output in outputs)
         reasoning_tokens = None
         if chat and self.counts_reasoning:
-            reasoning_tokens = sum(count_reasoning_tokens(self.reasoning, self.tokenizer, c.token_ids)
+            reasoning_tokens = sum(count_reasoning_tokens(self.reasoning, self.markers, c.token_ids)
                                    for output in outputs for c in output.outputs)
         return self.usage_of(sum(output.num_prompt_tokens for output in outputs), completion_tokens, cached_tokens,
                              reasoning_tokens)
 
     @property
     def counts_reasoning(self) -> bool:
-        """Whether chat usage carries `completion_tokens_details.reasoning_tokens` (vLLM's, with a
-        reasoning parser)."""
-        return self.reasoning is not None and self.tokenizer is not None
+        """Whether chat usage carries `completion_tokens_details.reasoning_tokens`."""
+        return self.markers is not None
 
     def usage_of(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
                  reasoning_tokens: Optional[int] = None) -> dict:

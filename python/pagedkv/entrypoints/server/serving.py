@@ -30,7 +30,7 @@ from pagedkv.entrypoints.server.metrics import ServerMetrics
 from pagedkv.entrypoints.server.reasoning import END as THINK_END
 from pagedkv.entrypoints.server.reasoning import START as THINK_START
 from pagedkv.entrypoints.server.reasoning import ReasoningParser
-from pagedkv.entrypoints.server.reasoning_tokens import count_reasoning_tokens
+from pagedkv.entrypoints.server.reasoning_tokens import ReasoningMarkers, count_reasoning_tokens
 from pagedkv.entrypoints.server.sagemaker_sessions import SessionStore
 from pagedkv.entrypoints.server.thinking_budget import budget_processor
 from pagedkv.entrypoints.server.responses import ResponseBuilder
@@ -77,6 +77,8 @@ class ServingContext:
         self.tool_call_parser = tool_call_parser
         self.reasoning = ReasoningParser(reasoning_parser) if reasoning_parser else None
         self.tokenizer = engine.tokenizer
+        self.reasoning_markers = (ReasoningMarkers.of(self.tokenizer)
+                                  if self.reasoning is not None and self.tokenizer is not None else None)
         # The model's facts the routes need, read once here (the engine then belongs to the loop thread).
         self.model_info = engine.model_info
         self.max_model_len = engine.max_model_len
@@ -229,8 +231,8 @@ class ServingContext:
                 raise APIError(400, "thinking_token_budget is set but reasoning_config is not configured. Please set "
                                     "--reasoning-parser (deepseek_r1 or qwen3: think tags) to use thinking_token_budget.",
                                "invalid_request_error", "thinking_token_budget")
-            tokenizer = self.text_tokenizer()
-            start, end = (tokenizer.encode(tag, add_special_tokens=False) for tag in (THINK_START, THINK_END))
+            tokenizer, markers = self.text_tokenizer(), self.reasoning_markers
+            start, end = markers.think_start, markers.think_end
 
             def prompt_opens(prompt_ids: list[int]) -> bool:
                 tail = tokenizer.decode(prompt_ids[-64:])
@@ -245,13 +247,13 @@ class ServingContext:
 
     def reasoning_token_count(self, token_ids: list[int]) -> int:
         """A whole reply's reasoning tokens (reasoning_tokens.py), 0 without a reasoning parser."""
-        if self.reasoning is None or self.tokenizer is None:
+        if self.reasoning_markers is None:
             return 0
-        return count_reasoning_tokens(self.reasoning, self.tokenizer, token_ids)
+        return count_reasoning_tokens(self.reasoning, self.reasoning_markers, token_ids)
 
     def _grammar_after_reasoning(self, params, thinking: bool):
         tokenizer, parser = self.text_tokenizer(), self.reasoning
-        end = tuple(tokenizer.encode(THINK_END, add_special_tokens=False))
+        end = tuple(self.reasoning_markers.think_end)
 
         def prompt_ends_reasoning(prompt_ids: list[int]) -> bool:
             # (read as text: a template's tags may merge with the tokens around them)
