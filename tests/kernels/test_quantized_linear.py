@@ -4,8 +4,8 @@ Three oracles:
 - decoding: blocks dequantize to exactly gguf-py's `gguf.quants.dequantize` (same float32 ops).
 - the kernel: equal, bit for bit, to `reference_linear` below, a numpy copy of the scheme
   (llama.cpp's reference activation quantizers; blocks of 32: an integer total per block, combined
-  by fused multiply-add; K-quants: integer sums in 8 lanes; the same float32 combination in the
-  same order; numpy's float32 ops are IEEE, as Rust's, so equality is exact).
+  by fused multiply-add, the K-quants' totals over their scaled sub-blocks the same way; the same
+  float32 combination in the same order; numpy's float32 ops are IEEE, as Rust's, so equality is exact).
 - the math: within `error_bound` of float64 F.linear on the dequantized weight; the bound is the
   activation quantization's (half a step per element plus the scales' f16 rounding) and a
   float32 summation term.
@@ -128,21 +128,17 @@ def reference_linear(x: np.ndarray, blocks: np.ndarray, ggml_type: str, bias=Non
                 mins = fma32(w_min.reshape(1, n, per_row)[:, :, b], act_extra.reshape(m, 1, per_row)[:, :, b], mins)
         total = acc + mins
         return total if bias is None else total + bias
-    # lane 8 * (which 32 of the block is odd) + (position within the 32) // 4
-    act_q, w_q = act_q.reshape(m, 1, per_row, 4, 2, 8, 4), w_q.reshape(1, n, per_row, 4, 2, 8, 4)
-    lanes = (act_q * w_q).sum(axis=(3, 6)).reshape(m, n, per_row, 16).astype(F32)  # exact integers
+    totals = np.einsum("mbe,nbe->mnb", act_q.reshape(m, per_row, 256), w_q.reshape(n, per_row, 256)).astype(F32)
     block_scale = w_d.reshape(1, n, per_row) * act_scale.reshape(m, 1, per_row)
-    acc, mins = np.zeros((m, n, 16), F32), np.zeros((m, n), F32)
+    acc, mins = np.zeros((m, n), F32), np.zeros((m, n), F32)
     for b in range(per_row):
-        acc = fma32(np.broadcast_to(block_scale[:, :, b, None], lanes[:, :, b].shape), lanes[:, :, b], acc)
+        acc = fma32(block_scale[:, :, b], totals[:, :, b], acc)
         if ggml_type == "Q4_K":
             dmin, min_values = w_min
             integer = (act_extra.reshape(m, 1, per_row, 8, 2) * min_values.reshape(1, n, per_row, 8, 1)).sum(axis=(3, 4))
             term = dmin.reshape(1, n, per_row)[:, :, b] * act_scale.reshape(m, 1, per_row)[:, :, b]
             mins = fma32(term, integer[:, :, b].astype(F32), mins)
-    a = [acc[:, :, i] + acc[:, :, i + 8] for i in range(8)]
-    total = ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]))
-    total = total - mins if ggml_type == "Q4_K" else total
+    total = acc - mins if ggml_type == "Q4_K" else acc
     return total if bias is None else total + bias
 
 

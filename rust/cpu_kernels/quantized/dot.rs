@@ -7,41 +7,30 @@
 //! - Q4_0, Q4_1, Q8_0 (blocks of 32; eight_rows.rs): per block, the integer total t of w * x
 //!   (w signed: Q4_0 q - 8, Q8_0 q; Q4_1 q), then `acc = fma(d_w * d_x, t, acc)` in f32, and for
 //!   Q4_1 `mins = fma(m, s, mins)`; the result is `acc + mins`.
-//! - Q4_K, Q6_K (blocks of 256; k_quants.rs, x86.rs): sums into 16 int32 lanes, lane l (0..8)
-//!   holding the elements of even 32s (sub-blocks of 32 numbered in the block) whose position
-//!   within their 32 is 4l..4l+3, lane 8 + l those of odd 32s (times their sub-block's scale): what
-//!   maddubs + madd leave in a 512-bit register that holds two 32s. Per lane,
-//!   `acc[l] = fma(scale, lanes[l], acc[l])` with scale = d_w * d_x; Q4_K's mins term has its own
-//!   `mins = fma(dmin * d_x, sum(min * bsum), mins)`; the result is the lanes' tree of
-//!   `Accumulators::finish` minus `mins`.
+//! - Q4_K, Q6_K (blocks of 256; k_quants.rs, k_quant_tiles.rs, x86.rs): per block, the integer
+//!   total t of scale * w * x over its sub-blocks (Q4_K: 6-bit scales of 32s, w = q; Q6_K: int8
+//!   scales of 16s, w = q - 32), then `acc = fma(d_w * d_x, t, acc)` in f32, and for Q4_K
+//!   `mins = fma(dmin * d_x, sum(min * sum of the 32's x), mins)`; the result is `acc - mins`
+//!   (Q6_K: `acc`). One total per block is what lets a kernel hold one row per lane.
 
 use super::activations::QuantizedActivations;
 use super::formats::{f16_at, q4_k_scale_min, q6_k_value, GgmlType};
 
-/// The float accumulators of one dot product.
-#[derive(Default)]
-pub(crate) struct Accumulators {
-    pub lanes: [f32; 16],
+/// The float accumulators of one K-quant dot product.
+#[derive(Default, Clone, Copy)]
+pub(crate) struct KQuantSums {
+    pub acc: f32,
     pub mins: f32,
 }
 
-impl Accumulators {
+impl KQuantSums {
+    /// The result: Q4_K's mins term taken off.
     #[inline(always)]
-    fn add_block(&mut self, scale: f32, lanes: [i32; 16]) {
-        for (acc, lane) in self.lanes.iter_mut().zip(lanes) {
-            *acc = scale.mul_add(lane as f32, *acc);
-        }
-    }
-
-    /// The lanes summed in the fixed tree order, then the mins term.
-    #[inline(always)]
-    pub fn finish(&self, ty: GgmlType) -> f32 {
-        let a: [f32; 8] = std::array::from_fn(|l| self.lanes[l] + self.lanes[l + 8]);
-        let total = ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+    pub fn finish(self, ty: GgmlType) -> f32 {
         if ty == GgmlType::Q4_K {
-            total - self.mins
+            self.acc - self.mins
         } else {
-            total
+            self.acc
         }
     }
 }
@@ -52,39 +41,42 @@ pub fn dot_row_scalar(ty: GgmlType, row: &[u8], activations: &QuantizedActivatio
     if ty.block_len() == 32 {
         return dot_row_32_scalar(ty, row, activations, first_block);
     }
-    let mut acc = Accumulators::default();
-    let block_len = ty.block_len();
+    let mut sums = KQuantSums::default();
     for (b, block) in row.chunks_exact(ty.block_bytes()).enumerate() {
         let a = first_block + b;
-        let quants = &activations.quants[a * block_len..(a + 1) * block_len];
+        let quants = &activations.quants[a * 256..(a + 1) * 256];
         let act_scale = activations.scales[a];
-        let mut lanes = [0i32; 16];
-        let lane = |e: usize| 8 * ((e / 32) % 2) + (e % 32) / 4;
-        match ty {
+        let total: i32 = match ty {
             GgmlType::Q4_K => {
                 let (scales, nibbles) = (&block[4..16], &block[16..144]);
-                for (e, &x) in quants.iter().enumerate() {
-                    let sub_block = e / 32;
-                    let byte = nibbles[32 * (sub_block / 2) + e % 32];
-                    let q = if sub_block % 2 == 0 { byte & 0xf } else { byte >> 4 };
-                    lanes[lane(e)] += q4_k_scale_min(sub_block, scales).0 as i32 * (q as i32 * x as i32);
-                }
-                let sums_of_16 = &activations.sums_of_16[16 * a..16 * (a + 1)];
-                let mins: i32 = (0..16).map(|j| sums_of_16[j] * q4_k_scale_min(j / 2, scales).1 as i32).sum();
-                acc.mins = (f16_at(block, 2) * act_scale).mul_add(mins as f32, acc.mins);
+                let sub_block_total = |j: usize| -> i32 {
+                    let shift = 4 * (j % 2);
+                    let bytes = &nibbles[32 * (j / 2)..32 * (j / 2) + 32];
+                    bytes
+                        .iter()
+                        .zip(&quants[32 * j..32 * j + 32])
+                        .map(|(&q, &x)| ((q >> shift) & 0xf) as i32 * x as i32)
+                        .sum()
+                };
+                let sums_of_32 = &activations.sums_of_32[8 * a..8 * (a + 1)];
+                let mins: i32 = (0..8).map(|j| q4_k_scale_min(j, scales).1 as i32 * sums_of_32[j] as i32).sum();
+                sums.mins = (f16_at(block, 2) * act_scale).mul_add(mins as f32, sums.mins);
+                (0..8).map(|j| q4_k_scale_min(j, scales).0 as i32 * sub_block_total(j)).sum()
             }
-            GgmlType::Q6_K => {
-                for (e, &x) in quants.iter().enumerate() {
-                    let scale = block[192 + e / 16] as i8 as i32;
-                    lanes[lane(e)] += scale * ((q6_k_value(block, e) as i32 - 32) * x as i32);
-                }
-            }
+            GgmlType::Q6_K => (0..16)
+                .map(|j| {
+                    let scale = block[192 + j] as i8 as i32;
+                    let sub_block: i32 =
+                        (16 * j..16 * j + 16).map(|e| (q6_k_value(block, e) as i32 - 32) * quants[e] as i32).sum();
+                    scale * sub_block
+                })
+                .sum(),
             _ => unreachable!("blocks of 32 are summed above"),
-        }
+        };
         let weight_scale = f16_at(block, if ty == GgmlType::Q6_K { 208 } else { 0 });
-        acc.add_block(weight_scale * act_scale, lanes);
+        sums.acc = (weight_scale * act_scale).mul_add(total as f32, sums.acc);
     }
-    acc.finish(ty)
+    sums.finish(ty)
 }
 
 /// `dot_row_scalar` for Q4_0, Q4_1 and Q8_0: a total per block, combined by fused multiply-add.

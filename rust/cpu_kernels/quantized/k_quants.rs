@@ -1,19 +1,19 @@
-//! The linear layer over the K-quants (Q4_K, Q6_K) on AVX-512 (BW, VNNI): two weight rows at a
-//! time, each block's 6-bit scales unpacked with vector instructions, 64 weights per register.
-//! Gives `dot::dot_row_scalar`'s result bit for bit.
+//! The linear layer over the K-quants (Q4_K, Q6_K) on AVX-512 (BW, VNNI) for a few tokens (decode
+//! steps): two weight rows at a time, each block's 6-bit scales unpacked with vector instructions,
+//! 64 weights per register. Gives `dot::dot_row_scalar`'s result bit for bit. (Q4_K for more
+//! tokens: k_quant_tiles.rs.)
 //!
 //! A register holds 64 consecutive weights of a block (two sub-blocks of 32, unpacked once for
-//! every token), `maddubs` pairs them with the token's 8-bit activations, and `vpdpwssd` adds each
-//! pair times its sub-block's scale into 16 int32 lanes: lane i holds positions 4i..4i+3 of the
-//! 64, the reference's 16 lanes (dot.rs). Q6_K's -32 offset is taken off as `maddubs(32, x)`,
-//! computed once per token and block for both rows; Q4_K's mins term is summed for four tokens at
-//! once.
+//! every token); `dpbusd` sums four products per int32 lane, the two halves' sums (each fits
+//! int16) share one register and one `vpdpwssd` multiplies each by its sub-block's scale. The 16
+//! lanes then add up to the block's exact integer total, which the reference scales once. Q6_K's
+//! -32 offset is taken off as `dpbusd(32, x)`, computed once per token and block for both rows;
+//! Q4_K's mins term is summed for four tokens at once.
 
 use std::arch::x86_64::*;
 use std::ops::Range;
 
 use super::activations::QuantizedActivations;
-use super::dot::Accumulators;
 use super::eight_rows::Problem;
 use super::formats::GgmlType;
 
@@ -97,8 +97,8 @@ impl RowPair<'_> {
     unsafe fn tile<const T: usize>(&self, first_blocks: [usize; T], sums: &mut [[f32; TILE_TOKENS]; ROWS]) {
         let RowPair { ty, starts, num_blocks, activations, prefetch: (prefetch_from, prefetch_lines) } = *self;
         let block_bytes = ty.block_bytes();
-        let mut acc = [[_mm512_setzero_ps(); T]; ROWS];
-        // Q4_K's mins terms per row, token t in lane t.
+        // Per row, token t's sums in lane t: the blocks' scaled totals, and Q4_K's mins terms.
+        let mut acc = [_mm_setzero_ps(); ROWS];
         let mut mins = [_mm_setzero_ps(); ROWS];
         let thirty_two = _mm512_set1_epi8(32);
         let zero = _mm512_setzero_si512();
@@ -118,7 +118,8 @@ impl RowPair<'_> {
                     _mm256_cvtepi8_epi16(_mm_loadu_si128(blocks[r].add(192) as *const __m128i))
                 });
             }
-            let mut lanes = [[_mm512_setzero_si512(); T]; ROWS];
+            // (lanes past T stay zero: their totals are never read)
+            let mut lanes = [[_mm512_setzero_si512(); TILE_TOKENS]; ROWS];
             for pair in 0..2 {
                 // (Loops, not closures: a closure is compiled without this function's target
                 // features, so the intrinsics in it would become calls.)
@@ -156,6 +157,7 @@ impl RowPair<'_> {
             for t in 0..T {
                 act_scales[t] = *activations.scales.get_unchecked(first_blocks[t] + b);
             }
+            let act_scales = _mm_loadu_ps(act_scales.as_ptr());
             for r in 0..ROWS {
                 let (weight_scale, weight_min) = if ty == GgmlType::Q6_K {
                     (half(blocks[r].add(208)), 0.0)
@@ -174,25 +176,32 @@ impl RowPair<'_> {
                         _mm_hadd_epi32(products[0], products[1]),
                         _mm_hadd_epi32(products[2], products[3]),
                     );
-                    let scale = _mm_mul_ps(_mm_set1_ps(weight_min), _mm_loadu_ps(act_scales.as_ptr()));
+                    let scale = _mm_mul_ps(_mm_set1_ps(weight_min), act_scales);
                     mins[r] = _mm_fmadd_ps(scale, _mm_cvtepi32_ps(totals), mins[r]);
                 }
-                for t in 0..T {
-                    let scale = _mm512_set1_ps(weight_scale * act_scales[t]);
-                    acc[r][t] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(lanes[r][t]), acc[r][t]);
-                }
+                let scale = _mm_mul_ps(_mm_set1_ps(weight_scale), act_scales);
+                acc[r] = _mm_fmadd_ps(scale, _mm_cvtepi32_ps(totals_of_four(lanes[r])), acc[r]);
             }
         }
         for r in 0..ROWS {
-            let mut token_mins = [0f32; 4];
-            _mm_storeu_ps(token_mins.as_mut_ptr(), mins[r]);
-            for t in 0..T {
-                let mut lanes = [0f32; 16];
-                _mm512_storeu_ps(lanes.as_mut_ptr(), acc[r][t]);
-                sums[r][t] = Accumulators { lanes, mins: token_mins[t] }.finish(ty);
-            }
+            let result = if ty == GgmlType::Q4_K { _mm_sub_ps(acc[r], mins[r]) } else { acc[r] };
+            let mut tokens = [0f32; 4];
+            _mm_storeu_ps(tokens.as_mut_ptr(), result);
+            sums[r][..T].copy_from_slice(&tokens[..T]);
         }
     }
+}
+
+/// The sum of each register's 16 int32 lanes, register t's in lane t (exact).
+#[inline(always)]
+unsafe fn totals_of_four(lanes: [__m512i; 4]) -> __m128i {
+    let mut halves = [_mm256_setzero_si256(); 4];
+    for (half, &lane) in halves.iter_mut().zip(&lanes) {
+        *half = _mm256_add_epi32(_mm512_castsi512_si256(lane), _mm512_extracti64x4_epi64::<1>(lane));
+    }
+    // Each 128-bit half: the four registers' sums of that half's lanes.
+    let quarters = _mm256_hadd_epi32(_mm256_hadd_epi32(halves[0], halves[1]), _mm256_hadd_epi32(halves[2], halves[3]));
+    _mm_add_epi32(_mm256_castsi256_si128(quarters), _mm256_extracti128_si256::<1>(quarters))
 }
 
 /// Weights `64 * part..64 * part + 64` of a block in element order, unsigned (Q4_K 0..15,

@@ -1,13 +1,12 @@
-//! The AVX2 dot products of the K-quants (Q4_K, Q6_K): the scalar reference's integer lanes
-//! (dot.rs; even and odd 32s in two registers) from maddubs + madd, and its float combination in
-//! the same order. One weight row is
+//! The AVX2 dot products of the K-quants (Q4_K, Q6_K): each block's integer total (dot.rs) from
+//! maddubs + madd, and the scalar reference's float combination. One weight row is
 //! read once for up to `T` tokens: each 32 weights are unpacked once and meet every token's
 //! activations. (The blocks of 32 take eight_rows.rs.)
 
 use std::arch::x86_64::*;
 
 use super::activations::QuantizedActivations;
-use super::dot::Accumulators;
+use super::dot::KQuantSums;
 use super::formats::{q4_k_scale_min, GgmlType};
 
 /// How far ahead of the block being read the weights are prefetched: ~12-15% off a batch-1
@@ -52,9 +51,7 @@ unsafe fn dot_rows<const R: usize, const T: usize>(
                 && activations.quants.len() >= (first + num_blocks) * block_len
         );
     }
-    // [even 32s' lanes, odd 32s' lanes] per row and token (dot.rs's 16 lanes)
-    let mut acc = [[[_mm256_setzero_ps(); 2]; T]; R];
-    let mut mins = [[0f32; T]; R];
+    let mut sums = [[KQuantSums::default(); T]; R];
     for b in 0..num_blocks {
         for r in 0..R {
             let block = rows[r].get_unchecked(b * block_bytes..(b + 1) * block_bytes);
@@ -92,23 +89,22 @@ unsafe fn dot_rows<const R: usize, const T: usize>(
                 if let Some(block_mins) = q4_k_mins {
                     let sums_of_16 = activations.sums_of_16.get_unchecked(16 * a..16 * (a + 1));
                     let integer: i32 = (0..16).map(|j| sums_of_16[j] * block_mins[j / 2]).sum();
-                    mins[r][t] = (weight_min * act_scale).mul_add(integer as f32, mins[r][t]);
+                    sums[r][t].mins = (weight_min * act_scale).mul_add(integer as f32, sums[r][t].mins);
                 }
-                let scale = _mm256_set1_ps(weight_scale * act_scale);
-                for half in 0..2 {
-                    acc[r][t][half] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(lanes[t][half]), acc[r][t][half]);
-                }
+                let total = total_of(_mm256_add_epi32(lanes[t][0], lanes[t][1]));
+                sums[r][t].acc = (weight_scale * act_scale).mul_add(total as f32, sums[r][t].acc);
             }
         }
     }
-    std::array::from_fn(|r| {
-        std::array::from_fn(|t| {
-            let mut lanes = [0f32; 16];
-            _mm256_storeu_ps(lanes.as_mut_ptr(), acc[r][t][0]);
-            _mm256_storeu_ps(lanes.as_mut_ptr().add(8), acc[r][t][1]);
-            Accumulators { lanes, mins: mins[r][t] }.finish(ty)
-        })
-    })
+    sums.map(|row| row.map(|sums| sums.finish(ty)))
+}
+
+/// The sum of the eight int32 lanes (exact).
+#[inline(always)]
+unsafe fn total_of(lanes: __m256i) -> i32 {
+    let four = _mm_add_epi32(_mm256_castsi256_si128(lanes), _mm256_extracti128_si256::<1>(lanes));
+    let two = _mm_add_epi32(four, _mm_unpackhi_epi64(four, four));
+    _mm_cvtsi128_si32(_mm_add_epi32(two, _mm_shuffle_epi32::<1>(two)))
 }
 
 /// Weights `32 * chunk..32 * chunk + 32` of a block in element order (unsigned), and the int16
