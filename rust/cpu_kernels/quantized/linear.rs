@@ -67,6 +67,10 @@ pub fn kernel_at_every_token_count(ty: GgmlType) -> bool {
 /// 149-166 GMAC/s on two threads, 181-198 in passes).
 const ACTIVATION_BYTES_PER_PASS: usize = 512 << 10;
 
+/// Fewest tokens for which Q4_K takes the interleaved tiles (k_quant_tiles.rs): interleaving a
+/// group's blocks costs about what a few tokens' products do.
+const MIN_TOKENS_FOR_K_QUANT_TILES: usize = 4;
+
 /// Tokens per pass over the weights for rows of `k` inputs: a multiple of 8 (the widest tile).
 fn tokens_per_pass_over_weights(k: usize) -> usize {
     (ACTIVATION_BYTES_PER_PASS / k.max(1)).max(8) / 8 * 8
@@ -110,20 +114,34 @@ pub(crate) fn quantized_linear_on(
         let problem =
             Problem { ty, weight, row_bytes, activations: &activations, bias, first_token: 0, m, n, blocks_per_row };
         let block_tokens = tokens_per_pass_over_weights(k);
-        let (group, fewest) =
-            if ty.block_len() == 32 { (GROUP_ROWS, 2 * GROUP_ROWS) } else { (2, MIN_ROWS_PER_THREAD) };
+        // Q4_K for many tokens: sixteen rows interleaved at a time (k_quant_tiles.rs), the rows
+        // past the last whole sixteen on the two-row kernel (the same bits).
+        let tiles = ty == GgmlType::Q4_K && path == Int8Path::Avx512Vnni && m >= MIN_TOKENS_FOR_K_QUANT_TILES;
+        let (group, fewest) = if ty.block_len() == 32 {
+            (GROUP_ROWS, 2 * GROUP_ROWS)
+        } else if tiles {
+            (super::k_quant_tiles::GROUP_ROWS, MIN_ROWS_PER_THREAD)
+        } else {
+            (2, MIN_ROWS_PER_THREAD)
+        };
         let per_thread = n.div_ceil(num_threads.max(1)).next_multiple_of(group).max(fewest);
         let chunks: Vec<_> = (0..n).step_by(per_thread).map(|start| start..(start + per_thread).min(n)).collect();
         for_row_chunks(chunks, num_threads, |rows: std::ops::Range<usize>| {
             // SAFETY: token < m and row < n, so inside `out`; each row belongs to one chunk, claimed by
             // one thread. The problem was checked above; `path` came from `Int8Path::best()`, and a
-            // block of 256 here is Q4_K or Q6_K on AVX-512 VNNI.
+            // block of 256 here is Q4_K or Q6_K on AVX-512 VNNI (the tiles: Q4_K, whole groups).
             let write = |token: usize, row: usize, value: f32| unsafe { columns.write(token * n + row, value) };
             for first_token in (0..m).step_by(block_tokens) {
                 let problem = Problem { first_token, m: (first_token + block_tokens).min(m), ..problem };
                 unsafe {
                     if ty.block_len() == 32 {
                         run_rows(path, &problem, rows.clone(), &write)
+                    } else if tiles {
+                        let whole = rows.start + rows.len() / group * group;
+                        super::k_quant_tiles::run_groups_q4_k(&problem, rows.start..whole, &write);
+                        if whole < rows.end {
+                            super::k_quants::run_rows_k_quants(&problem, whole..rows.end, &write);
+                        }
                     } else {
                         super::k_quants::run_rows_k_quants(&problem, rows.clone(), &write)
                     }
@@ -294,13 +312,27 @@ mod tests {
             // (the last: more tokens than one pass over the weights takes, 32 of 16384 inputs)
             let passes = (45, 9, 16384 / ty.block_len());
             assert!(tokens_per_pass_over_weights(16384) < 45);
-            for (m, n, blocks) in
-                [(1, 1, 1), (1, 8, 1), (2, 13, 2), (3, 17, 3), (4, 24, 5), (5, 31, 18), (9, 40, 2), passes]
-            {
+            // (Q4_K's interleaved tiles from MIN_TOKENS_FOR_K_QUANT_TILES tokens, whole groups of 16
+            // rows; the rest of the rows on the two-row kernel)
+            let tiles = (13, 53, 3);
+            assert!(tiles.0 >= MIN_TOKENS_FOR_K_QUANT_TILES && tiles.1 % 16 != 0);
+            for (m, n, blocks) in [
+                (1, 1, 1),
+                (1, 8, 1),
+                (2, 13, 2),
+                (3, 17, 3),
+                (4, 24, 5),
+                (5, 31, 18),
+                (9, 40, 2),
+                (9, 16, 2),
+                tiles,
+                passes,
+                (45, 17, 16384 / ty.block_len()),
+            ] {
                 let k = blocks * ty.block_len();
                 let mut weight = random_blocks(ty, n * blocks, &mut random);
                 let mut x: Vec<f32> = (0..m * k).map(|_| random.uniform() * 3.0).collect();
-                if n == 8 {
+                if n == 8 || n == 16 {
                     // The largest products: every code (and K-quant scale) at its extreme, every x
                     // at +-amax.
                     let (extreme, codes) = match ty {

@@ -8,6 +8,8 @@ pub mod dot;
 mod eight_rows;
 pub mod formats;
 #[cfg(target_arch = "x86_64")]
+mod k_quant_tiles;
+#[cfg(target_arch = "x86_64")]
 mod k_quants;
 pub mod linear;
 #[cfg(target_arch = "x86_64")]
