@@ -1,18 +1,20 @@
-//! Q4_K's linear layer for many tokens (prefill, batches of decodes) on AVX-512 VNNI: sixteen
-//! weight rows interleaved, one row per int32 lane, so that `dpbusd` against a token's four
-//! activations broadcast to every lane sums four products of each row, and a sub-block's 32
+//! The K-quants' linear layer for several tokens (prefill, batches of decodes) on AVX-512 VNNI:
+//! sixteen weight rows interleaved, one row per int32 lane, so that `dpbusd` against a token's
+//! four activations broadcast to every lane sums four products of each row, and a sub-block's
 //! weights end in one lane. A sub-block's total is then scaled by one `vpmulld` for all sixteen
 //! rows, where the two-row kernel (k_quants.rs) spends a `vpdpwssd` and two packing instructions
 //! per 128 weights and row, and the block's float work is one multiply-add for sixteen rows.
 //!
 //! The interleaving is done here, per group of rows and pass over the tokens, into a buffer that
 //! stays in the core's L2 (llama.cpp repacks its weights once, at load; this keeps the GGUF's
-//! layout, which the decode kernel and everything else read): 16 rows x 144 bytes a block, read
-//! back by every token of the pass. Gives `dot::dot_row_scalar`'s result bit for bit.
+//! layout, which the decode kernel and everything else read): the rows' bytes transposed in
+//! registers (Q6_K's values unpacked there too), read back by every token of the pass, while the
+//! next group's rows are prefetched. Gives `dot::dot_row_scalar`'s result bit for bit.
 
 use std::arch::x86_64::*;
 use std::ops::Range;
 
+use super::activations::QuantizedActivations;
 use super::eight_rows::Problem;
 use super::formats::GgmlType;
 
@@ -21,10 +23,10 @@ pub(crate) const GROUP_ROWS: usize = 16;
 /// Tokens that share each load of the interleaved weights.
 const TILE_TOKENS: usize = 4;
 
-/// One block of sixteen rows, as the tiles read it.
+/// One Q4_K block of sixteen rows, as the tiles read it.
 #[repr(C, align(64))]
 #[derive(Clone, Copy)]
-struct InterleavedBlock {
+struct Q4kBlock {
     /// Register 8 * pair + c: lane r holds bytes 4c..4c + 4 of row r's 32 bytes of sub-blocks
     /// 2 * pair (low nibbles) and 2 * pair + 1 (high nibbles).
     nibbles: [[u32; GROUP_ROWS]; 32],
@@ -36,25 +38,54 @@ struct InterleavedBlock {
     dmin: [f32; GROUP_ROWS],
 }
 
+/// One Q6_K block of sixteen rows, as the tiles read it.
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+struct Q6kBlock {
+    /// Register g: lane r holds row r's 6-bit values (before the -32 offset) of elements
+    /// 4g..4g + 4; sub-block j (of 16) is registers 4j..4j + 4.
+    values: [[u32; GROUP_ROWS]; 64],
+    /// `[sub-block][row]`: the int8 scales.
+    scales: [[i32; GROUP_ROWS]; 16],
+    /// `[pair][row]`: the scales of sub-blocks 2 * pair (low int16) and 2 * pair + 1 (high).
+    scale_pairs: [[u32; GROUP_ROWS]; 8],
+    d: [f32; GROUP_ROWS],
+}
+
+/// A group's blocks, interleaved.
+enum Interleaved {
+    Q4k(Vec<Q4kBlock>),
+    Q6k(Vec<Q6kBlock>),
+}
+
 /// Writes `out[token * n + row]` (through `write`, bias added) for the problem's tokens and the
 /// rows in `rows`, a whole number of groups.
 ///
 /// # Safety
 /// The CPU runs AVX2, FMA, F16C and AVX-512 F, BW, VL and VNNI; `problem` is consistent (weight
-/// holds n rows of blocks_per_row Q4_K blocks, activations m rows of as many Q8_K blocks), rows lie
-/// in 0..n and their count is a multiple of `GROUP_ROWS`.
+/// holds n rows of blocks_per_row `ty` blocks, activations m rows of as many Q8_K blocks), `ty`
+/// is Q4_K or Q6_K, rows lie in 0..n and their count is a multiple of `GROUP_ROWS`.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-pub(crate) unsafe fn run_groups_q4_k(problem: &Problem, rows: Range<usize>, write: &impl Fn(usize, usize, f32)) {
+pub(crate) unsafe fn run_groups(problem: &Problem, rows: Range<usize>, write: &impl Fn(usize, usize, f32)) {
     let Problem { ty, weight, row_bytes, activations, bias, first_token, m, n, blocks_per_row } = *problem;
-    assert!(ty == GgmlType::Q4_K && first_token < m && rows.end <= n && rows.len().is_multiple_of(GROUP_ROWS));
+    assert!(first_token < m && rows.end <= n && rows.len().is_multiple_of(GROUP_ROWS));
     assert!(weight.len() == n * row_bytes && row_bytes == blocks_per_row * ty.block_bytes());
     assert!(activations.quants.len() >= m * blocks_per_row * 256 && activations.scales.len() >= m * blocks_per_row);
     assert!(activations.sums_of_32.len() >= m * blocks_per_row * 8);
+    assert!(activations.sums_of_16.len() >= m * blocks_per_row * 16);
     // (row_bytes * 15 fits i32: the gathers' offsets)
     assert!(row_bytes < (i32::MAX as usize) / GROUP_ROWS);
-    let mut blocks = vec![std::mem::zeroed::<InterleavedBlock>(); blocks_per_row];
+    let mut blocks = match ty {
+        GgmlType::Q4_K => Interleaved::Q4k(vec![std::mem::zeroed::<Q4kBlock>(); blocks_per_row]),
+        GgmlType::Q6_K => Interleaved::Q6k(vec![std::mem::zeroed::<Q6kBlock>(); blocks_per_row]),
+        _ => unreachable!("k_quant_tiles takes Q4_K and Q6_K"),
+    };
     for first_row in rows.step_by(GROUP_ROWS) {
-        interleave(weight.as_ptr().add(first_row * row_bytes), row_bytes, &mut blocks);
+        let first = weight.as_ptr().add(first_row * row_bytes);
+        match &mut blocks {
+            Interleaved::Q4k(blocks) => interleave_q4_k(first, row_bytes, blocks),
+            Interleaved::Q6k(blocks) => interleave_q6_k(first, row_bytes, blocks),
+        }
         let mut token = first_token;
         while token < m {
             let tokens = (m - token).min(TILE_TOKENS);
@@ -77,31 +108,66 @@ pub(crate) unsafe fn run_groups_q4_k(problem: &Problem, rows: Range<usize>, writ
     }
 }
 
+/// `tile_q4_k` or `tile_q6_k`, by the blocks' format.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+#[inline]
+unsafe fn tile<const T: usize>(
+    blocks: &Interleaved,
+    activations: &QuantizedActivations,
+    first_blocks: [usize; T],
+    sums: &mut [[f32; GROUP_ROWS]; TILE_TOKENS],
+) {
+    match blocks {
+        Interleaved::Q4k(blocks) => tile_q4_k::<T>(blocks, activations, first_blocks, sums),
+        Interleaved::Q6k(blocks) => tile_q6_k::<T>(blocks, activations, first_blocks, sums),
+    }
+}
+
+/// The byte offsets of sixteen rows `row_bytes` apart.
+#[target_feature(enable = "avx2,avx512f")]
+#[inline]
+unsafe fn row_offsets(row_bytes: usize) -> __m512i {
+    _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32(row_bytes as i32),
+    )
+}
+
+/// The next group's rows (contiguous, after the sixteen from `first`): block `b`'s share, so
+/// that they have arrived when that group is interleaved. (Past the weights' end for the last
+/// group: a prefetch never faults.)
+#[inline(always)]
+unsafe fn prefetch_next_group(first: *const u8, row_bytes: usize, block_bytes: usize, b: usize) {
+    let next = first.wrapping_add(GROUP_ROWS * row_bytes + b * block_bytes);
+    for r in 0..GROUP_ROWS {
+        for line in 0..block_bytes.div_ceil(64) {
+            _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(r * row_bytes + 64 * line) as *const i8);
+        }
+    }
+}
+
+/// Sixteen rows of 64 bytes at `at` (+ r * row_bytes), transposed: `words[w]` lane r = row r's
+/// word w.
+#[target_feature(enable = "avx2,avx512f")]
+#[inline]
+unsafe fn load_transposed(at: *const u8, row_bytes: usize) -> [__m512i; 16] {
+    let mut rows = [_mm512_setzero_si512(); GROUP_ROWS];
+    for (r, row) in rows.iter_mut().enumerate() {
+        *row = _mm512_loadu_si512(at.add(r * row_bytes) as *const _);
+    }
+    transpose_16x16(rows)
+}
+
 /// Sixteen rows (from `first`, `row_bytes` apart) of Q4_K blocks into `blocks`, one per block.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 #[inline]
-unsafe fn interleave(first: *const u8, row_bytes: usize, blocks: &mut [InterleavedBlock]) {
-    let offsets = _mm512_mullo_epi32(
-        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-        _mm512_set1_epi32(row_bytes as i32),
-    );
+unsafe fn interleave_q4_k(first: *const u8, row_bytes: usize, blocks: &mut [Q4kBlock]) {
+    let offsets = row_offsets(row_bytes);
     for (b, block) in blocks.iter_mut().enumerate() {
         let at = first.add(b * 144);
-        // The next group's rows (contiguous, after these), a block's share at a time, so that
-        // they have arrived when it is interleaved. (Past the weights' end for the last group: a
-        // prefetch never faults.)
-        let next = first.wrapping_add(GROUP_ROWS * row_bytes);
-        for r in 0..GROUP_ROWS {
-            for line in 0..3 {
-                _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(r * row_bytes + b * 144 + 64 * line) as *const i8);
-            }
-        }
+        prefetch_next_group(first, row_bytes, 144, b);
         for half in 0..2 {
-            let mut rows = [_mm512_setzero_si512(); GROUP_ROWS];
-            for (r, row) in rows.iter_mut().enumerate() {
-                *row = _mm512_loadu_si512(at.add(r * row_bytes + 16 + 64 * half) as *const _);
-            }
-            let words = transpose_16x16(rows);
+            let words = load_transposed(at.add(16 + 64 * half), row_bytes);
             for (w, word) in words.iter().enumerate() {
                 _mm512_store_si512(block.nibbles[16 * half + w].as_mut_ptr() as *mut _, *word);
             }
@@ -194,9 +260,9 @@ unsafe fn byte(words: __m512i, i: u32) -> __m512i {
 /// into `sums[token][row]`.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 #[inline]
-unsafe fn tile<const T: usize>(
-    blocks: &[InterleavedBlock],
-    activations: &super::activations::QuantizedActivations,
+unsafe fn tile_q4_k<const T: usize>(
+    blocks: &[Q4kBlock],
+    activations: &QuantizedActivations,
     first_blocks: [usize; T],
     sums: &mut [[f32; GROUP_ROWS]; TILE_TOKENS],
 ) {
@@ -250,5 +316,115 @@ unsafe fn tile<const T: usize>(
     }
     for t in 0..T {
         _mm512_storeu_ps(sums[t].as_mut_ptr(), _mm512_sub_ps(acc[t], mins[t]));
+    }
+}
+
+/// Sixteen rows (from `first`, `row_bytes` apart) of Q6_K blocks into `blocks`, one per block.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+#[inline]
+unsafe fn interleave_q6_k(first: *const u8, row_bytes: usize, blocks: &mut [Q6kBlock]) {
+    let offsets = row_offsets(row_bytes);
+    let (low_nibbles, two_bits) = (_mm512_set1_epi8(0x0f), _mm512_set1_epi8(0x03));
+    for (b, block) in blocks.iter_mut().enumerate() {
+        let at = first.add(b * 210);
+        prefetch_next_group(first, row_bytes, 210, b);
+        // Bytes 0-127: the values' low four bits; 128-191: their top two bits (see formats::q6_k_value).
+        let low = [load_transposed(at, row_bytes), load_transposed(at.add(64), row_bytes)];
+        let high = load_transposed(at.add(128), row_bytes);
+        for half in 0..2 {
+            for c in 0..8 {
+                // Bytes 4c.. of the half's low bits: elements 32 * quarter + 4c.. (quarters 0 and
+                // 2 in the first 32 bytes' low and high nibbles, 1 and 3 in the next 32's).
+                let (first_32, next_32, top) = (low[half][c], low[half][8 + c], high[8 * half + c]);
+                for quarter in 0..4 {
+                    let nibbles = if quarter % 2 == 0 { first_32 } else { next_32 };
+                    let nibbles = if quarter < 2 { nibbles } else { _mm512_srli_epi16::<4>(nibbles) };
+                    let top = _mm512_srlv_epi16(top, _mm512_set1_epi16(2 * quarter as i16));
+                    let value = _mm512_or_si512(
+                        _mm512_and_si512(nibbles, low_nibbles),
+                        _mm512_slli_epi16::<4>(_mm512_and_si512(top, two_bits)),
+                    );
+                    let group = 32 * half + 8 * quarter + c;
+                    _mm512_store_si512(block.values[group].as_mut_ptr() as *mut _, value);
+                }
+            }
+        }
+        let words = [
+            gather(offsets, at.add(192)),
+            gather(offsets, at.add(196)),
+            gather(offsets, at.add(200)),
+            gather(offsets, at.add(204)),
+        ];
+        let mut scales = [_mm512_setzero_si512(); 16];
+        for (j, scale) in scales.iter_mut().enumerate() {
+            // Byte j % 4 of word j / 4, sign-extended.
+            let shifted = _mm512_sllv_epi32(words[j / 4], _mm512_set1_epi32(24 - 8 * (j as i32 % 4)));
+            *scale = _mm512_srai_epi32::<24>(shifted);
+            _mm512_store_si512(block.scales[j].as_mut_ptr() as *mut _, *scale);
+        }
+        for p in 0..8 {
+            let pair = _mm512_or_si512(
+                _mm512_and_si512(scales[2 * p], _mm512_set1_epi32(0xffff)),
+                _mm512_slli_epi32::<16>(scales[2 * p + 1]),
+            );
+            _mm512_store_si512(block.scale_pairs[p].as_mut_ptr() as *mut _, pair);
+        }
+        // (d is the block's last two bytes: the word before them is read, not the next block's)
+        let d = _mm512_srli_epi32::<16>(gather(offsets, at.add(206)));
+        _mm512_store_ps(block.d.as_mut_ptr(), _mm512_cvtph_ps(_mm512_cvtepi32_epi16(d)));
+    }
+}
+
+/// `tile_q4_k` for Q6_K: each sub-block of 16 summed by four dpbusd on the values as stored, the
+/// -32 offset taken off once per block as 32 * Σ scale * (sum of the 16's activations).
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+#[inline]
+unsafe fn tile_q6_k<const T: usize>(
+    blocks: &[Q6kBlock],
+    activations: &QuantizedActivations,
+    first_blocks: [usize; T],
+    sums: &mut [[f32; GROUP_ROWS]; TILE_TOKENS],
+) {
+    let mut acc = [_mm512_setzero_ps(); T];
+    let quants = activations.quants.as_ptr();
+    for (b, block) in blocks.iter().enumerate() {
+        let mut totals = [_mm512_setzero_si512(); T];
+        for j in 0..16 {
+            let mut sub_block = [_mm512_setzero_si512(); T];
+            for c in 0..4 {
+                let values = _mm512_load_si512(block.values[4 * j + c].as_ptr() as *const _);
+                for t in 0..T {
+                    let x = quants.add(256 * (first_blocks[t] + b) + 16 * j + 4 * c);
+                    sub_block[t] = _mm512_dpbusd_epi32(
+                        sub_block[t],
+                        values,
+                        _mm512_set1_epi32((x as *const i32).read_unaligned()),
+                    );
+                }
+            }
+            let scales = _mm512_load_si512(block.scales[j].as_ptr() as *const _);
+            for t in 0..T {
+                totals[t] = _mm512_add_epi32(totals[t], _mm512_mullo_epi32(sub_block[t], scales));
+            }
+        }
+        let d = _mm512_load_ps(block.d.as_ptr());
+        for t in 0..T {
+            let a = first_blocks[t] + b;
+            // The sums of the 16s (|sum| <= 16 * 127) as int16 pairs, each pair to every lane.
+            let sums_of_16 = _mm512_loadu_si512(activations.sums_of_16.as_ptr().add(16 * a) as *const _);
+            let mut pairs = [0u32; 8];
+            _mm256_storeu_si256(pairs.as_mut_ptr() as *mut __m256i, _mm512_cvtepi32_epi16(sums_of_16));
+            let mut offset = _mm512_setzero_si512();
+            for (p, &pair) in pairs.iter().enumerate() {
+                let scale_pairs = _mm512_load_si512(block.scale_pairs[p].as_ptr() as *const _);
+                offset = _mm512_dpwssd_epi32(offset, scale_pairs, _mm512_set1_epi32(pair as i32));
+            }
+            let total = _mm512_sub_epi32(totals[t], _mm512_slli_epi32::<5>(offset));
+            let act_scale = _mm512_set1_ps(*activations.scales.get_unchecked(a));
+            acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, act_scale), _mm512_cvtepi32_ps(total), acc[t]);
+        }
+    }
+    for t in 0..T {
+        _mm512_storeu_ps(sums[t].as_mut_ptr(), acc[t]);
     }
 }

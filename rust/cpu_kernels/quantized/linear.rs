@@ -67,9 +67,17 @@ pub fn kernel_at_every_token_count(ty: GgmlType) -> bool {
 /// 149-166 GMAC/s on two threads, 181-198 in passes).
 const ACTIVATION_BYTES_PER_PASS: usize = 512 << 10;
 
-/// Fewest tokens for which Q4_K takes the interleaved tiles (k_quant_tiles.rs): interleaving a
-/// group's blocks costs about what a few tokens' products do.
-const MIN_TOKENS_FOR_K_QUANT_TILES: usize = 4;
+/// Fewest tokens for which a K-quant takes the interleaved tiles (k_quant_tiles.rs): interleaving
+/// a group's blocks costs about what a few tokens' products do (Q6_K's more: its values are
+/// unpacked there). On Llama 2 7B's shapes, 4 tokens: Q4_K's tiles 0.7-1.0x the two-row kernel's
+/// time, Q6_K's 1.2-1.5x; 16 tokens: Q6_K's 0.7-0.75x.
+fn min_tokens_for_k_quant_tiles(ty: GgmlType) -> usize {
+    if ty == GgmlType::Q6_K {
+        8
+    } else {
+        4
+    }
+}
 
 /// Tokens per pass over the weights for rows of `k` inputs: a multiple of 8 (the widest tile).
 fn tokens_per_pass_over_weights(k: usize) -> usize {
@@ -114,9 +122,9 @@ pub(crate) fn quantized_linear_on(
         let problem =
             Problem { ty, weight, row_bytes, activations: &activations, bias, first_token: 0, m, n, blocks_per_row };
         let block_tokens = tokens_per_pass_over_weights(k);
-        // Q4_K for many tokens: sixteen rows interleaved at a time (k_quant_tiles.rs), the rows
+        // The K-quants for several tokens: sixteen rows interleaved at a time (k_quant_tiles.rs), the rows
         // past the last whole sixteen on the two-row kernel (the same bits).
-        let tiles = ty == GgmlType::Q4_K && path == Int8Path::Avx512Vnni && m >= MIN_TOKENS_FOR_K_QUANT_TILES;
+        let tiles = ty.block_len() == 256 && path == Int8Path::Avx512Vnni && m >= min_tokens_for_k_quant_tiles(ty);
         let (group, fewest) = if ty.block_len() == 32 {
             (GROUP_ROWS, 2 * GROUP_ROWS)
         } else if tiles {
@@ -129,7 +137,7 @@ pub(crate) fn quantized_linear_on(
         for_row_chunks(chunks, num_threads, |rows: std::ops::Range<usize>| {
             // SAFETY: token < m and row < n, so inside `out`; each row belongs to one chunk, claimed by
             // one thread. The problem was checked above; `path` came from `Int8Path::best()`, and a
-            // block of 256 here is Q4_K or Q6_K on AVX-512 VNNI (the tiles: Q4_K, whole groups).
+            // block of 256 here is Q4_K or Q6_K on AVX-512 VNNI (the tiles: whole groups).
             let write = |token: usize, row: usize, value: f32| unsafe { columns.write(token * n + row, value) };
             for first_token in (0..m).step_by(block_tokens) {
                 let problem = Problem { first_token, m: (first_token + block_tokens).min(m), ..problem };
@@ -138,7 +146,7 @@ pub(crate) fn quantized_linear_on(
                         run_rows(path, &problem, rows.clone(), &write)
                     } else if tiles {
                         let whole = rows.start + rows.len() / group * group;
-                        super::k_quant_tiles::run_groups_q4_k(&problem, rows.start..whole, &write);
+                        super::k_quant_tiles::run_groups(&problem, rows.start..whole, &write);
                         if whole < rows.end {
                             super::k_quants::run_rows_k_quants(&problem, whole..rows.end, &write);
                         }
@@ -312,10 +320,10 @@ mod tests {
             // (the last: more tokens than one pass over the weights takes, 32 of 16384 inputs)
             let passes = (45, 9, 16384 / ty.block_len());
             assert!(tokens_per_pass_over_weights(16384) < 45);
-            // (Q4_K's interleaved tiles from MIN_TOKENS_FOR_K_QUANT_TILES tokens, whole groups of 16
+            // (the K-quants' interleaved tiles from min_tokens_for_k_quant_tiles, whole groups of 16
             // rows; the rest of the rows on the two-row kernel)
             let tiles = (13, 53, 3);
-            assert!(tiles.0 >= MIN_TOKENS_FOR_K_QUANT_TILES && tiles.1 % 16 != 0);
+            assert!(tiles.0 >= min_tokens_for_k_quant_tiles(ty) && tiles.1 % 16 != 0);
             for (m, n, blocks) in [
                 (1, 1, 1),
                 (1, 8, 1),
