@@ -38,7 +38,7 @@ class EngineConfig:
     model shapes. A directory without a tokenizer needs `tokenizer`."""
     gguf_weights: str = "auto"
     """A GGUF's quantized linear weights: auto (the default: quantized where it applies, else
-    dequantized, silently), quantized (kept as GGUF blocks, Q4_0/Q4_1/Q8_0/Q4_K/Q6_K, and a BF16
+    dequantized, silently), quantized (kept as GGUF blocks, Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K, and a BF16
     file's weights as bfloat16, multiplied by the CPU's kernels: float32 on one CPU, Llama-family
     models, the token embedding table too; warns and dequantizes elsewhere) or dequantized (to the
     model's dtype at load). Kept Q4_1 weights decode ~2.5-3x faster than float32 ones at 1 to 64

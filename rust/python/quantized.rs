@@ -7,7 +7,7 @@ use super::errors::{call, to_py_err};
 use crate::cpu_kernels::quantized::{self, GgmlType};
 use crate::cpu_kernels::simd::Isa;
 
-/// (elements, bytes) of one block of `ggml_type` ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K").
+/// (elements, bytes) of one block of `ggml_type` ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K").
 #[pyfunction]
 fn ggml_block_size(ggml_type: &str) -> PyResult<(usize, usize)> {
     let ty = GgmlType::from_name(ggml_type).map_err(to_py_err)?;

@@ -24,6 +24,7 @@ from pagedkv_core import _core
 from pagedkv_core.errors import InvalidConfigError
 
 QTYPE = {name: gguf.GGMLQuantizationType[name] for name in GGML_TYPES}
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
 F32 = np.float32
 
 
@@ -47,7 +48,7 @@ def weight_blocks(ggml_type: str, rows: int, in_features: int, smollm2_tensors, 
     block_len, block_bytes = gguf.GGML_QUANT_SIZES[QTYPE[ggml_type]]
     blocks = rng.integers(0, 256, (rows * in_features // block_len, block_bytes), dtype=np.uint8)
     halves = lambda scale, size: (rng.random(size, dtype=F32) * scale).astype(np.float16).view(np.uint8).reshape(-1, 2)  # noqa: E731
-    if ggml_type == "Q4_K":
+    if ggml_type in ("Q4_K", "Q5_K"):
         blocks[:, 0:2], blocks[:, 2:4] = halves(0.01, len(blocks)), halves(0.005, len(blocks))
     else:
         blocks[:, 208:210] = halves(0.002, len(blocks))
@@ -60,7 +61,7 @@ def weight_blocks(ggml_type: str, rows: int, in_features: int, smollm2_tensors, 
 def quantize_activations(x: np.ndarray, ggml_type: str):
     """llama.cpp's reference quantizer for the type's partner: (scales [B], quants int64 [B, L],
     Q8_1's s [B] or Q8_K's 16-sums [B, L/16])."""
-    if ggml_type in ("Q4_K", "Q6_K"):  # Q8_K: d = max / -127 (f32), ties to even, capped at 127
+    if ggml_type in K_QUANTS:  # Q8_K: d = max / -127 (f32), ties to even, capped at 127
         blocks = x.reshape(-1, 256)
         max_value = blocks[np.arange(len(blocks)), np.abs(blocks).argmax(axis=1)]
         with np.errstate(divide="ignore"):
@@ -91,10 +92,14 @@ def decode_integers(blocks: np.ndarray, ggml_type: str):
         return f16(blocks[:, 0:2]), q - (8 if ggml_type == "Q4_0" else 0), f16(blocks[:, 2:4])
     if ggml_type == "Q8_0":
         return f16(blocks[:, 0:2]), blocks[:, 2:34].view(np.int8).astype(np.int64), None
-    if ggml_type == "Q4_K":
+    if ggml_type in ("Q4_K", "Q5_K"):
         scales, mins = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16])
-        packed = blocks[:, 16:144].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
-        q = (packed & 0xF).reshape(-1, 8, 32).astype(np.int64) * scales.astype(np.int64)[:, :, None]
+        nibbles = blocks[:, 16:144] if ggml_type == "Q4_K" else blocks[:, 48:176]
+        packed = nibbles.reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+        q = (packed & 0xF).reshape(-1, 8, 32).astype(np.int64)
+        if ggml_type == "Q5_K":  # bit j of byte l of the 32 at 16: element 32j + l's fifth bit
+            q |= ((blocks[:, None, 16:48] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1).astype(np.int64) << 4
+        q = q * scales.astype(np.int64)[:, :, None]
         return f16(blocks[:, 0:2]), q.reshape(-1, 256), (f16(blocks[:, 2:4]), mins.astype(np.int64))
     low = blocks[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
     low = (low & 0xF).reshape(-1, 2, 4, 32)
@@ -133,12 +138,12 @@ def reference_linear(x: np.ndarray, blocks: np.ndarray, ggml_type: str, bias=Non
     acc, mins = np.zeros((m, n), F32), np.zeros((m, n), F32)
     for b in range(per_row):
         acc = fma32(block_scale[:, :, b], totals[:, :, b], acc)
-        if ggml_type == "Q4_K":
+        if ggml_type in ("Q4_K", "Q5_K"):
             dmin, min_values = w_min
             integer = (act_extra.reshape(m, 1, per_row, 8, 2) * min_values.reshape(1, n, per_row, 8, 1)).sum(axis=(3, 4))
             term = dmin.reshape(1, n, per_row)[:, :, b] * act_scale.reshape(m, 1, per_row)[:, :, b]
             mins = fma32(term, integer[:, :, b].astype(F32), mins)
-    total = acc - mins if ggml_type == "Q4_K" else acc
+    total = acc - mins if ggml_type in ("Q4_K", "Q5_K") else acc
     return total if bias is None else total + bias
 
 
@@ -169,7 +174,7 @@ def error_bound(x: np.ndarray, blocks: np.ndarray, ggml_type: str) -> np.ndarray
 
 @pytest.mark.parametrize("ggml_type", GGML_TYPES)
 def test_blocks_decode_exactly_as_gguf_py(ggml_type, smollm2_tensors):
-    blocks = weight_blocks(ggml_type, 64, 512 if ggml_type in ("Q4_K", "Q6_K") else 576, smollm2_tensors)
+    blocks = weight_blocks(ggml_type, 64, 512 if ggml_type in K_QUANTS else 576, smollm2_tensors)
     want = gguf.quants.dequantize(blocks, QTYPE[ggml_type])
     got = dequantize(torch.from_numpy(blocks), ggml_type, want.shape)
     assert np.array_equal(got.numpy(), want)
@@ -188,7 +193,7 @@ def test_real_smollm2_tensors_decode_exactly(smollm2_tensors):
 @pytest.mark.parametrize("ggml_type", GGML_TYPES)
 @pytest.mark.parametrize("num_tokens", [1, 2, 5, 16, 17, 70])
 def test_kernel_equals_the_reference_scheme_and_float64_within_the_bound(ggml_type, num_tokens, smollm2_tensors):
-    in_features = 512 if ggml_type in ("Q4_K", "Q6_K") else 576
+    in_features = 512 if ggml_type in K_QUANTS else 576
     out_features = 37  # odd: not whole groups of 8 rows, nor of the 16-row chunks
     blocks = weight_blocks(ggml_type, out_features, in_features, smollm2_tensors, seed=num_tokens)
     rng = np.random.default_rng(num_tokens)
@@ -226,14 +231,14 @@ def test_module_takes_kernel_and_dequantized_paths_alike(ggml_type, smollm2_tens
 def test_a_prefill_runs_the_kernel_where_it_wins_at_every_token_count(ggml_type, smollm2_tensors):
     """The blocks of 32 (and the K-quants on AVX-512 VNNI) take a prefill's rows on the kernel, so a
     token gets the same bits in any batch; the K-quants elsewhere dequantize and call F.linear."""
-    in_features = 512 if ggml_type in ("Q4_K", "Q6_K") else 576
+    in_features = 512 if ggml_type in K_QUANTS else 576
     layer = QuantizedLinear(in_features, 45, ggml_type, bias=True)
     layer.blocks.copy_(torch.from_numpy(weight_blocks(ggml_type, 45, in_features, smollm2_tensors)))
     layer.bias.data.normal_()
     x = torch.randn(130, in_features)
     batch = layer(x)
     if not _core.quantized_kernel_at_every_token_count(ggml_type):
-        assert ggml_type in ("Q4_K", "Q6_K")
+        assert ggml_type in K_QUANTS
         assert torch.equal(batch, F.linear(x, layer.weight, layer.bias))
         return
     assert not torch.equal(batch, F.linear(x, layer.weight, layer.bias))
@@ -245,7 +250,7 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="multiple of Q4_K's block of 256"):
         QuantizedLinear(576, 8, "Q4_K")
     with pytest.raises(ValueError, match="ggml_type must be one of"):
-        QuantizedLinear(576, 8, "Q5_K")
+        QuantizedLinear(576, 8, "Q3_K")
     blocks = torch.zeros(4, row_bytes("Q4_1", 64), dtype=torch.uint8)
     with pytest.raises(InvalidConfigError, match="weight"):
         quantized_linear(torch.zeros(1, 64), blocks[:, 1:].contiguous(), "Q4_1", 4)

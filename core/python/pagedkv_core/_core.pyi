@@ -484,10 +484,10 @@ def sample_rows_cpu(
     (1 - uniform) of the kept total; per-row settings float32 [rows, 4] (temperature, top_k,
     top_p, min_p) and uniform float32 [rows]. Internal: used by `pagedkv.runner.sampler`."""
 
-def ggml_block_size(ggml_type: Literal["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"]) -> tuple[int, int]:
+def ggml_block_size(ggml_type: Literal["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]) -> tuple[int, int]:
     """(elements, bytes) of one GGUF block of `ggml_type`."""
 
-def quantized_kernel_at_every_token_count(ggml_type: Literal["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"]) -> bool:
+def quantized_kernel_at_every_token_count(ggml_type: Literal["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]) -> bool:
     """Whether `quantized_linear_cpu` beats dequantizing for float32's GEMM at every token count
     on this CPU (the blocks of 32 always; the K-quants on AVX-512 VNNI)."""
 
@@ -497,7 +497,7 @@ def quantized_linear_cpu(
     weight: int,
     weight_bytes: int,
     bias: int | None,
-    ggml_type: Literal["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"],
+    ggml_type: Literal["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"],
     shape: tuple[int, int, int],
     num_threads: int,
 ) -> None:
@@ -512,7 +512,7 @@ def dequantize_cpu(
     out_len: int,
     blocks: int,
     blocks_bytes: int,
-    ggml_type: Literal["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"],
+    ggml_type: Literal["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"],
     num_threads: int,
 ) -> None:
     """out (out_len float32) = the values of `blocks_bytes` bytes of GGUF blocks. Internal: use

@@ -4,7 +4,8 @@ The forward pass is the core's kernel: activations quantized to 8 bits per block
 does, integer dot products per block, weights streamed at 4-8 bits. For the blocks of 32 (Q4_0,
 Q4_1, Q8_0) it reads eight rows at a time for four tokens and beats torch's float32 GEMM at every
 token count, so it runs at every count and a token's output does not depend on its batch; so does
-the K-quants' (Q4_K, Q6_K) on AVX-512 VNNI, two rows for four tokens. Their AVX2 kernel (one row
+the K-quants' (Q4_K, Q5_K, Q6_K) on AVX-512 VNNI: two rows for up to three tokens, sixteen rows
+interleaved from four (Q6_K: eight; the same bits). Their AVX2 kernel (one row
 at a time) is slower above MAX_KERNEL_TOKENS, where the layer dequantizes the weight and calls
 F.linear: the float weight is a temporary, so memory stays at the quantized size.
 """
@@ -19,7 +20,7 @@ from torch import nn
 
 from pagedkv_core import _core
 
-GGML_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
+GGML_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 
 # Where the kernel runs at every token count (`_core.quantized_kernel_at_every_token_count`):
 # benches/quantized_linear.py --threads 2 on the 2-core AVX-512 VNNI dev machine (2026-11-29), Q4_1
@@ -92,7 +93,7 @@ def quantized_linear(
 class QuantizedLinear(nn.Module):
     """y = x @ W^T (+ bias) with W [out_features, in_features] kept as GGUF blocks: the buffer
     `blocks` uint8 [out_features, bytes_per_row] (a GGUF tensor's bytes as stored) and its
-    `ggml_type` (Q4_0, Q4_1, Q8_0, Q4_K or Q6_K). Float32 CPU activations only."""
+    `ggml_type` (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K or Q6_K). Float32 CPU activations only."""
 
     def __init__(self, in_features: int, out_features: int, ggml_type: str, bias: bool = False):
         super().__init__()

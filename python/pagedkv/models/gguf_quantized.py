@@ -1,6 +1,6 @@
 """A Llama-family GGUF's quantized linear weights kept as GGUF blocks (EngineConfig
 gguf_weights="quantized"). Before the weights load, each decoder layer's nn.Linear whose GGUF
-tensors are of kept types (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) becomes a QuantizedLinear over those
+tensors are of kept types (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) becomes a QuantizedLinear over those
 tensors' raw bytes, read from the file's memory map (models.gguf_tensor_index), or, where the
 parts of a fused one are of different types (a Q4_K_M file's Q6_K v beside Q4_K q and k), a
 StackedQuantizedLinear of them; BF16 tensors beside float32 activations stay bfloat16

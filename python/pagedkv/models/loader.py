@@ -81,7 +81,7 @@ def _split_gguf(model: str | None, gguf_file: str | None) -> tuple[str, str | No
 def kept_gguf_type(model: str | None, gguf_file: str | None) -> str | None:
     """The type of the checkpoint's down projections where it is a GGUF of a Llama-family
     architecture whose decoder linears are all of types kept as stored (Q4_0, Q4_1, Q8_0, Q4_K,
-    Q6_K blocks, or BF16; read from its header and tensor index, not loaded), else None."""
+    Q5_K, Q6_K blocks, or BF16; read from its header and tensor index, not loaded), else None."""
     from pagedkv.layers.quantized_linear import GGML_TYPES
 
     directory, gguf = _split_gguf(model, gguf_file)

@@ -1,6 +1,6 @@
 //! Activations quantized to 8 bits the way llama.cpp's reference quantizers do (ggml-quants.c,
 //! `quantize_row_q8_0_ref`, `_q8_1_ref`, `_q8_K_ref`), so the weights' dot products run on integers:
-//! Q8_0 for Q4_0 and Q8_0 weights, Q8_1 for Q4_1, Q8_K for Q4_K and Q6_K.
+//! Q8_0 for Q4_0 and Q8_0 weights, Q8_1 for Q4_1, Q8_K for the K-quants (Q4_K, Q5_K, Q6_K).
 
 use super::formats::{f16_to_f32, f32_to_f16, GgmlType};
 
@@ -22,7 +22,7 @@ impl ActivationScheme {
         match ty {
             GgmlType::Q4_0 | GgmlType::Q8_0 => ActivationScheme::Q8_0,
             GgmlType::Q4_1 => ActivationScheme::Q8_1,
-            GgmlType::Q4_K | GgmlType::Q6_K => ActivationScheme::Q8_K,
+            GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K => ActivationScheme::Q8_K,
         }
     }
 }

@@ -7,14 +7,14 @@
 //! - Q4_0, Q4_1, Q8_0 (blocks of 32; eight_rows.rs): per block, the integer total t of w * x
 //!   (w signed: Q4_0 q - 8, Q8_0 q; Q4_1 q), then `acc = fma(d_w * d_x, t, acc)` in f32, and for
 //!   Q4_1 `mins = fma(m, s, mins)`; the result is `acc + mins`.
-//! - Q4_K, Q6_K (blocks of 256; k_quants.rs, k_quant_tiles.rs, x86.rs): per block, the integer
-//!   total t of scale * w * x over its sub-blocks (Q4_K: 6-bit scales of 32s, w = q; Q6_K: int8
-//!   scales of 16s, w = q - 32), then `acc = fma(d_w * d_x, t, acc)` in f32, and for Q4_K
+//! - Q4_K, Q5_K, Q6_K (blocks of 256; k_quants.rs, k_quant_tiles.rs, x86.rs): per block, the
+//!   integer total t of scale * w * x over its sub-blocks (Q4_K, Q5_K: 6-bit scales of 32s, w = q;
+//!   Q6_K: int8 scales of 16s, w = q - 32), then `acc = fma(d_w * d_x, t, acc)` in f32, and for Q4_K and Q5_K
 //!   `mins = fma(dmin * d_x, sum(min * sum of the 32's x), mins)`; the result is `acc - mins`
 //!   (Q6_K: `acc`). One total per block is what lets a kernel hold one row per lane.
 
 use super::activations::QuantizedActivations;
-use super::formats::{f16_at, q4_k_scale_min, q6_k_value, GgmlType};
+use super::formats::{f16_at, q4_k_or_q5_k_value, q4_k_scale_min, q6_k_value, GgmlType};
 
 /// The float accumulators of one K-quant dot product.
 #[derive(Default, Clone, Copy)]
@@ -24,10 +24,10 @@ pub(crate) struct KQuantSums {
 }
 
 impl KQuantSums {
-    /// The result: Q4_K's mins term taken off.
+    /// The result: Q4_K's and Q5_K's mins term taken off.
     #[inline(always)]
     pub fn finish(self, ty: GgmlType) -> f32 {
-        if ty == GgmlType::Q4_K {
+        if ty.has_mins() {
             self.acc - self.mins
         } else {
             self.acc
@@ -47,16 +47,10 @@ pub fn dot_row_scalar(ty: GgmlType, row: &[u8], activations: &QuantizedActivatio
         let quants = &activations.quants[a * 256..(a + 1) * 256];
         let act_scale = activations.scales[a];
         let total: i32 = match ty {
-            GgmlType::Q4_K => {
-                let (scales, nibbles) = (&block[4..16], &block[16..144]);
+            GgmlType::Q4_K | GgmlType::Q5_K => {
+                let scales = &block[4..16];
                 let sub_block_total = |j: usize| -> i32 {
-                    let shift = 4 * (j % 2);
-                    let bytes = &nibbles[32 * (j / 2)..32 * (j / 2) + 32];
-                    bytes
-                        .iter()
-                        .zip(&quants[32 * j..32 * j + 32])
-                        .map(|(&q, &x)| ((q >> shift) & 0xf) as i32 * x as i32)
-                        .sum()
+                    (32 * j..32 * j + 32).map(|e| q4_k_or_q5_k_value(ty, block, e) as i32 * quants[e] as i32).sum()
                 };
                 let sums_of_32 = &activations.sums_of_32[8 * a..8 * (a + 1)];
                 let mins: i32 = (0..8).map(|j| q4_k_scale_min(j, scales).1 as i32 * sums_of_32[j] as i32).sum();

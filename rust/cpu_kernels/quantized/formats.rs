@@ -16,19 +16,24 @@ pub enum GgmlType {
     /// 256 elements: f16 d, f16 dmin, 12 bytes of 6-bit scales and mins for 8 sub-blocks of 32,
     /// 128 bytes of 4-bit q; (d * scale) * q - dmin * min.
     Q4_K,
+    /// 256 elements: f16 d, f16 dmin, Q4_K's 12 bytes of scales and mins, 32 bytes of high bits
+    /// (bit j of byte l: element 32j + l), 128 bytes of low 4 bits (as Q4_K's q); (d * scale) * q -
+    /// dmin * min.
+    Q5_K,
     /// 256 elements: 128 bytes of low 4 bits, 64 bytes of high 2 bits, 16 int8 scales for
     /// sub-blocks of 16, f16 d; (d * scale) * (q - 32).
     Q6_K,
 }
 
 impl GgmlType {
-    pub const ALL: [GgmlType; 5] = [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q6_K];
+    pub const ALL: [GgmlType; 6] =
+        [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K];
 
     /// The type named as ggml (and gguf-py's `GGMLQuantizationType`) names it, e.g. "Q4_1".
     pub fn from_name(name: &str) -> Result<GgmlType> {
         GgmlType::ALL.into_iter().find(|ty| ty.name() == name).ok_or_else(|| Error::InvalidConfig {
             field: "ggml_type",
-            message: format!("must be one of Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, got {name:?}"),
+            message: format!("must be one of Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, got {name:?}"),
         })
     }
 
@@ -38,6 +43,7 @@ impl GgmlType {
             GgmlType::Q4_1 => "Q4_1",
             GgmlType::Q8_0 => "Q8_0",
             GgmlType::Q4_K => "Q4_K",
+            GgmlType::Q5_K => "Q5_K",
             GgmlType::Q6_K => "Q6_K",
         }
     }
@@ -46,7 +52,7 @@ impl GgmlType {
     pub fn block_len(self) -> usize {
         match self {
             GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0 => 32,
-            GgmlType::Q4_K | GgmlType::Q6_K => 256,
+            GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K => 256,
         }
     }
 
@@ -57,8 +63,14 @@ impl GgmlType {
             GgmlType::Q4_1 => 20,
             GgmlType::Q8_0 => 34,
             GgmlType::Q4_K => 144,
+            GgmlType::Q5_K => 176,
             GgmlType::Q6_K => 210,
         }
+    }
+
+    /// Whether a K-quant's blocks have mins (Q4_K, Q5_K): a term taken off the scaled total.
+    pub fn has_mins(self) -> bool {
+        matches!(self, GgmlType::Q4_K | GgmlType::Q5_K)
     }
 
     /// Bytes of one weight row of `in_features` elements; an error unless whole blocks.
@@ -122,6 +134,19 @@ pub(crate) fn q4_k_scale_min(j: usize, scales: &[u8]) -> (u8, u8) {
     }
 }
 
+/// Q4_K's (4-bit) or Q5_K's (5-bit) value of element `e` (0..256) of a block.
+#[inline(always)]
+pub(crate) fn q4_k_or_q5_k_value(ty: GgmlType, block: &[u8], e: usize) -> u8 {
+    let (sub_block, l) = (e / 32, e % 32);
+    let quants = if ty == GgmlType::Q5_K { &block[48..176] } else { &block[16..144] };
+    let low = (quants[32 * (sub_block / 2) + l] >> (4 * (sub_block % 2))) & 0xf;
+    if ty == GgmlType::Q5_K {
+        low | (((block[16 + l] >> sub_block) & 1) << 4)
+    } else {
+        low
+    }
+}
+
 /// Q6_K's 6-bit value of element `e` (0..256) of a block, before the -32 offset.
 #[inline(always)]
 pub(crate) fn q6_k_value(block: &[u8], e: usize) -> u8 {
@@ -157,14 +182,13 @@ pub fn dequantize_block(ty: GgmlType, block: &[u8], out: &mut [f32]) {
                 *value = d * (q as i8) as f32;
             }
         }
-        GgmlType::Q4_K => {
-            let (d, dmin, scales, quants) = (f16_at(block, 0), f16_at(block, 2), &block[4..16], &block[16..144]);
+        GgmlType::Q4_K | GgmlType::Q5_K => {
+            let (d, dmin, scales) = (f16_at(block, 0), f16_at(block, 2), &block[4..16]);
             for (sub_block, values) in out[..256].chunks_exact_mut(32).enumerate() {
                 let (scale, min) = q4_k_scale_min(sub_block, scales);
                 let (scale, min) = (d * scale as f32, dmin * min as f32);
-                let shift = 4 * (sub_block % 2);
-                for (value, &byte) in values.iter_mut().zip(&quants[32 * (sub_block / 2)..]) {
-                    *value = scale * ((byte >> shift) & 0xf) as f32 - min;
+                for (l, value) in values.iter_mut().enumerate() {
+                    *value = scale * q4_k_or_q5_k_value(ty, block, 32 * sub_block + l) as f32 - min;
                 }
             }
         }
@@ -209,7 +233,8 @@ mod tests {
         assert_eq!(GgmlType::Q6_K.row_bytes(512).unwrap(), 2 * 210);
         assert!(GgmlType::Q4_K.row_bytes(576).is_err());
         assert!(GgmlType::Q8_0.row_bytes(0).is_err());
-        assert!(GgmlType::from_name("Q5_K").is_err());
+        assert_eq!(GgmlType::from_name("Q5_K").unwrap().row_bytes(512).unwrap(), 2 * 176);
+        assert!(GgmlType::from_name("Q3_K").is_err());
     }
 
     #[test]

@@ -8,7 +8,7 @@
 //! The interleaving is done here, per group of rows and pass over the tokens, into a buffer that
 //! stays in the core's L2 (llama.cpp repacks its weights once, at load; this keeps the GGUF's
 //! layout, which the decode kernel and everything else read): the rows' bytes transposed in
-//! registers (Q6_K's values unpacked there too), read back by every token of the pass, while the
+//! registers and their values unpacked to bytes, read back by every token of the pass, while the
 //! next group's rows are prefetched. Gives `dot::dot_row_scalar`'s result bit for bit.
 
 use std::arch::x86_64::*;
@@ -23,13 +23,13 @@ pub(crate) const GROUP_ROWS: usize = 16;
 /// Tokens that share each load of the interleaved weights.
 const TILE_TOKENS: usize = 4;
 
-/// One Q4_K block of sixteen rows, as the tiles read it.
+/// One Q4_K or Q5_K block of sixteen rows, as the tiles read it.
 #[repr(C, align(64))]
 #[derive(Clone, Copy)]
-struct Q4kBlock {
-    /// Register 8 * pair + c: lane r holds bytes 4c..4c + 4 of row r's 32 bytes of sub-blocks
-    /// 2 * pair (low nibbles) and 2 * pair + 1 (high nibbles).
-    nibbles: [[u32; GROUP_ROWS]; 32],
+struct BlockWithMins {
+    /// Register g: lane r holds row r's values (Q4_K 0..15, Q5_K 0..31) of elements 4g..4g + 4;
+    /// sub-block j (of 32) is registers 8j..8j + 8.
+    values: [[u32; GROUP_ROWS]; 64],
     /// `[sub-block][row]`: the 6-bit scales.
     scales: [[i32; GROUP_ROWS]; 8],
     /// `[pair][row]`: the mins of sub-blocks 2 * pair (low int16) and 2 * pair + 1 (high).
@@ -54,7 +54,7 @@ struct Q6kBlock {
 
 /// A group's blocks, interleaved.
 enum Interleaved {
-    Q4k(Vec<Q4kBlock>),
+    WithMins(Vec<BlockWithMins>),
     Q6k(Vec<Q6kBlock>),
 }
 
@@ -64,7 +64,7 @@ enum Interleaved {
 /// # Safety
 /// The CPU runs AVX2, FMA, F16C and AVX-512 F, BW, VL and VNNI; `problem` is consistent (weight
 /// holds n rows of blocks_per_row `ty` blocks, activations m rows of as many Q8_K blocks), `ty`
-/// is Q4_K or Q6_K, rows lie in 0..n and their count is a multiple of `GROUP_ROWS`.
+/// is a K-quant, rows lie in 0..n and their count is a multiple of `GROUP_ROWS`.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 pub(crate) unsafe fn run_groups(problem: &Problem, rows: Range<usize>, write: &impl Fn(usize, usize, f32)) {
     let Problem { ty, weight, row_bytes, activations, bias, first_token, m, n, blocks_per_row } = *problem;
@@ -76,14 +76,16 @@ pub(crate) unsafe fn run_groups(problem: &Problem, rows: Range<usize>, write: &i
     // (row_bytes * 15 fits i32: the gathers' offsets)
     assert!(row_bytes < (i32::MAX as usize) / GROUP_ROWS);
     let mut blocks = match ty {
-        GgmlType::Q4_K => Interleaved::Q4k(vec![std::mem::zeroed::<Q4kBlock>(); blocks_per_row]),
+        GgmlType::Q4_K | GgmlType::Q5_K => {
+            Interleaved::WithMins(vec![std::mem::zeroed::<BlockWithMins>(); blocks_per_row])
+        }
         GgmlType::Q6_K => Interleaved::Q6k(vec![std::mem::zeroed::<Q6kBlock>(); blocks_per_row]),
-        _ => unreachable!("k_quant_tiles takes Q4_K and Q6_K"),
+        _ => unreachable!("k_quant_tiles takes the K-quants"),
     };
     for first_row in rows.step_by(GROUP_ROWS) {
         let first = weight.as_ptr().add(first_row * row_bytes);
         match &mut blocks {
-            Interleaved::Q4k(blocks) => interleave_q4_k(first, row_bytes, blocks),
+            Interleaved::WithMins(blocks) => interleave_with_mins(ty, first, row_bytes, blocks),
             Interleaved::Q6k(blocks) => interleave_q6_k(first, row_bytes, blocks),
         }
         let mut token = first_token;
@@ -108,7 +110,7 @@ pub(crate) unsafe fn run_groups(problem: &Problem, rows: Range<usize>, write: &i
     }
 }
 
-/// `tile_q4_k` or `tile_q6_k`, by the blocks' format.
+/// `tile_with_mins` or `tile_q6_k`, by the blocks' format.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 #[inline]
 unsafe fn tile<const T: usize>(
@@ -118,7 +120,7 @@ unsafe fn tile<const T: usize>(
     sums: &mut [[f32; GROUP_ROWS]; TILE_TOKENS],
 ) {
     match blocks {
-        Interleaved::Q4k(blocks) => tile_q4_k::<T>(blocks, activations, first_blocks, sums),
+        Interleaved::WithMins(blocks) => tile_with_mins::<T>(blocks, activations, first_blocks, sums),
         Interleaved::Q6k(blocks) => tile_q6_k::<T>(blocks, activations, first_blocks, sums),
     }
 }
@@ -158,18 +160,40 @@ unsafe fn load_transposed(at: *const u8, row_bytes: usize) -> [__m512i; 16] {
     transpose_16x16(rows)
 }
 
-/// Sixteen rows (from `first`, `row_bytes` apart) of Q4_K blocks into `blocks`, one per block.
+/// Sixteen rows (from `first`, `row_bytes` apart) of `ty` (Q4_K or Q5_K) blocks into `blocks`,
+/// one per block.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 #[inline]
-unsafe fn interleave_q4_k(first: *const u8, row_bytes: usize, blocks: &mut [Q4kBlock]) {
+unsafe fn interleave_with_mins(ty: GgmlType, first: *const u8, row_bytes: usize, blocks: &mut [BlockWithMins]) {
     let offsets = row_offsets(row_bytes);
+    let block_bytes = ty.block_bytes();
+    let quants = if ty == GgmlType::Q5_K { 48 } else { 16 };
+    let (low_nibble, one_bit) = (_mm512_set1_epi8(0x0f), _mm512_set1_epi8(1));
     for (b, block) in blocks.iter_mut().enumerate() {
-        let at = first.add(b * 144);
-        prefetch_next_group(first, row_bytes, 144, b);
+        let at = first.add(b * block_bytes);
+        prefetch_next_group(first, row_bytes, block_bytes, b);
+        // Q5_K's fifth bits: word c of the 32 bytes at 16 (bytes 4c..4c + 4), bit j for sub-block j.
+        let high_bits =
+            if ty == GgmlType::Q5_K { load_transposed(at.add(16), row_bytes) } else { [_mm512_setzero_si512(); 16] };
         for half in 0..2 {
-            let words = load_transposed(at.add(16 + 64 * half), row_bytes);
-            for (w, word) in words.iter().enumerate() {
-                _mm512_store_si512(block.nibbles[16 * half + w].as_mut_ptr() as *mut _, *word);
+            // Word 8 * pair + c (of this half's 16): bytes 4c.. of the 32 holding sub-blocks
+            // 2 * pair (low nibbles) and 2 * pair + 1 (high nibbles).
+            let words = load_transposed(at.add(quants + 64 * half), row_bytes);
+            for (w, &word) in words.iter().enumerate() {
+                let (pair, c) = (2 * half + w / 8, w % 8);
+                for odd in 0..2 {
+                    let sub_block = 2 * pair + odd;
+                    let nibbles = if odd == 0 { word } else { _mm512_srli_epi16::<4>(word) };
+                    let mut value = _mm512_and_si512(nibbles, low_nibble);
+                    if ty == GgmlType::Q5_K {
+                        let bit = _mm512_and_si512(
+                            _mm512_srlv_epi16(high_bits[c], _mm512_set1_epi16(sub_block as i16)),
+                            one_bit,
+                        );
+                        value = _mm512_or_si512(value, _mm512_slli_epi16::<4>(bit));
+                    }
+                    _mm512_store_si512(block.values[8 * sub_block + c].as_mut_ptr() as *mut _, value);
+                }
             }
         }
         // (ggml's get_scale_min_k4 for sixteen rows at once: see k_quants.rs)
@@ -257,44 +281,34 @@ unsafe fn byte(words: __m512i, i: u32) -> __m512i {
 }
 
 /// The sixteen rows' sums for `T` tokens whose activations start at block `first_blocks[t]`,
-/// into `sums[token][row]`.
+/// into `sums[token][row]` (Q4_K, Q5_K).
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 #[inline]
-unsafe fn tile_q4_k<const T: usize>(
-    blocks: &[Q4kBlock],
+unsafe fn tile_with_mins<const T: usize>(
+    blocks: &[BlockWithMins],
     activations: &QuantizedActivations,
     first_blocks: [usize; T],
     sums: &mut [[f32; GROUP_ROWS]; TILE_TOKENS],
 ) {
-    let low_nibbles = _mm512_set1_epi8(0x0f);
     let mut acc = [_mm512_setzero_ps(); T];
     let mut mins = [_mm512_setzero_ps(); T];
     let quants = activations.quants.as_ptr();
     for (b, block) in blocks.iter().enumerate() {
         let mut totals = [_mm512_setzero_si512(); T];
-        for pair in 0..4 {
-            let (mut even, mut odd) = ([_mm512_setzero_si512(); T], [_mm512_setzero_si512(); T]);
+        for j in 0..8 {
+            let mut sub_block = [_mm512_setzero_si512(); T];
             for c in 0..8 {
-                let packed = _mm512_load_si512(block.nibbles[8 * pair + c].as_ptr() as *const _);
-                let low = _mm512_and_si512(packed, low_nibbles);
-                let high = _mm512_and_si512(_mm512_srli_epi16::<4>(packed), low_nibbles);
+                let values = _mm512_load_si512(block.values[8 * j + c].as_ptr() as *const _);
                 for t in 0..T {
-                    // Elements 4c..4c + 4 of sub-blocks 2 * pair and 2 * pair + 1, to every lane.
-                    let x = quants.add(256 * (first_blocks[t] + b) + 64 * pair + 4 * c);
-                    even[t] = _mm512_dpbusd_epi32(even[t], low, _mm512_set1_epi32((x as *const i32).read_unaligned()));
-                    odd[t] = _mm512_dpbusd_epi32(
-                        odd[t],
-                        high,
-                        _mm512_set1_epi32((x.add(32) as *const i32).read_unaligned()),
-                    );
+                    // Elements 32j + 4c..32j + 4c + 4, to every lane.
+                    let x = quants.add(256 * (first_blocks[t] + b) + 32 * j + 4 * c);
+                    let x = _mm512_set1_epi32((x as *const i32).read_unaligned());
+                    sub_block[t] = _mm512_dpbusd_epi32(sub_block[t], values, x);
                 }
             }
-            let even_scales = _mm512_load_si512(block.scales[2 * pair].as_ptr() as *const _);
-            let odd_scales = _mm512_load_si512(block.scales[2 * pair + 1].as_ptr() as *const _);
+            let scales = _mm512_load_si512(block.scales[j].as_ptr() as *const _);
             for t in 0..T {
-                let scaled =
-                    _mm512_add_epi32(_mm512_mullo_epi32(even[t], even_scales), _mm512_mullo_epi32(odd[t], odd_scales));
-                totals[t] = _mm512_add_epi32(totals[t], scaled);
+                totals[t] = _mm512_add_epi32(totals[t], _mm512_mullo_epi32(sub_block[t], scales));
             }
         }
         let d = _mm512_load_ps(block.d.as_ptr());
@@ -307,8 +321,8 @@ unsafe fn tile_q4_k<const T: usize>(
             let mut min_total = _mm512_setzero_si512();
             for p in 0..4 {
                 let pairs = _mm512_load_si512(block.min_pairs[p].as_ptr() as *const _);
-                min_total =
-                    _mm512_dpwssd_epi32(min_total, pairs, _mm512_set1_epi32(sums_of_32.add(p).read_unaligned()));
+                let sums = _mm512_set1_epi32(sums_of_32.add(p).read_unaligned());
+                min_total = _mm512_dpwssd_epi32(min_total, pairs, sums);
             }
             acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, act_scale), _mm512_cvtepi32_ps(totals[t]), acc[t]);
             mins[t] = _mm512_fmadd_ps(_mm512_mul_ps(dmin, act_scale), _mm512_cvtepi32_ps(min_total), mins[t]);
@@ -375,7 +389,7 @@ unsafe fn interleave_q6_k(first: *const u8, row_bytes: usize, blocks: &mut [Q6kB
     }
 }
 
-/// `tile_q4_k` for Q6_K: each sub-block of 16 summed by four dpbusd on the values as stored, the
+/// `tile_with_mins` for Q6_K: each sub-block of 16 summed by four dpbusd on the values as stored, the
 /// -32 offset taken off once per block as 32 * Σ scale * (sum of the 16's activations).
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 #[inline]

@@ -1,4 +1,4 @@
-//! The linear layer over the K-quants (Q4_K, Q6_K) on AVX-512 (BW, VNNI) for a few tokens (decode
+//! The linear layer over the K-quants (Q4_K, Q5_K, Q6_K) on AVX-512 (BW, VNNI) for a few tokens (decode
 //! steps): two weight rows at a time, each block's 6-bit scales unpacked with vector instructions,
 //! 64 weights per register. Gives `dot::dot_row_scalar`'s result bit for bit. (Q4_K for more
 //! tokens: k_quant_tiles.rs.)
@@ -27,14 +27,15 @@ const TILE_TOKENS: usize = 4;
 /// # Safety
 /// The CPU runs AVX2, FMA, F16C and AVX-512 F, BW, VL and VNNI; `problem` is consistent (weight
 /// holds n rows of blocks_per_row `ty` blocks, activations m rows of as many Q8_K blocks), `ty`
-/// is Q4_K or Q6_K, rows lie in 0..n.
+/// is a K-quant, rows lie in 0..n.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 pub(crate) unsafe fn run_rows_k_quants(problem: &Problem, rows: Range<usize>, write: &impl Fn(usize, usize, f32)) {
     // One inlined copy per format, so that each inner loop is compiled for its constant format.
     match problem.ty {
         GgmlType::Q4_K => run_pairs(GgmlType::Q4_K, problem, rows, write),
+        GgmlType::Q5_K => run_pairs(GgmlType::Q5_K, problem, rows, write),
         GgmlType::Q6_K => run_pairs(GgmlType::Q6_K, problem, rows, write),
-        _ => unreachable!("k_quants takes Q4_K and Q6_K"),
+        _ => unreachable!("k_quants takes the K-quants"),
     }
 }
 
@@ -44,7 +45,7 @@ unsafe fn run_pairs(ty: GgmlType, problem: &Problem, rows: Range<usize>, write: 
     assert!(first_token < m);
     assert!(weight.len() == n * row_bytes && rows.end <= n && row_bytes == blocks_per_row * ty.block_bytes());
     assert!(activations.quants.len() >= m * blocks_per_row * 256 && activations.scales.len() >= m * blocks_per_row);
-    assert!(ty != GgmlType::Q4_K || activations.sums_of_32.len() >= m * blocks_per_row * 8);
+    assert!(!ty.has_mins() || activations.sums_of_32.len() >= m * blocks_per_row * 8);
     for first_row in rows.clone().step_by(ROWS) {
         // A last odd row is read twice; its copy is not written.
         let starts: [*const u8; ROWS] =
@@ -112,7 +113,7 @@ impl RowPair<'_> {
             // Each row's scales, as 16 int16 (Q4_K: 8 scales then 8 mins; Q6_K: 16 signed scales).
             let mut scales = [_mm512_setzero_si512(); ROWS];
             for r in 0..ROWS {
-                scales[r] = _mm512_castsi256_si512(if ty == GgmlType::Q4_K {
+                scales[r] = _mm512_castsi256_si512(if ty.has_mins() {
                     q4_k_scales_and_mins(blocks[r])
                 } else {
                     _mm256_cvtepi8_epi16(_mm_loadu_si128(blocks[r].add(192) as *const __m128i))
@@ -164,7 +165,7 @@ impl RowPair<'_> {
                 } else {
                     (half(blocks[r]), half(blocks[r].add(2)))
                 };
-                if ty == GgmlType::Q4_K {
+                if ty.has_mins() {
                     // Each token's sum of min * (sum of its 32 activations), exact, in lane t.
                     let block_mins = _mm256_extracti128_si256::<1>(_mm512_castsi512_si256(scales[r]));
                     let mut products = [_mm_setzero_si128(); 4];
@@ -184,7 +185,7 @@ impl RowPair<'_> {
             }
         }
         for r in 0..ROWS {
-            let result = if ty == GgmlType::Q4_K { _mm_sub_ps(acc[r], mins[r]) } else { acc[r] };
+            let result = if ty.has_mins() { _mm_sub_ps(acc[r], mins[r]) } else { acc[r] };
             let mut tokens = [0f32; 4];
             _mm_storeu_ps(tokens.as_mut_ptr(), result);
             sums[r][..T].copy_from_slice(&tokens[..T]);
@@ -205,15 +206,24 @@ unsafe fn totals_of_four(lanes: [__m512i; 4]) -> __m128i {
 }
 
 /// Weights `64 * part..64 * part + 64` of a block in element order, unsigned (Q4_K 0..15,
-/// Q6_K 0..63).
+/// Q5_K 0..31, Q6_K 0..63).
 #[inline(always)]
 unsafe fn unpack_64(ty: GgmlType, block: *const u8, part: usize) -> __m512i {
     let low_nibbles = _mm512_set1_epi8(0x0f);
-    if ty == GgmlType::Q4_K {
-        // 32 bytes hold sub-block 2 * part (low nibbles) and 2 * part + 1 (high nibbles).
-        let packed = _mm512_broadcast_i64x4(_mm256_loadu_si256(block.add(16 + 32 * part) as *const __m256i));
+    if ty.has_mins() {
+        // 32 bytes hold sub-block 2 * part (low nibbles) and 2 * part + 1 (high nibbles); Q5_K's
+        // fifth bits are bit 2 * part (and 2 * part + 1) of the 32 bytes before its nibbles.
+        let quants = if ty == GgmlType::Q5_K { 48 } else { 16 };
+        let packed = _mm512_broadcast_i64x4(_mm256_loadu_si256(block.add(quants + 32 * part) as *const __m256i));
         let shifted = _mm512_srlv_epi16(packed, _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(4)));
-        return _mm512_and_si512(shifted, low_nibbles);
+        let low = _mm512_and_si512(shifted, low_nibbles);
+        if ty == GgmlType::Q4_K {
+            return low;
+        }
+        let high_bits = _mm512_broadcast_i64x4(_mm256_loadu_si256(block.add(16) as *const __m256i));
+        let shift = _mm512_inserti64x4::<1>(_mm512_set1_epi16(2 * part as i16), _mm256_set1_epi16(2 * part as i16 + 1));
+        let high = _mm512_and_si512(_mm512_srlv_epi16(high_bits, shift), _mm512_set1_epi8(1));
+        return _mm512_or_si512(low, _mm512_slli_epi16::<4>(high));
     }
     // Q6_K: each half of 128 has 64 bytes of low bits (their low nibbles elements 0-63, high
     // nibbles 64-127) and 32 of high bits (bits 2i..2i+1 of byte l: element 32i + l).
@@ -248,7 +258,7 @@ unsafe fn scale_index(ty: GgmlType, pair: usize) -> __m512i {
     }
     static Q4_K: [[i16; 32]; 2] = table(32);
     static Q6_K: [[i16; 32]; 2] = table(16);
-    let index = if ty == GgmlType::Q4_K { &Q4_K[pair] } else { &Q6_K[pair] };
+    let index = if ty == GgmlType::Q6_K { &Q6_K[pair] } else { &Q4_K[pair] };
     _mm512_loadu_si512(index.as_ptr() as *const _)
 }
 

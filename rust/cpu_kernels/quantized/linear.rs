@@ -137,7 +137,7 @@ pub(crate) fn quantized_linear_on(
         for_row_chunks(chunks, num_threads, |rows: std::ops::Range<usize>| {
             // SAFETY: token < m and row < n, so inside `out`; each row belongs to one chunk, claimed by
             // one thread. The problem was checked above; `path` came from `Int8Path::best()`, and a
-            // block of 256 here is Q4_K or Q6_K on AVX-512 VNNI (the tiles: whole groups).
+            // block of 256 here is a K-quant on AVX-512 VNNI (the tiles: whole groups).
             let write = |token: usize, row: usize, value: f32| unsafe { columns.write(token * n + row, value) };
             for first_token in (0..m).step_by(block_tokens) {
                 let problem = Problem { first_token, m: (first_token + block_tokens).min(m), ..problem };
@@ -262,7 +262,7 @@ mod tests {
         }
     }
 
-    /// Random blocks with sane f16 scales (small positive d, dmin; Q6_K's int8 scales any).
+    /// Random blocks with sane f16 scales (small positive d, dmin; the 6-bit and int8 scales any).
     fn random_blocks(ty: GgmlType, num_blocks: usize, random: &mut Random) -> Vec<u8> {
         let mut bytes: Vec<u8> = (0..num_blocks * ty.block_bytes()).map(|_| random.next() as u8).collect();
         for block in bytes.chunks_exact_mut(ty.block_bytes()) {
@@ -270,7 +270,7 @@ mod tests {
                 |offset: usize, value: f32| block[offset..offset + 2].copy_from_slice(&f32_to_f16(value).to_le_bytes());
             match ty {
                 GgmlType::Q6_K => half(208, 0.01 * (1.0 + random.uniform())),
-                GgmlType::Q4_1 | GgmlType::Q4_K => {
+                GgmlType::Q4_1 | GgmlType::Q4_K | GgmlType::Q5_K => {
                     half(0, 0.02 * (1.0 + random.uniform()));
                     half(2, 0.02 * random.uniform());
                 }
@@ -348,6 +348,7 @@ mod tests {
                         GgmlType::Q4_0 => (0xff, 2..18),
                         GgmlType::Q4_1 => (0xff, 4..20),
                         GgmlType::Q4_K => (0xff, 4..144),
+                        GgmlType::Q5_K => (0xff, 4..176),
                         GgmlType::Q6_K => (0xff, 0..192),
                     };
                     for block in weight.chunks_exact_mut(ty.block_bytes()) {

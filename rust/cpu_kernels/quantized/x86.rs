@@ -1,4 +1,4 @@
-//! The AVX2 dot products of the K-quants (Q4_K, Q6_K): each block's integer total (dot.rs) from
+//! The AVX2 dot products of the K-quants (Q4_K, Q5_K, Q6_K): each block's integer total (dot.rs) from
 //! maddubs + madd, and the scalar reference's float combination. One weight row is
 //! read once for up to `T` tokens: each 32 weights are unpacked once and meet every token's
 //! activations. (The blocks of 32 take eight_rows.rs.)
@@ -30,6 +30,7 @@ pub(crate) unsafe fn dot_rows_avx2<const R: usize, const T: usize>(
     // One inlined copy per format, so that each inner loop is compiled for its constant format.
     match ty {
         GgmlType::Q4_K => dot_rows(GgmlType::Q4_K, rows, activations, first_blocks),
+        GgmlType::Q5_K => dot_rows(GgmlType::Q5_K, rows, activations, first_blocks),
         GgmlType::Q6_K => dot_rows(GgmlType::Q6_K, rows, activations, first_blocks),
         _ => unreachable!("blocks of 32 take eight_rows.rs"),
     }
@@ -81,8 +82,8 @@ unsafe fn dot_rows<const R: usize, const T: usize>(
             // (d, and dmin where the format has one; Q6_K's d is its last two bytes)
             let (weight_scale, weight_min) =
                 if ty == GgmlType::Q6_K { (half_pair(block, 206).1, 0.0) } else { half_pair(block, 0) };
-            let q4_k_mins = (ty == GgmlType::Q4_K)
-                .then(|| std::array::from_fn::<i32, 8, _>(|j| q4_k_scale_min(j, &block[4..16]).1 as i32));
+            let q4_k_mins =
+                ty.has_mins().then(|| std::array::from_fn::<i32, 8, _>(|j| q4_k_scale_min(j, &block[4..16]).1 as i32));
             for t in 0..T {
                 let a = first_blocks[t] + b;
                 let act_scale = *activations.scales.get_unchecked(a);
@@ -114,11 +115,20 @@ unsafe fn weight_chunk(ty: GgmlType, block: &[u8], chunk: usize) -> (__m256i, __
     let low_nibbles = _mm256_set1_epi8(0xf);
     let at = |offset: usize| block.as_ptr().add(offset);
     match ty {
-        GgmlType::Q4_K => {
-            let packed = _mm256_loadu_si256(at(16 + 32 * (chunk / 2)) as *const __m256i);
+        GgmlType::Q4_K | GgmlType::Q5_K => {
+            let quants = if ty == GgmlType::Q5_K { 48 } else { 16 };
+            let packed = _mm256_loadu_si256(at(quants + 32 * (chunk / 2)) as *const __m256i);
             let q = if chunk.is_multiple_of(2) { packed } else { _mm256_srli_epi16(packed, 4) };
+            let mut q = _mm256_and_si256(q, low_nibbles);
+            if ty == GgmlType::Q5_K {
+                // Bit `chunk` of each high-bits byte, to bit 4.
+                let high = _mm256_loadu_si256(at(16) as *const __m256i);
+                let high =
+                    _mm256_and_si256(_mm256_srl_epi16(high, _mm_cvtsi32_si128(chunk as i32)), _mm256_set1_epi8(1));
+                q = _mm256_or_si256(q, _mm256_slli_epi16(high, 4));
+            }
             let scale = q4_k_scale_min(chunk, &block[4..16]).0 as i16;
-            (_mm256_and_si256(q, low_nibbles), _mm256_set1_epi16(scale))
+            (q, _mm256_set1_epi16(scale))
         }
         GgmlType::Q6_K => {
             let (half_block, quarter) = (chunk / 4, chunk % 4);
