@@ -27,8 +27,10 @@ const TILE_TOKENS: usize = 4;
 #[repr(C, align(64))]
 #[derive(Clone, Copy)]
 struct BlockWithMins {
-    /// Register g: lane r holds row r's values (Q4_K 0..15, Q5_K 0..31) of elements 4g..4g + 4;
-    /// sub-block j (of 32) is registers 8j..8j + 8.
+    /// Q5_K: register g, lane r holds row r's values (0..31) of elements 4g..4g + 4 (sub-block j
+    /// of 32 is registers 8j..8j + 8). Q4_K, the first 32: register 8 * pair + c, lane r holds
+    /// bytes 4c..4c + 4 of row r's 32 bytes of sub-blocks 2 * pair (low nibbles) and 2 * pair + 1
+    /// (high nibbles), unpacked by the tiles (unpacking here cost more than it saved there).
     values: [[u32; GROUP_ROWS]; 64],
     /// `[sub-block][row]`: the 6-bit scales.
     scales: [[i32; GROUP_ROWS]; 8],
@@ -94,10 +96,10 @@ pub(crate) unsafe fn run_groups(problem: &Problem, rows: Range<usize>, write: &i
             let first_blocks = |t: usize| (token + t).min(m - 1) * blocks_per_row;
             let mut sums = [[0f32; GROUP_ROWS]; TILE_TOKENS];
             match tokens {
-                1 => tile::<1>(&blocks, activations, [first_blocks(0)], &mut sums),
-                2 => tile::<2>(&blocks, activations, std::array::from_fn(first_blocks), &mut sums),
-                3 => tile::<3>(&blocks, activations, std::array::from_fn(first_blocks), &mut sums),
-                _ => tile::<4>(&blocks, activations, std::array::from_fn(first_blocks), &mut sums),
+                1 => tile::<1>(ty, &blocks, activations, [first_blocks(0)], &mut sums),
+                2 => tile::<2>(ty, &blocks, activations, std::array::from_fn(first_blocks), &mut sums),
+                3 => tile::<3>(ty, &blocks, activations, std::array::from_fn(first_blocks), &mut sums),
+                _ => tile::<4>(ty, &blocks, activations, std::array::from_fn(first_blocks), &mut sums),
             }
             for (t, sums) in sums.iter().enumerate().take(tokens) {
                 for (r, &sum) in sums.iter().enumerate() {
@@ -114,13 +116,17 @@ pub(crate) unsafe fn run_groups(problem: &Problem, rows: Range<usize>, write: &i
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 #[inline]
 unsafe fn tile<const T: usize>(
+    ty: GgmlType,
     blocks: &Interleaved,
     activations: &QuantizedActivations,
     first_blocks: [usize; T],
     sums: &mut [[f32; GROUP_ROWS]; TILE_TOKENS],
 ) {
     match blocks {
-        Interleaved::WithMins(blocks) => tile_with_mins::<T>(blocks, activations, first_blocks, sums),
+        Interleaved::WithMins(blocks) if ty == GgmlType::Q4_K => {
+            tile_with_mins::<T, true>(blocks, activations, first_blocks, sums)
+        }
+        Interleaved::WithMins(blocks) => tile_with_mins::<T, false>(blocks, activations, first_blocks, sums),
         Interleaved::Q6k(blocks) => tile_q6_k::<T>(blocks, activations, first_blocks, sums),
     }
 }
@@ -179,6 +185,12 @@ unsafe fn interleave_with_mins(ty: GgmlType, first: *const u8, row_bytes: usize,
             // Word 8 * pair + c (of this half's 16): bytes 4c.. of the 32 holding sub-blocks
             // 2 * pair (low nibbles) and 2 * pair + 1 (high nibbles).
             let words = load_transposed(at.add(quants + 64 * half), row_bytes);
+            if ty == GgmlType::Q4_K {
+                for (w, word) in words.iter().enumerate() {
+                    _mm512_store_si512(block.values[16 * half + w].as_mut_ptr() as *mut _, *word);
+                }
+                continue;
+            }
             for (w, &word) in words.iter().enumerate() {
                 let (pair, c) = (2 * half + w / 8, w % 8);
                 for odd in 0..2 {
@@ -281,34 +293,54 @@ unsafe fn byte(words: __m512i, i: u32) -> __m512i {
 }
 
 /// The sixteen rows' sums for `T` tokens whose activations start at block `first_blocks[t]`,
-/// into `sums[token][row]` (Q4_K, Q5_K).
+/// into `sums[token][row]` (Q4_K, whose `values` are `NIBBLES`, and Q5_K).
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 #[inline]
-unsafe fn tile_with_mins<const T: usize>(
+unsafe fn tile_with_mins<const T: usize, const NIBBLES: bool>(
     blocks: &[BlockWithMins],
     activations: &QuantizedActivations,
     first_blocks: [usize; T],
     sums: &mut [[f32; GROUP_ROWS]; TILE_TOKENS],
 ) {
+    let low_nibbles = _mm512_set1_epi8(0x0f);
     let mut acc = [_mm512_setzero_ps(); T];
     let mut mins = [_mm512_setzero_ps(); T];
     let quants = activations.quants.as_ptr();
     for (b, block) in blocks.iter().enumerate() {
         let mut totals = [_mm512_setzero_si512(); T];
-        for j in 0..8 {
-            let mut sub_block = [_mm512_setzero_si512(); T];
+        for pair in 0..4 {
+            // Sub-blocks 2 * pair (even) and 2 * pair + 1 (odd).
+            let (mut even, mut odd) = ([_mm512_setzero_si512(); T], [_mm512_setzero_si512(); T]);
             for c in 0..8 {
-                let values = _mm512_load_si512(block.values[8 * j + c].as_ptr() as *const _);
+                let (low, high) = if NIBBLES {
+                    let packed = _mm512_load_si512(block.values[8 * pair + c].as_ptr() as *const _);
+                    (
+                        _mm512_and_si512(packed, low_nibbles),
+                        _mm512_and_si512(_mm512_srli_epi16::<4>(packed), low_nibbles),
+                    )
+                } else {
+                    (
+                        _mm512_load_si512(block.values[16 * pair + c].as_ptr() as *const _),
+                        _mm512_load_si512(block.values[16 * pair + 8 + c].as_ptr() as *const _),
+                    )
+                };
                 for t in 0..T {
-                    // Elements 32j + 4c..32j + 4c + 4, to every lane.
-                    let x = quants.add(256 * (first_blocks[t] + b) + 32 * j + 4 * c);
-                    let x = _mm512_set1_epi32((x as *const i32).read_unaligned());
-                    sub_block[t] = _mm512_dpbusd_epi32(sub_block[t], values, x);
+                    // Elements 4c..4c + 4 of each sub-block, to every lane.
+                    let x = quants.add(256 * (first_blocks[t] + b) + 64 * pair + 4 * c);
+                    even[t] = _mm512_dpbusd_epi32(even[t], low, _mm512_set1_epi32((x as *const i32).read_unaligned()));
+                    odd[t] = _mm512_dpbusd_epi32(
+                        odd[t],
+                        high,
+                        _mm512_set1_epi32((x.add(32) as *const i32).read_unaligned()),
+                    );
                 }
             }
-            let scales = _mm512_load_si512(block.scales[j].as_ptr() as *const _);
+            let even_scales = _mm512_load_si512(block.scales[2 * pair].as_ptr() as *const _);
+            let odd_scales = _mm512_load_si512(block.scales[2 * pair + 1].as_ptr() as *const _);
             for t in 0..T {
-                totals[t] = _mm512_add_epi32(totals[t], _mm512_mullo_epi32(sub_block[t], scales));
+                let scaled =
+                    _mm512_add_epi32(_mm512_mullo_epi32(even[t], even_scales), _mm512_mullo_epi32(odd[t], odd_scales));
+                totals[t] = _mm512_add_epi32(totals[t], scaled);
             }
         }
         let d = _mm512_load_ps(block.d.as_ptr());

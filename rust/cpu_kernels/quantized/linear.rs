@@ -68,14 +68,14 @@ pub fn kernel_at_every_token_count(ty: GgmlType) -> bool {
 const ACTIVATION_BYTES_PER_PASS: usize = 512 << 10;
 
 /// Fewest tokens for which a K-quant takes the interleaved tiles (k_quant_tiles.rs): interleaving
-/// a group's blocks costs about what a few tokens' products do (Q6_K's more: its values are
-/// unpacked there). On Llama 2 7B's shapes, 4 tokens: Q4_K's tiles 0.7-1.0x the two-row kernel's
-/// time, Q6_K's 1.2-1.5x; 16 tokens: Q6_K's 0.7-0.75x.
+/// a group's blocks costs about what a few tokens' products do (Q5_K's and Q6_K's more: their
+/// values are unpacked there). On Llama 2 7B's shapes, 4 tokens: Q4_K's tiles 0.7-1.0x the
+/// two-row kernel's time, Q6_K's 1.2-1.5x; 16 tokens: Q6_K's 0.7-0.75x.
 fn min_tokens_for_k_quant_tiles(ty: GgmlType) -> usize {
-    if ty == GgmlType::Q6_K {
-        8
-    } else {
+    if ty == GgmlType::Q4_K {
         4
+    } else {
+        8
     }
 }
 
