@@ -3,11 +3,12 @@
 The forward pass is the core's kernel: activations quantized to 8 bits per block as llama.cpp
 does, integer dot products per block, weights streamed at 4-8 bits. For the blocks of 32 (Q4_0,
 Q4_1, Q8_0) it reads eight rows at a time for four tokens and beats torch's float32 GEMM at every
-token count, so it runs at every count and a token's output does not depend on its batch; so does
-the K-quants' (Q4_K, Q5_K, Q6_K) on AVX-512 VNNI: two rows for up to three tokens, sixteen rows
-interleaved from four (Q6_K: eight; the same bits). Their AVX2 kernel (one row
-at a time) is slower above MAX_KERNEL_TOKENS, where the layer dequantizes the weight and calls
-F.linear: the float weight is a temporary, so memory stays at the quantized size.
+token count, so it runs at every count and a token's output does not depend on its batch; so do
+the K-quants' (Q4_K, Q5_K, Q6_K) on x86 with AVX2 or AVX-512 VNNI: a row or two at a time for a
+few tokens, then eight (AVX2) or sixteen (VNNI) rows interleaved (the same bits). Without an
+integer path (no AVX2) the scalar kernel is slower above MAX_KERNEL_TOKENS, where the layer
+dequantizes the weight and calls F.linear: the float weight is a temporary, so memory stays at
+the quantized size.
 """
 
 from __future__ import annotations
@@ -28,9 +29,11 @@ GGML_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 # vs 217 at 16, 367 vs 594 at 64, 773 vs 1281 at 128, 2989 vs 4419 at 512 (q/o 576x576 at 512:
 # 1587 vs 1584); Q4_K, `--shapes llama-7b`, gate/up 11008x4096: 18 vs 42 ms at 64 (dequantize +
 # F.linear 90).
-# Elsewhere, the K-quants' largest token count on the kernel; above it, dequantize + F.linear (the
-# same bench, on the 2-core AVX2 machine, 2026-11-28: at 16 within ~15% of dequantize + F.linear,
-# at 32 ~1.5x slower).
+# Q4_K on AVX2 (k_quant_tiles_avx2.rs, the same bench with the AVX2 path forced on the AVX-512
+# machine, 2026-11-29): 7.7 vs 58 ms at 128 tokens on q/o 4096x4096 (F.linear on the float weight
+# alone: 30).
+# Elsewhere (no integer path), the K-quants' largest token count on the kernel; above it,
+# dequantize + F.linear.
 MAX_KERNEL_TOKENS = 16
 # The K-quants' LM head: its 49,152 rows keep the kernel ahead to M ~ 64 (same bench). A step's
 # head reads only the rows it samples, so this covers every decode step of up to 64 sequences.

@@ -51,11 +51,11 @@ pub fn quantized_linear(
 }
 
 /// Whether `quantized_linear` on `ty` beats dequantizing for a float32 GEMM at every token count
-/// here: the blocks of 32 (eight_rows.rs) always, the K-quants on AVX-512 VNNI (k_quants.rs; their
-/// AVX2 kernel reads one row at a time and falls behind above ~16 tokens).
+/// here: the blocks of 32 (eight_rows.rs) always, the K-quants on AVX2 and AVX-512 VNNI (from a
+/// few tokens on, interleaved tiles: k_quant_tiles.rs, k_quant_tiles_avx2.rs).
 pub fn kernel_at_every_token_count(ty: GgmlType) -> bool {
     #[cfg(target_arch = "x86_64")]
-    let k_quants = Int8Path::best() == Some(Int8Path::Avx512Vnni);
+    let k_quants = Int8Path::best().is_some();
     #[cfg(not(target_arch = "x86_64"))]
     let k_quants = false;
     ty.block_len() == 32 || k_quants
@@ -117,16 +117,19 @@ pub(crate) fn quantized_linear_on(
     // The blocks of 32 take eight rows at a time on either integer path (eight_rows.rs), the
     // K-quants two on AVX-512 VNNI (k_quants.rs); each thread's rows are whole groups.
     #[cfg(target_arch = "x86_64")]
-    if let Some(path) = path.filter(|&path| ty.block_len() == 32 || path == Int8Path::Avx512Vnni) {
+    let k_quant_tiles = ty.block_len() == 256 && m >= min_tokens_for_k_quant_tiles(ty);
+    if let Some(path) = path.filter(|&path| ty.block_len() == 32 || path == Int8Path::Avx512Vnni || k_quant_tiles) {
         use super::eight_rows::{run_rows, Problem, GROUP_ROWS};
         let problem =
             Problem { ty, weight, row_bytes, activations: &activations, bias, first_token: 0, m, n, blocks_per_row };
         let block_tokens = tokens_per_pass_over_weights(k);
         // The K-quants for several tokens: sixteen rows interleaved at a time (k_quant_tiles.rs), the rows
         // past the last whole sixteen on the two-row kernel (the same bits).
-        let tiles = ty.block_len() == 256 && path == Int8Path::Avx512Vnni && m >= min_tokens_for_k_quant_tiles(ty);
+        let tiles = k_quant_tiles;
         let (group, fewest) = if ty.block_len() == 32 {
             (GROUP_ROWS, 2 * GROUP_ROWS)
+        } else if tiles && path == Int8Path::Avx2 {
+            (super::k_quant_tiles_avx2::GROUP_ROWS, MIN_ROWS_PER_THREAD)
         } else if tiles {
             (super::k_quant_tiles::GROUP_ROWS, MIN_ROWS_PER_THREAD)
         } else {
@@ -137,13 +140,25 @@ pub(crate) fn quantized_linear_on(
         for_row_chunks(chunks, num_threads, |rows: std::ops::Range<usize>| {
             // SAFETY: token < m and row < n, so inside `out`; each row belongs to one chunk, claimed by
             // one thread. The problem was checked above; `path` came from `Int8Path::best()`, and a
-            // block of 256 here is a K-quant on AVX-512 VNNI (the tiles: whole groups).
+            // block of 256 here is a K-quant on AVX-512 VNNI, or on AVX2 in tiles (the tiles: whole groups).
             let write = |token: usize, row: usize, value: f32| unsafe { columns.write(token * n + row, value) };
             for first_token in (0..m).step_by(block_tokens) {
                 let problem = Problem { first_token, m: (first_token + block_tokens).min(m), ..problem };
                 unsafe {
                     if ty.block_len() == 32 {
                         run_rows(path, &problem, rows.clone(), &write)
+                    } else if tiles && path == Int8Path::Avx2 {
+                        // (the rows past the last whole eight: one at a time, x86.rs)
+                        let whole = rows.start + rows.len() / group * group;
+                        super::k_quant_tiles_avx2::run_groups_avx2(&problem, rows.start..whole, &write);
+                        for row in whole..rows.end {
+                            let weights = &weight[row * row_bytes..(row + 1) * row_bytes];
+                            for token in problem.first_token..problem.m {
+                                let first = [token * blocks_per_row];
+                                let [[value]] = dot_rows(ty, [weights], &activations, first, true);
+                                write(token, row, value + bias.map_or(0.0, |bias| bias[row]));
+                            }
+                        }
                     } else if tiles {
                         let whole = rows.start + rows.len() / group * group;
                         super::k_quant_tiles::run_groups(&problem, rows.start..whole, &write);

@@ -10,6 +10,8 @@ pub mod formats;
 #[cfg(target_arch = "x86_64")]
 mod k_quant_tiles;
 #[cfg(target_arch = "x86_64")]
+mod k_quant_tiles_avx2;
+#[cfg(target_arch = "x86_64")]
 mod k_quants;
 pub mod linear;
 #[cfg(target_arch = "x86_64")]
