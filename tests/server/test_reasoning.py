@@ -343,6 +343,37 @@ def test_a_matcher_after_a_marker_starts_once_the_marker_is_written():
     assert grammar_applies(inner) and not grammar_applies(None)
 
 
+def test_an_implicit_end_starts_the_grammar_and_is_masked_where_the_grammar_rejects_it():
+    """qwen3's `<tool_call>` ends the reasoning without `</think>` and is the grammar's first token
+    (vLLM's implicit reasoning end); one the grammar cannot start with is masked while reasoning."""
+    import torch
+
+    from pagedkv.params.structured_output import MatcherAfterMarker, grammar_applies, mask_disallowed_tokens
+
+    class FirstTokenIsSix:
+        def __init__(self):
+            self.accepted = []
+
+        def accept_token(self, token_id):
+            self.accepted.append(token_id)
+            return True
+
+        def fill_next_token_bitmask(self, bitmask, row):  # (xgrammar's: bit set = allowed)
+            bitmask[row] = 0
+            bitmask[row, 0] = 1 << 6
+
+    inner = FirstTokenIsSix()
+    matcher = MatcherAfterMarker(inner, (8, 9), implicit=(6, 7))
+    logits = torch.zeros(2, 40)
+    mask_disallowed_tokens(logits, {1: matcher})
+    assert torch.isinf(logits[1, 7]) and torch.isfinite(logits[1]).sum() == 39 and torch.isfinite(logits[0]).all()
+    assert matcher.accept_token(3) and not grammar_applies(matcher) and inner.accepted == []
+    assert matcher.accept_token(6) and grammar_applies(matcher) and inner.accepted == [6]
+    logits = torch.zeros(1, 40)
+    mask_disallowed_tokens(logits, {0: matcher})  # (now the grammar's own mask: only 6 allowed)
+    assert torch.isfinite(logits[0]).sum() == 1 and torch.isfinite(logits[0, 6])
+
+
 def test_structured_outputs_start_after_the_reasoning():
     """With a reasoning parser, vLLM's grammars (response_format, forced tool calls) start once the
     reply's reasoning has ended: the think block is free, the content constrained; a prompt that

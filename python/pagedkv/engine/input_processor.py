@@ -23,7 +23,7 @@ from pagedkv.outputs import RequestMetrics
 from pagedkv.params.lora_request import LoRARequest
 from pagedkv.params.pooling import PoolingParams
 from pagedkv.params.sampling import SamplingParams, check_unicode, kept_slice
-from pagedkv.params.structured_output import GrammarCompiler
+from pagedkv.params.structured_output import GrammarCompiler, ReasoningEnd
 from pagedkv.runner.step_messages import PromptEmbeds
 
 
@@ -201,9 +201,9 @@ class InputProcessor:
                                                         self.config.max_cached_grammars)
         return self.grammar_compiler.compile(params.structured_outputs)
 
-    def matcher(self, grammar, after: Optional[tuple[int, ...]] = None):
+    def matcher(self, grammar, after: Optional[ReasoningEnd] = None):
         """A fresh matcher of a compiled grammar (one per sample), else None; with `after`, one
-        that starts once the output writes those tokens."""
+        that starts once the output's reasoning ends."""
         return None if grammar is None else self.grammar_compiler.matcher(grammar, after)
 
     def generator(self, params: SamplingParams, index: int) -> Optional[torch.Generator]:

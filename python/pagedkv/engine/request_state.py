@@ -19,6 +19,7 @@ from pagedkv.outputs import (
 from pagedkv.params.pooling import PoolingParams
 from pagedkv.params.repetition import STOP_REASON as REPETITION_STOP_REASON
 from pagedkv.params.sampling import SamplingParams
+from pagedkv.params.structured_output import ReasoningEnd
 from pagedkv.runner.step_messages import PromptEmbeds
 
 
@@ -82,7 +83,7 @@ class RequestState:
     lora: object = None  # the LoRAAdapter the request runs with, else None
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # params.bad_words, tokenized
     grammar: object = None  # xgrammar CompiledGrammar of a structured-output request (samples' matchers start from it)
-    grammar_after: Optional[tuple[int, ...]] = None  # tokens the output writes before the grammar starts (reasoning's end)
+    grammar_after: Optional[ReasoningEnd] = None  # what the output writes before the grammar starts (reasoning's end)
     failed: bool = False  # an error while stepping it aborted it (alone)
     # A prompt with embeddings (its prompt_token_ids hold placeholders where they go)
     prompt_embeds: Optional[PromptEmbeds] = None

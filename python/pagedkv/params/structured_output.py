@@ -66,41 +66,72 @@ class StructuredOutputsParams:
 
 
 @dataclass(frozen=True)
-class AfterReasoning:
-    """The grammar waits for the reasoning to end: for the output to write `end_token_ids` (a
-    reasoning parser's `</think>`), unless `prompt_ends_reasoning(prompt ids)` says the prompt
-    already ended it (a template that writes an empty think block, thinking turned off). Until
-    then every token is allowed and none advances the grammar (vLLM's structured outputs with a
-    reasoning parser, `enable_in_reasoning` off)."""
+class ReasoningEnd:
+    """What ends a reply's reasoning: the output writing `marker` (`</think>`), or one of the
+    `implicit` tokens, which end it and are also the grammar's first token (qwen3's `<tool_call>`:
+    vLLM's implicit reasoning end)."""
 
-    end_token_ids: tuple[int, ...]
+    marker: tuple[int, ...]
+    implicit: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class AfterReasoning:
+    """The grammar waits for the reasoning to end (`end`), unless `prompt_ends_reasoning(prompt
+    ids)` says the prompt already ended it (a template that writes an empty think block, thinking
+    turned off). Until then every token is allowed (but an implicit end the grammar could not
+    start with) and none advances the grammar (vLLM's structured outputs with a reasoning parser,
+    `enable_in_reasoning` off)."""
+
+    end: ReasoningEnd
     prompt_ends_reasoning: Callable[[list[int]], bool]
 
     def __post_init__(self) -> None:
-        if not self.end_token_ids:
+        if not self.end.marker:
             raise ValueError("after_reasoning needs the reasoning's end marker as token ids")
 
-    def awaited(self, prompt_token_ids: list[int]) -> Optional[tuple[int, ...]]:
-        """The marker a request's grammar waits for, or None where it starts at once."""
-        return None if self.prompt_ends_reasoning(prompt_token_ids) else self.end_token_ids
+    def awaited(self, prompt_token_ids: list[int]) -> Optional[ReasoningEnd]:
+        """The end a request's grammar waits for, or None where it starts at once."""
+        return None if self.prompt_ends_reasoning(prompt_token_ids) else self.end
 
 
 class MatcherAfterMarker:
-    """A grammar matcher that starts after the output writes `marker`: until then it allows
-    every token (`waiting`) and sampled tokens do not advance the grammar. The methods the
-    engine calls are xgrammar's GrammarMatcher's."""
+    """A grammar matcher that starts after the output writes `marker`, or with an `implicit`
+    end token, which is also the grammar's first: until then it allows every token (`waiting`;
+    but the implicit ends the grammar cannot start with, `disallowed_while_waiting`) and sampled
+    tokens do not advance the grammar. The methods the engine calls are xgrammar's
+    GrammarMatcher's."""
 
-    def __init__(self, matcher, marker: tuple[int, ...]):
-        self.matcher, self.marker = matcher, list(marker)
+    def __init__(self, matcher, marker: tuple[int, ...], implicit: tuple[int, ...] = ()):
+        self.matcher, self.marker, self.implicit = matcher, list(marker), frozenset(implicit)
         self.waiting = True
         self._tail: list[int] = []
+        self._disallowed: Optional[list[int]] = None
 
     def accept_token(self, token_id: int) -> bool:
         if not self.waiting:
             return self.matcher.accept_token(token_id)
+        if token_id in self.implicit:
+            self.waiting = False
+            return self.matcher.accept_token(token_id)
         self._tail = (self._tail + [token_id])[-len(self.marker):]
         self.waiting = self._tail != self.marker
         return True
+
+    def disallowed_while_waiting(self, vocab_size: int) -> list[int]:
+        """The implicit ends the grammar does not allow as its first token (vLLM masks them while
+        the request reasons: sampled, one would end the reasoning with an invalid reply)."""
+        if self._disallowed is None:
+            self._disallowed = []
+            if self.implicit:
+                import xgrammar
+
+                bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)
+                self.matcher.fill_next_token_bitmask(bitmask, 0)
+                words = bitmask[0].tolist()
+                self._disallowed = sorted(token for token in self.implicit
+                                          if token < vocab_size and not (words[token // 32] >> (token % 32)) & 1)
+        return self._disallowed
 
     def is_terminated(self) -> bool:
         return not self.waiting and self.matcher.is_terminated()
@@ -177,11 +208,11 @@ class GrammarCompiler:
     def num_cached_grammars(self) -> int:
         return len(self._compiled)
 
-    def matcher(self, compiled, after: Optional[tuple[int, ...]] = None):
+    def matcher(self, compiled, after: Optional[ReasoningEnd] = None):
         """A fresh matcher at the start of a compiled constraint (cheap: no compiling); with
-        `after`, one that starts once the output writes those tokens."""
+        `after`, one that starts once the output's reasoning ends."""
         matcher = self._xgr.GrammarMatcher(compiled)
-        return matcher if after is None else MatcherAfterMarker(matcher, after)
+        return matcher if after is None else MatcherAfterMarker(matcher, after.marker, after.implicit)
 
     def _compile(self, params: StructuredOutputsParams):
         compiler = self._compiler
@@ -198,15 +229,21 @@ class GrammarCompiler:
 
 
 def mask_disallowed_tokens(logits: torch.Tensor, matchers: dict[int, object]) -> None:
-    """Sets to -inf, in place, every logit of row i that matchers[i] does not allow next (none
-    of a row whose grammar has not started). `logits` [rows, vocab] float32."""
+    """Sets to -inf, in place, every logit of row i that matchers[i] does not allow next (of a
+    row whose grammar has not started, only the implicit reasoning ends it could not start with).
+    `logits` [rows, vocab] float32."""
     import xgrammar
 
+    vocab_size = logits.shape[1]
+    for row, matcher in matchers.items():
+        if getattr(matcher, "waiting", False):
+            disallowed = matcher.disallowed_while_waiting(vocab_size)
+            if disallowed:
+                logits[row, disallowed] = float("-inf")
     matchers = {row: matcher for row, matcher in matchers.items() if grammar_applies(matcher)}
     if not matchers:
         return
 
-    vocab_size = logits.shape[1]
     bitmask = xgrammar.allocate_token_bitmask(logits.shape[0], vocab_size)
     for row, matcher in matchers.items():
         matcher.fill_next_token_bitmask(bitmask, row)

@@ -14,6 +14,8 @@ from typing import Callable
 
 from pagedkv.entrypoints.server.reasoning import CHANNEL, END, HARMONY_ENDS, MESSAGE, START, ReasoningParser
 
+TOOL_CALL_START = "<tool_call>"
+
 
 @dataclass(frozen=True)
 class ReasoningMarkers:
@@ -24,14 +26,17 @@ class ReasoningMarkers:
     harmony_message: list[int]
     harmony_ends: list[list[int]]
     decode: Callable[[list[int]], str]
+    # `<tool_call>` where the vocabulary has it as one token (qwen3's implicit end of reasoning)
+    tool_call_start: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, tokenizer) -> "ReasoningMarkers":
         def encode(text: str) -> list[int]:
             return tokenizer.encode(text, add_special_tokens=False)
 
+        tool_call = encode(TOOL_CALL_START)
         return cls(encode(START), encode(END), encode(MESSAGE), [encode(marker) for marker in HARMONY_ENDS],
-                   tokenizer.decode)
+                   tokenizer.decode, tuple(tool_call) if len(tool_call) == 1 else ())
 
 
 class ReasoningTokenCounter:

@@ -23,7 +23,7 @@ from pagedkv.entrypoints.async_llm import AsyncLLM, RequestStream
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.errors import EngineStoppedError, OverloadedError
 from pagedkv.params.lora_request import LoRARequest
-from pagedkv.params.structured_output import AfterReasoning
+from pagedkv.params.structured_output import AfterReasoning, ReasoningEnd
 from pagedkv.outputs import PoolingRequestOutput, RequestOutput
 from pagedkv.entrypoints.server.errors import APIError, submit_error
 from pagedkv.entrypoints.server.metrics import ServerMetrics
@@ -259,7 +259,9 @@ class ServingContext:
             # (read as text: a template's tags may merge with the tokens around them)
             return parser.prompt_ends_reasoning(tokenizer.decode(prompt_ids[-256:]), thinking)
 
-        after = AfterReasoning(end, prompt_ends_reasoning)
+        # (qwen3: a reply may start a tool call without closing its think block, vLLM's implicit end)
+        implicit = self.reasoning_markers.tool_call_start if parser.name == "qwen3" else ()
+        after = AfterReasoning(ReasoningEnd(end, implicit), prompt_ends_reasoning)
         return dataclasses.replace(params, structured_outputs=dataclasses.replace(params.structured_outputs,
                                                                                   after_reasoning=after))
 
