@@ -8,8 +8,9 @@
 //! The interleaving is done here, per group of rows and pass over the tokens, into a buffer that
 //! stays in the core's L2 (llama.cpp repacks its weights once, at load; this keeps the GGUF's
 //! layout, which the decode kernel and everything else read): the rows' bytes transposed in
-//! registers and their values unpacked to bytes, read back by every token of the pass, while the
-//! next group's rows are prefetched. Gives `dot::dot_row_scalar`'s result bit for bit.
+//! registers (Q5_K's and Q6_K's values unpacked to bytes there, Q4_K's nibbles by the tiles), read
+//! back by every token of the pass, while the next group's rows are prefetched. Gives
+//! `dot::dot_row_scalar`'s result bit for bit. (On AVX2: k_quant_tiles_avx2.rs.)
 
 use std::arch::x86_64::*;
 use std::ops::Range;
