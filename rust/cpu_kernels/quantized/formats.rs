@@ -184,11 +184,18 @@ pub fn dequantize_block(ty: GgmlType, block: &[u8], out: &mut [f32]) {
         }
         GgmlType::Q4_K | GgmlType::Q5_K => {
             let (d, dmin, scales) = (f16_at(block, 0), f16_at(block, 2), &block[4..16]);
+            let (fifth_bits, quants) =
+                (&block[16..48], if ty == GgmlType::Q5_K { &block[48..176] } else { &block[16..144] });
             for (sub_block, values) in out[..256].chunks_exact_mut(32).enumerate() {
                 let (scale, min) = q4_k_scale_min(sub_block, scales);
                 let (scale, min) = (d * scale as f32, dmin * min as f32);
-                for (l, value) in values.iter_mut().enumerate() {
-                    *value = scale * q4_k_or_q5_k_value(ty, block, 32 * sub_block + l) as f32 - min;
+                let nibbles = &quants[32 * (sub_block / 2)..32 * (sub_block / 2) + 32];
+                for ((value, &byte), &high) in values.iter_mut().zip(nibbles).zip(fifth_bits) {
+                    let mut q = (byte >> (4 * (sub_block % 2))) & 0xf;
+                    if ty == GgmlType::Q5_K {
+                        q |= ((high >> sub_block) & 1) << 4;
+                    }
+                    *value = scale * q as f32 - min;
                 }
             }
         }

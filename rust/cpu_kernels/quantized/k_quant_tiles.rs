@@ -70,14 +70,8 @@ enum Interleaved {
 /// is a K-quant, rows lie in 0..n and their count is a multiple of `GROUP_ROWS`.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 pub(crate) unsafe fn run_groups(problem: &Problem, rows: Range<usize>, write: &impl Fn(usize, usize, f32)) {
-    let Problem { ty, weight, row_bytes, activations, bias, first_token, m, n, blocks_per_row } = *problem;
-    assert!(first_token < m && rows.end <= n && rows.len().is_multiple_of(GROUP_ROWS));
-    assert!(weight.len() == n * row_bytes && row_bytes == blocks_per_row * ty.block_bytes());
-    assert!(activations.quants.len() >= m * blocks_per_row * 256 && activations.scales.len() >= m * blocks_per_row);
-    assert!(activations.sums_of_32.len() >= m * blocks_per_row * 8);
-    assert!(activations.sums_of_16.len() >= m * blocks_per_row * 16);
-    // (row_bytes * 15 fits i32: the gathers' offsets)
-    assert!(row_bytes < (i32::MAX as usize) / GROUP_ROWS);
+    let Problem { ty, weight, row_bytes, activations, blocks_per_row, .. } = *problem;
+    check_problem(problem, &rows, GROUP_ROWS);
     let mut blocks = match ty {
         GgmlType::Q4_K | GgmlType::Q5_K => {
             Interleaved::WithMins(vec![std::mem::zeroed::<BlockWithMins>(); blocks_per_row])
@@ -91,25 +85,56 @@ pub(crate) unsafe fn run_groups(problem: &Problem, rows: Range<usize>, write: &i
             Interleaved::WithMins(blocks) => interleave_with_mins(ty, first, row_bytes, blocks),
             Interleaved::Q6k(blocks) => interleave_q6_k(first, row_bytes, blocks),
         }
-        let mut token = first_token;
-        while token < m {
-            let tokens = (m - token).min(TILE_TOKENS);
-            let first_blocks = |t: usize| (token + t).min(m - 1) * blocks_per_row;
-            let mut sums = [[0f32; GROUP_ROWS]; TILE_TOKENS];
+        for_token_tiles(problem, first_row, write, |first_blocks: [usize; TILE_TOKENS], tokens, sums| {
+            let first = |t: usize| first_blocks[t];
             match tokens {
-                1 => tile::<1>(ty, &blocks, activations, [first_blocks(0)], &mut sums),
-                2 => tile::<2>(ty, &blocks, activations, std::array::from_fn(first_blocks), &mut sums),
-                3 => tile::<3>(ty, &blocks, activations, std::array::from_fn(first_blocks), &mut sums),
-                _ => tile::<4>(ty, &blocks, activations, std::array::from_fn(first_blocks), &mut sums),
+                1 => tile::<1>(ty, &blocks, activations, [first(0)], sums),
+                2 => tile::<2>(ty, &blocks, activations, std::array::from_fn(first), sums),
+                3 => tile::<3>(ty, &blocks, activations, std::array::from_fn(first), sums),
+                _ => tile::<4>(ty, &blocks, activations, first_blocks, sums),
             }
-            for (t, sums) in sums.iter().enumerate().take(tokens) {
-                for (r, &sum) in sums.iter().enumerate() {
-                    let row = first_row + r;
-                    write(token + t, row, sum + bias.map_or(0.0, |bias| bias[row]));
-                }
+        });
+    }
+}
+
+/// Panics unless `problem` is what the tiles read (either ISA's): weight holds n rows of
+/// blocks_per_row K-quant blocks, activations m rows of as many Q8_K blocks with their sums of
+/// 16 and 32, `rows` lie in 0..n and are whole groups of `group_rows`.
+pub(crate) fn check_problem(problem: &Problem, rows: &Range<usize>, group_rows: usize) {
+    let Problem { ty, weight, row_bytes, activations, first_token, m, n, blocks_per_row, .. } = *problem;
+    assert!(ty.block_len() == 256 && first_token < m && rows.end <= n && rows.len().is_multiple_of(group_rows));
+    assert!(weight.len() == n * row_bytes && row_bytes == blocks_per_row * ty.block_bytes());
+    assert!(activations.quants.len() >= m * blocks_per_row * 256 && activations.scales.len() >= m * blocks_per_row);
+    assert!(activations.sums_of_32.len() >= m * blocks_per_row * 8);
+    assert!(activations.sums_of_16.len() >= m * blocks_per_row * 16);
+    // (row_bytes * (group_rows - 1) fits i32: the gathers' offsets)
+    assert!(row_bytes < (i32::MAX as usize) / group_rows);
+}
+
+/// The problem's tokens in tiles of up to `TILE` for the `ROWS` rows from `first_row`:
+/// `tile(first_blocks, tokens, sums)` puts the sums of `tokens` tokens (whose activations start at
+/// `first_blocks[t]`; past `tokens`, the last token's again) in `sums[token][row]`, each then
+/// written with its row's bias.
+#[inline(always)]
+pub(crate) fn for_token_tiles<const ROWS: usize, const TILE: usize>(
+    problem: &Problem,
+    first_row: usize,
+    write: &impl Fn(usize, usize, f32),
+    mut tile: impl FnMut([usize; TILE], usize, &mut [[f32; ROWS]; TILE]),
+) {
+    let Problem { bias, first_token, m, blocks_per_row, .. } = *problem;
+    let mut token = first_token;
+    while token < m {
+        let tokens = (m - token).min(TILE);
+        let mut sums = [[0f32; ROWS]; TILE];
+        tile(std::array::from_fn(|t| (token + t).min(m - 1) * blocks_per_row), tokens, &mut sums);
+        for (t, sums) in sums.iter().enumerate().take(tokens) {
+            for (r, &sum) in sums.iter().enumerate() {
+                let row = first_row + r;
+                write(token + t, row, sum + bias.map_or(0.0, |bias| bias[row]));
             }
-            token += tokens;
         }
+        token += tokens;
     }
 }
 

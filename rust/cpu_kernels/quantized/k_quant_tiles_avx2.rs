@@ -11,6 +11,7 @@ use std::ops::Range;
 use super::activations::QuantizedActivations;
 use super::eight_rows::Problem;
 use super::formats::GgmlType;
+use super::k_quant_tiles::{check_problem, for_token_tiles};
 
 /// Rows interleaved: one per int32 lane of a 256-bit register.
 pub(crate) const GROUP_ROWS: usize = 8;
@@ -42,41 +43,21 @@ struct Block {
 /// their count is a multiple of `GROUP_ROWS`.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn run_groups_avx2(problem: &Problem, rows: Range<usize>, write: &impl Fn(usize, usize, f32)) {
-    let Problem { ty, weight, row_bytes, activations, bias, first_token, m, n, blocks_per_row } = *problem;
-    assert!(first_token < m && rows.end <= n && rows.len().is_multiple_of(GROUP_ROWS));
-    assert!(weight.len() == n * row_bytes && row_bytes == blocks_per_row * ty.block_bytes());
-    assert!(activations.quants.len() >= m * blocks_per_row * 256 && activations.scales.len() >= m * blocks_per_row);
-    assert!(activations.sums_of_32.len() >= m * blocks_per_row * 8);
-    assert!(activations.sums_of_16.len() >= m * blocks_per_row * 16);
-    assert!(row_bytes < (i32::MAX as usize) / GROUP_ROWS);
+    let Problem { ty, weight, row_bytes, activations, blocks_per_row, .. } = *problem;
+    check_problem(problem, &rows, GROUP_ROWS);
     let mut blocks = vec![std::mem::zeroed::<Block>(); blocks_per_row];
     for first_row in rows.step_by(GROUP_ROWS) {
         interleave(ty, weight.as_ptr().add(first_row * row_bytes), row_bytes, &mut blocks);
-        let mut token = first_token;
-        while token < m {
-            let tokens = (m - token).min(TILE_TOKENS);
-            let first_blocks = |t: usize| (token + t).min(m - 1) * blocks_per_row;
-            let mut sums = [[0f32; GROUP_ROWS]; TILE_TOKENS];
+        for_token_tiles(problem, first_row, write, |first_blocks: [usize; TILE_TOKENS], tokens, sums| {
             match (ty, tokens) {
-                (GgmlType::Q4_K, 1) => tile::<1, 8>(ty, &blocks, activations, [first_blocks(0)], &mut sums),
-                (GgmlType::Q4_K, _) => {
-                    tile::<2, 8>(ty, &blocks, activations, std::array::from_fn(first_blocks), &mut sums)
-                }
-                (GgmlType::Q5_K, 1) => tile::<1, 4>(ty, &blocks, activations, [first_blocks(0)], &mut sums),
-                (GgmlType::Q5_K, _) => {
-                    tile::<2, 4>(ty, &blocks, activations, std::array::from_fn(first_blocks), &mut sums)
-                }
-                (_, 1) => tile::<1, 2>(ty, &blocks, activations, [first_blocks(0)], &mut sums),
-                (_, _) => tile::<2, 2>(ty, &blocks, activations, std::array::from_fn(first_blocks), &mut sums),
+                (GgmlType::Q4_K, 1) => tile::<1, 8>(ty, &blocks, activations, [first_blocks[0]], sums),
+                (GgmlType::Q4_K, _) => tile::<2, 8>(ty, &blocks, activations, first_blocks, sums),
+                (GgmlType::Q5_K, 1) => tile::<1, 4>(ty, &blocks, activations, [first_blocks[0]], sums),
+                (GgmlType::Q5_K, _) => tile::<2, 4>(ty, &blocks, activations, first_blocks, sums),
+                (_, 1) => tile::<1, 2>(ty, &blocks, activations, [first_blocks[0]], sums),
+                (_, _) => tile::<2, 2>(ty, &blocks, activations, first_blocks, sums),
             }
-            for (t, sums) in sums.iter().enumerate().take(tokens) {
-                for (r, &sum) in sums.iter().enumerate() {
-                    let row = first_row + r;
-                    write(token + t, row, sum + bias.map_or(0.0, |bias| bias[row]));
-                }
-            }
-            token += tokens;
-        }
+        });
     }
 }
 

@@ -82,12 +82,12 @@ unsafe fn dot_rows<const R: usize, const T: usize>(
             // (d, and dmin where the format has one; Q6_K's d is its last two bytes)
             let (weight_scale, weight_min) =
                 if ty == GgmlType::Q6_K { (half_pair(block, 206).1, 0.0) } else { half_pair(block, 0) };
-            let q4_k_mins =
+            let mins_of_block =
                 ty.has_mins().then(|| std::array::from_fn::<i32, 8, _>(|j| q4_k_scale_min(j, &block[4..16]).1 as i32));
             for t in 0..T {
                 let a = first_blocks[t] + b;
                 let act_scale = *activations.scales.get_unchecked(a);
-                if let Some(block_mins) = q4_k_mins {
+                if let Some(block_mins) = mins_of_block {
                     let sums_of_16 = activations.sums_of_16.get_unchecked(16 * a..16 * (a + 1));
                     let integer: i32 = (0..16).map(|j| sums_of_16[j] * block_mins[j / 2]).sum();
                     sums[r][t].mins = (weight_min * act_scale).mul_add(integer as f32, sums[r][t].mins);
